@@ -1,0 +1,579 @@
+"""GPipe pipeline parallelism, parameter-compatible with `lingvo.core.gpipe`.
+
+Reference: 'GPipe: Efficient Training of Giant Neural Networks using Pipeline
+Parallelism', https://arxiv.org/abs/1811.06965.
+
+The classes and `Define`d params are Lingvo's, with the same meaning, so a
+model switches by changing its import. The differences:
+
+- `PartitionSequentialLayers` is exact (`partitioning.MinMaxPartition`), takes
+  several input shapes, a cost choice, and never returns an empty partition.
+- Where Lingvo clamps `num_micro_batches` silently or fails with a bare
+  assert, a `ValueError` names the parameter, the values and the fix.
+"""
+
+import copy
+
+import lingvo.compat as tf
+from lingvo.core import base_layer
+from lingvo.core import builder_layers
+from lingvo.core import cluster_factory
+from lingvo.core import gpipe as lingvo_gpipe
+from lingvo.core import py_utils
+from lingvo.core import recurrent
+from lingvo.core import tshape
+
+from lingvo_ext.core import partitioning
+
+_MICRO_BATCH_STATE_NAME = 'micro_batch_state'
+
+# Lingvo's hooks that make stateless random ops inside a cell seed from the
+# micro-batch index instead of the global step (not visible inside the loop).
+CellFnFPropOpReplacementWrapper = (
+    lingvo_gpipe.CellFnFPropOpReplacementWrapper)
+SetOverWriteGlobalStep = lingvo_gpipe.SetOverWriteGlobalStep
+GetOverWriteGlobalStep = lingvo_gpipe.GetOverWriteGlobalStep
+
+
+def _ToTuple(x):
+  if isinstance(x, list):
+    return tuple(x)
+  return x if isinstance(x, tuple) else (x,)
+
+
+class FeatureExtractionLayer(base_layer.BaseLayer):
+  """Runs a list of layers in sequence; the unit a pipeline cell is made of.
+
+  It can also fetch the activations of named sub-layers (those that keep an
+  `activation` attribute, e.g. `lingvo.core.layers.FetchLayer`) and append
+  them to its outputs, after passing through `num_act_inputs` trailing inputs
+  unchanged. That lets a later cell consume an earlier cell's activation.
+  """
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.Define('variable_name_prefix', '',
+             'Prefix for variable names in sub layers.')
+    p.Define('sub', [], 'A list of layers\' params, run in order.')
+    p.Define('num_act_inputs', 0,
+             'Number of trailing inputs that are activations passed through '
+             'to the outputs untouched.')
+    p.Define('num_act_outputs', 0,
+             'Number of trailing activation outputs; must equal '
+             'num_act_inputs + len(act_fetch_layers).')
+    p.Define('act_fetch_layers', [],
+             'Names of sub layers whose cached `activation` is appended to '
+             'the outputs.')
+    return p
+
+  def __init__(self, params):
+    super().__init__(params)
+    p = self.params
+    p.act_fetch_layers = p.act_fetch_layers or []
+    if p.num_act_inputs < 0 or p.num_act_outputs < 0:
+      raise ValueError(
+          '%s: num_act_inputs=%d and num_act_outputs=%d must be >= 0.' %
+          (p.name, p.num_act_inputs, p.num_act_outputs))
+    if p.num_act_outputs != p.num_act_inputs + len(p.act_fetch_layers):
+      raise ValueError(
+          '%s: num_act_outputs=%d must equal num_act_inputs (%d) + '
+          'len(act_fetch_layers) (%d); set num_act_outputs=%d.' %
+          (p.name, p.num_act_outputs, p.num_act_inputs,
+           len(p.act_fetch_layers),
+           p.num_act_inputs + len(p.act_fetch_layers)))
+    sub_names = [sub.name for sub in p.sub]
+    for sub in p.sub:
+      if not sub.name:
+        raise ValueError('%s: every layer in `sub` needs a name.' % p.name)
+    for fetch in p.act_fetch_layers:
+      if fetch not in sub_names:
+        raise ValueError(
+            '%s: act_fetch_layers names %r, which is not in sub (%s).' %
+            (p.name, fetch, sub_names))
+    self._seq = []
+    for sub in p.sub:
+      sub.name = p.variable_name_prefix + sub.name
+      self.CreateChild(sub.name, sub)
+      self._seq.append((sub.name, self.children[sub.name]))
+
+  def FProp(self, theta, *args):
+    p = self.params
+    if len(args) <= p.num_act_inputs:
+      raise ValueError(
+          '%s: got %d inputs but num_act_inputs=%d; it needs at least one '
+          'non-activation input.' % (p.name, len(args), p.num_act_inputs))
+    out_args = args[:-p.num_act_inputs] if p.num_act_inputs > 0 else args
+    extra_args = args[-p.num_act_inputs:] if p.num_act_inputs > 0 else ()
+    for (name, ch) in self._seq:
+      out_args = ch.FProp(theta[name], *_ToTuple(out_args))
+    for fetch_layer in p.act_fetch_layers:
+      activation = self.children[p.variable_name_prefix + fetch_layer]
+      activation = activation.activation
+      if isinstance(activation, (tuple, list)):
+        activation = activation[0]
+      extra_args += (activation,)
+    if extra_args:
+      out_args = _ToTuple(out_args) + extra_args
+    return out_args
+
+  @classmethod
+  def FPropMeta(cls, p, *args):
+    if len(args) <= p.num_act_inputs:
+      raise ValueError('%s: FPropMeta got %d input shapes but '
+                       'num_act_inputs=%d.' %
+                       (p.name, len(args), p.num_act_inputs))
+    seq_args = args[:-p.num_act_inputs] if p.num_act_inputs > 0 else args
+    extra_args = args[-p.num_act_inputs:] if p.num_act_inputs > 0 else ()
+    total = 0
+    act_fetch_metas = {}
+    for sub in p.sub:
+      meta = sub.cls.FPropMeta(sub, *seq_args)
+      if sub.name in p.act_fetch_layers:
+        act_fetch_metas[sub.name] = meta.out_shapes[0]
+      total += meta.flops
+      seq_args = _ToTuple(meta.out_shapes)
+    for fetch_layer in p.act_fetch_layers or []:
+      extra_args += (act_fetch_metas[fetch_layer],)
+    return py_utils.NestedMap(flops=total, out_shapes=seq_args + extra_args)
+
+
+def FlattenSequentialLayers(params):
+  """Flattens nested SequentialLayer/FeatureExtractionLayer params, in order.
+
+  `repeat` of a SequentialLayer is expanded. The returned params are copies.
+
+  Args:
+    params: A layer's params, or a list of them.
+
+  Returns:
+    A list of leaf layer params.
+  """
+  if isinstance(params, (list, tuple)):
+    return [s for p in params for s in FlattenSequentialLayers(p)]
+  if params.cls is builder_layers.SequentialLayer:
+    return [s for _ in range(params.repeat)
+            for s in FlattenSequentialLayers(params.sub)]
+  if params.cls in (FeatureExtractionLayer, lingvo_gpipe.FeatureExtractionLayer):
+    if params.act_fetch_layers or params.num_act_inputs:
+      # Splitting it would lose the activation plumbing; keep it whole.
+      return [params.Copy()]
+    return FlattenSequentialLayers(params.sub)
+  return [params.Copy()]
+
+
+def PartitionSequentialLayers(params, num_partitions, *shapes, cost='flops',
+                              **cost_kwargs):
+  """Cuts a sequence of layers into cells of least possible bottleneck cost.
+
+  Args:
+    params: A layer's params or a list of them. Nested SequentialLayer and
+      FeatureExtractionLayer params are flattened (expanding `repeat`).
+    num_partitions: The number of cells, at most the number of leaf layers.
+    *shapes: `tshape.Shape`s of the inputs to the first layer (one or more).
+    cost: What to balance: 'flops' (FPropMeta forward FLOPs, the default),
+      'params' (parameter bytes) or 'time' (measured forward+backward time).
+      See `lingvo_ext.core.cost.LayerCosts`.
+    **cost_kwargs: Passed to `LayerCosts` (e.g. the device for 'time').
+
+  Returns:
+    A list of `num_partitions` non-empty FeatureExtractionLayer params named
+    'd0', 'd1', ... Leaf layers are renamed 'cell_%03d' by global index, so
+    variable names do not depend on `num_partitions`.
+
+  Raises:
+    ValueError: no input shape, or a bad `num_partitions` or `cost`.
+  """
+  from lingvo_ext.core import cost as cost_lib  # pylint: disable=g-import-not-at-top
+  if not shapes:
+    raise ValueError('PartitionSequentialLayers needs the input shapes of the '
+                     'first layer as *shapes (tshape.Shape).')
+  subs = FlattenSequentialLayers(params)
+  if not subs:
+    raise ValueError('PartitionSequentialLayers got no layers in `params`.')
+  if isinstance(num_partitions, int) and num_partitions > len(subs):
+    raise ValueError(
+        'num_partitions=%d but the stack has only %d layers; use '
+        'num_partitions <= %d.' % (num_partitions, len(subs), len(subs)))
+  for i, s in enumerate(subs):
+    s.name = 'cell_%03d' % i
+  costs = cost_lib.LayerCosts(subs, *shapes, cost=cost, **cost_kwargs)
+  sizes = partitioning.MinMaxPartition(costs, num_partitions)
+  total = float(sum(costs)) or 1.0
+  seqs, start = [], 0
+  for i, size in enumerate(sizes):
+    part = subs[start:start + size]
+    tf.logging.info('Partition %d: %d layers, %s cost %.3f of total', i, size,
+                    cost, sum(costs[start:start + size]) / total)
+    seqs.append(FeatureExtractionLayer.Params().Set(name='d%d' % i, sub=part))
+    start += size
+  return seqs
+
+
+class SeqLayer(base_layer.BaseLayer):
+  """Runs `before_tpl`, then each cell of `cell_tpl` on its own device.
+
+  Cell i runs on `cluster.WorkerDeviceInModelSplit(i)`, which wraps round-robin
+  when there are more cells than devices in the split.
+  """
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.Define('before_tpl', [],
+             'Layers run on the first device before the cells.')
+    p.Define('cell_tpl', [], 'A list of FeatureExtractionLayer params.')
+    return p
+
+  def __init__(self, params):
+    super().__init__(params)
+    p = self.params
+    if not p.cell_tpl:
+      raise ValueError(
+          '%s: cell_tpl is empty; give it a list of FeatureExtractionLayer '
+          'params, e.g. from PartitionSequentialLayers(layers, '
+          'num_partitions, *input_shapes).' % p.name)
+    self._before_layers = []
+    self._cells = []
+    before_tpl_device = ''
+    cell_devices = [''] * len(p.cell_tpl)
+    if py_utils.use_tpu():
+      before_tpl_device = self.cluster.WorkerDeviceInModelSplit(0)
+      cell_devices = [
+          self.cluster.WorkerDeviceInModelSplit(i)
+          for i in range(len(p.cell_tpl))
+      ]
+    for l in p.before_tpl:
+      with tf.device(before_tpl_device):
+        self.CreateChild(l.name, l)
+      self._before_layers.append((l.name, self.children[l.name]))
+    for i, l in enumerate(p.cell_tpl):
+      with tf.device(cell_devices[i]):
+        self.CreateChild(l.name, l)
+      self._cells.append((l.name, self.children[l.name]))
+
+  def _child_variable_scope_override(self):
+    # Cells add no variable scope of their own, so variable names do not
+    # depend on how the stack was partitioned.
+    p = self.params
+    res = super()._child_variable_scope_override()
+    for l in p.before_tpl + p.cell_tpl:
+      res[l.name] = []
+    return res
+
+  def FProp(self, theta, *args):
+    """Runs the before layers, then the cells in sequence on their devices.
+
+    Args:
+      theta: A NestedMap of this layer's and its children's weights.
+      *args: Input tensors.
+
+    Returns:
+      The last cell's outputs.
+    """
+    for (name, l) in self._before_layers:
+      args = l.FProp(theta[name], *_ToTuple(args))
+    for i, (name, cell) in enumerate(self._cells):
+      with tf.device(self.cluster.WorkerDeviceInModelSplit(i)):
+        args = cell.FProp(theta[name], *_ToTuple(args))
+    return args
+
+
+class PipeliningLayer(SeqLayer):
+  """Pipelines a sequence of cells over micro-batches on several devices.
+
+  The batch is split into `num_micro_batches` along `batch_dim`; cell i runs
+  on device i of the model split, and micro-batch t+1 enters cell i while
+  micro-batch t is in cell i+1. Gradients equal those of the sequential model.
+  """
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.Define('num_micro_batches', 1,
+             'Number of micro-batches; must divide the batch size.')
+    p.Define('micro_batch_size', None,
+             'Size of a micro-batch. If set, the batch must be '
+             'micro_batch_size * num_micro_batches.')
+    p.Define('batch_dim', 0, 'The batch dimension of every input.')
+    p.Define('state_dtype', None,
+             'dtype of the states passed between cells; defaults to the '
+             'dtype of the first input.')
+    p.Define('nested_map_fprop', False,
+             'Whether cells take and return a single NestedMap.')
+    return p
+
+  def __init__(self, params):
+    p = params
+    num_devices = cluster_factory.Current().num_devices_per_split
+    if py_utils.use_tpu() and len(p.cell_tpl) > num_devices:
+      # StackedRecurrent needs a distinct device per cell on TPU; Lingvo
+      # stops here with a bare assert deep inside it.
+      raise ValueError(
+          '%s: %d cells in cell_tpl but the model split has %d TPU cores, '
+          'and on TPU every cell needs its own. Partition into %d cells '
+          '(PartitionSequentialLayers(..., num_partitions=%d)) or raise the '
+          'split size (worker split_size / --worker_split_size).' %
+          (p.name, len(p.cell_tpl), num_devices, num_devices, num_devices))
+    super().__init__(params)
+    p = self.params
+    if p.num_micro_batches < 1:
+      raise ValueError('%s: num_micro_batches=%r must be >= 1.' %
+                       (p.name, p.num_micro_batches))
+    if p.micro_batch_size is not None and p.micro_batch_size < 1:
+      raise ValueError('%s: micro_batch_size=%r must be >= 1 or None.' %
+                       (p.name, p.micro_batch_size))
+    if len(p.cell_tpl) > num_devices > 1:
+      tf.logging.warning(
+          '%s: %d cells on %d devices; cells share devices round-robin and '
+          'those run one after another.', p.name, len(p.cell_tpl),
+          num_devices)
+
+  def _InputTensors(self, args):
+    p = self.params
+    if p.nested_map_fprop:
+      if len(args) != 1 or not isinstance(args[0], py_utils.NestedMap):
+        raise ValueError('%s: nested_map_fprop=True takes exactly one '
+                         'NestedMap input, got %r.' % (p.name, args))
+      return py_utils.Flatten(args[0])
+    return _ToTuple(args)
+
+  def _MicroBatching(self, args):
+    """Returns (batch size, micro-batch size, number of micro-batches)."""
+    p = self.params
+    batch = None
+    for i, t in enumerate(self._InputTensors(args)):
+      if t is None:
+        continue
+      shape = t.shape
+      if shape.rank is None or shape.rank <= p.batch_dim:
+        raise ValueError(
+            '%s: input %d has shape %s without batch_dim=%d; set batch_dim '
+            'to the batch dimension of every input.' %
+            (p.name, i, shape, p.batch_dim))
+      size = shape.as_list()[p.batch_dim]
+      if size is None:
+        raise ValueError(
+            '%s: input %d has shape %s whose batch dimension (batch_dim=%d) '
+            'is unknown; the pipeline splits the batch statically. Give the '
+            'input a static batch size (e.g. tf.ensure_shape or a fixed-size '
+            'input generator).' % (p.name, i, shape.as_list(), p.batch_dim))
+      if batch is not None and size != batch:
+        raise ValueError('%s: inputs have different batch sizes (%d and %d '
+                         'along batch_dim=%d).' %
+                         (p.name, batch, size, p.batch_dim))
+      batch = size
+    if batch is None:
+      raise ValueError('%s: no input tensor to take the batch size from.' %
+                       p.name)
+    m = p.num_micro_batches
+    if p.micro_batch_size:
+      if p.micro_batch_size * m != batch:
+        raise ValueError(
+            '%s: micro_batch_size=%d * num_micro_batches=%d != batch size %d. '
+            'Set micro_batch_size=None to derive it, or make the product '
+            'equal the batch size.' % (p.name, p.micro_batch_size, m, batch))
+      return batch, p.micro_batch_size, m
+    if batch % m:
+      divisors = [d for d in range(1, batch + 1) if batch % d == 0]
+      raise ValueError(
+          '%s: batch size %d (batch_dim=%d) is not divisible by '
+          'num_micro_batches=%d. Use a num_micro_batches that divides it '
+          '(%s) or change the batch size.' %
+          (p.name, batch, p.batch_dim, m, divisors))
+    return batch, batch // m, m
+
+  def _StateShapes(self, args, micro_batch_size):
+    """tshape.Shapes of the cells' inputs and outputs for one micro-batch.
+
+    Args:
+      args: The FProp inputs.
+      micro_batch_size: The size of a micro-batch.
+
+    Returns:
+      A list of K + 1 entries (K cells): for each, a tuple of tshape.Shape (or
+      a NestedMap of them with nested_map_fprop).
+    """
+    p = self.params
+
+    def _MicroShape(t):
+      if t is None:
+        return None
+      shape = t.shape.as_list()
+      shape[p.batch_dim] = micro_batch_size
+      return tshape.Shape(shape)
+
+    if p.nested_map_fprop:
+      shapes = (py_utils.Transform(_MicroShape, args[0]),)
+    else:
+      shapes = tuple(_MicroShape(t) for t in _ToTuple(args))
+    for (_, l) in self._before_layers:
+      shapes = _ToTuple(l.FPropMeta(l.params, *shapes).out_shapes)
+    state_shapes = [shapes[0] if p.nested_map_fprop else shapes]
+    for (_, cell) in self._cells:
+      shapes = _ToTuple(cell.FPropMeta(cell.params, *shapes).out_shapes)
+      state_shapes.append(shapes[0] if p.nested_map_fprop else shapes)
+    return state_shapes
+
+  def _StateDtype(self, args):
+    p = self.params
+    if p.state_dtype:
+      return p.state_dtype
+    return [t for t in self._InputTensors(args) if t is not None][0].dtype
+
+  def _ToState(self, values):
+    """Packs cell inputs/outputs into the NestedMap that StackedRecurrent uses."""
+    if self.params.nested_map_fprop:
+      return values.Filter(lambda x: x is not None)
+    state = py_utils.NestedMap()
+    for i, v in enumerate(_ToTuple(values)):
+      if v is not None:
+        state['s%d' % i] = v
+    return state
+
+  def _FromState(self, state, shapes, fn):
+    """Inverse of _ToState: applies fn(name, tshape) to each present entry."""
+    if self.params.nested_map_fprop:
+      return shapes._RecursiveMap(fn)  # pylint: disable=protected-access
+    return tuple(fn('s%d' % i, s) for i, s in enumerate(shapes))
+
+  def FPropSequential(self, theta, *args):
+    """The same model without pipelining: every cell in turn, whole batch.
+
+    It is what eval runs on a single device, and the reference the pipeline
+    must match.
+
+    Args:
+      theta: A NestedMap of this layer's and its children's weights.
+      *args: Input tensors.
+
+    Returns:
+      The last cell's outputs.
+    """
+    outputs = copy.copy(args)
+    for (name, l) in self._before_layers + self._cells:
+      outputs = l.FProp(theta[name], *_ToTuple(outputs))
+    return outputs
+
+  def FProp(self, theta, *args):
+    """Runs the cells over micro-batches in a pipeline across devices.
+
+    Args:
+      theta: A NestedMap of this layer's and its children's weights.
+      *args: Input tensors (or one NestedMap with nested_map_fprop), each with
+        a static batch dimension `batch_dim`.
+
+    Returns:
+      The last cell's outputs for the whole batch: a tensor, a tuple of
+      tensors, or a NestedMap.
+    """
+    p = self.params
+    if self.do_eval and self.cluster.num_devices_per_split == 1:
+      return self.FPropSequential(theta, *args)
+
+    _, micro_batch_size, num_micro = self._MicroBatching(args)
+    state_dtype = self._StateDtype(args)
+    state_shapes = self._StateShapes(args, micro_batch_size)
+    devices = [
+        self.cluster.WorkerDeviceInModelSplit(i)
+        for i in range(len(self._cells))
+    ]
+
+    def _CellFn(i):
+      """The step function of cell i inside StackedRecurrent."""
+
+      def CellFn(theta, state0, inputs):
+        del state0
+
+        def _SetShape(name, t_shape):
+          if t_shape is None:
+            return None
+          t = inputs.GetItem(name)
+          t.set_shape(t_shape.ToTensorShape().as_list())
+          return t
+
+        fprop_inputs = self._FromState(inputs, state_shapes[i], _SetShape)
+        with py_utils.RemoveAssertContext(remove=True):
+          with CellFnFPropOpReplacementWrapper():
+            mb_tensor = inputs[_MICRO_BATCH_STATE_NAME]
+            SetOverWriteGlobalStep(mb_tensor)
+            _, cell = self._cells[i]
+            outputs = cell.FProp(theta, *_ToTuple(fprop_inputs))
+        if not p.nested_map_fprop and (len(_ToTuple(outputs)) != len(
+            state_shapes[i + 1])):
+          raise ValueError(
+              '%s: cell %d returned %d outputs but its FPropMeta says %d.' %
+              (p.name, i, len(_ToTuple(outputs)), len(state_shapes[i + 1])))
+        state1 = self._ToState(outputs)
+        state1[_MICRO_BATCH_STATE_NAME] = mb_tensor
+        return state1, py_utils.NestedMap()
+
+      return CellFn
+
+    def _Zeros(t_shape):
+      if t_shape is None:
+        return None
+      return tf.zeros(t_shape.ToTensorShape().as_list(), dtype=state_dtype)
+
+    init_states = []
+    for i in range(len(self._cells)):
+      if p.nested_map_fprop:
+        init_state = py_utils.Transform(_Zeros, state_shapes[i + 1])
+      else:
+        init_state = tuple(_Zeros(s) for s in state_shapes[i + 1])
+      init_state = self._ToState(init_state)
+      init_state[_MICRO_BATCH_STATE_NAME] = tf.cast(0, dtype=state_dtype)
+      init_states.append(init_state)
+
+    with tf.device(devices[0]):
+      previous = _ToTuple(args)
+      for (name, l) in self._before_layers:
+        previous = _ToTuple(l.FProp(theta[name], *previous))
+
+      def _Split(x):
+        if x is None:
+          return None
+        return tf.stack(tf.split(x, num_micro, axis=p.batch_dim))
+
+      if p.nested_map_fprop:
+        inputs = self._ToState(py_utils.Transform(_Split, previous[0]))
+      else:
+        inputs = self._ToState(tuple(_Split(x) for x in previous))
+      gs_tensor = py_utils.GetGlobalStep()
+      inputs[_MICRO_BATCH_STATE_NAME] = tf.stack([
+          tf.cast(gs_tensor * num_micro + t, dtype=state_dtype)
+          for t in range(num_micro)
+      ])
+
+    num_cells = len(self._cells)
+    output_state, _ = recurrent.StackedRecurrent(
+        devices=devices,
+        cell_fns=[_CellFn(i) for i in range(num_cells)],
+        cell_grads=[None] * num_cells,
+        cell_outs=[lambda x: x] * num_cells,
+        cell_out_grads=[lambda x: x] * num_cells,
+        thetas=[theta[name] for name, _ in self._cells],
+        init_states=init_states,
+        inputs=inputs,
+        accumulator_layers=[cell for _, cell in self._cells],
+        unused_acc_state=True)
+
+    with tf.device(devices[-1]):
+
+      def _Merge(name, t_shape):
+        """[M, micro-batch...] -> the batch, with batch_dim restored."""
+        if t_shape is None:
+          return None
+        out = output_state.GetItem(name)
+        if p.batch_dim != 0:
+          perm = list(range(1, p.batch_dim + 1)) + [0]
+          perm += list(range(p.batch_dim + 1, t_shape.rank + 1))
+          out = tf.transpose(out, perm=perm)
+        shape = t_shape.ToTensorShape().as_list()
+        shape[p.batch_dim] *= num_micro
+        return tf.reshape(out, shape)
+
+      outputs = self._FromState(output_state, state_shapes[-1], _Merge)
+      if not p.nested_map_fprop and len(outputs) == 1:
+        return outputs[0]
+      return outputs

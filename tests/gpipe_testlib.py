@@ -1,0 +1,133 @@
+"""Helpers shared by the GPipe tests: small layers and a pipeline harness."""
+
+import lingvo_ext  # pylint: disable=unused-import
+import lingvo.compat as tf
+from lingvo.core import base_layer
+from lingvo.core import cluster_factory
+from lingvo.core import layers
+from lingvo.core import py_utils
+from lingvo.core import tshape
+import numpy as np
+
+from lingvo_ext.core import gpipe
+
+
+def Fc(name, input_dim, output_dim, seed):
+  return layers.FCLayer.Params().Set(
+      name=name, input_dim=input_dim, output_dim=output_dim,
+      activation='TANH',
+      params_init=py_utils.WeightInit.Gaussian(0.5, seed=seed))
+
+
+class TwoStreamLayer(base_layer.BaseLayer):
+  """(x, y) -> (tanh(x W) + y, y * 2): two inputs, two outputs."""
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.Define('dim', 4, 'Width of both streams.')
+    return p
+
+  def _CreateLayerVariables(self):
+    super()._CreateLayerVariables()
+    p = self.params
+    self.CreateVariable(
+        'w', py_utils.WeightParams(
+            [p.dim, p.dim], py_utils.WeightInit.Gaussian(0.5, seed=7)))
+
+  def FProp(self, theta, x, y):
+    # A named op whose runtime device the placement test inspects.
+    x = tf.identity(x, name='marker_' + self.params.name)
+    return tf.tanh(tf.matmul(x, theta.w)) + y, y * 2.0
+
+  @classmethod
+  def FPropMeta(cls, p, x, y):
+    flops = 2 * x.num_elements() * p.dim + 2 * x.num_elements()
+    return py_utils.NestedMap(flops=flops, out_shapes=(x, y))
+
+
+class NestedMapLayer(base_layer.BaseLayer):
+  """NestedMap(a, b) -> NestedMap(a=tanh(a W) * b, b=b + 1)."""
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.Define('dim', 4, 'Width of both fields.')
+    return p
+
+  def _CreateLayerVariables(self):
+    super()._CreateLayerVariables()
+    p = self.params
+    self.CreateVariable(
+        'w', py_utils.WeightParams(
+            [p.dim, p.dim], py_utils.WeightInit.Gaussian(0.5, seed=3)))
+
+  def FProp(self, theta, inputs):
+    return py_utils.NestedMap(
+        a=tf.tanh(tf.matmul(inputs.a, theta.w)) * inputs.b, b=inputs.b + 1.0)
+
+  @classmethod
+  def FPropMeta(cls, p, inputs):
+    flops = 2 * inputs.a.num_elements() * p.dim
+    return py_utils.NestedMap(flops=flops, out_shapes=(inputs,))
+
+
+def Cluster(num_devices):
+  return cluster_factory.ForTestingWorker(
+      mode='sync', job='trainer_client', cpus=num_devices,
+      split_size=num_devices)
+
+
+def Session(graph, num_devices):
+  config = tf.config_pb2.ConfigProto(
+      device_count={'CPU': num_devices}, inter_op_parallelism_threads=2,
+      intra_op_parallelism_threads=1)
+  return tf.Session(graph=graph, config=config)
+
+
+def _Loss(outputs, seed=0):
+  """A loss with distinct weights per element, so every gradient counts."""
+  rng = np.random.RandomState(seed)
+  flat = [t for t in tf.nest.flatten(outputs) if t is not None]
+  return tf.add_n([
+      tf.reduce_sum(t * tf.constant(
+          rng.uniform(-1, 1, t.shape.as_list()).astype(np.float32)))
+      for t in flat
+  ])
+
+
+def RunPipelineAndSequential(cell_tpl, num_devices, inputs_fn, **pipe_kwargs):
+  """Builds both models on shared weights; returns their outputs and grads.
+
+  Returns:
+    (pipe_out, seq_out, pipe_grads, seq_grads, var_names) as numpy values.
+  """
+  g = tf.Graph()
+  with g.as_default(), Cluster(num_devices):
+    tf.random.set_seed(1)
+    py_utils.GetOrCreateGlobalStepVar()
+    p = gpipe.PipeliningLayer.Params().Set(
+        name='pipe', cell_tpl=cell_tpl, **pipe_kwargs)
+    net = p.Instantiate()
+    args = inputs_fn()
+    pipe_out = net.FPropDefaultTheta(*args)
+    seq_out = net.FPropSequential(net.theta, *args)
+    variables = net.vars.Flatten()
+    pipe_grads = tf.gradients(_Loss(pipe_out), variables)
+    seq_grads = tf.gradients(_Loss(seq_out), variables)
+    init = tf.global_variables_initializer()
+  with Session(g, num_devices) as sess:
+    sess.run(init)
+    res = sess.run([pipe_out, seq_out, pipe_grads, seq_grads])
+  return res + [[v.name for v in variables]]
+
+
+def AssertAllClose(a, b, atol=1e-5):
+  fa, fb = tf.nest.flatten(a), tf.nest.flatten(b)
+  assert len(fa) == len(fb)
+  for x, y in zip(fa, fb):
+    np.testing.assert_allclose(x, y, atol=atol, rtol=1e-5)
+
+
+def Shape(*dims):
+  return tshape.Shape(list(dims))

@@ -1,0 +1,187 @@
+"""Pipeline vs sequential: outputs and every variable's gradient agree."""
+
+import lingvo_ext  # pylint: disable=unused-import
+import lingvo.compat as tf
+from lingvo.core import layers
+from lingvo.core import py_utils
+import numpy as np
+import pytest
+
+from lingvo_ext.core import gpipe
+import gpipe_testlib as lib
+
+B, D = 8, 6
+
+
+def _FcCells(num_cells, layers_per_cell=2):
+  cells = []
+  for c in range(num_cells):
+    subs = [
+        lib.Fc('fc%d_%d' % (c, j), D, D, seed=10 * c + j)
+        for j in range(layers_per_cell)
+    ]
+    cells.append(
+        gpipe.FeatureExtractionLayer.Params().Set(name='cell%d' % c, sub=subs))
+  return cells
+
+
+def _Input(*shape, seed=0):
+  return tf.constant(
+      np.random.RandomState(seed).randn(*shape).astype(np.float32))
+
+
+@pytest.mark.parametrize('num_devices', [2, 4])
+@pytest.mark.parametrize('num_micro', [1, 2, 4, 8])
+def test_matches_sequential(num_devices, num_micro):
+  out = lib.RunPipelineAndSequential(
+      _FcCells(num_devices), num_devices, lambda: (_Input(B, D),),
+      num_micro_batches=num_micro)
+  pipe_out, seq_out, pipe_grads, seq_grads, names = out
+  assert pipe_out.shape == (B, D)
+  lib.AssertAllClose(pipe_out, seq_out)
+  assert len(names) == 2 * num_devices * 2  # w and b of every FC layer.
+  for name, pg, sg in zip(names, pipe_grads, seq_grads):
+    assert np.abs(sg).max() > 0, name
+    np.testing.assert_allclose(pg, sg, atol=1e-5, rtol=1e-5, err_msg=name)
+
+
+def test_several_inputs_and_outputs():
+  cells = [
+      gpipe.FeatureExtractionLayer.Params().Set(
+          name='cell%d' % c,
+          sub=[lib.TwoStreamLayer.Params().Set(name='two%d' % c, dim=D)])
+      for c in range(2)
+  ]
+  pipe_out, seq_out, pipe_grads, seq_grads, _ = lib.RunPipelineAndSequential(
+      cells, 2, lambda: (_Input(B, D), _Input(B, D, seed=1)),
+      num_micro_batches=4)
+  assert isinstance(pipe_out, tuple) and len(pipe_out) == 2
+  lib.AssertAllClose(pipe_out, seq_out)
+  lib.AssertAllClose(pipe_grads, seq_grads)
+
+
+def test_nested_map_fprop():
+  cells = [
+      gpipe.FeatureExtractionLayer.Params().Set(
+          name='cell%d' % c,
+          sub=[lib.NestedMapLayer.Params().Set(name='nm%d' % c, dim=D)])
+      for c in range(2)
+  ]
+  inputs = lambda: (py_utils.NestedMap(a=_Input(B, D), b=_Input(B, D, seed=1)),)
+  pipe_out, seq_out, pipe_grads, seq_grads, _ = lib.RunPipelineAndSequential(
+      cells, 2, inputs, num_micro_batches=4, nested_map_fprop=True)
+  assert set(pipe_out.keys()) == {'a', 'b'}
+  lib.AssertAllClose(pipe_out, seq_out)
+  lib.AssertAllClose(pipe_grads, seq_grads)
+
+
+def test_batch_dim_1():
+  # Time-major inputs [T, B, D], split along B.
+  pipe_out, seq_out, pipe_grads, seq_grads, _ = lib.RunPipelineAndSequential(
+      _FcCells(2), 2, lambda: (_Input(3, B, D),), num_micro_batches=4,
+      batch_dim=1)
+  assert pipe_out.shape == (3, B, D)
+  lib.AssertAllClose(pipe_out, seq_out)
+  lib.AssertAllClose(pipe_grads, seq_grads)
+
+
+def test_act_fetch_layers():
+  # Cell 0 fetches the activation after its first FC layer; cell 1 passes it
+  # through, so the pipeline returns (final output, fetched activation).
+  fetch = layers.FetchLayer.Params().Set(name='fetch')
+  cell0 = gpipe.FeatureExtractionLayer.Params().Set(
+      name='cell0', sub=[lib.Fc('fc0', D, D, 1), fetch, lib.Fc('fc1', D, D, 2)],
+      act_fetch_layers=['fetch'], num_act_outputs=1)
+  cell1 = gpipe.FeatureExtractionLayer.Params().Set(
+      name='cell1', sub=[lib.Fc('fc2', D, D, 3)], num_act_inputs=1,
+      num_act_outputs=1)
+  pipe_out, seq_out, pipe_grads, seq_grads, _ = lib.RunPipelineAndSequential(
+      [cell0, cell1], 2, lambda: (_Input(B, D),), num_micro_batches=2)
+  assert len(pipe_out) == 2
+  lib.AssertAllClose(pipe_out, seq_out)
+  lib.AssertAllClose(pipe_grads, seq_grads)
+  # The fetched activation is tanh(x W0 + b0), not the final output.
+  assert not np.allclose(pipe_out[0], pipe_out[1])
+
+
+def test_feature_extraction_meta_threads_shapes():
+  p = _FcCells(1, layers_per_cell=3)[0]
+  meta = p.cls.FPropMeta(p, lib.Shape(B, D))
+  one = layers.FCLayer.FPropMeta(p.sub[0], lib.Shape(B, D)).flops
+  assert meta.flops == pytest.approx(3 * one)
+  assert [s.ToTensorShape().as_list() for s in meta.out_shapes] == [[B, D]]
+
+
+def _FunctionsCalled(node):
+  """Names of the functions a NodeDef calls (call ops, While/If bodies)."""
+  names = set()
+  for value in node.attr.values():
+    if value.HasField('func'):
+      names.add(value.func.name)
+    names.update(f.name for f in value.list.func)
+  return names
+
+
+def test_cell_ops_run_on_their_device():
+  num_devices = 2
+  cells = [
+      gpipe.FeatureExtractionLayer.Params().Set(
+          name='cell%d' % c,
+          sub=[lib.TwoStreamLayer.Params().Set(name='two%d' % c, dim=D)])
+      for c in range(num_devices)
+  ]
+  g = tf.Graph()
+  with g.as_default(), lib.Cluster(num_devices):
+    py_utils.GetOrCreateGlobalStepVar()
+    net = gpipe.PipeliningLayer.Params().Set(
+        name='pipe', cell_tpl=cells, num_micro_batches=2).Instantiate()
+    out = net.FPropDefaultTheta(_Input(B, D), _Input(B, D, seed=1))
+    tf.gradients(tf.add_n([tf.reduce_sum(o) for o in out]),
+                 net.vars.Flatten())
+  graph_def = g.as_graph_def()
+  library = {f.signature.name: f for f in graph_def.library.function}
+
+  def Markers(fn_name, seen):
+    """Cell markers inside a function, following nested calls."""
+    if fn_name in seen or fn_name not in library:
+      return set()
+    seen.add(fn_name)
+    found = set()
+    for node in library[fn_name].node_def:
+      for c in range(num_devices):
+        if node.name.startswith('marker_two%d' % c):
+          found.add(c)
+      for callee in _FunctionsCalled(node):
+        found |= Markers(callee, seen)
+    return found
+
+  # Every top-level call that runs a cell's ops is placed on that cell's
+  # device; functions with no device inherit their caller's.
+  placed = {}
+  for node in graph_def.node:
+    for callee in _FunctionsCalled(node):
+      for c in Markers(callee, set()):
+        placed.setdefault(c, set()).add(node.device.split('device:')[-1])
+  assert placed == {c: {'CPU:%d' % c} for c in range(num_devices)}, placed
+
+
+def test_eval_with_one_device_runs_plainly():
+  g = tf.Graph()
+  with g.as_default(), lib.Cluster(1), tf.name_scope('eval'):
+    from lingvo.core import cluster_factory  # pylint: disable=g-import-not-at-top
+    with cluster_factory.SetEval(True):
+      py_utils.GetOrCreateGlobalStepVar()
+      net = gpipe.PipeliningLayer.Params().Set(
+          name='pipe', cell_tpl=_FcCells(2),
+          num_micro_batches=4).Instantiate()
+      x = _Input(B, D)
+      out = net.FPropDefaultTheta(x)
+      seq = net.FPropSequential(net.theta, x)
+    op_types = {op.type for op in g.get_operations()}
+    init = tf.global_variables_initializer()
+  # No recurrent loop and no micro-batch split in the graph.
+  assert not any('Recurrent' in t or 'While' in t for t in op_types), op_types
+  with lib.Session(g, 1) as sess:
+    sess.run(init)
+    a, b = sess.run([out, seq])
+  np.testing.assert_allclose(a, b, atol=1e-6)
