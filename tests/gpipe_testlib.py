@@ -113,7 +113,8 @@ def RunPipelineAndSequential(cell_tpl, num_devices, inputs_fn, **pipe_kwargs):
     pipe_out = net.FPropDefaultTheta(*args)
     seq_out = net.FPropSequential(net.theta, *args)
     variables = net.vars.Flatten()
-    pipe_grads = tf.gradients(_Loss(pipe_out), variables)
+    pipe_grads = tf.gradients(_Loss(pipe_out), variables,
+                              colocate_gradients_with_ops=True)
     seq_grads = tf.gradients(_Loss(seq_out), variables)
     init = tf.global_variables_initializer()
   with Session(g, num_devices) as sess:

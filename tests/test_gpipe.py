@@ -1,5 +1,7 @@
 """Pipeline vs sequential: outputs and every variable's gradient agree."""
 
+import re
+
 import lingvo_ext  # pylint: disable=unused-import
 import lingvo.compat as tf
 from lingvo.core import layers
@@ -11,6 +13,9 @@ from lingvo_ext.core import gpipe
 import gpipe_testlib as lib
 
 B, D = 8, 6
+
+# Both schedules must equal the sequential model.
+SCHEDULES = pytest.mark.parametrize('schedule', ['unrolled', 'recurrent'])
 
 
 def _FcCells(num_cells, layers_per_cell=2):
@@ -30,12 +35,13 @@ def _Input(*shape, seed=0):
       np.random.RandomState(seed).randn(*shape).astype(np.float32))
 
 
+@SCHEDULES
 @pytest.mark.parametrize('num_devices', [2, 4])
 @pytest.mark.parametrize('num_micro', [1, 2, 4, 8])
-def test_matches_sequential(num_devices, num_micro):
+def test_matches_sequential(num_devices, num_micro, schedule):
   out = lib.RunPipelineAndSequential(
       _FcCells(num_devices), num_devices, lambda: (_Input(B, D),),
-      num_micro_batches=num_micro)
+      num_micro_batches=num_micro, schedule=schedule)
   pipe_out, seq_out, pipe_grads, seq_grads, names = out
   assert pipe_out.shape == (B, D)
   lib.AssertAllClose(pipe_out, seq_out)
@@ -45,7 +51,8 @@ def test_matches_sequential(num_devices, num_micro):
     np.testing.assert_allclose(pg, sg, atol=1e-5, rtol=1e-5, err_msg=name)
 
 
-def test_several_inputs_and_outputs():
+@SCHEDULES
+def test_several_inputs_and_outputs(schedule):
   cells = [
       gpipe.FeatureExtractionLayer.Params().Set(
           name='cell%d' % c,
@@ -54,13 +61,14 @@ def test_several_inputs_and_outputs():
   ]
   pipe_out, seq_out, pipe_grads, seq_grads, _ = lib.RunPipelineAndSequential(
       cells, 2, lambda: (_Input(B, D), _Input(B, D, seed=1)),
-      num_micro_batches=4)
+      num_micro_batches=4, schedule=schedule)
   assert isinstance(pipe_out, tuple) and len(pipe_out) == 2
   lib.AssertAllClose(pipe_out, seq_out)
   lib.AssertAllClose(pipe_grads, seq_grads)
 
 
-def test_nested_map_fprop():
+@SCHEDULES
+def test_nested_map_fprop(schedule):
   cells = [
       gpipe.FeatureExtractionLayer.Params().Set(
           name='cell%d' % c,
@@ -69,23 +77,26 @@ def test_nested_map_fprop():
   ]
   inputs = lambda: (py_utils.NestedMap(a=_Input(B, D), b=_Input(B, D, seed=1)),)
   pipe_out, seq_out, pipe_grads, seq_grads, _ = lib.RunPipelineAndSequential(
-      cells, 2, inputs, num_micro_batches=4, nested_map_fprop=True)
+      cells, 2, inputs, num_micro_batches=4, nested_map_fprop=True,
+      schedule=schedule)
   assert set(pipe_out.keys()) == {'a', 'b'}
   lib.AssertAllClose(pipe_out, seq_out)
   lib.AssertAllClose(pipe_grads, seq_grads)
 
 
-def test_batch_dim_1():
+@SCHEDULES
+def test_batch_dim_1(schedule):
   # Time-major inputs [T, B, D], split along B.
   pipe_out, seq_out, pipe_grads, seq_grads, _ = lib.RunPipelineAndSequential(
       _FcCells(2), 2, lambda: (_Input(3, B, D),), num_micro_batches=4,
-      batch_dim=1)
+      batch_dim=1, schedule=schedule)
   assert pipe_out.shape == (3, B, D)
   lib.AssertAllClose(pipe_out, seq_out)
   lib.AssertAllClose(pipe_grads, seq_grads)
 
 
-def test_act_fetch_layers():
+@SCHEDULES
+def test_act_fetch_layers(schedule):
   # Cell 0 fetches the activation after its first FC layer; cell 1 passes it
   # through, so the pipeline returns (final output, fetched activation).
   fetch = layers.FetchLayer.Params().Set(name='fetch')
@@ -96,7 +107,8 @@ def test_act_fetch_layers():
       name='cell1', sub=[lib.Fc('fc2', D, D, 3)], num_act_inputs=1,
       num_act_outputs=1)
   pipe_out, seq_out, pipe_grads, seq_grads, _ = lib.RunPipelineAndSequential(
-      [cell0, cell1], 2, lambda: (_Input(B, D),), num_micro_batches=2)
+      [cell0, cell1], 2, lambda: (_Input(B, D),), num_micro_batches=2,
+      schedule=schedule)
   assert len(pipe_out) == 2
   lib.AssertAllClose(pipe_out, seq_out)
   lib.AssertAllClose(pipe_grads, seq_grads)
@@ -122,7 +134,7 @@ def _FunctionsCalled(node):
   return names
 
 
-def test_cell_ops_run_on_their_device():
+def _PlacementGraph(schedule):
   num_devices = 2
   cells = [
       gpipe.FeatureExtractionLayer.Params().Set(
@@ -134,10 +146,19 @@ def test_cell_ops_run_on_their_device():
   with g.as_default(), lib.Cluster(num_devices):
     py_utils.GetOrCreateGlobalStepVar()
     net = gpipe.PipeliningLayer.Params().Set(
-        name='pipe', cell_tpl=cells, num_micro_batches=2).Instantiate()
+        name='pipe', cell_tpl=cells, num_micro_batches=2,
+        schedule=schedule).Instantiate()
     out = net.FPropDefaultTheta(_Input(B, D), _Input(B, D, seed=1))
-    tf.gradients(tf.add_n([tf.reduce_sum(o) for o in out]),
-                 net.vars.Flatten())
+    # As Lingvo's py_utils.ComputeGradients does by default.
+    grads = tf.gradients(tf.add_n([tf.reduce_sum(o) for o in out]),
+                         net.vars.Flatten(), colocate_gradients_with_ops=True)
+    init = tf.global_variables_initializer()
+  return g, grads, init
+
+
+def test_recurrent_cell_ops_placed_on_their_device():
+  num_devices = 2
+  g, _, _ = _PlacementGraph('recurrent')
   graph_def = g.as_graph_def()
   library = {f.signature.name: f for f in graph_def.library.function}
 
@@ -163,6 +184,26 @@ def test_cell_ops_run_on_their_device():
       for c in Markers(callee, set()):
         placed.setdefault(c, set()).add(node.device.split('device:')[-1])
   assert placed == {c: {'CPU:%d' % c} for c in range(num_devices)}, placed
+
+
+def test_unrolled_cell_ops_run_on_their_device():
+  g, grads, init = _PlacementGraph('unrolled')
+  meta = tf.RunMetadata()
+  with lib.Session(g, 2) as sess:
+    sess.run(init)
+    sess.run(grads, options=tf.RunOptions(trace_level=tf.RunOptions.FULL_TRACE),
+             run_metadata=meta)
+  ran = {}  # Runtime device of every op of each cell, forward and backward.
+  for dev in meta.step_stats.dev_stats:
+    for node in dev.node_stats:
+      for c in range(2):
+        # Scopes 'cell<c>_mb<t>/...', 'gradients/cell<c>_mb<t>/...' and the
+        # cell's per-step weight copy 'cell<c>_theta/...'.
+        # The one read of each variable stays with the variable, by design.
+        if (re.search(r'cell%d_(mb\d+|theta)/' % c, node.node_name) and
+            not node.node_name.endswith('/ReadVariableOp')):
+          ran.setdefault(c, set()).add(dev.device.split('device:')[-1])
+  assert ran == {0: {'CPU:0'}, 1: {'CPU:1'}}, ran
 
 
 def test_eval_with_one_device_runs_plainly():

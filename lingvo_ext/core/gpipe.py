@@ -287,6 +287,8 @@ class PipeliningLayer(SeqLayer):
   micro-batch t is in cell i+1. Gradients equal those of the sequential model.
   """
 
+  _SCHEDULES = ('unrolled', 'recurrent')
+
   @classmethod
   def Params(cls):
     p = super().Params()
@@ -301,6 +303,18 @@ class PipeliningLayer(SeqLayer):
              'dtype of the first input.')
     p.Define('nested_map_fprop', False,
              'Whether cells take and return a single NestedMap.')
+    p.Define(
+        'schedule', 'unrolled',
+        "How micro-batches flow through the cells. 'unrolled': every "
+        "(micro-batch, cell) pair is its own subgraph on the cell's device, "
+        "so TensorFlow's executor overlaps cells as data arrives and "
+        "tf.gradients builds the backward pass; no loop, no recompute. "
+        "Backward ops land on their cell's device when gradients are "
+        "colocated with ops, as Lingvo's py_utils.ComputeGradients does by "
+        "default (tf.gradients(..., colocate_gradients_with_ops=True)). "
+        "'recurrent': Lingvo's StackedRecurrent loop, which recomputes "
+        "each cell's forward pass in the backward pass, keeping only cell "
+        "boundary activations (less memory, more time).")
     return p
 
   def __init__(self, params):
@@ -323,6 +337,9 @@ class PipeliningLayer(SeqLayer):
     if p.micro_batch_size is not None and p.micro_batch_size < 1:
       raise ValueError('%s: micro_batch_size=%r must be >= 1 or None.' %
                        (p.name, p.micro_batch_size))
+    if p.schedule not in self._SCHEDULES:
+      raise ValueError('%s: schedule=%r; use one of %s.' %
+                       (p.name, p.schedule, sorted(self._SCHEDULES)))
     if len(p.cell_tpl) > num_devices > 1:
       tf.logging.warning(
           '%s: %d cells on %d devices; cells share devices round-robin and '
@@ -455,6 +472,46 @@ class PipeliningLayer(SeqLayer):
       outputs = l.FProp(theta[name], *_ToTuple(outputs))
     return outputs
 
+  def _Devices(self):
+    return [
+        self.cluster.WorkerDeviceInModelSplit(i)
+        for i in range(len(self._cells))
+    ]
+
+  def _FPropUnrolled(self, theta, args, num_micro):
+    """The 'unrolled' schedule: one subgraph per (micro-batch, cell)."""
+    p = self.params
+    devices = self._Devices()
+    with tf.device(devices[0]):
+      previous = _ToTuple(args)
+      for (name, l) in self._before_layers:
+        previous = _ToTuple(l.FProp(theta[name], *previous))
+      flat = tf.nest.flatten(previous)
+      pieces = [
+          None if x is None else tf.split(x, num_micro, axis=p.batch_dim)
+          for x in flat
+      ]
+    # Read each cell's weights onto its device once per step, not once per
+    # micro-batch; their gradients are summed there too.
+    thetas = []
+    for i, (name, _) in enumerate(self._cells):
+      with tf.device(devices[i]), tf.name_scope('%s_theta' % name):
+        thetas.append(theta[name].Transform(tf.identity))
+    outputs = []
+    for t in range(num_micro):
+      x = tf.nest.pack_sequence_as(
+          previous, [None if s is None else s[t] for s in pieces])
+      for i, (name, cell) in enumerate(self._cells):
+        with tf.device(devices[i]), tf.name_scope('%s_mb%d' % (name, t)):
+          x = cell.FProp(thetas[i], *_ToTuple(x))
+      outputs.append(x)
+    with tf.device(devices[-1]):
+      merged = [
+          None if parts[0] is None else tf.concat(parts, axis=p.batch_dim)
+          for parts in zip(*[tf.nest.flatten(o) for o in outputs])
+      ]
+    return tf.nest.pack_sequence_as(outputs[0], merged)
+
   def FProp(self, theta, *args):
     """Runs the cells over micro-batches in a pipeline across devices.
 
@@ -472,12 +529,11 @@ class PipeliningLayer(SeqLayer):
       return self.FPropSequential(theta, *args)
 
     _, micro_batch_size, num_micro = self._MicroBatching(args)
+    if p.schedule == 'unrolled':
+      return self._FPropUnrolled(theta, args, num_micro)
     state_dtype = self._StateDtype(args)
     state_shapes = self._StateShapes(args, micro_batch_size)
-    devices = [
-        self.cluster.WorkerDeviceInModelSplit(i)
-        for i in range(len(self._cells))
-    ]
+    devices = self._Devices()
 
     def _CellFn(i):
       """The step function of cell i inside StackedRecurrent."""
