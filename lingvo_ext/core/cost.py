@@ -14,11 +14,13 @@ one cost per layer, for `flops`, `params` (parameter bytes) or `time`
 (measured forward+backward seconds on a target device).
 """
 
+import contextlib
 import statistics
 import time
 from typing import Any, Callable, List, Optional, Sequence
 
 import lingvo.compat as tf
+from lingvo.core import base_layer
 from lingvo.core import py_utils
 from lingvo.core import tshape
 import numpy as np
@@ -227,7 +229,8 @@ def _CheckNumeric(value, what):
   return value
 
 
-def LayerMetas(layer_params: Sequence[Any], *shapes) -> List[py_utils.NestedMap]:
+def LayerMetas(layer_params: Sequence[Any],
+               *shapes) -> List[py_utils.NestedMap]:
   """Threads shapes through each layer's FPropMeta.
 
   Args:
@@ -260,6 +263,33 @@ def _NamedCopy(p, default_name):
   return p
 
 
+@contextlib.contextmanager
+def _Sandbox(graph=None):
+  """Makes graph (a new one by default) the default, outside any layer.
+
+  Costs are often computed while a layer is being built (a task calls
+  PartitionSequentialLayers in its __init__). Lingvo records every layer built
+  during another's __init__ as that one's child; layers built here are
+  throw-away, so the stack of layers under construction is set aside.
+
+  Args:
+    graph: The tf.Graph to use; a new one if None.
+
+  Yields:
+    The graph.
+  """
+  graph = graph or tf.Graph()
+  # pylint: disable=protected-access
+  saved = base_layer._LAYER_STACK.stack
+  base_layer._LAYER_STACK.stack = []
+  try:
+    with graph.as_default():
+      yield graph
+  finally:
+    base_layer._LAYER_STACK.stack = saved
+  # pylint: enable=protected-access
+
+
 def _InstantiateLayer(p):
   """Instantiates p in the current graph and returns the layer."""
   layer = p.Instantiate()
@@ -280,7 +310,7 @@ def LayerVariables(p) -> List[Any]:
   Returns:
     A list of (name, shape list, tf.DType).
   """
-  with tf.Graph().as_default():
+  with _Sandbox():
     layer = _InstantiateLayer(_NamedCopy(p, 'layer'))
     out = []
     for v in layer.vars.Flatten():
@@ -335,7 +365,7 @@ def _FakeInputs(p, shapes):
 
 def _InputSpecs(p, shapes):
   """(dtype, static shape list) of each input of layer p at shapes."""
-  with tf.Graph().as_default():
+  with _Sandbox():
     fake = _FakeInputs(p, shapes)
     return [(t.dtype, t.shape.as_list()) for t in fake]
 
@@ -358,11 +388,10 @@ def TfProfilerFlops(p, *shapes) -> int:
     if s is not None:
       _CheckNumeric(NumElements(s), 'An input shape')
   specs = _InputSpecs(p, shapes)
-  with tf.Graph().as_default():
+  with _Sandbox():
     layer = _InstantiateLayer(_NamedCopy(p, 'layer'))
     theta_specs = layer.theta.Transform(lambda v: (v.dtype, v.shape.as_list()))
-  g = tf.Graph()
-  with g.as_default():
+  with _Sandbox() as g:
     theta = theta_specs.Transform(
         lambda spec: tf.placeholder(spec[0].base_dtype, spec[1]))
     inputs = [tf.placeholder(dtype, shape) for dtype, shape in specs]
@@ -377,7 +406,8 @@ def MeasureLayerTime(p,
                      device: Optional[str] = None,
                      session_config: Optional[Any] = None,
                      num_repeats: int = 5,
-                     num_warmup: int = 1) -> float:
+                     num_warmup: int = 1,
+                     subtract_overhead: bool = True) -> float:
   """Median forward+backward seconds of layer p on inputs of shapes.
 
   As torchgpipe's balance_by_time, the layer runs alone in a sandbox: a
@@ -391,6 +421,9 @@ def MeasureLayerTime(p,
     session_config: A tf.ConfigProto for the sandbox session.
     num_repeats: Number of timed runs (1..100); the median is returned.
     num_warmup: Untimed runs first (0..10), to leave out one-off setup.
+    subtract_overhead: Whether to subtract the median time of a Session.run
+      that fetches only the inputs (clamping at 0), so that small layers are
+      not all charged the same fixed per-run overhead.
 
   Returns:
     Seconds of one forward+backward pass.
@@ -402,8 +435,7 @@ def MeasureLayerTime(p,
   for s in shapes:
     if s is not None:
       _CheckNumeric(NumElements(s), 'An input shape')
-  g = tf.Graph()
-  with g.as_default(), tf.device(device):
+  with _Sandbox() as g, tf.device(device):
     tf.random.set_seed(1234)
     layer = _InstantiateLayer(_NamedCopy(p, 'layer'))
     fake = _FakeInputs(p, shapes)
@@ -413,7 +445,9 @@ def MeasureLayerTime(p,
       v = tf.Variable(t, trainable=False, name='fake_input_%d' % i)
       inputs.append(tf.identity(v))
     outputs = _ToTuple(layer.FProp(layer.theta, *inputs))
-    float_outputs = [o for o in outputs if o is not None and o.dtype.is_floating]
+    float_outputs = [
+        o for o in outputs if o is not None and o.dtype.is_floating
+    ]
     loss = tf.add_n([tf.reduce_sum(o) for o in float_outputs])
     xs = [x for x in layer.vars.Flatten()]
     xs += [x for x in inputs if x.dtype.is_floating]
@@ -427,17 +461,30 @@ def MeasureLayerTime(p,
     # stateless ops reached only through the control edges of a tf.group,
     # and fetching the gradients themselves would time their copy out.
     step = tf.add_n([loss] + [tf.reduce_sum(g) for g in grads])
+    # The same fetch without the layer: the fixed cost of a Session.run,
+    # which would otherwise be charged to every layer.
+    baseline = tf.add_n([tf.reduce_sum(tf.cast(x, tf.float32))
+                         for x in inputs])
     init = tf.global_variables_initializer()
-  with tf.Session(graph=g, config=session_config) as sess:
-    sess.run(init)
+
+  def _Median(fetch):
     for _ in range(num_warmup):
-      sess.run(step)
+      sess.run(fetch)
     times = []
     for _ in range(num_repeats):
       start = time.perf_counter()
-      sess.run(step)
+      sess.run(fetch)
       times.append(time.perf_counter() - start)
-  return float(statistics.median(times))
+    return statistics.median(times)
+
+  if session_config is None:
+    # Ops without a kernel on the target device run beside it, as in training.
+    session_config = tf.compat.v1.ConfigProto(allow_soft_placement=True)
+  with tf.Session(graph=g, config=session_config) as sess:
+    sess.run(init)
+    step_time = _Median(step)
+    overhead = _Median(baseline) if subtract_overhead else 0.0
+  return float(max(step_time - overhead, 0.0))
 
 
 def LayerCosts(layer_params: list,
@@ -447,7 +494,8 @@ def LayerCosts(layer_params: list,
                session_config: Optional[Any] = None,
                num_repeats: int = 5,
                num_warmup: int = 1,
-               measure_fn: Optional[Callable[..., float]] = None) -> List[float]:
+               measure_fn: Optional[Callable[..., float]] = None
+              ) -> List[float]:
   """Per-layer costs of a sequential stack of layers.
 
   Args:
