@@ -140,8 +140,6 @@ def test_main_on_registered_model(capsys, tmp_path):
 
 def test_cli_json_on_lm_model():
   # The real entry point, on a registered lingvo_ext experiment.
-  if not os.path.exists(os.path.join(_REPO, 'params', 'lm.py')):
-    pytest.skip('params/lm.py is not there yet.')
   out = subprocess.run(
       [sys.executable, '-m', 'lingvo_ext.tools.cost_report',
        '--model=lm.TransformerLmTiny', '--num_partitions=2', '--json'],

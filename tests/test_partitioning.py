@@ -130,3 +130,37 @@ def test_partition_errors():
     gpipe.PartitionSequentialLayers(subs, 3, shape)
   with pytest.raises(ValueError, match='needs the input shapes'):
     gpipe.PartitionSequentialLayers(subs, 2)
+
+
+def _VariableNames(num_partitions):
+  from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
+  import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
+  subs, shape = _FcStack([8, 16, 8, 16, 8])
+  cells = gpipe.PartitionSequentialLayers(subs, num_partitions, shape)
+  with tf.Graph().as_default(), lib.Cluster(num_partitions):
+    with tf.variable_scope('model'):
+      py_utils.GetOrCreateGlobalStepVar()
+      net = gpipe.PipeliningLayer.Params().Set(
+          name='pipe', cell_tpl=cells).Instantiate()
+      return sorted(v.name for v in net.vars.Flatten())
+
+
+def test_variable_names_do_not_depend_on_partitioning():
+  # So a checkpoint restores under any partitioning, and seeded
+  # initialisation gives the same weights for every K.
+  names = _VariableNames(1)
+  assert names == _VariableNames(2) == _VariableNames(4)
+  assert 'model/cell_003/w/var:0' in names, names
+
+
+def test_duplicate_sub_layer_names_across_cells():
+  import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
+  cells = [
+      gpipe.FeatureExtractionLayer.Params().Set(
+          name='c%d' % i, sub=[_FcStack([8, 8])[0][0]]) for i in range(2)
+  ]
+  with tf.Graph().as_default(), lib.Cluster(2):
+    with pytest.raises(ValueError, match="cells 'c0' and 'c1' both have a "
+                       "sub-layer named 'fc0'"):
+      gpipe.PipeliningLayer.Params().Set(name='pipe',
+                                         cell_tpl=cells).Instantiate()

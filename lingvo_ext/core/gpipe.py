@@ -214,7 +214,9 @@ class SeqLayer(base_layer.BaseLayer):
   """Runs `before_tpl`, then each cell of `cell_tpl` on its own device.
 
   Cell i runs on `cluster.WorkerDeviceInModelSplit(i)`, which wraps round-robin
-  when there are more cells than devices in the split.
+  when there are more cells than devices in the split. Variables of the cells'
+  sub-layers are named without this layer's or the cell's scope, so they do
+  not depend on how the stack was partitioned.
   """
 
   @classmethod
@@ -233,6 +235,17 @@ class SeqLayer(base_layer.BaseLayer):
           '%s: cell_tpl is empty; give it a list of FeatureExtractionLayer '
           'params, e.g. from PartitionSequentialLayers(layers, '
           'num_partitions, *input_shapes).' % p.name)
+    seen = {}
+    for l in p.cell_tpl:
+      for sub in getattr(l, 'sub', None) or []:
+        name = getattr(l, 'variable_name_prefix', '') + sub.name
+        if name in seen:
+          raise ValueError(
+              '%s: cells %r and %r both have a sub-layer named %r; cell '
+              'variables are named by sub-layer alone, so give them distinct '
+              'names (PartitionSequentialLayers names them cell_000, ...).' %
+              (p.name, seen[name], l.name, name))
+        seen[name] = l.name
     self._before_layers = []
     self._cells = []
     before_tpl_device = ''
@@ -247,10 +260,35 @@ class SeqLayer(base_layer.BaseLayer):
       with tf.device(before_tpl_device):
         self.CreateChild(l.name, l)
       self._before_layers.append((l.name, self.children[l.name]))
-    for i, l in enumerate(p.cell_tpl):
+    cell_tpl = [self._WithoutCellScope(l) for l in p.cell_tpl]
+    for i, l in enumerate(cell_tpl):
       with tf.device(cell_devices[i]):
         self.CreateChild(l.name, l)
       self._cells.append((l.name, self.children[l.name]))
+
+  def _WithoutCellScope(self, cell_p):
+    """Names a cell's sub-layer variables as if the cell were not there.
+
+    With neither this layer's nor the cell's scope in the names, a variable's
+    name depends on its layer alone, not on how the stack was partitioned:
+    the same model cut into 1 or K cells has the same variables, and a
+    checkpoint restores under any partitioning.
+
+    Args:
+      cell_p: A cell's params.
+
+    Returns:
+      A copy of cell_p with child_variable_scope_override set for its subs.
+    """
+    if cell_p.cls not in (FeatureExtractionLayer,
+                          lingvo_gpipe.FeatureExtractionLayer):
+      return cell_p
+    cell_p = cell_p.Copy()
+    overrides = dict(cell_p.child_variable_scope_override or {})
+    for sub in cell_p.sub:
+      overrides.setdefault(cell_p.variable_name_prefix + sub.name, [])
+    cell_p.child_variable_scope_override = overrides
+    return cell_p
 
   def _child_variable_scope_override(self):
     # Cells add no variable scope of their own, so variable names do not
