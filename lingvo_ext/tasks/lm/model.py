@@ -1,0 +1,145 @@
+"""A GPipe-pipelined Transformer language model.
+
+The whole stack (embedding, num_layers Transformer layers, softmax) is one
+flat list of layers. `PartitionSequentialLayers` cuts it into num_partitions
+cells of balanced cost and a `PipeliningLayer` runs the cells over
+num_micro_batches micro-batches, cell i on device i of the model split
+(--worker_split_size devices; with one device the cells run in sequence).
+Variable names do not depend on num_partitions, so checkpoints move between
+partitionings.
+"""
+
+import lingvo.compat as tf
+from lingvo.core import base_model
+from lingvo.core import py_utils
+from lingvo.core import tshape
+from lingvo_ext.core import gpipe
+from lingvo_ext.core import layers
+
+
+class TransformerLm(base_model.BaseTask):
+  """Causal Transformer LM reporting per-token log-perplexity (log_pplx)."""
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.Define('vocab_size', 128,
+             'Vocabulary size; must equal the input generator\'s.')
+    p.Define('model_dim', 64, 'Model depth.')
+    p.Define('num_heads', 4, 'Attention heads; must divide model_dim.')
+    p.Define('hidden_dim', 256, 'Feed-forward hidden depth.')
+    p.Define('num_layers', 2, 'Number of Transformer layers.')
+    p.Define(
+        'position_embedding', 'LEARNED',
+        'Position embedding of the EmbeddingLayer: LEARNED, SINUSOIDAL or '
+        'NONE.')
+    p.Define(
+        'num_partitions', 1, 'Number of pipeline cells K the stack is cut '
+        'into. To run them in parallel, give the worker K devices '
+        '(--worker_split_size=K, with --num_cpu_devices=K on CPU).')
+    p.Define(
+        'num_micro_batches', 1, 'Micro-batches per batch in the pipeline; '
+        'must divide the input batch_size.')
+    p.Define(
+        'partition_cost', 'flops', 'What PartitionSequentialLayers balances: '
+        'flops, params or time.')
+    tp = p.train
+    tp.learning_rate = 1e-3
+    tp.clip_gradient_norm_to_value = 1.0
+    return p
+
+  @classmethod
+  def LayerStack(cls, task_params):
+    """The flat layer stack and the input shapes of one training batch.
+
+    Args:
+      task_params: This task's params, with `input` set (e.g.
+        `model_registry.GetParams(name, 'Train').task`).
+
+    Returns:
+      (list of layer params, (tshape.Shape([batch_size, seq_len]),)), the
+      arguments the task gives `PartitionSequentialLayers`.
+    """
+    p = task_params
+    if p.input is None:
+      raise ValueError(
+          f'{p.name}: task params have no input; LayerStack needs the input '
+          'batch shape. Pass model_registry.GetParams(name, "Train").task.')
+    if p.input.vocab_size != p.vocab_size:
+      raise ValueError(
+          f'The input\'s vocab_size={p.input.vocab_size} differs from the '
+          f'task\'s vocab_size={p.vocab_size}; set both to the same value.')
+    seq_len = p.input.seq_len
+    stack = [
+        layers.EmbeddingLayer.Params().Set(
+            name='emb',
+            vocab_size=p.vocab_size,
+            embedding_dim=p.model_dim,
+            max_seq_len=seq_len,
+            position_embedding=p.position_embedding),
+    ]
+    for i in range(p.num_layers):
+      stack.append(layers.TransformerLayer.Params().Set(
+          name='layer_%03d' % i,
+          model_dim=p.model_dim,
+          num_heads=p.num_heads,
+          hidden_dim=p.hidden_dim,
+          mask_self_atten=True))
+    stack.append(layers.SoftmaxLayer.Params().Set(
+        name='softmax',
+        input_dim=p.model_dim,
+        num_classes=p.vocab_size,
+        apply_layer_norm=True))
+    return stack, (tshape.Shape([p.input.batch_size, seq_len]),)
+
+  def __init__(self, params):
+    super().__init__(params)
+    p = self.params
+    stack, shapes = self.LayerStack(p)
+    cells = gpipe.PartitionSequentialLayers(
+        stack, p.num_partitions, *shapes, cost=p.partition_cost)
+    self.CreateChild(
+        'pipeline',
+        gpipe.PipeliningLayer.Params().Set(
+            name='pipeline',
+            cell_tpl=cells,
+            num_micro_batches=p.num_micro_batches,
+            # Ids enter the pipeline as float32 (exact below 2**24): a
+            # pipeline carries one dtype for all its states.
+            state_dtype=tf.float32))
+
+  def ComputePredictions(self, theta, input_batch):
+    ids = tf.cast(input_batch.ids, tf.float32)
+    logits = self.pipeline.FProp(theta.pipeline, ids)
+    return py_utils.NestedMap(logits=logits)
+
+  def ComputeLoss(self, theta, predictions, input_batch):
+    labels = input_batch.labels
+    weights = input_batch.weights
+    xent = tf.nn.sparse_softmax_cross_entropy_with_logits(
+        labels=labels, logits=predictions.logits)
+    num_tokens = tf.reduce_sum(weights)
+    denom = tf.maximum(num_tokens, 1.0)
+    log_pplx = tf.reduce_sum(xent * weights) / denom
+    correct = tf.cast(
+        tf.equal(tf.argmax(predictions.logits, -1, output_type=tf.int32),
+                 labels), tf.float32)
+    accuracy = tf.reduce_sum(correct * weights) / denom
+    per_example_tokens = tf.reduce_sum(weights, axis=1)
+    per_example = tf.reduce_sum(xent * weights, axis=1) / tf.maximum(
+        per_example_tokens, 1.0)
+    metrics = {
+        # Weighted by tokens, so averages over batches are per-token.
+        'loss': (log_pplx, num_tokens),
+        'log_pplx': (log_pplx, num_tokens),
+        'token_accuracy': (accuracy, num_tokens),
+        'num_tokens': (num_tokens, tf.constant(1.0)),
+    }
+    return metrics, {
+        'loss': per_example,
+        'example_ids': input_batch.example_ids
+    }
+
+  def Vocab(self):
+    """The input generator's tokenizer.Vocab (ids to text: .Decode(ids))."""
+    return self.input_generator.vocab

@@ -1,0 +1,107 @@
+"""Pipelined Transformer LM experiments on a text corpus.
+
+The default corpus is the English text of pydoc_data.topics (ships with
+Python); point the input's text_file at any UTF-8 text to train on it, e.g.
+--model_params_override='task.input.text_file:/path/corpus.txt' (the dev
+split is then cut from the same file).
+"""
+
+from lingvo import model_registry
+from lingvo.core import base_model_params
+from lingvo_ext.tasks.in_memory_input import InMemoryInput
+from lingvo_ext.tasks.lm import input_generator
+from lingvo_ext.tasks.lm import model
+
+
+class _TransformerLmBase(base_model_params.SingleTaskModelParams):
+  """Shared structure; the registered classes below set the sizes."""
+
+  TEXT_FILE = ''  # Empty: pydoc_data.topics.
+  UNIT = 'char'
+  VOCAB_SIZE = 128
+  SEQ_LEN = 128
+  BATCH_SIZE = 32
+  MODEL_DIM = 128
+  NUM_HEADS = 4
+  HIDDEN_DIM = 512
+  NUM_LAYERS = 4
+  NUM_PARTITIONS = 1
+  NUM_MICRO_BATCHES = 1
+  LEARNING_RATE = 1e-3
+  MAX_STEPS = 5000
+  SAVE_INTERVAL_SECONDS = 120
+  SUMMARY_INTERVAL_STEPS = 50
+
+  def _Input(self, split):
+    p = input_generator.LmInput.Params().Set(
+        text_file=self.TEXT_FILE,
+        split=split,
+        unit=self.UNIT,
+        vocab_size=self.VOCAB_SIZE,
+        seq_len=self.SEQ_LEN,
+        batch_size=self.BATCH_SIZE)
+    if split != 'train':
+      InMemoryInput.SetOnePass(p)
+    return p
+
+  def Train(self):
+    return self._Input('train')
+
+  def Dev(self):
+    return self._Input('dev')
+
+  def Task(self):
+    p = model.TransformerLm.Params().Set(
+        name='lm',
+        vocab_size=self.VOCAB_SIZE,
+        model_dim=self.MODEL_DIM,
+        num_heads=self.NUM_HEADS,
+        hidden_dim=self.HIDDEN_DIM,
+        num_layers=self.NUM_LAYERS,
+        num_partitions=self.NUM_PARTITIONS,
+        num_micro_batches=self.NUM_MICRO_BATCHES)
+    tp = p.train
+    tp.learning_rate = self.LEARNING_RATE
+    tp.max_steps = self.MAX_STEPS
+    tp.save_interval_seconds = self.SAVE_INTERVAL_SECONDS
+    tp.summary_interval_steps = self.SUMMARY_INTERVAL_STEPS
+    return p
+
+
+@model_registry.RegisterSingleTaskModel
+class TransformerLm(_TransformerLmBase):
+  """The default: a 4-layer, 128-wide character LM, one pipeline cell."""
+
+
+@model_registry.RegisterSingleTaskModel
+class TransformerLmGPipe(TransformerLm):
+  """TransformerLm cut into 2 cells over 4 micro-batches.
+
+  Run the cells in parallel with --num_cpu_devices=2 --worker_split_size=2
+  (or --worker_gpus=2 --worker_split_size=2 on GPUs).
+  """
+  NUM_PARTITIONS = 2
+  NUM_MICRO_BATCHES = 4
+
+
+@model_registry.RegisterSingleTaskModel
+class TransformerLmTiny(_TransformerLmBase):
+  """A 2-layer, 32-wide LM whose loss falls within seconds on a CPU."""
+  SEQ_LEN = 32
+  BATCH_SIZE = 8
+  MODEL_DIM = 32
+  NUM_HEADS = 2
+  HIDDEN_DIM = 64
+  NUM_LAYERS = 2
+  LEARNING_RATE = 3e-3
+  MAX_STEPS = 30
+  # The controller checks for the end of training this often, too.
+  SAVE_INTERVAL_SECONDS = 5
+  SUMMARY_INTERVAL_STEPS = 10
+
+
+@model_registry.RegisterSingleTaskModel
+class TransformerLmTinyGPipe(TransformerLmTiny):
+  """TransformerLmTiny in 2 cells over 2 micro-batches (same variables)."""
+  NUM_PARTITIONS = 2
+  NUM_MICRO_BATCHES = 2

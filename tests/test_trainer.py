@@ -1,0 +1,175 @@
+"""End-to-end tests of `python -m lingvo_ext.trainer` in subprocesses.
+
+Each Tiny experiment trains for a few dozen steps, then a second run with a
+higher --max_steps resumes from the first run's last checkpoint. Runs are
+kept short: each costs two graph builds (controller and trainer).
+"""
+
+import glob
+import os
+import re
+import subprocess
+import sys
+import time
+
+import lingvo.compat as tf
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TIMEOUT = 300
+
+
+def _Run(*args, merge_stderr=True):
+  """Runs a lingvo_ext module; returns (returncode, stdout [+ stderr])."""
+  proc = subprocess.run([sys.executable, '-m', *args],
+                        cwd=ROOT,
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT if merge_stderr else None,
+                        text=True,
+                        timeout=TIMEOUT,
+                        check=False)
+  return proc.returncode, proc.stdout
+
+
+def _Train(model, logdir, *flags):
+  rc, out = _Run('lingvo_ext.trainer', f'--model={model}', f'--logdir={logdir}',
+                 *flags)
+  assert rc == 0, out[-5000:]
+  return out
+
+
+def _Scalars(event_dir, tag):
+  """{step: value} of scalar `tag` in the event files of `event_dir`."""
+  values = {}
+  for path in sorted(glob.glob(os.path.join(event_dir, 'events.out.*'))):
+    for event in tf.train.summary_iterator(path):
+      for v in event.summary.value:
+        if v.tag == tag:
+          values[event.step] = v.simple_value
+  return values
+
+
+def _Checkpoints(logdir):
+  return sorted(
+      int(m.group(1)) for m in (re.search(r'ckpt-(\d+)\.index$', p) for p in
+                                glob.glob(os.path.join(logdir, 'train', '*')))
+      if m)
+
+
+def _CheckTrainsAndResumes(model, logdir, steps, more_steps):
+  out = _Train(model, logdir, f'--max_steps={steps}')
+  assert re.search(r'steps/sec: [\d.]+, examples/sec: [\d.]+', out)
+  loss = _Scalars(os.path.join(logdir, 'train'), 'loss')
+  assert sorted(loss) == list(range(1, steps + 1))
+  first = np.mean([loss[s] for s in range(1, 6)])
+  last = np.mean([loss[s] for s in range(steps - 4, steps + 1)])
+  assert last < first - 0.1, loss
+  assert _Checkpoints(logdir)[-1] == steps
+
+  out = _Train(model, logdir, f'--max_steps={more_steps}')
+  assert f'Restored {steps} ' in out
+  resumed = _Scalars(os.path.join(logdir, 'train'), 'loss')
+  assert min(s for s in resumed if s not in loss) == steps + 1
+  assert max(resumed) == more_steps
+  assert _Checkpoints(logdir)[-1] == more_steps
+  return loss
+
+
+@pytest.fixture(scope='module')
+def lm_run(tmp_path_factory):
+  """The Tiny LM trained (K=1) and resumed; returns (logdir, step losses)."""
+  logdir = str(tmp_path_factory.mktemp('lm'))
+  loss = _CheckTrainsAndResumes('lm.TransformerLmTiny', logdir, 20, 26)
+  return logdir, loss
+
+
+def testLmTrainsAndResumes(lm_run):
+  logdir, _ = lm_run
+  assert os.path.exists(os.path.join(logdir, 'train', 'vocab.json'))
+  assert glob.glob(os.path.join(logdir, 'control', 'events.out.*'))
+
+
+def testLmEvalerScoresTheDevSplit(lm_run):
+  logdir, _ = lm_run
+  _Train('lm.TransformerLmTiny', logdir, '--max_steps=26', '--job=evaler_dev')
+  eval_dir = os.path.join(logdir, 'eval_dev')
+  log_pplx = _Scalars(eval_dir, 'log_pplx')
+  assert list(log_pplx) == [26]
+  assert 0 < log_pplx[26] < np.log(128)
+  assert os.path.exists(os.path.join(eval_dir, 'score-00000026.txt'))
+
+
+def testLmTwoPartitionsOnTwoCpusMatchOnePartition(lm_run, tmp_path):
+  _, loss_k1 = lm_run
+  logdir = str(tmp_path)
+  out = _Train('lm.TransformerLmTinyGPipe', logdir, '--max_steps=1',
+               '--num_cpu_devices=2', '--worker_split_size=2')
+  assert 'device:CPU:1' in out
+  loss_k2 = _Scalars(os.path.join(logdir, 'train'), 'loss')
+  print(f'first-step loss: K=1 {loss_k1[1]:.7f}, K=2 {loss_k2[1]:.7f}')
+  assert abs(loss_k1[1] - loss_k2[1]) < 1e-4
+
+
+def _LatestCheckpointStep(logdir):
+  path = tf.train.latest_checkpoint(os.path.join(logdir, 'train'))
+  return int(path.rsplit('-', 1)[1]) if path else -1
+
+
+def testImageTrainsResumesAndSurvivesAKill(tmp_path):
+  logdir = str(tmp_path)
+  model = 'image.ConvClassifierTiny'
+  _CheckTrainsAndResumes(model, logdir, 30, 36)
+
+  # Kill a long run once it has checkpointed past step 36 (the Tiny
+  # experiments checkpoint every 5 s), then restart it.
+  proc = subprocess.Popen([
+      sys.executable, '-m', 'lingvo_ext.trainer', f'--model={model}',
+      f'--logdir={logdir}', '--max_steps=1000000'
+  ],
+                          cwd=ROOT,
+                          stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL)
+  try:
+    deadline = time.time() + TIMEOUT
+    while _LatestCheckpointStep(logdir) <= 36 and time.time() < deadline:
+      assert proc.poll() is None, 'the trainer exited early'
+      time.sleep(0.5)
+  finally:
+    proc.kill()
+    proc.wait()
+  step = _LatestCheckpointStep(logdir)
+  assert step > 36
+  out = _Train(model, logdir, f'--max_steps={step + 3}')
+  assert f'Restored {step} ' in out
+  assert _LatestCheckpointStep(logdir) == step + 3
+
+
+def testListModels():
+  rc, out = _Run('lingvo_ext.tools.list_models', merge_stderr=False)
+  assert rc == 0, out
+  names = out.split('\n')[:-1]  # One name a line, nothing else.
+  for name in ('lm.TransformerLm', 'lm.TransformerLmTiny',
+               'lm.TransformerLmGPipe', 'lm.TransformerLmTinyGPipe',
+               'image.ConvClassifier', 'image.ConvClassifierTiny',
+               'image.ConvClassifierGPipe', 'image.ConvClassifierTinyGPipe'):
+    assert name in names
+  assert names == sorted(names)
+
+
+def testUnknownModelIsAClearError(tmp_path):
+  rc, out = _Run('lingvo_ext.trainer', '--model=lm.TransformerLmTinny',
+                 f'--logdir={tmp_path}')
+  assert rc == 2
+  assert "Unknown model 'lm.TransformerLmTinny'" in out
+  assert 'lm.TransformerLmTiny\n' in out
+  assert 'Traceback' not in out
+  assert not os.listdir(str(tmp_path))
+
+
+def testBadSplitSizeIsAClearError(tmp_path):
+  rc, out = _Run('lingvo_ext.trainer', '--model=lm.TransformerLmTiny',
+                 f'--logdir={tmp_path}', '--worker_split_size=2')
+  assert rc == 2
+  assert '--num_cpu_devices=2' in out
+  assert 'Traceback' not in out
