@@ -8,14 +8,13 @@ num_partitions cells for the `PipeliningLayer`.
 """
 
 import lingvo.compat as tf
-from lingvo.core import base_model
 from lingvo.core import py_utils
 from lingvo.core import tshape
-from lingvo_ext.core import gpipe
 from lingvo_ext.core import layers
+from lingvo_ext.tasks import pipelined_task
 
 
-class ConvClassifier(base_model.BaseTask):
+class ConvClassifier(pipelined_task.PipelinedTask):
   """Pipelined CNN classifier reporting accuracy."""
 
   @classmethod
@@ -31,16 +30,6 @@ class ConvClassifier(base_model.BaseTask):
         'head_pooling', 'FLATTEN', 'How the head sees the last block: '
         'FLATTEN (all positions; learns fastest on small images), AVG or MAX '
         '(global pooling; any image size).')
-    p.Define(
-        'num_partitions', 1, 'Number of pipeline cells K the stack is cut '
-        'into. To run them in parallel, give the worker K devices '
-        '(--worker_split_size=K, with --num_cpu_devices=K on CPU).')
-    p.Define(
-        'num_micro_batches', 1, 'Micro-batches per batch in the pipeline; '
-        'must divide the input batch_size.')
-    p.Define(
-        'partition_cost', 'flops', 'What PartitionSequentialLayers balances: '
-        'flops, params or time.')
     tp = p.train
     tp.learning_rate = 3e-3
     tp.clip_gradient_norm_to_value = 1.0
@@ -101,21 +90,12 @@ class ConvClassifier(base_model.BaseTask):
     return stack, shapes
 
   def __init__(self, params):
-    super().__init__(params)
-    p = self.params
+    p = params
     if p.input is not None and p.input.num_classes != p.num_classes:
       raise ValueError(
           f'The input\'s num_classes={p.input.num_classes} differs from the '
           f'task\'s num_classes={p.num_classes}; set both to the same value.')
-    stack, shapes = self.LayerStack(p)
-    cells = gpipe.PartitionSequentialLayers(
-        stack, p.num_partitions, *shapes, cost=p.partition_cost)
-    self.CreateChild(
-        'pipeline',
-        gpipe.PipeliningLayer.Params().Set(
-            name='pipeline',
-            cell_tpl=cells,
-            num_micro_batches=p.num_micro_batches))
+    super().__init__(params)
 
   def ComputePredictions(self, theta, input_batch):
     logits = self.pipeline.FProp(theta.pipeline, input_batch.data)

@@ -10,14 +10,13 @@ partitionings.
 """
 
 import lingvo.compat as tf
-from lingvo.core import base_model
 from lingvo.core import py_utils
 from lingvo.core import tshape
-from lingvo_ext.core import gpipe
 from lingvo_ext.core import layers
+from lingvo_ext.tasks import pipelined_task
 
 
-class TransformerLm(base_model.BaseTask):
+class TransformerLm(pipelined_task.PipelinedTask):
   """Causal Transformer LM reporting per-token log-perplexity (log_pplx)."""
 
   @classmethod
@@ -33,16 +32,6 @@ class TransformerLm(base_model.BaseTask):
         'position_embedding', 'LEARNED',
         'Position embedding of the EmbeddingLayer: LEARNED, SINUSOIDAL or '
         'NONE.')
-    p.Define(
-        'num_partitions', 1, 'Number of pipeline cells K the stack is cut '
-        'into. To run them in parallel, give the worker K devices '
-        '(--worker_split_size=K, with --num_cpu_devices=K on CPU).')
-    p.Define(
-        'num_micro_batches', 1, 'Micro-batches per batch in the pipeline; '
-        'must divide the input batch_size.')
-    p.Define(
-        'partition_cost', 'flops', 'What PartitionSequentialLayers balances: '
-        'flops, params or time.')
     tp = p.train
     tp.learning_rate = 1e-3
     tp.clip_gradient_norm_to_value = 1.0
@@ -92,21 +81,10 @@ class TransformerLm(base_model.BaseTask):
         apply_layer_norm=True))
     return stack, (tshape.Shape([p.input.batch_size, seq_len]),)
 
-  def __init__(self, params):
-    super().__init__(params)
-    p = self.params
-    stack, shapes = self.LayerStack(p)
-    cells = gpipe.PartitionSequentialLayers(
-        stack, p.num_partitions, *shapes, cost=p.partition_cost)
-    self.CreateChild(
-        'pipeline',
-        gpipe.PipeliningLayer.Params().Set(
-            name='pipeline',
-            cell_tpl=cells,
-            num_micro_batches=p.num_micro_batches,
-            # Ids enter the pipeline as float32 (exact below 2**24): a
-            # pipeline carries one dtype for all its states.
-            state_dtype=tf.float32))
+  def _PipelineParams(self):
+    # Token ids enter the pipeline as floats (exact below 2**24), so the
+    # states between cells are float32 whatever the input dtype.
+    return super()._PipelineParams().Set(state_dtype=tf.float32)
 
   def ComputePredictions(self, theta, input_batch):
     ids = tf.cast(input_batch.ids, tf.float32)
