@@ -23,6 +23,7 @@ from lingvo.core import py_utils
 from lingvo.core import recurrent
 from lingvo.core import tshape
 
+from lingvo_ext.core import matmul_grad
 from lingvo_ext.core import partitioning
 
 _MICRO_BATCH_STATE_NAME = 'micro_batch_state'
@@ -541,7 +542,8 @@ class PipeliningLayer(SeqLayer):
           previous, [None if s is None else s[t] for s in pieces])
       for i, (name, cell) in enumerate(self._cells):
         with tf.device(devices[i]), tf.name_scope('%s_mb%d' % (name, t)):
-          x = cell.FProp(thetas[i], *_ToTuple(x))
+          with matmul_grad.CpuMatMulGradients(devices[i]):
+            x = cell.FProp(thetas[i], *_ToTuple(x))
       outputs.append(x)
     with tf.device(devices[-1]):
       merged = [

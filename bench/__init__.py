@@ -1,0 +1,1 @@
+"""Benchmarks for lingvo_ext (run as scripts: python bench/pipeline.py)."""

@@ -1,0 +1,598 @@
+"""GPipe step time: lingvo.core.gpipe vs lingvo_ext vs the plain model.
+
+Builds the same FC model (same seed, same weights) three ways: with
+`lingvo.core.gpipe.PipeliningLayer` (the anchor), with
+`lingvo_ext.core.gpipe.PipeliningLayer` at its default params (so it always
+measures the current default schedule), and as a plain unpipelined stack. Each
+runs in its own graph and session on 2 logical CPU devices with 2 inter-op and
+1 intra-op threads; a training step is loss = sum(y^2), tf.gradients and an
+SGD assign_sub, as in Lingvo's issue figures.
+
+For each model and (K cells, M micro-batches) the timed steps alternate the
+implementations round-robin in one process, and the median is reported. Peak
+RSS comes from a fresh child process per (implementation, configuration).
+
+  python bench/pipeline.py                 # the full sweep, JSON lines
+  python bench/pipeline.py --markdown      # the same, as a markdown table
+  python bench/pipeline.py --quick         # reduced sweep, < 2 minutes
+  python bench/pipeline.py --quick --trace /tmp/trace   # + timelines
+
+See docs/benchmarks.md for what the numbers mean.
+"""
+
+import argparse
+import importlib
+import json
+import multiprocessing
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from typing import Dict, List, Optional, Sequence
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _REPO not in sys.path:
+  sys.path.insert(0, _REPO)
+
+import lingvo_ext  # pylint: disable=unused-import,g-import-not-at-top,g-bad-import-order
+import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
+from lingvo.core import builder_layers  # pylint: disable=g-import-not-at-top
+from lingvo.core import cluster_factory  # pylint: disable=g-import-not-at-top
+from lingvo.core import gpipe as lingvo_gpipe  # pylint: disable=g-import-not-at-top
+from lingvo.core import layers  # pylint: disable=g-import-not-at-top
+from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
+from lingvo.core import tshape  # pylint: disable=g-import-not-at-top
+import numpy as np  # pylint: disable=g-import-not-at-top
+
+from bench import timeline  # pylint: disable=g-import-not-at-top
+from lingvo_ext.core import gpipe as ext_gpipe  # pylint: disable=g-import-not-at-top
+
+py_utils.SetEagerMode(False)
+
+IMPLS = ('lingvo', 'lingvo_ext', 'plain')
+MODELS = ('homogeneous', 'heterogeneous')
+NUM_DEVICES = 2
+NUM_LAYERS = 8
+# Layer widths of the heterogeneous model, as multiples of --width: per-layer
+# FLOPs differ by up to 16x, so cells cannot be balanced exactly.
+HETERO_WIDTHS = (1, 2, 0.5, 0.25, 1, 2, 1, 0.25, 1)
+LEARNING_RATE = 1e-6
+# A pipeline's loss must equal the plain model's on the first step.
+LOSS_RTOL = 1e-4
+
+FULL = dict(width=1536, batch=128, K=[1, 2], M=[1, 2, 4, 8, 16], steps=20,
+            warmup=3, rss='spawn')
+QUICK = dict(width=256, batch=32, K=[1, 2], M=[1, 4], steps=10, warmup=3,
+             rss='fork')
+
+
+def _Log(msg: str) -> None:
+  print('[bench] ' + msg, file=sys.stderr, flush=True)
+
+
+# --- Models -------------------------------------------------------------------
+
+
+def Widths(model: str, width: int) -> List[int]:
+  """The NUM_LAYERS + 1 activation widths of a model."""
+  if model == 'homogeneous':
+    return [width] * (NUM_LAYERS + 1)
+  if model == 'heterogeneous':
+    return [max(1, int(round(width * m))) for m in HETERO_WIDTHS]
+  raise ValueError('Unknown model %r; use one of %s.' % (model, MODELS))
+
+
+def LayerParams(model: str, width: int) -> List:
+  """FC layer params with explicit per-layer seeds: equal weights anywhere."""
+  widths = Widths(model, width)
+  return [
+      layers.FCLayer.Params().Set(
+          name='fc%d' % i, input_dim=a, output_dim=b,
+          params_init=py_utils.WeightInit.Gaussian(1.0 / np.sqrt(a),
+                                                   seed=i + 1))
+      for i, (a, b) in enumerate(zip(widths, widths[1:]))
+  ]
+
+
+def Cells(model: str, width: int, batch: int, num_cells: int) -> List:
+  """lingvo_ext FeatureExtractionLayer params: min-max FLOPs partition."""
+  shape = tshape.Shape([batch, Widths(model, width)[0]])
+  return ext_gpipe.PartitionSequentialLayers(
+      LayerParams(model, width), num_cells, shape)
+
+
+def CellFlops(cells: Sequence, model: str, width: int, batch: int) -> List[int]:
+  shape = tshape.Shape([batch, Widths(model, width)[0]])
+  out = []
+  for c in cells:
+    meta = c.cls.FPropMeta(c, shape)
+    out.append(int(meta.flops))
+    shape = meta.out_shapes[0]
+  return out
+
+
+def SlowestToMean(cell_flops: Sequence[int]) -> float:
+  return float(max(cell_flops) / np.mean(cell_flops))
+
+
+def IdealMs(plain_ms: float, num_cells: int, num_micro: int) -> float:
+  """plain x (M+K-1)/(M K) x 4/3 (bubble and recompute); plain for K=1."""
+  if num_cells == 1:
+    return plain_ms
+  return (plain_ms * (num_micro + num_cells - 1) / (num_micro * num_cells) *
+          4.0 / 3.0)
+
+
+def SessionConfig():
+  return tf.config_pb2.ConfigProto(
+      device_count={'CPU': NUM_DEVICES}, inter_op_parallelism_threads=2,
+      intra_op_parallelism_threads=1)
+
+
+def _BuildPipeline(gpipe_module, cells: Sequence, num_micro_batches: int):
+  """`gpipe_module.PipeliningLayer` over `cells`, all other params default."""
+  cell_tpl = [
+      gpipe_module.FeatureExtractionLayer.Params().Set(
+          name=c.name, sub=[s.Copy() for s in c.sub]) for c in cells
+  ]
+  return gpipe_module.PipeliningLayer.Params().Set(
+      name='pipe', cell_tpl=cell_tpl,
+      num_micro_batches=num_micro_batches).Instantiate()
+
+
+def ExtOnlyParams() -> Dict[str, str]:
+  """lingvo_ext PipeliningLayer params Lingvo lacks, at their defaults."""
+  ext = ext_gpipe.PipeliningLayer.Params()
+  ours = dict(ext.IterParams())
+  theirs = dict(lingvo_gpipe.PipeliningLayer.Params().IterParams())
+  return {k: repr(v) for k, v in sorted(ours.items()) if k not in theirs}
+
+
+class Step:
+  """One implementation's training step in its own graph and session."""
+
+  def __init__(self, impl: str, model: str, width: int, batch: int,
+               num_cells: int, num_micro: int, colocate: bool = False):
+    self.impl = impl
+    cells = Cells(model, width, batch, num_cells)
+    graph = tf.Graph()
+    num_split = 1 if impl == 'plain' else num_cells
+    with graph.as_default(), cluster_factory.ForTestingWorker(
+        mode='sync', job='trainer_client', cpus=num_split,
+        split_size=num_split):
+      tf.random.set_seed(1)
+      py_utils.GetOrCreateGlobalStepVar()
+      x = tf.constant(
+          np.random.RandomState(0).randn(batch, Widths(model, width)[0]),
+          dtype=tf.float32)
+      if impl == 'plain':
+        net = builder_layers.SequentialLayer.Params().Set(
+            name='plain',
+            sub=[s.Copy() for c in cells for s in c.sub]).Instantiate()
+      elif impl == 'lingvo':
+        net = _BuildPipeline(lingvo_gpipe, cells, num_micro)
+      elif impl == 'lingvo_ext':
+        net = _BuildPipeline(ext_gpipe, cells, num_micro)
+      else:
+        raise ValueError('Unknown impl %r; use one of %s.' % (impl, IMPLS))
+      y = net.FPropDefaultTheta(x)
+      self.loss = tf.reduce_sum(tf.square(y))
+      variables = net.vars.Flatten()
+      grads = tf.gradients(self.loss, variables,
+                           colocate_gradients_with_ops=colocate)
+      self.train = tf.group(*[
+          tf.assign_sub(v, LEARNING_RATE * g)
+          for v, g in zip(variables, grads)
+      ])
+      init = tf.global_variables_initializer()
+    graph.finalize()
+    self.sess = tf.Session(graph=graph, config=SessionConfig())
+    self.sess.run(init)
+
+  def FirstLoss(self) -> float:
+    return float(self.sess.run(self.loss))
+
+  def Run(self) -> float:
+    t = time.perf_counter()
+    self.sess.run(self.train)
+    return time.perf_counter() - t
+
+  def Close(self) -> None:
+    self.sess.close()
+
+
+# --- Timing -------------------------------------------------------------------
+
+
+def TimeRoundRobin(steps: Dict[str, Step], num_steps: int,
+                   warmup: int) -> Dict[str, List[float]]:
+  """Warms each step up, then times them interleaved; seconds per impl.
+
+  The order rotates every round so no implementation always runs right after
+  the same other one.
+  """
+  for s in steps.values():
+    for _ in range(warmup):
+      s.Run()
+  names = list(steps)
+  times = {n: [] for n in names}
+  for r in range(num_steps):
+    k = r % len(names)
+    for n in names[k:] + names[:k]:
+      times[n].append(steps[n].Run())
+  return times
+
+
+# --- Peak RSS in a fresh process ----------------------------------------------
+
+
+def _RssMb(field: str) -> Optional[float]:
+  try:
+    with open('/proc/self/status') as f:
+      for line in f:
+        if line.startswith(field + ':'):
+          return int(line.split()[1]) / 1024.0
+  except OSError:
+    pass
+  return None
+
+
+def ChildPeakRss(job: Dict) -> Dict:
+  """Runs in the child: builds one step, runs it, returns its peak RSS (MB).
+
+  Args:
+    job: impl, model, width, batch, K, M, steps.
+
+  Returns:
+    peak_rss_mb (the process's peak resident set, VmHWM or ru_maxrss) and
+    base_rss_mb (resident set before the graph was built).
+  """
+  base = _RssMb('VmRSS')
+  s = Step(job['impl'], job['model'], job['width'], job['batch'], job['K'],
+           job['M'], job.get('colocate', False))
+  for _ in range(job['steps']):
+    s.Run()
+  s.Close()
+  peak = _RssMb('VmHWM')
+  if peak is None:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+  return dict(peak_rss_mb=peak, base_rss_mb=base)
+
+
+class RssMeter:
+  """Measures peak RSS per job in fresh processes.
+
+  'fork': children forked from a server process that has only imported TF,
+  Lingvo and this module (multiprocessing's forkserver), so no import cost
+  per child. 'spawn': a new interpreter per job (`--_child`), about 7 s more
+  each. 'none': no measurement.
+  """
+
+  def __init__(self, mode: str, timeout_s: float = 600):
+    self.mode = mode
+    self.timeout_s = timeout_s
+    self._ctx = None
+    if mode == 'fork':
+      self._ctx = multiprocessing.get_context('forkserver')
+      self._ctx.set_forkserver_preload(['bench.pipeline'])
+      # Pickled by module path so the forkserver child can find it.
+      self._fn = importlib.import_module('bench.pipeline').ChildPeakRss
+
+  def Measure(self, job: Dict) -> Dict:
+    if self.mode == 'none':
+      return dict(peak_rss_mb=None, base_rss_mb=None)
+    try:
+      if self.mode == 'fork':
+        with self._ctx.Pool(1, maxtasksperchild=1) as pool:
+          return pool.apply_async(self._fn, (job,)).get(self.timeout_s)
+      out = subprocess.run(
+          [sys.executable, os.path.abspath(__file__), '--_child',
+           json.dumps(job)], capture_output=True, text=True,
+          timeout=self.timeout_s, check=True).stdout
+      return json.loads(out.strip().splitlines()[-1])
+    except Exception as e:  # pylint: disable=broad-except
+      _Log('peak RSS of %s failed: %r' % (job, e))
+      return dict(peak_rss_mb=None, base_rss_mb=None)
+
+
+# --- Timelines ----------------------------------------------------------------
+
+
+def _HostTrace(sess, fetch):
+  """One step under TF's profiler: a trace_events_pb2.Trace, or None."""
+  try:
+    # pylint: disable=g-import-not-at-top
+    from tensorflow.python.profiler.internal import _pywrap_profiler
+    from tensorflow.tsl.profiler.protobuf import trace_events_pb2
+    # pylint: enable=g-import-not-at-top
+    trace = None
+    for _ in range(2):  # The first profiled step pays set-up costs.
+      session = _pywrap_profiler.ProfilerSession()
+      session.start('', {'host_tracer_level': 2, 'python_tracer_level': 0,
+                         'device_tracer_level': 0})
+      try:
+        sess.run(fetch)
+      finally:
+        data = session.stop()
+      trace = trace_events_pb2.Trace()
+      trace.ParseFromString(data)
+    return trace
+  except Exception as e:  # pylint: disable=broad-except
+    _Log('host trace unavailable: %r' % e)
+    return None
+
+
+def TraceStep(step: Step, directory: str, name: str, title: str) -> Dict:
+  """Writes one step's Chrome trace, host trace and Gantt PNG; returns stats.
+
+  Files: <name>.trace.json (step stats via TF's timeline module),
+  <name>.host_trace.json (profiler, ops inside loops too), <name>.png.
+  """
+  # pylint: disable=g-import-not-at-top
+  from tensorflow.python.client import timeline as tf_timeline
+  # pylint: enable=g-import-not-at-top
+  os.makedirs(directory, exist_ok=True)
+  options = tf.RunOptions(trace_level=tf.RunOptions.FULL_TRACE)
+  metadata = None
+  for _ in range(2):  # The first traced step re-instantiates functions.
+    metadata = tf.RunMetadata()
+    step.sess.run(step.train, options=options, run_metadata=metadata)
+  prefix = os.path.join(directory, name)
+  with open(prefix + '.trace.json', 'w') as f:
+    f.write(tf_timeline.Timeline(
+        metadata.step_stats).generate_chrome_trace_format())
+  intervals = timeline.BusyIntervals(metadata.step_stats)
+  t0, t1 = timeline.Span(intervals)
+  host = _HostTrace(step.sess, step.train)
+  host_events = timeline.HostOpEvents(host) if host is not None else None
+  if host is not None:
+    timeline.WriteJson(timeline.HostTraceToChrome(host),
+                       prefix + '.host_trace.json')
+  idle = timeline.PlotGantt(intervals, prefix + '.png', title=title,
+                            host_events=host_events)
+  stats = dict(
+      name=name, idle_fraction=round(idle, 4), traced_span_ms=round(
+          (t1 - t0) / 1e3, 3),
+      busy_ms={d: round(sum(e - s for s, e in timeline.Union(v)) / 1e3, 3)
+               for d, v in intervals.items()},
+      opaque_loops=[
+          dict(device=d, node=n.node_name, ms=round(
+              n.all_end_rel_micros / 1e3, 3))
+          for dev in metadata.step_stats.dev_stats
+          for d in [timeline.ShortDevice(dev.device)]
+          for n in dev.node_stats
+          if timeline.OpType(n.timeline_label) == 'While'
+      ])
+  if host_events:
+    stats['host'] = timeline.HostBreakdown(host_events)
+  return stats
+
+
+# --- The sweep ----------------------------------------------------------------
+
+
+def _TraceConfig(args, steps: Dict[str, Step], model: str, k: int,
+                 m: int) -> Dict[str, Dict]:
+  """Traces one step of each pipeline (and of plain once per model)."""
+  traces = {}
+  impls = ['lingvo', 'lingvo_ext']
+  if k == args.K[0] and m == args.M[0]:
+    impls.append('plain')
+  for impl in impls:
+    name = ('%s_%s' % (impl, model) if impl == 'plain' else
+            '%s_%s_K%d_M%d' % (impl, model, k, m))
+    title = '%s %s K=%d M=%d' % (impl, model, k, m)
+    traces[impl] = TraceStep(steps[impl], args.trace, name, title)
+    with open(os.path.join(args.trace, 'summary.jsonl'), 'a') as f:
+      f.write(json.dumps(traces[impl]) + '\n')
+  return traces
+
+
+def _ConfigRecords(args, model: str, k: int, m: int,
+                   times: Dict[str, List[float]], losses: Dict[str, float],
+                   cell_ratio: float, traces: Dict[str, Dict]) -> Dict:
+  """The JSON records of one configuration, RSS not yet filled in."""
+  plain_loss = losses['plain']
+  plain_ms = statistics.median(times['plain']) * 1e3
+  ideal = IdealMs(plain_ms, k, m)
+  recs = {}
+  for impl in IMPLS:
+    ms = [1e3 * t for t in times[impl]]
+    rec = dict(
+        impl=impl, model=model, K=k, M=m,
+        step_ms=round(statistics.median(ms), 3), peak_rss_mb=None,
+        width=args.width, batch=args.batch, steps=len(ms),
+        p25_ms=round(float(np.percentile(ms, 25)), 3),
+        p75_ms=round(float(np.percentile(ms, 75)), 3),
+        colocate_gradients=args.colocate, rss_mode=args.rss,
+        first_loss=losses[impl],
+        loss_rel_diff=float('%.3g' % (abs(losses[impl] - plain_loss) /
+                                      max(abs(plain_loss), 1e-30))),
+        cell_cost_max_over_mean=round(cell_ratio, 4))
+    rec['vs_plain'] = round(rec['step_ms'] / plain_ms, 4)
+    rec['ideal_ms'] = round(ideal, 3)
+    rec['vs_ideal'] = round(rec['step_ms'] / ideal, 4)
+    if impl in traces:
+      rec['idle_fraction'] = traces[impl]['idle_fraction']
+      host = traces[impl].get('host')
+      if host:
+        rec['thread_idle_fraction'] = round(host['thread_idle_fraction'], 4)
+    recs[impl] = rec
+  recs['lingvo_ext']['vs_lingvo'] = round(
+      recs['lingvo_ext']['step_ms'] / recs['lingvo']['step_ms'], 4)
+  recs['lingvo_ext']['ext_params'] = ExtOnlyParams()
+  return recs
+
+
+def RunSweep(args) -> List[Dict]:
+  """Times every configuration; returns one record per (impl, model, K, M)."""
+  rss = RssMeter(args.rss)
+  records = []
+  for model in args.models:
+    _Log('%s: building the plain model' % model)
+    job = dict(model=model, width=args.width, batch=args.batch,
+               steps=args.rss_steps, colocate=args.colocate)
+    # The plain model does not depend on K and M: one session and one RSS.
+    plain = Step('plain', model, args.width, args.batch, 1, 1, args.colocate)
+    plain_loss = plain.FirstLoss()
+    plain_rss = rss.Measure(dict(job, impl='plain', K=1, M=1))
+    for k in args.K:
+      cell_ratio = SlowestToMean(
+          CellFlops(Cells(model, args.width, args.batch, k), model, args.width,
+                    args.batch))
+      for m in args.M:
+        t_cfg = time.time()
+        steps = {'plain': plain}
+        losses = {'plain': plain_loss}
+        for impl in ('lingvo', 'lingvo_ext'):
+          steps[impl] = Step(impl, model, args.width, args.batch, k, m,
+                             args.colocate)
+          losses[impl] = steps[impl].FirstLoss()
+        bad = {i: l for i, l in losses.items()
+               if abs(l - plain_loss) > LOSS_RTOL * abs(plain_loss)}
+        if bad:
+          msg = '%s K=%d M=%d: first-step losses differ: %s' % (model, k, m,
+                                                                losses)
+          if args.check:
+            raise AssertionError(msg)
+          _Log('WARNING ' + msg)
+        times = TimeRoundRobin(steps, args.steps, args.warmup)
+        traces = _TraceConfig(args, steps, model, k, m) if args.trace else {}
+        for impl in ('lingvo', 'lingvo_ext'):
+          steps[impl].Close()
+        recs = _ConfigRecords(args, model, k, m, times, losses, cell_ratio,
+                              traces)
+        for impl in ('lingvo', 'lingvo_ext'):
+          recs[impl].update(rss.Measure(dict(job, impl=impl, K=k, M=m)))
+        recs['plain'].update(plain_rss)
+        for impl in IMPLS:
+          for key in ('peak_rss_mb', 'base_rss_mb'):
+            if recs[impl].get(key) is not None:
+              recs[impl][key] = round(recs[impl][key], 1)
+          records.append(recs[impl])
+          if not args.markdown:
+            print(json.dumps(recs[impl]), flush=True)
+        if args.jsonl:
+          with open(args.jsonl, 'a') as f:
+            for impl in IMPLS:
+              f.write(json.dumps(recs[impl]) + '\n')
+        _Log('%s K=%d M=%d: lingvo %.1f ms, lingvo_ext %.1f ms, plain %.1f ms '
+             '(%.0f s)' % (model, k, m, recs['lingvo']['step_ms'],
+                           recs['lingvo_ext']['step_ms'],
+                           recs['plain']['step_ms'], time.time() - t_cfg))
+    plain.Close()
+  return records
+
+
+def Markdown(records: Sequence[Dict]) -> str:
+  """One table row per (model, K, M)."""
+  by_cfg = {}
+  for r in records:
+    by_cfg.setdefault((r['model'], r['K'], r['M']), {})[r['impl']] = r
+
+  def _F(x, fmt='%.1f'):
+    return '-' if x is None else fmt % x
+
+  lines = [
+      '| model | K | M | lingvo ms | lingvo_ext ms | plain ms | ext/lingvo '
+      '| lingvo/plain | ext/plain | ideal ms | lingvo/ideal | ext/ideal '
+      '| slowest/mean cell | peak RSS MB lingvo / ext / plain |',
+      '|' + '---|' * 14,
+  ]
+  for (model, k, m), c in by_cfg.items():
+    if not all(i in c for i in IMPLS):
+      continue
+    l, e, p = c['lingvo'], c['lingvo_ext'], c['plain']
+    lines.append('| %s | %d | %d | %s | %s | %s | %s | %s | %s | %s | %s | %s '
+                 '| %s | %s / %s / %s |' % (
+                     model, k, m, _F(l['step_ms']), _F(e['step_ms']),
+                     _F(p['step_ms']), _F(e['vs_lingvo'], '%.2f'),
+                     _F(l['vs_plain'], '%.2f'), _F(e['vs_plain'], '%.2f'),
+                     _F(l['ideal_ms']), _F(l['vs_ideal'], '%.2f'),
+                     _F(e['vs_ideal'], '%.2f'),
+                     _F(l['cell_cost_max_over_mean'], '%.2f'),
+                     _F(l['peak_rss_mb'], '%.0f'), _F(e['peak_rss_mb'], '%.0f'),
+                     _F(p['peak_rss_mb'], '%.0f')))
+  return '\n'.join(lines)
+
+
+def ParseArgs(argv=None):
+  parser = argparse.ArgumentParser(
+      description=__doc__.splitlines()[0],
+      formatter_class=argparse.RawDescriptionHelpFormatter,
+      epilog='\n'.join(__doc__.splitlines()[1:]))
+  parser.add_argument(
+      '--quick', action='store_true',
+      help='Reduced sweep: width %(w)d, batch %(b)d, K in %(K)s, M in %(M)s, '
+      '%(s)d timed steps.' % dict(w=QUICK['width'], b=QUICK['batch'],
+                                  K=QUICK['K'], M=QUICK['M'],
+                                  s=QUICK['steps']))
+  parser.add_argument('--width', type=int, help='Layer width (default %d, '
+                      'quick %d).' % (FULL['width'], QUICK['width']))
+  parser.add_argument('--batch', type=int, help='Batch size (default %d, '
+                      'quick %d).' % (FULL['batch'], QUICK['batch']))
+  parser.add_argument('--K', type=int, nargs='+', help='Numbers of cells.')
+  parser.add_argument('--M', type=int, nargs='+',
+                      help='Numbers of micro-batches.')
+  parser.add_argument('--models', nargs='+', choices=MODELS,
+                      default=list(MODELS))
+  parser.add_argument('--steps', type=int,
+                      help='Timed steps per implementation (>= 10).')
+  parser.add_argument('--warmup', type=int, help='Untimed steps first.')
+  parser.add_argument('--rss', choices=('spawn', 'fork', 'none'),
+                      help='Peak RSS from a fresh interpreter per '
+                      'configuration (spawn, the default), a process forked '
+                      'from a pre-imported server (fork, the --quick default: '
+                      'no 7 s import each), or not at all.')
+  parser.add_argument('--rss_steps', type=int, default=3,
+                      help='Steps the peak-RSS child runs.')
+  parser.add_argument('--markdown', action='store_true',
+                      help='Print a markdown table instead of JSON lines.')
+  parser.add_argument('--jsonl', help='Also append the JSON lines here.')
+  parser.add_argument('--from_jsonl',
+                      help='Only render --markdown from a saved --jsonl file.')
+  parser.add_argument('--trace', metavar='DIR',
+                      help='Write a Chrome trace, a host trace and a Gantt PNG '
+                      'of one step per configuration into DIR.')
+  parser.add_argument('--colocate', action='store_true',
+                      help='tf.gradients(colocate_gradients_with_ops=True), '
+                      'as Lingvo\'s learner does; the default follows the '
+                      'issue\'s probe (plain tf.gradients).')
+  parser.add_argument('--check', action='store_true',
+                      help='Fail if the first-step losses differ.')
+  parser.add_argument('--_child', help=argparse.SUPPRESS)
+  args = parser.parse_args(argv)
+  base = QUICK if args.quick else FULL
+  for key in ('width', 'batch', 'K', 'M', 'steps', 'warmup', 'rss'):
+    if getattr(args, key) is None:
+      setattr(args, key, base[key])
+  if args.steps < 10 and not args._child:  # pylint: disable=protected-access
+    parser.error('--steps must be >= 10 for a meaningful median.')
+  for m in args.M:
+    if args.batch % m:
+      parser.error('--batch %d is not divisible by M=%d.' % (args.batch, m))
+  return args
+
+
+def main(argv=None) -> int:
+  args = ParseArgs(argv)
+  child = args._child  # pylint: disable=protected-access
+  if child:
+    print(json.dumps(ChildPeakRss(json.loads(child))))
+    return 0
+  if args.from_jsonl:
+    with open(args.from_jsonl) as f:
+      print(Markdown([json.loads(l) for l in f if l.strip()]))
+    return 0
+  t = time.time()
+  records = RunSweep(args)
+  if args.markdown:
+    print(Markdown(records))
+  _Log('done in %.0f s' % (time.time() - t))
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())

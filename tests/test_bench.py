@@ -1,0 +1,159 @@
+"""Tests of bench/pipeline.py (--quick at tiny sizes) and bench/timeline.py."""
+
+import json
+import os
+import subprocess
+import sys
+
+import lingvo_ext  # pylint: disable=unused-import
+import pytest
+from tensorflow.core.framework import step_stats_pb2
+from tensorflow.tsl.profiler.protobuf import trace_events_pb2
+
+from bench import timeline
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _Node(dev, name, start, dur, op='MatMul'):
+  n = dev.node_stats.add()
+  n.node_name = name
+  n.all_start_micros = start
+  n.op_end_rel_micros = dur
+  n.all_end_rel_micros = dur
+  n.timeline_label = '%s = %s(x, y)' % (name, op)
+  return n
+
+
+def _HandMadeStepStats():
+  """Two devices over [100, 200) us.
+
+  CPU:0 is busy [100, 130) and [140, 170) (two overlapping ops count once),
+  CPU:1 [130, 160) and [190, 200). A call op spanning everything and a
+  receive are containers/waits and must not count.
+  """
+  ss = step_stats_pb2.StepStats()
+  d0 = ss.dev_stats.add()
+  d0.device = '/job:localhost/replica:0/task:0/device:CPU:0'
+  _Node(d0, 'd0_mb0/fc0/MatMul', 100, 30)
+  _Node(d0, 'gradients/d0_mb1/fc0/MatMul_grad/MatMul', 140, 20)
+  _Node(d0, 'gradients/d0_mb1/fc0/MatMul_grad/MatMul_1', 150, 20)
+  _Node(d0, 'StatefulPartitionedCall', 100, 100, op='StatefulPartitionedCall')
+  d1 = ss.dev_stats.add()
+  d1.device = '/job:localhost/replica:0/task:0/device:CPU:1'
+  _Node(d1, 'd1_mb0/fc1/MatMul', 130, 30)
+  _Node(d1, 'AssignSubVariableOp', 190, 10, op='AssignSubVariableOp')
+  _Node(d1, 'd1_mb0/_Recv', 100, 30, op='_Recv')
+  return ss
+
+
+def testBusyIntervalsAndIdleFraction():
+  intervals = timeline.BusyIntervals(_HandMadeStepStats())
+  assert sorted(intervals) == ['CPU:0', 'CPU:1']
+  assert intervals['CPU:0'] == [(100.0, 130.0, 'fwd:mb0'),
+                                (140.0, 160.0, 'bwd:mb1'),
+                                (150.0, 170.0, 'bwd:mb1')]
+  assert intervals['CPU:1'] == [(130.0, 160.0, 'fwd:mb0'),
+                                (190.0, 200.0, 'update')]
+  assert timeline.Span(intervals) == (100.0, 200.0)
+  # Busy: CPU:0 30 + 30, CPU:1 30 + 10 = 100 of 2 x 100.
+  assert timeline.IdleFraction(intervals) == pytest.approx(0.5)
+  # Window [100, 150): CPU:0 30 + 10, CPU:1 20 = 60 of 100.
+  assert timeline.IdleFraction(intervals, 100, 150) == pytest.approx(0.4)
+  assert timeline.IdleFraction({}) == 0.0
+
+
+def testClassify():
+  assert timeline.Classify('d1_mb3/fc2/MatMul', 'MatMul') == 'fwd:mb3'
+  assert timeline.Classify('gradients/d1_mb12/fc2/MatMul_grad/MatMul',
+                           'MatMul') == 'bwd:mb12'
+  assert timeline.Classify('gradients/IdentityN_grad/While', 'While') == 'bwd'
+  assert timeline.Classify('While', 'While') == 'fwd'
+  assert timeline.Classify('fc0/Relu', 'ReluGrad') == 'bwd'
+  assert timeline.Classify('AssignSubVariableOp_3',
+                           'AssignSubVariableOp') == 'update'
+  assert timeline.OpType('a/b = MatMul(x, y)') == 'MatMul'
+  assert timeline.ShortDevice('/job:w/replica:0/task:0/device:CPU:1') == 'CPU:1'
+
+
+def testHostBreakdown():
+  trace = trace_events_pb2.Trace()
+  dev = trace.devices[1]
+  dev.name = '/host:CPU'
+  dev.resources[7].name = 'tf_Compute/1'
+  dev.resources[8].name = 'python'
+  for start, dur, long_name in [(0, 10, 'fc0/MatMul:MatMul'),
+                                (10, 5, 'acc/InplaceUpdate:InplaceUpdate'),
+                                (20, 20, 'gradients/fc0/x:MatMul')]:
+    e = trace.trace_events.add()
+    e.device_id, e.resource_id = 1, 7
+    e.timestamp_ps, e.duration_ps = start * 10**6, dur * 10**6
+    e.args['long_name'] = long_name
+  e = trace.trace_events.add()  # Not on a compute thread: ignored.
+  e.device_id, e.resource_id, e.duration_ps = 1, 8, 10**9
+  e.args['long_name'] = 'x:MatMul'
+  events = timeline.HostOpEvents(trace)
+  assert len(events) == 3
+  b = timeline.HostBreakdown(events)
+  assert b['span_us'] == pytest.approx(40)
+  assert b['thread_idle_fraction'] == pytest.approx(5 / 40)
+  assert b['category_us'] == {'compute': 30, 'accumulate/state': 5}
+  assert b['phase_us'] == {'bwd': 20, 'fwd': 15}
+  chrome = timeline.HostTraceToChrome(trace)
+  assert sum(e['ph'] == 'X' for e in chrome['traceEvents']) == 4
+
+
+def testPlotGantt(tmp_path):
+  intervals = timeline.BusyIntervals(_HandMadeStepStats())
+  path = str(tmp_path / 'g.png')
+  idle = timeline.PlotGantt(intervals, path, title='hand-made')
+  assert idle == pytest.approx(0.5)
+  with open(path, 'rb') as f:
+    assert f.read(8) == b'\x89PNG\r\n\x1a\n'
+
+
+def testIdealMs():
+  from bench import pipeline  # pylint: disable=g-import-not-at-top
+  assert pipeline.IdealMs(100.0, 1, 8) == 100.0
+  assert pipeline.IdealMs(100.0, 2, 1) == pytest.approx(100.0 * 4 / 3)
+  assert pipeline.IdealMs(120.0, 2, 4) == pytest.approx(120.0 * 5 / 8 * 4 / 3)
+
+
+def testTraceStep(tmp_path):
+  from bench import pipeline  # pylint: disable=g-import-not-at-top
+  step = pipeline.Step('lingvo_ext', 'homogeneous', width=8, batch=4,
+                       num_cells=2, num_micro=2)
+  try:
+    stats = pipeline.TraceStep(step, str(tmp_path), 'ext', 'ext K=2 M=2')
+  finally:
+    step.Close()
+  for suffix in ('.trace.json', '.png'):
+    assert os.path.getsize(str(tmp_path / ('ext' + suffix))) > 0
+  with open(str(tmp_path / 'ext.trace.json')) as f:
+    assert json.load(f)['traceEvents']
+  assert 0.0 <= stats['idle_fraction'] < 1.0
+  assert sorted(stats['busy_ms']) == ['CPU:0', 'CPU:1']
+
+
+def testQuickJson():
+  out = subprocess.run(
+      [sys.executable, os.path.join(_REPO, 'bench', 'pipeline.py'), '--quick',
+       '--width', '16', '--batch', '8', '--check'],
+      capture_output=True, text=True, timeout=600, cwd=_REPO)
+  assert out.returncode == 0, out.stderr[-3000:]
+  records = [json.loads(l) for l in out.stdout.splitlines() if l.strip()]
+  keys = {(r['impl'], r['model'], r['K'], r['M']) for r in records}
+  assert keys == {(i, m, k, mb)
+                  for i in ('lingvo', 'lingvo_ext', 'plain')
+                  for m in ('homogeneous', 'heterogeneous')
+                  for k in (1, 2) for mb in (1, 4)}
+  for r in records:
+    assert r['step_ms'] > 0, r
+    assert r['peak_rss_mb'] > 0, r
+    assert r['steps'] >= 10, r
+    assert r['loss_rel_diff'] <= 1e-4, r
+    assert r['ideal_ms'] > 0 and r['vs_plain'] > 0, r
+    if r['impl'] == 'lingvo_ext':
+      assert r['vs_lingvo'] > 0, r
+  hetero = [r for r in records if r['model'] == 'heterogeneous' and r['K'] == 2]
+  assert all(r['cell_cost_max_over_mean'] > 1.0 for r in hetero)
