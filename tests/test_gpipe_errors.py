@@ -105,6 +105,14 @@ def test_act_outputs_mismatch():
       p.Instantiate()
 
 
+def test_unknown_schedule():
+  with tf.Graph().as_default(), lib.Cluster(2):
+    with pytest.raises(ValueError, match="schedule='gpipe'; use one of "
+                       r"\['recurrent', 'unrolled'\]"):
+      gpipe.PipeliningLayer.Params().Set(
+          name='pipe', cell_tpl=_Cells(2), schedule='gpipe').Instantiate()
+
+
 def test_valid_config_still_builds():
   out = _FProp([8, D], num_micro_batches=4)
   assert out.shape.as_list() == [8, D]

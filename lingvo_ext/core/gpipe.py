@@ -338,8 +338,8 @@ class PipeliningLayer(SeqLayer):
              'micro_batch_size * num_micro_batches.')
     p.Define('batch_dim', 0, 'The batch dimension of every input.')
     p.Define('state_dtype', None,
-             'dtype of the states passed between cells; defaults to the '
-             'dtype of the first input.')
+             "schedule='recurrent' only: dtype of the states passed between "
+             'cells; defaults to the dtype of the first input.')
     p.Define('nested_map_fprop', False,
              'Whether cells take and return a single NestedMap.')
     p.Define(
@@ -351,6 +351,8 @@ class PipeliningLayer(SeqLayer):
         "Backward ops land on their cell's device when gradients are "
         "colocated with ops, as Lingvo's py_utils.ComputeGradients does by "
         "default (tf.gradients(..., colocate_gradients_with_ops=True)). "
+        "On CPU, MatMul input gradients avoid TensorFlow's slow "
+        "transposed-weight kernel (see matmul_grad.py). "
         "'recurrent': Lingvo's StackedRecurrent loop, which recomputes "
         "each cell's forward pass in the backward pass, keeping only cell "
         "boundary activations (less memory, more time).")
