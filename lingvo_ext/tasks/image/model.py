@@ -37,16 +37,7 @@ class ConvClassifier(pipelined_task.PipelinedTask):
 
   @classmethod
   def LayerStack(cls, task_params):
-    """The flat layer stack and the input shapes of one training batch.
-
-    Args:
-      task_params: This task's params, with `input` set (e.g.
-        `model_registry.GetParams(name, 'Train').task`).
-
-    Returns:
-      (list of layer params, (tshape.Shape([batch_size, H, W, C]),)), the
-      arguments the task gives `PartitionSequentialLayers`.
-    """
+    """See PipelinedTask.LayerStack; the input shape is [batch_size, H, W, C]."""
     p = task_params
     if p.input is None:
       raise ValueError(

@@ -39,16 +39,7 @@ class TransformerLm(pipelined_task.PipelinedTask):
 
   @classmethod
   def LayerStack(cls, task_params):
-    """The flat layer stack and the input shapes of one training batch.
-
-    Args:
-      task_params: This task's params, with `input` set (e.g.
-        `model_registry.GetParams(name, 'Train').task`).
-
-    Returns:
-      (list of layer params, (tshape.Shape([batch_size, seq_len]),)), the
-      arguments the task gives `PartitionSequentialLayers`.
-    """
+    """See PipelinedTask.LayerStack; the input shape is [batch_size, seq_len]."""
     p = task_params
     if p.input is None:
       raise ValueError(
