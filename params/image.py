@@ -8,13 +8,13 @@ override task.input.npz_file / data_shape / num_classes with
 """
 
 from lingvo import model_registry
-from lingvo.core import base_model_params
 from lingvo_ext.tasks.image import input_generator
 from lingvo_ext.tasks.image import model
-from lingvo_ext.tasks.in_memory_input import InMemoryInput
+
+from params import base
 
 
-class _ConvClassifierBase(base_model_params.SingleTaskModelParams):
+class _ConvClassifierBase(base.PipelinedExperiment):
   """Shared structure; the registered classes below set the sizes."""
 
   NPZ_FILE = ''  # Empty: sklearn digits.
@@ -26,15 +26,11 @@ class _ConvClassifierBase(base_model_params.SingleTaskModelParams):
   STEM_CHANNELS = 32
   BLOCK_CHANNELS = [64, 128]
   CONVS_PER_BLOCK = 2
-  NUM_PARTITIONS = 1
-  NUM_MICRO_BATCHES = 1
   LEARNING_RATE = 2e-3
   MAX_STEPS = 3000
-  SAVE_INTERVAL_SECONDS = 120
-  SUMMARY_INTERVAL_STEPS = 50
 
-  def _Input(self, split):
-    p = input_generator.ImageInput.Params().Set(
+  def _InputParams(self, split):
+    return input_generator.ImageInput.Params().Set(
         npz_file=self.NPZ_FILE,
         image_key=self.IMAGE_KEY,
         label_key=self.LABEL_KEY,
@@ -42,31 +38,14 @@ class _ConvClassifierBase(base_model_params.SingleTaskModelParams):
         data_shape=tuple(self.DATA_SHAPE),
         num_classes=self.NUM_CLASSES,
         batch_size=self.BATCH_SIZE)
-    if split != 'train':
-      InMemoryInput.SetOnePass(p)
-    return p
 
-  def Train(self):
-    return self._Input('train')
-
-  def Dev(self):
-    return self._Input('dev')
-
-  def Task(self):
-    p = model.ConvClassifier.Params().Set(
+  def _TaskParams(self):
+    return model.ConvClassifier.Params().Set(
         name='image',
         num_classes=self.NUM_CLASSES,
         stem_channels=self.STEM_CHANNELS,
         block_channels=list(self.BLOCK_CHANNELS),
-        convs_per_block=self.CONVS_PER_BLOCK,
-        num_partitions=self.NUM_PARTITIONS,
-        num_micro_batches=self.NUM_MICRO_BATCHES)
-    tp = p.train
-    tp.learning_rate = self.LEARNING_RATE
-    tp.max_steps = self.MAX_STEPS
-    tp.save_interval_seconds = self.SAVE_INTERVAL_SECONDS
-    tp.summary_interval_steps = self.SUMMARY_INTERVAL_STEPS
-    return p
+        convs_per_block=self.CONVS_PER_BLOCK)
 
 
 @model_registry.RegisterSingleTaskModel

@@ -7,13 +7,13 @@ split is then cut from the same file).
 """
 
 from lingvo import model_registry
-from lingvo.core import base_model_params
-from lingvo_ext.tasks.in_memory_input import InMemoryInput
 from lingvo_ext.tasks.lm import input_generator
 from lingvo_ext.tasks.lm import model
 
+from params import base
 
-class _TransformerLmBase(base_model_params.SingleTaskModelParams):
+
+class _TransformerLmBase(base.PipelinedExperiment):
   """Shared structure; the registered classes below set the sizes."""
 
   TEXT_FILE = ''  # Empty: pydoc_data.topics.
@@ -25,47 +25,26 @@ class _TransformerLmBase(base_model_params.SingleTaskModelParams):
   NUM_HEADS = 4
   HIDDEN_DIM = 512
   NUM_LAYERS = 4
-  NUM_PARTITIONS = 1
-  NUM_MICRO_BATCHES = 1
   LEARNING_RATE = 1e-3
   MAX_STEPS = 5000
-  SAVE_INTERVAL_SECONDS = 120
-  SUMMARY_INTERVAL_STEPS = 50
 
-  def _Input(self, split):
-    p = input_generator.LmInput.Params().Set(
+  def _InputParams(self, split):
+    return input_generator.LmInput.Params().Set(
         text_file=self.TEXT_FILE,
         split=split,
         unit=self.UNIT,
         vocab_size=self.VOCAB_SIZE,
         seq_len=self.SEQ_LEN,
         batch_size=self.BATCH_SIZE)
-    if split != 'train':
-      InMemoryInput.SetOnePass(p)
-    return p
 
-  def Train(self):
-    return self._Input('train')
-
-  def Dev(self):
-    return self._Input('dev')
-
-  def Task(self):
-    p = model.TransformerLm.Params().Set(
+  def _TaskParams(self):
+    return model.TransformerLm.Params().Set(
         name='lm',
         vocab_size=self.VOCAB_SIZE,
         model_dim=self.MODEL_DIM,
         num_heads=self.NUM_HEADS,
         hidden_dim=self.HIDDEN_DIM,
-        num_layers=self.NUM_LAYERS,
-        num_partitions=self.NUM_PARTITIONS,
-        num_micro_batches=self.NUM_MICRO_BATCHES)
-    tp = p.train
-    tp.learning_rate = self.LEARNING_RATE
-    tp.max_steps = self.MAX_STEPS
-    tp.save_interval_seconds = self.SAVE_INTERVAL_SECONDS
-    tp.summary_interval_steps = self.SUMMARY_INTERVAL_STEPS
-    return p
+        num_layers=self.NUM_LAYERS)
 
 
 @model_registry.RegisterSingleTaskModel
