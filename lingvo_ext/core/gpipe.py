@@ -23,6 +23,7 @@ from lingvo.core import py_utils
 from lingvo.core import recurrent
 from lingvo.core import tshape
 
+from lingvo_ext.core import cost as cost_lib
 from lingvo_ext.core import matmul_grad
 from lingvo_ext.core import partitioning
 
@@ -185,7 +186,6 @@ def PartitionSequentialLayers(params, num_partitions, *shapes, cost='flops',
   Raises:
     ValueError: no input shape, or a bad `num_partitions` or `cost`.
   """
-  from lingvo_ext.core import cost as cost_lib  # pylint: disable=g-import-not-at-top
   if not shapes:
     raise ValueError('PartitionSequentialLayers needs the input shapes of the '
                      'first layer as *shapes (tshape.Shape).')

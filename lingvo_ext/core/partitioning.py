@@ -56,11 +56,9 @@ def _NumGroupsNeeded(prefix: Sequence[float], bound: float) -> int:
   return groups
 
 
-def MinMaxBottleneck(costs: Sequence[float], num_partitions: int) -> float:
-  """The least possible largest group cost over all valid partitions."""
-  costs = _CheckArgs(costs, num_partitions)
-  prefix = _Prefix(costs)
-  n = len(costs)
+def _OptimalBound(prefix: Sequence[float], num_partitions: int) -> float:
+  """The least possible largest group cost, given the prefix sums."""
+  n = len(prefix) - 1
   # The optimum is the cost of some contiguous run, so bisect over the sorted
   # set of all run costs with a greedy feasibility probe: exact, no tolerance.
   # Costs are computed as prefix differences here and in the probe alike.
@@ -74,6 +72,12 @@ def MinMaxBottleneck(costs: Sequence[float], num_partitions: int) -> float:
     else:
       lo = mid + 1
   return candidates[lo]
+
+
+def MinMaxBottleneck(costs: Sequence[float], num_partitions: int) -> float:
+  """The least possible largest group cost over all valid partitions."""
+  return _OptimalBound(_Prefix(_CheckArgs(costs, num_partitions)),
+                       num_partitions)
 
 
 def MinMaxPartition(costs: Sequence[float], num_partitions: int) -> List[int]:
@@ -93,9 +97,9 @@ def MinMaxPartition(costs: Sequence[float], num_partitions: int) -> List[int]:
     ValueError: num_partitions < 1, more partitions than items, or a cost that
       is negative or not finite.
   """
-  bound = MinMaxBottleneck(costs, num_partitions)
   costs = _CheckArgs(costs, num_partitions)
   prefix = _Prefix(costs)
+  bound = _OptimalBound(prefix, num_partitions)
   n = len(costs)
   sizes, start = [], 0
   for k in range(num_partitions):
