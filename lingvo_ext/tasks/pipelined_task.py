@@ -25,7 +25,17 @@ class PipelinedTask(base_model.BaseTask):
     p.Define(
         'partition_cost', 'flops', 'What PartitionSequentialLayers balances: '
         'flops, params or time.')
+    p.train.clip_gradient_norm_to_value = 1.0
     return p
+
+  @classmethod
+  def _CheckHasInput(cls, task_params):
+    """LayerStack needs the input's batch shape; say where to get it."""
+    if task_params.input is None:
+      raise ValueError(
+          f'{task_params.name}: task params have no input; LayerStack needs '
+          'the input batch shape. Pass '
+          'model_registry.GetParams(name, "Train").task.')
 
   @classmethod
   def LayerStack(cls, task_params):

@@ -32,17 +32,13 @@ class ConvClassifier(pipelined_task.PipelinedTask):
         '(global pooling; any image size).')
     tp = p.train
     tp.learning_rate = 3e-3
-    tp.clip_gradient_norm_to_value = 1.0
     return p
 
   @classmethod
   def LayerStack(cls, task_params):
     """See PipelinedTask.LayerStack; the input shape is [batch_size, H, W, C]."""
     p = task_params
-    if p.input is None:
-      raise ValueError(
-          f'{p.name}: task params have no input; LayerStack needs the input '
-          'batch shape. Pass model_registry.GetParams(name, "Train").task.')
+    cls._CheckHasInput(p)
     if not p.block_channels:
       raise ValueError(f'{p.name}: block_channels is empty; give at least '
                        'one block width.')

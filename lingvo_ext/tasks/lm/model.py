@@ -34,17 +34,13 @@ class TransformerLm(pipelined_task.PipelinedTask):
         'NONE.')
     tp = p.train
     tp.learning_rate = 1e-3
-    tp.clip_gradient_norm_to_value = 1.0
     return p
 
   @classmethod
   def LayerStack(cls, task_params):
     """See PipelinedTask.LayerStack; the input shape is [batch_size, seq_len]."""
     p = task_params
-    if p.input is None:
-      raise ValueError(
-          f'{p.name}: task params have no input; LayerStack needs the input '
-          'batch shape. Pass model_registry.GetParams(name, "Train").task.')
+    cls._CheckHasInput(p)
     if p.input.vocab_size != p.vocab_size:
       raise ValueError(
           f'The input\'s vocab_size={p.input.vocab_size} differs from the '
