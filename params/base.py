@@ -13,6 +13,8 @@ class PipelinedExperiment(base_model_params.SingleTaskModelParams):
 
   NUM_PARTITIONS = 1
   NUM_MICRO_BATCHES = 1
+  # Checkpoints restore under any NUM_PARTITIONS (see SeqLayer's param).
+  PARTITION_INDEPENDENT_NAMES = True
   LEARNING_RATE = 1e-3
   MAX_STEPS = 1000
   SAVE_INTERVAL_SECONDS = 120
@@ -41,7 +43,8 @@ class PipelinedExperiment(base_model_params.SingleTaskModelParams):
   def Task(self):
     p = self._TaskParams().Set(
         num_partitions=self.NUM_PARTITIONS,
-        num_micro_batches=self.NUM_MICRO_BATCHES)
+        num_micro_batches=self.NUM_MICRO_BATCHES,
+        partition_independent_names=self.PARTITION_INDEPENDENT_NAMES)
     tp = p.train
     tp.learning_rate = self.LEARNING_RATE
     tp.max_steps = self.MAX_STEPS

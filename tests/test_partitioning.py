@@ -132,7 +132,7 @@ def test_partition_errors():
     gpipe.PartitionSequentialLayers(subs, 2)
 
 
-def _VariableNames(num_partitions):
+def _VariableNames(num_partitions, partition_independent=True):
   from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
   import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
   subs, shape = _FcStack([8, 16, 8, 16, 8])
@@ -141,7 +141,8 @@ def _VariableNames(num_partitions):
     with tf.variable_scope('model'):
       py_utils.GetOrCreateGlobalStepVar()
       net = gpipe.PipeliningLayer.Params().Set(
-          name='pipe', cell_tpl=cells).Instantiate()
+          name='pipe', cell_tpl=cells,
+          partition_independent_names=partition_independent).Instantiate()
       return sorted(v.name for v in net.vars.Flatten())
 
 
@@ -153,6 +154,12 @@ def test_variable_names_do_not_depend_on_partitioning():
   assert 'model/cell_003/w/var:0' in names, names
 
 
+def test_default_variable_names_are_lingvos():
+  # The cell scope stays, as in lingvo.core.gpipe.
+  assert 'model/d0/cell_000/w/var:0' in _VariableNames(1, False)
+  assert 'model/d1/cell_003/w/var:0' in _VariableNames(2, False)
+
+
 def test_duplicate_sub_layer_names_across_cells():
   import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
   cells = [
@@ -161,6 +168,7 @@ def test_duplicate_sub_layer_names_across_cells():
   ]
   with tf.Graph().as_default(), lib.Cluster(2):
     with pytest.raises(ValueError, match="cells 'c0' and 'c1' both have a "
-                       "sub-layer named 'fc0'"):
-      gpipe.PipeliningLayer.Params().Set(name='pipe',
-                                         cell_tpl=cells).Instantiate()
+                       "sub-layer named 'fc0'.*partition_independent_names"):
+      gpipe.PipeliningLayer.Params().Set(
+          name='pipe', cell_tpl=cells,
+          partition_independent_names=True).Instantiate()

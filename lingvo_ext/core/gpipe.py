@@ -10,8 +10,15 @@ model switches by changing its import. The differences:
   several input shapes, a cost choice, and never returns an empty partition.
 - Where Lingvo clamps `num_micro_batches` silently or fails with a bare
   assert, a `ValueError` names the parameter, the values and the fix.
+- `SeqLayer.partition_independent_names=True` names cell variables without
+  the cell scope, so a checkpoint restores under any partitioning.
+
+By default variable names, outputs and random streams are Lingvo's, in every
+schedule: a Lingvo checkpoint restores into the same model built here, and
+the other way round.
 """
 
+import contextlib
 import copy
 
 import lingvo.compat as tf
@@ -41,6 +48,84 @@ def _ToTuple(x):
   if isinstance(x, list):
     return tuple(x)
   return x if isinstance(x, tuple) else (x,)
+
+
+def _CellStepSeedPair(p, unused_global_step=None, op_seed=None, *, prefix):
+  """Lingvo's in-cell seed pair, for a cell built under name scope `prefix`.
+
+  Inside StackedRecurrent a cell is traced in its own function graph, so the
+  seed it takes from its 'op_seed' name scope has no outer scope in it. Built
+  inline, the cell's ops sit under `prefix`; stripping it gives the name, and
+  so the seed, that the same op gets in Lingvo's loop.
+
+  Args:
+    p: The calling layer's params (random_seed, is_inference).
+    unused_global_step: Lingvo's signature; the step comes from
+      GetOverWriteGlobalStep (the micro-batch's step).
+    op_seed: An extra op-level seed, as in py_utils.GenerateStepSeedPair.
+    prefix: The name scope the cell is built in, ending with '/'.
+
+  Returns:
+    A [2] seed tensor for stateless random ops.
+  """
+  seed_dtype = tf.int32 if py_utils.use_tpu() else tf.int64
+  if p.is_inference and p.random_seed is None:
+    # As Lingvo: an exported inference graph without a seed stays random.
+    return tf.random.uniform([2], maxval=seed_dtype.max, dtype=seed_dtype)
+  with tf.name_scope('op_seed') as scope:
+    if scope.startswith(prefix):
+      scope = scope[len(prefix):]
+    step = tf.cast(GetOverWriteGlobalStep(), seed_dtype)
+    name_seed = tf.cast(py_utils.GenerateSeedFromName(scope), seed_dtype)
+    seeds = tf.stack([step, name_seed])
+    if p.random_seed is not None:
+      seeds += p.random_seed
+    if op_seed is not None:
+      seeds += tf.cast(op_seed, seed_dtype)
+    return seeds
+
+
+@contextlib.contextmanager
+def CellRandomness(micro_batch_step, scope):
+  """Random ops of a cell built inside seed as in Lingvo's pipeline loop.
+
+  Lingvo's PipeliningLayer runs each cell under CellFnFPropOpReplacementWrapper
+  with the global step overwritten by the micro-batch's step
+  (global_step * num_micro_batches + t): stateless random ops (e.g.
+  DeterministicDropoutLayer) seed from it and from their name scope within
+  the cell. Schedules that build cells inline, not in StackedRecurrent, wrap
+  each (cell, micro-batch) FProp in this to get the same random streams.
+
+  Args:
+    micro_batch_step: The micro-batch's step tensor, in the state dtype as
+      Lingvo passes it.
+    scope: Name of a fresh name scope to build the cell in.
+
+  Yields:
+    The name scope string (ending with '/').
+  """
+  graph = tf.get_default_graph()
+  collection = graph.get_collection_ref(
+      lingvo_gpipe._OVERWRITE_GLOBAL_STEP_COLLECTION)  # pylint: disable=protected-access
+  saved_collection = list(collection)
+  saved_seed_fn = py_utils.GenerateStepSeedPair
+  with tf.name_scope(scope) as prefix:
+    try:
+      SetOverWriteGlobalStep(micro_batch_step, graph)
+      py_utils.GenerateStepSeedPair = (
+          lambda *a, **kw: _CellStepSeedPair(*a, prefix=prefix, **kw))
+      yield prefix
+    finally:
+      py_utils.GenerateStepSeedPair = saved_seed_fn
+      collection[:] = saved_collection
+
+
+def _LingvoOutputs(outputs):
+  """Lingvo's pipeline output structure: a lone tensor bare, else a tuple."""
+  if isinstance(outputs, py_utils.NestedMap):
+    return outputs
+  outputs = _ToTuple(outputs)
+  return outputs[0] if len(outputs) == 1 else outputs
 
 
 class FeatureExtractionLayer(base_layer.BaseLayer):
@@ -180,8 +265,9 @@ def PartitionSequentialLayers(params, num_partitions, *shapes, cost='flops',
 
   Returns:
     A list of `num_partitions` non-empty FeatureExtractionLayer params named
-    'd0', 'd1', ... Leaf layers are renamed 'cell_%03d' by global index, so
-    variable names do not depend on `num_partitions`.
+    'd0', 'd1', ... Leaf layers are renamed 'cell_%03d' by global index, as
+    Lingvo does; with `partition_independent_names=True` on the SeqLayer or
+    PipeliningLayer, variable names then do not depend on `num_partitions`.
 
   Raises:
     ValueError: no input shape, or a bad `num_partitions` or `cost`.
@@ -215,9 +301,12 @@ class SeqLayer(base_layer.BaseLayer):
   """Runs `before_tpl`, then each cell of `cell_tpl` on its own device.
 
   Cell i runs on `cluster.WorkerDeviceInModelSplit(i)`, which wraps round-robin
-  when there are more cells than devices in the split. Variables of the cells'
-  sub-layers are named without this layer's or the cell's scope, so they do
-  not depend on how the stack was partitioned.
+  when there are more cells than devices in the split. As in Lingvo, this
+  layer's own name is not in its children's variable names, the cells' are:
+  `<parent scope>/<cell>/<sub-layer>/...`, e.g. `model/d0/cell_000/w/var`.
+  With `partition_independent_names=True` the FeatureExtractionLayer cells'
+  scope is dropped too (`model/cell_000/w/var`), so names do not depend on
+  how the stack was partitioned.
   """
 
   @classmethod
@@ -226,6 +315,17 @@ class SeqLayer(base_layer.BaseLayer):
     p.Define('before_tpl', [],
              'Layers run on the first device before the cells.')
     p.Define('cell_tpl', [], 'A list of FeatureExtractionLayer params.')
+    p.Define(
+        'partition_independent_names', False,
+        'False (the default): variable names are lingvo.core.gpipe\'s '
+        '(cell scope kept, e.g. d0/cell_000/w), so checkpoints move between '
+        'the two libraries. True: the scope of FeatureExtractionLayer cells '
+        'is dropped (cell_000/w), so the same stack cut into any number of '
+        'cells has the same variables and a checkpoint restores under any '
+        'partitioning; sub-layer names must then be unique across those '
+        'cells (PartitionSequentialLayers makes them so). To move a '
+        'checkpoint between the two namings use '
+        '`python -m lingvo_ext.tools.convert_checkpoint`.')
     return p
 
   def __init__(self, params):
@@ -236,17 +336,8 @@ class SeqLayer(base_layer.BaseLayer):
           '%s: cell_tpl is empty; give it a list of FeatureExtractionLayer '
           'params, e.g. from PartitionSequentialLayers(layers, '
           'num_partitions, *input_shapes).' % p.name)
-    seen = {}
-    for l in p.cell_tpl:
-      for sub in getattr(l, 'sub', None) or []:
-        name = getattr(l, 'variable_name_prefix', '') + sub.name
-        if name in seen:
-          raise ValueError(
-              '%s: cells %r and %r both have a sub-layer named %r; cell '
-              'variables are named by sub-layer alone, so give them distinct '
-              'names (PartitionSequentialLayers names them cell_000, ...).' %
-              (p.name, seen[name], l.name, name))
-        seen[name] = l.name
+    if p.partition_independent_names:
+      self._CheckUniqueSubLayerNames()
     self._before_layers = []
     self._cells = []
     before_tpl_device = ''
@@ -261,11 +352,37 @@ class SeqLayer(base_layer.BaseLayer):
       with tf.device(before_tpl_device):
         self.CreateChild(l.name, l)
       self._before_layers.append((l.name, self.children[l.name]))
-    cell_tpl = [self._WithoutCellScope(l) for l in p.cell_tpl]
+    cell_tpl = p.cell_tpl
+    if p.partition_independent_names:
+      cell_tpl = [self._WithoutCellScope(l) for l in cell_tpl]
     for i, l in enumerate(cell_tpl):
       with tf.device(cell_devices[i]):
         self.CreateChild(l.name, l)
       self._cells.append((l.name, self.children[l.name]))
+
+  @staticmethod
+  def _DropsCellScope(cell_p):
+    return cell_p.cls in (FeatureExtractionLayer,
+                          lingvo_gpipe.FeatureExtractionLayer)
+
+  def _CheckUniqueSubLayerNames(self):
+    """With the cell scope dropped, sub-layer names must not collide."""
+    p = self.params
+    seen = {}
+    for l in p.cell_tpl:
+      if not self._DropsCellScope(l):
+        continue  # Its variables keep the cell's scope.
+      for sub in l.sub or []:
+        name = l.variable_name_prefix + sub.name
+        if name in seen:
+          raise ValueError(
+              '%s: cells %r and %r both have a sub-layer named %r; with '
+              'partition_independent_names=True cell variables are named by '
+              'sub-layer alone, so give them distinct names '
+              '(PartitionSequentialLayers names them cell_000, ...) or set '
+              'partition_independent_names=False.' %
+              (p.name, seen[name], l.name, name))
+        seen[name] = l.name
 
   def _WithoutCellScope(self, cell_p):
     """Names a cell's sub-layer variables as if the cell were not there.
@@ -281,8 +398,7 @@ class SeqLayer(base_layer.BaseLayer):
     Returns:
       A copy of cell_p with child_variable_scope_override set for its subs.
     """
-    if cell_p.cls not in (FeatureExtractionLayer,
-                          lingvo_gpipe.FeatureExtractionLayer):
+    if not self._DropsCellScope(cell_p):
       return cell_p
     cell_p = cell_p.Copy()
     overrides = dict(cell_p.child_variable_scope_override or {})
@@ -292,8 +408,7 @@ class SeqLayer(base_layer.BaseLayer):
     return cell_p
 
   def _child_variable_scope_override(self):
-    # Cells add no variable scope of their own, so variable names do not
-    # depend on how the stack was partitioned.
+    # As Lingvo: children sit in this layer's parent scope, not its own.
     p = self.params
     res = super()._child_variable_scope_override()
     for l in p.before_tpl + p.cell_tpl:
@@ -519,6 +634,14 @@ class PipeliningLayer(SeqLayer):
         for i in range(len(self._cells))
     ]
 
+  def _MicroBatchSteps(self, num_micro, state_dtype):
+    """Lingvo's per-micro-batch steps: global_step * num_micro + t."""
+    global_step = py_utils.GetGlobalStep()
+    return [
+        tf.cast(global_step * num_micro + t, dtype=state_dtype)
+        for t in range(num_micro)
+    ]
+
   def _FPropUnrolled(self, theta, args, num_micro):
     """The 'unrolled' schedule: one subgraph per (micro-batch, cell)."""
     p = self.params
@@ -532,6 +655,7 @@ class PipeliningLayer(SeqLayer):
           None if x is None else tf.split(x, num_micro, axis=p.batch_dim)
           for x in flat
       ]
+      steps = self._MicroBatchSteps(num_micro, self._StateDtype(args))
     # Read each cell's weights onto its device once per step, not once per
     # micro-batch; their gradients are summed there too.
     thetas = []
@@ -543,7 +667,8 @@ class PipeliningLayer(SeqLayer):
       x = tf.nest.pack_sequence_as(
           previous, [None if s is None else s[t] for s in pieces])
       for i, (name, cell) in enumerate(self._cells):
-        with tf.device(devices[i]), tf.name_scope('%s_mb%d' % (name, t)):
+        with tf.device(devices[i]), CellRandomness(steps[t],
+                                                   '%s_mb%d' % (name, t)):
           with matmul_grad.CpuMatMulGradients(devices[i]):
             x = cell.FProp(thetas[i], *_ToTuple(x))
       outputs.append(x)
@@ -552,7 +677,7 @@ class PipeliningLayer(SeqLayer):
           None if parts[0] is None else tf.concat(parts, axis=p.batch_dim)
           for parts in zip(*[tf.nest.flatten(o) for o in outputs])
       ]
-    return tf.nest.pack_sequence_as(outputs[0], merged)
+    return _LingvoOutputs(tf.nest.pack_sequence_as(outputs[0], merged))
 
   def FProp(self, theta, *args):
     """Runs the cells over micro-batches in a pipeline across devices.
@@ -563,8 +688,11 @@ class PipeliningLayer(SeqLayer):
         a static batch dimension `batch_dim`.
 
     Returns:
-      The last cell's outputs for the whole batch: a tensor, a tuple of
-      tensors, or a NestedMap.
+      The last cell's outputs for the whole batch, structured as Lingvo's
+      PipeliningLayer returns them: one output as a bare tensor, several as a
+      tuple, or a NestedMap. (On one device in eval, the cells run in
+      sequence and their outputs come back as the last cell returns them, as
+      in Lingvo.)
     """
     p = self.params
     if self.do_eval and self.cluster.num_devices_per_split == 1:
@@ -637,11 +765,8 @@ class PipeliningLayer(SeqLayer):
         inputs = self._ToState(py_utils.Transform(_Split, previous[0]))
       else:
         inputs = self._ToState(tuple(_Split(x) for x in previous))
-      gs_tensor = py_utils.GetGlobalStep()
-      inputs[_MICRO_BATCH_STATE_NAME] = tf.stack([
-          tf.cast(gs_tensor * num_micro + t, dtype=state_dtype)
-          for t in range(num_micro)
-      ])
+      inputs[_MICRO_BATCH_STATE_NAME] = tf.stack(
+          self._MicroBatchSteps(num_micro, state_dtype))
 
     num_cells = len(self._cells)
     output_state, _ = recurrent.StackedRecurrent(
@@ -671,7 +796,5 @@ class PipeliningLayer(SeqLayer):
         shape[p.batch_dim] *= num_micro
         return tf.reshape(out, shape)
 
-      outputs = self._FromState(output_state, state_shapes[-1], _Merge)
-      if not p.nested_map_fprop and len(outputs) == 1:
-        return outputs[0]
-      return outputs
+      return _LingvoOutputs(
+          self._FromState(output_state, state_shapes[-1], _Merge))

@@ -25,6 +25,13 @@ class PipelinedTask(base_model.BaseTask):
     p.Define(
         'partition_cost', 'flops', 'What PartitionSequentialLayers balances: '
         'flops, params or time.')
+    p.Define(
+        'partition_independent_names', True,
+        'Passed to the PipeliningLayer: True names cell variables without '
+        'the cell scope, so a checkpoint trained at one num_partitions '
+        'restores at any other; False gives lingvo.core.gpipe\'s names '
+        '(convert between the two with '
+        '`python -m lingvo_ext.tools.convert_checkpoint`).')
     p.train.clip_gradient_norm_to_value = 1.0
     return p
 
@@ -59,7 +66,8 @@ class PipelinedTask(base_model.BaseTask):
         stack, p.num_partitions, *shapes, cost=p.partition_cost)
     return gpipe.PipeliningLayer.Params().Set(
         name='pipeline', cell_tpl=cells,
-        num_micro_batches=p.num_micro_batches)
+        num_micro_batches=p.num_micro_batches,
+        partition_independent_names=p.partition_independent_names)
 
   def __init__(self, params):
     super().__init__(params)

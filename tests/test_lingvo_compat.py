@@ -1,0 +1,203 @@
+"""lingvo_ext.core.gpipe side by side with lingvo.core.gpipe.
+
+Same params, built once with each library: the variable names (so checkpoint
+keys) are equal, a checkpoint written by one restores into the other, and
+with dropout on, the same seeds and the same global step, outputs (train and
+eval) and gradients are equal, in every schedule.
+"""
+
+import lingvo_ext  # pylint: disable=unused-import
+import lingvo.compat as tf
+from lingvo.core import base_layer
+from lingvo.core import builder_layers
+from lingvo.core import cluster_factory
+from lingvo.core import gpipe as lingvo_gpipe
+from lingvo.core import layers
+from lingvo.core import py_utils
+import numpy as np
+import pytest
+
+from lingvo_ext.core import gpipe
+import gpipe_testlib as lib
+
+B, D = 8, 6
+GLOBAL_STEP = 3
+SCHEDULES = ['unrolled', 'recurrent']
+
+
+class TupleOutLayer(base_layer.BaseLayer):
+  """x -> (x,) or [x, 2x]: the structures whose return Lingvo normalises."""
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.Define('as_list', False, 'Return [x, 2x] instead of (x,).')
+    return p
+
+  def FProp(self, theta, x, *unused):
+    if self.params.as_list:
+      return [x, x * 2.0]
+    return (x,)
+
+  @classmethod
+  def FPropMeta(cls, p, x, *unused):
+    shapes = (x, x) if p.as_list else (x,)
+    return py_utils.NestedMap(flops=0, out_shapes=shapes)
+
+
+def _Cell(mod, i, keep_prob=0.7, last=None):
+  """Cell i: FC 'fc' then deterministic dropout 'drop', same names in all."""
+  sub = [
+      lib.Fc('fc', D, D, seed=10 + i),
+      layers.DeterministicDropoutLayer.Params().Set(
+          name='drop', keep_prob=keep_prob),
+  ]
+  if last is not None:
+    sub.append(last)
+  return mod.FeatureExtractionLayer.Params().Set(name='cell_%d' % i, sub=sub)
+
+
+def _Cells(mod, num_cells=2, last=None):
+  return [
+      _Cell(mod, i, last=last if i == num_cells - 1 else None)
+      for i in range(num_cells)
+  ]
+
+
+def _Build(mod, cells, num_devices=2, do_eval=False, **kwargs):
+  """Builds mod.PipeliningLayer in a new graph; returns graph and tensors."""
+  g = tf.Graph()
+  cluster = cluster_factory.ForTestingWorker(
+      mode='sync', job='trainer_client', cpus=num_devices,
+      split_size=num_devices, do_eval=do_eval)
+  with g.as_default(), cluster:
+    global_step = py_utils.GetOrCreateGlobalStepVar()
+    with tf.variable_scope('model'):
+      p = mod.PipeliningLayer.Params().Set(
+          name='pipe', cell_tpl=cells, num_micro_batches=2, **kwargs)
+      net = p.Instantiate()
+      x = tf.constant(
+          np.random.RandomState(0).uniform(-1, 1, [B, D]).astype(np.float32))
+      out = net.FPropDefaultTheta(x)
+    variables = net.vars.Flatten()
+    grads = None
+    if not do_eval:
+      grads = tf.gradients(
+          lib._Loss(out), variables,  # pylint: disable=protected-access
+          colocate_gradients_with_ops=True)
+    t = py_utils.NestedMap(
+        out=out, grads=grads, names=[v.op.name for v in variables],
+        set_step=tf.assign(global_step, GLOBAL_STEP),
+        init=tf.global_variables_initializer(),
+        saver=tf.train.Saver())
+  return g, t
+
+
+def _Run(g, t, num_devices=2, restore=None, save=None):
+  with lib.Session(g, num_devices) as sess:
+    sess.run(t.init)
+    if restore:
+      t.saver.restore(sess, restore)
+    sess.run(t.set_step)
+    fetches = [t.out] + ([t.grads] if t.grads is not None else [])
+    res = sess.run(fetches)
+    if save:
+      t.saver.save(sess, save)
+  return res
+
+
+@pytest.mark.parametrize('schedule', SCHEDULES)
+def test_names_checkpoints_outputs_and_gradients_equal_lingvos(
+    schedule, tmp_path):
+  # Same-named sub-layers in different cells; dropout on; global step 3.
+  lg, lt = _Build(lingvo_gpipe, _Cells(lingvo_gpipe))
+  eg, et = _Build(gpipe, _Cells(gpipe), schedule=schedule)
+  assert et.names == lt.names
+  assert 'model/cell_1/fc/w/var' in et.names, et.names
+
+  # Lingvo -> lingvo_ext.
+  lingvo_ckpt = str(tmp_path / 'lingvo')
+  l_out, l_grads = _Run(lg, lt, save=lingvo_ckpt)
+  e_out, e_grads = _Run(eg, et, restore=lingvo_ckpt)
+  assert isinstance(e_out, np.ndarray)  # A bare tensor, as Lingvo's.
+  np.testing.assert_allclose(e_out, l_out, rtol=1e-5, atol=1e-6)
+  for a, b in zip(e_grads, l_grads):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  # Dropout is on: some, not all, activations are zeroed.
+  assert 0 < np.mean(e_out == 0) < 0.8
+
+  # lingvo_ext -> Lingvo, after changing the weights.
+  with eg.as_default():
+    bump = [tf.assign_add(v, 0.25 * tf.ones_like(v))
+            for v in tf.global_variables()
+            if 'fc/w' in v.op.name]
+  ext_ckpt = str(tmp_path / 'ext')
+  with lib.Session(eg, 2) as sess:
+    sess.run(et.init)
+    sess.run(bump)
+    sess.run(et.set_step)
+    e_out2 = sess.run(et.out)
+    et.saver.save(sess, ext_ckpt)
+  l_out2, _ = _Run(lg, lt, restore=ext_ckpt)
+  assert not np.allclose(l_out2, l_out)
+  np.testing.assert_allclose(e_out2, l_out2, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize('num_devices', [1, 2])
+def test_eval_outputs_equal_lingvos(num_devices, tmp_path):
+  ckpt = str(tmp_path / 'ckpt')
+  lg, lt = _Build(lingvo_gpipe, _Cells(lingvo_gpipe), num_devices, True)
+  (l_out,) = _Run(lg, lt, num_devices, save=ckpt)
+  for schedule in SCHEDULES:
+    eg, et = _Build(gpipe, _Cells(gpipe), num_devices, True,
+                    schedule=schedule)
+    (e_out,) = _Run(eg, et, num_devices, restore=ckpt)
+    np.testing.assert_allclose(e_out, l_out, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize('schedule', SCHEDULES)
+@pytest.mark.parametrize('as_list', [False, True])
+def test_output_structure_is_lingvos(schedule, as_list):
+  last = TupleOutLayer.Params().Set(name='tuple', as_list=as_list)
+  _, lt = _Build(lingvo_gpipe, _Cells(lingvo_gpipe, last=last))
+  _, et = _Build(gpipe, _Cells(gpipe, last=last), schedule=schedule)
+  assert type(et.out) is type(lt.out)  # pylint: disable=unidiomatic-typecheck
+  if as_list:
+    assert isinstance(et.out, tuple) and len(et.out) == 2
+  else:
+    assert isinstance(et.out, tf.Tensor)
+
+
+def test_sequential_layer_cells_keep_their_scope():
+  # batch_major_attention.Builder makes cells like these; same sub names.
+  def Cells():
+    return [
+        builder_layers.SequentialLayer.Params().Set(
+            name='cell_%d' % i, sub=[lib.Fc('fc', D, D, seed=i)])
+        for i in range(2)
+    ]
+
+  _, lt = _Build(lingvo_gpipe, Cells())
+  _, et = _Build(gpipe, Cells())
+  _, it = _Build(gpipe, Cells(), partition_independent_names=True)
+  assert et.names == lt.names == it.names
+  assert 'model/cell_1/fc/w/var' in et.names
+
+
+def test_partition_independent_names_drop_the_cell_scope():
+  def Cells():
+    return [
+        gpipe.FeatureExtractionLayer.Params().Set(
+            name='d%d' % i, sub=[lib.Fc('fc%d' % i, D, D, seed=i)])
+        for i in range(2)
+    ]
+
+  _, et = _Build(gpipe, Cells(), partition_independent_names=True)
+  _, lt = _Build(lingvo_gpipe, Cells())
+  assert et.names == ['model/fc0/b/var', 'model/fc0/w/var',
+                      'model/fc1/b/var', 'model/fc1/w/var']
+  assert lt.names == ['model/d0/fc0/b/var', 'model/d0/fc0/w/var',
+                      'model/d1/fc1/b/var', 'model/d1/fc1/w/var']
+  # Only there do same-named sub-layers collide.
+  with pytest.raises(ValueError, match='partition_independent_names'):
+    _Build(gpipe, _Cells(gpipe), partition_independent_names=True)
