@@ -33,6 +33,7 @@ from lingvo.core import tshape
 from lingvo_ext.core import cost as cost_lib
 from lingvo_ext.core import matmul_grad
 from lingvo_ext.core import partitioning
+from lingvo_ext.core import stacking
 
 _MICRO_BATCH_STATE_NAME = 'micro_batch_state'
 
@@ -326,6 +327,20 @@ class SeqLayer(base_layer.BaseLayer):
         'cells (PartitionSequentialLayers makes them so). To move a '
         'checkpoint between the two namings use '
         '`python -m lingvo_ext.tools.convert_checkpoint`.')
+    p.Define(
+        'stack_variables', False,
+        'If True, the variables of the layers in each cell that agree in '
+        'shape, dtype, trainability and optimizer update (collections) are '
+        'one variable of shape [n, ...] per cell, each layer reading its '
+        'slice: fewer variables and update ops. Checkpoints keep the '
+        'per-layer names; see lingvo_ext/core/stacking.py, and call '
+        'stacking.StackSlotVariables() after building the train op when not '
+        'training through PipelinedTask.')
+    p.Define(
+        'max_combined_variable_size',
+        stacking.DEFAULT_MAX_COMBINED_VARIABLE_SIZE,
+        'stack_variables=True: the largest stacked variable, in bytes; '
+        'bigger groups are split.')
     return p
 
   def __init__(self, params):
@@ -355,9 +370,20 @@ class SeqLayer(base_layer.BaseLayer):
     cell_tpl = p.cell_tpl
     if p.partition_independent_names:
       cell_tpl = [self._WithoutCellScope(l) for l in cell_tpl]
+    stacker = None
+    if p.stack_variables:
+      stacker = stacking.VariableStacker(p.max_combined_variable_size)
     for i, l in enumerate(cell_tpl):
       with tf.device(cell_devices[i]):
-        self.CreateChild(l.name, l)
+        if stacker:
+          with stacker.Record():
+            self.CreateChild(l.name, l)
+          # One stacked variable per group in each cell, so per device.
+          for key, var in stacker.Stack(self.children[l.name], l.name).items():
+            self._private_vars[key] = var
+            self._private_theta[key] = var
+        else:
+          self.CreateChild(l.name, l)
       self._cells.append((l.name, self.children[l.name]))
 
   @staticmethod
