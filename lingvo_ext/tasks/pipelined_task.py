@@ -1,9 +1,17 @@
 """A Lingvo task whose layer stack runs as a GPipe pipeline."""
 
+import contextlib
+import functools
+import heapq
+
+import lingvo.compat as tf
 from lingvo.core import base_model
+from lingvo.core import cluster_factory
+from lingvo.core import py_utils
 
 from lingvo_ext.core import gpipe
 from lingvo_ext.core import stacking
+from lingvo_ext.distributed import gradient_sync
 
 
 class PipelinedTask(base_model.BaseTask):
@@ -47,6 +55,31 @@ class PipelinedTask(base_model.BaseTask):
         stacking.DEFAULT_MAX_COMBINED_VARIABLE_SIZE,
         'stack_variables=True: the largest stacked variable, in bytes; '
         'bigger groups are split.')
+    p.Define(
+        'gradient_sync', 'shared',
+        'How data-parallel replicas (the worker\'s splits: '
+        '--num_cpu_devices=R*K --worker_split_size=K gives R replicas of a '
+        'K-cell pipeline) synchronise gradients. "shared": Lingvo\'s '
+        'default, one copy of each variable read by every replica. '
+        '"all_reduce": each replica its own copy on its devices; dense '
+        'gradients all-reduced (CollectiveReduce), sparse ones all-gathered '
+        '(CollectiveGather); the checkpoint holds one copy. '
+        '"parameter_server": one copy on a ps device; each replica\'s '
+        'gradient goes into a (Sparse)ConditionalAccumulator there and one '
+        'update is applied when all arrived. "hybrid": dense variables by '
+        'all_reduce, sparse (embedding) ones by parameter_server. See '
+        'lingvo_ext/distributed/gradient_sync.py.')
+    p.Define(
+        'accumulate_steps', 1, 'Apply one update every N steps from the mean '
+        'of their gradients: the update of an N-times larger batch (clipped '
+        'after accumulation). Works with every gradient_sync.')
+    p.Define(
+        'gradient_compression', 'none', '"fp16": all-reduce dense gradients '
+        'as float16 (gradient_sync all_reduce or hybrid); "none": as they are.')
+    p.Define(
+        'ps_placement', 'size', 'gradient_sync parameter_server or hybrid: '
+        'how variables are spread over the ps devices, "size" (least loaded '
+        'in bytes) or "round_robin".')
     p.train.clip_gradient_norm_to_value = 1.0
     return p
 
@@ -98,7 +131,103 @@ class PipelinedTask(base_model.BaseTask):
               'bprop_variable_exclusion): a stacked variable holds several '
               'layers\' variables under one name. Drop the filter or set '
               'task.stack_variables=False.')
-    self.CreateChild('pipeline', self._PipelineParams())
+    gradient_sync.CheckParams(p.name, p.gradient_sync, p.accumulate_steps,
+                              p.gradient_compression, p.ps_placement)
+    if p.stack_variables and p.gradient_sync != 'shared':
+      raise ValueError(
+          f'{p.name}: stack_variables=True is not supported with '
+          f'gradient_sync={p.gradient_sync!r} yet; set '
+          'task.stack_variables=False or task.gradient_sync="shared".')
+    self._sync = None
+    # Evalers and decoders run one replica on the shared copy.
+    training = not self.cluster.do_eval
+    num_replicas = self.cluster.num_splits_per_client
+    if training:
+      gradient_sync.CheckReplicas(
+          p.name, p.gradient_sync, num_replicas,
+          self.cluster.num_devices_per_split,
+          p.input.batch_size if p.input else p.num_micro_batches,
+          p.num_micro_batches)
+      if p.gradient_sync != 'shared' or p.accumulate_steps > 1:
+        self._sync = gradient_sync.GradientSync(
+            p.name, p.gradient_sync, num_replicas, p.accumulate_steps,
+            p.gradient_compression)
+    placer = contextlib.nullcontext()
+    if training and p.gradient_sync in ('parameter_server', 'hybrid'):
+      placer = tf.device(self._PsPlacer())
+    with placer:
+      self.CreateChild('pipeline', self._PipelineParams())
+
+  @property
+  def gradient_sync(self):
+    """The GradientSync of a training task, or None (Lingvo's 'shared')."""
+    return self._sync
+
+  def _PsPlacer(self):
+    """A device function placing variables on the ps devices."""
+    devices = self.cluster.ListDevices(self.cluster.params.ps).flatten()
+    devices = [d for d in devices.tolist() if d] or ['']
+    load = [(0, i) for i in range(len(devices))]
+    turn = [0]
+
+    def Place(op):
+      if op.device or op.type not in ('VarHandleOp', 'VariableV2'):
+        return op.device
+      if self.params.ps_placement == 'round_robin':
+        i = turn[0] % len(devices)
+        turn[0] += 1
+        return devices[i]
+      size = tf.TensorShape(op.get_attr('shape')).num_elements() or 1
+      allocated, i = heapq.heappop(load)
+      heapq.heappush(load, (allocated + size * op.get_attr('dtype').size, i))
+      return devices[i]
+
+    return Place
+
+  def _VariableStage(self, path):
+    """The pipeline stage (cell index) whose device reads variable `path`."""
+    parts = path.split('.')
+    if len(parts) > 1 and parts[0] == 'pipeline':
+      names = [name for name, _ in self.pipeline._cells]  # pylint: disable=protected-access
+      if parts[1] in names:
+        return names.index(parts[1])
+    return 0
+
+  def _FPropSplitInputBatch(self, theta, input_batch):
+    """Lingvo's tower loop, each replica reading the copies of its strategy."""
+    if self._sync is None or self.params.gradient_sync == 'shared':
+      return super()._FPropSplitInputBatch(theta, input_batch)
+    if not isinstance(input_batch, list):
+      input_batch = [input_batch]
+    all_metrics, all_per_example = [], []
+    with self.cluster:
+      for r, batch in enumerate(input_batch):
+        with cluster_factory.SetModelSplit(r) as c:
+          with tf.device(c.WorkerDeviceInModelSplit(0)):
+            with tf.name_scope(f'replica_{r}'):
+              theta_r = self._sync.ReplicaTheta(
+                  r, theta, self.vars,
+                  lambda path, c=c: c.WorkerDeviceInModelSplit(
+                      self._VariableStage(path)), self._VariableStage)
+              metrics, per_example = self.FPropTower(theta_r, batch)
+        all_metrics.append(metrics)
+        all_per_example.append(per_example)
+    return (py_utils.WeightedAvgOfMetrics(all_metrics),
+            py_utils.ConcatPerExampleTensors(all_per_example))
+
+  def _BPropGenTrainOps(self, vmap, metrics=None, add_summary=True):
+    if self._sync is None:
+      return super()._BPropGenTrainOps(vmap, metrics, add_summary)
+    # Lingvo's train ops (EMA, global step...) with each learner's Apply
+    # replaced by the synchronised one.
+    learners = list(self.learners)
+    for l in learners:
+      l.Apply = functools.partial(self._sync.Apply, l)
+    try:
+      return super()._BPropGenTrainOps(vmap, metrics, add_summary)
+    finally:
+      for l in learners:
+        del l.Apply
 
   def _LearnerParams(self):
     tp = self.params.train

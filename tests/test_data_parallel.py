@@ -1,0 +1,232 @@
+"""Data-parallel replicas: every gradient_sync equals one large batch."""
+
+import collections
+import zlib
+
+import lingvo.compat as tf
+from lingvo.core import cluster_factory
+from lingvo.core import optimizer
+from lingvo.core import py_utils
+import numpy as np
+import pytest
+
+from lingvo_ext.distributed import gradient_sync
+from params import image
+from params import lm
+
+STRATEGIES = gradient_sync.STRATEGIES
+B = 4  # Examples per replica.
+
+
+def _TaskParams(model, batch, k=1, m=1, **kwargs):
+  if model == 'lm':
+    e = lm.TransformerLmTiny()
+  else:
+    e = image.ConvClassifierTiny()
+  p = e.Task()
+  p.input = e.Train()
+  p.input.batch_size = batch
+  if model == 'lm':
+    p.input.seq_len = 16
+  p.num_partitions = k
+  p.num_micro_batches = m
+  p.train.optimizer = optimizer.SGD.Params()
+  p.train.learning_rate = 0.5
+  p.train.clip_gradient_norm_to_value = 0.0
+  p.Set(**kwargs)
+  return p
+
+
+def _Cluster(replicas, k):
+  c = cluster_factory.ForTestingWorker(
+      mode='sync', job='trainer_client', cpus=replicas * k, split_size=k)
+  # The ps devices are the worker's CPUs, as in the trainer's local runs.
+  c.params.ps.cpus_per_replica = replicas * k
+  return c
+
+
+def _Run(model, replicas, batch, steps=3, k=1, m=1, **kwargs):
+  """Trains `steps` SGD steps; returns losses, weights, copies and graph."""
+  p = _TaskParams(model, batch, k, m, **kwargs)
+  graph = tf.Graph()
+  with graph.as_default(), _Cluster(replicas, k):
+    py_utils.GetOrCreateGlobalStepVar()
+    task = p.Instantiate()
+    task.FPropDefaultTheta()
+    task.BProp()
+    loss = task.eval_metrics['loss'][0]
+    init = [tf.global_variables_initializer(), tf.local_variables_initializer()]
+    config = tf.config_pb2.ConfigProto(
+        device_count={'CPU': replicas * k}, inter_op_parallelism_threads=4)
+    with tf.Session(graph=graph, config=config) as sess:
+      sess.run(init)
+      for v in task.vars.Flatten():  # The same start for every layout.
+        rng = np.random.RandomState(zlib.crc32(v.op.name.encode()))
+        v.load((rng.randn(*v.shape.as_list()) * 0.1).astype(np.float32), sess)
+      losses = [sess.run([loss, task.train_op])[0] for _ in range(steps)]
+      weights = {v.op.name: sess.run(v) for v in task.vars.Flatten()}
+      copies = {}
+      sync = task.gradient_sync
+      if sync is not None:
+        for (r, path), var in sync.MirrorVariables().items():
+          copies[(r, task.vars.GetItem(path).op.name)] = sess.run(var)
+  return collections.namedtuple('Run', 'losses weights copies task graph')(
+      losses, weights, copies, task, graph)
+
+
+_CACHE = {}
+
+
+def _Cached(*args, **kwargs):
+  key = (args, tuple(sorted(kwargs.items())))
+  if key not in _CACHE:
+    _CACHE[key] = _Run(*args, **kwargs)
+  return _CACHE[key]
+
+
+def _AssertSameTraining(got, want):
+  np.testing.assert_allclose(got.losses[0], want.losses[0], rtol=0, atol=1e-5)
+  assert sorted(got.weights) == sorted(want.weights)
+  for name, w in want.weights.items():
+    np.testing.assert_allclose(got.weights[name], w, rtol=0, atol=1e-5,
+                               err_msg=name)
+
+
+@pytest.mark.parametrize('strategy', STRATEGIES)
+def testLmTwoReplicasEqualOneReplicaOfTwiceTheBatch(strategy):
+  want = _Cached('lm', 1, 2 * B)
+  got = _Cached('lm', 2, B, gradient_sync=strategy)
+  _AssertSameTraining(got, want)
+  assert got.losses[-1] < got.losses[0]
+
+
+@pytest.mark.parametrize('strategy', STRATEGIES)
+def testPipelinedTwoReplicasEqualOneReplicaOfTwiceTheBatch(strategy):
+  # Image classifier in K=2 cells over 2 micro-batches, 2 replicas on 4 CPUs.
+  want = _Cached('image', 1, 2 * B, k=2, m=2)
+  got = _Cached('image', 2, B, k=2, m=2, gradient_sync=strategy)
+  _AssertSameTraining(got, want)
+
+
+@pytest.mark.parametrize('strategy', STRATEGIES)
+def testAccumulateTwoStepsEqualsOneReplicaOfFourTimesTheBatch(strategy):
+  want = _Cached('lm', 1, 4 * B, steps=1)
+  got = _Cached('lm', 2, B, steps=2, gradient_sync=strategy, accumulate_steps=2)
+  # Step 1 only accumulated: its loss is that of the first half of the batch.
+  assert sorted(got.weights) == sorted(want.weights)
+  for name, w in want.weights.items():
+    np.testing.assert_allclose(got.weights[name], w, rtol=0, atol=1e-5,
+                               err_msg=name)
+
+
+def testAllReduceCopiesStayBitIdentical():
+  got = _Cached('lm', 2, B, gradient_sync='all_reduce')
+  assert len(got.copies) == len(got.weights)
+  for (r, name), copy in got.copies.items():
+    assert r == 1
+    np.testing.assert_array_equal(copy, got.weights[name], err_msg=name)
+  acc = _Cached('lm', 2, B, steps=2, gradient_sync='all_reduce',
+                accumulate_steps=2)
+  for (_, name), copy in acc.copies.items():
+    np.testing.assert_array_equal(copy, acc.weights[name], err_msg=name)
+
+
+def _OpTypes(graph):
+  return collections.Counter(op.type for op in graph.get_operations())
+
+
+def testAllReduceGraphUsesCollectivesAndKeepsGradientsSparse():
+  got = _Cached('lm', 2, B, gradient_sync='all_reduce')
+  types = _OpTypes(got.graph)
+  num_vars = len(got.weights)
+  # Every dense variable, on both replicas; the embedding is gathered.
+  assert types['CollectiveReduceV2'] == 2 * (num_vars - 1)
+  assert types['CollectiveGatherV2'] == 2 * 2  # Values and indices.
+  # IndexedSlices become dense through UnsortedSegmentSum; there is none.
+  assert types['UnsortedSegmentSum'] == 0
+  gathers = [op for op in got.graph.get_operations()
+             if op.type == 'CollectiveGatherV2']
+  vocab = got.task.params.vocab_size
+  for op in gathers:  # Token rows of two replicas, not the vocabulary.
+    assert op.outputs[0].shape[0] == 2 * B * 16 != vocab
+  assert {op.device for op in gathers} == {
+      '/job:localhost/replica:0/task:0/device:CPU:0',
+      '/job:localhost/replica:0/task:0/device:CPU:1'
+  }
+  stats = got.task.gradient_sync.stats
+  assert stats.sparse_all_gather_bytes < stats.sparse_densified_bytes
+
+
+def testAllReduceGroupsArePipelineStages():
+  got = _Cached('image', 2, B, k=2, m=2, gradient_sync='all_reduce')
+  devices = collections.defaultdict(set)
+  for op in got.graph.get_operations():
+    if op.type == 'CollectiveReduceV2':
+      devices[op.inputs[1].op.get_attr('value').int_val[0]].add(
+          op.device[-1])
+  # Stage 0 on CPUs 0 and 2, stage 1 on CPUs 1 and 3.
+  assert sorted(map(sorted, devices.values())) == [['0', '2'], ['1', '3']]
+
+
+def testParameterServerAccumulatorsAreOnTheVariablesPsDevices():
+  got = _Cached('lm', 2, B, gradient_sync='parameter_server')
+  sync = got.task.gradient_sync
+  ps_devices = {f'/job:localhost/replica:0/task:0/device:CPU:{i}'
+                for i in range(2)}
+  assert len(sync.accumulators) == len(got.weights)
+  kinds = collections.Counter()
+  for var, acc in sync.accumulators:
+    assert acc.accumulator_ref.device == var.device
+    assert var.device in ps_devices
+    kinds[type(acc).__name__] += 1
+  assert kinds == {'ConditionalAccumulator': len(got.weights) - 1,
+                   'SparseConditionalAccumulator': 1}
+  # Placed by size over both ps devices.
+  assert {var.device for var, _ in sync.accumulators} == ps_devices
+  types = _OpTypes(got.graph)
+  assert types['CollectiveReduceV2'] == types['CollectiveGatherV2'] == 0
+
+
+def testHybridGathersNothingAndReducesDense():
+  got = _Cached('lm', 2, B, gradient_sync='hybrid')
+  plans = got.task.gradient_sync.Plans()
+  sparse = [path for path, plan in plans.items() if plan == 'ps']
+  assert sparse == ['pipeline.d0.cell_000.emb']
+  types = _OpTypes(got.graph)
+  assert types['CollectiveGatherV2'] == 0
+  assert types['CollectiveReduceV2'] == 2 * (len(plans) - 1)
+  assert types['SparseAccumulatorApplyGradient'] == 2
+
+
+def _Build(replicas, k=1, **kwargs):
+  p = _TaskParams('lm', B, k=k, **kwargs)
+  with tf.Graph().as_default(), _Cluster(replicas, k):
+    py_utils.GetOrCreateGlobalStepVar()
+    return p.Instantiate()
+
+
+def testBadDataParallelParamsAreClearErrors():
+  with pytest.raises(ValueError, match='gradient_sync=.allreduce.*one of'):
+    _Build(2, gradient_sync='allreduce')
+  with pytest.raises(ValueError,
+                     match=r'at least 2 .*--num_cpu_devices=2 '
+                     r'--worker_split_size=1'):
+    _Build(1, gradient_sync='all_reduce')
+  with pytest.raises(ValueError, match=r'global batch 8 .*not divisible by '
+                     r'replicas x micro-batches = 2 x 3; set '
+                     r'task.input.batch_size'):
+    _Build(2, m=3, gradient_sync='all_reduce')
+  with pytest.raises(ValueError, match='accumulate_steps=0 must be'):
+    _Build(2, accumulate_steps=0)
+  with pytest.raises(ValueError, match='gradient_compression'):
+    _Build(2, gradient_compression='int8')
+
+
+def testFp16CompressionIsCloseAndHalvesTheBytes():
+  full = _Cached('lm', 2, B, gradient_sync='all_reduce')
+  half = _Cached('lm', 2, B, gradient_sync='all_reduce',
+                 gradient_compression='fp16')
+  assert (half.task.gradient_sync.stats.dense_all_reduce_bytes * 2 ==
+          full.task.gradient_sync.stats.dense_all_reduce_bytes)
+  for name, w in full.weights.items():
+    np.testing.assert_allclose(half.weights[name], w, rtol=0, atol=1e-3)
