@@ -147,8 +147,8 @@ def testAllReduceGraphUsesCollectivesAndKeepsGradientsSparse():
   gathers = [op for op in got.graph.get_operations()
              if op.type == 'CollectiveGatherV2']
   vocab = got.task.params.vocab_size
-  for op in gathers:  # Token rows of two replicas, not the vocabulary.
-    assert op.outputs[0].shape[0] == 2 * B * 16 != vocab
+  for op in gathers:  # A replica's token rows, not the vocabulary's.
+    assert op.inputs[0].shape[0] == B * 16 != vocab
   assert {op.device for op in gathers} == {
       '/job:localhost/replica:0/task:0/device:CPU:0',
       '/job:localhost/replica:0/task:0/device:CPU:1'
@@ -162,7 +162,7 @@ def testAllReduceGroupsArePipelineStages():
   devices = collections.defaultdict(set)
   for op in got.graph.get_operations():
     if op.type == 'CollectiveReduceV2':
-      devices[op.inputs[1].op.get_attr('value').int_val[0]].add(
+      devices[op.inputs[2].op.get_attr('value').int_val[0]].add(
           op.device[-1])
   # Stage 0 on CPUs 0 and 2, stage 1 on CPUs 1 and 3.
   assert sorted(map(sorted, devices.values())) == [['0', '2'], ['1', '3']]
