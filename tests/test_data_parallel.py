@@ -45,9 +45,17 @@ def _Cluster(replicas, k):
   return c
 
 
-def _Run(model, replicas, batch, steps=3, k=1, m=1, **kwargs):
-  """Trains `steps` SGD steps; returns losses, weights, copies and graph."""
+def _Run(model, replicas, batch, steps=3, k=1, m=1, adam=False, save=None,
+         restore=None, **kwargs):
+  """Trains `steps` steps; returns losses, weights, copies and graph.
+
+  Starts from the same random weights for every layout, or from checkpoint
+  `restore`; saves to `save` (a path prefix) after training if given.
+  """
   p = _TaskParams(model, batch, k, m, **kwargs)
+  if adam:
+    p.train.optimizer = optimizer.Adam.Params()
+    p.train.learning_rate = 0.01
   graph = tf.Graph()
   with graph.as_default(), _Cluster(replicas, k):
     py_utils.GetOrCreateGlobalStepVar()
@@ -58,12 +66,19 @@ def _Run(model, replicas, batch, steps=3, k=1, m=1, **kwargs):
     init = [tf.global_variables_initializer(), tf.local_variables_initializer()]
     config = tf.config_pb2.ConfigProto(
         device_count={'CPU': replicas * k}, inter_op_parallelism_threads=4)
+    saver = tf.train.Saver()
     with tf.Session(graph=graph, config=config) as sess:
       sess.run(init)
-      for v in task.vars.Flatten():  # The same start for every layout.
-        rng = np.random.RandomState(zlib.crc32(v.op.name.encode()))
-        v.load((rng.randn(*v.shape.as_list()) * 0.1).astype(np.float32), sess)
+      if restore:
+        saver.restore(sess, restore)
+      else:
+        for v in task.vars.Flatten():  # The same start for every layout.
+          rng = np.random.RandomState(zlib.crc32(v.op.name.encode()))
+          v.load((rng.randn(*v.shape.as_list()) * 0.1).astype(np.float32),
+                 sess)
       losses = [sess.run([loss, task.train_op])[0] for _ in range(steps)]
+      if save:
+        saver.save(sess, save)
       weights = {v.op.name: sess.run(v) for v in task.vars.Flatten()}
       copies = {}
       sync = task.gradient_sync
@@ -230,3 +245,28 @@ def testFp16CompressionIsCloseAndHalvesTheBytes():
           full.task.gradient_sync.stats.dense_all_reduce_bytes)
   for name, w in full.weights.items():
     np.testing.assert_allclose(half.weights[name], w, rtol=0, atol=1e-3)
+
+
+def testAllReduceCheckpointHasOneCopyAndRestoresIntoSharedAndBack(tmp_path):
+  # Adam, so the optimizer state moves between strategies too.
+  kw = dict(k=2, m=2, adam=True)
+  ar_ckpt, shared_ckpt = str(tmp_path / 'ar'), str(tmp_path / 'shared')
+  ar = _Run('image', 2, B, steps=2, save=ar_ckpt, gradient_sync='all_reduce',
+            **kw)
+  names = [n for n, _ in tf.train.list_variables(ar_ckpt)]
+  assert not [n for n in names if 'replica' in n]
+  assert set(ar.weights) <= set(names)
+  # all_reduce -> shared: the same weights, and the same next step as
+  # all_reduce's own.
+  shared = _Run('image', 2, B, steps=1, restore=ar_ckpt, save=shared_ckpt,
+                **kw)
+  ar_next = _Run('image', 2, B, steps=1, restore=ar_ckpt,
+                 gradient_sync='all_reduce', **kw)
+  _AssertSameTraining(ar_next, shared)
+  # shared -> all_reduce: every replica starts from the restored copy.
+  back = _Run('image', 2, B, steps=2, restore=shared_ckpt,
+              gradient_sync='all_reduce', **kw)
+  shared_next = _Run('image', 2, B, steps=2, restore=shared_ckpt, **kw)
+  _AssertSameTraining(back, shared_next)
+  for (_, name), copy in back.copies.items():
+    np.testing.assert_array_equal(copy, back.weights[name], err_msg=name)

@@ -506,7 +506,8 @@ class GradientSync:
             var_grads, gradient_mask=gradient_mask,
             gradient_adjuster=gradient_adjuster)
         if r == 0:
-          eval_metrics = stats
+          # The learner keeps one metrics dict; later replicas overwrite it.
+          eval_metrics = dict(stats)
           targets = adjusted
         else:
           # Replica r updates only its own copies; the shared ones are
@@ -534,37 +535,31 @@ class GradientSync:
     """Replica r's optimizer update (under `ready` when accumulating)."""
 
     def Apply():
-      if r == 0:
-        with _RecordNewVariables(master_new_vars, local=False):
-          with learner._SelfVariableScope():  # pylint: disable=protected-access
-            return tf.group(learner.optimizer.Apply(lr, var_grads))
-      new_vars = []
-      with _RecordNewVariables(new_vars, local=True):
-        with learner._SelfVariableScope():  # pylint: disable=protected-access
-          own = tf.group(learner.optimizer.Apply(lr, var_grads))
-      return own, new_vars
+      with learner._SelfVariableScope():  # pylint: disable=protected-access
+        if r == 0 and ready is None:
+          return tf.group(learner.optimizer.Apply(lr, var_grads))
+        # Summaries cannot be made inside a cond (Lingvo's Accumulator turns
+        # them off too); replica 0's are made when it updates unconditionally.
+        with _NoSummaryInApply(learner.optimizer):
+          return tf.group(learner.optimizer.Apply(lr, var_grads))
 
+    # The recorders wrap the conds: optimizer slots are made in init_scope,
+    # i.e. in the outer graph, whose variable creators are these.
     if r == 0:
-      if ready is None:
-        return Apply()
-      return tf.cond(ready, Apply, tf.no_op)
+      with _RecordNewVariables(master_new_vars, local=False):
+        return Apply() if ready is None else tf.cond(ready, Apply, tf.no_op)
 
-    box = {}
-
-    def Own():
-      op, new_vars = Apply()
-      box['new_vars'] = new_vars
-      return op
+    new_vars = []
 
     def CopyFromMaster():
       # The first update after a start: replica 0's copies and optimizer
-      # state were restored, this replica's slots were not; take them all.
+      # state were restored, this replica's optimizer state was not; take
+      # replica 0's updated copies and state.
       with tf.control_dependencies(master_ops):
         assigns = []
         for vg in var_grads.Flatten():
           master = self._masters[_PathOfMirror(self._mirrors, vg.var)]
           assigns.append(vg.var.assign(master.read_value()))
-        new_vars = box['new_vars']
         if len(new_vars) != len(master_new_vars) or any(
             a.shape != b.shape for a, b in zip(new_vars, master_new_vars)):
           raise ValueError(
@@ -576,11 +571,23 @@ class GradientSync:
         return tf.group(*assigns)
 
     def Update():
-      return tf.cond(self._synced.read_value(), Own, CopyFromMaster)
+      return tf.cond(self._synced.read_value(), Apply, CopyFromMaster)
 
-    if ready is None:
-      return Update()
-    return tf.cond(ready, Update, tf.no_op)
+    with _RecordNewVariables(new_vars, local=True):
+      if ready is None:
+        return Update()
+      return tf.cond(ready, Update, tf.no_op)
+
+
+@contextlib.contextmanager
+def _NoSummaryInApply(opt):
+  p = opt.params
+  saved = p.add_summary_in_apply
+  p.add_summary_in_apply = False
+  try:
+    yield
+  finally:
+    p.add_summary_in_apply = saved
 
 
 def _PathOfMirror(mirrors, var):
