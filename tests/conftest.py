@@ -1,4 +1,4 @@
-"""Shared test set-up: lingvo_ext first, so oneDNN is off before TF loads."""
+"""Shared test set-up: the repository on sys.path, lingvo_ext imported."""
 
 import os
 import sys

@@ -1,5 +1,7 @@
 """Helpers shared by the GPipe tests: small layers and a pipeline harness."""
 
+import copy
+
 import lingvo_ext  # pylint: disable=unused-import
 import lingvo.compat as tf
 from lingvo.core import base_layer
@@ -121,6 +123,78 @@ def RunPipelineAndSequential(cell_tpl, num_devices, inputs_fn, **pipe_kwargs):
     sess.run(init)
     res = sess.run([pipe_out, seq_out, pipe_grads, seq_grads])
   return res + [[v.name for v in variables]]
+
+
+# (schedule, recompute) pairs the tests run; every one must equal the
+# sequential model. '1f1b' and 'recurrent' always recompute.
+VARIANTS = (('unrolled', False), ('unrolled', True), ('1f1b', True),
+            ('recurrent', True))
+
+
+def Variant(net, schedule, recompute):
+  """`net` with other schedule params, on the same weights and cells."""
+  v = copy.copy(net)
+  p = net.params.Copy()
+  p.schedule = schedule
+  p.recompute = recompute
+  v._params = p  # pylint: disable=protected-access
+  return v
+
+
+def RunVariants(cell_tpl, num_devices, inputs_fn, variants=VARIANTS,
+                loss_fn=None, **pipe_kwargs):
+  """Builds every (schedule, recompute) variant and the sequential model.
+
+  All share one graph, one set of weights and one session run.
+
+  Args:
+    cell_tpl: The cells.
+    num_devices: Devices in the split.
+    inputs_fn: Returns the FProp inputs.
+    variants: (schedule, recompute) pairs.
+    loss_fn: outputs -> scalar loss (default: every output, distinct weights).
+    **pipe_kwargs: Other PipeliningLayer params.
+
+  Returns:
+    (results, seq, var_names): results maps each variant to (outputs,
+    gradients of every variable), seq is the sequential model's (outputs,
+    gradients), as numpy values.
+  """
+  loss_fn = loss_fn or _Loss
+  g = tf.Graph()
+  with g.as_default(), Cluster(num_devices):
+    tf.random.set_seed(1)
+    py_utils.GetOrCreateGlobalStepVar()
+    p = gpipe.PipeliningLayer.Params().Set(
+        name='pipe', cell_tpl=cell_tpl, **pipe_kwargs)
+    net = p.Instantiate()
+    args = inputs_fn()
+    variables = net.vars.Flatten()
+    fetches = {}
+    for schedule, recompute in variants:
+      out = Variant(net, schedule, recompute).FProp(net.theta, *args)
+      grads = tf.gradients(loss_fn(out), variables,
+                           colocate_gradients_with_ops=True)
+      fetches[(schedule, recompute)] = (out, grads)
+    seq_out = net.FPropSequential(net.theta, *args)
+    seq = (seq_out, tf.gradients(loss_fn(seq_out), variables))
+    init = tf.global_variables_initializer()
+  with Session(g, num_devices) as sess:
+    sess.run(init)
+    results, seq = sess.run([fetches, seq])
+  return results, seq, [v.name for v in variables]
+
+
+def AssertVariantsMatch(results, seq, names, atol=1e-5):
+  """Every variant's outputs and every gradient equal the reference's."""
+  for variant, (out, grads) in results.items():
+    for a, b in zip(tf.nest.flatten(out), tf.nest.flatten(seq[0])):
+      np.testing.assert_allclose(a, b, atol=atol, rtol=1e-5,
+                                 err_msg=str(variant))
+    assert len(grads) == len(seq[1]) == len(names)
+    for name, a, b in zip(names, grads, seq[1]):
+      np.testing.assert_allclose(a, b, atol=atol, rtol=1e-5,
+                                 err_msg='%s %s' % (variant, name))
 
 
 def AssertAllClose(a, b, atol=1e-5):

@@ -14,10 +14,6 @@ import gpipe_testlib as lib
 
 B, D = 8, 6
 
-# Both schedules must equal the sequential model.
-SCHEDULES = pytest.mark.parametrize('schedule', ['unrolled', 'recurrent'])
-
-
 def _FcCells(num_cells, layers_per_cell=2):
   cells = []
   for c in range(num_cells):
@@ -35,40 +31,59 @@ def _Input(*shape, seed=0):
       np.random.RandomState(seed).randn(*shape).astype(np.float32))
 
 
-@SCHEDULES
+# Every schedule x recompute variant is built in one graph per case and must
+# equal the sequential model: outputs and every gradient to 1e-5.
+
+
 @pytest.mark.parametrize('num_devices', [2, 4])
 @pytest.mark.parametrize('num_micro', [1, 2, 4, 8])
-def test_matches_sequential(num_devices, num_micro, schedule):
-  out = lib.RunPipelineAndSequential(
+def test_matches_sequential(num_devices, num_micro):
+  results, seq, names = lib.RunVariants(
       _FcCells(num_devices), num_devices, lambda: (_Input(B, D),),
-      num_micro_batches=num_micro, schedule=schedule)
-  pipe_out, seq_out, pipe_grads, seq_grads, names = out
-  assert pipe_out.shape == (B, D)
-  lib.AssertAllClose(pipe_out, seq_out)
+      num_micro_batches=num_micro)
+  assert set(results) == set(lib.VARIANTS)
   assert len(names) == 2 * num_devices * 2  # w and b of every FC layer.
-  for name, pg, sg in zip(names, pipe_grads, seq_grads):
+  for name, sg in zip(names, seq[1]):
     assert np.abs(sg).max() > 0, name
-    np.testing.assert_allclose(pg, sg, atol=1e-5, rtol=1e-5, err_msg=name)
+  for out, _ in results.values():
+    assert out.shape == (B, D)
+  lib.AssertVariantsMatch(results, seq, names)
 
 
-@SCHEDULES
-def test_several_inputs_and_outputs(schedule):
-  cells = [
+def _TwoStreamCells():
+  return [
       gpipe.FeatureExtractionLayer.Params().Set(
           name='cell%d' % c,
           sub=[lib.TwoStreamLayer.Params().Set(name='two%d' % c, dim=D)])
       for c in range(2)
   ]
-  pipe_out, seq_out, pipe_grads, seq_grads, _ = lib.RunPipelineAndSequential(
-      cells, 2, lambda: (_Input(B, D), _Input(B, D, seed=1)),
-      num_micro_batches=4, schedule=schedule)
-  assert isinstance(pipe_out, tuple) and len(pipe_out) == 2
-  lib.AssertAllClose(pipe_out, seq_out)
-  lib.AssertAllClose(pipe_grads, seq_grads)
 
 
-@SCHEDULES
-def test_nested_map_fprop(schedule):
+def test_several_inputs_and_outputs():
+  results, seq, names = lib.RunVariants(
+      _TwoStreamCells(), 2, lambda: (_Input(B, D), _Input(B, D, seed=1)),
+      num_micro_batches=4)
+  for out, _ in results.values():
+    assert isinstance(out, tuple) and len(out) == 2
+  lib.AssertVariantsMatch(results, seq, names)
+
+
+@pytest.mark.parametrize('part', ['one_output', 'some_rows'])
+def test_differentiating_part_of_the_outputs(part):
+  """Batched weight gradients stay right when the loss skips some outputs."""
+  if part == 'one_output':
+    loss_fn = lambda out: tf.reduce_sum(tf.sin(out[0]))
+  else:
+    # Only the rows of the first micro-batch and a half: the others get zero
+    # gradients, some micro-batches only partly.
+    loss_fn = lambda out: tf.reduce_sum(tf.sin(out[0][:B * 3 // 8]))
+  results, seq, names = lib.RunVariants(
+      _TwoStreamCells(), 2, lambda: (_Input(B, D), _Input(B, D, seed=1)),
+      loss_fn=loss_fn, num_micro_batches=4)
+  lib.AssertVariantsMatch(results, seq, names)
+
+
+def test_nested_map_fprop():
   cells = [
       gpipe.FeatureExtractionLayer.Params().Set(
           name='cell%d' % c,
@@ -76,27 +91,24 @@ def test_nested_map_fprop(schedule):
       for c in range(2)
   ]
   inputs = lambda: (py_utils.NestedMap(a=_Input(B, D), b=_Input(B, D, seed=1)),)
-  pipe_out, seq_out, pipe_grads, seq_grads, _ = lib.RunPipelineAndSequential(
-      cells, 2, inputs, num_micro_batches=4, nested_map_fprop=True,
-      schedule=schedule)
-  assert set(pipe_out.keys()) == {'a', 'b'}
-  lib.AssertAllClose(pipe_out, seq_out)
-  lib.AssertAllClose(pipe_grads, seq_grads)
+  results, seq, names = lib.RunVariants(
+      cells, 2, inputs, num_micro_batches=4, nested_map_fprop=True)
+  for out, _ in results.values():
+    assert set(out.keys()) == {'a', 'b'}
+  lib.AssertVariantsMatch(results, seq, names)
 
 
-@SCHEDULES
-def test_batch_dim_1(schedule):
+def test_batch_dim_1():
   # Time-major inputs [T, B, D], split along B.
-  pipe_out, seq_out, pipe_grads, seq_grads, _ = lib.RunPipelineAndSequential(
+  results, seq, names = lib.RunVariants(
       _FcCells(2), 2, lambda: (_Input(3, B, D),), num_micro_batches=4,
-      batch_dim=1, schedule=schedule)
-  assert pipe_out.shape == (3, B, D)
-  lib.AssertAllClose(pipe_out, seq_out)
-  lib.AssertAllClose(pipe_grads, seq_grads)
+      batch_dim=1)
+  for out, _ in results.values():
+    assert out.shape == (3, B, D)
+  lib.AssertVariantsMatch(results, seq, names)
 
 
-@SCHEDULES
-def test_act_fetch_layers(schedule):
+def test_act_fetch_layers():
   # Cell 0 fetches the activation after its first FC layer; cell 1 passes it
   # through, so the pipeline returns (final output, fetched activation).
   fetch = layers.FetchLayer.Params().Set(name='fetch')
@@ -106,14 +118,59 @@ def test_act_fetch_layers(schedule):
   cell1 = gpipe.FeatureExtractionLayer.Params().Set(
       name='cell1', sub=[lib.Fc('fc2', D, D, 3)], num_act_inputs=1,
       num_act_outputs=1)
-  pipe_out, seq_out, pipe_grads, seq_grads, _ = lib.RunPipelineAndSequential(
-      [cell0, cell1], 2, lambda: (_Input(B, D),), num_micro_batches=2,
-      schedule=schedule)
-  assert len(pipe_out) == 2
-  lib.AssertAllClose(pipe_out, seq_out)
-  lib.AssertAllClose(pipe_grads, seq_grads)
-  # The fetched activation is tanh(x W0 + b0), not the final output.
-  assert not np.allclose(pipe_out[0], pipe_out[1])
+  results, seq, names = lib.RunVariants(
+      [cell0, cell1], 2, lambda: (_Input(B, D),), num_micro_batches=2)
+  lib.AssertVariantsMatch(results, seq, names)
+  for out, _ in results.values():
+    assert len(out) == 2
+    # The fetched activation is tanh(x W0 + b0), not the final output.
+    assert not np.allclose(out[0], out[1])
+
+
+def _DropoutCells(num_cells, keep_prob):
+  """FC then dropout in every cell, on stateless per-step seeds."""
+  cells = []
+  for c in range(num_cells):
+    subs = [
+        lib.Fc('fc%d' % c, D, D, seed=c + 1),
+        layers.DeterministicDropoutLayer.Params().Set(
+            name='drop%d' % c, keep_prob=keep_prob),
+    ]
+    cells.append(
+        gpipe.FeatureExtractionLayer.Params().Set(name='cell%d' % c, sub=subs))
+  return cells
+
+
+@pytest.mark.parametrize('num_devices', [2, 4])
+def test_dropout_same_mask_in_recomputation(num_devices):
+  # With recompute the backward pass rebuilds each cell, dropout included:
+  # only if it draws the forward pass's mask do the gradients equal those of
+  # the schedule that keeps its activations.
+  results, _, names = lib.RunVariants(
+      _DropoutCells(num_devices, 0.5), num_devices, lambda: (_Input(4 * B, D),),
+      variants=(('unrolled', False), ('unrolled', True), ('1f1b', None)),
+      num_micro_batches=4)
+  ref_out, ref_grads = results[('unrolled', False)]
+  # The last cell ends in dropout: about half the outputs are exactly 0, in
+  # different places in each micro-batch.
+  zero = ref_out == 0
+  assert 0.3 < zero.mean() < 0.7
+  assert not np.array_equal(zero[:B], zero[B:2 * B])
+  for variant in [('unrolled', True), ('1f1b', None)]:
+    out, grads = results[variant]
+    np.testing.assert_allclose(out, ref_out, atol=1e-5, rtol=1e-5)
+    for name, a, b in zip(names, grads, ref_grads):
+      np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5,
+                                 err_msg='%s %s' % (variant, name))
+
+
+@pytest.mark.parametrize('schedule', ['1f1b', 'recurrent'])
+def test_recompute_false_is_an_error_where_always_recomputed(schedule):
+  with tf.Graph().as_default(), lib.Cluster(2):
+    with pytest.raises(ValueError, match='recompute=False'):
+      gpipe.PipeliningLayer.Params().Set(
+          name='pipe', cell_tpl=_FcCells(2), schedule=schedule,
+          recompute=False).Instantiate()
 
 
 def test_feature_extraction_meta_threads_shapes():

@@ -1,10 +1,18 @@
-"""Importing lingvo_ext turns oneDNN off before TensorFlow loads."""
+"""Importing lingvo_ext leaves oneDNN to the user and TensorFlow's default."""
 
 import os
 import subprocess
 import sys
 
+import pytest
+
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_PROBE = ('import os, sys; import lingvo_ext; '
+          'loaded = "tensorflow" in sys.modules; '
+          'from tensorflow.python.util import _pywrap_util_port as port; '
+          'print(loaded, os.environ.get("TF_ENABLE_ONEDNN_OPTS"), '
+          'port.IsMklEnabled())')
 
 
 def _Run(code, **env_overrides):
@@ -14,14 +22,18 @@ def _Run(code, **env_overrides):
                         capture_output=True, text=True, check=True)
 
 
-def test_onednn_is_off_before_tensorflow_loads():
-  out = _Run('import os, sys; import lingvo_ext; '
-             'print("tensorflow" in sys.modules, '
-             'os.environ["TF_ENABLE_ONEDNN_OPTS"])').stdout.split()
-  # Set by the import, and TensorFlow was not loaded first.
-  assert out == ['False', '0']
+def test_import_does_not_set_onednn():
+  loaded, setting, _ = _Run(_PROBE).stdout.split()
+  assert (loaded, setting) == ('False', 'None')
 
 
-def test_importing_after_tensorflow_warns():
+@pytest.mark.parametrize('setting,enabled', [('0', 'False'), ('1', 'True')])
+def test_users_setting_wins(setting, enabled):
+  out = _Run(_PROBE, TF_ENABLE_ONEDNN_OPTS=setting).stdout.split()
+  # TensorFlow loads after lingvo_ext and sees the user's choice.
+  assert out == ['False', setting, enabled]
+
+
+def test_importing_after_tensorflow_is_quiet():
   r = _Run('import tensorflow; import lingvo_ext')
-  assert 'set TF_ENABLE_ONEDNN_OPTS=0' in r.stderr
+  assert 'TF_ENABLE_ONEDNN_OPTS' not in r.stderr

@@ -18,7 +18,6 @@ schedule: a Lingvo checkpoint restores into the same model built here, and
 the other way round.
 """
 
-import contextlib
 import copy
 
 import lingvo.compat as tf
@@ -27,15 +26,13 @@ from lingvo.core import builder_layers
 from lingvo.core import cluster_factory
 from lingvo.core import gpipe as lingvo_gpipe
 from lingvo.core import py_utils
-from lingvo.core import recurrent
 from lingvo.core import tshape
 
 from lingvo_ext.core import cost as cost_lib
-from lingvo_ext.core import matmul_grad
 from lingvo_ext.core import partitioning
+from lingvo_ext.core import schedules
 from lingvo_ext.core import stacking
 
-_MICRO_BATCH_STATE_NAME = 'micro_batch_state'
 
 # Lingvo's hooks that make stateless random ops inside a cell seed from the
 # micro-batch index instead of the global step (not visible inside the loop).
@@ -51,74 +48,8 @@ def _ToTuple(x):
   return x if isinstance(x, tuple) else (x,)
 
 
-def _CellStepSeedPair(p, unused_global_step=None, op_seed=None, *, prefix):
-  """Lingvo's in-cell seed pair, for a cell built under name scope `prefix`.
-
-  Inside StackedRecurrent a cell is traced in its own function graph, so the
-  seed it takes from its 'op_seed' name scope has no outer scope in it. Built
-  inline, the cell's ops sit under `prefix`; stripping it gives the name, and
-  so the seed, that the same op gets in Lingvo's loop.
-
-  Args:
-    p: The calling layer's params (random_seed, is_inference).
-    unused_global_step: Lingvo's signature; the step comes from
-      GetOverWriteGlobalStep (the micro-batch's step).
-    op_seed: An extra op-level seed, as in py_utils.GenerateStepSeedPair.
-    prefix: The name scope the cell is built in, ending with '/'.
-
-  Returns:
-    A [2] seed tensor for stateless random ops.
-  """
-  seed_dtype = tf.int32 if py_utils.use_tpu() else tf.int64
-  if p.is_inference and p.random_seed is None:
-    # As Lingvo: an exported inference graph without a seed stays random.
-    return tf.random.uniform([2], maxval=seed_dtype.max, dtype=seed_dtype)
-  with tf.name_scope('op_seed') as scope:
-    if scope.startswith(prefix):
-      scope = scope[len(prefix):]
-    step = tf.cast(GetOverWriteGlobalStep(), seed_dtype)
-    name_seed = tf.cast(py_utils.GenerateSeedFromName(scope), seed_dtype)
-    seeds = tf.stack([step, name_seed])
-    if p.random_seed is not None:
-      seeds += p.random_seed
-    if op_seed is not None:
-      seeds += tf.cast(op_seed, seed_dtype)
-    return seeds
-
-
-@contextlib.contextmanager
-def CellRandomness(micro_batch_step, scope):
-  """Random ops of a cell built inside seed as in Lingvo's pipeline loop.
-
-  Lingvo's PipeliningLayer runs each cell under CellFnFPropOpReplacementWrapper
-  with the global step overwritten by the micro-batch's step
-  (global_step * num_micro_batches + t): stateless random ops (e.g.
-  DeterministicDropoutLayer) seed from it and from their name scope within
-  the cell. Schedules that build cells inline, not in StackedRecurrent, wrap
-  each (cell, micro-batch) FProp in this to get the same random streams.
-
-  Args:
-    micro_batch_step: The micro-batch's step tensor, in the state dtype as
-      Lingvo passes it.
-    scope: Name of a fresh name scope to build the cell in.
-
-  Yields:
-    The name scope string (ending with '/').
-  """
-  graph = tf.get_default_graph()
-  collection = graph.get_collection_ref(
-      lingvo_gpipe._OVERWRITE_GLOBAL_STEP_COLLECTION)  # pylint: disable=protected-access
-  saved_collection = list(collection)
-  saved_seed_fn = py_utils.GenerateStepSeedPair
-  with tf.name_scope(scope) as prefix:
-    try:
-      SetOverWriteGlobalStep(micro_batch_step, graph)
-      py_utils.GenerateStepSeedPair = (
-          lambda *a, **kw: _CellStepSeedPair(*a, prefix=prefix, **kw))
-      yield prefix
-    finally:
-      py_utils.GenerateStepSeedPair = saved_seed_fn
-      collection[:] = saved_collection
+# Kept here for callers of the layer API; the schedules own it.
+CellRandomness = schedules.CellRandomness
 
 
 def _LingvoOutputs(outputs):
@@ -467,7 +398,7 @@ class PipeliningLayer(SeqLayer):
   micro-batch t is in cell i+1. Gradients equal those of the sequential model.
   """
 
-  _SCHEDULES = ('unrolled', 'recurrent')
+  _SCHEDULES = tuple(schedules.SCHEDULES)
 
   @classmethod
   def Params(cls):
@@ -485,18 +416,30 @@ class PipeliningLayer(SeqLayer):
              'Whether cells take and return a single NestedMap.')
     p.Define(
         'schedule', 'unrolled',
-        "How micro-batches flow through the cells. 'unrolled': every "
+        "How micro-batches flow through the cells; one of "
+        "lingvo_ext.core.schedules.SCHEDULES. 'unrolled': every "
         "(micro-batch, cell) pair is its own subgraph on the cell's device, "
-        "so TensorFlow's executor overlaps cells as data arrives and "
-        "tf.gradients builds the backward pass; no loop, no recompute. "
-        "Backward ops land on their cell's device when gradients are "
-        "colocated with ops, as Lingvo's py_utils.ComputeGradients does by "
-        "default (tf.gradients(..., colocate_gradients_with_ops=True)). "
-        "On CPU, MatMul input gradients avoid TensorFlow's slow "
-        "transposed-weight kernel (see matmul_grad.py). "
+        "so TensorFlow's executor overlaps cells as data arrives; its "
+        "backward pass is built per cell and micro-batch on the cell's "
+        "device, and each weight's gradient is one MatMul over all "
+        "micro-batches' rows. 'unrolled' keeps every micro-batch's "
+        "activations unless recompute=True. '1f1b': the forward pass keeps "
+        "only cell-boundary activations; in the backward pass each cell "
+        "alternates one recomputed forward and one backward micro-batch, "
+        "at most K - i micro-batches in flight in cell i, so activation "
+        "memory is bounded by the number of cells K, not M. "
         "'recurrent': Lingvo's StackedRecurrent loop, which recomputes "
         "each cell's forward pass in the backward pass, keeping only cell "
         "boundary activations (less memory, more time).")
+    p.Define(
+        'recompute', None,
+        'Re-materialisation: whether each cell\'s forward pass is '
+        'recomputed in its backward pass, keeping only cell-boundary '
+        'activations between the two. Random ops that seed from '
+        'py_utils.GenerateStepSeedPair (e.g. DeterministicDropoutLayer) '
+        'draw the same values in the recomputation. None: the schedule\'s '
+        "own (False for 'unrolled'; '1f1b' and 'recurrent' always "
+        'recompute, and recompute=False is an error there).')
     return p
 
   def __init__(self, params):
@@ -522,6 +465,13 @@ class PipeliningLayer(SeqLayer):
     if p.schedule not in self._SCHEDULES:
       raise ValueError('%s: schedule=%r; use one of %s.' %
                        (p.name, p.schedule, sorted(self._SCHEDULES)))
+    if p.recompute is False and p.schedule in schedules.ALWAYS_RECOMPUTE:
+      raise ValueError(
+          "%s: schedule=%r always recomputes each cell's forward pass (the "
+          'loss is computed outside the layer, so no backward pass can start '
+          'before every forward pass ends); set recompute=None or True, or '
+          "use schedule='unrolled' to keep activations." %
+          (p.name, p.schedule))
     if len(p.cell_tpl) > num_devices > 1:
       tf.logging.warning(
           '%s: %d cells on %d devices; cells share devices round-robin and '
@@ -582,12 +532,14 @@ class PipeliningLayer(SeqLayer):
           (p.name, batch, p.batch_dim, m, divisors))
     return batch, batch // m, m
 
-  def _StateShapes(self, args, micro_batch_size):
+  def _StateShapes(self, args, micro_batch_size, after_before_layers=False):
     """tshape.Shapes of the cells' inputs and outputs for one micro-batch.
 
     Args:
       args: The FProp inputs.
       micro_batch_size: The size of a micro-batch.
+      after_before_layers: Whether `args` are the outputs of `before_tpl`
+        (else its inputs).
 
     Returns:
       A list of K + 1 entries (K cells): for each, a tuple of tshape.Shape (or
@@ -606,8 +558,9 @@ class PipeliningLayer(SeqLayer):
       shapes = (py_utils.Transform(_MicroShape, args[0]),)
     else:
       shapes = tuple(_MicroShape(t) for t in _ToTuple(args))
-    for (_, l) in self._before_layers:
-      shapes = _ToTuple(l.FPropMeta(l.params, *shapes).out_shapes)
+    if not after_before_layers:
+      for (_, l) in self._before_layers:
+        shapes = _ToTuple(l.FPropMeta(l.params, *shapes).out_shapes)
     state_shapes = [shapes[0] if p.nested_map_fprop else shapes]
     for (_, cell) in self._cells:
       shapes = _ToTuple(cell.FPropMeta(cell.params, *shapes).out_shapes)
@@ -668,43 +621,6 @@ class PipeliningLayer(SeqLayer):
         for t in range(num_micro)
     ]
 
-  def _FPropUnrolled(self, theta, args, num_micro):
-    """The 'unrolled' schedule: one subgraph per (micro-batch, cell)."""
-    p = self.params
-    devices = self._Devices()
-    with tf.device(devices[0]):
-      previous = _ToTuple(args)
-      for (name, l) in self._before_layers:
-        previous = _ToTuple(l.FProp(theta[name], *previous))
-      flat = tf.nest.flatten(previous)
-      pieces = [
-          None if x is None else tf.split(x, num_micro, axis=p.batch_dim)
-          for x in flat
-      ]
-      steps = self._MicroBatchSteps(num_micro, self._StateDtype(args))
-    # Read each cell's weights onto its device once per step, not once per
-    # micro-batch; their gradients are summed there too.
-    thetas = []
-    for i, (name, _) in enumerate(self._cells):
-      with tf.device(devices[i]), tf.name_scope('%s_theta' % name):
-        thetas.append(theta[name].Transform(tf.identity))
-    outputs = []
-    for t in range(num_micro):
-      x = tf.nest.pack_sequence_as(
-          previous, [None if s is None else s[t] for s in pieces])
-      for i, (name, cell) in enumerate(self._cells):
-        with tf.device(devices[i]), CellRandomness(steps[t],
-                                                   '%s_mb%d' % (name, t)):
-          with matmul_grad.CpuMatMulGradients(devices[i]):
-            x = cell.FProp(thetas[i], *_ToTuple(x))
-      outputs.append(x)
-    with tf.device(devices[-1]):
-      merged = [
-          None if parts[0] is None else tf.concat(parts, axis=p.batch_dim)
-          for parts in zip(*[tf.nest.flatten(o) for o in outputs])
-      ]
-    return _LingvoOutputs(tf.nest.pack_sequence_as(outputs[0], merged))
-
   def FProp(self, theta, *args):
     """Runs the cells over micro-batches in a pipeline across devices.
 
@@ -724,103 +640,10 @@ class PipeliningLayer(SeqLayer):
     if self.do_eval and self.cluster.num_devices_per_split == 1:
       return self.FPropSequential(theta, *args)
 
-    _, micro_batch_size, num_micro = self._MicroBatching(args)
-    if p.schedule == 'unrolled':
-      return self._FPropUnrolled(theta, args, num_micro)
-    state_dtype = self._StateDtype(args)
-    state_shapes = self._StateShapes(args, micro_batch_size)
-    devices = self._Devices()
-
-    def _CellFn(i):
-      """The step function of cell i inside StackedRecurrent."""
-
-      def CellFn(theta, state0, inputs):
-        del state0
-
-        def _SetShape(name, t_shape):
-          if t_shape is None:
-            return None
-          t = inputs.GetItem(name)
-          t.set_shape(t_shape.ToTensorShape().as_list())
-          return t
-
-        fprop_inputs = self._FromState(inputs, state_shapes[i], _SetShape)
-        with py_utils.RemoveAssertContext(remove=True):
-          with CellFnFPropOpReplacementWrapper():
-            mb_tensor = inputs[_MICRO_BATCH_STATE_NAME]
-            SetOverWriteGlobalStep(mb_tensor)
-            _, cell = self._cells[i]
-            outputs = cell.FProp(theta, *_ToTuple(fprop_inputs))
-        if not p.nested_map_fprop and (len(_ToTuple(outputs)) != len(
-            state_shapes[i + 1])):
-          raise ValueError(
-              '%s: cell %d returned %d outputs but its FPropMeta says %d.' %
-              (p.name, i, len(_ToTuple(outputs)), len(state_shapes[i + 1])))
-        state1 = self._ToState(outputs)
-        state1[_MICRO_BATCH_STATE_NAME] = mb_tensor
-        return state1, py_utils.NestedMap()
-
-      return CellFn
-
-    def _Zeros(t_shape):
-      if t_shape is None:
-        return None
-      return tf.zeros(t_shape.ToTensorShape().as_list(), dtype=state_dtype)
-
-    init_states = []
-    for i in range(len(self._cells)):
-      if p.nested_map_fprop:
-        init_state = py_utils.Transform(_Zeros, state_shapes[i + 1])
-      else:
-        init_state = tuple(_Zeros(s) for s in state_shapes[i + 1])
-      init_state = self._ToState(init_state)
-      init_state[_MICRO_BATCH_STATE_NAME] = tf.cast(0, dtype=state_dtype)
-      init_states.append(init_state)
-
-    with tf.device(devices[0]):
-      previous = _ToTuple(args)
+    _, _, num_micro = self._MicroBatching(args)
+    with tf.device(self._Devices()[0]):
+      inputs = _ToTuple(args)
       for (name, l) in self._before_layers:
-        previous = _ToTuple(l.FProp(theta[name], *previous))
-
-      def _Split(x):
-        if x is None:
-          return None
-        return tf.stack(tf.split(x, num_micro, axis=p.batch_dim))
-
-      if p.nested_map_fprop:
-        inputs = self._ToState(py_utils.Transform(_Split, previous[0]))
-      else:
-        inputs = self._ToState(tuple(_Split(x) for x in previous))
-      inputs[_MICRO_BATCH_STATE_NAME] = tf.stack(
-          self._MicroBatchSteps(num_micro, state_dtype))
-
-    num_cells = len(self._cells)
-    output_state, _ = recurrent.StackedRecurrent(
-        devices=devices,
-        cell_fns=[_CellFn(i) for i in range(num_cells)],
-        cell_grads=[None] * num_cells,
-        cell_outs=[lambda x: x] * num_cells,
-        cell_out_grads=[lambda x: x] * num_cells,
-        thetas=[theta[name] for name, _ in self._cells],
-        init_states=init_states,
-        inputs=inputs,
-        accumulator_layers=[cell for _, cell in self._cells],
-        unused_acc_state=True)
-
-    with tf.device(devices[-1]):
-
-      def _Merge(name, t_shape):
-        """[M, micro-batch...] -> the batch, with batch_dim restored."""
-        if t_shape is None:
-          return None
-        out = output_state.GetItem(name)
-        if p.batch_dim != 0:
-          perm = list(range(1, p.batch_dim + 1)) + [0]
-          perm += list(range(p.batch_dim + 1, t_shape.rank + 1))
-          out = tf.transpose(out, perm=perm)
-        shape = t_shape.ToTensorShape().as_list()
-        shape[p.batch_dim] *= num_micro
-        return tf.reshape(out, shape)
-
-      return _LingvoOutputs(
-          self._FromState(output_state, state_shapes[-1], _Merge))
+        inputs = _ToTuple(l.FProp(theta[name], *inputs))
+    return _LingvoOutputs(
+        schedules.SCHEDULES[p.schedule](self, theta, inputs, num_micro))
