@@ -257,8 +257,10 @@ def test_unrolled_cell_ops_run_on_their_device():
         # Scopes 'cell<c>_mb<t>/...', 'gradients/cell<c>_mb<t>/...' and the
         # cell's per-step weight copy 'cell<c>_theta/...'.
         # The one read of each variable stays with the variable, by design.
+        # So does the fetch of a result ('_retval_...'), on the client's.
         if (re.search(r'cell%d_(mb\d+|theta)/' % c, node.node_name) and
-            not node.node_name.endswith('/ReadVariableOp')):
+            not node.node_name.endswith('/ReadVariableOp') and
+            not node.node_name.startswith('_retval_')):
           ran.setdefault(c, set()).add(dev.device.split('device:')[-1])
   assert ran == {0: {'CPU:0'}, 1: {'CPU:1'}}, ran
 

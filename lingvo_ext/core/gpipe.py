@@ -467,7 +467,8 @@ class PipeliningLayer(SeqLayer):
                        (p.name, p.schedule, sorted(self._SCHEDULES)))
     if p.recompute is False and p.schedule in schedules.ALWAYS_RECOMPUTE:
       raise ValueError(
-          "%s: schedule=%r always recomputes each cell's forward pass (the "
+          "%s: recompute=False, but schedule=%r always recomputes each "
+          "cell's forward pass (the "
           'loss is computed outside the layer, so no backward pass can start '
           'before every forward pass ends); set recompute=None or True, or '
           "use schedule='unrolled' to keep activations." %

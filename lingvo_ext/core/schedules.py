@@ -185,17 +185,17 @@ class _Engine:
     gated by a control dependency on the incoming gradient (so it runs in the
     backward pass, not beside the forward), with the same random seeds.
   - `window`: with a window W_i, cell i's recompute of micro-batch t also
-    waits for its backward pass of micro-batch t - W_i: the 1F1B order with at
-    most W_i micro-batches' activations alive in cell i.
+    waits for its backward pass of micro-batch t - W_i and for the weight
+    gradient of that micro-batch's group (groups of W_i micro-batches): the
+    1F1B order, with at most W_i micro-batches' activations alive in cell i.
   - Weight gradients: each MatMul's x^T dy is collected across a group of
-    micro-batches (all M, or K under a window) and computed as one MatMul of
+    micro-batches (all M, or W_i under a window) and computed as one MatMul of
     the concatenated rows, instead of one materialised weight gradient per
     micro-batch summed at the end (`matmul_grad.WeightGradientBatcher`).
   """
 
   def __init__(self, layer, theta, inputs, num_micro: int, recompute: bool,
-               window: Optional[Callable[[int], int]] = None,
-               group_size: Optional[int] = None):
+               window: Optional[Callable[[int], int]] = None):
     self.layer = layer
     self.p = layer.params
     self.cells = layer._cells  # pylint: disable=protected-access
@@ -203,7 +203,6 @@ class _Engine:
     self.num_micro = num_micro
     self.recompute = recompute
     self.window = window
-    self.group_size = group_size or num_micro
     self.inputs = inputs
     self.theta = theta
 
@@ -335,9 +334,11 @@ class _Engine:
     dx = [None] * m  # Flat, per micro-batch.
     done = [None] * m
     window = self.window(i) if self.window else None
+    group_size = window or m
+    group_done = []
     batcher = None
     for t in range(m):
-      if t % self.group_size == 0:
+      if t % group_size == 0:
         batcher = matmul_grad.WeightGradientBatcher(leaves)
       with tf.device(self.devices[i]), tf.name_scope('%s_mb%d' % (name, t)):
         outs = _Flat(self.cell_out[i][t])
@@ -348,10 +349,15 @@ class _Engine:
         if idx:
           if self.recompute:
             gates = [dy[t][k] for k in idx]
-            if window is not None and t >= window and done[t - window]:
-              gates.append(done[t - window])
+            if window is not None and t >= window:
+              gates += [g for g in (done[t - window],
+                                    group_done[(t - window) // group_size])
+                        if g is not None]
             with tf.control_dependencies(gates):
-              x_r = [None if v is None else tf.identity(v) for v in flat_x]
+              x_r = [
+                  None if v is None else tf.identity(v, name='recompute_gate')
+                  for v in flat_x
+              ]
             # The same step and the same names under a fresh scope: the
             # same random seeds as the forward pass (see CellRandomness).
             y_r = _Flat(self._CellFProp(
@@ -375,10 +381,12 @@ class _Engine:
           tg = grads[len(xs):]
           theta_grads.append(tg)
           done[t] = _Group(dx[t] + tg)
-      if (t + 1) % self.group_size == 0 or t == m - 1:
+      if (t + 1) % group_size == 0 or t == m - 1:
         with tf.device(self.devices[i]), tf.name_scope(
             '%s_mb%d/weight_grad' % (name, t)):
-          theta_grads.append(batcher.Gradients(leaves))
+          batched = batcher.Gradients(leaves)
+          theta_grads.append(batched)
+          group_done.append(_Group(batched))
     # Flat dy of the previous cell's outputs = flat dx of this cell's inputs.
     return [[None] * len(_Flat(self.cell_in[i][t])) if dx[t] is None else
             dx[t] for t in range(m)]
@@ -394,8 +402,7 @@ def OneFOneB(layer, theta, inputs, num_micro):
   """1F1B: at most K - i micro-batches in flight in cell i's backward pass."""
   num_cells = len(layer._cells)  # pylint: disable=protected-access
   return _Engine(layer, theta, inputs, num_micro, recompute=True,
-                 window=lambda i: num_cells - i,
-                 group_size=num_cells).Build()
+                 window=lambda i: num_cells - i).Build()
 
 
 def Recurrent(layer, theta, inputs, num_micro):
