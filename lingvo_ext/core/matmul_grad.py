@@ -75,7 +75,8 @@ class WeightGradientBatcher:
   """Computes a weight's x^T dy once over several micro-batches.
 
   Inside `with batcher:`, the gradient of a MatMul made under
-  `PipelineMatMulGradients` whose right operand is one of `weights` returns
+  `PipelineMatMulGradients` whose right operand is one of `weights` (or an
+  Identity of one) returns
   no weight gradient; it records (x, dy) instead. `Gradients` then computes
   each weight's gradient as one MatMul of the concatenated rows: a single
   weight-sized result rather than one per micro-batch summed at the end,
@@ -95,13 +96,21 @@ class WeightGradientBatcher:
   def __exit__(self, *unused_exc):
     _BATCHERS.pop()
 
+  def _Weight(self, b):
+    """The weight `b` is, through Identity ops (layers add one per call)."""
+    while b.ref() not in self._weights and b.op.type == 'Identity':
+      b = b.op.inputs[0]
+    return b if b.ref() in self._weights else None
+
   def Collects(self, b) -> bool:
-    return b.ref() in self._weights
+    return self._Weight(b) is not None
 
   def Add(self, b, a, dy):
-    self._groups.setdefault(b.ref(), ([], []))
-    self._groups[b.ref()][0].append(a)
-    self._groups[b.ref()][1].append(dy)
+    # Identity's gradient is the identity: x^T dy belongs to the weight.
+    key = self._Weight(b).ref()
+    self._groups.setdefault(key, ([], []))
+    self._groups[key][0].append(a)
+    self._groups[key][1].append(dy)
 
   def Gradients(self, weights):
     """The batched gradients of `weights` (None where nothing was recorded)."""

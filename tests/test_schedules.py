@@ -1,0 +1,125 @@
+"""Schedules: the registry, and what '1f1b' keeps alive, read from the graph.
+
+The activation count is read from the dataflow and control edges of the
+backward graph, which TensorFlow's executor must obey whatever the timing:
+micro-batch t's recomputed activations of cell i are dead before micro-batch
+t' is recomputed there only if every op reading them (the backward ops, the
+batched weight gradient) is an ancestor of t''s recompute gates. The largest
+set of micro-batches not so ordered is how many can be alive at once.
+'unrolled' with recompute is measured the same way and has M: the count is
+not bounded by construction of the test.
+"""
+
+import re
+
+import lingvo_ext  # pylint: disable=unused-import
+import lingvo.compat as tf
+from lingvo.core import py_utils
+import pytest
+
+from lingvo_ext.core import gpipe
+from lingvo_ext.core import schedules
+import gpipe_testlib as lib
+import test_gpipe
+
+B, D = 16, 6
+
+
+def test_every_schedule_is_one_registry_entry():
+  assert set(schedules.SCHEDULES) == {'unrolled', '1f1b', 'recurrent'}
+  assert gpipe.PipeliningLayer._SCHEDULES == tuple(schedules.SCHEDULES)  # pylint: disable=protected-access
+  with tf.Graph().as_default(), lib.Cluster(2):
+    with pytest.raises(ValueError, match="schedule='gpipe'.*1f1b"):
+      gpipe.PipeliningLayer.Params().Set(
+          name='pipe', cell_tpl=test_gpipe._FcCells(2),  # pylint: disable=protected-access
+          schedule='gpipe').Instantiate()
+
+
+def _BackwardGraph(num_cells, num_micro, schedule, recompute):
+  g = tf.Graph()
+  with g.as_default(), lib.Cluster(num_cells):
+    py_utils.GetOrCreateGlobalStepVar()
+    net = gpipe.PipeliningLayer.Params().Set(
+        name='pipe', cell_tpl=test_gpipe._FcCells(num_cells, 3),  # pylint: disable=protected-access
+        num_micro_batches=num_micro, schedule=schedule,
+        recompute=recompute).Instantiate()
+    out = net.FPropDefaultTheta(test_gpipe._Input(B, D))  # pylint: disable=protected-access
+    grads = tf.gradients(tf.reduce_sum(out * out), net.vars.Flatten())
+  return g, [t.op for t in grads]
+
+
+def _Ancestors(op, memo):
+  """All ops `op` waits for, through data and control edges."""
+  if op in memo:
+    return memo[op]
+  seen, stack = set(), [op]
+  while stack:
+    o = stack.pop()
+    for parent in [t.op for t in o.inputs] + list(o.control_inputs):
+      if parent not in seen:
+        seen.add(parent)
+        stack.append(parent)
+  memo[op] = seen
+  return seen
+
+
+def MaxLiveMicroBatches(graph, fetches, cell, num_micro):
+  """Most micro-batches whose recomputed activations of `cell` coexist.
+
+  Args:
+    graph: The graph.
+    fetches: The gradient ops; only ops they need run (TF prunes the rest).
+    cell: The cell.
+    num_micro: M.
+
+  Returns:
+    The count.
+  """
+  memo = {}
+  needed = set(fetches).union(*[_Ancestors(f, memo) for f in fetches])
+  recomputed = {t: [] for t in range(num_micro)}
+  gates = {t: [] for t in range(num_micro)}
+  for op in graph.get_operations():
+    m = re.search(r'/cell%d_mb(\d+)/(recompute/|recompute_gate)' % cell,
+                  op.name)
+    if not m or re.search(r'_mb\d+/gradients/', op.name):
+      continue  # Not a recomputed op (a gradient op names its op).
+    t = int(m.group(1))
+    if m.group(2) == 'recompute_gate':
+      gates[t].append(op)
+    elif op.outputs and op.outputs[0].dtype.is_floating:
+      recomputed[t].append(op)
+  # Activations are computed from the cell's input (through a gate); the
+  # layers' per-call Identity of a weight is not one.
+  recomputed = {
+      t: [op for op in ops if _Ancestors(op, memo) & set(gates[t])]
+      for t, ops in recomputed.items()
+  }
+  assert all(gates.values()) and all(recomputed.values())
+  # Ops that read micro-batch t's recomputed activations: they must all have
+  # run before the activations can be freed.
+  readers = {
+      t: {c for op in ops for out in op.outputs for c in out.consumers()
+          if c in needed}
+      for t, ops in recomputed.items()
+  }
+  most = 0
+  for t2 in range(num_micro):
+    before = set.intersection(*[_Ancestors(g, memo) for g in gates[t2]])
+    alive = 1 + sum(1 for t in range(t2) if not readers[t] <= before)
+    most = max(most, alive)
+  return most
+
+
+@pytest.mark.parametrize('num_cells', [2, 4])
+def test_1f1b_keeps_at_most_k_micro_batches_alive(num_cells):
+  num_micro = 8
+  g, fetches = _BackwardGraph(num_cells, num_micro, '1f1b', None)
+  counts = [
+      MaxLiveMicroBatches(g, fetches, c, num_micro) for c in range(num_cells)
+  ]
+  # Cell i holds at most K - i micro-batches: the 1F1B window.
+  assert counts == [num_cells - c for c in range(num_cells)], counts
+  # The same measure on the schedule without a window sees all M.
+  g, fetches = _BackwardGraph(num_cells, num_micro, 'unrolled', True)
+  assert MaxLiveMicroBatches(g, fetches, 0, num_micro) == num_micro
