@@ -52,6 +52,9 @@ from lingvo_ext.core import gpipe as ext_gpipe  # pylint: disable=g-import-not-a
 py_utils.SetEagerMode(False)
 
 IMPLS = ('lingvo', 'lingvo_ext', 'plain')
+# lingvo_ext schedule variants timed beside the default ('lingvo_ext', the
+# default params: 'unrolled'), each as impl 'lingvo_ext/<variant>'.
+EXT_VARIANTS = ('unrolled+recompute', '1f1b', 'recurrent')
 MODELS = ('homogeneous', 'heterogeneous')
 NUM_DEVICES = 2
 NUM_LAYERS = 8
@@ -62,10 +65,10 @@ LEARNING_RATE = 1e-6
 # A pipeline's loss must equal the plain model's on the first step.
 LOSS_RTOL = 1e-4
 
-FULL = dict(width=1536, batch=128, K=[1, 2], M=[1, 2, 4, 8, 16], steps=20,
-            warmup=3, rss='spawn')
+FULL = dict(width=1536, batch=128, K=[1, 2], M=[1, 2, 4, 8, 16, 32],
+            steps=20, warmup=3, rss='spawn', schedules=list(EXT_VARIANTS))
 QUICK = dict(width=256, batch=32, K=[1, 2], M=[1, 4], steps=10, warmup=3,
-             rss='fork')
+             rss='fork', schedules=['1f1b'])
 
 
 def _Log(msg: str) -> None:
@@ -131,15 +134,36 @@ def SessionConfig():
       intra_op_parallelism_threads=1)
 
 
-def _BuildPipeline(gpipe_module, cells: Sequence, num_micro_batches: int):
-  """`gpipe_module.PipeliningLayer` over `cells`, all other params default."""
+def _BuildPipeline(gpipe_module, cells: Sequence, num_micro_batches: int,
+                   **params):
+  """`gpipe_module.PipeliningLayer` over `cells`, other params default."""
   cell_tpl = [
       gpipe_module.FeatureExtractionLayer.Params().Set(
           name=c.name, sub=[s.Copy() for s in c.sub]) for c in cells
   ]
   return gpipe_module.PipeliningLayer.Params().Set(
-      name='pipe', cell_tpl=cell_tpl,
-      num_micro_batches=num_micro_batches).Instantiate()
+      name='pipe', cell_tpl=cell_tpl, num_micro_batches=num_micro_batches,
+      **params).Instantiate()
+
+
+def VariantParams(variant: str) -> Dict:
+  """'<schedule>[+recompute]' -> lingvo_ext PipeliningLayer params."""
+  schedule, _, extra = variant.partition('+')
+  if schedule not in ext_gpipe.PipeliningLayer._SCHEDULES or extra not in (  # pylint: disable=protected-access
+      '', 'recompute'):
+    raise ValueError('Unknown lingvo_ext variant %r; use <schedule> or '
+                     '<schedule>+recompute, schedule one of %s.' %
+                     (variant, ext_gpipe.PipeliningLayer._SCHEDULES))  # pylint: disable=protected-access
+  params = dict(schedule=schedule)
+  if extra:
+    params['recompute'] = True
+  return params
+
+
+def OneDnnEnabled() -> bool:
+  """Whether TensorFlow runs oneDNN kernels here (TF_ENABLE_ONEDNN_OPTS)."""
+  from tensorflow.python.util import _pywrap_util_port  # pylint: disable=g-import-not-at-top
+  return bool(_pywrap_util_port.IsMklEnabled())
 
 
 def ExtOnlyParams() -> Dict[str, str]:
@@ -175,6 +199,9 @@ class Step:
         net = _BuildPipeline(lingvo_gpipe, cells, num_micro)
       elif impl == 'lingvo_ext':
         net = _BuildPipeline(ext_gpipe, cells, num_micro)
+      elif impl.startswith('lingvo_ext/'):
+        net = _BuildPipeline(ext_gpipe, cells, num_micro,
+                             **VariantParams(impl[len('lingvo_ext/'):]))
       else:
         raise ValueError('Unknown impl %r; use one of %s.' % (impl, IMPLS))
       y = net.FPropDefaultTheta(x)
@@ -373,16 +400,22 @@ def TraceStep(step: Step, directory: str, name: str, title: str) -> Dict:
 # --- The sweep ----------------------------------------------------------------
 
 
+def Pipelines(args) -> List[str]:
+  """The pipeline impls of a run: Lingvo's, lingvo_ext's default, variants."""
+  return ['lingvo', 'lingvo_ext'] + ['lingvo_ext/' + v for v in args.schedules]
+
+
 def _TraceConfig(args, steps: Dict[str, Step], model: str, k: int,
                  m: int) -> Dict[str, Dict]:
   """Traces one step of each pipeline (and of plain once per model)."""
   traces = {}
-  impls = ['lingvo', 'lingvo_ext']
+  impls = Pipelines(args)
   if k == args.K[0] and m == args.M[0]:
     impls.append('plain')
   for impl in impls:
     name = ('%s_%s' % (impl, model) if impl == 'plain' else
-            '%s_%s_K%d_M%d' % (impl, model, k, m))
+            '%s_%s_K%d_M%d' % (impl.replace('/', '_').replace('+', '_'),
+                               model, k, m))
     title = '%s %s K=%d M=%d' % (impl, model, k, m)
     traces[impl] = TraceStep(steps[impl], args.trace, name, title)
     with open(os.path.join(args.trace, 'summary.jsonl'), 'a') as f:
@@ -398,7 +431,7 @@ def _ConfigRecords(args, model: str, k: int, m: int,
   plain_ms = statistics.median(times['plain']) * 1e3
   ideal = IdealMs(plain_ms, k, m)
   recs = {}
-  for impl in IMPLS:
+  for impl in times:
     ms = [1e3 * t for t in times[impl]]
     rec = dict(
         impl=impl, model=model, K=k, M=m,
@@ -407,6 +440,7 @@ def _ConfigRecords(args, model: str, k: int, m: int,
         p25_ms=round(float(np.percentile(ms, 25)), 3),
         p75_ms=round(float(np.percentile(ms, 75)), 3),
         colocate_gradients=args.colocate, rss_mode=args.rss,
+        onednn=OneDnnEnabled(),
         first_loss=losses[impl],
         loss_rel_diff=float('%.3g' % (abs(losses[impl] - plain_loss) /
                                       max(abs(plain_loss), 1e-30))),
@@ -420,9 +454,18 @@ def _ConfigRecords(args, model: str, k: int, m: int,
       if host:
         rec['thread_idle_fraction'] = round(host['thread_idle_fraction'], 4)
     recs[impl] = rec
-  recs['lingvo_ext']['vs_lingvo'] = round(
-      recs['lingvo_ext']['step_ms'] / recs['lingvo']['step_ms'], 4)
+  for impl in recs:
+    if impl.startswith('lingvo_ext'):
+      recs[impl]['vs_lingvo'] = round(
+          recs[impl]['step_ms'] / recs['lingvo']['step_ms'], 4)
+      recs[impl]['vs_unrolled'] = round(
+          recs[impl]['step_ms'] / recs['lingvo_ext']['step_ms'], 4)
   recs['lingvo_ext']['ext_params'] = ExtOnlyParams()
+  for impl in recs:
+    if impl.startswith('lingvo_ext/'):
+      recs[impl]['ext_params'] = dict(
+          ExtOnlyParams(), **{k: repr(v) for k, v in VariantParams(
+              impl[len('lingvo_ext/'):]).items()})
   return recs
 
 
@@ -446,7 +489,7 @@ def RunSweep(args) -> List[Dict]:
         t_cfg = time.time()
         steps = {'plain': plain}
         losses = {'plain': plain_loss}
-        for impl in ('lingvo', 'lingvo_ext'):
+        for impl in Pipelines(args):
           steps[impl] = Step(impl, model, args.width, args.batch, k, m,
                              args.colocate)
           losses[impl] = steps[impl].FirstLoss()
@@ -460,14 +503,14 @@ def RunSweep(args) -> List[Dict]:
           _Log('WARNING ' + msg)
         times = TimeRoundRobin(steps, args.steps, args.warmup)
         traces = _TraceConfig(args, steps, model, k, m) if args.trace else {}
-        for impl in ('lingvo', 'lingvo_ext'):
+        for impl in Pipelines(args):
           steps[impl].Close()
         recs = _ConfigRecords(args, model, k, m, times, losses, cell_ratio,
                               traces)
-        for impl in ('lingvo', 'lingvo_ext'):
+        for impl in Pipelines(args):
           recs[impl].update(rss.Measure(dict(job, impl=impl, K=k, M=m)))
         recs['plain'].update(plain_rss)
-        for impl in IMPLS:
+        for impl in recs:
           for key in ('peak_rss_mb', 'base_rss_mb'):
             if recs[impl].get(key) is not None:
               recs[impl][key] = round(recs[impl][key], 1)
@@ -476,12 +519,12 @@ def RunSweep(args) -> List[Dict]:
             print(json.dumps(recs[impl]), flush=True)
         if args.jsonl:
           with open(args.jsonl, 'a') as f:
-            for impl in IMPLS:
+            for impl in recs:
               f.write(json.dumps(recs[impl]) + '\n')
-        _Log('%s K=%d M=%d: lingvo %.1f ms, lingvo_ext %.1f ms, plain %.1f ms '
-             '(%.0f s)' % (model, k, m, recs['lingvo']['step_ms'],
-                           recs['lingvo_ext']['step_ms'],
-                           recs['plain']['step_ms'], time.time() - t_cfg))
+        _Log('%s K=%d M=%d: %s (%.0f s)' % (
+            model, k, m, ', '.join('%s %.1f ms' % (i, r['step_ms'])
+                                   for i, r in recs.items()),
+            time.time() - t_cfg))
     plain.Close()
   return records
 
@@ -518,6 +561,35 @@ def Markdown(records: Sequence[Dict]) -> str:
   return '\n'.join(lines)
 
 
+def MarkdownSchedules(records: Sequence[Dict]) -> str:
+  """One row per (model, K, M, lingvo_ext impl): time and peak memory."""
+  by_cfg = {}
+  for r in records:
+    by_cfg.setdefault((r['model'], r['K'], r['M']), {})[r['impl']] = r
+
+  def _F(x, fmt='%.1f'):
+    return '-' if x is None else fmt % x
+
+  lines = [
+      '| model | K | M | impl | ms | x plain | x unrolled (same M) '
+      '| x lingvo | peak RSS MB | RSS - lingvo RSS MB |',
+      '|' + '---|' * 10,
+  ]
+  for (model, k, m), c in by_cfg.items():
+    lingvo = c.get('lingvo', {})
+    for impl, r in c.items():
+      if not impl.startswith('lingvo_ext'):
+        continue
+      rss_diff = None
+      if r.get('peak_rss_mb') is not None and lingvo.get('peak_rss_mb'):
+        rss_diff = r['peak_rss_mb'] - lingvo['peak_rss_mb']
+      lines.append('| %s | %d | %d | %s | %s | %s | %s | %s | %s | %s |' % (
+          model, k, m, impl, _F(r['step_ms']), _F(r.get('vs_plain'), '%.2f'),
+          _F(r.get('vs_unrolled'), '%.2f'), _F(r.get('vs_lingvo'), '%.2f'),
+          _F(r.get('peak_rss_mb'), '%.0f'), _F(rss_diff, '%+.0f')))
+  return '\n'.join(lines)
+
+
 def ParseArgs(argv=None):
   parser = argparse.ArgumentParser(
       description=__doc__.splitlines()[0],
@@ -538,6 +610,11 @@ def ParseArgs(argv=None):
                       help='Numbers of micro-batches.')
   parser.add_argument('--models', nargs='+', choices=MODELS,
                       default=list(MODELS))
+  parser.add_argument(
+      '--schedules', nargs='*',
+      help='lingvo_ext variants timed beside its default, as '
+      '<schedule>[+recompute] (default: %s; quick: %s).' %
+      (' '.join(FULL['schedules']), ' '.join(QUICK['schedules'])))
   parser.add_argument('--steps', type=int,
                       help='Timed steps per implementation (>= 10).')
   parser.add_argument('--warmup', type=int, help='Untimed steps first.')
@@ -565,11 +642,17 @@ def ParseArgs(argv=None):
   parser.add_argument('--_child', help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   base = QUICK if args.quick else FULL
-  for key in ('width', 'batch', 'K', 'M', 'steps', 'warmup', 'rss'):
+  for key in ('width', 'batch', 'K', 'M', 'steps', 'warmup', 'rss',
+              'schedules'):
     if getattr(args, key) is None:
       setattr(args, key, base[key])
   if args.steps < 10 and not args._child:  # pylint: disable=protected-access
     parser.error('--steps must be >= 10 for a meaningful median.')
+  for v in args.schedules:
+    try:
+      VariantParams(v)
+    except ValueError as e:
+      parser.error('--schedules: %s' % e)
   for m in args.M:
     if args.batch % m:
       parser.error('--batch %d is not divisible by M=%d.' % (args.batch, m))
@@ -584,12 +667,17 @@ def main(argv=None) -> int:
     return 0
   if args.from_jsonl:
     with open(args.from_jsonl) as f:
-      print(Markdown([json.loads(l) for l in f if l.strip()]))
+      records = [json.loads(l) for l in f if l.strip()]
+    print(Markdown(records))
+    print()
+    print(MarkdownSchedules(records))
     return 0
   t = time.time()
   records = RunSweep(args)
   if args.markdown:
     print(Markdown(records))
+    print()
+    print(MarkdownSchedules(records))
   _Log('done in %.0f s' % (time.time() - t))
   return 0
 

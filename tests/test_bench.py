@@ -144,7 +144,8 @@ def testQuickJson():
   records = [json.loads(l) for l in out.stdout.splitlines() if l.strip()]
   keys = {(r['impl'], r['model'], r['K'], r['M']) for r in records}
   assert keys == {(i, m, k, mb)
-                  for i in ('lingvo', 'lingvo_ext', 'plain')
+                  for i in ('lingvo', 'lingvo_ext', 'plain',
+                            'lingvo_ext/1f1b')
                   for m in ('homogeneous', 'heterogeneous')
                   for k in (1, 2) for mb in (1, 4)}
   for r in records:
@@ -153,7 +154,9 @@ def testQuickJson():
     assert r['steps'] >= 10, r
     assert r['loss_rel_diff'] <= 1e-4, r
     assert r['ideal_ms'] > 0 and r['vs_plain'] > 0, r
-    if r['impl'] == 'lingvo_ext':
-      assert r['vs_lingvo'] > 0, r
+    if r['impl'].startswith('lingvo_ext'):
+      assert r['vs_lingvo'] > 0 and r['vs_unrolled'] > 0, r
+    if r['impl'] == 'lingvo_ext/1f1b':
+      assert r['ext_params']['schedule'] == "'1f1b'", r
   hetero = [r for r in records if r['model'] == 'heterogeneous' and r['K'] == 2]
   assert all(r['cell_cost_max_over_mean'] > 1.0 for r in hetero)
