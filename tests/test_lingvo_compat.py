@@ -29,7 +29,14 @@ flags.FLAGS.mark_as_parsed()
 
 B, D = 8, 6
 GLOBAL_STEP = 3
-SCHEDULES = ['unrolled', '1f1b', 'recurrent']
+# Every schedule of lingvo_ext's PipeliningLayer, and recompute.
+SCHEDULES = [
+    dict(schedule='unrolled'),
+    dict(schedule='unrolled', recompute=True),
+    dict(schedule='1f1b'),
+    dict(schedule='recurrent'),
+]
+SCHEDULE_IDS = ['unrolled', 'unrolled-recompute', '1f1b', 'recurrent']
 
 
 class TupleOutLayer(base_layer.BaseLayer):
@@ -71,7 +78,8 @@ def _Cells(mod, num_cells=2, last=None):
   ]
 
 
-def _Build(mod, cells, num_devices=2, do_eval=False, **kwargs):
+def _Build(mod, cells, num_devices=2, do_eval=False, with_grads=True,
+           **kwargs):
   """Builds mod.PipeliningLayer in a new graph; returns graph and tensors."""
   g = tf.Graph()
   cluster = cluster_factory.ForTestingWorker(
@@ -88,7 +96,7 @@ def _Build(mod, cells, num_devices=2, do_eval=False, **kwargs):
       out = net.FPropDefaultTheta(x)
     variables = net.vars.Flatten()
     grads = None
-    if not do_eval:
+    if with_grads and not do_eval:
       grads = tf.gradients(
           lib._Loss(out), variables,  # pylint: disable=protected-access
           colocate_gradients_with_ops=True)
@@ -113,12 +121,12 @@ def _Run(g, t, num_devices=2, restore=None, save=None):
   return res
 
 
-@pytest.mark.parametrize('schedule', SCHEDULES)
+@pytest.mark.parametrize('schedule', SCHEDULES, ids=SCHEDULE_IDS)
 def test_names_checkpoints_outputs_and_gradients_equal_lingvos(
     schedule, tmp_path):
   # Same-named sub-layers in different cells; dropout on; global step 3.
   lg, lt = _Build(lingvo_gpipe, _Cells(lingvo_gpipe))
-  eg, et = _Build(gpipe, _Cells(gpipe), schedule=schedule)
+  eg, et = _Build(gpipe, _Cells(gpipe), **schedule)
   assert et.names == lt.names
   assert 'model/cell_1/fc/w/var' in et.names, et.names
 
@@ -156,23 +164,24 @@ def test_eval_outputs_equal_lingvos(num_devices, tmp_path):
   lg, lt = _Build(lingvo_gpipe, _Cells(lingvo_gpipe), num_devices, True)
   (l_out,) = _Run(lg, lt, num_devices, save=ckpt)
   for schedule in SCHEDULES:
-    eg, et = _Build(gpipe, _Cells(gpipe), num_devices, True,
-                    schedule=schedule)
+    eg, et = _Build(gpipe, _Cells(gpipe), num_devices, True, **schedule)
     (e_out,) = _Run(eg, et, num_devices, restore=ckpt)
     np.testing.assert_allclose(e_out, l_out, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize('schedule', SCHEDULES)
 @pytest.mark.parametrize('as_list', [False, True])
-def test_output_structure_is_lingvos(schedule, as_list):
+def test_output_structure_is_lingvos(as_list):
   last = TupleOutLayer.Params().Set(name='tuple', as_list=as_list)
-  _, lt = _Build(lingvo_gpipe, _Cells(lingvo_gpipe, last=last))
-  _, et = _Build(gpipe, _Cells(gpipe, last=last), schedule=schedule)
-  assert type(et.out) is type(lt.out)  # pylint: disable=unidiomatic-typecheck
-  if as_list:
-    assert isinstance(et.out, tuple) and len(et.out) == 2
-  else:
-    assert isinstance(et.out, tf.Tensor)
+  _, lt = _Build(lingvo_gpipe, _Cells(lingvo_gpipe, last=last),
+                 with_grads=False)
+  for schedule in SCHEDULES:
+    _, et = _Build(gpipe, _Cells(gpipe, last=last), with_grads=False,
+                   **schedule)
+    assert type(et.out) is type(lt.out), schedule  # pylint: disable=unidiomatic-typecheck
+    if as_list:
+      assert isinstance(et.out, tuple) and len(et.out) == 2
+    else:
+      assert isinstance(et.out, tf.Tensor)
 
 
 def test_sequential_layer_cells_keep_their_scope():
