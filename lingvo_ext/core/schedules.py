@@ -31,6 +31,7 @@ from lingvo.core import recurrent
 from lingvo.core import gpipe as lingvo_gpipe
 
 from lingvo_ext.core import matmul_grad
+from lingvo_ext.core import sharding
 from tensorflow.python.framework import ops  # pylint: disable=g-direct-tensorflow-import
 
 _MICRO_BATCH_STATE_NAME = 'micro_batch_state'
@@ -229,11 +230,16 @@ class _Engine:
       # pylint: enable=protected-access
     self.pieces = pieces
     # Read each cell's weights onto its device once per step, not once per
-    # micro-batch.
+    # micro-batch. Shards of a partitioned variable stay where they live
+    # (lookups and per-shard matmuls run there; a copy would gather the whole
+    # table onto the cell's device).
+    def _Read(v):
+      return v if sharding.IsShard(v) else tf.identity(v)
+
     self.thetas = []
     for i, (name, _) in enumerate(self.cells):
       with tf.device(self.devices[i]), tf.name_scope('%s_theta' % name):
-        self.thetas.append(self.theta[name].Transform(tf.identity))
+        self.thetas.append(self.theta[name].Transform(_Read))
     self.cell_in = [[None] * m for _ in range(num_cells)]
     self.cell_out = [[None] * m for _ in range(num_cells)]
     self.steps = steps
