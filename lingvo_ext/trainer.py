@@ -24,6 +24,11 @@ changes:
   (summaries in DIR/eval_dev); add it to the training jobs
   (--job=controller,trainer_client,evaler_dev) to evaluate as training goes.
 - An unknown --model prints the close registered names and exits with 2.
+- A model with partitioned variables (a layer's `partitioner` set, e.g.
+  lm.WordLmSharded) saves checkpoints with tf.train.Saver
+  (--use_custom_saver=false unless given), whose saved slices restore into
+  any other partitioning: lm.WordLm resumes from lm.WordLmSharded's logdir
+  and back.
 """
 
 import difflib
@@ -34,7 +39,9 @@ import time
 import lingvo_ext  # pylint: disable=unused-import,g-bad-import-order
 from lingvo import runners
 from lingvo import trainer as lingvo_trainer
+from lingvo import model_registry
 import lingvo.compat as tf
+from lingvo.core import hyperparams
 from lingvo.core import py_utils
 
 # The experiments live in the top-level `params` package next to lingvo_ext.
@@ -202,6 +209,33 @@ def _CheckFlags():
   return None
 
 
+def _HasPartitioner(p):
+  """Whether params p, or any nested in it, set a `partitioner`."""
+  if isinstance(p, (list, tuple)):
+    return any(_HasPartitioner(x) for x in p)
+  if not isinstance(p, hyperparams.Params):
+    return False
+  for name, value in p.IterParams():
+    if name == 'partitioner' and value is not None:
+      return True
+    if _HasPartitioner(value):
+      return True
+  return False
+
+
+def _UseSlicedCheckpoints():
+  """TF's Saver for models with partitioned variables.
+
+  Lingvo's own saver writes each shard under its own name; tf.train.Saver
+  writes a partitioned variable as one tensor in saved slices, which restores
+  into any other partitioning. An explicit --use_custom_saver wins.
+  """
+  if FLAGS['use_custom_saver'].present:
+    return
+  if _HasPartitioner(model_registry.GetParams(FLAGS.model, 'Train')):
+    FLAGS.set_default('use_custom_saver', False)
+
+
 def main(unused_argv):
   lingvo_trainer.tpu_embedding_layers_v2.TPU_EMBEDDING_MANAGER = (
       lingvo_trainer.tpu_embedding_manager.TPUEmbeddingManager())
@@ -220,6 +254,7 @@ def Run(argv=None):
   if error:
     print(f'error: {error}', file=sys.stderr)
     return 2
+  _UseSlicedCheckpoints()
   if FLAGS.disable_tf2:
     tf.disable_v2_behavior()
   py_utils.SetEagerMode(FLAGS.use_eager)

@@ -27,6 +27,7 @@ class _TransformerLmBase(base.PipelinedExperiment):
   NUM_LAYERS = 4
   LEARNING_RATE = 1e-3
   MAX_STEPS = 5000
+  PARTITIONER = None  # See TransformerLm.partitioner.
 
   def _InputParams(self, split):
     return input_generator.LmInput.Params().Set(
@@ -44,7 +45,8 @@ class _TransformerLmBase(base.PipelinedExperiment):
         model_dim=self.MODEL_DIM,
         num_heads=self.NUM_HEADS,
         hidden_dim=self.HIDDEN_DIM,
-        num_layers=self.NUM_LAYERS)
+        num_layers=self.NUM_LAYERS,
+        partitioner=self.PARTITIONER)
 
 
 @model_registry.RegisterSingleTaskModel
@@ -84,3 +86,60 @@ class TransformerLmTinyGPipe(TransformerLmTiny):
   """TransformerLmTiny in 2 cells over 2 micro-batches (same variables)."""
   NUM_PARTITIONS = 2
   NUM_MICRO_BATCHES = 2
+
+
+# Word-level LMs. The train split of pydoc_data.topics has 4031 distinct
+# words; VOCAB_SIZE = 4096 keeps every one of them (with <pad> and <unk>).
+# The embedding and the softmax hold most of the parameters, so they are what
+# partitioning spreads over devices. On a user's corpus (task.input.text_file)
+# raise task.vocab_size and task.input.vocab_size together.
+
+
+class _WordLmBase(_TransformerLmBase):
+  UNIT = 'word'
+  VOCAB_SIZE = 4096
+  SEQ_LEN = 64
+  BATCH_SIZE = 16
+  MODEL_DIM = 256
+  NUM_HEADS = 4
+  HIDDEN_DIM = 512
+  NUM_LAYERS = 2
+  MAX_STEPS = 3000
+
+
+@model_registry.RegisterSingleTaskModel
+class WordLm(_WordLmBase):
+  """A 2-layer, 256-wide word LM over a 4096-word vocabulary, unpartitioned."""
+
+
+@model_registry.RegisterSingleTaskModel
+class WordLmSharded(WordLm):
+  """WordLm with its embedding and softmax in 4 shards ('div').
+
+  Shard i lives on device i mod S of the model split: run with
+  --num_cpu_devices=4 --worker_split_size=4 to put one shard on each (or on
+  the ps tasks of a cluster with a ps job). Checkpoints of WordLm and
+  WordLmSharded restore into each other.
+  """
+  PARTITIONER = ('fixed_size', dict(num_shards=4))
+
+
+@model_registry.RegisterSingleTaskModel
+class WordLmTiny(_WordLmBase):
+  """A 1-layer, 32-wide word LM (4096 words) that trains in seconds."""
+  SEQ_LEN = 32
+  BATCH_SIZE = 8
+  MODEL_DIM = 32
+  NUM_HEADS = 2
+  HIDDEN_DIM = 64
+  NUM_LAYERS = 1
+  LEARNING_RATE = 3e-3
+  MAX_STEPS = 30
+  SAVE_INTERVAL_SECONDS = 5
+  SUMMARY_INTERVAL_STEPS = 10
+
+
+@model_registry.RegisterSingleTaskModel
+class WordLmShardedTiny(WordLmTiny):
+  """WordLmTiny with its embedding and softmax in 4 shards ('div')."""
+  PARTITIONER = ('fixed_size', dict(num_shards=4))

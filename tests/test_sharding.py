@@ -4,10 +4,16 @@ Partitioned layers must equal unpartitioned ones given the same table:
 outputs and gradients to 1e-6 for every TF partitioner and both strategies;
 shards sit on the documented devices; shard gradients of the lookup are
 IndexedSlices; checkpoints re-partition (3 -> 2, 3 -> 1, 1 -> 4) with the
-optimizer's slots; bad params raise a ValueError naming the param.
+optimizer's slots; bad params raise a ValueError naming the param. The
+registered lm.WordLmShardedTiny trains like lm.WordLmTiny through the trainer,
+and each resumes the other's checkpoints.
 """
 
 import os
+import re
+import signal
+import subprocess
+import sys
 import tempfile
 
 import lingvo.compat as tf
@@ -347,3 +353,61 @@ def test_checkpoint_repartitions(saved, restored, opt_name):
   # may sum in another order.
   np.testing.assert_allclose(out1, out0, rtol=1e-6, atol=1e-7)
   np.testing.assert_allclose(after1, after0, rtol=1e-6)
+
+
+# The registered word LMs through lingvo_ext.trainer.
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _StartTrainer(model, logdir, *flags):
+  return subprocess.Popen(
+      [sys.executable, '-m', 'lingvo_ext.trainer', f'--model={model}',
+       f'--logdir={logdir}', *flags],
+      cwd=_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+      start_new_session=True)
+
+
+def _Finish(procs, timeout=400):
+  """Waits for the trainers (killing their groups on failure); outputs."""
+  outs = []
+  try:
+    for proc in procs:
+      out, _ = proc.communicate(timeout=timeout)
+      assert proc.returncode == 0, out[-5000:]
+      outs.append(out)
+  finally:
+    for proc in procs:
+      if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+  return outs
+
+
+def _LogPplx(out):
+  """{step: log_pplx} from the trainer's step lines."""
+  return {
+      int(m.group(1)): float(m.group(2)) for m in re.finditer(
+          r'step:\s*(\d+),.*? log_pplx:([0-9.eE+-]+)', out)
+  }
+
+
+def test_word_lm_sharded_trains_like_unsharded_and_checkpoints_cross(
+    tmp_path):
+  flags = ('--num_cpu_devices=4', '--worker_split_size=4')
+  sharded, plain = str(tmp_path / 'sharded'), str(tmp_path / 'plain')
+  out_s, out_p = _Finish([
+      _StartTrainer('lm.WordLmShardedTiny', sharded, '--max_steps=2', *flags),
+      _StartTrainer('lm.WordLmTiny', plain, '--max_steps=2', *flags)
+  ])
+  # Same names, same stateless initial values, same math.
+  pplx_s, pplx_p = _LogPplx(out_s), _LogPplx(out_p)
+  assert sorted(pplx_s) == [1, 2] and sorted(pplx_p) == [1, 2], (pplx_s,
+                                                                 pplx_p)
+  for step in (1, 2):
+    assert pplx_s[step] == pytest.approx(pplx_p[step], rel=1e-5)
+  # TF's saved slices: the unpartitioned model resumes the sharded one.
+  ckpt = tf.train.list_variables(os.path.join(sharded, 'train'))
+  assert not [n for n, _ in ckpt if '/part_' in n], ckpt
+  (out,) = _Finish([_StartTrainer('lm.WordLmTiny', sharded, '--max_steps=3')])
+  assert sorted(_LogPplx(out)) == [3], out[-3000:]

@@ -238,7 +238,9 @@ def LayerMetas(layer_params: Sequence[Any],
     *shapes: tshape.Shape of the inputs of the first layer.
 
   Returns:
-    One NestedMap per layer with `flops`, `in_shapes` and `out_shapes`.
+    One NestedMap per layer with `flops`, `in_shapes`, `out_shapes` and
+    `param_shards` (the per-shard shape, bytes and device of a partitioned
+    variable, from FPropMeta; empty for other layers).
   """
   metas = []
   shapes = tuple(shapes)
@@ -251,7 +253,10 @@ def LayerMetas(layer_params: Sequence[Any],
     out_shapes = _ToTuple(meta.out_shapes)
     metas.append(
         py_utils.NestedMap(
-            flops=ToInt(meta.flops), in_shapes=shapes, out_shapes=out_shapes))
+            flops=ToInt(meta.flops),
+            in_shapes=shapes,
+            out_shapes=out_shapes,
+            param_shards=list(meta.get('param_shards', None) or [])))
     shapes = out_shapes
   return metas
 

@@ -221,8 +221,9 @@ _PARTITIONER_DOC = (
     '(tf.compat.v1.min_max_variable_partitioner) or '
     "('variable_axis_size', dict(max_shard_bytes=64 << 20)) "
     '(tf.compat.v1.variable_axis_size_partitioner); the layer picks the '
-    'axis. Shard i is placed on ps task i mod P of the cluster, or, without '
-    'a ps job, on device i mod S of the model split (see '
+    'axis. Shard i is placed on device i mod P of the cluster\'s ps job '
+    '(ps tasks; in a local run, the --num_cpu_devices CPUs), or, with a '
+    'one-device ps job, on device i mod S of the model split (see '
     'lingvo_ext/core/sharding.py). Checkpoints restore into any other '
     'partitioning (TF saved slices) when partition_strategy is div.')
 _PARTITION_STRATEGY_DOC = (

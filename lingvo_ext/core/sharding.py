@@ -19,11 +19,16 @@ slots (Adam's m and v, Adagrad's accumulator) get the same slice info from TF's
 slot creator and re-partition too.
 
 Placement rule: shard i goes to device i mod n of
-  - the ps tasks of Lingvo's cluster (`/job:ps/replica:0/task:<j>`), when the
-    cluster has a ps job separate from the workers; else
-  - the devices of the worker's model split
-    (`cluster.WorkerDeviceInModelSplit(j)`, j < --worker_split_size), in one
-    process; with a split of one device, all shards stay on it.
+  - the devices of the ps job of Lingvo's cluster, when it has more than one:
+    its tasks (`/job:ps/replica:0/task:<j>`) in a multi-process run, or, in
+    one process, the --num_cpu_devices CPUs that lingvo_ext.trainer gives
+    every job; else
+  - the devices of the first model split of the workers
+    (`cluster.params.worker.devices_per_split` of them, e.g. a
+    `cluster_factory.ForTestingWorker(cpus=N, split_size=N)`).
+  With one device, the shards are left to the surrounding placement.
+The rule reads only the cluster's ps and worker specs, so every job of a run
+(controller, trainer, evaler) places a shard on the same device.
 
 Shards are ordinary variables of the layer: `layer.vars.<name>` and
 `theta.<name>` are the list of shards, so the optimizer sees each shard, and a
@@ -149,13 +154,12 @@ def ShardDevices(num_shards: int, cluster=None) -> List[str]:
   """The device of each shard, by the rule in the module docstring."""
   cluster = cluster or cluster_factory.Current()
   cp = cluster.params
-  if cp.ps.name and cp.ps.name != cp.worker.name and cp.ps.replicas > 0:
-    devices = [d for d in cluster.ListDevices(cp.ps)[:, 0].tolist()]
-  else:
-    devices = [
-        cluster.WorkerDeviceInModelSplit(j)
-        for j in range(max(1, cluster.num_devices_per_split))
-    ]
+  # Both lists are the same for every job of a run (controller, trainer...),
+  # which share the variables.
+  devices = cluster.ListDevices(cp.ps).flatten().tolist()
+  if len(devices) <= 1:
+    split = max(1, cp.worker.devices_per_split)
+    devices = cluster.ListDevices(cp.worker)[0].flatten().tolist()[:split]
   if len(devices) == 1:
     devices = ['']  # One device: leave placement to the surrounding scope.
   return [devices[i % len(devices)] for i in range(num_shards)]

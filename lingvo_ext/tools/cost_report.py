@@ -15,6 +15,15 @@ costliest cell to the mean.
              flops, ...), `total_flops` and `bottleneck_over_mean`.
   --verify   Adds each layer's TensorFlow profiler count, tf_profiler_flops.
   --plot F   Draws per-cell cost as bars stacked by layer into F (PNG).
+  --split_size N
+             Devices in the model split (as the trainer's --worker_split_size;
+             default: the number of cells), used to show where the shards of
+             partitioned variables go.
+
+Layers with partitioned variables (EmbeddingLayer / SoftmaxLayer with a
+`partitioner`) list each shard (variable, shape, bytes, device) under
+`param_shards` in JSON and in a table of parameter shards, with the shard
+bytes per device.
 
 Other flags (e.g. --model_params_override) go to Lingvo's flag parser.
 """
@@ -27,6 +36,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import lingvo_ext  # pylint: disable=unused-import,g-bad-import-order
 import lingvo.compat as tf
+from lingvo.core import cluster_factory
 from lingvo.core import tshape
 import numpy as np
 import sympy
@@ -100,6 +110,13 @@ def BuildReport(layer_params: Sequence[Any],
           'activation_bytes': cost_lib.ActivationBytes(m.out_shapes, dtype),
           'cost': costs[i],
           'partition': cell,
+          'param_shards': [{
+              'var': sh.var,
+              'shard': sh.shard,
+              'shape': list(sh.shape),
+              'bytes': int(sh.bytes),
+              'device': sh.device,
+          } for sh in m.param_shards],
       }
       if verify:
         entry['tf_profiler_flops'] = cost_lib.TfProfilerFlops(p, *m.in_shapes)
@@ -127,7 +144,13 @@ def BuildReport(layer_params: Sequence[Any],
     mean = statistics.mean(values)
     return max(values) / mean if mean else 1.0
 
+  shard_bytes = {}
+  for l in layers:
+    for sh in l['param_shards']:
+      shard_bytes[sh['device']] = shard_bytes.get(sh['device'], 0) + sh['bytes']
   report = {
+      # Bytes of partitioned-variable shards per device ('' = unplaced).
+      'shard_bytes_by_device': shard_bytes,
       'cost': cost,
       'num_partitions': num_partitions,
       'input_shapes': [_ShapeList(s) for s in shapes],
@@ -234,6 +257,20 @@ def FormatReport(report: Dict[str, Any], title: str = '') -> str:
     out.append('total TF profiler FLOPs: %s (%d)' %
                (_Si(report['total_tf_profiler_flops']),
                 report['total_tf_profiler_flops']))
+  shard_rows = [['layer', 'variable', 'shard', 'shape', 'bytes', 'device']]
+  for l in report['layers']:
+    for sh in l['param_shards']:
+      shard_rows.append([
+          l['name'], sh['var'],
+          str(sh['shard']), 'x'.join(str(d) for d in sh['shape']),
+          _Si(sh['bytes']) + 'B', sh['device'] or '-'
+      ])
+  if len(shard_rows) > 1:
+    out += ['parameter shards:', _Table(shard_rows, [False, False, True,
+                                                     False, True, False])]
+    for device, n in sorted(report['shard_bytes_by_device'].items()):
+      out.append('shard bytes on %s: %s' % (device or '-', _Si(n) + 'B'))
+    out.append('')
   out.append('total params: %s (%s bytes)' %
              (_Si(report['total_params']), _Si(report['total_param_bytes'])))
   out.append('slowest cell / mean (%s): %.3f' %
@@ -326,6 +363,10 @@ def _ParseArgs(argv):
                       help='For --cost=time: device to time on, e.g. /gpu:0.')
   parser.add_argument('--num_repeats', type=int, default=5,
                       help='For --cost=time: timed runs per layer (median).')
+  parser.add_argument('--split_size', type=int, default=None,
+                      help='Devices in the model split, where the shards of '
+                      'partitioned variables go (default: the number of '
+                      'cells).')
   return parser.parse_known_args(argv)
 
 
@@ -343,8 +384,14 @@ def main(argv=None) -> int:
   kwargs = {}
   if cost == 'time':
     kwargs = dict(device=args.device, num_repeats=args.num_repeats)
-  report = BuildReport(stack, shapes, num_partitions, cost=cost,
-                       verify=args.verify, **kwargs)
+  split_size = args.split_size or num_partitions
+  if split_size < 1:
+    raise ValueError('--split_size=%d must be positive.' % split_size)
+  with cluster_factory.ForTestingWorker(
+      mode='sync', job='trainer_client', cpus=split_size,
+      split_size=split_size):
+    report = BuildReport(stack, shapes, num_partitions, cost=cost,
+                         verify=args.verify, **kwargs)
   report['model'] = args.model
   if args.plot:
     PlotReport(report, args.plot, title=args.model)

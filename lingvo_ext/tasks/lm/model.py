@@ -32,6 +32,14 @@ class TransformerLm(pipelined_task.PipelinedTask):
         'position_embedding', 'LEARNED',
         'Position embedding of the EmbeddingLayer: LEARNED, SINUSOIDAL or '
         'NONE.')
+    p.Define(
+        'partitioner', None, 'Partitioning of the token embedding and the '
+        'softmax along the vocabulary (EmbeddingLayer.partitioner and '
+        "SoftmaxLayer.partitioner), e.g. ('fixed_size', dict(num_shards=4)); "
+        'None: unpartitioned.')
+    p.Define(
+        'partition_strategy', 'div', "'div' or 'mod': how token ids map to "
+        'shards (EmbeddingLayer.partition_strategy).')
     tp = p.train
     tp.learning_rate = 1e-3
     return p
@@ -52,7 +60,9 @@ class TransformerLm(pipelined_task.PipelinedTask):
             vocab_size=p.vocab_size,
             embedding_dim=p.model_dim,
             max_seq_len=seq_len,
-            position_embedding=p.position_embedding),
+            position_embedding=p.position_embedding,
+            partitioner=p.partitioner,
+            partition_strategy=p.partition_strategy),
     ]
     for i in range(p.num_layers):
       stack.append(layers.TransformerLayer.Params().Set(
@@ -65,7 +75,9 @@ class TransformerLm(pipelined_task.PipelinedTask):
         name='softmax',
         input_dim=p.model_dim,
         num_classes=p.vocab_size,
-        apply_layer_norm=True))
+        apply_layer_norm=True,
+        partitioner=p.partitioner,
+        partition_strategy=p.partition_strategy))
     return stack, (tshape.Shape([p.input.batch_size, seq_len]),)
 
   def _PipelineParams(self):
