@@ -273,6 +273,32 @@ def test_bad_params(make, match):
     p.cls.FPropMeta(p, tshape.Shape(shape))
 
 
+def test_cost_report_lists_shards_and_devices():
+  from lingvo_ext.tools import cost_report  # pylint: disable=g-import-not-at-top
+  stack = [
+      _Emb(partitioner=('fixed_size', dict(num_shards=4))),
+      _Softmax(partitioner=('min_max', dict(max_partitions=2,
+                                            min_slice_size=64))),
+  ]
+  with _Cluster() as cluster:
+    report = cost_report.BuildReport(stack, (tshape.Shape([2, 3]),), 1)
+    split = [cluster.WorkerDeviceInModelSplit(i) for i in range(NUM_DEVICES)]
+  emb, sm = report['layers']
+  assert [(s['var'], s['shape'], s['bytes'], s['device'])
+          for s in emb['param_shards']] == [
+              ('emb', [r, DIM], r * DIM * 4, split[i])
+              for i, r in enumerate([13, 13, 12, 12])]
+  assert [(s['var'], s['shape'], s['device']) for s in sm['param_shards']] == [
+      ('logits.w', [DIM, 25], split[0]), ('logits.w', [DIM, 25], split[1]),
+      ('logits.b', [25], split[0]), ('logits.b', [25], split[1])]
+  by_device = report['shard_bytes_by_device']
+  assert by_device[split[0]] == 13 * DIM * 4 + 25 * DIM * 4 + 25 * 4
+  assert by_device[split[3]] == 12 * DIM * 4
+  assert sum(by_device.values()) == emb['param_bytes'] + sm['param_bytes']
+  text = cost_report.FormatReport(report)
+  assert 'parameter shards:' in text and split[3] in text
+
+
 # Checkpoints: N shards -> M shards, with the optimizer's slots.
 
 
