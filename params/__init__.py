@@ -1,9 +1,14 @@
 """Registered lingvo_ext experiments.
 
-Importing this package registers every experiment with
-`lingvo.model_registry`: `params/lm.py` as lm.<Class>, `params/image.py` as
-image.<Class> (Lingvo keys a class by its module path less 'params.').
+Importing this package imports every module in it (files starting with '_'
+excepted), so a new `params/mine.py` registers its classes without editing
+anything else. Lingvo keys a class by its module path less 'params.':
+`params/lm.py`'s classes are lm.<Class>, `params/mine.py`'s mine.<Class>.
 """
 
-from params import image  # pylint: disable=unused-import
-from params import lm  # pylint: disable=unused-import
+import importlib
+import pkgutil
+
+for _info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+  if not _info.name.startswith('_'):
+    importlib.import_module(f'{__name__}.{_info.name}')

@@ -3,8 +3,9 @@
 The default data is scikit-learn's 8x8 digits (ships in its wheel). To train
 on a user's .npz of images ([N, H, W] or [N, H, W, C]) and integer labels,
 subclass one of these with NPZ_FILE, DATA_SHAPE and NUM_CLASSES set, or
-override task.input.npz_file / data_shape / num_classes with
---model_params_override.
+override them with, e.g. for 28x28 grey images of 10 classes,
+--model_params_override='input.npz_file:/path/images.npz;
+input.data_shape:(28, 28, 1); input.num_classes:10; task.num_classes:10'.
 """
 
 from lingvo import model_registry

@@ -2,8 +2,8 @@
 
 The default corpus is the English text of pydoc_data.topics (ships with
 Python); point the input's text_file at any UTF-8 text to train on it, e.g.
---model_params_override='task.input.text_file:/path/corpus.txt' (the dev
-split is then cut from the same file).
+--model_params_override='input.text_file:/path/corpus.txt' (the dev split is
+then cut from the same file; `task.input.text_file` is accepted too).
 """
 
 from lingvo import model_registry

@@ -1,6 +1,6 @@
 r"""Per-layer cost report of a registered pipelined model.
 
-  python -m lingvo_ext.tools.cost_report --model=lm.TransformerLm \
+  .venv/bin/python -m lingvo_ext.tools.cost_report --model=lm.TransformerLm \
       --num_partitions=2 [--cost=flops|params|time] [--json] [--verify] \
       [--plot=cells.png]
 
@@ -320,10 +320,11 @@ def PlotReport(report: Dict[str, Any], path: str, title: str = '') -> None:
 def ModelLayerStack(model: str, dataset: str = 'Train'):
   """(task params, layer params, input shapes) of a registered model."""
   from lingvo import model_registry  # pylint: disable=g-import-not-at-top
-  try:
-    import params  # pylint: disable=g-import-not-at-top,unused-import
-  except ImportError:
-    pass  # The model may be registered by other means.
+  from lingvo_ext import registry  # pylint: disable=g-import-not-at-top
+  registry.Install()
+  error = registry.CheckModel(model)
+  if error:
+    raise ValueError(error)
   flags = tf.flags.FLAGS
   if not flags.is_parsed():
     flags.mark_as_parsed()
@@ -342,7 +343,7 @@ def ModelLayerStack(model: str, dataset: str = 'Train'):
 
 def _ParseArgs(argv):
   parser = argparse.ArgumentParser(
-      prog='python -m lingvo_ext.tools.cost_report',
+      prog='.venv/bin/python -m lingvo_ext.tools.cost_report',
       description=__doc__.splitlines()[0])
   parser.add_argument('--model', required=True,
                       help='Registered model, e.g. lm.TransformerLm.')
@@ -375,8 +376,16 @@ def main(argv=None) -> int:
   args, rest = _ParseArgs(argv)
   flags = tf.flags.FLAGS
   if rest or not flags.is_parsed():
-    flags([sys.argv[0]] + rest)  # E.g. --model_params_override.
-  task, stack, shapes = ModelLayerStack(args.model, args.dataset)
+    try:
+      flags([sys.argv[0]] + rest)  # E.g. --model_params_override.
+    except tf.flags.Error as e:
+      print(f'error: {e}', file=sys.stderr)
+      return 2
+  try:
+    task, stack, shapes = ModelLayerStack(args.model, args.dataset)
+  except ValueError as e:  # A bad --model or param: one message, no trace.
+    print(f'error: {e}', file=sys.stderr)
+    return 2
   num_partitions = args.num_partitions
   if num_partitions is None:
     num_partitions = getattr(task, 'num_partitions', None) or 1

@@ -1,32 +1,29 @@
 r"""Prints every registered lingvo_ext experiment name, one per line.
 
-  python -m lingvo_ext.tools.list_models
+  .venv/bin/python -m lingvo_ext.tools.list_models [module ...]
 
-Pass a name to --model of `python -m lingvo_ext.trainer`.
+Lists params/'s experiments, plus those of each named module (imported from
+PYTHONPATH, as `--model=module.Class` does). Pass a name to --model of
+`.venv/bin/python -m lingvo_ext.trainer`.
 """
 
-import os
 import sys
 
-import lingvo_ext  # pylint: disable=unused-import,g-bad-import-order
+from lingvo_ext import registry
 
 
 def RegisteredModels():
   """Sorted names of the registered experiments (imports `params`)."""
-  root = os.path.dirname(os.path.dirname(os.path.dirname(
-      os.path.abspath(__file__))))
-  if root not in sys.path:
-    sys.path.append(root)
-  import params  # pylint: disable=unused-import,g-import-not-at-top
-  from lingvo import model_registry  # pylint: disable=g-import-not-at-top
-  # The helper's map, not model_registry.GetAllRegisteredClasses(): that one
-  # first tries to import all of lingvo.tasks' params, printing a line for
-  # each.
-  helper = model_registry._ModelRegistryHelper  # pylint: disable=protected-access
-  return sorted(helper.GetAllRegisteredClasses())
+  return registry.RegisteredModels()
 
 
-def main():
+def main(argv=None):
+  argv = sys.argv[1:] if argv is None else argv
+  for module in argv:
+    error = registry.ImportModule(module)
+    if error:
+      print(f'error: {error}', file=sys.stderr)
+      return 2
   for name in RegisteredModels():
     print(name)
   return 0

@@ -111,15 +111,19 @@ class ImageInput(in_memory_input.InMemoryInput):
   def _LoadExamples(self):
     p = self.params
     images, labels = LoadImages(p.npz_file or None, p.image_key, p.label_key)
-    if tuple(images.shape[1:]) != tuple(p.data_shape):
+    shape = tuple(images.shape[1:])
+    if shape != tuple(p.data_shape):
       raise ValueError(
-          f'The images are {tuple(images.shape[1:])} but data_shape='
-          f'{tuple(p.data_shape)}; set data_shape (on the input and the task) '
-          'to the images\' (height, width, channels).')
+          f'The images are {shape} but data_shape={tuple(p.data_shape)}; set '
+          'the input\'s data_shape to the images\' (height, width, channels), '
+          f'e.g. --model_params_override=\'input.data_shape:{shape}\'.')
     if labels.min() < 0 or labels.max() >= p.num_classes:
       raise ValueError(
           f'Labels span [{labels.min()}, {labels.max()}] but num_classes='
-          f'{p.num_classes}; set num_classes to at least {labels.max() + 1}.')
+          f'{p.num_classes}; set num_classes of the input and the task to at '
+          f'least {labels.max() + 1}, e.g. --model_params_override='
+          f'\'input.num_classes:{labels.max() + 1}; '
+          f'task.num_classes:{labels.max() + 1}\'.')
     idx = SplitIndices(len(labels), p.split, p.dev_every)
     tf.logging.info('%s: %s split, %d images.', p.name, p.split, len(idx))
     ex = py_utils.NestedMap(
