@@ -107,11 +107,37 @@ def testVocabIsSavedInLogdirAndReused(tmp_path):
   # The dev input of the same logdir loads it instead of rebuilding.
   dev = _Instantiate(_InputParams('dev'), str(tmp_path))
   assert dev.vocab == vocab
+  assert vocab.source == 'pydoc_data.topics'
+  assert tokenizer.Vocab.Load(path).source == 'pydoc_data.topics'
+
+
+def testStaleVocabOfAnotherTextIsAnError(tmp_path):
+  # A run on a one-character text leaves its vocabulary in the logdir; a
+  # later run on the default corpus must not reuse it (all would be <unk>).
+  logdir = str(tmp_path / 'logdir')
+  text_file = str(tmp_path / 'a.txt')
+  with open(text_file, 'w') as f:
+    f.write('a\n' * 50)
+  tiny = _Instantiate(_InputParams('train', text_file=text_file), logdir)
+  assert tiny.vocab.tokens[2:] == ['\n', 'a']
+  path = os.path.join(logdir, 'train', 'vocab.json')
+  with pytest.raises(ValueError) as e:
+    _Instantiate(_InputParams('train'), logdir).vocab  # pylint: disable=expression-not-assigned
+  msg = str(e.value)
+  assert path in msg and text_file in msg and 'pydoc_data.topics' in msg
+  assert 'Delete' in msg and '\n' not in msg
+
+
+def testVocabMissingTrainTokensIsAnError(tmp_path):
+  # A vocabulary without a recorded source (e.g. hand-written) is checked
+  # against the tokens of the data.
+  path = os.path.join(str(tmp_path), 'train', 'vocab.json')
+  os.makedirs(os.path.dirname(path))
   with open(path, 'w') as f:
     f.write(tokenizer.Vocab(['x'], 'char', 128).ToJson())
-  assert _Instantiate(_InputParams('dev'), str(tmp_path)).vocab.tokens[2:] == [
-      'x'
-  ]
+  with pytest.raises(ValueError, match='missing from it') as e:
+    _Instantiate(_InputParams('dev'), str(tmp_path)).vocab  # pylint: disable=expression-not-assigned
+  assert path in str(e.value) and 'pydoc_data.topics' in str(e.value)
 
 
 def testVocabMismatchIsAClearError(tmp_path):

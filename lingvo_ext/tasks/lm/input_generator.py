@@ -12,8 +12,10 @@ split after the first is a label exactly once; the last window is padded,
 with weight 0 on the padding.
 
 The vocabulary is built from the train split only (see tokenizer.py) and
-saved as <logdir>/train/vocab.json, next to the checkpoints; a job that finds
-that file (a resumed trainer, an evaler) loads it instead of rebuilding.
+saved as <logdir>/train/vocab.json, next to the checkpoints, with the name of
+the text it was built from; a job that finds that file (a resumed trainer, an
+evaler) checks it against the data (same text, no train token missing) and
+loads it instead of rebuilding. A mismatch is an error.
 """
 
 import functools
@@ -26,6 +28,7 @@ from lingvo_ext.tasks.lm import tokenizer
 import numpy as np
 
 VOCAB_FILENAME = 'vocab.json'
+DEFAULT_SOURCE = 'pydoc_data.topics'
 SPLITS = ('train', 'dev')
 
 
@@ -149,18 +152,46 @@ class LmInput(in_memory_input.InMemoryInput):
               f'{vocab.vocab_size} vocabulary but the params say unit='
               f'{p.unit!r}, vocab_size={p.vocab_size}; use a fresh logdir '
               'or matching params.')
+        if not p.vocab_file:
+          self._CheckVocabMatchesData(vocab, path)
       elif p.vocab_file:
         raise ValueError(f'vocab_file={p.vocab_file!r} does not exist; fix '
                          'the path or leave vocab_file empty to build one.')
       else:
-        vocab = tokenizer.Vocab.Build(self.SplitText('train'), p.unit,
-                                      p.vocab_size)
+        vocab = self._BuildVocab()
         if path:
           vocab.Save(path)
           tf.logging.info('Wrote the vocabulary (%d tokens) to %s',
                           len(vocab.tokens), path)
       self._vocab = vocab
     return self._vocab
+
+  def TextSource(self):
+    """The corpus's name: text_file's absolute path, or pydoc_data.topics."""
+    p = self.params
+    return os.path.abspath(p.text_file) if p.text_file else DEFAULT_SOURCE
+
+  def _BuildVocab(self):
+    p = self.params
+    return tokenizer.Vocab.Build(self.SplitText('train'), p.unit, p.vocab_size,
+                                 source=self.TextSource())
+
+  def _CheckVocabMatchesData(self, vocab, path):
+    """Raises if the logdir's vocabulary was built from other data."""
+    source = self.TextSource()
+    fix = (f'Delete {path} (or use a fresh --logdir) to build the vocabulary '
+           'of this text')
+    if vocab.source and vocab.source != source:
+      raise ValueError(
+          f'{path} was built from {vocab.source}, but the data is {source}. '
+          f'{fix}, or set input.text_file back to {vocab.source}.')
+    missing = vocab.Missing(self._BuildVocab())
+    if missing:
+      shown = ', '.join(repr(t) for t in missing[:5])
+      raise ValueError(
+          f'{path} does not match the data {source}: {len(missing)} of the '
+          f'data\'s commonest train tokens are missing from it ({shown}...), so '
+          f'they would all be <unk>. {fix}.')
 
   def SplitText(self, split=None):
     """The text of `split` (default: this generator's split)."""

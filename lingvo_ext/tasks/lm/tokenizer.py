@@ -40,7 +40,7 @@ def Tokenize(text, unit):
 class Vocab:
   """Maps tokens to ids: 0 is <pad>, 1 is <unk>, then tokens by frequency."""
 
-  def __init__(self, tokens, unit, vocab_size):
+  def __init__(self, tokens, unit, vocab_size, source=''):
     """Constructor.
 
     Args:
@@ -48,6 +48,8 @@ class Vocab:
         tokens).
       unit: 'char' or 'word'.
       vocab_size: The model's vocabulary size; ids are in [0, vocab_size).
+      source: What the vocabulary was built from (e.g. the text file's path),
+        saved with it so that a mismatch can name it.
     """
     if unit not in UNITS:
       raise ValueError(f'Unknown tokenizer unit {unit!r}; set unit to one of '
@@ -59,11 +61,12 @@ class Vocab:
           'or build the vocabulary again.')
     self.unit = unit
     self.vocab_size = vocab_size
+    self.source = source
     self.tokens = list(_RESERVED) + list(tokens)
     self._ids = {t: i for i, t in enumerate(self.tokens)}
 
   @classmethod
-  def Build(cls, text, unit, vocab_size):
+  def Build(cls, text, unit, vocab_size, source=''):
     """Builds the vocabulary of `text`, keeping the vocab_size - 2 commonest."""
     if vocab_size <= len(_RESERVED):
       raise ValueError(f'vocab_size={vocab_size} leaves no room for tokens '
@@ -73,7 +76,11 @@ class Vocab:
       counts.pop(t, None)
     ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
     keep = [t for t, _ in ranked[:vocab_size - len(_RESERVED)]]
-    return cls(keep, unit, vocab_size)
+    return cls(keep, unit, vocab_size, source)
+
+  def Missing(self, other):
+    """The tokens of Vocab `other` that this one lacks, in `other`'s order."""
+    return [t for t in other.tokens if t not in self._ids]
 
   def Encode(self, text):
     """Returns the int32 ids of `text`; unknown tokens map to UNK_ID."""
@@ -94,6 +101,7 @@ class Vocab:
             'format': _FORMAT,
             'unit': self.unit,
             'vocab_size': self.vocab_size,
+            'source': self.source,
             'tokens': self.tokens[len(_RESERVED):],
         },
         ensure_ascii=False,
@@ -118,7 +126,7 @@ class Vocab:
                          f'lingvo_ext ({e}).') from e
     if d.get('format') != _FORMAT:
       raise ValueError(f'{path} is not a {_FORMAT} vocabulary file.')
-    return cls(d['tokens'], d['unit'], d['vocab_size'])
+    return cls(d['tokens'], d['unit'], d['vocab_size'], d.get('source', ''))
 
   def __eq__(self, other):
     return (isinstance(other, Vocab) and self.unit == other.unit and
