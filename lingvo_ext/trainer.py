@@ -1,7 +1,7 @@
 r"""Trains or evaluates a registered lingvo_ext experiment with Lingvo's runners.
 
-  python -m lingvo_ext.trainer --model=lm.TransformerLm --logdir=/tmp/lm
-  tensorboard --logdir=/tmp/lm
+  .venv/bin/python -m lingvo_ext.trainer --model=lm.TransformerLm --logdir=/tmp/lm
+  .venv/bin/tensorboard --logdir=/tmp/lm
 
 This is `lingvo.trainer` (its RunnerManager, Controller, Trainer and Evaler,
 and all of its flags) with lingvo_ext's experiments registered and these
@@ -9,7 +9,7 @@ changes:
 
 - Defaults: --run_locally=cpu --mode=sync, so the jobs are
   controller,trainer_client in this process; checkpoints go to DIR/train,
-  the trainer's summaries (loss, log_pplx, steps/sec...) to DIR/train, the
+  the trainer's summaries (loss, log_pplx, global_step/sec...) to DIR/train, the
   controller's to DIR/control.
 - --num_cpu_devices=N gives each local replica N logical CPU devices (the
   local server, the sessions and the cluster's job specs all get N), so
@@ -23,7 +23,16 @@ changes:
 - --job=evaler_dev evaluates DIR/train's checkpoints on the dev split
   (summaries in DIR/eval_dev); add it to the training jobs
   (--job=controller,trainer_client,evaler_dev) to evaluate as training goes.
-- An unknown --model prints the close registered names and exits with 2.
+- An unknown --model prints the close registered names and exits with 2;
+  --model=module.Class also finds an experiment module on PYTHONPATH (see
+  lingvo_ext/registry.py).
+- Failing safely: bad flags, an unusable --logdir and bad params are one
+  line and exit 2. After --max_nonfinite_steps steps in a row whose loss or
+  gradients are NaN/Inf, training stops (exit 3) naming the step, the first
+  non-finite tensor and the last good checkpoint; no checkpoint holding
+  NaN/Inf is written. A damaged latest checkpoint is skipped for the newest
+  intact one (lingvo_ext/checkpoints.py). Ctrl-C saves a checkpoint, then
+  exits with 130 (a second Ctrl-C exits at once).
 - A model with partitioned variables (a layer's `partitioner` set, e.g.
   lm.WordLmSharded) saves checkpoints with tf.train.Saver
   (--use_custom_saver=false unless given), whose saved slices restore into
@@ -31,10 +40,13 @@ changes:
   and back.
 """
 
-import difflib
 import os
+import re
+import signal
 import sys
+import threading
 import time
+import traceback
 
 import lingvo_ext  # pylint: disable=unused-import,g-bad-import-order
 from lingvo import runners
@@ -44,12 +56,9 @@ import lingvo.compat as tf
 from lingvo.core import hyperparams
 from lingvo.core import py_utils
 
-# The experiments live in the top-level `params` package next to lingvo_ext.
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:
-  sys.path.append(_ROOT)
-import params  # pylint: disable=unused-import,g-import-not-at-top,g-bad-import-order
-from lingvo_ext.tools import list_models  # pylint: disable=g-import-not-at-top,g-bad-import-order
+from lingvo_ext import checkpoints
+from lingvo_ext import progress
+from lingvo_ext import registry
 
 FLAGS = tf.flags.FLAGS
 
@@ -59,6 +68,10 @@ tf.flags.DEFINE_integer(
     '--worker_split_size=N to pipeline a model over N CPU devices.')
 tf.flags.DEFINE_integer(
     'max_steps', None, 'If set, overrides the experiment\'s train.max_steps.')
+tf.flags.DEFINE_integer(
+    'max_nonfinite_steps', 10,
+    'Stop training (exit 3) after this many tries in a row of one step whose '
+    'loss or gradients are NaN or Inf.')
 
 FLAGS.set_default('run_locally', 'cpu')
 FLAGS.set_default('mode', 'sync')
@@ -81,12 +94,133 @@ class _CpuDevicesMixin:
     return tf.Session(self._tf_master, graph=self._graph, config=config)
 
 
+# Set by the first Ctrl-C: the trainer stops after its step, the controller
+# saves a checkpoint and stops.
+_INTERRUPTED = threading.Event()
+# Exit status the main thread returns once the runners are done.
+_EXIT = {'code': 0, 'message': ''}
+
+
+def _Fail(message, code):
+  """Stops the whole process from a runner thread with a one-line error."""
+  tf.logging.error(message)
+  tf.logging.flush()
+  sys.stdout.flush()
+  print(f'error: {message}', file=sys.stderr, flush=True)
+  os._exit(code)  # pylint: disable=protected-access
+
+
+def _FirstLine(e):
+  return str(getattr(e, 'message', e)).strip().split('\n')[0]
+
+
 class LocalController(_CpuDevicesMixin, runners.Controller):
-  pass
+  """Lingvo's Controller; refuses to checkpoint non-finite variables."""
+
+  def __init__(self, *args, **kwargs):
+    super().__init__(*args, **kwargs)
+    if getattr(self, '_checkpointer', None) is None:
+      return
+    with self._graph.as_default(), tf.container(self._container_id):
+      with self._cluster:
+        self._finite_checks = checkpoints.FiniteChecks(tf.global_variables())
+    save = self._checkpointer.Save
+
+    def SaveIfFinite(sess=None, gsteps=None, sync=True):
+      bad = checkpoints.NonFiniteVariables(sess, self._finite_checks)
+      if bad:
+        tf.logging.warning(
+            'Not saving a checkpoint at step %s: variable %s (and %d more) '
+            'holds NaN or Inf.', gsteps, bad[0], len(bad) - 1)
+        return
+      save(sess, gsteps, sync)
+
+    self._checkpointer.Save = SaveIfFinite
+
+  def _ShouldStop(self, sess=None, step=None, check_early_stop=True):
+    if _INTERRUPTED.is_set():
+      return True  # Lingvo's controller then saves a checkpoint.
+    return super()._ShouldStop(sess, step, check_early_stop)
+
+
+_NONFINITE = re.compile(r'not finite|NaN|Inf', re.IGNORECASE)
+_GRADIENT_OF = re.compile(r'Gradient for (\S+?)(?::\d+)? is not finite')
 
 
 class LocalTrainer(_CpuDevicesMixin, runners.Trainer):
-  """Lingvo's Trainer; locally it polls for initialized variables."""
+  """Lingvo's Trainer; locally it polls for initialized variables.
+
+  A step whose loss or gradients are not finite fails in Lingvo's
+  CheckNumerics before any update; Lingvo retries it forever with back-off.
+  Here it is retried at once, at most --max_nonfinite_steps times in a row.
+  """
+
+  def __init__(self, *args, **kwargs):
+    super().__init__(*args, **kwargs)
+    with self._graph.as_default(), tf.container(self._container_id):
+      with self._cluster:
+        self._finite_checks = checkpoints.FiniteChecks(tf.global_variables())
+    self._nonfinite = {'step': None, 'count': 0}
+    if self.params.cluster.task == 0:
+      self._progress = progress.Progress(self.params.train.max_steps)
+      process = self._model.ProcessFPropResults
+
+      def ProcessFPropResults(sess, global_step, metrics, per_example):
+        self._progress.Update(int(global_step), float(metrics['loss'][0]),
+                              float(metrics['num_samples_in_batch'][0]))
+        return process(sess, global_step, metrics, per_example)
+
+      self._model.ProcessFPropResults = ProcessFPropResults
+
+  def _ShouldStop(self, sess=None, step=None, check_early_stop=True):
+    if _INTERRUPTED.is_set():
+      self._DequeueThreadComplete()
+      return True
+    return super()._ShouldStop(sess, step, check_early_stop)
+
+  def _RunLoop(self, job_name, loop_func, loop_args=(), cleanup_func=None):
+    if job_name != 'trainer':
+      return super()._RunLoop(job_name, loop_func, loop_args, cleanup_func)
+
+    def LoopUntilFinite(*args):
+      while True:
+        try:
+          return loop_func(*args)
+        except tf.errors.InvalidArgumentError as e:
+          if not _NONFINITE.search(str(e)):
+            raise
+          self._OnNonFiniteStep(e)
+
+    return super()._RunLoop(job_name, LoopUntilFinite, loop_args,
+                            cleanup_func)
+
+  def _OnNonFiniteStep(self, e):
+    """Counts a failed step; stops the process at the limit."""
+    with self._GetSession() as sess:
+      step = int(sess.run(py_utils.GetGlobalStep())) + 1
+      bad_vars = checkpoints.NonFiniteVariables(sess, self._finite_checks)
+    state = self._nonfinite
+    state['count'] = state['count'] + 1 if state['step'] == step else 1
+    state['step'] = step
+    gradient = _GRADIENT_OF.search(str(e))
+    if bad_vars:
+      first = f'variable {bad_vars[0]}'
+    elif gradient:
+      first = f'the gradient of {gradient.group(1)} (the variables are finite)'
+    else:
+      first = f'{_FirstLine(e)} (the variables are finite)'
+    tf.logging.warning('Step %d is not finite (try %d of %d): %s', step,
+                       state['count'], FLAGS.max_nonfinite_steps, first)
+    if state['count'] < FLAGS.max_nonfinite_steps:
+      return
+    last = tf.train.latest_checkpoint(self._train_dir) or 'none'
+    _Fail(
+        f'training stopped at step {step}: its loss or gradients were NaN or '
+        f'Inf in {state["count"]} tries (--max_nonfinite_steps='
+        f'{FLAGS.max_nonfinite_steps}). First non-finite: {first}. Last good '
+        f'checkpoint: {last}. Lower the learning rate (e.g. '
+        "--model_params_override='task.train.learning_rate:1e-4') and run "
+        'again to resume from it.', 3)
 
   def _WaitUntilInit(self, sess=None, start_up_delay_steps=None):
     if not FLAGS.run_locally or start_up_delay_steps:
@@ -96,23 +230,69 @@ class LocalTrainer(_CpuDevicesMixin, runners.Trainer):
     # second: poll for it instead.
     with self._graph.as_default():
       uninitialized = tf.report_uninitialized_variables()
+    waiting, start = _Waiting(), time.time()
     while True:
       try:
         if not sess.run(uninitialized).size:
           break
       except tf.errors.FailedPreconditionError:
         pass  # Mid-restore; try again.
+      if time.time() - start > 10:
+        waiting.Say(
+            'init', 'trainer: waiting for the controller to initialize or '
+            'restore the variables; is --job=controller running? (Without '
+            '--job, both run in this process.)')
       time.sleep(0.2)
     global_step = sess.run(py_utils.GetGlobalStep())
     self._SetStatusMessage('step:%6d' % global_step)
     return global_step
 
 
-class LocalEvaler(_CpuDevicesMixin, runners.Evaler):
+# Seconds between two "waiting for ..." lines of a job that waits.
+WAIT_MESSAGE_INTERVAL_S = 30.0
+
+
+class _Waiting:
+  """Says on stderr what a job waits for: at once, then now and then."""
+
+  def __init__(self):
+    self._last = {}
+
+  def Say(self, key, message):
+    now = time.time()
+    if now - self._last.get(key, -1e9) >= WAIT_MESSAGE_INTERVAL_S:
+      self._last[key] = now
+      print(message, file=sys.stderr, flush=True)
+      tf.logging.info('%s', message)
+
+
+class _WaitsForCheckpointsMixin:
+  """An evaler or decoder that says which checkpoints it waits for."""
+
+  def _FindNewCheckpoint(self, sess=None, processed_ckpts=None):
+    if not hasattr(self, '_waiting'):
+      self._waiting = _Waiting()
+    train_dir = self._checkpointer.checkpoint_dir
+    path = tf.train.latest_checkpoint(train_dir)
+    if not path:
+      self._waiting.Say(
+          'none', f'{self._job_name}: waiting for a first checkpoint in '
+          f'{train_dir}: train with the same --logdir (or add '
+          f'{self._job_name} to the trainer\'s --job).')
+    elif path in (processed_ckpts or ()):
+      self._waiting.Say(
+          path, f'{self._job_name}: done with {path}; waiting for a newer '
+          f'checkpoint in {train_dir}.')
+    return super()._FindNewCheckpoint(sess, processed_ckpts)
+
+
+class LocalEvaler(_CpuDevicesMixin, _WaitsForCheckpointsMixin,
+                  runners.Evaler):
   pass
 
 
-class LocalDecoder(_CpuDevicesMixin, runners.Decoder):
+class LocalDecoder(_CpuDevicesMixin, _WaitsForCheckpointsMixin,
+                   runners.Decoder):
   pass
 
 
@@ -162,6 +342,36 @@ class RunnerManager(lingvo_trainer.RunnerManager):
       for name in _JOB_SPECS:
         cluster.Get(name).cpus_per_replica = FLAGS.num_cpu_devices
 
+  def StartRunners(self, all_runners):
+    """Lingvo's StartRunners, after skipping damaged checkpoints.
+
+    Returns once the runners finish, or, after Ctrl-C, once the controller
+    and trainer have (an evaler would wait for checkpoints forever).
+    """
+    jobs = FLAGS.job.split(',')
+    if FLAGS.logdir and ('controller' in jobs or 'trainer_client' in jobs):
+      train_dir = os.path.join(FLAGS.logdir, 'train')
+      path, skipped = checkpoints.FallBackToIntactCheckpoint(train_dir)
+      for bad, why in skipped:
+        print(f'warning: skipped damaged checkpoint {bad} (unreadable: {why}); '
+              f'restoring {path or "nothing: starting afresh"}.',
+              file=sys.stderr, flush=True)
+        tf.logging.warning('Skipped checkpoint %s: %s', bad, why)
+    runner = threading.Thread(
+        target=super().StartRunners, args=(all_runners,), daemon=True)
+    runner.start()
+    training = [
+        r for r in all_runners
+        if isinstance(r, (runners.Controller, runners.Trainer))
+    ]
+    while runner.is_alive():
+      runner.join(0.5)
+      # Both set _dequeue_thread_complete when they stop (the controller
+      # after its last checkpoint).
+      if _INTERRUPTED.is_set() and all(
+          getattr(r, '_dequeue_thread_complete', False) for r in training):
+        break
+
   def GetParamsForDataset(self, job_name, dataset_name):
     cfg = super().GetParamsForDataset(job_name, dataset_name)
     if FLAGS.max_steps is not None:
@@ -171,31 +381,39 @@ class RunnerManager(lingvo_trainer.RunnerManager):
     return cfg
 
 
-def UnknownModelMessage(name):
-  """The error for an unregistered --model, naming the close names."""
-  names = list_models.RegisteredModels()
-  close = difflib.get_close_matches(name, names, n=5, cutoff=0.5)
-  # Also match on the class name alone (e.g. --model=TransformerLmTiny).
-  close += [n for n in names if n.split('.')[-1].lower() == name.lower() and
-            n not in close]
-  msg = f'Unknown model {name!r}: it is not registered.'
-  if close:
-    msg += ' Did you mean:\n' + ''.join(f'  {n}\n' for n in close)
-  else:
-    msg += ' Registered models:\n' + ''.join(f'  {n}\n' for n in names)
-  msg += 'List them all with: python -m lingvo_ext.tools.list_models'
-  return msg
+def _CheckLogdir(logdir):
+  """Creates `logdir` if missing; returns an error if it is not usable."""
+  if '://' in logdir:
+    return None  # A remote file system: Lingvo's gfile calls check it.
+  if os.path.exists(logdir) and not os.path.isdir(logdir):
+    return (f'--logdir={logdir} is a file, not a directory; pass a directory '
+            '(it is created when missing).')
+  try:
+    os.makedirs(os.path.join(logdir, 'train'), exist_ok=True)
+    probe = os.path.join(logdir, 'train', f'.write_test.{os.getpid()}')
+    with open(probe, 'w') as f:
+      f.write('')
+    os.remove(probe)
+  except OSError as e:
+    return (f'--logdir={logdir} is not writable ({e.strerror}); pass a '
+            'directory you can write to.')
+  return None
 
 
 def _CheckFlags():
   """Returns an error message for bad flags, or None."""
   if not FLAGS.model:
     return ('--model is required, e.g. --model=lm.TransformerLmTiny; list '
-            'the models with: python -m lingvo_ext.tools.list_models')
-  if FLAGS.model not in list_models.RegisteredModels():
-    return UnknownModelMessage(FLAGS.model)
+            'the models with: .venv/bin/python -m lingvo_ext.tools.list_models')
+  error = registry.CheckModel(FLAGS.model)
+  if error:
+    return error
   if FLAGS.mode in ('sync', 'async') and not FLAGS.logdir:
     return '--logdir is required, e.g. --logdir=/tmp/lingvo_ext/lm'
+  if FLAGS.logdir:
+    error = _CheckLogdir(FLAGS.logdir)
+    if error:
+      return error
   if FLAGS.num_cpu_devices < 1:
     return f'--num_cpu_devices={FLAGS.num_cpu_devices} must be >= 1.'
   if FLAGS.max_steps is not None and FLAGS.max_steps < 0:
@@ -236,15 +454,65 @@ def _UseSlicedCheckpoints():
     FLAGS.set_default('use_custom_saver', False)
 
 
+def _OnSigint(unused_signum, unused_frame):
+  if _INTERRUPTED.is_set():
+    print('\ninterrupted again: exiting without a checkpoint.',
+          file=sys.stderr, flush=True)
+    os._exit(130)  # pylint: disable=protected-access
+  _INTERRUPTED.set()
+  print('\ninterrupted: saving a checkpoint, then exiting (Ctrl-C again to '
+        'exit at once).', file=sys.stderr, flush=True)
+
+
 def main(unused_argv):
+  registry.Install()
   lingvo_trainer.tpu_embedding_layers_v2.TPU_EMBEDDING_MANAGER = (
       lingvo_trainer.tpu_embedding_manager.TPUEmbeddingManager())
-  RunnerManager(FLAGS.model).Start()
+  signal.signal(signal.SIGINT, _OnSigint)
+  if FLAGS.logdir and not FLAGS.logtostderr:
+    job = FLAGS.job or 'controller,trainer_client'
+    log_file = progress.LogFilePath(FLAGS.logdir, job)
+    print(f'lingvo_ext.trainer: --model={FLAGS.model} --job={job}; '
+          f'the full log is in {log_file} (--alsologtostderr to print it '
+          'here too).', flush=True)
+    progress.RouteLogToFile(log_file)
+  try:
+    RunnerManager(FLAGS.model).Start()
+  except ValueError as e:  # Bad params, found while building the model.
+    tf.logging.vlog(1, '%s', traceback.format_exc())
+    print(f'error: {e}', file=sys.stderr, flush=True)
+    return 2
+  if _INTERRUPTED.is_set():
+    last = tf.train.latest_checkpoint(os.path.join(FLAGS.logdir, 'train'))
+    print(f'interrupted: the last checkpoint is {last}; run the same command '
+          'to resume from it.', file=sys.stderr, flush=True)
+    return 130
+  return 0
+
+
+# The flags --help describes; --helpfull lists all of Lingvo's and TF's.
+_HELP_FLAGS = ('model', 'logdir', 'max_steps', 'num_cpu_devices',
+               'worker_split_size', 'job', 'model_params_override',
+               'max_nonfinite_steps')
+
+
+def _Help(full):
+  if full:
+    return FLAGS.get_help()
+  lines = [__doc__.strip(), '', 'Flags (--helpfull lists all of them):']
+  for name in _HELP_FLAGS:
+    flag = FLAGS[name]
+    lines.append(f'  --{name}: {flag.help} (default: {flag.default!r})')
+  return '\n'.join(lines)
 
 
 def Run(argv=None):
   """Parses flags, checks them, then runs Lingvo's trainer main."""
   argv = list(sys.argv if argv is None else argv)
+  for arg in argv[1:]:
+    if arg in ('-h', '--help', '-?', '--helpshort', '--helpfull'):
+      print(_Help(full=arg == '--helpfull'))
+      return 0
   try:
     FLAGS(argv, known_only=True)
   except tf.flags.Error as e:
@@ -254,7 +522,12 @@ def Run(argv=None):
   if error:
     print(f'error: {error}', file=sys.stderr)
     return 2
-  _UseSlicedCheckpoints()
+  registry.Install()
+  try:
+    _UseSlicedCheckpoints()
+  except ValueError as e:  # Bad params (e.g. an override).
+    print(f'error: {e}', file=sys.stderr)
+    return 2
   if FLAGS.disable_tf2:
     tf.disable_v2_behavior()
   py_utils.SetEagerMode(FLAGS.use_eager)

@@ -1,0 +1,169 @@
+"""The trainer fails loudly and safely: NaN, damaged checkpoints, Ctrl-C, bad
+flags and params. Each runs `python -m lingvo_ext.trainer` in a subprocess
+on the Tiny LM for a few steps.
+"""
+
+import glob
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import lingvo.compat as tf
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TIMEOUT = 300
+MODEL = '--model=lm.TransformerLmTiny'
+
+
+def _Run(*args):
+  proc = subprocess.run([sys.executable, '-m', 'lingvo_ext.trainer', *args],
+                        cwd=ROOT, stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT,
+                        check=False)
+  return proc.returncode, proc.stdout
+
+
+def _Checkpoints(logdir):
+  return sorted(glob.glob(os.path.join(logdir, 'train', 'ckpt-*.index')))
+
+
+def _Latest(logdir):
+  return tf.train.latest_checkpoint(os.path.join(logdir, 'train'))
+
+
+def testNonFiniteLossStopsWithoutANonFiniteCheckpoint(tmp_path):
+  # A float32-infinite learning rate makes the first update Inf; the next
+  # steps are NaN.
+  logdir = str(tmp_path)
+  rc, out = _Run(MODEL, f'--logdir={logdir}', '--max_steps=50',
+                 '--max_nonfinite_steps=2',
+                 '--model_params_override=task.train.learning_rate:1e39')
+  assert rc == 3, out[-3000:]
+  m = re.search(r'error: training stopped at step (\d+): .* in 2 tries '
+                r'\(--max_nonfinite_steps=2\)\. First non-finite: variable '
+                r'(\S+)\. Last good checkpoint: (\S+)\. ', out)
+  assert m, out[-3000:]
+  assert int(m.group(1)) == 2
+  assert m.group(3) == _Latest(logdir)
+  assert _Checkpoints(logdir)
+  for index in _Checkpoints(logdir):
+    reader = tf.train.load_checkpoint(index[:-len('.index')])
+    for name in reader.get_variable_to_shape_map():
+      value = reader.get_tensor(name)
+      if np.issubdtype(np.asarray(value).dtype, np.floating):
+        assert np.all(np.isfinite(value)), (index, name)
+
+
+def testDamagedLatestCheckpointFallsBackToTheNewestIntactOne(tmp_path):
+  logdir = str(tmp_path)
+  rc, out = _Run(MODEL, f'--logdir={logdir}', '--max_steps=3')
+  assert rc == 0, out[-3000:]
+  steps = [int(re.search(r'ckpt-(\d+)', p).group(1))
+           for p in _Checkpoints(logdir)]
+  assert steps[0] == 0 and steps[-1] == 3, steps
+  latest = _Latest(logdir)
+  data = glob.glob(latest + '.data-*')[0]
+  with open(data, 'r+b') as f:
+    f.truncate(os.path.getsize(data) // 2)
+  rc, out = _Run(MODEL, f'--logdir={logdir}', '--max_steps=5')
+  assert rc == 0, out[-3000:]
+  previous = latest.replace('ckpt-00000003', 'ckpt-%08d' % steps[-2])
+  assert (f'warning: skipped damaged checkpoint {latest} (unreadable: '
+          in out), out[-3000:]
+  assert f'restoring {previous}.' in out
+  log = os.path.join(logdir, 'log.controller+trainer_client.txt')
+  with open(log, encoding='utf-8') as f:
+    assert f'Restored {steps[-2]} ' in f.read()
+  assert _Latest(logdir).endswith('ckpt-00000005')
+
+
+def testCtrlCSavesACheckpoint(tmp_path):
+  logdir = str(tmp_path)
+  log = str(tmp_path / 'out.txt')
+  # No periodic checkpoint after the first: any later one is Ctrl-C's.
+  with open(log, 'w') as f:
+    proc = subprocess.Popen([
+        sys.executable, '-m', 'lingvo_ext.trainer', MODEL,
+        f'--logdir={logdir}', '--max_steps=1000000',
+        '--model_params_override=task.train.save_interval_seconds:3600'
+    ], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+  try:
+    deadline = time.time() + TIMEOUT
+    while time.time() < deadline:
+      assert proc.poll() is None, open(log).read()[-3000:]
+      with open(log) as f:  # Progress lines: 'step N/1000000  loss ...'.
+        if any(int(s) >= 5 for s in re.findall(r'step (\d+)/', f.read())):
+          break
+      time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    rc = proc.wait(timeout=TIMEOUT)
+  finally:
+    if proc.poll() is None:
+      os.killpg(proc.pid, signal.SIGKILL)
+      proc.wait()
+  with open(log) as f:
+    out = f.read()
+  assert rc == 130, out[-3000:]
+  latest = _Latest(logdir)
+  step = int(latest.rsplit('-', 1)[1])
+  assert step >= 5, out[-3000:]
+  assert f'interrupted: the last checkpoint is {latest}' in out
+
+
+def testBadLogdirAndParamsAreOneLineErrors(tmp_path):
+  a_file = str(tmp_path / 'a_file')
+  with open(a_file, 'w') as f:
+    f.write('x')
+  cases = [
+      ([f'--logdir={a_file}'], f'--logdir={a_file} is a file'),
+      ([f'--logdir={a_file}/sub'], f'--logdir={a_file}/sub is not writable'),
+      ([f'--logdir={tmp_path}/new', '--model=lm.TransformerLmTinyGPipe',
+        '--model_params_override=task.num_micro_batches:3'],
+       'error: pipeline: batch size 8 (batch_dim=0) is not divisible by '
+       'num_micro_batches=3'),
+  ]
+  for flags, message in cases:
+    if not any(f.startswith('--model=') for f in flags):
+      flags = [MODEL] + flags
+    rc, out = _Run(*flags, '--max_steps=1')
+    assert rc == 2, out[-3000:]
+    assert message in out, out[-3000:]
+    assert 'Traceback' not in out, out[-3000:]
+  assert not os.path.exists(str(tmp_path / 'new' / 'train' / 'checkpoint'))
+  shutil.rmtree(str(tmp_path / 'new'), ignore_errors=True)
+
+
+def testWaitingJobsSayWhatTheyWaitFor(tmp_path):
+  # A trainer without its controller, and an evaler without checkpoints.
+  logdir = str(tmp_path)
+  log = str(tmp_path / 'out.txt')
+  with open(log, 'w') as f:
+    proc = subprocess.Popen([
+        sys.executable, '-m', 'lingvo_ext.trainer', MODEL,
+        f'--logdir={logdir}', '--job=trainer_client,evaler_dev'
+    ], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+  expected = [
+      'trainer: waiting for the controller to initialize or restore the '
+      'variables',
+      'evaler_dev: waiting for a first checkpoint in '
+      f'{os.path.join(logdir, "train")}',
+  ]
+  try:
+    deadline = time.time() + TIMEOUT
+    while time.time() < deadline:
+      assert proc.poll() is None, open(log).read()[-3000:]
+      with open(log) as f:
+        out = f.read()
+      if all(e in out for e in expected):
+        break
+      time.sleep(0.5)
+  finally:
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+  for e in expected:
+    assert e in out, out[-3000:]
