@@ -4,7 +4,7 @@ An FC stack of uneven widths is cut into cells by FLOPs with
 `PartitionSequentialLayers`, run as a pipeline over micro-batches, and
 compared with the same model run sequentially on the same weights.
 
-  python -m lingvo_ext.examples.gpipe_example [--num_cells=3] [--num_devices=2]
+  .venv/bin/python -m lingvo_ext.examples.gpipe_example [--num_cells=3] [--num_devices=2]
 """
 
 import argparse

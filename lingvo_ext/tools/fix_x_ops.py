@@ -15,7 +15,7 @@ marks the version requirements weak: `--clear-symbol-version` alone leaves the
 test-loaded in a fresh process before it replaces the original, which is kept
 as `x_ops.so.orig`. Where the library already loads, nothing is touched.
 
-Usage: python -m lingvo_ext.tools.fix_x_ops [--lib PATH]
+Usage: .venv/bin/python -m lingvo_ext.tools.fix_x_ops [--lib PATH]
 """
 
 import argparse
