@@ -633,10 +633,13 @@ def ParseArgs(argv=None):
   parser.add_argument('--trace', metavar='DIR',
                       help='Write a Chrome trace, a host trace and a Gantt PNG '
                       'of one step per configuration into DIR.')
-  parser.add_argument('--colocate', action='store_true',
+  parser.add_argument('--colocate', action=argparse.BooleanOptionalAction,
+                      default=True,
                       help='tf.gradients(colocate_gradients_with_ops=True), '
-                      'as Lingvo\'s learner does; the default follows the '
-                      'issue\'s probe (plain tf.gradients).')
+                      'as Lingvo\'s learner does and the README tells users '
+                      'to (default); --no-colocate: plain tf.gradients, as '
+                      'the issue\'s probe, which puts the whole backward '
+                      'pass on CPU:0.')
   parser.add_argument('--check', action='store_true',
                       help='Fail if the first-step losses differ.')
   parser.add_argument('--_child', help=argparse.SUPPRESS)
@@ -679,6 +682,10 @@ def main(argv=None) -> int:
     print()
     print(MarkdownSchedules(records))
   _Log('done in %.0f s' % (time.time() - t))
+  if args.trace:
+    _Log('traces: wrote *.trace.json (chrome://tracing), *.host_trace.json, '
+         '*.png (Gantt charts) and summary.jsonl to %s' %
+         os.path.abspath(args.trace))
   return 0
 
 

@@ -353,7 +353,9 @@ def PlotGantt(intervals: Dict[str, Sequence[Interval]],
              for p in ('fwd', 'bwd', 'update')]
   handles.append(patches.Patch(facecolor='mistyrose', hatch='//',
                                label='idle (bubble)'))
-  ax.legend(handles=handles, loc='upper right', fontsize=7, ncol=4)
+  # Below the axes: inside them, the legend hides the last device's bars.
+  ax.legend(handles=handles, loc='upper center', bbox_to_anchor=(0.5, -0.22),
+            fontsize=7, ncol=4, frameon=False)
   ax.set_title('%s  idle fraction %.1f%%' % (title, 100 * idle))
   if host_events:
     hx = axes[1][0]

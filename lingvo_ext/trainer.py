@@ -341,6 +341,11 @@ class RunnerManager(lingvo_trainer.RunnerManager):
     if FLAGS.run_locally:
       for name in _JOB_SPECS:
         cluster.Get(name).cpus_per_replica = FLAGS.num_cpu_devices
+      # Evaluate and decode with the trainer's splits: otherwise, with
+      # --worker_split_size=N, they would run N one-device splits, each on
+      # a full batch (N times the training batch).
+      for name in ('evaler', 'decoder'):
+        cluster.Get(name).devices_per_split = FLAGS.worker_split_size
 
   def StartRunners(self, all_runners):
     """Lingvo's StartRunners, after skipping damaged checkpoints.
@@ -469,6 +474,15 @@ def main(unused_argv):
   lingvo_trainer.tpu_embedding_layers_v2.TPU_EMBEDDING_MANAGER = (
       lingvo_trainer.tpu_embedding_manager.TPUEmbeddingManager())
   signal.signal(signal.SIGINT, _OnSigint)
+  if FLAGS.run_locally == 'cpu' and FLAGS.num_cpu_devices > 1:
+    splits = FLAGS.num_cpu_devices // FLAGS.worker_split_size
+    if splits > 1:
+      print(f'note: --num_cpu_devices={FLAGS.num_cpu_devices} with '
+            f'--worker_split_size={FLAGS.worker_split_size} runs {splits} '
+            'data-parallel splits, each on a full input batch_size; pass '
+            f'--worker_split_size={FLAGS.num_cpu_devices} to pipeline the '
+            f'model over the {FLAGS.num_cpu_devices} devices instead.',
+            flush=True)
   if FLAGS.logdir and not FLAGS.logtostderr:
     job = FLAGS.job or 'controller,trainer_client'
     log_file = progress.LogFilePath(FLAGS.logdir, job)

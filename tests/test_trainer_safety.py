@@ -167,3 +167,46 @@ def testWaitingJobsSayWhatTheyWaitFor(tmp_path):
     proc.wait()
   for e in expected:
     assert e in out, out[-3000:]
+
+
+def testEvalerAndDecoderUseTheTrainersSplits():
+  # Pipelined over 2 CPU devices, the trainer runs one 2-device split; the
+  # evaler and decoder must too, not two 1-device splits of a full batch
+  # each (twice the training batch).
+  from lingvo.core import cluster_factory  # pylint: disable=g-import-not-at-top
+  from lingvo_ext import trainer  # pylint: disable=g-import-not-at-top
+  flags = tf.flags.FLAGS
+  if not flags.is_parsed():
+    flags.mark_as_parsed()
+  names = ('num_cpu_devices', 'worker_split_size', 'evaler_replicas',
+           'decoder_replicas', 'run_locally')
+  saved = {n: flags[n].value for n in names}
+  try:
+    for n, v in zip(names, (2, 2, 1, 1, 'cpu')):
+      setattr(flags, n, v)
+    manager = trainer.RunnerManager('lm.TransformerLmTinyGPipe')
+    splits = {}
+    for job in ('trainer_client', 'evaler', 'decoder'):
+      params = cluster_factory.Cluster.Params()
+      manager.UpdateClusterParamsFromFlags(params, job)
+      cluster = cluster_factory.Cluster(params)
+      splits[job] = (cluster.num_splits_per_client,
+                     cluster.num_devices_per_split)
+  finally:
+    for n, v in saved.items():
+      setattr(flags, n, v)
+  assert splits == {job: (1, 2) for job in splits}, splits
+
+
+def testProgressLineHasStepLossRatesAndEta():
+  from lingvo_ext import progress  # pylint: disable=g-import-not-at-top
+  now = [100.0]
+  p = progress.Progress(1000, clock=lambda: now[0])
+  assert p.Line(1, 4.5, 8) == 'step 1/1000  loss 4.5000  (measuring speed)'
+  for step in range(2, 11):
+    now[0] += 0.5
+    line = p.Line(step, 2.0, 8)
+  # 9 steps and 72 examples in 4.5 s: 2 steps/s, 990 steps left.
+  assert line == ('step 10/1000  loss 2.0000  2.00 steps/s  16.0 examples/s  '
+                  'ETA 8m15s'), line
+  assert progress.FormatDuration(3725) == '1h02m'
