@@ -236,8 +236,10 @@ def testLearnerVariableFilterIsAnError():
 
 
 def _Trainer(*flags):
+  # --alsologtostderr: Lingvo's full log (Restored, Place variable) in stdout.
   proc = subprocess.run(
-      [sys.executable, '-m', 'lingvo_ext.trainer', *flags], cwd=ROOT,
+      [sys.executable, '-m', 'lingvo_ext.trainer', '--alsologtostderr',
+       *flags], cwd=ROOT,
       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
       timeout=300, check=False)
   assert proc.returncode == 0, proc.stdout[-5000:]
