@@ -1,5 +1,10 @@
 """A GPipe-pipelined convolutional image classifier with uneven cells.
 
+Its decoder (--job=decoder_dev) scores the whole dev split and writes the
+confusion matrix and per-class accuracy to <logdir>/decoder_dev/
+confusion-<step>.txt and to TensorBoard (confusion/class_<i>, and the matrix
+as text).
+
 The stack is a stem conv, blocks of convs of growing width (each block after
 the first starts with a 2x2 max-pool), a flatten (or global pool) and a
 softmax head. Its layers cost very different FLOPs, which is what
@@ -8,9 +13,11 @@ num_partitions cells for the `PipeliningLayer`.
 """
 
 import lingvo.compat as tf
+from lingvo.core import metrics as metrics_lib
 from lingvo.core import py_utils
 from lingvo.core import tshape
 from lingvo_ext.core import layers
+from lingvo_ext.tasks import decoding
 from lingvo_ext.tasks import pipelined_task
 
 
@@ -113,3 +120,35 @@ class ConvClassifier(pipelined_task.PipelinedTask):
         'correct': correct,
         'example_ids': input_batch.example_ids
     }
+
+  # --- Decoding (--job=decoder_dev): confusion matrix, per-class accuracy.
+
+  def Decode(self, input_batch):
+    logits = self.ComputePredictions(self.theta, input_batch).logits
+    return {
+        'predicted': tf.argmax(logits, -1, output_type=tf.int32),
+        'label': input_batch.label,
+        'weight': input_batch.weight,
+    }
+
+  def CreateDecoderMetrics(self):
+    # Kept for DecodeFinalize, which Lingvo gives only the output path.
+    self._dec_metrics = {
+        'num_samples_in_batch': metrics_lib.AverageMetric(),
+        'confusion': decoding.ConfusionMetric(self.params.num_classes),
+    }
+    return self._dec_metrics
+
+  def PostProcessDecodeOut(self, dec_out, dec_metrics):
+    real = dec_out['weight'] > 0
+    dec_metrics['num_samples_in_batch'].Update(int(real.sum()))
+    dec_metrics['confusion'].Update(dec_out['label'][real],
+                                    dec_out['predicted'][real])
+    return []
+
+  def DecodeFinalize(self, decode_finalize_args):
+    """Writes confusion-<step>.txt: the matrix and per-class accuracy."""
+    decoding.WriteText(
+        decoding.OutputPath(decode_finalize_args.decode_out_path,
+                            'confusion'),
+        self._dec_metrics['confusion'].Text())
