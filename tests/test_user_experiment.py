@@ -149,6 +149,8 @@ def _CheckOverride(text):
     got = cfg.Get(key)
     if isinstance(got, tuple):
       got = str(got)
+    if re.fullmatch(r'"[^"]*"', value):  # A quoted string param.
+      value = value[1:-1]
     assert str(got) == value, (text, key, got)
 
 
