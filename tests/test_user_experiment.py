@@ -108,7 +108,9 @@ def _DocumentedOverrides():
       with open(path, encoding='utf-8') as f:
         text = f.read()
       for m in _OVERRIDE_RE.finditer(text):
-        found.append((os.path.relpath(path, ROOT), m.group(1)))
+        if ':' in m.group(1):  # Else an f-string cut at a line end: its
+          # message is tested by testShapeMismatchMessageSuggests...
+          found.append((os.path.relpath(path, ROOT), m.group(1)))
   return found
 
 
@@ -151,7 +153,10 @@ def _CheckOverride(text):
       got = str(got)
     if re.fullmatch(r'"[^"]*"', value):  # A quoted string param.
       value = value[1:-1]
-    assert str(got) == value, (text, key, got)
+    if isinstance(got, float):
+      assert got == float(value), (text, key, got)
+    else:
+      assert str(got) == value, (text, key, got)
 
 
 def testDocumentedOverridesSetWhatTheyName():
