@@ -388,8 +388,9 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _StartTrainer(model, logdir, *flags):
   return subprocess.Popen(
-      [sys.executable, '-m', 'lingvo_ext.trainer', f'--model={model}',
-       f'--logdir={logdir}', *flags],
+      # --alsologtostderr: Lingvo's step lines (log_pplx) in stdout.
+      [sys.executable, '-m', 'lingvo_ext.trainer', '--alsologtostderr',
+       f'--model={model}', f'--logdir={logdir}', *flags],
       cwd=_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
       start_new_session=True)
 
