@@ -17,6 +17,12 @@ own graph and session (2 inter-op, 1 intra-op threads), and reports for each:
   python bench/stacking.py --markdown          # the same as a table
   python bench/stacking.py --optimizer=sgd     # the SGD update instead
   python bench/stacking.py --quick             # 4 layers, a few steps
+  python bench/stacking.py --model=pipeline_fc  # bench/pipeline.py's model
+
+--model=pipeline_fc is bench/pipeline.py's FC model (8 layers 1536 wide,
+batch 128, K=2 cells on 2 CPU devices, M=4) with its SGD step (one
+assign_sub per variable), stacked vs unstacked: what stacking does to the
+AssignSubVariableOp time of the pipeline.
 
 See docs/benchmarks.md for the numbers.
 """
@@ -35,11 +41,15 @@ if _REPO not in sys.path:
 
 import lingvo_ext  # pylint: disable=unused-import,g-import-not-at-top,g-bad-import-order
 import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
+import numpy as np  # pylint: disable=g-import-not-at-top
 from lingvo.core import cluster_factory  # pylint: disable=g-import-not-at-top
 from lingvo.core import optimizer  # pylint: disable=g-import-not-at-top
 from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
 from lingvo.core import saver as lingvo_saver  # pylint: disable=g-import-not-at-top
 
+from bench import pipeline as pipeline_bench  # pylint: disable=g-import-not-at-top
+from lingvo_ext.core import gpipe  # pylint: disable=g-import-not-at-top
+from lingvo_ext.core import stacking  # pylint: disable=g-import-not-at-top
 from params import lm  # pylint: disable=g-import-not-at-top
 
 py_utils.SetEagerMode(False)
@@ -63,33 +73,63 @@ def _TaskParams(args, stack):
   return p
 
 
+def _BuildLm(args, stack):
+  """(train op, number of trainable variables) of the LM task."""
+  task = _TaskParams(args, stack).Instantiate()
+  task.FPropDefaultTheta()
+  task.BProp()
+  return task.train_op, len(task.vars.Flatten())
+
+
+def _BuildPipelineFc(args, stack):
+  """bench/pipeline.py's lingvo_ext step, optionally stacked."""
+  sizes = pipeline_bench.QUICK if args.quick else pipeline_bench.FULL
+  width, batch = sizes['width'], sizes['batch']
+  cells = pipeline_bench.Cells('homogeneous', width, batch, 2)
+  py_utils.GetOrCreateGlobalStepVar()
+  net = gpipe.PipeliningLayer.Params().Set(
+      name='pipe', cell_tpl=cells, num_micro_batches=4,
+      stack_variables=stack).Instantiate()
+  x = tf.constant(
+      np.random.RandomState(0).randn(batch, width), dtype=tf.float32)
+  loss = tf.reduce_sum(tf.square(net.FPropDefaultTheta(x)))
+  variables = net.vars.Flatten()
+  grads = tf.gradients(loss, variables)
+  train = tf.group(*[
+      tf.assign_sub(v, pipeline_bench.LEARNING_RATE * g)
+      for v, g in zip(variables, grads)
+  ])
+  if stack:
+    stacking.StackSlotVariables()  # No slots with SGD; for the checkpoint.
+  return train, len(variables)
+
+
 class _Model:
   """One model in its own graph and session."""
 
   def __init__(self, args, stack):
     self.stack = stack
     self.graph = tf.Graph()
+    num_devices = 2 if args.model == 'pipeline_fc' else 1
     with self.graph.as_default(), cluster_factory.ForTestingWorker(
-        mode='sync', job='trainer_client'):
+        mode='sync', job='trainer_client', cpus=num_devices,
+        split_size=num_devices):
       tf.random.set_seed(1)
       start = time.time()
-      task = _TaskParams(args, stack).Instantiate()
-      task.FPropDefaultTheta()
-      task.BProp()
+      build = _BuildPipelineFc if args.model == 'pipeline_fc' else _BuildLm
+      self.train_op, self.trainable = build(args, stack)
       self.build_s = time.time() - start
-      self.train_op = task.train_op
-      self.loss = task.loss
       ops = self.graph.get_operations()
       self.ops = len(ops)
       self.variables = sum(op.type == 'VarHandleOp' for op in ops)
       self.update_ops = sum(op.type in _UPDATE_OPS for op in ops)
-      self.trainable = len(task.vars.Flatten())
       self.logdir = tempfile.mkdtemp(prefix='stacking_bench_')
       self.saver = lingvo_saver.Saver(
           self.logdir, variables=tf.global_variables())
       init = tf.global_variables_initializer()
     config = tf.config_pb2.ConfigProto(
-        inter_op_parallelism_threads=2, intra_op_parallelism_threads=1)
+        device_count={'CPU': num_devices}, inter_op_parallelism_threads=2,
+        intra_op_parallelism_threads=1)
     self.sess = tf.Session(graph=self.graph, config=config)
     self.sess.run(init)
     self.step_s = []
@@ -143,9 +183,15 @@ def Run(args):
   for m in models:
     update_ms, pack_ms = m.TracedUpdate()
     save_s, restore_s = m.Checkpoint(args.checkpoint_repeats)
+    if args.model == 'pipeline_fc':
+      sizes = pipeline_bench.QUICK if args.quick else pipeline_bench.FULL
+      desc = dict(model='pipeline_fc', num_layers=pipeline_bench.NUM_LAYERS,
+                  model_dim=sizes['width'], optimizer='sgd')
+    else:
+      desc = dict(model='lm', num_layers=args.num_layers,
+                  model_dim=args.model_dim, optimizer=args.optimizer)
     rows.append(dict(
-        stacked=m.stack, num_layers=args.num_layers,
-        model_dim=args.model_dim, optimizer=args.optimizer,
+        stacked=m.stack, **desc,
         build_s=round(m.build_s, 2), ops=m.ops, variables=m.variables,
         trainable=m.trainable, update_ops=m.update_ops,
         step_ms=round(1e3 * statistics.median(m.step_s), 1),
@@ -165,6 +211,7 @@ def Markdown(rows):
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser.add_argument('--model', choices=('lm', 'pipeline_fc'), default='lm')
   parser.add_argument('--num_layers', type=int, default=48)
   parser.add_argument('--model_dim', type=int, default=64)
   parser.add_argument('--seq_len', type=int, default=32)
