@@ -14,7 +14,7 @@ Checkpoints keep the per-layer names. The stacked variable is not in
 GLOBAL_VARIABLES; a `StackedVariableView` per layer is, under the variable's
 per-layer ("master") name. It reads and restores its slice and is a
 `SaveableObject`, so both `tf.train.Saver` and Lingvo's own saver write and
-read `lm/layer_000/w/var` as if the model were unstacked, and the same
+read `lm/cell_001/qkv/w/var` as if the model were unstacked, and the same
 checkpoint restores into the stacked and the unstacked model. After the
 optimizer has made its slots, `StackSlotVariables()` does the same for them
 (`.../w/var/Adam`); like Mesh-TF's rewrite, it refuses to run twice on a
@@ -71,7 +71,8 @@ def _PendingToTensor(value, dtype=None, name=None, as_ref=False):
   return tf.zeros(value.shape, value.dtype, name=name)
 
 
-tensor_conversion_registry.register_tensor_conversion_function(_PendingVariable, _PendingToTensor)
+tensor_conversion_registry.register_tensor_conversion_function(
+    _PendingVariable, _PendingToTensor)
 
 
 class _ViewOp:
@@ -158,7 +159,8 @@ def _ViewToTensor(value, dtype=None, name=None, as_ref=False):
   return value.read_value()
 
 
-tensor_conversion_registry.register_tensor_conversion_function(StackedVariableView, _ViewToTensor)
+tensor_conversion_registry.register_tensor_conversion_function(
+    StackedVariableView, _ViewToTensor)
 
 
 def _Unstacked(var):
