@@ -263,4 +263,9 @@ def testTrainerResumesAcrossStacking(tmp_path):
   assert 'Restored 2 ' in out
   assert re.search(r'Place variable lm/pipeline/d0_stacked_\d+/var', out)
   assert _Names(logdir, 3) == _Names(logdir, 2)
-  # (Stacked into unstacked: testCheckpointRoundTripsBothWays.)
+  # Unstacked again (K=1), from the stacked run's checkpoint.
+  out = _Trainer('--model=lm.TransformerLmTiny', f'--logdir={logdir}',
+                 '--max_steps=4')
+  assert 'Restored 3 ' in out
+  assert not re.search(r'Place variable \S*_stacked_', out)
+  assert _Names(logdir, 4) == _Names(logdir, 2)
