@@ -23,22 +23,24 @@ schedule is one new entry there.
 """
 
 import contextlib
-from typing import Callable, Dict, List, Optional, Sequence
+import weakref
+from typing import Callable, List, Optional
 
 import lingvo.compat as tf
+from lingvo.core import gpipe as lingvo_gpipe
 from lingvo.core import py_utils
 from lingvo.core import recurrent
-from lingvo.core import gpipe as lingvo_gpipe
+from tensorflow.python.framework import ops  # pylint: disable=g-direct-tensorflow-import
 
 from lingvo_ext.core import matmul_grad
 from lingvo_ext.core import sharding
-from tensorflow.python.framework import ops  # pylint: disable=g-direct-tensorflow-import
 
 _MICRO_BATCH_STATE_NAME = 'micro_batch_state'
 # Gradient of the IdentityN that closes each engine-built pipeline; the
 # backward function of every such op is looked up by the op's name.
 _PIPELINE_GRAD_NAME = 'LingvoExtPipelineBackward'
-_BACKWARD_FNS: Dict = {}
+# Per graph (weakly, so a dropped graph frees its closures): op name -> fn.
+_BACKWARD_FNS = weakref.WeakKeyDictionary()
 
 
 def ToTuple(x):
@@ -125,7 +127,7 @@ def CellRandomness(micro_batch_step, scope):
 
 @tf.RegisterGradient(_PIPELINE_GRAD_NAME)
 def _PipelineBackward(op, *grads):
-  fn = _BACKWARD_FNS[(id(op.graph), op.name)]
+  fn = _BACKWARD_FNS[op.graph][op.name]
   return fn(list(grads))
 
 
@@ -151,7 +153,7 @@ def _WithBackward(inputs: List, outputs: List, backward_fn: Callable) -> List:
     in_grads = backward_fn(grads[n:])
     return list(in_grads) + [None] * len(outputs)
 
-  _BACKWARD_FNS[(id(graph), ids[0].op.name)] = _Backward
+  _BACKWARD_FNS.setdefault(graph, {})[ids[0].op.name] = _Backward
   return ids[n:]
 
 
