@@ -18,6 +18,7 @@ import tempfile
 
 import lingvo.compat as tf
 from lingvo.core import cluster_factory
+from lingvo.core import py_utils
 from lingvo.core import tshape
 import numpy as np
 import pytest
@@ -297,6 +298,50 @@ def test_cost_report_lists_shards_and_devices():
   assert sum(by_device.values()) == emb['param_bytes'] + sm['param_bytes']
   text = cost_report.FormatReport(report)
   assert 'parameter shards:' in text and split[3] in text
+
+
+def test_pipeline_reads_shards_in_place():
+  """In a GPipe pipeline the shards are looked up where they live."""
+  from lingvo_ext.core import gpipe  # pylint: disable=g-import-not-at-top
+  spec = ('fixed_size', dict(num_shards=4))
+  stack = [_Emb(partitioner=spec), _Softmax(partitioner=spec)]
+  g = tf.Graph()
+  with g.as_default(), _Cluster():
+    py_utils.GetOrCreateGlobalStepVar()  # Seeds the micro-batches.
+    cells = gpipe.PartitionSequentialLayers(stack, 2, tshape.Shape([4, 6]))
+    pipe = gpipe.PipeliningLayer.Params().Set(
+        name='pipe', cell_tpl=cells, num_micro_batches=2,
+        state_dtype=tf.float32).Instantiate()
+    ids = tf.constant(np.random.RandomState(5).randint(0, VOCAB, [4, 6]),
+                      tf.float32)
+    y = pipe.FProp(pipe.theta, ids)
+    shards = [v for v in pipe.vars.Flatten() if sharding.IsShard(v)]
+    emb = [v for v in shards if '/emb/' in v.name]
+    grads = tf.gradients(tf.reduce_sum(y * y), emb)
+    y_seq = pipe.FPropSequential(pipe.theta, ids)
+    grads_seq = tf.gradients(tf.reduce_sum(y_seq * y_seq), emb)
+    dense = [tf.convert_to_tensor(gr) for gr in grads + grads_seq]
+    with _Session(g) as sess:
+      sess.run(tf.global_variables_initializer())
+      values = sess.run([y, y_seq] + dense)
+  np.testing.assert_allclose(values[0], values[1], rtol=1e-6, atol=1e-6)
+  for a, b in zip(values[2:6], values[6:]):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  assert len(emb) == 4 and len(shards) == 12
+  # Summed over micro-batches, the shards' gradients stay sparse.
+  assert {type(gr).__name__ for gr in grads} == {'IndexedSlices'}
+  # Two micro-batches and the sequential run: three gathers from each
+  # embedding shard, on its device.
+  gathers = [op for op in g.get_operations() if op.type == 'ResourceGather']
+  assert sorted(op.device for op in gathers) == sorted(
+      [v.device for v in emb] * 3)
+  # No shard is copied whole onto a cell's device.
+  handles = {v.handle.op.name for v in shards}
+  for op in g.get_operations():
+    if op.type == 'Identity' and op.inputs:
+      src = op.inputs[0].op
+      assert not (src.type == 'ReadVariableOp' and
+                  src.inputs[0].op.name in handles), op.name
 
 
 # Checkpoints: N shards -> M shards, with the optimizer's slots.

@@ -318,6 +318,14 @@ class _Engine:
               out.append(None)
             elif len(parts) == 1:
               out.append(parts[0])
+            elif all(isinstance(g, tf.IndexedSlices) for g in parts):
+              # Sparse (e.g. lookups in embedding shards): stay sparse, as
+              # tf.gradients' own aggregation keeps them.
+              out.append(
+                  tf.IndexedSlices(
+                      tf.concat([g.values for g in parts], axis=0),
+                      tf.concat([g.indices for g in parts], axis=0),
+                      parts[0].dense_shape))
             else:
               out.append(tf.add_n(parts))
       return out
