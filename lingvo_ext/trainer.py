@@ -59,6 +59,7 @@ from lingvo.core import py_utils
 from lingvo_ext import checkpoints
 from lingvo_ext import progress
 from lingvo_ext import registry
+from lingvo_ext.distributed import trainer_lib
 
 FLAGS = tf.flags.FLAGS
 
@@ -89,8 +90,7 @@ class _CpuDevicesMixin:
   def _GetSession(self, **kwargs):
     # BaseRunner._GetSession with device_count; it matters for in-process
     # sessions (tf_master=''), e.g. an evaler running beside the trainer.
-    config = py_utils.SessionConfig(**kwargs)
-    config.device_count['CPU'] = FLAGS.num_cpu_devices
+    config = trainer_lib.SessionConfig(**kwargs)
     return tf.Session(self._tf_master, graph=self._graph, config=config)
 
 
@@ -223,11 +223,10 @@ class LocalTrainer(_CpuDevicesMixin, runners.Trainer):
         'again to resume from it.', 3)
 
   def _WaitUntilInit(self, sess=None, start_up_delay_steps=None):
-    if not FLAGS.run_locally or start_up_delay_steps:
+    if start_up_delay_steps:
       return super()._WaitUntilInit(sess, start_up_delay_steps)
-    # Lingvo sleeps a fixed 30 s so that a remote controller can initialize
-    # or restore the variables first. In one process that takes about a
-    # second: poll for it instead.
+    # Lingvo sleeps a fixed 30 s so that the controller can initialize or
+    # restore the variables first. That takes about a second: poll for it.
     with self._graph.as_default():
       uninitialized = tf.report_uninitialized_variables()
     waiting, start = _Waiting(), time.time()
@@ -296,7 +295,8 @@ class LocalDecoder(_CpuDevicesMixin, _WaitsForCheckpointsMixin,
   pass
 
 
-class RunnerManager(lingvo_trainer.RunnerManager):
+class RunnerManager(trainer_lib.DistributedRunnerManagerMixin,
+                    lingvo_trainer.RunnerManager):
   """Lingvo's RunnerManager, with N logical CPU devices per replica."""
 
   # pylint: disable=invalid-name
@@ -423,6 +423,8 @@ def _CheckFlags():
     return f'--num_cpu_devices={FLAGS.num_cpu_devices} must be >= 1.'
   if FLAGS.max_steps is not None and FLAGS.max_steps < 0:
     return f'--max_steps={FLAGS.max_steps} must be >= 0.'
+  if FLAGS.cluster_spec:
+    return trainer_lib.CheckFlags()
   if FLAGS.run_locally == 'cpu':
     n, split = FLAGS.num_cpu_devices, FLAGS.worker_split_size
     if split < 1 or n % split:
@@ -532,6 +534,8 @@ def Run(argv=None):
   except tf.flags.Error as e:
     print(f'{argv[0]}: {e}', file=sys.stderr)
     return 2
+  if FLAGS.cluster_spec:  # One task of a cluster (lingvo_ext.distributed).
+    FLAGS.set_default('run_locally', '')
   error = _CheckFlags()
   if error:
     print(f'error: {error}', file=sys.stderr)
