@@ -84,14 +84,14 @@ _JOB_SPECS = ('controller', 'train_summaries', 'worker', 'ps', 'evaler',
               'decoder')
 
 
-class _CpuDevicesMixin:
+class _CpuDevicesMixin(trainer_lib.LostTaskReportMixin):
   """Gives a runner's sessions --num_cpu_devices CPU devices."""
 
   def _GetSession(self, **kwargs):
     # BaseRunner._GetSession with device_count; it matters for in-process
     # sessions (tf_master=''), e.g. an evaler running beside the trainer.
     config = trainer_lib.SessionConfig(**kwargs)
-    return tf.Session(self._tf_master, graph=self._graph, config=config)
+    return trainer_lib.NewSession(self, self._tf_master, self._graph, config)
 
 
 # Set by the first Ctrl-C: the trainer stops after its step, the controller

@@ -15,6 +15,8 @@ gRPC servers and its sessions do the rest. On top of Lingvo this adds:
   whose worker vanished reports it instead of hanging.
 """
 
+import os
+import re
 import sys
 
 import lingvo.compat as tf
@@ -82,6 +84,11 @@ def SessionConfig(**kwargs):
   return config
 
 
+def _Exit(message):
+  print(f'error: {message}', file=sys.stderr, flush=True)
+  sys.exit(2)
+
+
 class DistributedRunnerManagerMixin:
   """RunnerManager methods for --cluster_spec runs (see module doc)."""
 
@@ -119,16 +126,18 @@ class DistributedRunnerManagerMixin:
     job = FLAGS.job.split(',')[0]
     me = f'{job} task {FLAGS.task}'
     address = jobs[job][FLAGS.task]
-    cluster.CheckPortFree(address, me)
     try:
+      cluster.CheckPortFree(address, me)
       self._tf_server = tf.distribute.Server(
           tf.train.ClusterSpec(jobs),
           job_name=job,
           task_index=FLAGS.task,
           config=SessionConfig())
+    except ValueError as e:
+      _Exit(str(e))
     except tf.errors.OpError as e:
-      raise ValueError(f'{me} could not serve {address} (--cluster_spec): '
-                       f'{e.message}; is the port in use?') from None
+      _Exit(f'{me} could not serve {address} (--cluster_spec): {e.message}; '
+            'is the port in use, or the host not this machine?')
     print(f'{me} serving on {address}', file=sys.stderr, flush=True)
     if not FLAGS.tf_master:
       FLAGS.tf_master = self._tf_server.target
@@ -138,5 +147,76 @@ class DistributedRunnerManagerMixin:
         f'{j} task {t}': a for j, addrs in jobs.items()
         for t, a in enumerate(addrs) if a != address
     }
-    cluster.WaitForAddresses(others, FLAGS.cluster_wait_secs)
+    try:
+      cluster.WaitForAddresses(others, FLAGS.cluster_wait_secs)
+    except TimeoutError as e:
+      _Exit(f'{me}: {e}')
     tf.logging.info('All %d other task(s) answer.', len(others))
+
+
+tf.flags.DEFINE_integer(
+    'trace_train_step', 0,
+    'If > 0, the trainer traces the N-th training step this process runs '
+    '(the global step N when training starts from scratch) with '
+    'RunOptions.FULL_TRACE and writes its RunMetadata (step stats: the device '
+    'of every op that ran) to LOGDIR/train/run_metadata_step_N.pb.')
+
+
+class _TracingSession(tf.Session):
+  """A session that traces the N-th run of the trainer's train op."""
+
+  def __init__(self, *args, runner, **kwargs):
+    super().__init__(*args, **kwargs)
+    self._runner = runner
+    self._train_steps = 0
+
+  def _IsTrainStep(self, fetches):
+    model = getattr(self._runner, '_model', None)
+    if model is None or not isinstance(fetches, (list, tuple)) or not fetches:
+      return False
+    return any(fetches[0] is t.train_op for t in model.tasks)
+
+  def run(self, fetches, feed_dict=None, options=None, run_metadata=None):
+    n = FLAGS.trace_train_step
+    if n > 0 and options is None and self._IsTrainStep(fetches):
+      self._train_steps += 1
+      if self._train_steps == n:
+        options = tf.RunOptions(trace_level=tf.RunOptions.FULL_TRACE)
+        metadata = tf.RunMetadata()
+        out = super().run(fetches, feed_dict, options, metadata)
+        path = os.path.join(FLAGS.logdir, 'train',
+                            f'run_metadata_step_{n}.pb')
+        with tf.io.gfile.GFile(path, 'wb') as f:
+          f.write(metadata.SerializeToString())
+        tf.logging.info('Wrote the RunMetadata of training step %d to %s', n,
+                        path)
+        return out
+    return super().run(fetches, feed_dict, options, run_metadata)
+
+
+def NewSession(runner, target, graph, config):
+  """The runner's session; the trainer's traces --trace_train_step."""
+  if FLAGS.trace_train_step > 0 and hasattr(runner, '_step_rate_tracker'):
+    return _TracingSession(target, graph=graph, config=config, runner=runner)
+  return tf.Session(target, graph=graph, config=config)
+
+
+class LostTaskReportMixin:
+  """Runners say in one line which task they lost when a step fails."""
+
+  def _SetStatusMessage(self, message, retrying=False):
+    super()._SetStatusMessage(message, retrying=retrying)
+    if not (IsDistributed() and retrying):
+      return
+    tasks = sorted(set(re.findall(r'/job:\w+/replica:\d+/task:\d+', message)))
+    if not tasks:
+      return
+    jobs = cluster.ParseClusterSpec(FLAGS.cluster_spec)
+    names = []
+    for t in tasks:
+      job, task = cluster.TaskOfDevice(t).split(' task ')
+      address = jobs.get(job, [])[int(task)] if job in jobs else '?'
+      names.append(f'{job} task {task} ({t} at {address})')
+    print(f'{FLAGS.job}: lost contact with {", ".join(names)}; retrying '
+          '(Lingvo restores the last checkpoint once it is back).',
+          file=sys.stderr, flush=True)

@@ -1,0 +1,363 @@
+"""Training across processes: lingvo_ext.launch, placement, numbers, failures.
+
+Every cluster runs through `python -m lingvo_ext.launch`, which puts its
+processes in a private network namespace with only 127.0.0.1, on free
+ports. Each test starts the launcher in its own process group and kills the
+group in `finally`; every wait is bounded.
+"""
+
+import collections
+import fcntl
+import glob
+import os
+import re
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+
+import lingvo.compat as tf
+import numpy as np
+import pytest
+
+from lingvo_ext.distributed import cluster
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODEL = 'lm.TransformerLmTinyGPipe'
+
+
+class _Launch:
+  """`python -m lingvo_ext.launch ...` in its own process group."""
+
+  def __init__(self, logdir, *flags):
+    self.lines = []
+    self.proc = subprocess.Popen(
+        [sys.executable, '-m', 'lingvo_ext.launch', f'--model={MODEL}',
+         f'--logdir={logdir}', *flags],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        errors='replace', start_new_session=True)
+    self._thread = threading.Thread(target=self._Read, daemon=True)
+    self._thread.start()
+
+  def _Read(self):
+    for line in self.proc.stdout:
+      self.lines.append(line)
+
+  def WaitFor(self, pattern, timeout_s):
+    """The first match of `pattern` in the output, waiting up to timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+      for line in list(self.lines):
+        m = re.search(pattern, line)
+        if m:
+          return m
+      if self.proc.poll() is not None and not self._thread.is_alive():
+        break
+      time.sleep(0.2)
+    raise AssertionError(f'no {pattern!r} within {timeout_s} s:\n' +
+                         self.Tail())
+
+  def Wait(self, timeout_s):
+    try:
+      rc = self.proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+      raise AssertionError(f'launch still running after {timeout_s} s:\n' +
+                           self.Tail()) from None
+    self._thread.join(10)
+    return rc
+
+  def Pids(self):
+    """{'worker task 0': pid, ...} of the latest start of each task."""
+    pids = {}
+    for line in self.lines:
+      m = re.match(r'launch: started (\w+ task \d+) \(\S+\) as pid (\d+)', line)
+      if m:
+        pids[m.group(1)] = int(m.group(2))
+    return pids
+
+  def Text(self):
+    return ''.join(self.lines)
+
+  def Tail(self, n=60):
+    keep = [l for l in self.lines if 'base_runner.py:113' not in l]
+    return ''.join(keep[-n:])
+
+  def Kill(self):
+    if self.proc.poll() is None:
+      try:
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        self.proc.wait(30)
+      except (ProcessLookupError, subprocess.TimeoutExpired):
+        pass
+    for pid in self.Pids().values():  # Tasks have their own groups.
+      try:
+        os.killpg(pid, signal.SIGKILL)
+      except (ProcessLookupError, PermissionError):
+        pass
+    if self.proc.poll() is None:
+      os.killpg(self.proc.pid, signal.SIGKILL)
+      self.proc.wait(10)
+
+
+def _Scalars(event_dir, tag):
+  values = {}
+  for path in sorted(glob.glob(os.path.join(event_dir, 'events.out.*'))):
+    for event in tf.train.summary_iterator(path):
+      for v in event.summary.value:
+        if v.tag == tag:
+          values.setdefault(event.step, []).append(v.simple_value)
+  return values
+
+
+def _Checkpoint(logdir, step):
+  return tf.train.load_checkpoint(
+      os.path.join(logdir, 'train', 'ckpt-%08d' % step))
+
+
+def _NonLoopbackIPv4():
+  """The IPv4 addresses of this host's interfaces other than loopback."""
+  out = []
+  with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+    for _, name in socket.if_nameindex():
+      if name == 'lo':
+        continue
+      try:
+        ifr = fcntl.ioctl(s, 0x8915, struct.pack('256s', name.encode()[:15]))
+        out.append(socket.inet_ntoa(ifr[20:24]))  # SIOCGIFADDR
+      except OSError:
+        pass
+  return out
+
+
+def _ListeningSockets(pid):
+  """[(local address hex, port)] of the TCP listeners in pid's namespace."""
+  out = []
+  for name in ('tcp', 'tcp6'):
+    with open(f'/proc/{pid}/net/{name}') as f:
+      for line in f.readlines()[1:]:
+        local, _, state = line.split()[1:4]
+        if state == '0A':  # LISTEN
+          addr, port = local.split(':')
+          out.append((addr, int(port, 16)))
+  return out
+
+
+def _Refused(host, port):
+  try:
+    with socket.create_connection((host, port), timeout=2):
+      return False
+  except OSError:
+    return True
+
+
+def testClusterMatchesOneProcessAndIsPrivate(tmp_path):
+  """R=2 replicas x K=2 cells on 4 worker processes vs 4 devices in one."""
+  logdir = str(tmp_path / 'cluster')
+  run = _Launch(logdir, '--workers=4', '--worker_split_size=2',
+                '--max_steps=3', '--trace_train_step=2')
+  try:
+    m = run.WaitFor(r'launch: all 6 tasks are serving: (\S+)', 240)
+    jobs = cluster.ParseClusterSpec(m.group(1))
+    pids = run.Pids()
+    # What TensorFlow binds: the wildcard address (all interfaces) ...
+    listeners = _ListeningSockets(pids['worker task 0'])
+    port0 = cluster.Port(jobs['worker'][0])
+    assert ('0' * 32, port0) in listeners or ('0' * 8, port0) in listeners
+    # ... in a namespace whose only interface is loopback.
+    with open(f'/proc/{pids["worker task 0"]}/net/dev') as f:
+      devs = [l.split(':')[0].strip() for l in f.readlines()[2:]]
+    assert devs == ['lo'], devs
+    # So from this (the host's) network, no task's port answers.
+    for address in sum(jobs.values(), []):
+      for host in ['127.0.0.1'] + _NonLoopbackIPv4():
+        assert _Refused(host, cluster.Port(address)), (host, address)
+    assert run.Wait(300) == 0, run.Tail()
+  finally:
+    run.Kill()
+  out = run.Text()
+  assert 'replica 1 cell 1 on /job:worker/replica:0/task:3/device:CPU:0' in out
+
+  # Placement from the step stats of training step 2: every op of cell i
+  # (name scope d<i>_mb<t>) of replica r (tower_<r>_0), forward and backward,
+  # ran on worker task r*2+i.
+  metadata = tf.RunMetadata()
+  with open(os.path.join(logdir, 'train', 'run_metadata_step_2.pb'),
+            'rb') as f:
+    metadata.ParseFromString(f.read())
+  seen = collections.defaultdict(set)
+  for dev in metadata.step_stats.dev_stats:
+    task = re.search(r'/job:worker/replica:0/task:(\d+)/', dev.device)
+    for node in dev.node_stats:
+      m = re.search(r'/tower_(\d+)_(\d+)/d(\d+)_mb\d+/', node.node_name)
+      if m:
+        kind = ('backward' if node.node_name.startswith('gradients/') else
+                'forward')
+        seen[(int(m.group(1)), int(m.group(2)), int(m.group(3)), kind)].add(
+            int(task.group(1)) if task else dev.device)
+  want = {(r, 0, i, kind): {2 * r + i} for r in range(2) for i in range(2)
+          for kind in ('forward', 'backward')}
+  assert dict(seen) == want, dict(seen)
+
+  # The same experiment in one process with the same 4 logical devices.
+  single = str(tmp_path / 'single')
+  proc = subprocess.run(
+      [sys.executable, '-m', 'lingvo_ext.trainer', f'--model={MODEL}',
+       f'--logdir={single}', '--num_cpu_devices=4', '--worker_split_size=2',
+       '--max_steps=3'], cwd=ROOT, stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT, text=True, timeout=300, check=False)
+  assert proc.returncode == 0, proc.stdout[-3000:]
+  loss = _Scalars(os.path.join(logdir, 'train'), 'loss')
+  ref = _Scalars(os.path.join(single, 'train'), 'loss')
+  np.testing.assert_allclose(loss[1], ref[1], atol=1e-5)
+  got, want = _Checkpoint(logdir, 3), _Checkpoint(single, 3)
+  names = sorted(want.get_variable_to_shape_map())
+  assert sorted(got.get_variable_to_shape_map()) == names
+  for name in names:
+    np.testing.assert_allclose(
+        got.get_tensor(name), want.get_tensor(name), atol=1e-5, err_msg=name)
+
+
+def _CheckpointSteps(logdir):
+  state = tf.train.get_checkpoint_state(os.path.join(logdir, 'train'))
+  return [int(p.rsplit('-', 1)[1]) for p in state.all_model_checkpoint_paths]
+
+
+def _WaitForCheckpoint(logdir, above, run, timeout_s):
+  deadline = time.monotonic() + timeout_s
+  while time.monotonic() < deadline:
+    state = tf.train.get_checkpoint_state(os.path.join(logdir, 'train'))
+    if state and int(state.model_checkpoint_path.rsplit('-', 1)[1]) > above:
+      return int(state.model_checkpoint_path.rsplit('-', 1)[1])
+    assert run.proc.poll() is None, run.Tail()
+    time.sleep(0.2)
+  raise AssertionError(f'no checkpoint after step {above} in {timeout_s} s:\n'
+                       + run.Tail())
+
+
+def testKilledWorkerAndControllerResumeFromCheckpoint(tmp_path):
+  logdir = str(tmp_path / 'log')
+  max_steps = 600
+  run = _Launch(logdir, '--workers=2', '--worker_split_size=2',
+                f'--max_steps={max_steps}', '--worker_timeout_secs=60')
+  try:
+    run.WaitFor(r'launch: all 4 tasks are serving', 240)
+    first = _WaitForCheckpoint(logdir, 0, run, 120)
+    os.kill(run.Pids()['worker task 1'], signal.SIGKILL)
+    killed = time.monotonic()
+    run.WaitFor(r'launch: worker task 1 .* is gone \(signal SIGKILL\); '
+                r'restarting it', 30)
+    # The clients name the lost task within --worker_timeout_secs.
+    run.WaitFor(r'(trainer_client|controller): lost contact with worker task '
+                r'1 \(/job:worker/replica:0/task:1 at ', 60)
+    assert time.monotonic() - killed < 60
+    m = run.WaitFor(r'Restored (\d+) ', 120)
+    assert int(m.group(1)) >= first
+    # Then a killed controller: its restart restores the last checkpoint too.
+    latest = _WaitForCheckpoint(logdir, int(m.group(1)), run, 120)
+    os.kill(run.Pids()['controller task 0'], signal.SIGKILL)
+    run.WaitFor(r'launch: controller task 0 .* is gone', 30)
+    assert run.Wait(400) == 0, run.Tail()
+  finally:
+    run.Kill()
+  out = run.Text()
+  restored = [int(s) for s in re.findall(r'Restored (\d+) ', out)]
+  assert len(restored) >= 2 and restored[-1] >= latest, restored
+  steps = _CheckpointSteps(logdir)
+  assert steps == sorted(set(steps)) and steps[-1] == max_steps, steps
+  for step in steps:  # Every kept checkpoint is whole.
+    reader = _Checkpoint(logdir, step)
+    assert reader.get_tensor('global_step') == step
+  # The trainer resumed where each restore left off, never below it.
+  loss = _Scalars(os.path.join(logdir, 'train'), 'loss')
+  assert max(loss) == max_steps and set(range(1, max_steps + 1)) <= set(loss)
+
+
+# Runs the trainer in a private network namespace (only 127.0.0.1).
+_PRIVATE = ('import os, sys; from lingvo_ext.distributed import launch_lib; '
+            'launch_lib.EnterPrivateNetwork(); os.execv(sys.executable, '
+            '[sys.executable, "-m", "lingvo_ext.trainer"] + sys.argv[1:])')
+
+
+def _Trainer(*flags, timeout=120, private=True):
+  cmd = ['-c', _PRIVATE] if private else ['-m', 'lingvo_ext.trainer']
+  proc = subprocess.run(
+      [sys.executable, *cmd, f'--model={MODEL}',
+       '--logdir=/tmp/unused_lingvo_ext', *flags], cwd=ROOT,
+      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+      timeout=timeout, check=False)
+  return proc.returncode, proc.stdout
+
+
+def testClusterSpecErrorsNameTheFlagAndTheFix():
+  spec = 'controller=127.0.0.1:2220@trainer_client=127.0.0.1:2221'
+  jobs = cluster.ParseClusterSpec(spec)
+  with pytest.raises(ValueError, match=r"--cluster_spec has no 'worker' job, "
+                     r'which --mode=sync needs; add @worker=host:port'):
+    cluster.CheckClusterFlags(jobs, 'sync', ['trainer_client'], 0)
+  jobs = cluster.ParseClusterSpec(spec + '@worker=127.0.0.1:2222')
+  with pytest.raises(ValueError, match=r"--job=ps but --cluster_spec has no "
+                     r"'ps' job"):
+    cluster.CheckClusterFlags(jobs, 'sync', ['ps'], 0)
+  with pytest.raises(ValueError, match=r"--task=1 but --cluster_spec lists 1 "
+                     r"'worker' task"):
+    cluster.CheckClusterFlags(jobs, 'sync', ['worker'], 1)
+  with pytest.raises(ValueError, match=r'--worker_split_size=2 is larger than '
+                     r'the 1 device\(s\) the workers offer .*add worker tasks '
+                     r'to --cluster_spec .* or lower --worker_split_size'):
+    cluster.MakeWorkerLayout(1, 1, 2)
+  with pytest.raises(ValueError, match=r'--worker_split_size=2 does not divide '
+                     r'the 3 devices'):
+    cluster.MakeWorkerLayout(3, 1, 2)
+  with pytest.raises(ValueError, match=r'worker task 0 and worker task 1 both '
+                     r'use 127.0.0.1:2222; two processes cannot serve one port'):
+    cluster.ParseClusterSpec('worker=127.0.0.1:2222,127.0.0.1:2222')
+  with pytest.raises(ValueError, match=r"--cluster_spec: bad address "
+                     r"'127.0.0.1' in job 'worker'; write host:port"):
+    cluster.ParseClusterSpec('worker=127.0.0.1')
+  layout = cluster.MakeWorkerLayout(4, 1, 2)
+  assert layout.num_replicas == 2
+  assert [layout.Task(r, i) for r in range(2) for i in range(2)] == [0, 1, 2, 3]
+  assert cluster.MakeWorkerLayout(2, 2, 4).Device(0, 3) == (
+      '/job:worker/replica:0/task:1/device:CPU:1')
+
+
+def testTrainerAndLaunchReportBadInputInOneLine():
+  import lingvo_ext.distributed.launch_lib as launch_lib  # pylint: disable=g-import-not-at-top
+  free = launch_lib.FreePorts(3)
+  # The trainer: exit code 2 and one line naming the flag.
+  spec = f'trainer_client=127.0.0.1:{free[1]}'
+  rc, out = _Trainer(f'--cluster_spec={spec}', '--job=trainer_client')
+  assert rc == 2, out[-2000:]
+  assert ("error: --cluster_spec has no 'worker' job, which --mode=sync "
+          'needs') in out
+  # The launcher checks the split against --workers before starting anything.
+  proc = subprocess.run(
+      [sys.executable, '-m', 'lingvo_ext.launch', f'--model={MODEL}',
+       '--logdir=/tmp/unused_lingvo_ext', '--workers=1',
+       '--worker_split_size=2'], cwd=ROOT, stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT, text=True, timeout=60, check=False)
+  assert proc.returncode == 2
+  assert '--worker_split_size=2 is larger than the 1 device(s)' in proc.stdout
+  # A port nobody serves: the client gives up, naming it.
+  dead = f'127.0.0.1:{free[2]}'
+  spec = f'trainer_client=127.0.0.1:{free[1]}@worker={dead}'
+  rc, out = _Trainer(f'--cluster_spec={spec}', '--job=trainer_client',
+                     '--cluster_wait_secs=3')
+  assert rc != 0
+  assert (f'no answer within --cluster_wait_secs=3 s from worker task 0 at '
+          f'{dead}') in out, out[-2000:]
+  # A port another process holds.
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    s.listen()
+    taken = f'127.0.0.1:{s.getsockname()[1]}'
+    spec = f'trainer_client=127.0.0.1:{free[1]}@worker={taken}'
+    # In this network, where the port is taken (it fails before binding).
+    rc, out = _Trainer(f'--cluster_spec={spec}', '--job=worker',
+                       private=False)
+  assert rc != 0
+  assert (f'port {cluster.Port(taken)} of worker task 0 ({taken} in '
+          '--cluster_spec) is already in use by another process') in out
