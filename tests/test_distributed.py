@@ -239,46 +239,43 @@ def _WaitForCheckpoint(logdir, above, run, timeout_s):
 
 def testKilledWorkerAndControllerResumeFromCheckpoint(tmp_path):
   logdir = str(tmp_path / 'log')
-  max_steps = 600
+  max_steps = 1000
   run = _Launch(logdir, '--workers=2', '--worker_split_size=2',
                 f'--max_steps={max_steps}', '--worker_timeout_secs=60')
   try:
-    run.WaitFor(r'launch: all 4 tasks are serving', 240)
+    run.WaitFor(r'launch: all 4 tasks are serving', 300)
     first = _WaitForCheckpoint(logdir, 0, run, 120)
     os.kill(run.Pids()['worker task 1'], signal.SIGKILL)
     killed = time.monotonic()
     run.WaitFor(r'launch: worker task 1 .* is gone \(signal SIGKILL\); '
                 r'restarting it', 30)
     # The clients name the lost task within --worker_timeout_secs.
-    run.WaitFor(r'(trainer_client|controller): lost contact with worker task '
-                r'1 \(/job:worker/replica:0/task:1 at ', 60)
-    assert time.monotonic() - killed < 60
-    m = run.WaitFor(r'Restored (\d+) ', 120)
+    run.WaitFor(r'(trainer_client|controller): lost contact with .*worker task '
+                r'1 \(/job:worker/replica:0/task:1 at ', 90)
+    assert time.monotonic() - killed < 90
+    # The restarted worker's variables are uninitialized: the controller
+    # restores them all from the last checkpoint.
+    m = run.WaitFor(r'Restored (\d+) ', 180)
     assert int(m.group(1)) >= first
-    # Then a killed controller: its restart restores the last checkpoint too.
-    latest = _WaitForCheckpoint(logdir, int(m.group(1)), run, 120)
+    # A killed controller: the workers keep the variables; its restart goes
+    # on saving checkpoints from there.
     os.kill(run.Pids()['controller task 0'], signal.SIGKILL)
     run.WaitFor(r'launch: controller task 0 .* is gone', 30)
-    assert run.Wait(400) == 0, run.Tail()
+    assert run.Wait(600) == 0, run.Tail()
   finally:
     run.Kill()
+    with open(tmp_path / 'launch.out', 'w') as f:
+      f.write(run.Text())
   out = run.Text()
-  restored = [int(s) for s in re.findall(r'Restored (\d+) ', out)]
-  assert len(restored) >= 2 and restored[-1] >= latest, restored
+  assert len(re.findall(r'launch: started controller task 0', out)) == 2
   steps = _CheckpointSteps(logdir)
   assert steps == sorted(set(steps)) and steps[-1] == max_steps, steps
   for step in steps:  # Every kept checkpoint is whole.
     reader = _Checkpoint(logdir, step)
     assert reader.get_tensor('global_step') == step
-  # The trainer resumed where each restore left off, never below it.
+  # Training went on from the restored step: every step has a loss.
   loss = _Scalars(os.path.join(logdir, 'train'), 'loss')
   assert max(loss) == max_steps and set(range(1, max_steps + 1)) <= set(loss)
-
-
-# Runs the trainer in a private network namespace (only 127.0.0.1).
-_PRIVATE = ('import os, sys; from lingvo_ext.distributed import launch_lib; '
-            'launch_lib.EnterPrivateNetwork(); os.execv(sys.executable, '
-            '[sys.executable, "-m", "lingvo_ext.trainer"] + sys.argv[1:])')
 
 
 def _Trainer(*flags, timeout=120, private=True):

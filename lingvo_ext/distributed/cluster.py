@@ -30,7 +30,7 @@ worker.cpus_per_replica = worker.devices_per_split = K. Variables go to the
 ps job, which in sync mode is the worker job itself: ps.replicas = worker
 tasks, ps.cpus_per_replica = devices per task. The input pipeline (a
 tf.numpy_function, which runs only in the process that defined it) goes to
-the trainer client's own server: input = /job:trainer_client.
+the building client's own server, e.g. input = /job:trainer_client.
 """
 
 import dataclasses
@@ -181,8 +181,8 @@ def CheckClusterFlags(jobs: Dict[str, List[str]], mode: str,
 
 
 def UpdateClusterParams(cluster_p, layout: WorkerLayout,
-                        jobs: Dict[str, List[str]],
-                        devices_per_task: int) -> None:
+                        jobs: Dict[str, List[str]], devices_per_task: int,
+                        client_job: Optional[str] = None) -> None:
   """Sets Lingvo cluster params `cluster_p` (sync mode) to `layout`.
 
   Args:
@@ -191,6 +191,8 @@ def UpdateClusterParams(cluster_p, layout: WorkerLayout,
     layout: Where replicas and cells go.
     jobs: The parsed --cluster_spec.
     devices_per_task: CPU devices per task of every job (--num_cpu_devices).
+    client_job: The job of the process building the graph (controller,
+      trainer_client); its input pipeline runs on its own server.
   """
   w = cluster_p.worker
   w.replicas = layout.num_replicas
@@ -204,8 +206,9 @@ def UpdateClusterParams(cluster_p, layout: WorkerLayout,
     ps.replicas = layout.num_tasks
     ps.cpus_per_replica = devices_per_task
   cluster_p.controller.cpus_per_replica = devices_per_task
-  if 'trainer_client' in jobs and cluster_p.input.replicas == 0:
-    cluster_p.input.name = '/job:trainer_client'
+  if client_job in jobs and cluster_p.input.replicas == 0:
+    # A tf.numpy_function runs only in the process that defined it.
+    cluster_p.input.name = f'/job:{client_job}'
     cluster_p.input.replicas = 1
     cluster_p.input.cpus_per_replica = devices_per_task
 

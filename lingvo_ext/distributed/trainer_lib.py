@@ -75,13 +75,28 @@ def CheckFlags():
   return None
 
 
-def SessionConfig(**kwargs):
-  """Lingvo's session config with this run's devices and step deadline."""
+def SessionConfig(client=True, **kwargs):
+  """Lingvo's session config with this run's devices and step deadline.
+
+  Args:
+    client: For a client's sessions (not a server's default config): they
+      see only the worker and ps jobs and their own, so a session does not
+      wait for the other clients (TensorFlow's master waits for every task
+      it may place ops on before it creates a session).
+    **kwargs: Passed to `py_utils.SessionConfig`.
+  """
   config = py_utils.SessionConfig(**kwargs)
   config.device_count['CPU'] = FLAGS.num_cpu_devices
   if IsDistributed():
     config.operation_timeout_in_ms = int(FLAGS.worker_timeout_secs * 1000)
+    if client:
+      own = FLAGS.job.split(',')[0]
+      config.device_filters.extend(
+          sorted({'/job:worker', '/job:ps', f'/job:{own}'}))
   return config
+
+
+_SERVER_JOBS = ('worker', 'ps', 'input', 'trainer')
 
 
 def _Exit(message):
@@ -116,7 +131,8 @@ class DistributedRunnerManagerMixin:
     jobs = cluster.ParseClusterSpec(FLAGS.cluster_spec)
     layout = cluster.MakeWorkerLayout(
         len(jobs['worker']), DevicesPerTask(), FLAGS.worker_split_size)
-    cluster.UpdateClusterParams(cluster_p, layout, jobs, FLAGS.num_cpu_devices)
+    cluster.UpdateClusterParams(cluster_p, layout, jobs, FLAGS.num_cpu_devices,
+                                FLAGS.job.split(',')[0])
 
   def MaybeLaunchTensorFlow(self):
     """Starts this task's server; clients wait for the others to answer."""
@@ -132,7 +148,7 @@ class DistributedRunnerManagerMixin:
           tf.train.ClusterSpec(jobs),
           job_name=job,
           task_index=FLAGS.task,
-          config=SessionConfig())
+          config=SessionConfig(client=False))
     except ValueError as e:
       _Exit(str(e))
     except tf.errors.OpError as e:
@@ -143,8 +159,10 @@ class DistributedRunnerManagerMixin:
       FLAGS.tf_master = self._tf_server.target
     if job in ('worker', 'ps', 'input'):
       return  # Servers only; the clients drive them.
+    # Clients need the servers that hold the variables and run the ops, not
+    # each other (a restarted controller may find training already done).
     others = {
-        f'{j} task {t}': a for j, addrs in jobs.items()
+        f'{j} task {t}': a for j, addrs in jobs.items() if j in _SERVER_JOBS
         for t, a in enumerate(addrs) if a != address
     }
     try:
@@ -206,17 +224,26 @@ class LostTaskReportMixin:
 
   def _SetStatusMessage(self, message, retrying=False):
     super()._SetStatusMessage(message, retrying=retrying)
-    if not (IsDistributed() and retrying):
+    # Lingvo calls this from its except block, so the error is at hand.
+    error = sys.exc_info()[1]
+    if not (IsDistributed() and retrying and isinstance(
+        error, (tf.errors.UnavailableError, tf.errors.DeadlineExceededError))):
       return
-    tasks = sorted(set(re.findall(r'/job:\w+/replica:\d+/task:\d+', message)))
-    if not tasks:
-      return
+    message = str(error)
+    tasks = re.findall(r'remote target (/job:\w+/replica:\d+/task:\d+)',
+                       message)
+    if not tasks:  # E.g. a deadline: name the tasks the error mentions.
+      me = f'/job:{FLAGS.job.split(",")[0]}/replica:0/task:{FLAGS.task}'
+      tasks = [t for t in re.findall(r'/job:\w+/replica:\d+/task:\d+', message)
+               if t != me]
     jobs = cluster.ParseClusterSpec(FLAGS.cluster_spec)
     names = []
-    for t in tasks:
+    for t in sorted(set(tasks)):
       job, task = cluster.TaskOfDevice(t).split(' task ')
-      address = jobs.get(job, [])[int(task)] if job in jobs else '?'
+      address = jobs[job][int(task)] if job in jobs else '?'
       names.append(f'{job} task {task} ({t} at {address})')
-    print(f'{FLAGS.job}: lost contact with {", ".join(names)}; retrying '
+    kind = type(error).__name__
+    print(f'{FLAGS.job}: lost contact with '
+          f'{", ".join(names) or "a task of the cluster"} ({kind}); retrying '
           '(Lingvo restores the last checkpoint once it is back).',
           file=sys.stderr, flush=True)

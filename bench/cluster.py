@@ -1,0 +1,198 @@
+"""GPipe step time in one process vs across 2 worker processes over gRPC.
+
+The homogeneous FC model of bench/pipeline.py (8 layers, K=2 cells, M=4
+micro-batches, lingvo_ext's PipeliningLayer) trains with the same graph
+built two ways, side by side in one run:
+
+  (a) local:   one process, 2 logical CPU devices (cell i on CPU:i);
+  (b) cluster: 2 worker processes (TensorFlow gRPC servers on loopback), cell
+      i and a share of the variables on worker task i, the step driven by a
+      client process, with lingvo_ext.distributed.cluster's mapping.
+
+Each worker process has 1 inter-op and 1 intra-op thread on 2 cores, as do
+the 2 devices of (a) together. Timed steps alternate (a) and (b); medians
+are reported. Bytes between processes per step come from the step stats of
+a traced step (the _Recv ops whose sender is on another task), next to what
+the activation shapes predict: per micro-batch the forward activation
+(batch/M x width floats) goes from cell 0 to cell 1 and its gradient back.
+The whole run is in a private network namespace (loopback only).
+
+  python bench/cluster.py            # width 1536, batch 128, 20 steps
+  python bench/cluster.py --quick    # width 256, batch 32, 10 steps
+"""
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _REPO not in sys.path:
+  sys.path.insert(0, _REPO)
+
+# Before TensorFlow starts any thread: the namespace needs one thread.
+from lingvo_ext.distributed import launch_lib  # pylint: disable=g-import-not-at-top,g-bad-import-order
+
+_WORKER = r'''
+import sys, time
+import tensorflow as tf
+cfg = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=1,
+                               intra_op_parallelism_threads=1)
+cluster = tf.train.ClusterSpec({'client': [sys.argv[1]],
+                                'worker': sys.argv[2].split(',')})
+tf.distribute.Server(cluster, job_name='worker', task_index=int(sys.argv[3]),
+                     config=cfg).join()
+'''
+
+
+def _Args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  p.add_argument('--quick', action='store_true')
+  p.add_argument('--width', type=int, default=None)
+  p.add_argument('--batch', type=int, default=None)
+  p.add_argument('--steps', type=int, default=None)
+  p.add_argument('--micro_batches', type=int, default=4)
+  p.add_argument('--network', choices=('private', 'host'), default='private')
+  args = p.parse_args(argv)
+  width, batch, steps = (256, 32, 10) if args.quick else (1536, 128, 20)
+  args.width = args.width or width
+  args.batch = args.batch or batch
+  args.steps = args.steps or steps
+  return args
+
+
+def main(argv=None):
+  args = _Args(argv)
+  if args.network == 'private':
+    launch_lib.EnterPrivateNetwork()
+  # pylint: disable=g-import-not-at-top
+  import lingvo_ext  # pylint: disable=unused-import
+  import lingvo.compat as tf
+  from lingvo.core import cluster_factory
+  from lingvo.core import py_utils
+  import numpy as np
+  from bench import pipeline
+  from lingvo_ext.core import gpipe
+  from lingvo_ext.distributed import cluster
+  # pylint: enable=g-import-not-at-top
+  py_utils.SetEagerMode(False)
+  k, m = 2, args.micro_batches
+
+  ports = launch_lib.FreePorts(3)
+  client = f'127.0.0.1:{ports[0]}'
+  workers = [f'127.0.0.1:{p}' for p in ports[1:]]
+  jobs = {'client': [client], 'worker': workers}
+  procs = [
+      subprocess.Popen([sys.executable, '-c', _WORKER, client, ','.join(
+          workers), str(t)], start_new_session=True) for t in range(k)
+  ]
+  try:
+    cluster.WaitForAddresses({f'worker {t}': a for t, a in enumerate(workers)},
+                             120)
+    server = tf.distribute.Server(
+        tf.train.ClusterSpec(jobs), job_name='client', task_index=0,
+        config=tf.config_pb2.ConfigProto(inter_op_parallelism_threads=2,
+                                         intra_op_parallelism_threads=1))
+
+    def Build(kind):
+      graph = tf.Graph()
+      if kind == 'local':
+        target, config = '', pipeline.SessionConfig()
+        cluster_p = cluster_factory.ForTestingWorker(
+            mode='sync', job='trainer_client', cpus=k, split_size=k).params
+        cluster_p.ps.cpus_per_replica = k
+      else:
+        target, config = server.target, None
+        cluster_p = cluster_factory.Cluster.Params().Set(
+            mode='sync', job='trainer_client')
+        cluster_p.worker.name = cluster_p.ps.name = '/job:worker'
+        cluster_p.input.name = '/job:client'
+        cluster.UpdateClusterParams(
+            cluster_p, cluster.MakeWorkerLayout(k, 1, k), jobs, 1, 'client')
+      sess = tf.Session(target, graph=graph, config=config)
+      c = cluster_p.Instantiate()
+      c.InitDevices(sess)
+      cells = pipeline.Cells('homogeneous', args.width, args.batch, k)
+      with graph.as_default(), c, tf.device(c.GetPlacer()):
+        tf.random.set_seed(1)
+        py_utils.GetOrCreateGlobalStepVar()
+        x = tf.constant(
+            np.random.RandomState(0).randn(args.batch, args.width),
+            dtype=tf.float32)
+        net = gpipe.PipeliningLayer.Params().Set(
+            name='pipe', cell_tpl=cells, num_micro_batches=m).Instantiate()
+        loss = tf.reduce_sum(tf.square(net.FPropDefaultTheta(x)))
+        variables = net.vars.Flatten()
+        grads = tf.gradients(loss, variables,
+                             colocate_gradients_with_ops=True)
+        train = tf.group(*[
+            tf.assign_sub(v, pipeline.LEARNING_RATE * g)
+            for v, g in zip(variables, grads)
+        ])
+        sess.run(tf.global_variables_initializer())
+      return sess, loss, train
+
+    steps = {kind: Build(kind) for kind in ('local', 'cluster')}
+    first = {kind: float(s.run(l)) for kind, (s, l, _) in steps.items()}
+    if not np.isclose(first['local'], first['cluster'], rtol=1e-5):
+      raise AssertionError(f'first losses differ: {first}')
+    for _ in range(3):  # Warm-up.
+      for sess, _, train in steps.values():
+        sess.run(train)
+    times = {kind: [] for kind in steps}
+    for _ in range(args.steps):
+      for kind, (sess, _, train) in steps.items():
+        t = time.perf_counter()
+        sess.run(train)
+        times[kind].append(time.perf_counter() - t)
+
+    # Bytes received across processes in one traced step.
+    sess, _, train = steps['cluster']
+    md = tf.RunMetadata()
+    sess.run(train, options=tf.RunOptions(trace_level=tf.RunOptions.FULL_TRACE),
+             run_metadata=md)
+    cross = 0
+    recvs = 0
+    for dev in md.step_stats.dev_stats:
+      me = re.search(r'/job:(\w+)/replica:\d+/task:(\d+)', dev.device)
+      for node in dev.node_stats:
+        if '_Recv' not in node.timeline_label and 'Recv' not in node.node_name:
+          continue
+        src = re.search(r'from (/job:\w+/replica:\d+/task:\d+)',
+                        node.timeline_label)
+        if not src or not me or src.group(1).endswith(
+            f'/job:{me.group(1)}/replica:0/task:{me.group(2)}'):
+          continue
+        for out in node.output:
+          cross += out.tensor_description.allocation_description.requested_bytes
+        recvs += 1
+    act = args.batch * args.width * 4  # One direction, all micro-batches.
+    local_ms = statistics.median(times['local']) * 1e3
+    cluster_ms = statistics.median(times['cluster']) * 1e3
+    record = dict(
+        model='homogeneous', width=args.width, batch=args.batch, K=k, M=m,
+        steps=args.steps, local_ms=round(local_ms, 2),
+        cluster_ms=round(cluster_ms, 2),
+        ratio=round(cluster_ms / local_ms, 3),
+        measured_cross_process_bytes_per_step=cross,
+        measured_cross_process_recvs=recvs,
+        activation_bytes_per_step_fwd_plus_bwd=2 * act,
+        activation_bytes_per_micro_batch=act // m,
+        first_loss=first['local'])
+    print(json.dumps(record))
+    return 0
+  finally:
+    for p in procs:
+      try:
+        os.killpg(p.pid, 9)
+      except ProcessLookupError:
+        pass
+      p.wait(10)
+
+
+if __name__ == '__main__':
+  sys.exit(main())
