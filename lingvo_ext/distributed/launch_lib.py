@@ -130,6 +130,7 @@ class Task:
   thread: Optional[threading.Thread] = None
   log: Optional[object] = None
   done: bool = False  # Exited 0 at the end of training.
+  started_at: float = 0.0
 
   @property
   def name(self) -> str:
@@ -185,6 +186,7 @@ class Launcher:
         bufsize=1,
         start_new_session=True)  # Its own process group, to stop it whole.
     task.log = log
+    task.started_at = time.monotonic()
     task.thread = threading.Thread(
         target=self._Stream, args=(task, task.proc, log), daemon=True)
     task.thread.start()
@@ -245,6 +247,17 @@ class Launcher:
                    f'{self.restarts} of --max_restarts={self._max_restarts}); '
                    'training resumes from the last checkpoint.')
         self.Start(task)
+      # A new controller restores the last checkpoint (its own server's
+      # variables are new), so the step may fall back below --max_steps: a
+      # trainer client that finished since must train again.
+      controller = [t for t in self.tasks if t.job == 'controller'][0]
+      for t in self.tasks:
+        if (t.job == 'trainer_client' and t.done and not controller.done and
+            controller.started_at > t.started_at):
+          t.done = False
+          self.Print(f'launch: restarting {t.what}: the restarted controller '
+                     'restores the last checkpoint.')
+          self.Start(t)
       if all(t.done for t in self.tasks if t.job != 'worker'):
         self.Print('launch: training finished; stopping the workers.')
         return 0
