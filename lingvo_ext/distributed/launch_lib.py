@@ -103,10 +103,13 @@ def ClusterJobs(num_workers: int, host: str = '127.0.0.1') -> Dict[str, List[str
 def TaskCommand(jobs: Dict[str, List[str]], job: str, task: int,
                 trainer_flags: Sequence[str]) -> List[str]:
   """The trainer command line of one task of the cluster `jobs`."""
+  # --logtostderr: the launcher streams each task's log and keeps it in
+  # LOGDIR/launch/NAME.log (the trainer's own log file is per job, and the
+  # workers share a job).
   return [
       sys.executable, '-m', 'lingvo_ext.trainer',
       f'--cluster_spec={cluster.FormatClusterSpec(jobs)}', '--mode=sync',
-      f'--job={job}', f'--task={task}', *trainer_flags
+      f'--job={job}', f'--task={task}', '--logtostderr', *trainer_flags
   ]
 
 
