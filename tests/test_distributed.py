@@ -286,6 +286,12 @@ def testKilledWorkerAndControllerResumeFromCheckpoint(tmp_path):
   assert max(loss) == max_steps and set(range(1, max_steps + 1)) <= set(loss)
 
 
+# Runs the trainer in a private network namespace (only 127.0.0.1).
+_PRIVATE = ('import os, sys; from lingvo_ext.distributed import launch_lib; '
+            'launch_lib.EnterPrivateNetwork(); os.execv(sys.executable, '
+            '[sys.executable, "-m", "lingvo_ext.trainer"] + sys.argv[1:])')
+
+
 def _Trainer(*flags, timeout=120, private=True):
   cmd = ['-c', _PRIVATE] if private else ['-m', 'lingvo_ext.trainer']
   proc = subprocess.run(
