@@ -1,1 +1,4 @@
-"""Benchmarks for lingvo_ext (run as scripts: python bench/pipeline.py)."""
+"""Benchmarks for lingvo_ext.
+
+Run them as scripts, e.g. .venv/bin/python bench/pipeline.py --quick.
+"""

@@ -11,9 +11,9 @@ gradients dense would have sent, and the gradients pushed into parameter
 server accumulators. The fp16 row also gives the largest weight difference
 from the float32 'all_reduce' run after the timed steps.
 
-  python bench/data_parallel.py               # JSON lines
-  python bench/data_parallel.py --markdown    # a markdown table
-  python bench/data_parallel.py --quick       # tiny sizes, a few steps
+  .venv/bin/python bench/data_parallel.py               # JSON lines
+  .venv/bin/python bench/data_parallel.py --markdown    # a markdown table
+  .venv/bin/python bench/data_parallel.py --quick       # tiny sizes, a few steps
 
 See docs/benchmarks.md for the recorded table.
 """

@@ -12,10 +12,10 @@ For each model and (K cells, M micro-batches) the timed steps alternate the
 implementations round-robin in one process, and the median is reported. Peak
 RSS comes from a fresh child process per (implementation, configuration).
 
-  python bench/pipeline.py                 # the full sweep, JSON lines
-  python bench/pipeline.py --markdown      # the same, as a markdown table
-  python bench/pipeline.py --quick         # reduced sweep, < 2 minutes
-  python bench/pipeline.py --quick --trace /tmp/trace   # + timelines
+  .venv/bin/python bench/pipeline.py                 # the full sweep, JSON lines
+  .venv/bin/python bench/pipeline.py --markdown      # the same, as a markdown table
+  .venv/bin/python bench/pipeline.py --quick         # reduced sweep, < 2 minutes
+  .venv/bin/python bench/pipeline.py --quick --trace /tmp/trace   # + timelines
 
 See docs/benchmarks.md for what the numbers mean.
 """

@@ -17,9 +17,9 @@ Memory per device, from one traced step of each model:
                 RunMetadata's step stats);
   peak_mb       resident_mb + peak_step_mb.
 
-  python bench/sharding.py              # JSON lines
-  python bench/sharding.py --markdown   # a markdown table
-  python bench/sharding.py --quick      # lm.WordLmTiny, few steps
+  .venv/bin/python bench/sharding.py              # JSON lines
+  .venv/bin/python bench/sharding.py --markdown   # a markdown table
+  .venv/bin/python bench/sharding.py --quick      # lm.WordLmTiny, few steps
 
 See docs/benchmarks.md for what the numbers mean.
 """

@@ -13,11 +13,11 @@ own graph and session (2 inter-op, 1 intra-op threads), and reports for each:
 - save_s, restore_s: median checkpoint save and restore with Lingvo's saver
   (what the trainer uses), under the same per-layer names for both models.
 
-  python bench/stacking.py                     # 48 layers, Adam, JSON lines
-  python bench/stacking.py --markdown          # the same as a table
-  python bench/stacking.py --optimizer=sgd     # the SGD update instead
-  python bench/stacking.py --quick             # 4 layers, a few steps
-  python bench/stacking.py --model=pipeline_fc  # bench/pipeline.py's model
+  .venv/bin/python bench/stacking.py                     # 48 layers, Adam, JSON lines
+  .venv/bin/python bench/stacking.py --markdown          # the same as a table
+  .venv/bin/python bench/stacking.py --optimizer=sgd     # the SGD update instead
+  .venv/bin/python bench/stacking.py --quick             # 4 layers, a few steps
+  .venv/bin/python bench/stacking.py --model=pipeline_fc  # bench/pipeline.py's model
 
 --model=pipeline_fc is bench/pipeline.py's FC model (8 layers 1536 wide,
 batch 128, K=2 cells on 2 CPU devices, M=4) with its SGD step (one
