@@ -326,6 +326,14 @@ class _Engine:
                       tf.concat([g.values for g in parts], axis=0),
                       tf.concat([g.indices for g in parts], axis=0),
                       parts[0].dense_shape))
+            elif self.window and not any(
+                isinstance(g, tf.IndexedSlices) for g in parts):
+              # A running sum, in backward order: each part is freed once
+              # added, so weight-sized parts do not pile up with M.
+              acc = parts[0]
+              for part in parts[1:]:
+                acc = acc + part
+              out.append(acc)
             else:
               out.append(tf.add_n(parts))
       return out
