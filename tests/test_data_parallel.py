@@ -270,3 +270,12 @@ def testAllReduceCheckpointHasOneCopyAndRestoresIntoSharedAndBack(tmp_path):
   _AssertSameTraining(back, shared_next)
   for (_, name), copy in back.copies.items():
     np.testing.assert_array_equal(copy, back.weights[name], err_msg=name)
+
+
+def testHybridWithAdamKeepsCopiesBitIdentical():
+  # Replica 1's optimizer has slots for the replicated variables only; they
+  # are taken from replica 0's at the first update.
+  got = _Run('lm', 2, B, steps=3, adam=True, gradient_sync='hybrid')
+  assert len(got.copies) == len(got.weights) - 1  # All but the embedding.
+  for (_, name), copy in got.copies.items():
+    np.testing.assert_array_equal(copy, got.weights[name], err_msg=name)

@@ -560,13 +560,8 @@ class GradientSync:
         for vg in var_grads.Flatten():
           master = self._masters[_PathOfMirror(self._mirrors, vg.var)]
           assigns.append(vg.var.assign(master.read_value()))
-        if len(new_vars) != len(master_new_vars) or any(
-            a.shape != b.shape for a, b in zip(new_vars, master_new_vars)):
-          raise ValueError(
-              f'{self._name}: replica {r}\'s optimizer made variables '
-              f'{[v.name for v in new_vars]}, unlike replica 0\'s '
-              f'{[v.name for v in master_new_vars]}.')
-        for mine, theirs in zip(new_vars, master_new_vars):
+        for mine, theirs in _PairOptimizerVariables(r, new_vars,
+                                                    master_new_vars):
           assigns.append(mine.assign(theirs.read_value()))
         return tf.group(*assigns)
 
@@ -577,6 +572,37 @@ class GradientSync:
       if ready is None:
         return Update()
       return tf.cond(ready, Update, tf.no_op)
+
+
+def _PairOptimizerVariables(r, mine, masters):
+  """Pairs replica r's optimizer variables with replica 0's.
+
+  Slots are matched by name (replica r's are named after its copies,
+  'replica_r/<name>/...'); the rest (e.g. Adam's beta powers) in creation
+  order among those of the same shape.
+  """
+  by_name = {v.op.name: v for v in masters}
+  pairs, rest = [], []
+  used = set()
+  prefix = f'replica_{r}/'
+  for v in mine:
+    name = v.op.name
+    if name.startswith(prefix) and name[len(prefix):] in by_name:
+      theirs = by_name[name[len(prefix):]]
+      pairs.append((v, theirs))
+      used.add(id(theirs))
+    else:
+      rest.append(v)
+  others = [v for v in masters if id(v) not in used]
+  for v in rest:
+    match = next((m for m in others if m.shape == v.shape), None)
+    if match is None:
+      raise ValueError(
+          f'replica {r}\'s optimizer variable {v.name} has no counterpart '
+          f'among replica 0\'s {[m.name for m in masters]}.')
+    others.remove(match)
+    pairs.append((v, match))
+  return pairs
 
 
 @contextlib.contextmanager
