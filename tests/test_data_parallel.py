@@ -134,6 +134,14 @@ def testAccumulateTwoStepsEqualsOneReplicaOfFourTimesTheBatch(strategy):
                                err_msg=name)
 
 
+def testParameterServerWithOneReplicaEqualsShared():
+  want = _Run('image', 1, 2 * B)
+  got = _Run('image', 1, 2 * B, gradient_sync='parameter_server',
+             accumulate_steps=1)
+  _AssertSameTraining(got, want)
+  assert len(got.task.gradient_sync.accumulators) == len(got.weights)
+
+
 def testAllReduceCopiesStayBitIdentical():
   got = _Cached('lm', 2, B, gradient_sync='all_reduce')
   assert len(got.copies) == len(got.weights)

@@ -39,6 +39,7 @@ import dataclasses
 import zlib
 
 import lingvo.compat as tf
+from lingvo.core import cluster_factory
 from lingvo.core import py_utils
 import numpy as np
 from tensorflow.python.ops import collective_ops
@@ -362,6 +363,8 @@ class GradientSync:
       if missing:
         raise ValueError(f'{self._name}: variables {missing} were not read '
                          'through ReplicaTheta.')
+      if not self._plans:  # One replica: planned here, not at replica 1.
+        self._Plan(dict(self._masters))
       xs = [self._reads[r][x] for r in range(self._r) for x in paths]
       flat = tf.gradients(
           tf.cast(self._r, loss.dtype) * loss, xs,
