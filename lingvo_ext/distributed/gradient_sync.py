@@ -700,7 +700,7 @@ class _RecordNewVariables:
 
 
 def _ReadOnlyByGathers(read):
-  """Whether every use of `read` (through Identity ops) is a gather's params."""
+  """Whether every use of `read` (through identities) is a gather's params."""
   frontier = [read]
   seen = False
   while frontier:
@@ -708,6 +708,9 @@ def _ReadOnlyByGathers(read):
     for op in t.consumers():
       if op.type == 'Identity':
         frontier.extend(op.outputs)
+      elif op.type == 'IdentityN':  # E.g. a tf.custom_gradient's inputs.
+        frontier.extend(
+            out for inp, out in zip(op.inputs, op.outputs) if inp is t)
       elif op.type in ('GatherV2', 'Gather', 'ResourceGather') and (
           op.inputs[0] is t):
         seen = True
