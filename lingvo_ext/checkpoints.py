@@ -103,6 +103,33 @@ def _WriteState(train_dir, latest, dropped):
       text_format.MessageToString(state))
 
 
+def DropLatestIfNonFinite(train_dir: str) -> Optional[Tuple[str, str]]:
+  """Deletes the newest checkpoint if it holds NaN or Inf; (path, tensor).
+
+  The check before a save and the save itself are two session runs, and a
+  concurrent training step can make the variables non-finite in between; so
+  the written checkpoint is read back and, when not finite, removed and the
+  state file pointed at the previous one.
+  """
+  paths = sorted(_AllCheckpoints(train_dir), key=_Step, reverse=True)
+  if not paths:
+    return None
+  latest = paths[0]
+  reader = tf.train.load_checkpoint(latest)
+  for name in sorted(reader.get_variable_to_shape_map()):
+    value = np.asarray(reader.get_tensor(name))
+    if np.issubdtype(value.dtype, np.floating) and not np.all(
+        np.isfinite(value)):
+      if len(paths) > 1:
+        _WriteState(train_dir, paths[1], {latest})
+      else:
+        tf.io.gfile.remove(os.path.join(train_dir, 'checkpoint'))
+      for f in tf.io.gfile.glob(latest + '.*'):
+        tf.io.gfile.remove(f)
+      return latest, name
+  return None
+
+
 def FiniteChecks(variables):
   """[(name, scalar bool tensor: all finite)] for float `variables`."""
   checks = []

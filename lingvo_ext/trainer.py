@@ -134,6 +134,12 @@ class LocalController(_CpuDevicesMixin, runners.Controller):
             'holds NaN or Inf.', gsteps, bad[0], len(bad) - 1)
         return
       save(sess, gsteps, sync)
+      if sync:
+        dropped = checkpoints.DropLatestIfNonFinite(self._train_dir)
+        if dropped:
+          tf.logging.warning(
+              'Removed checkpoint %s: %s became NaN or Inf while it was '
+              'saved.', *dropped)
 
     self._checkpointer.Save = SaveIfFinite
 

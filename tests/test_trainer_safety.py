@@ -124,8 +124,9 @@ def testBadLogdirAndParamsAreOneLineErrors(tmp_path):
       ([f'--logdir={a_file}/sub'], f'--logdir={a_file}/sub is not writable'),
       ([f'--logdir={tmp_path}/new', '--model=lm.TransformerLmTinyGPipe',
         '--model_params_override=task.num_micro_batches:3'],
-       'error: pipeline: batch size 8 (batch_dim=0) is not divisible by '
-       'num_micro_batches=3'),
+       'error: lm: the global batch 8 (input.batch_size=8 per replica x 1 '
+       'replicas) is not divisible by replicas x micro-batches = 1 x 3; set '
+       'task.input.batch_size to a multiple of num_micro_batches=3.'),
   ]
   for flags, message in cases:
     if not any(f.startswith('--model=') for f in flags):
