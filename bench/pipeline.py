@@ -17,6 +17,12 @@ RSS comes from a fresh child process per (implementation, configuration).
   .venv/bin/python bench/pipeline.py --quick         # reduced sweep, < 2 minutes
   .venv/bin/python bench/pipeline.py --quick --trace /tmp/trace   # + timelines
 
+With a torch venv (`bash scripts/torch_venv.sh` makes .venv-torch, used by
+default; or `--torch_python PATH`), bench/torch_baselines.py runs the
+homogeneous model in torch (eager, and torch.distributed.pipelining at the
+same K and M) in a subprocess, from the plain model's initial weights, and its
+rows join the records and the markdown.
+
 See docs/benchmarks.md for what the numbers mean.
 """
 
@@ -25,10 +31,12 @@ import importlib
 import json
 import multiprocessing
 import os
+import re
 import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Dict, List, Optional, Sequence
 
@@ -47,6 +55,7 @@ from lingvo.core import tshape  # pylint: disable=g-import-not-at-top
 import numpy as np  # pylint: disable=g-import-not-at-top
 
 from bench import timeline  # pylint: disable=g-import-not-at-top
+from bench import torch_baselines  # pylint: disable=g-import-not-at-top
 from lingvo_ext.core import gpipe as ext_gpipe  # pylint: disable=g-import-not-at-top
 
 py_utils.SetEagerMode(False)
@@ -64,6 +73,8 @@ HETERO_WIDTHS = (1, 2, 0.5, 0.25, 1, 2, 1, 0.25, 1)
 LEARNING_RATE = 1e-6
 # A pipeline's loss must equal the plain model's on the first step.
 LOSS_RTOL = 1e-4
+# The torch baselines' python, when --torch_python is not given.
+TORCH_VENV_PYTHON = os.path.join(_REPO, '.venv-torch', 'bin', 'python')
 
 FULL = dict(width=1536, batch=128, K=[1, 2], M=[1, 2, 4, 8, 16, 32],
             steps=20, warmup=3, rss='spawn', schedules=list(EXT_VARIANTS))
@@ -207,6 +218,7 @@ class Step:
       y = net.FPropDefaultTheta(x)
       self.loss = tf.reduce_sum(tf.square(y))
       variables = net.vars.Flatten()
+      self.variables = variables
       grads = tf.gradients(self.loss, variables,
                            colocate_gradients_with_ops=colocate)
       self.train = tf.group(*[
@@ -322,6 +334,124 @@ class RssMeter:
     except Exception as e:  # pylint: disable=broad-except
       _Log('peak RSS of %s failed: %r' % (job, e))
       return dict(peak_rss_mb=None, base_rss_mb=None)
+
+
+# --- torch baselines (bench/torch_baselines.py, in the torch venv) ------------
+
+
+def TorchPython(flag: Optional[str],
+                default: str = TORCH_VENV_PYTHON) -> (Optional[str], str):
+  """(the python to run the torch baselines with or None, a note why)."""
+  if flag == 'none':
+    return None, 'torch baselines off (--torch_python none).'
+  if flag:
+    return flag, 'torch baselines: %s' % flag
+  if os.access(default, os.X_OK):
+    return default, 'torch baselines: %s' % default
+  return None, ('torch baselines skipped: no %s (make it with `bash '
+                'scripts/torch_venv.sh`, or pass --torch_python PATH).' %
+                os.path.relpath(default, _REPO))
+
+
+def SavePlainWeights(step: 'Step', path: str) -> None:
+  """The plain model's current weights as w<i> [in, out], b<i> [out]."""
+  arrays = {}
+  for v, value in zip(step.variables, step.sess.run(step.variables)):
+    # SequentialLayer names its layers cell_000, cell_001, ...
+    match = re.search(r'(\d+)/(w|b)(/var)?$', v.op.name)
+    if not match:
+      raise ValueError('Unexpected variable %s in the plain model.' %
+                       v.op.name)
+    arrays['%s%d' % (match.group(2), int(match.group(1)))] = value
+  if len(arrays) != 2 * NUM_LAYERS:
+    raise ValueError('Expected w and b of %d layers, got %s.' %
+                     (NUM_LAYERS, sorted(arrays)))
+  np.savez(path, **arrays)
+
+
+def TorchRecords(args, plain: 'Step', plain_loss: float) -> List[Dict]:
+  """Runs bench/torch_baselines.py on the homogeneous model; its records.
+
+  The torch models start from `plain`'s weights (call before training it), so
+  their first-step losses must equal `plain_loss`. A failure is logged, not
+  raised: the TensorFlow figures still come out.
+  """
+  with tempfile.TemporaryDirectory(prefix='bench_torch_') as tmp:
+    npz = os.path.join(tmp, 'init.npz')
+    SavePlainWeights(plain, npz)
+    cmd = [args.torch_python,
+           os.path.join(_REPO, 'bench', 'torch_baselines.py'),
+           '--width', str(args.width), '--batch', str(args.batch),
+           '--layers', str(NUM_LAYERS), '--K'] + [str(k) for k in args.K] + [
+               '--M'] + [str(m) for m in args.M] + [
+                   '--steps', str(args.steps), '--warmup', str(args.warmup),
+                   '--init_npz', npz, '--timeout_s', str(args.torch_timeout_s)]
+    _Log('torch baselines: ' + ' '.join(cmd))
+    try:
+      out = subprocess.run(cmd, capture_output=True, text=True, check=False,
+                           timeout=args.torch_timeout_s * (1 + 2 * len(
+                               args.K) * len(args.M)))
+    except (OSError, subprocess.TimeoutExpired) as e:
+      _Log('WARNING torch baselines failed: %r' % e)
+      return []
+  if out.returncode != 0:
+    _Log('WARNING torch baselines failed (exit %d): %s' %
+         (out.returncode, out.stderr.strip()[-2000:]))
+    return []
+  records = [json.loads(l) for l in out.stdout.splitlines() if l.strip()]
+  for r in records:
+    r['loss_rel_diff'] = float('%.3g' % (abs(r['first_loss'] - plain_loss) /
+                                         max(abs(plain_loss), 1e-30)))
+    if r['loss_rel_diff'] > LOSS_RTOL:
+      msg = '%s K=%d M=%d: first-step loss %r, TensorFlow plain %r' % (
+          r['impl'], r['K'], r['M'], r['first_loss'], plain_loss)
+      if args.check:
+        raise AssertionError(msg)
+      _Log('WARNING ' + msg)
+  return records
+
+
+def MarkdownVsTorch(records: Sequence[Dict]) -> str:
+  """One row per (model, K, M) with lingvo_ext: it against TF and torch."""
+  torch_by = {}
+  tf_by = {}
+  for r in records:
+    if r.get('framework') == 'torch':
+      torch_by.setdefault(r['model'], {})[(r['impl'], r['K'], r['M'])] = r
+    else:
+      tf_by.setdefault((r['model'], r['K'], r['M']), {})[r['impl']] = r
+
+  def _Ms(r):
+    return None if r is None else r['step_ms']
+
+  def _F(x, fmt='%.1f'):
+    return '-' if x is None else fmt % x
+
+  def _Ratio(a, b):
+    return None if a is None or b is None else a / b
+
+  lines = [
+      '| model | K | M | lingvo_ext ms | TF plain ms | torch plain ms '
+      '| torch GPipe ms | torch 1F1B ms | ext / TF plain | ext / torch plain '
+      '| ext / torch GPipe | ext / torch 1F1B |',
+      '|' + '---|' * 12,
+  ]
+  for (model, k, m), c in tf_by.items():
+    t = torch_by.get(model)
+    if not t or 'lingvo_ext' not in c:
+      continue
+    ext = _Ms(c['lingvo_ext'])
+    tf_plain = _Ms(c.get('plain'))
+    t_plain = _Ms(t.get(('torch/plain', 1, 1)))
+    gpipe = _Ms(t.get(('torch/gpipe', k, m)))
+    f1b = _Ms(t.get(('torch/1f1b', k, m)))
+    lines.append('| %s | %d | %d | %s | %s | %s | %s | %s | %s | %s | %s | %s '
+                 '|' % (model, k, m, _F(ext), _F(tf_plain), _F(t_plain),
+                        _F(gpipe), _F(f1b), _F(_Ratio(ext, tf_plain), '%.2f'),
+                        _F(_Ratio(ext, t_plain), '%.2f'),
+                        _F(_Ratio(ext, gpipe), '%.2f'),
+                        _F(_Ratio(ext, f1b), '%.2f')))
+  return '\n'.join(lines)
 
 
 # --- Timelines ----------------------------------------------------------------
@@ -480,6 +610,14 @@ def RunSweep(args) -> List[Dict]:
     # The plain model does not depend on K and M: one session and one RSS.
     plain = Step('plain', model, args.width, args.batch, 1, 1, args.colocate)
     plain_loss = plain.FirstLoss()
+    if model == 'homogeneous' and args.torch_python:
+      for r in TorchRecords(args, plain, plain_loss):
+        records.append(r)
+        if not args.markdown:
+          print(json.dumps(r), flush=True)
+        if args.jsonl:
+          with open(args.jsonl, 'a') as f:
+            f.write(json.dumps(r) + '\n')
     plain_rss = rss.Measure(dict(job, impl='plain', K=1, M=1))
     for k in args.K:
       cell_ratio = SlowestToMean(
@@ -642,6 +780,15 @@ def ParseArgs(argv=None):
                       'pass on CPU:0.')
   parser.add_argument('--check', action='store_true',
                       help='Fail if the first-step losses differ.')
+  parser.add_argument(
+      '--torch_python', metavar='PATH',
+      help='A python with torch: also time bench/torch_baselines.py (torch '
+      'eager, torch.distributed.pipelining GPipe and 1F1B) on the '
+      'homogeneous model at the same width, batch, K and M. Default: '
+      '.venv-torch/bin/python when it exists (bash scripts/torch_venv.sh), '
+      'else skipped with a note; "none" turns it off.')
+  parser.add_argument('--torch_timeout_s', type=int, default=600,
+                      help='Bound on each torch job (default %(default)s).')
   parser.add_argument('--_child', help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   base = QUICK if args.quick else FULL
@@ -659,7 +806,27 @@ def ParseArgs(argv=None):
   for m in args.M:
     if args.batch % m:
       parser.error('--batch %d is not divisible by M=%d.' % (args.batch, m))
+  if (args.torch_python and args.torch_python != 'none' and
+      not os.access(args.torch_python, os.X_OK)):
+    parser.error('--torch_python %s is not an executable; give a python that '
+                 'has torch (bash scripts/torch_venv.sh makes '
+                 '.venv-torch/bin/python) or "none".' % args.torch_python)
+  if not args._child:  # pylint: disable=protected-access
+    args.torch_python, note = TorchPython(args.torch_python)
+    if 'homogeneous' in args.models:
+      _Log(note)
   return args
+
+
+def PrintMarkdown(records: Sequence[Dict]) -> None:
+  print(Markdown(records))
+  print()
+  print(MarkdownSchedules(records))
+  if any(r.get('framework') == 'torch' for r in records):
+    print()
+    print(MarkdownVsTorch(records))
+    print()
+    print(torch_baselines.Markdown(records))
 
 
 def main(argv=None) -> int:
@@ -671,16 +838,12 @@ def main(argv=None) -> int:
   if args.from_jsonl:
     with open(args.from_jsonl) as f:
       records = [json.loads(l) for l in f if l.strip()]
-    print(Markdown(records))
-    print()
-    print(MarkdownSchedules(records))
+    PrintMarkdown(records)
     return 0
   t = time.time()
   records = RunSweep(args)
   if args.markdown:
-    print(Markdown(records))
-    print()
-    print(MarkdownSchedules(records))
+    PrintMarkdown(records)
   _Log('done in %.0f s' % (time.time() - t))
   if args.trace:
     _Log('traces: wrote *.trace.json (chrome://tracing), *.host_trace.json, '

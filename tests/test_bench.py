@@ -1,4 +1,5 @@
-"""Tests of bench/pipeline.py (--quick at tiny sizes) and bench/timeline.py."""
+"""Tests of bench/pipeline.py (--quick at tiny sizes), bench/timeline.py and
+the torch-free parts of bench/torch_baselines.py."""
 
 import json
 import os
@@ -6,6 +7,7 @@ import subprocess
 import sys
 
 import lingvo_ext  # pylint: disable=unused-import
+import numpy as np
 import pytest
 from tensorflow.core.framework import step_stats_pb2
 from tensorflow.tsl.profiler.protobuf import trace_events_pb2
@@ -138,7 +140,7 @@ def testTraceStep(tmp_path):
 def testQuickJson():
   out = subprocess.run(
       [sys.executable, os.path.join(_REPO, 'bench', 'pipeline.py'), '--quick',
-       '--width', '16', '--batch', '8', '--check'],
+       '--width', '16', '--batch', '8', '--check', '--torch_python', 'none'],
       capture_output=True, text=True, timeout=600, cwd=_REPO)
   assert out.returncode == 0, out.stderr[-3000:]
   records = [json.loads(l) for l in out.stdout.splitlines() if l.strip()]
@@ -160,3 +162,96 @@ def testQuickJson():
       assert r['ext_params']['schedule'] == "'1f1b'", r
   hetero = [r for r in records if r['model'] == 'heterogeneous' and r['K'] == 2]
   assert all(r['cell_cost_max_over_mean'] > 1.0 for r in hetero)
+
+
+# --- torch baselines: only what runs without torch ----------------------------
+
+
+def testTorchPythonMissingIsANoteNotACrash(tmp_path):
+  from bench import pipeline  # pylint: disable=g-import-not-at-top
+  python, note = pipeline.TorchPython(None, default=str(tmp_path / 'python'))
+  assert python is None
+  assert 'skipped' in note and 'scripts/torch_venv.sh' in note
+  assert pipeline.TorchPython('none')[0] is None
+  fake = tmp_path / 'python'
+  fake.write_text('')
+  fake.chmod(0o755)
+  assert pipeline.TorchPython(None, default=str(fake))[0] == str(fake)
+
+
+def testBadTorchPythonIsAOneLineError(capsys):
+  from bench import pipeline  # pylint: disable=g-import-not-at-top
+  with pytest.raises(SystemExit):
+    pipeline.ParseArgs(['--torch_python', '/nonexistent/python'])
+  assert '--torch_python /nonexistent/python' in capsys.readouterr().err
+
+
+def testTorchBaselinesWithoutTorchSaysHowToGetIt():
+  # sys.modules['torch'] = None makes `import torch` fail even where torch is
+  # installed: this never runs torch.
+  script = os.path.join(_REPO, 'bench', 'torch_baselines.py')
+  out = subprocess.run(
+      [sys.executable, '-c',
+       'import runpy, sys; sys.modules["torch"] = None; sys.argv = [%r]; '
+       'runpy.run_path(%r, run_name="__main__")' % (script, script)],
+      capture_output=True, text=True, timeout=120, cwd=_REPO)
+  assert out.returncode == 2, out.stderr[-2000:]
+  assert 'torch is not installed' in out.stderr
+  assert 'scripts/torch_venv.sh' in out.stderr
+
+
+def testTorchJobs():
+  from bench import torch_baselines  # pylint: disable=g-import-not-at-top
+  args = torch_baselines.ParseArgs(['--K', '1', '2', '--M', '1', '4'])
+  jobs = [(j['impl'], j['K'], j['M'], bool(j.get('skip')))
+          for j in torch_baselines.Jobs(args)]
+  assert jobs == [('torch/plain', 1, 1, False),
+                  ('torch/gpipe', 2, 1, False), ('torch/1f1b', 2, 1, True),
+                  ('torch/gpipe', 2, 4, False), ('torch/1f1b', 2, 4, False)]
+  assert torch_baselines.Threads(2, 2) == 1
+  assert torch_baselines.Threads(2, 4) == 1
+  with pytest.raises(SystemExit):
+    torch_baselines.ParseArgs(['--K', '3'])  # 8 layers in 3 stages.
+
+
+def testPlainWeightsGiveTheTorchModelTheSameLoss(tmp_path):
+  """The weights handed to torch, run as torch_baselines builds the model
+  (relu(x w + b) per layer, per-example sum of squares, summed), in numpy:
+  the loss equals the TensorFlow plain model's."""
+  from bench import pipeline  # pylint: disable=g-import-not-at-top
+  from bench import torch_baselines  # pylint: disable=g-import-not-at-top
+  step = pipeline.Step('plain', 'homogeneous', width=8, batch=4, num_cells=1,
+                       num_micro=1)
+  try:
+    tf_loss = step.FirstLoss()
+    path = str(tmp_path / 'init.npz')
+    pipeline.SavePlainWeights(step, path)
+  finally:
+    step.Close()
+  weights = torch_baselines.InitialWeights(8, pipeline.NUM_LAYERS, path)
+  y = torch_baselines.Input(4, 8).astype(np.float64)
+  for w, b in weights:
+    y = np.maximum(y @ w + b, 0.0)
+  assert float((y**2).sum(axis=1).sum()) == pytest.approx(tf_loss, rel=1e-5)
+
+
+def testMarkdownVsTorch():
+  from bench import pipeline  # pylint: disable=g-import-not-at-top
+  from bench import torch_baselines  # pylint: disable=g-import-not-at-top
+
+  def Rec(impl, k, m, ms, **kw):
+    return dict(impl=impl, model='homogeneous', K=k, M=m, step_ms=ms, **kw)
+
+  torch_kw = dict(framework='torch', p25_ms=1.0, p75_ms=2.0, processes=2,
+                  threads_per_process=1, first_loss=3.0, peak_rss_mb=100.0)
+  records = [Rec('plain', 2, 4, 100.0), Rec('lingvo_ext', 2, 4, 120.0),
+             Rec('torch/plain', 1, 1, 110.0, **torch_kw),
+             Rec('torch/gpipe', 2, 4, 240.0, **torch_kw),
+             Rec('torch/1f1b', 2, 4, 200.0, **torch_kw)]
+  torch_baselines.AddRatios(records)
+  assert records[3]['vs_torch_plain'] == pytest.approx(240 / 110, rel=1e-3)
+  rows = pipeline.MarkdownVsTorch(records).splitlines()
+  assert len(rows) == 3
+  assert rows[2] == ('| homogeneous | 2 | 4 | 120.0 | 100.0 | 110.0 | 240.0 '
+                     '| 200.0 | 1.20 | 1.09 | 0.50 | 0.60 |')
+  assert len(torch_baselines.Markdown(records).splitlines()) == 5
