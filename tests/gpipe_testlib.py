@@ -126,8 +126,9 @@ def RunPipelineAndSequential(cell_tpl, num_devices, inputs_fn, **pipe_kwargs):
 
 
 # (schedule, recompute) pairs the tests run; every one must equal the
-# sequential model. '1f1b' and 'recurrent' always recompute.
-VARIANTS = (('unrolled', False), ('unrolled', True), ('1f1b', True),
+# sequential model. 'recurrent' always recomputes; '1f1b' does only when the
+# loss needs it (the default loss here is linear in the outputs: it does not).
+VARIANTS = (('unrolled', False), ('unrolled', True), ('1f1b', None),
             ('recurrent', True))
 
 

@@ -68,18 +68,25 @@ def test_several_inputs_and_outputs():
   lib.AssertVariantsMatch(results, seq, names)
 
 
-@pytest.mark.parametrize('part', ['one_output', 'some_rows'])
+@pytest.mark.parametrize('part', ['one_output', 'some_rows', 'some_rows_sin'])
 def test_differentiating_part_of_the_outputs(part):
-  """Batched weight gradients stay right when the loss skips some outputs."""
+  """Batched weight gradients stay right when the loss skips some outputs.
+
+  A loss linear in the outputs takes 1f1b's path without recomputation, sin
+  the one with it.
+  """
   if part == 'one_output':
-    loss_fn = lambda out: tf.reduce_sum(tf.sin(out[0]))
-  else:
+    loss_fn = lambda out: lib._Loss(out[0])  # pylint: disable=protected-access
+  elif part == 'some_rows':
     # Only the rows of the first micro-batch and a half: the others get zero
     # gradients, some micro-batches only partly.
+    loss_fn = lambda out: lib._Loss(out[0][:B * 3 // 8])  # pylint: disable=protected-access
+  else:
     loss_fn = lambda out: tf.reduce_sum(tf.sin(out[0][:B * 3 // 8]))
   results, seq, names = lib.RunVariants(
       _TwoStreamCells(), 2, lambda: (_Input(B, D), _Input(B, D, seed=1)),
-      loss_fn=loss_fn, num_micro_batches=4)
+      variants=lib.VARIANTS + (('1f1b', True),), loss_fn=loss_fn,
+      num_micro_batches=4)
   lib.AssertVariantsMatch(results, seq, names)
 
 
@@ -141,22 +148,25 @@ def _DropoutCells(num_cells, keep_prob):
   return cells
 
 
-@pytest.mark.parametrize('num_devices', [2, 4])
-def test_dropout_same_mask_in_recomputation(num_devices):
+@pytest.mark.parametrize('num_devices,num_micro', [(2, 4), (4, 8)])
+def test_dropout_same_mask_in_recomputation(num_devices, num_micro):
   # With recompute the backward pass rebuilds each cell, dropout included:
   # only if it draws the forward pass's mask do the gradients equal those of
-  # the schedule that keeps its activations.
+  # the schedule that keeps its activations. '1f1b' without recomputation
+  # differentiates its forward pass, as 'unrolled' does.
+  variants = (('unrolled', True), ('1f1b', None), ('1f1b', False),
+              ('1f1b', True))
   results, _, names = lib.RunVariants(
-      _DropoutCells(num_devices, 0.5), num_devices, lambda: (_Input(4 * B, D),),
-      variants=(('unrolled', False), ('unrolled', True), ('1f1b', None)),
-      num_micro_batches=4)
+      _DropoutCells(num_devices, 0.5), num_devices,
+      lambda: (_Input(4 * B, D),),
+      variants=(('unrolled', False),) + variants, num_micro_batches=num_micro)
   ref_out, ref_grads = results[('unrolled', False)]
   # The last cell ends in dropout: about half the outputs are exactly 0, in
   # different places in each micro-batch.
   zero = ref_out == 0
   assert 0.3 < zero.mean() < 0.7
   assert not np.array_equal(zero[:B], zero[B:2 * B])
-  for variant in [('unrolled', True), ('1f1b', None)]:
+  for variant in variants:
     out, grads = results[variant]
     np.testing.assert_allclose(out, ref_out, atol=1e-5, rtol=1e-5)
     for name, a, b in zip(names, grads, ref_grads):
@@ -164,12 +174,11 @@ def test_dropout_same_mask_in_recomputation(num_devices):
                                  err_msg='%s %s' % (variant, name))
 
 
-@pytest.mark.parametrize('schedule', ['1f1b', 'recurrent'])
-def test_recompute_false_is_an_error_where_always_recomputed(schedule):
+def test_recompute_false_is_an_error_where_always_recomputed():
   with tf.Graph().as_default(), lib.Cluster(2):
     with pytest.raises(ValueError, match='recompute=False'):
       gpipe.PipeliningLayer.Params().Set(
-          name='pipe', cell_tpl=_FcCells(2), schedule=schedule,
+          name='pipe', cell_tpl=_FcCells(2), schedule='recurrent',
           recompute=False).Instantiate()
 
 

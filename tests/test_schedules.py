@@ -1,13 +1,13 @@
 """Schedules: the registry, and what '1f1b' keeps alive, read from the graph.
 
 The activation count is read from the dataflow and control edges of the
-backward graph, which TensorFlow's executor must obey whatever the timing:
-micro-batch t's recomputed activations of cell i are dead before micro-batch
-t' is recomputed there only if every op reading them (the backward ops, the
-batched weight gradient) is an ancestor of t''s recompute gates. The largest
-set of micro-batches not so ordered is how many can be alive at once.
-'unrolled' with recompute is measured the same way and has M: the count is
-not bounded by construction of the test.
+graph, which TensorFlow's executor must obey whatever the timing: micro-batch
+t's activations of cell i (forward or recomputed) are dead before micro-batch
+t' is computed there only if every op reading them (the backward ops, the
+batched weight gradient) is an ancestor of t''s gates. The largest set of
+micro-batches not so ordered is how many can be alive at once. 'unrolled'
+with recompute, and '1f1b' with its control edges removed, are measured the
+same way and have M: the count is not bounded by construction of the test.
 """
 
 import re
@@ -35,7 +35,9 @@ def test_every_schedule_is_one_registry_entry():
           schedule='gpipe').Instantiate()
 
 
-def _BackwardGraph(num_cells, num_micro, schedule, recompute):
+def _BackwardGraph(num_cells, num_micro, schedule, recompute, loss_fn=None):
+  """The graph and gradient ops; the default loss is nonlinear (recomputes)."""
+  loss_fn = loss_fn or (lambda out: tf.reduce_sum(out * out))
   g = tf.Graph()
   with g.as_default(), lib.Cluster(num_cells):
     py_utils.GetOrCreateGlobalStepVar()
@@ -44,7 +46,7 @@ def _BackwardGraph(num_cells, num_micro, schedule, recompute):
         num_micro_batches=num_micro, schedule=schedule,
         recompute=recompute).Instantiate()
     out = net.FPropDefaultTheta(test_gpipe._Input(B, D))  # pylint: disable=protected-access
-    grads = tf.gradients(tf.reduce_sum(out * out), net.vars.Flatten())
+    grads = tf.gradients(loss_fn(out), net.vars.Flatten())
   return g, [t.op for t in grads]
 
 
@@ -63,45 +65,55 @@ def _Ancestors(op, memo):
   return seen
 
 
-def MaxLiveMicroBatches(graph, fetches, cell, num_micro):
-  """Most micro-batches whose recomputed activations of `cell` coexist.
+def MaxLiveMicroBatches(graph, fetches, cell, num_micro, recomputed=True):
+  """Most micro-batches whose activations of `cell` coexist.
 
   Args:
     graph: The graph.
     fetches: The gradient ops; only ops they need run (TF prunes the rest).
     cell: The cell.
     num_micro: M.
+    recomputed: Count the activations recomputed in the backward pass
+      (behind 'recompute_gate's); else those of the forward pass itself
+      (behind each micro-batch's 'fwd_gate').
 
   Returns:
     The count.
   """
   memo = {}
   needed = set(fetches).union(*[_Ancestors(f, memo) for f in fetches])
-  recomputed = {t: [] for t in range(num_micro)}
+  acts = {t: [] for t in range(num_micro)}
   gates = {t: [] for t in range(num_micro)}
+  if recomputed:
+    pattern = r'/cell%d_mb(\d+)/(recompute/|recompute_gate)' % cell
+  else:
+    pattern = r'^()cell%d_mb(\d+)/(fwd_gate$)?' % cell
   for op in graph.get_operations():
-    m = re.search(r'/cell%d_mb(\d+)/(recompute/|recompute_gate)' % cell,
-                  op.name)
+    m = re.search(pattern, op.name)
     if not m or re.search(r'_mb\d+/gradients/', op.name):
-      continue  # Not a recomputed op (a gradient op names its op).
-    t = int(m.group(1))
-    if m.group(2) == 'recompute_gate':
+      continue  # Not an activation (a gradient op names its op).
+    if not recomputed:
+      t, gate = int(m.group(2)), m.group(3)
+    else:
+      t, gate = int(m.group(1)), m.group(2) == 'recompute_gate'
+    if gate:
       gates[t].append(op)
-    elif op.outputs and op.outputs[0].dtype.is_floating:
-      recomputed[t].append(op)
-  # Activations are computed from the cell's input (through a gate); the
-  # layers' per-call Identity of a weight is not one.
-  recomputed = {
+    elif (op.outputs and op.outputs[0].dtype.is_floating and
+          op.type != 'Identity'):
+      acts[t].append(op)
+  # Activations are computed behind the gate; the layers' per-call Identity
+  # of a weight is not one.
+  acts = {
       t: [op for op in ops if _Ancestors(op, memo) & set(gates[t])]
-      for t, ops in recomputed.items()
+      for t, ops in acts.items()
   }
-  assert all(gates.values()) and all(recomputed.values())
-  # Ops that read micro-batch t's recomputed activations: they must all have
-  # run before the activations can be freed.
+  assert all(gates.values()) and all(acts.values())
+  # Ops that read micro-batch t's activations: they must all have run before
+  # the activations can be freed.
   readers = {
       t: {c for op in ops for out in op.outputs for c in out.consumers()
           if c in needed}
-      for t, ops in recomputed.items()
+      for t, ops in acts.items()
   }
   most = 0
   for t2 in range(num_micro):
@@ -111,10 +123,45 @@ def MaxLiveMicroBatches(graph, fetches, cell, num_micro):
   return most
 
 
+def _HasRecomputation(graph):
+  return any('recompute' in op.name for op in graph.get_operations())
+
+
 @pytest.mark.parametrize('num_cells', [2, 4])
 def test_1f1b_keeps_at_most_k_micro_batches_alive(num_cells):
   num_micro = 8
+  # A per-example loss linear in the outputs: no recomputation, the forward
+  # pass itself is held to the 1F1B order.
+  g, fetches = _BackwardGraph(num_cells, num_micro, '1f1b', None, lib._Loss)  # pylint: disable=protected-access
+  assert not _HasRecomputation(g)
+  # Every cell ran its forward pass once per micro-batch: 3 FC layers each.
+  assert sum(op.type == 'Tanh' for op in g.get_operations()) == (
+      num_cells * 3 * num_micro)
+  counts = [
+      MaxLiveMicroBatches(g, fetches, c, num_micro, recomputed=False)
+      for c in range(num_cells)
+  ]
+  # Cell i holds at most K - i micro-batches: the 1F1B window.
+  assert counts == [num_cells - c for c in range(num_cells)], counts
+
+
+def test_1f1b_without_its_control_edges_keeps_all_m(monkeypatch):
+  """The measure is not bounded by construction: without the edges, M."""
+  num_micro = 8
+  monkeypatch.setattr(schedules._Engine, '_HoldForward',  # pylint: disable=protected-access
+                      lambda *unused_args: None)
+  g, fetches = _BackwardGraph(2, num_micro, '1f1b', None, lib._Loss)  # pylint: disable=protected-access
+  assert MaxLiveMicroBatches(
+      g, fetches, 0, num_micro, recomputed=False) == num_micro
+
+
+@pytest.mark.parametrize('num_cells', [2, 4])
+def test_1f1b_recomputes_for_a_nonlinear_loss(num_cells):
+  num_micro = 8
+  # sum(y^2): dy needs every micro-batch's output, so no backward pass can
+  # start before every forward pass ends: 1F1B with recomputation.
   g, fetches = _BackwardGraph(num_cells, num_micro, '1f1b', None)
+  assert _HasRecomputation(g)
   counts = [
       MaxLiveMicroBatches(g, fetches, c, num_micro) for c in range(num_cells)
   ]
@@ -123,3 +170,8 @@ def test_1f1b_keeps_at_most_k_micro_batches_alive(num_cells):
   # The same measure on the schedule without a window sees all M.
   g, fetches = _BackwardGraph(num_cells, num_micro, 'unrolled', True)
   assert MaxLiveMicroBatches(g, fetches, 0, num_micro) == num_micro
+
+
+def test_1f1b_recompute_false_with_a_nonlinear_loss_is_an_error():
+  with pytest.raises(ValueError, match="recompute=False needs output grad"):
+    _BackwardGraph(2, 4, '1f1b', False)

@@ -423,14 +423,20 @@ class PipeliningLayer(SeqLayer):
         "backward pass is built per cell and micro-batch on the cell's "
         "device, and each weight's gradient is one MatMul over all "
         "micro-batches' rows. 'unrolled' keeps every micro-batch's "
-        "activations unless recompute=True. '1f1b': the forward pass keeps "
-        "only cell-boundary activations; in the backward pass each cell "
-        "alternates one recomputed forward and one backward micro-batch, "
-        "at most K - i micro-batches in flight in cell i, so activation "
-        "memory is bounded by the number of cells K, not M. "
-        "'recurrent': Lingvo's StackedRecurrent loop, which recomputes "
-        "each cell's forward pass in the backward pass, keeping only cell "
-        "boundary activations (less memory, more time).")
+        "activations unless recompute=True. '1f1b': one forward, one "
+        "backward micro-batch per cell in steady state, at most K - i "
+        "micro-batches' activations alive in cell i, so activation memory "
+        "is bounded by the number of cells K, not M. That needs a loss "
+        "linear in the outputs (e.g. per-example losses computed by the "
+        "last cell, summed or averaged by the caller): then each "
+        "micro-batch's backward pass starts as soon as its forward pass "
+        "leaves the last cell, and nothing is recomputed. Otherwise no "
+        "backward pass can start before every forward pass ends, so the "
+        "forward pass keeps only cell-boundary activations and the backward "
+        "pass runs 1F1B with recomputation. 'recurrent': Lingvo's "
+        "StackedRecurrent loop, which recomputes each cell's forward pass "
+        "in the backward pass, keeping only cell boundary activations "
+        "(less memory, more time).")
     p.Define(
         'recompute', None,
         'Re-materialisation: whether each cell\'s forward pass is '
@@ -438,8 +444,15 @@ class PipeliningLayer(SeqLayer):
         'activations between the two. Random ops that seed from '
         'py_utils.GenerateStepSeedPair (e.g. DeterministicDropoutLayer) '
         'draw the same values in the recomputation. None: the schedule\'s '
-        "own (False for 'unrolled'; '1f1b' and 'recurrent' always "
-        'recompute, and recompute=False is an error there).')
+        "own: False for 'unrolled'; for '1f1b', only when the loss's "
+        "gradient depends on the pipeline's outputs (checked when "
+        "tf.gradients builds the backward pass); 'recurrent' always "
+        "recomputes (recompute=False is an error there). recompute=False "
+        "with '1f1b' and such a loss is a ValueError from tf.gradients. "
+        "With '1f1b' and no recomputation, each cell's forward pass of a "
+        "micro-batch waits for an earlier micro-batch's backward pass, so "
+        "running the forward pass of that graph runs the backward pass "
+        "too: build evaluation in its own graph, as Lingvo's runners do.")
     return p
 
   def __init__(self, params):
@@ -468,10 +481,8 @@ class PipeliningLayer(SeqLayer):
     if p.recompute is False and p.schedule in schedules.ALWAYS_RECOMPUTE:
       raise ValueError(
           "%s: recompute=False, but schedule=%r always recomputes each "
-          "cell's forward pass (the "
-          'loss is computed outside the layer, so no backward pass can start '
-          'before every forward pass ends); set recompute=None or True, or '
-          "use schedule='unrolled' to keep activations." %
+          "cell's forward pass; set recompute=None or True, or use "
+          "schedule='unrolled' or '1f1b' to keep activations." %
           (p.name, p.schedule))
     if len(p.cell_tpl) > num_devices > 1:
       tf.logging.warning(

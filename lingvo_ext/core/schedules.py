@@ -15,10 +15,16 @@ schedule is one new entry there.
   backward pass is built here (see `_Engine`), which lets it batch weight
   gradients across micro-batches and, with `recompute=True`, re-materialise
   each cell's forward pass in its backward pass.
-- '1f1b': the same forward pass keeping only cell-boundary activations; in
-  the backward pass each cell alternates one (recomputed) forward and one
-  backward micro-batch, and control dependencies hold cell i to at most K - i
-  micro-batches in flight, so activation memory is bounded by K, not M.
+- '1f1b': the same subgraphs, and control dependencies hold cell i to at most
+  K - i micro-batches in flight, so activation memory is bounded by K, not M.
+  When the caller's output gradients do not need the forward pass (a loss
+  linear in the outputs, e.g. per-example losses from the last cell, summed),
+  cell i's forward pass of micro-batch t waits for its backward pass of
+  t - (K - i) and nothing is recomputed. Otherwise no backward pass can start
+  before every forward pass ends: the forward pass keeps only cell-boundary
+  activations and each cell alternates one recomputed forward and one
+  backward micro-batch in the backward pass. Checked when tf.gradients
+  builds the backward pass (`recompute=None`).
 - 'recurrent': Lingvo's `StackedRecurrent` loop, which always recomputes.
 """
 
@@ -177,9 +183,10 @@ class _Engine:
   """Builds a pipeline's forward pass and its hand-built backward pass.
 
   Forward: for each micro-batch t and cell i, the cell runs on its device
-  (scope '<cell>_mb<t>') with its own random seeds. Only the cells' inputs are
-  kept for the backward pass when `recompute`; otherwise the backward pass
-  differentiates the forward subgraphs themselves.
+  (scope '<cell>_mb<t>') with its own random seeds; under a window, behind a
+  NoOp 'fwd_gate'. Only the cells' inputs are kept for the backward pass when
+  recomputing; otherwise the backward pass differentiates the forward
+  subgraphs themselves.
 
   Backward (one `tf.gradients` call per cell and micro-batch, inside the
   pipeline's custom gradient):
@@ -187,10 +194,13 @@ class _Engine:
   - `recompute`: the cell's forward pass is rebuilt from its stored input,
     gated by a control dependency on the incoming gradient (so it runs in the
     backward pass, not beside the forward), with the same random seeds.
-  - `window`: with a window W_i, cell i's recompute of micro-batch t also
-    waits for its backward pass of micro-batch t - W_i and for the weight
-    gradient of that micro-batch's group (groups of W_i micro-batches): the
-    1F1B order, with at most W_i micro-batches' activations alive in cell i.
+  - `window`: with a window W_i, cell i's recompute of micro-batch t (or,
+    without recomputation, its forward pass: `_HoldForward`) also waits for
+    its backward pass of micro-batch t - W_i and for the weight gradient of
+    that micro-batch's group (groups of W_i micro-batches): the 1F1B order,
+    with at most W_i micro-batches' activations alive in cell i.
+  - `recompute` None (under a window): decided per tf.gradients call by
+    `_DyDependsOnForward`.
   - Weight gradients: each MatMul's x^T dy is collected across a group of
     micro-batches (all M, or W_i under a window) and computed as one MatMul of
     the concatenated rows, instead of one materialised weight gradient per
@@ -209,17 +219,28 @@ class _Engine:
     self.inputs = inputs
     self.theta = theta
 
-  def _CellFProp(self, i, x, step, scope):
-    """Cell i on micro-batch input x, in a fresh name scope `scope`."""
+  def _CellFProp(self, i, x, step, scope, gate=False):
+    """Cell i on micro-batch input x, in a fresh name scope `scope`.
+
+    With `gate`, every op of the cell waits for a NoOp 'fwd_gate' (returned
+    second), which the backward pass may hold back (see `_HoldForward`).
+    """
     _, cell = self.cells[i]
     with matmul_grad.PipelineMatMulGradients(self.devices[i]):
       with CellRandomness(step, scope):
-        return ToTuple(cell.FProp(self.thetas[i], *ToTuple(x)))
+        if not gate:
+          return ToTuple(cell.FProp(self.thetas[i], *ToTuple(x))), None
+        gate_op = tf.no_op(name='fwd_gate')
+        with tf.control_dependencies([gate_op]):
+          return ToTuple(cell.FProp(self.thetas[i], *ToTuple(x))), gate_op
 
   def Build(self):
     p = self.p
     num_cells = len(self.cells)
     m = self.num_micro
+    # Every op from here to the closing IdentityN is the pipeline's forward
+    # pass (ids grow with creation): what `_DyDependsOnForward` looks for.
+    self.first_id = tf.no_op(name='pipeline_begin')._id  # pylint: disable=protected-access
     with tf.device(self.devices[0]):
       flat_in = _Flat(self.inputs)
       pieces = [
@@ -244,6 +265,7 @@ class _Engine:
         self.thetas.append(self.theta[name].Transform(_Read))
     self.cell_in = [[None] * m for _ in range(num_cells)]
     self.cell_out = [[None] * m for _ in range(num_cells)]
+    self.gates = [[None] * m for _ in range(num_cells)]
     self.steps = steps
     for t in range(m):
       x = tf.nest.pack_sequence_as(
@@ -252,7 +274,8 @@ class _Engine:
       for i, (name, _) in enumerate(self.cells):
         with tf.device(self.devices[i]):
           self.cell_in[i][t] = x
-          x = self._CellFProp(i, x, steps[t], '%s_mb%d' % (name, t))
+          x, self.gates[i][t] = self._CellFProp(
+              i, x, steps[t], '%s_mb%d' % (name, t), gate=bool(self.window))
           self.cell_out[i][t] = x
     with tf.device(self.devices[-1]):
       last = [_Flat(o) for o in self.cell_out[-1]]
@@ -267,17 +290,63 @@ class _Engine:
       wrapped = _WithBackward(
           [t for t in flat_in if t is not None] + theta_leaves, present,
           self._Backward)
+    self.pipeline_op = wrapped[0].op if wrapped else None
+    self.last_id = tf.no_op(name='pipeline_end')._id  # pylint: disable=protected-access
     it = iter(wrapped)
     merged = [None if t is None else next(it) for t in merged]
     out = tf.nest.pack_sequence_as(self.out_structure, merged)
     # A single output (tensor or NestedMap) is returned as itself.
     return out[0] if len(out) == 1 else out
 
+  def _DyDependsOnForward(self, out_grads) -> bool:
+    """Whether the caller's output gradients need this pipeline's forward.
+
+    They do not when the loss is linear in the outputs with static shapes
+    (e.g. per-example losses from the last cell, summed): then a
+    micro-batch's backward pass may start before later forward passes end.
+    """
+    stack = []
+    for g in out_grads:
+      if isinstance(g, tf.IndexedSlices):
+        stack += [g.values.op, g.indices.op]
+      elif g is not None:
+        stack.append(g.op)
+    seen = set(stack)
+    while stack:
+      op = stack.pop()
+      if self.first_id <= op._id <= self.last_id:  # pylint: disable=protected-access
+        return True
+      for parent in [t.op for t in op.inputs] + list(op.control_inputs):
+        if parent not in seen:
+          seen.add(parent)
+          stack.append(parent)
+    return False
+
   def _Backward(self, out_grads):
     """Gradients of (present inputs, theta leaves) from those of outputs."""
     p = self.p
     m = self.num_micro
     num_cells = len(self.cells)
+    # tf.gradients gives an output it has no gradient for zeros_like(output)
+    # when another output has one: no gradient, and no wait for the output.
+    out_grads = [
+        None if isinstance(g, tf.Tensor) and g.op.type == 'ZerosLike' and
+        g.op.inputs[0].op is self.pipeline_op else g
+        for g in out_grads
+    ]
+    recompute = self.recompute
+    if recompute is None:
+      # '1f1b' by default: recompute only when the forward passes of all
+      # micro-batches must end before any backward pass starts.
+      recompute = self._DyDependsOnForward(out_grads)
+    elif recompute is False and self.window and self._DyDependsOnForward(
+        out_grads):
+      raise ValueError(
+          "%s: schedule='1f1b' with recompute=False needs output gradients "
+          "that do not depend on the pipeline's outputs (a loss linear in "
+          'them, e.g. per-example losses from the last cell, summed); this '
+          'loss is not: set recompute=None (recompute when needed) or True.'
+          % p.name)
     with ops.colocate_with(None, ignore_existing=True):
       # dy for every micro-batch of the last cell; zeros where the caller's
       # loss does not depend on an output.
@@ -291,7 +360,7 @@ class _Engine:
       dy = [[None if d is None else d[t] for d in dys_flat] for t in range(m)]
       theta_grads = [[] for _ in range(num_cells)]
       for i in reversed(range(num_cells)):
-        dy = self._CellBackward(i, dy, theta_grads[i])
+        dy = self._CellBackward(i, dy, theta_grads[i], recompute)
       # dy now holds the gradients of the pipeline's inputs per micro-batch.
       in_grads = []
       with tf.device(self.devices[0]), tf.name_scope('pipeline_backward'):
@@ -338,7 +407,7 @@ class _Engine:
               out.append(tf.add_n(parts))
       return out
 
-  def _CellBackward(self, i, dy, theta_grads):
+  def _CellBackward(self, i, dy, theta_grads, recompute):
     """Backward pass of cell i for every micro-batch; returns its input grads.
 
     Args:
@@ -347,6 +416,9 @@ class _Engine:
         (None entries where there is none).
       theta_grads: Appended with one flat list of theta-leaf gradients per
         group of micro-batches.
+      recompute: Whether to rebuild the cell's forward pass here; if not, the
+        forward subgraphs are differentiated (and, under a window, held back
+        by `_HoldForward`).
 
     Returns:
       Per micro-batch, the gradients of the cell's inputs, in the structure
@@ -371,7 +443,7 @@ class _Engine:
         x = self.cell_in[i][t]
         flat_x = _Flat(x)
         if idx:
-          if self.recompute:
+          if recompute:
             gates = [dy[t][k] for k in idx]
             if window is not None and t >= window:
               gates += [g for g in (done[t - window],
@@ -386,7 +458,7 @@ class _Engine:
             # same random seeds as the forward pass (see CellRandomness).
             y_r = _Flat(self._CellFProp(
                 i, tf.nest.pack_sequence_as(x, x_r), self.steps[t],
-                'recompute'))
+                'recompute')[0])
             ys = [y_r[k] for k in idx]
           else:
             x_r = flat_x
@@ -411,9 +483,27 @@ class _Engine:
           batched = batcher.Gradients(leaves)
           theta_grads.append(batched)
           group_done.append(_Group(batched))
+    if window is not None and not recompute:
+      self._HoldForward(i, window, group_size, done, group_done)
     # Flat dy of the previous cell's outputs = flat dx of this cell's inputs.
     return [[None] * len(_Flat(self.cell_in[i][t])) if dx[t] is None else
             dx[t] for t in range(m)]
+
+  def _HoldForward(self, i, window, group_size, done, group_done):
+    """Cell i's forward of micro-batch t waits for its backward of t - W.
+
+    And for the batched weight gradient of that micro-batch's group, which
+    reads the group's activations. So at most W micro-batches' activations
+    are alive in cell i, without recomputation. No cycle: backward(i, t)
+    needs only forward ops of micro-batches <= t (and the caller's dy, which
+    needs none, see `_DyDependsOnForward`), and every edge added here goes
+    from micro-batches < t to the forward of t. Graph mode: the edges must be
+    added before the graph first runs, as tf.gradients is.
+    """
+    for t in range(window, self.num_micro):
+      for d in (done[t - window], group_done[(t - window) // group_size]):
+        if d is not None:
+          self.gates[i][t]._add_control_input(d)  # pylint: disable=protected-access
 
 
 def Unrolled(layer, theta, inputs, num_micro):
@@ -425,7 +515,8 @@ def Unrolled(layer, theta, inputs, num_micro):
 def OneFOneB(layer, theta, inputs, num_micro):
   """1F1B: at most K - i micro-batches in flight in cell i's backward pass."""
   num_cells = len(layer._cells)  # pylint: disable=protected-access
-  return _Engine(layer, theta, inputs, num_micro, recompute=True,
+  return _Engine(layer, theta, inputs, num_micro,
+                 recompute=layer.params.recompute,
                  window=lambda i: num_cells - i).Build()
 
 
@@ -546,4 +637,4 @@ SCHEDULES = {
     'recurrent': Recurrent,
 }
 # Schedules that always re-materialise (recompute=False is an error there).
-ALWAYS_RECOMPUTE = ('1f1b', 'recurrent')
+ALWAYS_RECOMPUTE = ('recurrent',)
