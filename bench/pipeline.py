@@ -5,8 +5,11 @@ Builds the same FC model (same seed, same weights) three ways: with
 `lingvo_ext.core.gpipe.PipeliningLayer` at its default params (so it always
 measures the current default schedule), and as a plain unpipelined stack. Each
 runs in its own graph and session on 2 logical CPU devices with 2 inter-op and
-1 intra-op threads; a training step is loss = sum(y^2), tf.gradients and an
-SGD assign_sub, as in Lingvo's issue figures.
+1 intra-op threads. A training step is the one a pipeline user writes: the
+last layer (`PerExampleLoss`, in the last cell) gives each example's sum of
+squares of the FC stack's output, the loss is their sum (linear in the
+pipeline's outputs, so '1f1b' needs no recomputation), then tf.gradients and
+an SGD assign_sub. All three models compute the same FLOPs.
 
 For each model and (K cells, M micro-batches) the timed steps alternate the
 implementations round-robin in one process, and the median is reported. Peak
@@ -46,6 +49,7 @@ if _REPO not in sys.path:
 
 import lingvo_ext  # pylint: disable=unused-import,g-import-not-at-top,g-bad-import-order
 import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
+from lingvo.core import base_layer  # pylint: disable=g-import-not-at-top
 from lingvo.core import builder_layers  # pylint: disable=g-import-not-at-top
 from lingvo.core import cluster_factory  # pylint: disable=g-import-not-at-top
 from lingvo.core import gpipe as lingvo_gpipe  # pylint: disable=g-import-not-at-top
@@ -110,11 +114,31 @@ def LayerParams(model: str, width: int) -> List:
   ]
 
 
-def Cells(model: str, width: int, batch: int, num_cells: int) -> List:
-  """lingvo_ext FeatureExtractionLayer params: min-max FLOPs partition."""
+class PerExampleLoss(base_layer.BaseLayer):
+  """[batch, d] -> [batch]: each example's sum of squares, its loss."""
+
+  def FProp(self, theta, x):
+    del theta
+    return tf.reduce_sum(tf.square(x), axis=-1)
+
+  @classmethod
+  def FPropMeta(cls, p, x):
+    return py_utils.NestedMap(
+        flops=2 * x.num_elements(),
+        out_shapes=(tshape.Shape(x.ToTensorShape().as_list()[:-1]),))
+
+
+def Cells(model: str, width: int, batch: int, num_cells: int,
+          per_example_loss: bool = False) -> List:
+  """lingvo_ext FeatureExtractionLayer params: min-max FLOPs partition.
+
+  With `per_example_loss`, a `PerExampleLoss` layer ends the last cell.
+  """
   shape = tshape.Shape([batch, Widths(model, width)[0]])
-  return ext_gpipe.PartitionSequentialLayers(
-      LayerParams(model, width), num_cells, shape)
+  layer_params = LayerParams(model, width)
+  if per_example_loss:
+    layer_params.append(PerExampleLoss.Params().Set(name='loss'))
+  return ext_gpipe.PartitionSequentialLayers(layer_params, num_cells, shape)
 
 
 def CellFlops(cells: Sequence, model: str, width: int, batch: int) -> List[int]:
@@ -191,7 +215,7 @@ class Step:
   def __init__(self, impl: str, model: str, width: int, batch: int,
                num_cells: int, num_micro: int, colocate: bool = False):
     self.impl = impl
-    cells = Cells(model, width, batch, num_cells)
+    cells = Cells(model, width, batch, num_cells, per_example_loss=True)
     graph = tf.Graph()
     num_split = 1 if impl == 'plain' else num_cells
     with graph.as_default(), cluster_factory.ForTestingWorker(
@@ -216,7 +240,8 @@ class Step:
       else:
         raise ValueError('Unknown impl %r; use one of %s.' % (impl, IMPLS))
       y = net.FPropDefaultTheta(x)
-      self.loss = tf.reduce_sum(tf.square(y))
+      # Per-example losses from the last cell, summed: linear in y.
+      self.loss = tf.reduce_sum(y)
       variables = net.vars.Flatten()
       self.variables = variables
       grads = tf.gradients(self.loss, variables,
@@ -621,7 +646,8 @@ def RunSweep(args) -> List[Dict]:
     plain_rss = rss.Measure(dict(job, impl='plain', K=1, M=1))
     for k in args.K:
       cell_ratio = SlowestToMean(
-          CellFlops(Cells(model, args.width, args.batch, k), model, args.width,
+          CellFlops(Cells(model, args.width, args.batch, k,
+                          per_example_loss=True), model, args.width,
                     args.batch))
       for m in args.M:
         t_cfg = time.time()
