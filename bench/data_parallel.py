@@ -3,12 +3,13 @@
 The LM with a large word vocabulary (its embedding gets sparse gradients, its
 softmax dense ones) runs as R=2 replicas on 2 logical CPU devices under every
 `PipelinedTask.gradient_sync`, plus 'all_reduce' with fp16 compression, all
-from the same weights. For each it reports the median step time and the bytes
-one replica sends per step, from the graph's static shapes
-(`GradientSync.stats`): dense gradients into CollectiveReduce, sparse ones
-(values and indices) into CollectiveGather, what all-reducing those sparse
-gradients dense would have sent, and the gradients pushed into parameter
-server accumulators. The fp16 row also gives the largest weight difference
+from the same weights, their steps taken in turn (round robin) in one process,
+so load that comes and goes hits every strategy alike. For each it reports the
+median step time and the bytes one replica sends per step, from the graph's
+static shapes (`GradientSync.stats`): dense gradients into CollectiveReduce,
+sparse ones (values and indices) into CollectiveGather, what all-reducing
+those sparse gradients dense would have sent, and the gradients pushed into
+parameter server accumulators. The fp16 row also gives the largest weight difference
 from the float32 'all_reduce' run after the timed steps.
 
   .venv/bin/python bench/data_parallel.py               # JSON lines
@@ -62,47 +63,57 @@ def _TaskParams(args, strategy, compression):
   return p
 
 
-def Measure(args, strategy, compression):
-  """Times args.steps steps after a warm-up; returns a dict and the weights."""
-  p = _TaskParams(args, strategy, compression)
-  graph = tf.Graph()
-  cluster = cluster_factory.ForTestingWorker(
-      mode='sync', job='trainer_client', cpus=REPLICAS, split_size=1)
-  cluster.params.ps.cpus_per_replica = REPLICAS
-  with graph.as_default(), cluster:
-    py_utils.GetOrCreateGlobalStepVar()
-    task = p.Instantiate()
-    task.FPropDefaultTheta()
-    task.BProp()
-    init = [tf.global_variables_initializer(), tf.local_variables_initializer()]
-    config = tf.config_pb2.ConfigProto(
-        device_count={'CPU': REPLICAS}, inter_op_parallelism_threads=4,
-        intra_op_parallelism_threads=1)
-    with tf.Session(graph=graph, config=config) as sess:
-      sess.run(init)
-      for v in task.vars.Flatten():
+class Run:
+  """One strategy's graph and session, stepped on demand (round robin)."""
+
+  def __init__(self, args, strategy, compression):
+    self.strategy, self.compression = strategy, compression
+    p = _TaskParams(args, strategy, compression)
+    self.graph = tf.Graph()
+    cluster = cluster_factory.ForTestingWorker(
+        mode='sync', job='trainer_client', cpus=REPLICAS, split_size=1)
+    cluster.params.ps.cpus_per_replica = REPLICAS
+    with self.graph.as_default(), cluster:
+      py_utils.GetOrCreateGlobalStepVar()
+      self.task = p.Instantiate()
+      self.task.FPropDefaultTheta()
+      self.task.BProp()
+      init = [tf.global_variables_initializer(),
+              tf.local_variables_initializer()]
+      config = tf.config_pb2.ConfigProto(
+          device_count={'CPU': REPLICAS}, inter_op_parallelism_threads=4,
+          intra_op_parallelism_threads=1)
+      self.sess = tf.Session(graph=self.graph, config=config)
+      self.sess.run(init)
+      for v in self.task.vars.Flatten():
         rng = np.random.RandomState(zlib.crc32(v.op.name.encode()))
-        v.load((rng.randn(*v.shape.as_list()) * 0.05).astype(np.float32), sess)
-      sess.run(task.train_op)  # Warm-up (and the replicas' first copy).
-      times = []
-      for _ in range(args.steps):
-        start = time.perf_counter()
-        sess.run(task.train_op)
-        times.append(time.perf_counter() - start)
-      weights = {v.op.name: sess.run(v) for v in task.vars.Flatten()}
-  sync = task.gradient_sync
-  stats = sync.stats if sync else gradient_sync.CommunicationStats()
-  row = dict(
-      strategy=strategy,
-      compression=compression,
-      replicas=REPLICAS,
-      vocab_size=args.vocab_size,
-      step_ms=round(1000 * statistics.median(times), 1),
-      dense_all_reduce_bytes=stats.dense_all_reduce_bytes,
-      sparse_all_gather_bytes=stats.sparse_all_gather_bytes,
-      sparse_densified_bytes=stats.sparse_densified_bytes,
-      ps_push_bytes=stats.ps_push_bytes)
-  return row, weights
+        v.load((rng.randn(*v.shape.as_list()) * 0.05).astype(np.float32),
+               self.sess)
+    self.Step()  # Warm-up (and the replicas' first copy).
+    self.times = []
+
+  def Step(self) -> float:
+    start = time.perf_counter()
+    self.sess.run(self.task.train_op)
+    return time.perf_counter() - start
+
+  def Row(self, args):
+    """The result row and the weights; closes the session."""
+    weights = {v.op.name: self.sess.run(v) for v in self.task.vars.Flatten()}
+    self.sess.close()
+    sync = self.task.gradient_sync
+    stats = sync.stats if sync else gradient_sync.CommunicationStats()
+    row = dict(
+        strategy=self.strategy,
+        compression=self.compression,
+        replicas=REPLICAS,
+        vocab_size=args.vocab_size,
+        step_ms=round(1000 * statistics.median(self.times), 1),
+        dense_all_reduce_bytes=stats.dense_all_reduce_bytes,
+        sparse_all_gather_bytes=stats.sparse_all_gather_bytes,
+        sparse_densified_bytes=stats.sparse_densified_bytes,
+        ps_push_bytes=stats.ps_push_bytes)
+    return row, weights
 
 
 def main(argv=None):
@@ -120,9 +131,15 @@ def main(argv=None):
   if args.quick:
     args.vocab_size, args.model_dim, args.seq_len = 512, 16, 8
     args.batch_size, args.steps = 2, 3
+  runs = [Run(args, strategy, compression) for strategy, compression in CONFIGS]
+  # Round robin: load that comes and goes on the machine hits every strategy.
+  for _ in range(args.steps):
+    for run in runs:
+      run.times.append(run.Step())
   rows, reference = [], None
-  for strategy, compression in CONFIGS:
-    row, weights = Measure(args, strategy, compression)
+  for run in runs:
+    row, weights = run.Row(args)
+    strategy, compression = run.strategy, run.compression
     if (strategy, compression) == ('all_reduce', 'none'):
       reference = weights
     if compression == 'fp16':
