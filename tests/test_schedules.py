@@ -65,7 +65,8 @@ def _Ancestors(op, memo):
   return seen
 
 
-def MaxLiveMicroBatches(graph, fetches, cell, num_micro, recomputed=True):
+def MaxLiveMicroBatches(graph, fetches, cell, num_micro, recomputed=True,
+                        ignore=None):
   """Most micro-batches whose activations of `cell` coexist.
 
   Args:
@@ -76,6 +77,7 @@ def MaxLiveMicroBatches(graph, fetches, cell, num_micro, recomputed=True):
     recomputed: Count the activations recomputed in the backward pass
       (behind 'recompute_gate's); else those of the forward pass itself
       (behind each micro-batch's 'fwd_gate').
+    ignore: A regex: readers whose name matches do not keep activations alive.
 
   Returns:
     The count.
@@ -109,12 +111,22 @@ def MaxLiveMicroBatches(graph, fetches, cell, num_micro, recomputed=True):
   }
   assert all(gates.values()) and all(acts.values())
   # Ops that read micro-batch t's activations: they must all have run before
-  # the activations can be freed.
-  readers = {
-      t: {c for op in ops for out in op.outputs for c in out.consumers()
-          if c in needed}
-      for t, ops in acts.items()
-  }
+  # the activations can be freed. An Identity's output is its input's buffer:
+  # its readers count too (layers read their inputs through one).
+  def _Readers(ops):
+    found = set()
+    stack = [c for op in ops for out in op.outputs for c in out.consumers()]
+    while stack:
+      c = stack.pop()
+      if c in found or c not in needed or (ignore and
+                                           re.search(ignore, c.name)):
+        continue
+      found.add(c)
+      if c.type == 'Identity':
+        stack += [r for out in c.outputs for r in out.consumers()]
+    return found
+
+  readers = {t: _Readers(ops) for t, ops in acts.items()}
   most = 0
   for t2 in range(num_micro):
     before = set.intersection(*[_Ancestors(g, memo) for g in gates[t2]])
@@ -137,12 +149,24 @@ def test_1f1b_keeps_at_most_k_micro_batches_alive(num_cells):
   # Every cell ran its forward pass once per micro-batch: 3 FC layers each.
   assert sum(op.type == 'Tanh' for op in g.get_operations()) == (
       num_cells * 3 * num_micro)
+  # Cell i holds all activations of at most W_i = K - i micro-batches: the
+  # 1F1B window ...
   counts = [
-      MaxLiveMicroBatches(g, fetches, c, num_micro, recomputed=False)
+      MaxLiveMicroBatches(g, fetches, c, num_micro, recomputed=False,
+                          ignore='/weight_grad/')
       for c in range(num_cells)
   ]
-  # Cell i holds at most K - i micro-batches: the 1F1B window.
   assert counts == [num_cells - c for c in range(num_cells)], counts
+  # ... and, for a few more, the weight-matmul inputs (its own, and its
+  # outputs as the next cell's) that a group of G = K micro-batches' one
+  # weight-gradient MatMul reads: at most G + 2 W_i - 1, whatever M.
+  if num_cells == 2:  # Where that bound is below M = 8.
+    counts = [
+        MaxLiveMicroBatches(g, fetches, c, num_micro, recomputed=False)
+        for c in range(num_cells)
+    ]
+    assert all(n <= num_cells + 2 * (num_cells - c) - 1 < num_micro
+               for c, n in enumerate(counts)), counts
 
 
 def test_1f1b_without_its_control_edges_keeps_all_m(monkeypatch):

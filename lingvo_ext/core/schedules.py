@@ -20,7 +20,9 @@ schedule is one new entry there.
   When the caller's output gradients do not need the forward pass (a loss
   linear in the outputs, e.g. per-example losses from the last cell, summed),
   cell i's forward pass of micro-batch t waits for its backward pass of
-  t - (K - i) and nothing is recomputed. Otherwise no backward pass can start
+  t - (K - i) and nothing is recomputed (weight gradients: one MatMul per
+  group of K micro-batches, whose operands stay alive until it runs).
+  Otherwise no backward pass can start
   before every forward pass ends: the forward pass keeps only cell-boundary
   activations and each cell alternates one recomputed forward and one
   backward micro-batch in the backward pass. Checked when tf.gradients
@@ -194,11 +196,12 @@ class _Engine:
   - `recompute`: the cell's forward pass is rebuilt from its stored input,
     gated by a control dependency on the incoming gradient (so it runs in the
     backward pass, not beside the forward), with the same random seeds.
-  - `window`: with a window W_i, cell i's recompute of micro-batch t (or,
-    without recomputation, its forward pass: `_HoldForward`) also waits for
-    its backward pass of micro-batch t - W_i and for the weight gradient of
-    that micro-batch's group (groups of W_i micro-batches): the 1F1B order,
-    with at most W_i micro-batches' activations alive in cell i.
+  - `window`: with a window W_i, cell i's recompute of micro-batch t also
+    waits for its backward pass of micro-batch t - W_i and for the weight
+    gradient of that micro-batch's group (groups of W_i micro-batches): the
+    1F1B order, with at most W_i micro-batches' activations alive in cell i.
+    Without recomputation its forward pass waits instead (`_HoldForward`),
+    with weight gradients in groups of K.
   - `recompute` None (under a window): decided per tf.gradients call by
     `_DyDependsOnForward`.
   - Weight gradients: each MatMul's x^T dy is collected across a group of
@@ -308,7 +311,8 @@ class _Engine:
     stack = []
     for g in out_grads:
       if isinstance(g, tf.IndexedSlices):
-        stack += [g.values.op, g.indices.op]
+        stack += [t.op for t in (g.values, g.indices, g.dense_shape)
+                  if t is not None]
       elif g is not None:
         stack.append(g.op)
     seen = set(stack)
@@ -430,7 +434,13 @@ class _Engine:
     dx = [None] * m  # Flat, per micro-batch.
     done = [None] * m
     window = self.window(i) if self.window else None
-    group_size = window or m
+    # Weight gradients: one MatMul per group of micro-batches. Recomputing,
+    # groups of W_i (the recompute of t waits for the group of t - W_i);
+    # else groups of K, held only until complete (see `_HoldForward`).
+    if window is None:
+      group_size = m
+    else:
+      group_size = window if recompute else len(self.cells)
     group_done = []
     batcher = None
     for t in range(m):
@@ -492,18 +502,27 @@ class _Engine:
   def _HoldForward(self, i, window, group_size, done, group_done):
     """Cell i's forward of micro-batch t waits for its backward of t - W.
 
-    And for the batched weight gradient of that micro-batch's group, which
-    reads the group's activations. So at most W micro-batches' activations
-    are alive in cell i, without recomputation. No cycle: backward(i, t)
-    needs only forward ops of micro-batches <= t (and the caller's dy, which
-    needs none, see `_DyDependsOnForward`), and every edge added here goes
-    from micro-batches < t to the forward of t. Graph mode: the edges must be
-    added before the graph first runs, as tf.gradients is.
+    And for the batched weight gradient of every group of micro-batches
+    complete by then (those MatMuls read the groups' weight-matmul inputs and
+    output gradients). So at most W micro-batches' activations are alive in
+    cell i, plus, for at most group_size - 1 more, the operands of their
+    group's one weight-gradient MatMul; nothing is recomputed. No cycle:
+    backward(i, t) needs only forward ops of micro-batches <= t (and the
+    caller's dy, which needs none, see `_DyDependsOnForward`), and every edge
+    added here goes from micro-batches <= t - W to the forward of t. Graph
+    mode: the edges must be added before the graph first runs, as
+    tf.gradients is.
     """
-    for t in range(window, self.num_micro):
-      for d in (done[t - window], group_done[(t - window) // group_size]):
+    gates = self.gates[i]
+    for t in range(1, self.num_micro):
+      # In order: what held back t - 1 holds back t.
+      deps = [gates[t - 1]]
+      if t >= window:
+        complete = (t - window + 1) // group_size
+        deps += [done[t - window], group_done[complete - 1] if complete else None]
+      for d in deps:
         if d is not None:
-          self.gates[i][t]._add_control_input(d)  # pylint: disable=protected-access
+          gates[t]._add_control_input(d)  # pylint: disable=protected-access
 
 
 def Unrolled(layer, theta, inputs, num_micro):
