@@ -22,11 +22,10 @@ schedule is one new entry there.
   cell i's forward pass of micro-batch t waits for its backward pass of
   t - (K - i) and nothing is recomputed (weight gradients: one MatMul per
   group of K micro-batches, whose operands stay alive until it runs).
-  Otherwise no backward pass can start
-  before every forward pass ends: the forward pass keeps only cell-boundary
-  activations and each cell alternates one recomputed forward and one
-  backward micro-batch in the backward pass. Checked when tf.gradients
-  builds the backward pass (`recompute=None`).
+  Otherwise no backward pass can start before every forward pass ends: the
+  forward pass keeps only cell-boundary activations and each cell alternates
+  one recomputed forward and one backward micro-batch in the backward pass.
+  Checked when tf.gradients builds the backward pass (`recompute=None`).
 - 'recurrent': Lingvo's `StackedRecurrent` loop, which always recomputes.
 """
 
