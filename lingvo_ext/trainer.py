@@ -142,6 +142,8 @@ class LocalController(_CpuDevicesMixin, runners.Controller):
               'saved.', *dropped)
 
     self._checkpointer.Save = SaveIfFinite
+    if trainer_lib.IsDistributed():
+      self._keep_step = trainer_lib.StepKeepingRestore(self)
 
   def _ShouldStop(self, sess=None, step=None, check_early_stop=True):
     if _INTERRUPTED.is_set():
@@ -167,11 +169,13 @@ class LocalTrainer(_CpuDevicesMixin, runners.Trainer):
       with self._cluster:
         self._finite_checks = checkpoints.FiniteChecks(tf.global_variables())
     self._nonfinite = {'step': None, 'count': 0}
+    self._keep_step = trainer_lib.KeepTrainerStep(self)
     if self.params.cluster.task == 0:
       self._progress = progress.Progress(self.params.train.max_steps)
       process = self._model.ProcessFPropResults
 
       def ProcessFPropResults(sess, global_step, metrics, per_example):
+        self._keep_step.Ran(global_step)
         self._progress.Update(int(global_step), float(metrics['loss'][0]),
                               float(metrics['num_samples_in_batch'][0]))
         return process(sess, global_step, metrics, per_example)
@@ -249,6 +253,8 @@ class LocalTrainer(_CpuDevicesMixin, runners.Trainer):
             '--job, both run in this process.)')
       time.sleep(0.2)
     global_step = sess.run(py_utils.GetGlobalStep())
+    if trainer_lib.IsDistributed():
+      global_step = self._keep_step.Keep(sess, global_step)
     self._SetStatusMessage('step:%6d' % global_step)
     return global_step
 

@@ -142,7 +142,11 @@ class PipelinedTask(base_model.BaseTask):
     # Evalers and decoders run one replica on the shared copy.
     training = not self.cluster.do_eval
     num_replicas = self.cluster.num_splits_per_client
-    if training:
+    # The controller process of a multi-process cluster sees one split: it
+    # only saves and restores the variables (replica 0's copies, placed as
+    # the trainer client places them); the trainer client syncs.
+    controller_only = self.cluster.job == 'controller' and num_replicas == 1
+    if training and not controller_only:
       gradient_sync.CheckReplicas(
           p.name, p.gradient_sync, num_replicas,
           self.cluster.num_devices_per_split,
