@@ -441,6 +441,7 @@ class _Engine:
     else:
       group_size = window if recompute else len(self.cells)
     group_done = []
+    acc = [None] * len(leaves)  # Running sums of the batched weight grads.
     batcher = None
     for t in range(m):
       if t % group_size == 0:
@@ -490,8 +491,17 @@ class _Engine:
         with tf.device(self.devices[i]), tf.name_scope(
             '%s_mb%d/weight_grad' % (name, t)):
           batched = batcher.Gradients(leaves)
-          theta_grads.append(batched)
-          group_done.append(_Group(batched))
+          if window is None:
+            theta_grads.append(batched)
+            group_done.append(_Group(batched))
+          else:
+            # Summed group by group, and the next group's backward waits for
+            # the sum: weight-sized parts never pile up with M.
+            acc = [b if a is None else a if b is None else a + b
+                   for a, b in zip(acc, batched)]
+            group_done.append(_Group(acc))
+    if window is not None:
+      theta_grads.append(acc)
     if window is not None and not recompute:
       self._HoldForward(i, window, group_size, done, group_done)
     # Flat dy of the previous cell's outputs = flat dx of this cell's inputs.
