@@ -10,8 +10,10 @@
    LOGDIR/launch/NAME.log);
 3. waits (--ready_timeout_secs) until every task's port answers;
 4. restarts a task that dies (at most --max_restarts times in all): the
-   controller restores the variables from the last checkpoint when it finds
-   them uninitialized on a fresh worker, the trainer client retries its step;
+   controller restores the weights of the last checkpoint when it finds
+   variables uninitialized on a fresh worker, keeping the step counter where
+   training was (trainer_lib.StepKeepingRestore); the trainer client retries
+   its step;
 5. ends when the trainer client and the controller exit 0 (training reached
    --max_steps), stopping the workers; on Ctrl-C, on a failure it cannot
    restart, or when a task fails to come up, stops every process it started
