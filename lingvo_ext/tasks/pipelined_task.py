@@ -145,7 +145,8 @@ class PipelinedTask(base_model.BaseTask):
     # The controller process of a multi-process cluster sees one split: it
     # only saves and restores the variables (replica 0's copies, placed as
     # the trainer client places them); the trainer client syncs.
-    controller_only = self.cluster.job == 'controller' and num_replicas == 1
+    controller_only = (self.cluster.job == 'controller' and num_replicas == 1
+                       and self.cluster.params.worker.replicas > 1)
     if training and not controller_only:
       gradient_sync.CheckReplicas(
           p.name, p.gradient_sync, num_replicas,
