@@ -292,15 +292,9 @@ def TimeRoundRobin(steps: Dict[str, Step], num_steps: int,
 # --- Peak RSS in a fresh process ----------------------------------------------
 
 
-def _RssMb(field: str) -> Optional[float]:
-  try:
-    with open('/proc/self/status') as f:
-      for line in f:
-        if line.startswith(field + ':'):
-          return int(line.split()[1]) / 1024.0
-  except OSError:
-    pass
-  return None
+# One reader of /proc/self/status for both benches (torch_baselines imports
+# only the standard library and numpy at module level).
+_RssMb = torch_baselines.RssMb
 
 
 def ChildPeakRss(job: Dict) -> Dict:

@@ -152,7 +152,8 @@ def Markdown(records: Sequence[Dict]) -> str:
 # --- Workers (torch) ----------------------------------------------------------
 
 
-def _RssMb(field: str = 'VmHWM') -> Optional[float]:
+def RssMb(field: str = 'VmHWM') -> Optional[float]:
+  """This process's VmHWM (peak) or another /proc/self/status field, in MB."""
   try:
     with open('/proc/self/status') as f:
       for line in f:
@@ -229,7 +230,7 @@ def _TorchInfo() -> Dict:
 
 def RunPlain(job: Dict) -> Dict:
   import torch  # pylint: disable=g-import-not-at-top
-  base = _RssMb('VmRSS')
+  base = RssMb('VmRSS')
   torch.set_num_threads(job['threads'])
   model = _Modules(job)
   x = torch.from_numpy(Input(job['batch'], job['width']))
@@ -243,7 +244,7 @@ def RunPlain(job: Dict) -> Dict:
     opt.step()
 
   times = _TimeSteps(Step, job['warmup'], job['steps'])
-  return dict(times_s=times, first_loss=first_loss, rss_mb=_RssMb(),
+  return dict(times_s=times, first_loss=first_loss, rss_mb=RssMb(),
               base_rss_mb=base)
 
 
@@ -252,7 +253,7 @@ def RunStage(job: Dict) -> Dict:
   import torch  # pylint: disable=g-import-not-at-top
   import torch.distributed as dist  # pylint: disable=g-import-not-at-top
   from torch.distributed import pipelining  # pylint: disable=g-import-not-at-top
-  base = _RssMb('VmRSS')
+  base = RssMb('VmRSS')
   torch.set_num_threads(job['threads'])
   k, rank = job['K'], job['rank']
   timeout = datetime.timedelta(seconds=job['timeout_s'])
@@ -290,7 +291,7 @@ def RunStage(job: Dict) -> Dict:
     times = _TimeSteps(Step, job['warmup'], job['steps'], sync=dist.barrier)
     return dict(times_s=times,
                 first_loss=first_losses[0] if first_losses else None,
-                rss_mb=_RssMb(), base_rss_mb=base)
+                rss_mb=RssMb(), base_rss_mb=base)
   finally:
     dist.destroy_process_group()
 
