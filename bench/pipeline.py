@@ -430,6 +430,11 @@ def TorchRecords(args, plain: 'Step', plain_loss: float) -> List[Dict]:
   return records
 
 
+def _Fmt(x, fmt='%.1f') -> str:
+  """A table cell: '-' for a missing value."""
+  return '-' if x is None else fmt % x
+
+
 def MarkdownVsTorch(records: Sequence[Dict]) -> str:
   """One row per (model, K, M) with lingvo_ext: it against TF and torch."""
   torch_by = {}
@@ -442,9 +447,6 @@ def MarkdownVsTorch(records: Sequence[Dict]) -> str:
 
   def _Ms(r):
     return None if r is None else r['step_ms']
-
-  def _F(x, fmt='%.1f'):
-    return '-' if x is None else fmt % x
 
   def _Ratio(a, b):
     return None if a is None or b is None else a / b
@@ -465,11 +467,12 @@ def MarkdownVsTorch(records: Sequence[Dict]) -> str:
     gpipe = _Ms(t.get(('torch/gpipe', k, m)))
     f1b = _Ms(t.get(('torch/1f1b', k, m)))
     lines.append('| %s | %d | %d | %s | %s | %s | %s | %s | %s | %s | %s | %s '
-                 '|' % (model, k, m, _F(ext), _F(tf_plain), _F(t_plain),
-                        _F(gpipe), _F(f1b), _F(_Ratio(ext, tf_plain), '%.2f'),
-                        _F(_Ratio(ext, t_plain), '%.2f'),
-                        _F(_Ratio(ext, gpipe), '%.2f'),
-                        _F(_Ratio(ext, f1b), '%.2f')))
+                 '|' % (model, k, m, _Fmt(ext), _Fmt(tf_plain), _Fmt(t_plain),
+                        _Fmt(gpipe), _Fmt(f1b),
+                        _Fmt(_Ratio(ext, tf_plain), '%.2f'),
+                        _Fmt(_Ratio(ext, t_plain), '%.2f'),
+                        _Fmt(_Ratio(ext, gpipe), '%.2f'),
+                        _Fmt(_Ratio(ext, f1b), '%.2f')))
   return '\n'.join(lines)
 
 
@@ -693,9 +696,6 @@ def Markdown(records: Sequence[Dict]) -> str:
   for r in records:
     by_cfg.setdefault((r['model'], r['K'], r['M']), {})[r['impl']] = r
 
-  def _F(x, fmt='%.1f'):
-    return '-' if x is None else fmt % x
-
   lines = [
       '| model | K | M | lingvo ms | lingvo_ext ms | plain ms | ext/lingvo '
       '| lingvo/plain | ext/plain | ideal ms | lingvo/ideal | ext/ideal '
@@ -708,14 +708,15 @@ def Markdown(records: Sequence[Dict]) -> str:
     l, e, p = c['lingvo'], c['lingvo_ext'], c['plain']
     lines.append('| %s | %d | %d | %s | %s | %s | %s | %s | %s | %s | %s | %s '
                  '| %s | %s / %s / %s |' % (
-                     model, k, m, _F(l['step_ms']), _F(e['step_ms']),
-                     _F(p['step_ms']), _F(e['vs_lingvo'], '%.2f'),
-                     _F(l['vs_plain'], '%.2f'), _F(e['vs_plain'], '%.2f'),
-                     _F(l['ideal_ms']), _F(l['vs_ideal'], '%.2f'),
-                     _F(e['vs_ideal'], '%.2f'),
-                     _F(l['cell_cost_max_over_mean'], '%.2f'),
-                     _F(l['peak_rss_mb'], '%.0f'), _F(e['peak_rss_mb'], '%.0f'),
-                     _F(p['peak_rss_mb'], '%.0f')))
+                     model, k, m, _Fmt(l['step_ms']), _Fmt(e['step_ms']),
+                     _Fmt(p['step_ms']), _Fmt(e['vs_lingvo'], '%.2f'),
+                     _Fmt(l['vs_plain'], '%.2f'), _Fmt(e['vs_plain'], '%.2f'),
+                     _Fmt(l['ideal_ms']), _Fmt(l['vs_ideal'], '%.2f'),
+                     _Fmt(e['vs_ideal'], '%.2f'),
+                     _Fmt(l['cell_cost_max_over_mean'], '%.2f'),
+                     _Fmt(l['peak_rss_mb'], '%.0f'),
+                     _Fmt(e['peak_rss_mb'], '%.0f'),
+                     _Fmt(p['peak_rss_mb'], '%.0f')))
   return '\n'.join(lines)
 
 
@@ -724,9 +725,6 @@ def MarkdownSchedules(records: Sequence[Dict]) -> str:
   by_cfg = {}
   for r in records:
     by_cfg.setdefault((r['model'], r['K'], r['M']), {})[r['impl']] = r
-
-  def _F(x, fmt='%.1f'):
-    return '-' if x is None else fmt % x
 
   lines = [
       '| model | K | M | impl | ms | x plain | x unrolled (same M) '
@@ -742,9 +740,10 @@ def MarkdownSchedules(records: Sequence[Dict]) -> str:
       if r.get('peak_rss_mb') is not None and lingvo.get('peak_rss_mb'):
         rss_diff = r['peak_rss_mb'] - lingvo['peak_rss_mb']
       lines.append('| %s | %d | %d | %s | %s | %s | %s | %s | %s | %s |' % (
-          model, k, m, impl, _F(r['step_ms']), _F(r.get('vs_plain'), '%.2f'),
-          _F(r.get('vs_unrolled'), '%.2f'), _F(r.get('vs_lingvo'), '%.2f'),
-          _F(r.get('peak_rss_mb'), '%.0f'), _F(rss_diff, '%+.0f')))
+          model, k, m, impl, _Fmt(r['step_ms']),
+          _Fmt(r.get('vs_plain'), '%.2f'),
+          _Fmt(r.get('vs_unrolled'), '%.2f'), _Fmt(r.get('vs_lingvo'), '%.2f'),
+          _Fmt(r.get('peak_rss_mb'), '%.0f'), _Fmt(rss_diff, '%+.0f')))
   return '\n'.join(lines)
 
 
