@@ -99,6 +99,11 @@ class _CpuDevicesMixin(trainer_lib.LostTaskReportMixin):
 _INTERRUPTED = threading.Event()
 # Exit status the main thread returns once the runners are done.
 _EXIT = {'code': 0, 'message': ''}
+# Set once a controller in this process has made its first save attempt. In a
+# new run its trainer waits for it, so the first checkpoint holds the initial
+# weights rather than whatever step the trainer reached meanwhile.
+_CONTROLLER_HERE = threading.Event()
+_FIRST_SAVE_DONE = threading.Event()
 
 
 def _Fail(message, code):
@@ -127,21 +132,25 @@ class LocalController(_CpuDevicesMixin, runners.Controller):
     save = self._checkpointer.Save
 
     def SaveIfFinite(sess=None, gsteps=None, sync=True):
-      bad = checkpoints.NonFiniteVariables(sess, self._finite_checks)
-      if bad:
-        tf.logging.warning(
-            'Not saving a checkpoint at step %s: variable %s (and %d more) '
-            'holds NaN or Inf.', gsteps, bad[0], len(bad) - 1)
-        return
-      save(sess, gsteps, sync)
-      if sync:
-        dropped = checkpoints.DropLatestIfNonFinite(self._train_dir)
-        if dropped:
+      try:
+        bad = checkpoints.NonFiniteVariables(sess, self._finite_checks)
+        if bad:
           tf.logging.warning(
-              'Removed checkpoint %s: %s became NaN or Inf while it was '
-              'saved.', *dropped)
+              'Not saving a checkpoint at step %s: variable %s (and %d more) '
+              'holds NaN or Inf.', gsteps, bad[0], len(bad) - 1)
+          return
+        save(sess, gsteps, sync)
+        if sync:
+          dropped = checkpoints.DropLatestIfNonFinite(self._train_dir)
+          if dropped:
+            tf.logging.warning(
+                'Removed checkpoint %s: %s became NaN or Inf while it was '
+                'saved.', *dropped)
+      finally:
+        _FIRST_SAVE_DONE.set()
 
     self._checkpointer.Save = SaveIfFinite
+    _CONTROLLER_HERE.set()
     if trainer_lib.IsDistributed():
       self._keep_step = trainer_lib.StepKeepingRestore(self)
 
@@ -252,6 +261,15 @@ class LocalTrainer(_CpuDevicesMixin, runners.Trainer):
             'restore the variables; is --job=controller running? (Without '
             '--job, both run in this process.)')
       time.sleep(0.2)
+    start = time.time()
+    # A restored run already has its checkpoint (the controller does not save
+    # the restored step again).
+    while (_CONTROLLER_HERE.is_set() and not _FIRST_SAVE_DONE.wait(0.2) and
+           not _INTERRUPTED.is_set() and
+           not tf.train.latest_checkpoint(self._train_dir)):
+      if time.time() - start > 10:
+        waiting.Say('first_save',
+                    'trainer: waiting for the controller\'s first checkpoint.')
     global_step = sess.run(py_utils.GetGlobalStep())
     if trainer_lib.IsDistributed():
       global_step = self._keep_step.Keep(sess, global_step)
