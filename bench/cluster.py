@@ -6,13 +6,18 @@ built two ways, side by side in one run:
 
   (a) local:   one process, 2 logical CPU devices (cell i on CPU:i);
   (b) cluster: 2 worker processes (TensorFlow gRPC servers on loopback), cell
-      i and a share of the variables on worker task i, the step driven by a
-      client process, with lingvo_ext.distributed.cluster's mapping.
+      i and its variables on worker task i (PipeliningLayer's
+      colocate_cell_variables=True, the default), the step driven by a client
+      process, with lingvo_ext.distributed.cluster's mapping;
+  (c) the same cluster with colocate_cell_variables=False: Lingvo's
+      least-loaded placer spreads the variables over both tasks, as
+      lingvo.core.gpipe does.
 
 Each worker process has 1 inter-op and 1 intra-op thread on 2 cores, as do
-the 2 devices of (a) together. Timed steps alternate (a) and (b); medians
-are reported. Bytes between processes per step come from the step stats of
-a traced step (the _Recv ops whose sender is on another task), next to what
+the 2 devices of (a) together. Each SGD update runs on its variable's
+device, as Lingvo's optimizers do. Timed steps alternate (a), (b) and (c);
+medians are reported. Bytes between processes per step come from the step
+stats of a traced step (the _Recv ops whose sender is on another task), next to what
 the activation shapes predict: per micro-batch the forward activation
 (batch/M x width floats) goes from cell 0 to cell 1 and its gradient back.
 The whole run is in a private network namespace (loopback only).
@@ -100,6 +105,7 @@ def main(argv=None):
 
     def Build(kind):
       graph = tf.Graph()
+      colocate = kind != 'least_loaded'
       if kind == 'local':
         target, config = '', pipeline.SessionConfig()
         cluster_p = cluster_factory.ForTestingWorker(
@@ -124,21 +130,26 @@ def main(argv=None):
             np.random.RandomState(0).randn(args.batch, args.width),
             dtype=tf.float32)
         net = gpipe.PipeliningLayer.Params().Set(
-            name='pipe', cell_tpl=cells, num_micro_batches=m).Instantiate()
+            name='pipe', cell_tpl=cells, num_micro_batches=m,
+            colocate_cell_variables=colocate).Instantiate()
         loss = tf.reduce_sum(tf.square(net.FPropDefaultTheta(x)))
         variables = net.vars.Flatten()
         grads = tf.gradients(loss, variables,
                              colocate_gradients_with_ops=True)
-        train = tf.group(*[
-            tf.assign_sub(v, pipeline.LEARNING_RATE * g)
-            for v, g in zip(variables, grads)
-        ])
+        updates = []
+        for v, g in zip(variables, grads):
+          with tf.device(v.device):
+            updates.append(tf.assign_sub(v, pipeline.LEARNING_RATE * g))
+        train = tf.group(*updates)
         sess.run(tf.global_variables_initializer())
       return sess, loss, train
 
-    steps = {kind: Build(kind) for kind in ('local', 'cluster')}
+    steps = {
+        kind: Build(kind) for kind in ('local', 'cluster', 'least_loaded')
+    }
     first = {kind: float(s.run(l)) for kind, (s, l, _) in steps.items()}
-    if not np.isclose(first['local'], first['cluster'], rtol=1e-5):
+    if not all(np.isclose(first['local'], f, rtol=1e-5)
+               for f in first.values()):
       raise AssertionError(f'first losses differ: {first}')
     for _ in range(3):  # Warm-up.
       for sess, _, train in steps.values():
@@ -150,29 +161,38 @@ def main(argv=None):
         sess.run(train)
         times[kind].append(time.perf_counter() - t)
 
-    # Bytes received across processes in one traced step.
-    sess, _, train = steps['cluster']
-    md = tf.RunMetadata()
-    sess.run(train, options=tf.RunOptions(trace_level=tf.RunOptions.FULL_TRACE),
-             run_metadata=md)
-    cross = 0
-    recvs = 0
-    for dev in md.step_stats.dev_stats:
-      me = re.search(r'/job:(\w+)/replica:\d+/task:(\d+)', dev.device)
-      for node in dev.node_stats:
-        if '_Recv' not in node.timeline_label and 'Recv' not in node.node_name:
-          continue
-        src = re.search(r'from (/job:\w+/replica:\d+/task:\d+)',
-                        node.timeline_label)
-        if not src or not me or src.group(1).endswith(
-            f'/job:{me.group(1)}/replica:0/task:{me.group(2)}'):
-          continue
-        for out in node.output:
-          cross += out.tensor_description.allocation_description.requested_bytes
-        recvs += 1
+    def CrossProcessBytes(kind):
+      """(bytes, receives) across processes in one traced step of `kind`."""
+      sess, _, train = steps[kind]
+      md = tf.RunMetadata()
+      sess.run(
+          train,
+          options=tf.RunOptions(trace_level=tf.RunOptions.FULL_TRACE),
+          run_metadata=md)
+      cross = recvs = 0
+      for dev in md.step_stats.dev_stats:
+        me = re.search(r'/job:(\w+)/replica:\d+/task:(\d+)', dev.device)
+        for node in dev.node_stats:
+          if ('_Recv' not in node.timeline_label and
+              'Recv' not in node.node_name):
+            continue
+          src = re.search(r'from (/job:\w+/replica:\d+/task:\d+)',
+                          node.timeline_label)
+          if not src or not me or src.group(1).endswith(
+              f'/job:{me.group(1)}/replica:0/task:{me.group(2)}'):
+            continue
+          for out in node.output:
+            cross += (
+                out.tensor_description.allocation_description.requested_bytes)
+          recvs += 1
+      return cross, recvs
+
+    cross, recvs = CrossProcessBytes('cluster')
+    ll_cross, ll_recvs = CrossProcessBytes('least_loaded')
     act = args.batch * args.width * 4  # One direction, all micro-batches.
     local_ms = statistics.median(times['local']) * 1e3
     cluster_ms = statistics.median(times['cluster']) * 1e3
+    ll_ms = statistics.median(times['least_loaded']) * 1e3
     record = dict(
         model='homogeneous', width=args.width, batch=args.batch, K=k, M=m,
         steps=args.steps, local_ms=round(local_ms, 2),
@@ -180,6 +200,10 @@ def main(argv=None):
         ratio=round(cluster_ms / local_ms, 3),
         measured_cross_process_bytes_per_step=cross,
         measured_cross_process_recvs=recvs,
+        least_loaded_cluster_ms=round(ll_ms, 2),
+        least_loaded_ratio=round(ll_ms / local_ms, 3),
+        least_loaded_cross_process_bytes_per_step=ll_cross,
+        least_loaded_cross_process_recvs=ll_recvs,
         activation_bytes_per_step_fwd_plus_bwd=2 * act,
         activation_bytes_per_micro_batch=act // m,
         first_loss=first['local'])

@@ -229,6 +229,34 @@ def PartitionSequentialLayers(params, num_partitions, *shapes, cost='flops',
   return seqs
 
 
+def CellVariableDevices(cluster, num_cells: int) -> list:
+  """The device of each cell's variables: the one that runs it in replica 0.
+
+  Only where variables live on the worker devices (the ps devices are the
+  worker devices, as in Lingvo's sync mode) and a split has several devices;
+  otherwise '' for every cell (the enclosing placer decides). It reads only
+  the cluster's worker and ps specs, which every job (controller, trainer,
+  evaler) builds alike, so their graphs agree on each variable's device.
+
+  Args:
+    cluster: A Lingvo cluster.
+    num_cells: The number of cells.
+
+  Returns:
+    A list of `num_cells` device strings.
+  """
+  cp = cluster.params
+  per_split = cp.worker.devices_per_split
+  if num_cells < 2 or per_split < 2:
+    return [''] * num_cells
+  workers = cluster.ListDevices(cp.worker).flatten().tolist()
+  ps = cluster.ListDevices(cp.ps).flatten().tolist()
+  if (not all(workers) or len(workers) < per_split or
+      sorted(ps) != sorted(workers)):
+    return [''] * num_cells
+  return [workers[i % per_split] for i in range(num_cells)]
+
+
 class SeqLayer(base_layer.BaseLayer):
   """Runs `before_tpl`, then each cell of `cell_tpl` on its own device.
 
@@ -258,6 +286,15 @@ class SeqLayer(base_layer.BaseLayer):
         'cells (PartitionSequentialLayers makes them so). To move a '
         'checkpoint between the two namings use '
         '`python -m lingvo_ext.tools.convert_checkpoint`.')
+    p.Define(
+        'colocate_cell_variables', True,
+        'If True, each cell\'s variables live on the device that runs the '
+        'cell (replica 0\'s), wherever the variables live on the worker '
+        'devices (sync mode, where Lingvo\'s ps job is the worker job), so '
+        'weights, their gradients and updates do not cross devices or '
+        'processes. False leaves them to the enclosing placer (Lingvo\'s '
+        'least-loaded one, or a parameter-server placer), as '
+        'lingvo.core.gpipe does.')
     p.Define(
         'stack_variables', False,
         'If True, the variables of the layers in each cell that agree in '
@@ -294,6 +331,9 @@ class SeqLayer(base_layer.BaseLayer):
           self.cluster.WorkerDeviceInModelSplit(i)
           for i in range(len(p.cell_tpl))
       ]
+    elif p.colocate_cell_variables:
+      cell_devices = CellVariableDevices(self.cluster, len(p.cell_tpl))
+      before_tpl_device = cell_devices[0]
     for l in p.before_tpl:
       with tf.device(before_tpl_device):
         self.CreateChild(l.name, l)

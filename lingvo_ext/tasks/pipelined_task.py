@@ -117,7 +117,10 @@ class PipelinedTask(base_model.BaseTask):
         num_micro_batches=p.num_micro_batches,
         partition_independent_names=p.partition_independent_names,
         stack_variables=p.stack_variables,
-        max_combined_variable_size=p.max_combined_variable_size)
+        max_combined_variable_size=p.max_combined_variable_size,
+        # The ps strategies place variables on the ps devices themselves.
+        colocate_cell_variables=p.gradient_sync not in ('parameter_server',
+                                                        'hybrid'))
 
   def __init__(self, params):
     super().__init__(params)
