@@ -156,7 +156,37 @@ def _Refused(host, port):
     return True
 
 
-def testClusterMatchesOneProcessAndIsPrivate(tmp_path):
+@pytest.fixture(scope='module')
+def single_process(tmp_path_factory):
+  """The logdir of MODEL trained 3 steps in one process on 4 CPU devices.
+
+  2 replicas x 2 cells with Lingvo's shared variables: the numbers of one
+  large batch, which every gradient_sync must reproduce.
+  """
+  single = str(tmp_path_factory.mktemp('single'))
+  proc = subprocess.run(
+      [sys.executable, '-m', 'lingvo_ext.trainer', f'--model={MODEL}',
+       f'--logdir={single}', '--num_cpu_devices=4', '--worker_split_size=2',
+       '--max_steps=3'], cwd=ROOT, stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT, text=True, timeout=300, check=False)
+  assert proc.returncode == 0, proc.stdout[-3000:]
+  return single
+
+
+def _AssertSameNumbers(logdir, single):
+  """Loss at step 1 and every checkpointed value at step 3 agree to 1e-5."""
+  loss = _Scalars(os.path.join(logdir, 'train'), 'loss')
+  ref = _Scalars(os.path.join(single, 'train'), 'loss')
+  np.testing.assert_allclose(loss[1], ref[1], atol=1e-5)
+  got, want = _Checkpoint(logdir, 3), _Checkpoint(single, 3)
+  names = sorted(want.get_variable_to_shape_map())
+  assert sorted(got.get_variable_to_shape_map()) == names
+  for name in names:
+    np.testing.assert_allclose(
+        got.get_tensor(name), want.get_tensor(name), atol=1e-5, err_msg=name)
+
+
+def testClusterMatchesOneProcessAndIsPrivate(tmp_path, single_process):
   """R=2 replicas x K=2 cells on 4 worker processes vs 4 devices in one.
 
   The cluster syncs gradients with collective all-reduce across worker tasks
@@ -220,22 +250,41 @@ def testClusterMatchesOneProcessAndIsPrivate(tmp_path):
   assert collectives[1] == collectives[3] > 0, collectives
 
   # The same experiment in one process with the same 4 logical devices.
-  single = str(tmp_path / 'single')
-  proc = subprocess.run(
-      [sys.executable, '-m', 'lingvo_ext.trainer', f'--model={MODEL}',
-       f'--logdir={single}', '--num_cpu_devices=4', '--worker_split_size=2',
-       '--max_steps=3'], cwd=ROOT, stdout=subprocess.PIPE,
-      stderr=subprocess.STDOUT, text=True, timeout=300, check=False)
-  assert proc.returncode == 0, proc.stdout[-3000:]
-  loss = _Scalars(os.path.join(logdir, 'train'), 'loss')
-  ref = _Scalars(os.path.join(single, 'train'), 'loss')
-  np.testing.assert_allclose(loss[1], ref[1], atol=1e-5)
-  got, want = _Checkpoint(logdir, 3), _Checkpoint(single, 3)
-  names = sorted(want.get_variable_to_shape_map())
-  assert sorted(got.get_variable_to_shape_map()) == names
-  for name in names:
-    np.testing.assert_allclose(
-        got.get_tensor(name), want.get_tensor(name), atol=1e-5, err_msg=name)
+  _AssertSameNumbers(logdir, single_process)
+
+
+def testHybridAcrossProcessesMatchesOneProcess(tmp_path, single_process):
+  """R=2 x K=2 under 'hybrid' on 4 worker processes vs one process.
+
+  The embedding's sparse gradients go through SparseConditionalAccumulators
+  on the ps tasks (in sync mode, the worker tasks), the dense ones through
+  collective all-reduce.
+  """
+  logdir = str(tmp_path / 'hybrid')
+  run = _Launch(logdir, '--workers=4', '--worker_split_size=2',
+                '--max_steps=3', '--trace_train_step=2',
+                '--model_params_override=task.gradient_sync:"hybrid"')
+  try:
+    assert run.Wait(300) == 0, run.Tail()
+  finally:
+    run.Kill()
+  metadata = tf.RunMetadata()
+  with open(os.path.join(logdir, 'train', 'run_metadata_step_2.pb'),
+            'rb') as f:
+    metadata.ParseFromString(f.read())
+  ops = collections.defaultdict(set)
+  for dev in metadata.step_stats.dev_stats:
+    task = re.search(r'/job:worker/replica:0/task:(\d+)/', dev.device)
+    for node in dev.node_stats:
+      m = re.search(r'= (SparseAccumulator\w+|CollectiveReduceV2)\(',
+                    node.timeline_label)
+      if m:
+        ops[m.group(1)].add(int(task.group(1)) if task else dev.device)
+  assert ops['SparseAccumulatorApplyGradient'], dict(ops)
+  assert ops['SparseAccumulatorTakeGradient'], dict(ops)
+  assert ops['CollectiveReduceV2'] == {0, 1, 2, 3}, dict(ops)
+  assert all(isinstance(t, int) for v in ops.values() for t in v), dict(ops)
+  _AssertSameNumbers(logdir, single_process)
 
 
 def _CheckpointSteps(logdir):
