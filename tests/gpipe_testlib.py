@@ -142,6 +142,13 @@ def Variant(net, schedule, recompute):
   return v
 
 
+def _ResetAccumulators(net):
+  # Each variant is its own FProp of the same layers in one graph: as in a
+  # graph of its own, accumulators start from their default values.
+  for acc in net.accumulators.Flatten():
+    acc.Reset()
+
+
 def RunVariants(cell_tpl, num_devices, inputs_fn, variants=VARIANTS,
                 loss_fn=None, **pipe_kwargs):
   """Builds every (schedule, recompute) variant and the sequential model.
@@ -173,12 +180,16 @@ def RunVariants(cell_tpl, num_devices, inputs_fn, variants=VARIANTS,
     variables = net.vars.Flatten()
     fetches = {}
     for schedule, recompute in variants:
+      _ResetAccumulators(net)
       out = Variant(net, schedule, recompute).FProp(net.theta, *args)
       grads = tf.gradients(loss_fn(out), variables,
-                           colocate_gradients_with_ops=True)
+                           colocate_gradients_with_ops=True,
+                           unconnected_gradients='zero')
       fetches[(schedule, recompute)] = (out, grads)
+    _ResetAccumulators(net)
     seq_out = net.FPropSequential(net.theta, *args)
-    seq = (seq_out, tf.gradients(loss_fn(seq_out), variables))
+    seq = (seq_out, tf.gradients(loss_fn(seq_out), variables,
+                                 unconnected_gradients='zero'))
     init = tf.global_variables_initializer()
   with Session(g, num_devices) as sess:
     sess.run(init)

@@ -473,7 +473,18 @@ class _Engine:
           else:
             x_r = flat_x
             ys = [outs[k] for k in idx]
-          diff_x = [v if _IsFloat(v) else None for v in x_r]
+          # A tensor that is several of the cell's inputs (e.g. a FetchLayer
+          # activation that is also the main output of the cell before) gets
+          # its whole gradient once: tf.gradients would return it for every
+          # occurrence, and the cell before would sum them.
+          seen = set()
+          diff_x = []
+          for v in x_r:
+            if not _IsFloat(v) or v.ref() in seen:
+              diff_x.append(None)
+            else:
+              seen.add(v.ref())
+              diff_x.append(v)
           xs = [v for v in diff_x if v is not None]
           with batcher:
             # stop_gradients: an input that also reaches an output through

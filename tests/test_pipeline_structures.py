@@ -1,0 +1,243 @@
+"""Every schedule equals the sequential model for every structure Lingvo takes.
+
+Two kinds of cases:
+
+- Lingvo's own `gpipe_test` structure, written anew here: 16 conv layers with
+  an accumulator each, the first cell ending in a `FetchLayer` whose
+  activation later cells pass through (`act_fetch_layers`, `num_act_inputs`,
+  `num_act_outputs`), with Lingvo's golden gradient norm.
+- Random pipelines from a seeded generator: random cells (FC layers of
+  random widths, fetched activations at random places, passed through the
+  later cells), random `before_tpl`, `batch_dim`, micro-batching by
+  `num_micro_batches` or `micro_batch_size`, and a loss on a random subset of
+  the outputs, linear or not. Every schedule and recompute variant must give
+  the sequential model's outputs and gradients.
+"""
+
+import lingvo_ext  # pylint: disable=unused-import
+import lingvo.compat as tf
+from lingvo.core import base_layer
+from lingvo.core import layers
+from lingvo.core import py_utils
+import numpy as np
+import pytest
+
+from lingvo_ext.core import gpipe
+import gpipe_testlib as lib
+
+
+# --- Lingvo's DummyPipelineCnn structure --------------------------------------
+
+
+class _StepCounter(base_layer.Accumulator):
+  """Counts the times a layer ran (one per micro-batch in a pipeline)."""
+
+  def DefaultValue(self):
+    return tf.convert_to_tensor(0.0)
+
+  def Increment(self):
+    self.SetValue(self.GetValue() + 1.0)
+
+
+class _CountingConv(base_layer.BaseLayer):
+  """A 3x3 conv with constant weights, a relu, and a run counter."""
+
+  def __init__(self, params):
+    super().__init__(params)
+    self.CreateChild(
+        'conv', layers.Conv2DLayerNoPadding.Params().Set(
+            name='conv', filter_shape=(3, 3, 1, 1), filter_stride=(1, 1),
+            params_init=py_utils.WeightInit.Constant(0.1)))
+    self.RegisterAccumulator('ts_count', _StepCounter())
+
+  def FProp(self, theta, inputs):
+    out = self.conv.FProp(theta.conv, inputs)
+    self.accumulators.ts_count.Increment()
+    return tf.nn.relu(out)
+
+  @classmethod
+  def FPropMeta(cls, p, inputs):
+    return py_utils.NestedMap(flops=1, out_shapes=(inputs,))
+
+
+def _CnnCells(num_splits, num_layers=16):
+  """Lingvo's layout: the first cell ends in a FetchLayer whose activation
+  (the same tensor as that cell's main output) every later cell passes on."""
+  subs = [_CountingConv.Params().Set(name='layer_%d' % i)
+          for i in range(num_layers)]
+  if num_splits == 1:
+    return [gpipe.FeatureExtractionLayer.Params().Set(name='seq', sub=subs)]
+  per = num_layers // num_splits
+  cells = []
+  for s in range(num_splits):
+    sub = subs[s * per:(s + 1) * per]
+    if s == 0:
+      sub.append(layers.FetchLayer.Params().Set(name='fetch'))
+      kw = dict(act_fetch_layers=['fetch'], num_act_outputs=1)
+    else:
+      kw = dict(num_act_inputs=1, num_act_outputs=1)
+    cells.append(gpipe.FeatureExtractionLayer.Params().Set(
+        name='split_%d' % s, sub=sub, **kw))
+  return cells
+
+
+_CNN_INPUT = []
+
+
+def _CnnInput():
+  """Lingvo's test input: its graph and op seeds, so its golden value holds."""
+  if not _CNN_INPUT:
+    with tf.Graph().as_default():
+      tf.random.set_seed(1245)
+      x = tf.random.uniform([16, 8, 8, 1], seed=12345)
+      with tf.Session() as sess:
+        _CNN_INPUT.append(sess.run(x))
+  return tf.constant(_CNN_INPUT[0])
+
+
+@pytest.mark.parametrize('num_splits,num_micro,micro_batch_size', [
+    (1, 8, None), (2, 8, None), (4, 8, None), (2, 8, 2)])
+def test_lingvo_dummy_pipeline_cnn(num_splits, num_micro, micro_batch_size):
+  # Lingvo's golden value for this model (gpipe_test.py): the loss is the mean
+  # of the main output only, so the fetched activation gets no gradient of
+  # its own but is the same tensor as cell 0's main output.
+  golden = 0.268087
+  loss_fn = lambda out: tf.reduce_mean(out[0] if isinstance(out, tuple)
+                                       else out)
+  num_devices = min(num_splits, 2)
+  results, seq, names = lib.RunVariants(
+      _CnnCells(num_splits), num_devices, lambda: (_CnnInput(),),
+      variants=lib.VARIANTS + (('1f1b', True),), loss_fn=loss_fn,
+      num_micro_batches=num_micro, micro_batch_size=micro_batch_size)
+  assert len(names) == 16
+  seq_norm = np.sqrt(sum(np.sum(g * g) for g in seq[1]))
+  np.testing.assert_allclose(seq_norm, golden, rtol=1e-5)
+  for variant, (out, grads) in results.items():
+    norm = np.sqrt(sum(np.sum(g * g) for g in grads))
+    np.testing.assert_allclose(norm, golden, rtol=1e-5, err_msg=str(variant))
+    if num_splits > 1:
+      assert len(out) == 2 and out[1].shape == (16, 8, 8, 1)
+  lib.AssertVariantsMatch(results, seq, names)
+
+
+@pytest.mark.parametrize('schedule', ['unrolled', '1f1b', 'recurrent'])
+def test_lingvo_dummy_pipeline_cnn_accumulators(schedule):
+  # Each layer's accumulator counts the micro-batches that ran through it.
+  num_micro = 4
+  g = tf.Graph()
+  with g.as_default(), lib.Cluster(2):
+    py_utils.GetOrCreateGlobalStepVar()
+    net = gpipe.PipeliningLayer.Params().Set(
+        name='pipeline', cell_tpl=_CnnCells(2), num_micro_batches=num_micro,
+        schedule=schedule).Instantiate()
+    out = net.FPropDefaultTheta(_CnnInput())
+    counts = net.GetAccumulatorValues().Flatten()
+    init = tf.global_variables_initializer()
+  with lib.Session(g, 2) as sess:
+    sess.run(init)
+    values = sess.run([out, counts])[1]
+  assert len(values) == 16
+  assert all(v == num_micro for v in values), values
+
+
+# --- Random pipelines ---------------------------------------------------------
+
+
+def _RandomCase(seed):
+  """A random pipeline: cells, inputs, PipeliningLayer kwargs, loss."""
+  rng = np.random.RandomState(seed)
+  num_cells = rng.randint(2, 5)
+  num_devices = 2 if num_cells < 4 or rng.rand() < 0.5 else 4
+  batch = int(rng.choice([4, 8, 12]))
+  batch_dim = int(rng.rand() < 0.3)
+  width = int(rng.randint(2, 6))
+  before = []
+  if rng.rand() < 0.4:
+    new_width = int(rng.randint(2, 6))
+    before = [lib.Fc('before', width, new_width, seed=seed + 1000)]
+    width = new_width
+  cells, num_acts, layer_id, fetch_id = [], 0, 0, 0
+  for c in range(num_cells):
+    subs, fetches = [], []
+    for _ in range(rng.randint(1, 4)):
+      out_width = int(rng.randint(2, 6))
+      subs.append(lib.Fc('fc%d' % layer_id, width, out_width,
+                         seed=seed * 100 + layer_id))
+      layer_id += 1
+      width = out_width
+      # Fetch an activation (in the last cell too: its output then holds it;
+      # at the end of a cell it is the same tensor as the cell's output).
+      if rng.rand() < 0.4:
+        name = 'fetch%d' % fetch_id
+        fetch_id += 1
+        subs.append(layers.FetchLayer.Params().Set(name=name))
+        fetches.append(name)
+    cells.append(gpipe.FeatureExtractionLayer.Params().Set(
+        name='cell%d' % c, sub=subs, act_fetch_layers=fetches,
+        num_act_inputs=num_acts, num_act_outputs=num_acts + len(fetches)))
+    num_acts += len(fetches)
+  num_outputs = 1 + num_acts
+  # A loss on a random non-empty subset of outputs; linear or not.
+  used = [k for k in range(num_outputs) if rng.rand() < 0.6] or [0]
+  nonlinear = rng.rand() < 0.4
+  weights = [rng.uniform(-1, 1, size=64).astype(np.float32)
+             for _ in range(num_outputs)]
+
+  def LossFn(out):
+    out = out if isinstance(out, tuple) else (out,)
+    assert len(out) == num_outputs
+    total = 0.
+    for k in used:
+      flat = tf.reshape(out[k], [-1])
+      w = tf.constant(np.resize(weights[k], flat.shape.as_list()[0]))
+      total += tf.reduce_sum((tf.sin(flat) if nonlinear else flat) * w)
+    return total
+
+  num_micro = int(rng.choice([m for m in (1, 2, 4) if batch % m == 0]))
+  kwargs = dict(num_micro_batches=num_micro, batch_dim=batch_dim,
+                before_tpl=before)
+  if rng.rand() < 0.3:
+    kwargs['micro_batch_size'] = batch // num_micro
+  shape = [batch, width_in(before, cells)] if batch_dim == 0 else [
+      3, batch, width_in(before, cells)]
+  inputs_fn = lambda: (tf.constant(rng_input(seed, shape)),)
+  desc = dict(cells=num_cells, devices=num_devices,
+              before=bool(before), fetches=fetch_id, used=used,
+              nonlinear=nonlinear, **{k: v for k, v in kwargs.items()
+                                      if k != 'before_tpl'})
+  return cells, num_devices, inputs_fn, LossFn, kwargs, desc
+
+
+def width_in(before, cells):
+  return (before[0] if before else cells[0].sub[0]).input_dim
+
+
+def rng_input(seed, shape):
+  return np.random.RandomState(seed + 7).randn(*shape).astype(np.float32)
+
+
+@pytest.mark.parametrize('seed', range(10))
+def test_random_pipelines_match_sequential(seed):
+  cells, num_devices, inputs_fn, loss_fn, kwargs, desc = _RandomCase(seed)
+  variants = lib.VARIANTS + (('1f1b', True),)
+  results, seq, names = lib.RunVariants(
+      cells, num_devices, inputs_fn, variants=variants, loss_fn=loss_fn,
+      **kwargs)
+  assert set(results) == set(variants), desc
+  try:
+    lib.AssertVariantsMatch(results, seq, names)
+  except AssertionError as e:
+    raise AssertionError('%s\n%s' % (desc, e)) from None
+
+
+def test_random_cases_cover_the_structures():
+  """The generator reaches every structure it is meant to (not only FC)."""
+  descs = [_RandomCase(s)[-1] for s in range(10)]
+  assert any(d['fetches'] for d in descs)
+  assert any(d['batch_dim'] == 1 for d in descs)
+  assert any(d['before'] for d in descs)
+  assert any(d['nonlinear'] for d in descs)
+  assert any('micro_batch_size' in d for d in descs)
+  assert any(d['num_micro_batches'] > 1 for d in descs)
+  assert any(d['devices'] == 4 for d in descs)
+  assert any(len(d['used']) < 1 + d['fetches'] for d in descs)
