@@ -132,12 +132,24 @@ VARIANTS = (('unrolled', False), ('unrolled', True), ('1f1b', None),
             ('recurrent', True))
 
 
-def Variant(net, schedule, recompute):
-  """`net` with other schedule params, on the same weights and cells."""
+def Variant(net, schedule, recompute, extra=()):
+  """`net` with other schedule params, on the same weights and cells.
+
+  Args:
+    net: The PipeliningLayer.
+    schedule: Its `schedule`.
+    recompute: Its `recompute`.
+    extra: (param name, value) pairs of other PipeliningLayer params.
+
+  Returns:
+    A shallow copy of `net` with those params.
+  """
   v = copy.copy(net)
   p = net.params.Copy()
   p.schedule = schedule
   p.recompute = recompute
+  for key, value in extra:
+    p.Set(**{key: value})
   v._params = p  # pylint: disable=protected-access
   return v
 
@@ -179,13 +191,13 @@ def RunVariants(cell_tpl, num_devices, inputs_fn, variants=VARIANTS,
     args = inputs_fn()
     variables = net.vars.Flatten()
     fetches = {}
-    for schedule, recompute in variants:
+    for variant in variants:
       _ResetAccumulators(net)
-      out = Variant(net, schedule, recompute).FProp(net.theta, *args)
+      out = Variant(net, *variant).FProp(net.theta, *args)
       grads = tf.gradients(loss_fn(out), variables,
                            colocate_gradients_with_ops=True,
                            unconnected_gradients='zero')
-      fetches[(schedule, recompute)] = (out, grads)
+      fetches[variant] = (out, grads)
     _ResetAccumulators(net)
     seq_out = net.FPropSequential(net.theta, *args)
     seq = (seq_out, tf.gradients(loss_fn(seq_out), variables,

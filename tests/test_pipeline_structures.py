@@ -14,6 +14,8 @@ Two kinds of cases:
   the sequential model's outputs and gradients.
 """
 
+import re
+
 import lingvo_ext  # pylint: disable=unused-import
 import lingvo.compat as tf
 from lingvo.core import base_layer
@@ -24,6 +26,13 @@ import pytest
 
 from lingvo_ext.core import gpipe
 import gpipe_testlib as lib
+
+
+# Cells built once: each cell one function, called per micro-batch.
+_FN = (('cell_functions', True),)
+FUNCTION_VARIANTS = (('unrolled', False, _FN), ('unrolled', True, _FN),
+                     ('1f1b', None, _FN), ('1f1b', True, _FN))
+ALL_VARIANTS = lib.VARIANTS + (('1f1b', True),) + FUNCTION_VARIANTS
 
 
 # --- Lingvo's DummyPipelineCnn structure --------------------------------------
@@ -107,7 +116,7 @@ def test_lingvo_dummy_pipeline_cnn(num_splits, num_micro, micro_batch_size):
   num_devices = min(num_splits, 2)
   results, seq, names = lib.RunVariants(
       _CnnCells(num_splits), num_devices, lambda: (_CnnInput(),),
-      variants=lib.VARIANTS + (('1f1b', True),), loss_fn=loss_fn,
+      variants=ALL_VARIANTS, loss_fn=loss_fn,
       num_micro_batches=num_micro, micro_batch_size=micro_batch_size)
   assert len(names) == 16
   seq_norm = np.sqrt(sum(np.sum(g * g) for g in seq[1]))
@@ -120,8 +129,10 @@ def test_lingvo_dummy_pipeline_cnn(num_splits, num_micro, micro_batch_size):
   lib.AssertVariantsMatch(results, seq, names)
 
 
-@pytest.mark.parametrize('schedule', ['unrolled', '1f1b', 'recurrent'])
-def test_lingvo_dummy_pipeline_cnn_accumulators(schedule):
+@pytest.mark.parametrize('schedule,functions', [
+    ('unrolled', False), ('1f1b', False), ('recurrent', False),
+    ('unrolled', True), ('1f1b', True)])
+def test_lingvo_dummy_pipeline_cnn_accumulators(schedule, functions):
   # Each layer's accumulator counts the micro-batches that ran through it.
   num_micro = 4
   g = tf.Graph()
@@ -129,7 +140,7 @@ def test_lingvo_dummy_pipeline_cnn_accumulators(schedule):
     py_utils.GetOrCreateGlobalStepVar()
     net = gpipe.PipeliningLayer.Params().Set(
         name='pipeline', cell_tpl=_CnnCells(2), num_micro_batches=num_micro,
-        schedule=schedule).Instantiate()
+        schedule=schedule, cell_functions=functions).Instantiate()
     out = net.FPropDefaultTheta(_CnnInput())
     counts = net.GetAccumulatorValues().Flatten()
     init = tf.global_variables_initializer()
@@ -219,7 +230,7 @@ def rng_input(seed, shape):
 @pytest.mark.parametrize('seed', range(10))
 def test_random_pipelines_match_sequential(seed):
   cells, num_devices, inputs_fn, loss_fn, kwargs, desc = _RandomCase(seed)
-  variants = lib.VARIANTS + (('1f1b', True),)
+  variants = ALL_VARIANTS
   results, seq, names = lib.RunVariants(
       cells, num_devices, inputs_fn, variants=variants, loss_fn=loss_fn,
       **kwargs)
@@ -241,3 +252,55 @@ def test_random_cases_cover_the_structures():
   assert any(d['num_micro_batches'] > 1 for d in descs)
   assert any(d['devices'] == 4 for d in descs)
   assert any(len(d['used']) < 1 + d['fetches'] for d in descs)
+
+
+# --- Cells built once ---------------------------------------------------------
+
+
+def _GraphSize(num_micro, functions, schedule='unrolled', jit=False):
+  """(ops in the graph, per-cell forward call ops) of a 2-cell FC pipeline."""
+  cells = [gpipe.FeatureExtractionLayer.Params().Set(
+      name='cell%d' % c,
+      sub=[lib.Fc('fc%d_%d' % (c, j), 6, 6, seed=c * 10 + j)
+           for j in range(3)]) for c in range(2)]
+  g = tf.Graph()
+  with g.as_default(), lib.Cluster(2):
+    py_utils.GetOrCreateGlobalStepVar()
+    net = gpipe.PipeliningLayer.Params().Set(
+        name='pipe', cell_tpl=cells, num_micro_batches=num_micro,
+        schedule=schedule, cell_functions=functions,
+        jit_compile=jit).Instantiate()
+    out = net.FPropDefaultTheta(tf.ones([8 * num_micro, 6]))
+    tf.gradients(tf.reduce_sum(out), net.vars.Flatten())
+  calls = [op for op in g.get_operations()
+           if op.type in ('PartitionedCall', 'StatefulPartitionedCall')]
+  return len(g.get_operations()), calls
+
+
+@pytest.mark.parametrize('schedule', ['unrolled', '1f1b'])
+def test_cell_functions_graph_grows_with_call_sites_not_cell_copies(schedule):
+  # Inline, every micro-batch copies every cell's ops (forward and
+  # backward); with cell functions a micro-batch adds a few call sites.
+  inline = [_GraphSize(m, False, schedule)[0] for m in (2, 8)]
+  fn = [_GraphSize(m, True, schedule)[0] for m in (2, 8)]
+  per_micro_inline = (inline[1] - inline[0]) / 6
+  per_micro_fn = (fn[1] - fn[0]) / 6
+  assert per_micro_fn < per_micro_inline / 2, (inline, fn)
+  # Forward and backward of each cell, one call each per micro-batch.
+  _, calls = _GraphSize(8, True, schedule)
+  fwd = [op for op in calls if re.search(r'cell\d_mb\d+/', op.name) and
+         not op.name.startswith('gradients')]
+  assert len(fwd) == 2 * 8, [op.name for op in calls]
+
+
+def test_jit_compiled_cells_match_sequential():
+  cells = [gpipe.FeatureExtractionLayer.Params().Set(
+      name='cell%d' % c,
+      sub=[lib.Fc('fc%d' % c, 6, 6, seed=c + 1)]) for c in range(2)]
+  jit = (('cell_functions', True), ('jit_compile', True))
+  variants = (('unrolled', False, jit), ('1f1b', None, jit))
+  results, seq, names = lib.RunVariants(
+      cells, 2, lambda: (tf.constant(
+          np.random.RandomState(0).randn(8, 6).astype(np.float32)),),
+      variants=variants, num_micro_batches=4)
+  lib.AssertVariantsMatch(results, seq, names, atol=1e-4)

@@ -481,6 +481,17 @@ class PipeliningLayer(SeqLayer):
         "in the backward pass, keeping only cell boundary activations "
         "(less memory, more time).")
     p.Define(
+        'cell_functions', False,
+        "'unrolled' and '1f1b': if True, each cell's forward pass is one TF "
+        'function traced once and called once per micro-batch (its backward '
+        "pass is the function's gradient, also built once), so the graph "
+        'grows with layers + cells x micro-batches instead of layers x '
+        'micro-batches.')
+    p.Define(
+        'jit_compile', False,
+        "'unrolled' and '1f1b': compile each cell's function with XLA "
+        '(cells are then built once, as with cell_functions=True).')
+    p.Define(
         'recompute', None,
         'Re-materialisation: whether each cell\'s forward pass is '
         'recomputed in its backward pass, keeping only cell-boundary '

@@ -39,6 +39,7 @@ from lingvo.core import py_utils
 from lingvo.core import recurrent
 from tensorflow.python.framework import ops  # pylint: disable=g-direct-tensorflow-import
 
+from lingvo_ext.core import cell_function
 from lingvo_ext.core import matmul_grad
 from lingvo_ext.core import sharding
 
@@ -220,6 +221,12 @@ class _Engine:
     self.window = window
     self.inputs = inputs
     self.theta = theta
+    self.cell_fns = None
+    jit = getattr(self.p, 'jit_compile', False)
+    if getattr(self.p, 'cell_functions', False) or jit:
+      self.cell_fns = [
+          cell_function.CellFunction(cell, '%s_fprop' % name, jit)
+          for name, cell in self.cells]
 
   def _CellFProp(self, i, x, step, scope, gate=False):
     """Cell i on micro-batch input x, in a fresh name scope `scope`.
@@ -228,6 +235,14 @@ class _Engine:
     second), which the backward pass may hold back (see `_HoldForward`).
     """
     _, cell = self.cells[i]
+    if self.cell_fns is not None:
+      # One traced function per cell; this is one call of it.
+      with tf.name_scope(scope):
+        if not gate:
+          return ToTuple(self.cell_fns[i](self.thetas[i], ToTuple(x), step)), None
+        gate_op = tf.no_op(name='fwd_gate')
+        with tf.control_dependencies([gate_op]):
+          return ToTuple(self.cell_fns[i](self.thetas[i], ToTuple(x), step)), gate_op
     with matmul_grad.PipelineMatMulGradients(self.devices[i]):
       with CellRandomness(step, scope):
         if not gate:
