@@ -1,0 +1,477 @@
+"""Pipeline schedules as data: the ordered actions of each device.
+
+A schedule here is a pure-Python function of a small stage description
+(`StageSpec`) that returns, for every device, the list of actions it runs in
+order, as torch.distributed.pipelining's `_Action` lists and DeepSpeed's
+`PipeSchedule.steps()` do. Nothing here needs TensorFlow: a schedule can be
+printed (`FormatSchedule`), checked for completeness and deadlock
+(`CheckSchedule`) and simulated over action costs (`Simulate`) before any graph
+is built, and tested as exact lists.
+
+An action is (kind, stage, micro_batch):
+
+- 'F': the stage's forward pass of the micro-batch.
+- 'R': its forward pass recomputed in the backward pass (re-materialisation).
+- 'B': its backward pass: input and weight gradients.
+- 'I': the input gradients alone; 'W': the weight gradients alone (a backward
+  pass split in two, as zero-bubble schedules do).
+
+Stage s runs on device s % num_devices: with more stages than devices each
+device holds several (virtual) stages, round robin, as Megatron's
+interleaved schedule and `PipeliningLayer` place them.
+"""
+
+import collections
+import dataclasses
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence
+
+
+class Action(NamedTuple):
+  """One step of one device: `kind` of stage `stage` on `micro_batch`."""
+  kind: str
+  stage: int
+  micro_batch: int
+
+  def __str__(self):
+    return '%s%d.%d' % (self.kind, self.stage, self.micro_batch)
+
+
+KINDS = ('F', 'R', 'B', 'I', 'W')
+
+
+@dataclasses.dataclass(frozen=True)
+class StageSpec:
+  """What a schedule needs to know of a pipeline.
+
+  Attributes:
+    num_stages: Pipeline stages (cells), K.
+    num_devices: Devices they run on; stage s on device s % num_devices.
+    num_micro_batches: Micro-batches, M.
+    recompute: Whether each stage's forward pass is recomputed ('R') before
+      its backward pass.
+  """
+  num_stages: int
+  num_devices: int
+  num_micro_batches: int
+  recompute: bool = False
+
+  def __post_init__(self):
+    for name in ('num_stages', 'num_devices', 'num_micro_batches'):
+      if getattr(self, name) < 1:
+        raise ValueError('StageSpec: %s=%r must be >= 1.' %
+                         (name, getattr(self, name)))
+    if self.num_devices > self.num_stages:
+      raise ValueError(
+          'StageSpec: num_devices=%d > num_stages=%d; a device needs a '
+          'stage: use at most %d devices.' %
+          (self.num_devices, self.num_stages, self.num_stages))
+
+  def Device(self, stage: int) -> int:
+    return stage % self.num_devices
+
+  def Stages(self, device: int) -> List[int]:
+    return list(range(device, self.num_stages, self.num_devices))
+
+
+ScheduleLists = List[List[Action]]
+
+
+def _Backward(spec: StageSpec, stage: int, t: int) -> List[Action]:
+  if spec.recompute:
+    return [Action('R', stage, t), Action('B', stage, t)]
+  return [Action('B', stage, t)]
+
+
+def GPipe(spec: StageSpec) -> ScheduleLists:
+  """All forward passes, then all backward passes (GPipe; 'unrolled').
+
+  Each device runs its stages' forward passes micro-batch by micro-batch,
+  then the backward passes in the same micro-batch order, last stage first.
+  """
+  m = spec.num_micro_batches
+  out = []
+  for d in range(spec.num_devices):
+    stages = spec.Stages(d)
+    actions = [Action('F', s, t) for t in range(m) for s in stages]
+    for t in range(m):
+      for s in reversed(stages):
+        actions += _Backward(spec, s, t)
+    out.append(actions)
+  return out
+
+
+def OneFOneB(spec: StageSpec) -> ScheduleLists:
+  """1F1B: after K - d - 1 warm-up forwards, one forward, one backward.
+
+  Device d has at most K - d micro-batches' activations alive. With more
+  stages than devices this is `Interleaved1F1B`.
+  """
+  if spec.num_stages != spec.num_devices:
+    return Interleaved1F1B(spec)
+  k, m = spec.num_stages, spec.num_micro_batches
+  out = []
+  for d in range(k):
+    warmup = min(k - d - 1, m)
+    actions = [Action('F', d, t) for t in range(warmup)]
+    for j in range(m - warmup):
+      actions.append(Action('F', d, warmup + j))
+      actions += _Backward(spec, d, j)
+    for j in range(m - warmup, m):
+      actions += _Backward(spec, d, j)
+    out.append(actions)
+  return out
+
+
+def Interleaved1F1B(spec: StageSpec) -> ScheduleLists:
+  """Megatron's interleaved 1F1B: V = K / D virtual stages per device.
+
+  Device d holds stages d, d + D, ...; it runs forward passes of micro-batch
+  groups of D through its virtual stages in turn (chunk (k // D) % V), so
+  the warm-up, and the bubble, shrink by V. Needs K % D == 0 and M % D == 0
+  (as Megatron); with V = 1 it is `OneFOneB`.
+  """
+  k, dev, m = spec.num_stages, spec.num_devices, spec.num_micro_batches
+  if k % dev:
+    raise ValueError(
+        "interleaved_1f1b: %d stages on %d devices; the number of cells must "
+        'be a multiple of the number of devices (V cells per device).' %
+        (k, dev))
+  if m % dev:
+    raise ValueError(
+        'interleaved_1f1b: num_micro_batches=%d must be a multiple of the '
+        'number of devices (%d); use %d.' % (m, dev, max(dev, m // dev * dev)))
+  v = k // dev
+  if v == 1:
+    return OneFOneB(spec)
+  total = m * v
+  out = []
+  for d in range(dev):
+
+    def Fwd(i, d=d):
+      chunk = (i // dev) % v
+      return Action('F', chunk * dev + d, (i // (dev * v)) * dev + i % dev)
+
+    def Bwd(i, d=d):
+      chunk = v - 1 - (i // dev) % v
+      return _Backward(spec, chunk * dev + d,
+                       (i // (dev * v)) * dev + i % dev)
+
+    warmup = min((dev - d - 1) * 2 + (v - 1) * dev, total)
+    actions = [Fwd(i) for i in range(warmup)]
+    for i in range(total - warmup):
+      actions.append(Fwd(warmup + i))
+      actions += Bwd(i)
+    for i in range(total - warmup, total):
+      actions += Bwd(i)
+    out.append(actions)
+  return out
+
+
+def ZeroBubble(spec: StageSpec) -> ScheduleLists:
+  """ZB-H1: 1F1B's memory, each backward split into 'I' and a deferred 'W'.
+
+  Input gradients ('I') go upstream as soon as they can, so they reach the
+  first stage after K - 1 input-gradient steps rather than K - 1 whole
+  backward passes; weight gradients ('W') run when a device would otherwise
+  wait. The order is found by running the pipeline over unit costs
+  (`UnitCost`) with one rule per free device: an 'I' that is ready, else a
+  'F' while fewer than K - d micro-batches hold activations on device d
+  (1F1B's bound: a micro-batch's are freed by its 'W'), else the oldest
+  pending 'W'.
+  """
+  if spec.num_stages != spec.num_devices:
+    raise ValueError(
+        'zero_bubble: %d cells on %d devices; it needs one cell per device.'
+        % (spec.num_stages, spec.num_devices))
+  k, m = spec.num_stages, spec.num_micro_batches
+  out = [[] for _ in range(k)]
+  end = {}
+  free = [0.] * k
+  next_f = [0] * k
+  next_i = [0] * k
+  pending = [collections.deque() for _ in range(k)]
+  remaining = k * m * 3
+
+  def Ready(a):
+    deps = _Deps(spec, a, True)
+    if spec.recompute and a.kind == 'I':
+      deps = [Action('F', a.stage, a.micro_batch)] + deps[1:]
+    return all(dep in end for dep in deps), max(
+        [end[dep] for dep in deps if dep in end] + [0.])
+
+  while remaining:
+    # The device that can start something soonest goes next.
+    best = None
+    for d in range(k):
+      choices = []
+      if next_i[d] < next_f[d]:
+        a = Action('I', d, next_i[d])
+        ok, at = Ready(a)
+        if ok:
+          choices.append((max(at, free[d]), 0, a))
+      if next_f[d] < m and next_f[d] - (next_i[d] - len(pending[d])) < k - d:
+        a = Action('F', d, next_f[d])
+        ok, at = Ready(a)
+        if ok:
+          choices.append((max(at, free[d]), 1, a))
+      if pending[d]:
+        choices.append((free[d], 2, Action('W', d, pending[d][0])))
+      if choices:
+        t0, rank, a = min(choices)
+        # Prefer I, then F, over a W that could start now only if they can
+        # start as soon.
+        cand = (t0, rank, d, a)
+        if best is None or cand < best:
+          best = cand
+    assert best is not None, 'zero_bubble: no action can run'
+    t0, _, d, a = best
+    if a.kind == 'F':
+      next_f[d] += 1
+      out[d].append(a)
+    elif a.kind == 'I':
+      next_i[d] += 1
+      pending[d].append(a.micro_batch)
+      if spec.recompute:
+        out[d].append(Action('R', d, a.micro_batch))
+      out[d].append(a)
+    else:
+      pending[d].popleft()
+      out[d].append(a)
+    end[a] = t0 + UnitCost(a) * (2 if spec.recompute and a.kind == 'I'
+                                 else 1)
+    free[d] = end[a]
+    remaining -= 1
+  return out
+
+
+# Schedules by the name PipeliningLayer's `schedule` param gives them.
+ACTION_SCHEDULES = {
+    'unrolled': GPipe,
+    '1f1b': OneFOneB,
+    'interleaved_1f1b': Interleaved1F1B,
+    'zero_bubble': ZeroBubble,
+}
+
+
+def _Deps(spec: StageSpec, a: Action, split: bool) -> List[Action]:
+  """The actions `a` needs finished (data dependencies only)."""
+  s, t = a.stage, a.micro_batch
+  last = spec.num_stages - 1
+  grad_kind = 'I' if split else 'B'
+  if a.kind == 'F':
+    return [Action('F', s - 1, t)] if s else []
+  if a.kind == 'R':
+    deps = [Action('F', s, t)]
+    if s < last:  # Recompute once the gradient arrives, not before.
+      deps.append(Action(grad_kind, s + 1, t))
+    return deps
+  if a.kind in ('B', 'I'):
+    deps = [Action('R' if spec.recompute else 'F', s, t)]
+    if s < last:
+      deps.append(Action(grad_kind, s + 1, t))
+    return deps
+  if a.kind == 'W':
+    return [Action('I', s, t)]
+  raise ValueError('unknown action kind %r' % (a.kind,))
+
+
+def CheckSchedule(spec: StageSpec, schedule: ScheduleLists) -> None:
+  """Raises ValueError unless `schedule` is complete, placed and deadlock-free.
+
+  Complete: every stage's 'F' and either 'B' or both 'I' and 'W' (and 'R'
+  with recompute) for every micro-batch, each exactly once. Placed: each on
+  its stage's device. Deadlock-free: `Simulate` finishes.
+
+  Args:
+    spec: The pipeline.
+    schedule: Per device, its ordered actions.
+  """
+  if len(schedule) != spec.num_devices:
+    raise ValueError('schedule has %d device lists for %d devices.' %
+                     (len(schedule), spec.num_devices))
+  seen = collections.Counter()
+  for d, actions in enumerate(schedule):
+    for a in actions:
+      if a.kind not in KINDS:
+        raise ValueError('unknown action %s on device %d.' % (a, d))
+      if spec.Device(a.stage) != d:
+        raise ValueError('%s on device %d; stage %d runs on device %d.' %
+                         (a, d, a.stage, spec.Device(a.stage)))
+      seen[a] += 1
+  twice = sorted(str(a) for a, n in seen.items() if n > 1)
+  if twice:
+    raise ValueError('actions scheduled more than once: %s' % ' '.join(twice))
+  split = any(a.kind in ('I', 'W') for a in seen)
+  kinds = ['F'] + (['R'] if spec.recompute else []) + (
+      ['I', 'W'] if split else ['B'])
+  want = {Action(kind, s, t) for kind in kinds
+          for s in range(spec.num_stages)
+          for t in range(spec.num_micro_batches)}
+  missing = sorted(str(a) for a in want - set(seen))
+  extra = sorted(str(a) for a in set(seen) - want)
+  if missing or extra:
+    raise ValueError('schedule is not complete: missing %s; unexpected %s' %
+                     (' '.join(missing) or 'none', ' '.join(extra) or 'none'))
+  Simulate(spec, schedule)
+
+
+def UnitCost(action: Action) -> float:
+  """Costs relative to a forward pass: backward 2 (input 1, weights 1)."""
+  return {'F': 1., 'R': 1., 'B': 2., 'I': 1., 'W': 1.}[action.kind]
+
+
+@dataclasses.dataclass
+class Timeline:
+  """Simulated start and end of every action.
+
+  Attributes:
+    spec: The pipeline.
+    schedule: Per device, its ordered actions.
+    start: Action -> start time.
+    end: Action -> end time.
+    makespan: When the last action ends.
+  """
+  spec: StageSpec
+  schedule: ScheduleLists
+  start: Dict[Action, float]
+  end: Dict[Action, float]
+  makespan: float
+
+  def IdleFraction(self) -> float:
+    """The share of device time not spent in actions (the bubble)."""
+    busy = sum(self.end[a] - self.start[a] for a in self.start)
+    total = self.makespan * self.spec.num_devices
+    return 1. - busy / total if total else 0.
+
+  def PeakInFlight(self, device: int) -> int:
+    """Most micro-batch stages with activations held at once on `device`.
+
+    A stage's activations of a micro-batch live from its 'F' to its 'B' (or
+    'W', which still reads them); with recompute, only between 'R' and 'B'/'W'
+    (the boundary input kept from 'F' is not counted).
+    """
+    events = []
+    for a in self.schedule[device]:
+      if a.kind == ('R' if self.spec.recompute else 'F'):
+        events.append((self.start[a], 1))
+      elif a.kind in ('B', 'W'):
+        events.append((self.end[a], -1))
+    live = peak = 0
+    for _, delta in sorted(events, key=lambda e: (e[0], e[1])):
+      live += delta
+      peak = max(peak, live)
+    return peak
+
+
+def Simulate(spec: StageSpec, schedule: ScheduleLists,
+             cost: Optional[Callable[[Action], float]] = None) -> Timeline:
+  """Runs the schedule on its devices over action costs.
+
+  Each device runs its list in order; an action starts once its device is
+  free and the actions it depends on (the previous stage's forward pass,
+  the next stage's backward pass, its own forward pass) have ended. Transfers
+  between devices take no time.
+
+  Args:
+    spec: The pipeline.
+    schedule: Per device, its ordered actions.
+    cost: Action -> duration (default `UnitCost`).
+
+  Returns:
+    The Timeline.
+
+  Raises:
+    ValueError: the schedule deadlocks (names what each device waits for).
+  """
+  cost = cost or UnitCost
+  split = any(a.kind in ('I', 'W') for acts in schedule for a in acts)
+  pos = [0] * len(schedule)
+  free = [0.] * len(schedule)
+  start, end = {}, {}
+  remaining = sum(len(acts) for acts in schedule)
+  while remaining:
+    progressed = False
+    for d, acts in enumerate(schedule):
+      while pos[d] < len(acts):
+        a = acts[pos[d]]
+        deps = _Deps(spec, a, split)
+        if any(dep not in end for dep in deps):
+          break
+        start[a] = max([free[d]] + [end[dep] for dep in deps])
+        end[a] = start[a] + cost(a)
+        free[d] = end[a]
+        pos[d] += 1
+        remaining -= 1
+        progressed = True
+    if not progressed:
+      waits = []
+      for d, acts in enumerate(schedule):
+        if pos[d] < len(acts):
+          a = acts[pos[d]]
+          need = [str(x) for x in _Deps(spec, a, split) if x not in end]
+          waits.append('device %d at %s waits for %s' %
+                       (d, a, ', '.join(need)))
+      raise ValueError('schedule deadlocks: %s' % '; '.join(waits))
+  return Timeline(spec, schedule, start, end, max(end.values(), default=0.))
+
+
+def FormatSchedule(spec: StageSpec, schedule: ScheduleLists,
+                   cost: Optional[Callable[[Action], float]] = None) -> str:
+  """The simulated timeline as text: a row per device, a column per time unit.
+
+  Each action fills the columns it runs in with its label ('F1.3' is stage 1's
+  forward pass of micro-batch 3); idle time is '.'.
+
+  Args:
+    spec: The pipeline.
+    schedule: Per device, its ordered actions.
+    cost: Action -> integer duration (default `UnitCost`).
+
+  Returns:
+    The table, with the idle fraction in its last line.
+  """
+  tl = Simulate(spec, schedule, cost)
+  width = max([len(str(a)) for acts in schedule for a in acts] + [1])
+  cols = int(round(tl.makespan))
+  lines = []
+  for d, acts in enumerate(schedule):
+    row = ['.' * width] * cols
+    for a in acts:
+      for c in range(int(round(tl.start[a])), int(round(tl.end[a]))):
+        row[c] = str(a).ljust(width)
+    lines.append('dev%d | %s' % (d, ' '.join(row)))
+  lines.append('idle %.1f%% of %d device-steps' %
+               (100 * tl.IdleFraction(), cols * spec.num_devices))
+  return '\n'.join(lines)
+
+
+def Build(name: str, spec: StageSpec) -> ScheduleLists:
+  """The named schedule's lists for `spec`, checked.
+
+  Args:
+    name: A key of ACTION_SCHEDULES.
+    spec: The pipeline.
+
+  Returns:
+    Per device, its ordered actions.
+  """
+  if name not in ACTION_SCHEDULES:
+    raise ValueError('schedule=%r has no action list; use one of %s.' %
+                     (name, sorted(ACTION_SCHEDULES)))
+  schedule = ACTION_SCHEDULES[name](spec)
+  CheckSchedule(spec, schedule)
+  return schedule
+
+
+def PreviousOnDevice(schedule: ScheduleLists,
+                     kinds: Sequence[str]) -> Dict[Action, Optional[Action]]:
+  """For each action, the last action of one of `kinds` before it on its
+  device (None if there is none): what an engine orders it after."""
+  out = {}
+  for acts in schedule:
+    last = None
+    for a in acts:
+      out[a] = last
+      if a.kind in kinds:
+        last = a
+  return out

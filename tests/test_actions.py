@@ -1,0 +1,145 @@
+"""Schedules as data: exact action lists, checks and simulation, without TF."""
+
+import itertools
+
+import pytest
+
+from lingvo_ext.core import actions as A
+
+
+def _Str(schedule):
+  return [' '.join(str(a) for a in acts) for acts in schedule]
+
+
+def test_gpipe_exact_lists():
+  spec = A.StageSpec(num_stages=2, num_devices=2, num_micro_batches=3)
+  assert _Str(A.GPipe(spec)) == [
+      'F0.0 F0.1 F0.2 B0.0 B0.1 B0.2',
+      'F1.0 F1.1 F1.2 B1.0 B1.1 B1.2',
+  ]
+  spec = A.StageSpec(2, 2, 2, recompute=True)
+  assert _Str(A.GPipe(spec)) == [
+      'F0.0 F0.1 R0.0 B0.0 R0.1 B0.1',
+      'F1.0 F1.1 R1.0 B1.0 R1.1 B1.1',
+  ]
+
+
+def test_1f1b_exact_lists():
+  spec = A.StageSpec(num_stages=3, num_devices=3, num_micro_batches=4)
+  assert _Str(A.OneFOneB(spec)) == [
+      'F0.0 F0.1 F0.2 B0.0 F0.3 B0.1 B0.2 B0.3',
+      'F1.0 F1.1 B1.0 F1.2 B1.1 F1.3 B1.2 B1.3',
+      'F2.0 B2.0 F2.1 B2.1 F2.2 B2.2 F2.3 B2.3',
+  ]
+  # Fewer micro-batches than stages: warm-up takes them all.
+  assert _Str(A.OneFOneB(A.StageSpec(3, 3, 1))) == ['F0.0 B0.0'] + [
+      'F%d.0 B%d.0' % (s, s) for s in (1, 2)]
+
+
+def test_interleaved_exact_lists():
+  # 4 stages on 2 devices: device 0 holds stages 0 and 2.
+  spec = A.StageSpec(num_stages=4, num_devices=2, num_micro_batches=2)
+  assert _Str(A.Interleaved1F1B(spec)) == [
+      'F0.0 F0.1 F2.0 F2.1 B2.0 B2.1 B0.0 B0.1',
+      'F1.0 F1.1 F3.0 B3.0 F3.1 B3.1 B1.0 B1.1',
+  ]
+  # One stage per device: the same lists as 1F1B.
+  spec = A.StageSpec(3, 3, 6)
+  assert A.Interleaved1F1B(spec) == A.OneFOneB(spec)
+
+
+def test_zero_bubble_exact_lists():
+  spec = A.StageSpec(num_stages=2, num_devices=2, num_micro_batches=4)
+  assert _Str(A.ZeroBubble(spec)) == [
+      'F0.0 F0.1 I0.0 W0.0 F0.2 I0.1 W0.1 F0.3 I0.2 W0.2 I0.3 W0.3',
+      'F1.0 I1.0 W1.0 F1.1 I1.1 W1.1 F1.2 I1.2 W1.2 F1.3 I1.3 W1.3',
+  ]
+
+
+_SPECS = [A.StageSpec(k, d, m, r)
+          for k, d, m, r in itertools.product((1, 2, 3, 4, 6), (1, 2, 3),
+                                              (1, 2, 3, 4, 8, 12),
+                                              (False, True))
+          if d <= k]
+
+
+@pytest.mark.parametrize('name', sorted(A.ACTION_SCHEDULES))
+def test_every_schedule_is_complete_placed_and_deadlock_free(name):
+  built = 0
+  for spec in _SPECS:
+    try:
+      schedule = A.ACTION_SCHEDULES[name](spec)
+    except ValueError as e:
+      # Only the documented limits refuse a spec.
+      assert ('multiple' in str(e) or 'one cell per device' in str(e)), e
+      continue
+    A.CheckSchedule(spec, schedule)
+    built += 1
+  assert built >= 20
+
+
+def test_check_schedule_finds_what_is_wrong():
+  spec = A.StageSpec(2, 2, 2)
+  good = A.OneFOneB(spec)
+  with pytest.raises(ValueError, match='missing B1.1'):
+    A.CheckSchedule(spec, [good[0], good[1][:-1]])
+  with pytest.raises(ValueError, match='more than once: F0.0'):
+    A.CheckSchedule(spec, [good[0] + [A.Action('F', 0, 0)], good[1]])
+  with pytest.raises(ValueError, match='stage 1 runs on device 1'):
+    A.CheckSchedule(spec, [good[0] + [A.Action('F', 1, 0)], good[1]])
+  # Device 0 runs its backward before its forward reaches device 1.
+  swapped = [[A.Action('B', 0, 0)] + [a for a in good[0]
+                                      if a != A.Action('B', 0, 0)], good[1]]
+  with pytest.raises(ValueError, match='deadlocks: device 0 at B0.0 waits '
+                     'for F0.0, B1.0'):
+    A.CheckSchedule(spec, swapped)
+
+
+def test_bubbles_and_memory():
+  # 1F1B's bubble equals GPipe's; it holds K - d micro-batches, not M.
+  spec = A.StageSpec(4, 4, 8)
+  gpipe = A.Simulate(spec, A.GPipe(spec))
+  one = A.Simulate(spec, A.OneFOneB(spec))
+  assert one.IdleFraction() == pytest.approx(gpipe.IdleFraction())
+  assert [one.PeakInFlight(d) for d in range(4)] == [4, 3, 2, 1]
+  assert [gpipe.PeakInFlight(d) for d in range(4)] == [8] * 4
+  # (K - 1)(F + B) of idle per device over M(F + B) + (K - 1)(F + B).
+  assert one.IdleFraction() == pytest.approx(3 / 11)
+  # ZB-H1: less idle at 1F1B's activation memory.
+  zb = A.Simulate(spec, A.ZeroBubble(spec))
+  assert zb.IdleFraction() < one.IdleFraction() - 0.05
+  assert [zb.PeakInFlight(d) for d in range(4)] == [4, 3, 2, 1]
+  # Interleaving V = 2 virtual stages per device shrinks the bubble.
+  v1 = A.StageSpec(2, 2, 4)
+  v2 = A.StageSpec(4, 2, 4)
+  il = A.Simulate(v2, A.Interleaved1F1B(v2),
+                  cost=lambda a: A.UnitCost(a) / 2)  # Half a cell each.
+  assert il.IdleFraction() < A.Simulate(v1, A.OneFOneB(v1)).IdleFraction()
+
+
+def test_format_schedule():
+  spec = A.StageSpec(2, 2, 2)
+  text = A.FormatSchedule(spec, A.OneFOneB(spec))
+  assert text.splitlines() == [
+      'dev0 | F0.0 F0.1 .... .... B0.0 B0.0 .... B0.1 B0.1',
+      'dev1 | .... F1.0 B1.0 B1.0 F1.1 B1.1 B1.1 .... ....',
+      'idle 33.3% of 18 device-steps',
+  ]
+
+
+def test_build_refuses_bad_specs():
+  with pytest.raises(ValueError, match="schedule='gpipe' has no action"):
+    A.Build('gpipe', A.StageSpec(2, 2, 2))
+  with pytest.raises(ValueError, match='num_micro_batches=3 must be a '
+                     'multiple of the number of devices'):
+    A.Build('interleaved_1f1b', A.StageSpec(4, 2, 3))
+  with pytest.raises(ValueError, match='num_devices=3 > num_stages=2'):
+    A.StageSpec(2, 3, 2)
+
+
+def test_previous_on_device():
+  spec = A.StageSpec(2, 2, 3)
+  prev = A.PreviousOnDevice(A.OneFOneB(spec), ('B',))
+  assert prev[A.Action('F', 0, 2)] == A.Action('B', 0, 0)
+  assert prev[A.Action('F', 0, 1)] is None
+  assert prev[A.Action('F', 1, 2)] == A.Action('B', 1, 1)
