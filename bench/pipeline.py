@@ -19,6 +19,8 @@ RSS comes from a fresh child process per (implementation, configuration).
   .venv/bin/python bench/pipeline.py --markdown      # the same, as a markdown table
   .venv/bin/python bench/pipeline.py --quick         # reduced sweep, < 2 minutes
   .venv/bin/python bench/pipeline.py --quick --trace /tmp/trace   # + timelines
+  .venv/bin/python bench/pipeline.py --models transformer --markdown
+      # Lingvo's GPipeTransformerStack, see bench/transformer.py
 
 With a torch venv (`bash scripts/torch_venv.sh` makes .venv-torch, used by
 default; or `--torch_python PATH`), bench/torch_baselines.py runs the
@@ -60,6 +62,7 @@ import numpy as np  # pylint: disable=g-import-not-at-top
 
 from bench import timeline  # pylint: disable=g-import-not-at-top
 from bench import torch_baselines  # pylint: disable=g-import-not-at-top
+from bench import transformer  # pylint: disable=g-import-not-at-top
 from lingvo_ext.core import gpipe as ext_gpipe  # pylint: disable=g-import-not-at-top
 
 py_utils.SetEagerMode(False)
@@ -765,8 +768,15 @@ def ParseArgs(argv=None):
   parser.add_argument('--K', type=int, nargs='+', help='Numbers of cells.')
   parser.add_argument('--M', type=int, nargs='+',
                       help='Numbers of micro-batches.')
-  parser.add_argument('--models', nargs='+', choices=MODELS,
-                      default=list(MODELS))
+  parser.add_argument(
+      '--models', nargs='+', choices=MODELS + ('transformer',),
+      default=list(MODELS),
+      help="FC models, or 'transformer': Lingvo's GPipeTransformerStack "
+      'through lingvo.core.gpipe and lingvo_ext (bench/transformer.py; '
+      '--K, --M, --steps and --markdown apply; L in --transformer_layers).')
+  parser.add_argument('--transformer_layers', type=int, nargs='+',
+                      default=[8, 32],
+                      help="--models transformer: encoder layers (L).")
   parser.add_argument(
       '--schedules', nargs='*',
       help='lingvo_ext variants timed beside its default, as '
@@ -858,6 +868,20 @@ def main(argv=None) -> int:
     with open(args.from_jsonl) as f:
       records = [json.loads(l) for l in f if l.strip()]
     PrintMarkdown(records)
+    return 0
+  if 'transformer' in args.models:
+    if len(args.models) > 1:
+      _Log("--models transformer runs on its own; give it alone.")
+      return 2
+    records = transformer.Run(
+        list(transformer.DEFAULT_VARIANTS), args.transformer_layers,
+        transformer.Pairs(args.K or [2, 4], args.M or [4, 16]),
+        args.steps or 5)
+    if args.markdown:
+      print(transformer.Markdown(records))
+    else:
+      for r in records:
+        print(json.dumps(r))
     return 0
   t = time.time()
   records = RunSweep(args)

@@ -1,0 +1,203 @@
+"""Lingvo's GPipeTransformerStack: lingvo.core.gpipe vs lingvo_ext, per schedule.
+
+Builds the same stack (`layers_with_gpipe.GPipeTransformerStack`, encoder
+only: model_dim 64, hidden 128, 2 heads, 16 time steps, batch 32, a 32-word
+vocabulary and softmax) with Lingvo's module and with lingvo_ext's, same
+Params and seed, and reports per configuration the graph's op count, the time
+to the first step (graph building plus the first Session.run: placement and
+Grappler), the median step time (forward, tf.gradients, SGD) and the peak
+RSS. Each configuration runs in a fresh child process, on `K` logical CPU
+devices with 2 inter-op and 1 intra-op threads.
+
+  .venv/bin/python bench/transformer.py --L 8 --K 2 --M 4
+  .venv/bin/python bench/transformer.py --L 8 32 --K 2 4 --M 4 16 --markdown
+      # (K, M) = (2, 4) and (4, 16), each at L = 8 and 32
+  .venv/bin/python bench/pipeline.py --models transformer   # the same sweep
+
+Variants: 'lingvo' (lingvo.core.gpipe), and lingvo_ext '<schedule>' with
+optional '+functions' (`cell_functions=True`: each cell one TF function
+called per micro-batch) and '+jit' (`jit_compile=True`).
+"""
+
+import argparse
+import itertools
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+DEFAULT_VARIANTS = ('lingvo', 'unrolled', 'unrolled+functions', '1f1b',
+                    '1f1b+functions', 'recurrent')
+T, B, D, HIDDEN, HEADS, VOCAB = 16, 32, 64, 128, 2, 32
+
+
+def _Child(variant: str, num_layers: int, k: int, m: int, steps: int) -> dict:
+  """Builds and times one configuration in this process."""
+  t0 = time.time()
+  sys.path.insert(0, _REPO)
+  import lingvo_ext  # pylint: disable=g-import-not-at-top,unused-import
+  import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
+  from lingvo.core import cluster_factory  # pylint: disable=g-import-not-at-top
+  from lingvo.core import layers_with_gpipe as lingvo_stacks  # pylint: disable=g-import-not-at-top
+  from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.core import layers_with_gpipe as ext_stacks  # pylint: disable=g-import-not-at-top
+  py_utils.SetEagerMode(False)
+  t_import = time.time() - t0
+  t0 = time.time()
+  schedule, *extras = variant.split('+')
+  stacks = lingvo_stacks if schedule == 'lingvo' else ext_stacks
+  g = tf.Graph()
+  with g.as_default(), cluster_factory.ForTestingWorker(
+      mode='sync', job='trainer_client', cpus=k, split_size=k):
+    tf.random.set_seed(1)
+    global_step = py_utils.GetOrCreateGlobalStepVar()
+    p = stacks.GPipeTransformerStack.Params().Set(
+        name='transformer', model_dim=D, num_encoder_layers=num_layers,
+        num_decoder_layers=0, splits=k, num_micro_batches=m,
+        state_dtype=tf.float32, random_seed=0)
+    p.encoder_tpl.source_dim = D
+    p.encoder_tpl.tr_atten_tpl.num_attention_heads = HEADS
+    p.encoder_tpl.tr_fflayer_tpl.hidden_dim = HIDDEN
+    p.emb_tpl.token_emb.Set(embedding_dim=D, vocab_size=VOCAB)
+    p.emb_tpl.position_emb.embedding_dim = D
+    p.softmax_tpl.Set(input_dim=D, num_classes=VOCAB)
+    if schedule != 'lingvo':
+      p.schedule = schedule
+      p.cell_functions = 'functions' in extras
+      p.jit_compile = 'jit' in extras
+    net = p.Instantiate()
+    rng = np.random.RandomState(0)
+    ids = tf.constant(rng.randint(0, VOCAB, [T, B]), tf.int32)
+    labels = tf.constant(rng.randint(0, VOCAB, [T, B]), tf.int32)
+    xent, _ = net.FPropDefaultTheta(ids, tf.zeros([T, B]), labels=labels,
+                                    label_weights=tf.ones([T, B]))
+    loss = tf.reduce_sum(xent)
+    variables = net.vars.Flatten()
+    grads = tf.gradients(loss, variables, colocate_gradients_with_ops=True)
+    train = tf.group(
+        [tf.assign_sub(v, 1e-4 * tf.convert_to_tensor(dv))
+         for v, dv in zip(variables, grads)] + [tf.assign_add(global_step, 1)])
+    init = tf.global_variables_initializer()
+  ops = len(g.get_operations())
+  t_build = time.time() - t0
+  config = tf.config_pb2.ConfigProto(
+      device_count={'CPU': k}, inter_op_parallelism_threads=2,
+      intra_op_parallelism_threads=1)
+  with tf.Session(graph=g, config=config) as sess:
+    sess.run(init)
+    loss0, _ = sess.run([loss, train])
+    t_first = time.time() - t0
+    times = []
+    for _ in range(steps):
+      t1 = time.time()
+      sess.run(train)
+      times.append(time.time() - t1)
+  from tensorflow.python.util import _pywrap_util_port  # pylint: disable=g-import-not-at-top,g-direct-tensorflow-import
+  return dict(
+      variant=variant, L=num_layers, K=k, M=m, ops=ops,
+      import_s=round(t_import, 2), build_s=round(t_build, 2),
+      first_step_s=round(t_first, 2),
+      step_ms=round(1e3 * float(np.median(times)), 1),
+      peak_rss_mb=round(
+          resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+      loss0=float(loss0), onednn=bool(_pywrap_util_port.IsMklEnabled()))
+
+
+def Pairs(ks, ms):
+  """(K, M) pairs: zipped when as many K as M are given, else all pairs."""
+  if len(ks) == len(ms):
+    return list(zip(ks, ms))
+  return list(itertools.product(ks, ms))
+
+
+def Run(variants, num_layers, km_pairs, steps, timeout_s=1800):
+  """Each configuration in a fresh child; returns the records."""
+  records = []
+  for l, (k, m), v in itertools.product(num_layers, km_pairs, variants):
+    cmd = [sys.executable, os.path.abspath(__file__), '--_child', v,
+           '--L', str(l), '--K', str(k), '--M', str(m), '--steps',
+           str(steps)]
+    print('[bench] %s L=%d K=%d M=%d' % (v, l, k, m), file=sys.stderr,
+          flush=True)
+    try:
+      res = subprocess.run(cmd, capture_output=True, text=True,
+                           timeout=timeout_s, check=False)
+    except subprocess.TimeoutExpired:
+      records.append(dict(variant=v, L=l, K=k, M=m,
+                          error='timeout %ds' % timeout_s))
+      continue
+    lines = [x for x in res.stdout.splitlines() if x.startswith('{')]
+    if res.returncode or not lines:
+      tail = res.stderr.strip().splitlines()[-1:] or ['no output']
+      records.append(dict(variant=v, L=l, K=k, M=m,
+                          error='exit %d: %s' % (res.returncode, tail[0])))
+      continue
+    records.append(json.loads(lines[-1]))
+  return records
+
+
+def Markdown(records) -> str:
+  """One row per configuration and variant, with ratios to Lingvo's."""
+  rows = ['| L, K, M | variant | graph ops | first step (s) | step (ms) | '
+          'peak RSS (MB) | step / Lingvo |',
+          '|---|---|---|---|---|---|---|']
+  base = {(r['L'], r['K'], r['M']): r for r in records
+          if r.get('variant') == 'lingvo' and 'error' not in r}
+  for r in records:
+    key = (r['L'], r['K'], r['M'])
+    if 'error' in r:
+      rows.append('| %d, %d, %d | %s | %s | | | | |' %
+                  (*key, r['variant'], r['error']))
+      continue
+    ratio = ''
+    if key in base:
+      ratio = '%.2fx' % (r['step_ms'] / base[key]['step_ms'])
+    rows.append('| %d, %d, %d | %s | %d | %.1f | %.1f | %d | %s |' %
+                (*key, r['variant'], r['ops'], r['first_step_s'],
+                 r['step_ms'], r['peak_rss_mb'], ratio))
+  return '\n'.join(rows)
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser.add_argument('--L', type=int, nargs='+', default=[8],
+                      help='Encoder layers.')
+  parser.add_argument('--K', type=int, nargs='+', default=[2],
+                      help='Cells (splits), one device each; paired with '
+                      '--M in order when as many are given, else every pair.')
+  parser.add_argument('--M', type=int, nargs='+', default=[4],
+                      help='Micro-batches.')
+  parser.add_argument('--variants', nargs='+', default=list(DEFAULT_VARIANTS),
+                      help="'lingvo' or '<schedule>[+functions][+jit]'.")
+  parser.add_argument('--steps', type=int, default=5,
+                      help='Timed steps after the first.')
+  parser.add_argument('--markdown', action='store_true',
+                      help='Print a markdown table instead of JSON lines.')
+  parser.add_argument('--_child', help=argparse.SUPPRESS)
+  args = parser.parse_args(argv)
+  for v in ([args._child] if args._child else args.variants):  # pylint: disable=protected-access
+    schedule, *extras = v.split('+')
+    if (schedule not in ('lingvo', 'unrolled', '1f1b', 'recurrent') or
+        not set(extras) <= {'functions', 'jit'}):
+      parser.error("--variants: %r is not 'lingvo' or "
+                   "'<unrolled|1f1b|recurrent>[+functions][+jit]'" % v)
+  if args._child:  # pylint: disable=protected-access
+    print(json.dumps(_Child(args._child, args.L[0], args.K[0], args.M[0],  # pylint: disable=protected-access
+                            args.steps)))
+    return 0
+  records = Run(args.variants, args.L, Pairs(args.K, args.M), args.steps)
+  if args.markdown:
+    print(Markdown(records))
+  else:
+    for r in records:
+      print(json.dumps(r))
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())

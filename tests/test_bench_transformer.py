@@ -1,0 +1,48 @@
+"""bench/transformer.py: Lingvo's GPipeTransformerStack through both libraries."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from bench import transformer
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_pairs_and_markdown():
+  assert transformer.Pairs([2, 4], [4, 16]) == [(2, 4), (4, 16)]
+  assert transformer.Pairs([2], [4, 8]) == [(2, 4), (2, 8)]
+  base = dict(L=8, K=2, M=4, ops=100, first_step_s=1., step_ms=80.,
+              peak_rss_mb=500)
+  text = transformer.Markdown([
+      dict(base, variant='lingvo'),
+      dict(base, variant='unrolled+functions', step_ms=40.),
+      dict(variant='1f1b', L=8, K=2, M=4, error='timeout 1800s')])
+  lines = text.splitlines()
+  assert lines[3] == '| 8, 2, 4 | unrolled+functions | 100 | 1.0 | 40.0 | 500 | 0.50x |'
+  assert 'timeout 1800s' in lines[4]
+
+
+def test_bad_variant_is_one_line_exit_2():
+  res = subprocess.run(
+      [sys.executable, os.path.join(_REPO, 'bench', 'transformer.py'),
+       '--variants', 'gpipe'], capture_output=True, text=True, timeout=120,
+      check=False)
+  assert res.returncode == 2
+  assert "--variants: 'gpipe' is not" in res.stderr
+
+
+@pytest.mark.e2e
+def test_same_first_loss_in_both_libraries():
+  # Same Params and seed: the first step's loss is the same in Lingvo's
+  # pipeline and in lingvo_ext's, with cells inline or built once.
+  records = transformer.Run(['lingvo', 'unrolled', 'unrolled+functions'],
+                            [2], [(2, 2)], steps=1, timeout_s=600)
+  assert all('error' not in r for r in records), records
+  losses = [r['loss0'] for r in records]
+  assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+  assert losses[0] == pytest.approx(losses[2], rel=1e-5)
+  ops = {r['variant']: r['ops'] for r in records}
+  assert ops['unrolled+functions'] < ops['unrolled']
