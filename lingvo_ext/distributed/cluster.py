@@ -223,6 +223,16 @@ def Port(address: str) -> int:
   return int(address.rpartition(':')[2])
 
 
+def Answers(address: str, timeout_s: float = 2) -> bool:
+  """Whether `address` accepts a TCP connection now."""
+  try:
+    with socket.create_connection((Host(address), Port(address)),
+                                  timeout=timeout_s):
+      return True
+  except OSError:
+    return False
+
+
 def CheckPortFree(address: str, what: str) -> None:
   """Raises ValueError if another process already listens on `address`.
 

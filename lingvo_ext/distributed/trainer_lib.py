@@ -249,7 +249,9 @@ class DistributedRunnerManagerMixin:
 
   def _CreateRunner(self, job, model_task_name, logdir, tf_master, trial):
     if IsDistributed() and job in ('worker', 'ps'):
-      ServeUntilDone(self._tf_server, job, FLAGS.task)  # Does not return.
+      ServeUntilDone(self._tf_server,  # Does not return.
+                     cluster.ParseClusterSpec(FLAGS.cluster_spec), job,
+                     FLAGS.task)
     return super()._CreateRunner(job, model_task_name, logdir, tf_master,
                                  trial)
 
@@ -298,21 +300,12 @@ class ClusterWatch:
       threading.Thread(target=self._Run, daemon=True,
                        name='ClusterWatch').start()
 
-  def _Answers(self, address):
-    import socket  # pylint: disable=g-import-not-at-top
-    try:
-      with socket.create_connection(
-          (cluster.Host(address), cluster.Port(address)), timeout=2):
-        return True
-    except OSError:
-      return False
-
   def _Run(self):
     seen = {w: time.monotonic() for w in self._peers}
     while True:
       now = time.monotonic()
       for what, address in self._peers.items():
-        if self._Answers(address):
+        if cluster.Answers(address):
           seen[what] = now
         elif now - seen[what] > self._wait_s:
           print(f'error: {self._me}: {what} ({address}) has not answered for '
@@ -336,12 +329,14 @@ def _DoneQueue(job, task):
         shared_name=f'lingvo_ext_done_{job}_{task}')
 
 
-def ServeUntilDone(server, job, task):
+def ServeUntilDone(server, jobs, job, task, linger_s=60.0):
   """Serves until the chief says training is done, then exits 0.
 
   Lingvo's workers serve forever (`server.join()`), which suits a launcher
   that stops them; under Kubernetes or Slurm nothing would. ClusterWatch
-  ends the process (exit 1) if the clients go away without saying so.
+  ends the process (exit 1) if the clients go away without saying so. Told
+  'done', the task serves on until the clients have exited (at most
+  linger_s), so that their last calls to it finish.
   """
   graph = tf.Graph()
   with graph.as_default():
@@ -350,6 +345,12 @@ def ServeUntilDone(server, job, task):
   config.device_filters.append(f'/job:{job}/replica:0/task:{task}')
   with tf.Session(server.target, graph=graph, config=config) as sess:
     who = sess.run(take)
+  clients = [a for j in ('controller', 'trainer_client')
+             for a in jobs.get(j, ())]
+  deadline = time.monotonic() + linger_s
+  while time.monotonic() < deadline and any(
+      cluster.Answers(a) for a in clients):
+    time.sleep(0.5)
   print(f'{job} task {task}: {who.decode()} finished training; exiting.',
         file=sys.stderr, flush=True)
   tf.logging.info('Training finished; exiting.')
