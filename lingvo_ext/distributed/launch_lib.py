@@ -45,6 +45,7 @@ import fcntl
 import os
 import random
 import re
+import shlex
 import signal
 import socket
 import struct
@@ -385,8 +386,10 @@ class Launcher:
     tied to the thread that forks)."""
     with self._tail_lock:
       with open(task.log_path, 'ab') as log:
+        env = ' '.join(f'{k}={shlex.quote(v)}' for k, v in task.env.items())
         log.write(f'=== launch: starting {task.what} at '
-                  f'{time.strftime("%H:%M:%S")}\n'.encode())
+                  f'{time.strftime("%H:%M:%S")}: {env} '
+                  f'{shlex.join(task.argv)}\n'.encode())
         task.log_pos, task.partial = log.tell(), b''
         task.proc = subprocess.Popen(
             task.argv,
