@@ -499,9 +499,26 @@ class Launcher:
                        'controller restores the last checkpoint.')
             self.Start(t)
       if all(t.done for t in self.tasks if t.job in CLIENT_JOBS):
+        self._AwaitServers()
         self.Print('launch: training finished; stopping the workers.')
         return 0
       time.sleep(poll_s)
+
+  def _AwaitServers(self, timeout_s: float = 10) -> None:
+    """Lets the servers a finished chief told 'done' exit on their own."""
+    if not any(t.job == 'chief' for t in self.tasks):
+      return  # Separate controller and trainer client: nobody tells them.
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+      live = [t for t in self.tasks if not t.done]
+      for t in live:
+        if t.proc.poll() == 0:
+          self._TailOnce()
+          t.done = True
+          self.Print(f'launch: {t.what} finished')
+      if all(t.done for t in self.tasks):
+        return
+      time.sleep(0.2)
 
   def StopAll(self, grace_s: float = 10) -> None:
     """Stops every process this launcher started."""
