@@ -348,12 +348,15 @@ def testAWorkerWhoseChiefNeverAnswersExitsOnItsOwn():
   from lingvo_ext.distributed import launch_lib  # pylint: disable=g-import-not-at-top
   chief, worker = launch_lib.FreePorts(2)
   spec = {'chief': [f'127.0.0.1:{chief}'], 'worker': [f'127.0.0.1:{worker}']}
+  # Its wait for the chief's word outlasts --worker_timeout_secs (the
+  # deadline of each of its session calls).
   rc, out, took = _Trainer('--cluster_resolver=tf_config',
-                           '--cluster_wait_secs=3',
+                           '--cluster_wait_secs=5', '--worker_timeout_secs=1',
                            env=_Config(spec, 'worker', 0))
   assert rc == 1, out[-2000:]
   assert re.search(
       r'^error: worker task 0: controller task 0 \(127\.0\.0\.1:%d\) has not '
-      r'answered for \d+ s \(--cluster_wait_secs=3\); the cluster is gone: '
+      r'answered for \d+ s \(--cluster_wait_secs=5\); the cluster is gone: '
       r'exiting\.' % chief, out, re.M), out[-2000:]
+  assert 'Traceback' not in out, out[-2000:]
   assert took < 60, took

@@ -263,12 +263,11 @@ class DistributedRunnerManagerMixin:
       return
     # This process ran both clients: training is over once the controller
     # saved the checkpoint of the last step (not after Ctrl-C).
-    controller = [r for r in all_runners if isinstance(
-        getattr(r, '_checkpointer', None), lingvo_checkpointer.Checkpointer)]
-    max_steps = controller[0].params.train.max_steps if controller else None
+    max_steps = [r.params.train.max_steps for r in all_runners
+                 if hasattr(r, 'params')]
     path = tf.train.latest_checkpoint(os.path.join(FLAGS.logdir, 'train'))
     step = int(path.rsplit('-', 1)[1]) if path else -1
-    if max_steps is not None and step >= max_steps:
+    if max_steps and step >= max(max_steps):
       SignalDone(cluster.ParseClusterSpec(FLAGS.cluster_spec), FLAGS.job)
 
 
@@ -343,8 +342,16 @@ def ServeUntilDone(server, jobs, job, task, linger_s=60.0):
     take = _DoneQueue(job, task).dequeue()
   config = config_pb2.ConfigProto()
   config.device_filters.append(f'/job:{job}/replica:0/task:{task}')
+  # The server's sessions have a deadline (--worker_timeout_secs): wait in
+  # shorter calls.
+  options = tf.RunOptions(timeout_in_ms=10000)
   with tf.Session(server.target, graph=graph, config=config) as sess:
-    who = sess.run(take)
+    while True:
+      try:
+        who = sess.run(take, options=options)
+        break
+      except tf.errors.DeadlineExceededError:
+        pass
   clients = [a for j in ('controller', 'trainer_client')
              for a in jobs.get(j, ())]
   deadline = time.monotonic() + linger_s
