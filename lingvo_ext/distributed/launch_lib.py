@@ -500,7 +500,9 @@ class Launcher:
             self.Start(t)
       if all(t.done for t in self.tasks if t.job in CLIENT_JOBS):
         self._AwaitServers()
-        self.Print('launch: training finished; stopping the workers.')
+        self.Print('launch: training finished' + (
+            '.' if all(t.done for t in self.tasks) else
+            '; stopping the workers.'))
         return 0
       time.sleep(poll_s)
 
