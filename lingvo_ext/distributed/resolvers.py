@@ -81,7 +81,8 @@ def _Jobs(chief: List[str], workers: List[str],
   try:
     return cluster.ParseClusterSpec(cluster.FormatClusterSpec(jobs))
   except ValueError as e:
-    raise ResolveError(str(e).replace('--cluster_spec', 'the cluster')) from None
+    message = str(e).replace('--cluster_spec', 'the cluster')
+    raise ResolveError(message) from None
 
 
 def _LingvoJob(task_type: str) -> str:
