@@ -356,3 +356,22 @@ def testAWorkerWhoseChiefNeverAnswersExitsOnItsOwn():
       r'exiting\.' % chief, out, re.M), out[-2000:]
   assert 'Traceback' not in out, out[-2000:]
   assert took < 60, took
+
+
+def testEachTaskWatchesThePeersItNeeds():
+  """Servers watch the clients; clients the servers and the other client."""
+  from lingvo_ext.distributed import trainer_lib  # pylint: disable=g-import-not-at-top
+  jobs = {'controller': ['h:1'], 'trainer_client': ['h:2'],
+          'worker': ['w:1', 'w:2'], 'ps': ['p:1']}
+  servers = {'worker task 0', 'worker task 1', 'ps task 0'}
+  cases = [
+      (['worker'], 1, {'controller task 0', 'trainer_client task 0'}),
+      (['ps'], 0, {'controller task 0', 'trainer_client task 0'}),
+      (['controller'], 0, servers | {'trainer_client task 0'}),
+      (['trainer_client'], 0, servers | {'controller task 0'}),
+      # A chief runs both clients: it watches only the servers.
+      (['controller', 'trainer_client'], 0, servers),
+  ]
+  for process_jobs, task, want in cases:
+    watch = trainer_lib.ClusterWatch(jobs, process_jobs, task, wait_s=1)
+    assert set(watch._peers) == want, process_jobs  # pylint: disable=protected-access

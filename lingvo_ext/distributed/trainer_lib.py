@@ -232,7 +232,8 @@ class DistributedRunnerManagerMixin:
     print(f'{me} serving on {address}', file=sys.stderr, flush=True)
     if not FLAGS.tf_master:
       FLAGS.tf_master = self._tf_server.target
-    ClusterWatch(jobs, job, FLAGS.task, FLAGS.cluster_wait_secs).Start()
+    ClusterWatch(jobs, FLAGS.job.split(','), FLAGS.task,
+                 FLAGS.cluster_wait_secs).Start()
     if job in ('worker', 'ps', 'input'):
       return  # Servers only; the clients drive them.
     # Clients need the servers that hold the variables and run the ops, not
@@ -282,13 +283,14 @@ class ClusterWatch:
   cancelled Slurm job), so it would otherwise serve or retry forever.
   """
 
-  def __init__(self, jobs, job, task, wait_s, poll_s=2.0):
+  def __init__(self, jobs, process_jobs, task, wait_s, poll_s=2.0):
+    job = process_jobs[0]
     self._me = f'{job} task {task}'
     clients = ('controller', 'trainer_client')
     self._peers = {
         f'{j} task {t}': a for j, addrs in jobs.items()
         for t, a in enumerate(addrs)
-        if (j, t) != (job, task) and (
+        if not (j in process_jobs and t == task) and (
             (j in clients) if job in _SERVER_JOBS else True)
     }
     self._wait_s = wait_s
