@@ -4,15 +4,22 @@ r"""Trains on a local multi-process TensorFlow cluster on 127.0.0.1.
       --logdir=/tmp/lm_cluster --workers=2 --worker_split_size=2
 
 starts a controller, a trainer client and --workers worker processes of
-`lingvo_ext.trainer` with a matching --cluster_spec, streams their logs
-prefixed by task, restarts a task that dies (training resumes from the last
-checkpoint), and stops them all when training ends or on Ctrl-C. Every flag
-other than the launcher's own (below) goes to every trainer process, e.g.
---max_steps=100. With one CPU device per worker (--num_cpu_devices=1),
-replica r's cell i runs on worker task r*K+i (K = --worker_split_size), so
---workers=4 --worker_split_size=2 trains 2 replicas of a 2-cell pipeline.
-See lingvo_ext/distributed/launch_lib.py and README "Running on several
-machines".
+`lingvo_ext.trainer` with a matching --cluster_spec, prints their state
+changes and the trainer's progress (each task's whole log goes to
+LOGDIR/launch/JOB.TASK.log; --stream_logs prints it all), restarts a task
+that dies (training resumes from the last checkpoint), and stops them all
+when training ends, on Ctrl-C, or when the launcher itself is killed (even
+with kill -9). Every flag other than the launcher's own (below) goes to
+every trainer process, e.g. --max_steps=100. With one CPU device per worker
+(--num_cpu_devices=1), replica r's cell i runs on worker task r*K+i
+(K = --worker_split_size), so --workers=4 --worker_split_size=2 trains 2
+replicas of a 2-cell pipeline.
+
+--cluster_from=tf_config or slurm runs the same cluster the way Kubernetes
+or Slurm would: each task learns its place from TF_CONFIG or SLURM_*
+variables (--cluster_resolver), with one chief process running the
+controller and the trainer client. See lingvo_ext/distributed/launch_lib.py
+and README "Running on several machines".
 """
 
 import argparse
@@ -38,6 +45,24 @@ def _Parser():
                  help='How long to wait for every task to serve its port.')
   p.add_argument('--max_restarts', type=int, default=3,
                  help='Restarts of dead tasks allowed in all.')
+  p.add_argument('--stream_logs', action='store_true',
+                 help='Print every line of every task\'s log, prefixed with '
+                 'its name (default: state changes, the progress line and '
+                 'the tasks\' own messages; the logs are in '
+                 'LOGDIR/launch/JOB.TASK.log either way).')
+  p.add_argument('--cluster_from', choices=launch_lib.CLUSTER_FROM,
+                 default='flags',
+                 help='How each task learns its place: flags (--cluster_spec, '
+                 '--job, --task; a controller and a trainer client process), '
+                 'tf_config (TF_CONFIG, as Kubernetes operators set it; one '
+                 'chief process) or slurm (SLURM_* as srun sets them for '
+                 '--nodes nodes 127.0.0.1, 127.0.0.2, ...; rank 0 the chief).')
+  p.add_argument('--ps', type=int, default=0,
+                 help='ps tasks, which then hold the variables (flags, '
+                 'tf_config).')
+  p.add_argument('--nodes', type=int, default=1,
+                 help='--cluster_from=slurm: nodes; --workers must be a '
+                 'multiple of it.')
   return p
 
 
@@ -58,7 +83,8 @@ def Main(argv=None):
             file=sys.stderr)
       return 2
     name = f[2:].split('=', 1)[0]
-    if name in ('cluster_spec', 'job', 'task', 'mode', 'run_locally'):
+    if name in ('cluster_spec', 'job', 'task', 'mode', 'run_locally',
+                'cluster_resolver', 'slurm_port_base'):
       print(f'error: --{name} is set by lingvo_ext.launch for each process; '
             'drop it (to run tasks by hand, see README "Running on several '
             'machines").', file=sys.stderr)
@@ -73,16 +99,28 @@ def Main(argv=None):
   if args.workers < 1:
     print(f'error: --workers={args.workers} must be >= 1.', file=sys.stderr)
     return 2
+  if args.ps < 0:
+    print(f'error: --ps={args.ps} must be >= 0.', file=sys.stderr)
+    return 2
+  if args.cluster_from == 'slurm' and (
+      args.ps or args.nodes < 1 or args.workers % args.nodes):
+    print(f'error: --cluster_from=slurm needs --ps=0 and --workers (got '
+          f'{args.workers}) a multiple of --nodes (got {args.nodes} >= 1): '
+          'each node runs the same number of cells.', file=sys.stderr)
+    return 2
   try:
-    cluster.MakeWorkerLayout(
+    layout = cluster.MakeWorkerLayout(
         args.workers, int(_FlagValue(trainer_flags, 'num_cpu_devices', '1')),
         int(_FlagValue(trainer_flags, 'worker_split_size', '1')))
   except ValueError as e:
     print(f'error: {e}'.replace('--cluster_spec', '--workers'),
           file=sys.stderr)
     return 2
-  return launch_lib.Launch(args.workers, trainer_flags, logdir, args.network,
-                           args.ready_timeout_secs, args.max_restarts)
+  return launch_lib.Launch(
+      args.workers, trainer_flags, logdir, args.network,
+      args.ready_timeout_secs, args.max_restarts,
+      stream_logs=args.stream_logs, cluster_from=args.cluster_from,
+      num_ps=args.ps, nodes=args.nodes, layout=layout)
 
 
 if __name__ == '__main__':

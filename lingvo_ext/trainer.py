@@ -564,6 +564,10 @@ def Run(argv=None):
   except tf.flags.Error as e:
     print(f'{argv[0]}: {e}', file=sys.stderr)
     return 2
+  argv, error = trainer_lib.ResolveCluster(argv)  # --cluster_resolver
+  if error:
+    print(f'error: {error}', file=sys.stderr)
+    return 2
   if FLAGS.cluster_spec:  # One task of a cluster (lingvo_ext.distributed).
     FLAGS.set_default('run_locally', '')
   error = _CheckFlags()

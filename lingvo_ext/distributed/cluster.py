@@ -168,7 +168,9 @@ def CheckClusterFlags(jobs: Dict[str, List[str]], mode: str,
           f'--cluster_spec has no {job!r} job, which --mode={mode} needs; '
           f'add @{job}=host:port[,host:port...] (one address per {job} '
           f'process), e.g. --cluster_spec=...@{job}=127.0.0.1:2222')
-  for job in process_jobs:
+  # A process serves its first job; the others (e.g. the trainer client
+  # beside a controller) run on that server and need no address.
+  for job in process_jobs[:1]:
     if job not in jobs:
       raise ValueError(
           f'--job={job} but --cluster_spec has no {job!r} job (it has '
@@ -219,6 +221,16 @@ def Host(address: str) -> str:
 
 def Port(address: str) -> int:
   return int(address.rpartition(':')[2])
+
+
+def Answers(address: str, timeout_s: float = 2) -> bool:
+  """Whether `address` accepts a TCP connection now."""
+  try:
+    with socket.create_connection((Host(address), Port(address)),
+                                  timeout=timeout_s):
+      return True
+  except OSError:
+    return False
 
 
 def CheckPortFree(address: str, what: str) -> None:

@@ -2,22 +2,33 @@
 
 `lingvo_ext.launch` is the command line; `Launch` does the work:
 
-1. picks free ports on 127.0.0.1 and makes the --cluster_spec of a
-   controller, a trainer_client and --workers worker tasks;
-2. runs each as `python -m lingvo_ext.trainer --cluster_spec=... --job=J
-   --task=N` plus the user's trainer flags, in its own process group, and
-   streams its output prefixed with its name (also kept in
-   LOGDIR/launch/NAME.log);
-3. waits (--ready_timeout_secs) until every task's port answers;
-4. restarts a task that dies (at most --max_restarts times in all): the
+1. picks free ports on 127.0.0.1 and tells each task its place in the
+   cluster, as --cluster_from says: flags (default: --cluster_spec, --job,
+   --task; a controller, a trainer client, the workers), tf_config (a
+   TF_CONFIG variable per task and --cluster_resolver=tf_config, as
+   Kubernetes operators do: a chief running the controller and trainer
+   client, the workers) or slurm (SLURM_* variables as srun sets them for
+   --nodes nodes, 127.0.0.1, 127.0.0.2, ..., and --cluster_resolver=slurm);
+   --ps adds ps tasks, which then hold the variables;
+2. runs each as `python -m lingvo_ext.trainer ...` plus the user's trainer
+   flags, in its own process group, writing its whole output to
+   LOGDIR/launch/JOB.TASK.log (a file: a slow reader of the launcher's
+   output never blocks a task). Each task gets PR_SET_PDEATHSIG=SIGKILL, so
+   it dies with the launcher however the launcher dies (kill -9 included);
+3. prints each task's state changes (started, ready, lost, restarted,
+   finished), the trainer's progress line and the tasks' own one-line
+   messages (errors, lost contact, restores); --stream_logs prints every
+   line of every task, prefixed with its name;
+4. waits (--ready_timeout_secs) until every task's port answers;
+5. restarts a task that dies (at most --max_restarts times in all): the
    controller restores the weights of the last checkpoint when it finds
    variables uninitialized on a fresh worker, keeping the step counter where
    training was (trainer_lib.StepKeepingRestore); the trainer client retries
    its step;
-5. ends when the trainer client and the controller exit 0 (training reached
-   --max_steps), stopping the workers; on Ctrl-C, on a failure it cannot
-   restart, or when a task fails to come up, stops every process it started
-   and exits non-zero.
+6. ends when the clients (controller and trainer client, or the chief) exit
+   0 (training reached --max_steps), stopping the workers; on Ctrl-C, on a
+   failure it cannot restart, or when a task fails to come up, stops every
+   process it started and exits non-zero.
 
 TensorFlow's gRPC server listens on every interface of its host (it binds
 the wildcard address; TensorFlow has no option for a bind address) and does
@@ -27,10 +38,14 @@ interface: its tasks talk over 127.0.0.1 and nothing outside can connect to
 them. --network=host skips that (for systems without namespaces) and warns.
 """
 
+import collections
 import ctypes
 import dataclasses
 import fcntl
 import os
+import random
+import re
+import shlex
 import signal
 import socket
 import struct
@@ -41,6 +56,12 @@ import time
 from typing import Dict, List, Optional, Sequence
 
 from lingvo_ext.distributed import cluster
+from lingvo_ext.distributed import resolvers
+
+CLUSTER_FROM = ('flags', 'tf_config', 'slurm')
+# Jobs whose exit 0 means training is done.
+CLIENT_JOBS = ('controller', 'trainer_client', 'chief')
+_PR_SET_PDEATHSIG = 1
 
 _CLONE_NEWUSER = 0x10000000
 _CLONE_NEWNET = 0x40000000
@@ -92,22 +113,44 @@ def FreePorts(n: int, host: str = '127.0.0.1') -> List[int]:
       s.close()
 
 
-def ClusterJobs(num_workers: int, host: str = '127.0.0.1') -> Dict[str, List[str]]:
+def FreePortRange(n: int, host: str = '127.0.0.1', tries: int = 100) -> int:
+  """The first of n consecutive ports that are free on `host` now."""
+  for _ in range(tries):
+    base = random.randint(20000, 60000 - n)
+    try:
+      socks = []
+      for p in range(base, base + n):
+        s = socket.socket()
+        socks.append(s)
+        s.bind((host, p))
+      return base
+    except OSError:
+      pass
+    finally:
+      for s in socks:
+        s.close()
+  raise RuntimeError(f'found no {n} consecutive free ports on {host}.')
+
+
+def ClusterJobs(num_workers: int, host: str = '127.0.0.1',
+                num_ps: int = 0) -> Dict[str, List[str]]:
   """{job: [host:port]} of a local cluster with free ports."""
-  ports = FreePorts(num_workers + 2, host)
-  return {
+  ports = FreePorts(num_workers + num_ps + 2, host)
+  jobs = {
       'controller': [f'{host}:{ports[0]}'],
       'trainer_client': [f'{host}:{ports[1]}'],
-      'worker': [f'{host}:{p}' for p in ports[2:]],
+      'worker': [f'{host}:{p}' for p in ports[2:2 + num_workers]],
   }
+  if num_ps:
+    jobs['ps'] = [f'{host}:{p}' for p in ports[2 + num_workers:]]
+  return jobs
 
 
 def TaskCommand(jobs: Dict[str, List[str]], job: str, task: int,
                 trainer_flags: Sequence[str]) -> List[str]:
   """The trainer command line of one task of the cluster `jobs`."""
-  # --logtostderr: the launcher streams each task's log and keeps it in
-  # LOGDIR/launch/NAME.log (the trainer's own log file is per job, and the
-  # workers share a job).
+  # --logtostderr: the task's whole log goes to its LOGDIR/launch file (the
+  # trainer's own log file is per job, and the workers share a job).
   return [
       sys.executable, '-m', 'lingvo_ext.trainer',
       f'--cluster_spec={cluster.FormatClusterSpec(jobs)}', '--mode=sync',
@@ -131,11 +174,14 @@ class Task:
   task: int
   address: str
   argv: List[str]
+  env: Dict[str, str] = dataclasses.field(default_factory=dict)
   proc: Optional[subprocess.Popen] = None
-  thread: Optional[threading.Thread] = None
-  log: Optional[object] = None
   done: bool = False  # Exited 0 at the end of training.
+  ready: bool = False
   started_at: float = 0.0
+  log_path: str = ''
+  log_pos: int = 0  # Bytes of the log already read.
+  partial: bytes = b''
 
   @property
   def name(self) -> str:
@@ -146,60 +192,239 @@ class Task:
     return f'{self.job} task {self.task} ({self.address})'
 
 
+def ClusterTasks(num_workers: int, trainer_flags: Sequence[str],
+                 cluster_from: str = 'flags', num_ps: int = 0,
+                 nodes: int = 1, host: str = '127.0.0.1') -> List[Task]:
+  """The tasks of a local cluster, told their place as `cluster_from` says.
+
+  Args:
+    num_workers: Worker tasks.
+    trainer_flags: The user's trainer flags, passed to every task.
+    cluster_from: 'flags', 'tf_config' or 'slurm' (see the module doc).
+    num_ps: ps tasks ('flags' and 'tf_config').
+    nodes: 'slurm': the step's nodes; node n is 127.0.0.(n+1).
+    host: 'flags' and 'tf_config': every task's host.
+
+  Returns:
+    Workers and ps first (the clients wait for them), then the clients.
+  """
+  tail = ['--mode=sync', '--logtostderr', *trainer_flags]
+  trainer = [sys.executable, '-m', 'lingvo_ext.trainer']
+  tasks = []
+  if cluster_from == 'flags':
+    jobs = ClusterJobs(num_workers, host, num_ps)
+    for job in ('worker', 'ps', 'controller', 'trainer_client'):
+      for t, address in enumerate(jobs.get(job, ())):
+        tasks.append(Task(job, t, address, TaskCommand(jobs, job, t,
+                                                       trainer_flags)))
+    return tasks
+  if cluster_from == 'tf_config':
+    ports = FreePorts(1 + num_workers + num_ps, host)
+    spec = {'chief': [f'{host}:{ports[0]}'],
+            'worker': [f'{host}:{p}' for p in ports[1:1 + num_workers]]}
+    if num_ps:
+      spec['ps'] = [f'{host}:{p}' for p in ports[1 + num_workers:]]
+    argv = trainer + ['--cluster_resolver=tf_config', *tail]
+    for job in ('worker', 'ps', 'chief'):
+      for t, address in enumerate(spec.get(job, ())):
+        tasks.append(Task(job, t, address, argv,
+                          {'TF_CONFIG': resolvers.TFConfig(spec, job, t)}))
+    return tasks
+  if cluster_from == 'slurm':
+    hosts = [f'127.0.0.{n + 1}' for n in range(nodes)]
+    # The chief (rank 0) on the first node, then the workers in order.
+    per_node = [num_workers // nodes] * nodes
+    per_node[0] += 1
+    base = FreePortRange(1 + num_workers)
+    argv = trainer + ['--cluster_resolver=slurm',
+                      f'--slurm_port_base={base}', *tail]
+    for rank in range(1 + num_workers):
+      env = resolvers.SlurmEnv(hosts, per_node, rank)
+      # What resolvers.FromSlurm makes of it (without importing TensorFlow
+      # here): rank 0 the chief, rank 1+i worker i, port base + rank.
+      address = f'{env["SLURMD_NODENAME"]}:{base + rank}'
+      tasks.append(Task('chief' if rank == 0 else 'worker', max(rank - 1, 0),
+                        address, argv, env))
+    return tasks[1:] + tasks[:1]
+  raise ValueError(f'--cluster_from={cluster_from} is not one of '
+                   f'{", ".join(CLUSTER_FROM)}.')
+
+
+# Lines of a task's log shown without --stream_logs: the trainer's progress
+# line and the tasks' own one-line messages (not Lingvo's and TensorFlow's
+# INFO log records).
+_SHOWN = re.compile(
+    r'^(step \d+/\d+ |error:|warning:|note:|interrupted|TF_CONFIG:|Slurm:|'
+    r'(controller|trainer_client|trainer|worker|ps|evaler_\w+|decoder_\w+)'
+    r'(,\w+)*( task \d+)?:)')
+
+
+class _Output:
+  """Writes lines to `out` from a thread of its own.
+
+  Put never blocks: when the reader is slow and --stream_logs lines pile up
+  beyond max_lines, the newest task lines are dropped (and counted); the
+  launcher's own lines are always kept.
+  """
+
+  def __init__(self, out, logdir: str, max_lines: int = 20000):
+    self._out = out
+    self._logdir = logdir
+    self._max = max_lines
+    self._lines = collections.deque()
+    self._dropped = 0
+    self._busy = False
+    self._cv = threading.Condition()
+    threading.Thread(target=self._Run, daemon=True, name='output').start()
+
+  def Put(self, line: str, keep: bool = True) -> None:
+    with self._cv:
+      if not keep and len(self._lines) >= self._max:
+        self._dropped += 1
+        return
+      self._lines.append(line if line.endswith('\n') else line + '\n')
+      self._cv.notify_all()
+
+  def _Run(self):
+    while True:
+      with self._cv:
+        while not self._lines:
+          self._busy = False
+          self._cv.notify_all()
+          self._cv.wait()
+        self._busy = True
+        line = self._lines.popleft()
+        dropped, self._dropped = self._dropped, 0
+      try:
+        if dropped:
+          self._out.write(f'launch: {dropped} log line(s) not shown (the '
+                          'output is read slowly); every line is in '
+                          f'{self._logdir}\n')
+        self._out.write(line)
+        self._out.flush()
+      except (OSError, ValueError):
+        pass  # A closed reader: the logs still have every line.
+
+  def Flush(self, timeout_s: float = 5) -> None:
+    """Waits (at most timeout_s) until every line is written."""
+    deadline = time.monotonic() + timeout_s
+    with self._cv:
+      while self._lines or self._busy:
+        left = deadline - time.monotonic()
+        if left <= 0:
+          return
+        self._cv.wait(left)
+
+
+def _DieWithParent(parent_pid: int):
+  """A preexec_fn: the child gets SIGKILL when the launcher's thread exits."""
+  prctl = ctypes.CDLL(None, use_errno=True).prctl  # Looked up before fork.
+
+  def Preexec():
+    prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != parent_pid:  # The launcher died before prctl.
+      os._exit(1)  # pylint: disable=protected-access
+
+  return Preexec
+
+
 class Launcher:
   """Runs the tasks of one local cluster; see the module docstring."""
 
-  def __init__(self, jobs: Dict[str, List[str]], trainer_flags: Sequence[str],
-               logdir: str, ready_timeout_s: float, max_restarts: int,
-               out=None):
-    self._jobs = jobs
-    self._out = out or sys.stdout
-    self._lock = threading.Lock()
+  def __init__(self, tasks: List[Task], logdir: str, ready_timeout_s: float,
+               max_restarts: int, out=None, stream_logs: bool = False):
     self._logdir = os.path.join(logdir, 'launch')
     os.makedirs(self._logdir, exist_ok=True)
+    self._output = _Output(out or sys.stdout, self._logdir)
+    self._stream_logs = stream_logs
     self._ready_timeout_s = ready_timeout_s
     self._max_restarts = max_restarts
+    self._tail_lock = threading.Lock()
+    self._stop_tail = threading.Event()
     self.restarts = 0
-    self.tasks = []
-    # Workers first: the clients wait for them.
-    for job in ('worker', 'controller', 'trainer_client'):
-      for t, address in enumerate(jobs[job]):
-        self.tasks.append(
-            Task(job, t, address, TaskCommand(jobs, job, t, trainer_flags)))
+    self.tasks = tasks
+    for t in tasks:
+      t.log_path = os.path.join(self._logdir, f'{t.job}.{t.task}.log')
+    self._tail = threading.Thread(target=self._TailLoop, daemon=True,
+                                  name='tail')
+    self._tail.start()
 
   def Print(self, line: str) -> None:
-    with self._lock:
-      self._out.write(line if line.endswith('\n') else line + '\n')
-      self._out.flush()
+    self._output.Put(line)
 
-  def _Stream(self, task: Task, proc: subprocess.Popen, log) -> None:
-    prefix = f'[{task.name}] '
-    for line in proc.stdout:
-      log.write(line)
-      log.flush()
-      self.Print(prefix + line)
+  def Flush(self, timeout_s: float = 5) -> None:
+    self._output.Flush(timeout_s)
+
+  def _TailOnce(self) -> None:
+    """Shows the lines the tasks wrote to their logs since the last call."""
+    with self._tail_lock:
+      for task in self.tasks:
+        if not task.log_path or not os.path.exists(task.log_path):
+          continue
+        with open(task.log_path, 'rb') as f:
+          f.seek(task.log_pos)
+          data = f.read(1 << 22)
+        task.log_pos += len(data)
+        lines = (task.partial + data).split(b'\n')
+        task.partial = lines.pop()
+        for raw in lines:
+          line = raw.decode('utf-8', 'replace')
+          if self._stream_logs:
+            self._output.Put(f'[{task.name}] {line}', keep=False)
+          elif _SHOWN.match(line):
+            self._output.Put(f'[{task.name}] {line}')
+
+  def _TailLoop(self) -> None:
+    while not self._stop_tail.wait(0.2):
+      try:
+        self._TailOnce()
+      except OSError:
+        pass
 
   def Start(self, task: Task) -> None:
-    log = open(os.path.join(self._logdir, f'{task.name}.log'), 'a')
-    task.proc = subprocess.Popen(
-        task.argv,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        text=True,
-        errors='replace',
-        bufsize=1,
-        start_new_session=True)  # Its own process group, to stop it whole.
-    task.log = log
+    """Starts `task`; call from the main thread only (PR_SET_PDEATHSIG is
+    tied to the thread that forks)."""
+    with self._tail_lock:
+      with open(task.log_path, 'ab') as log:
+        env = ' '.join(f'{k}={shlex.quote(v)}' for k, v in task.env.items())
+        log.write(f'=== launch: starting {task.what} at '
+                  f'{time.strftime("%H:%M:%S")}: {env} '
+                  f'{shlex.join(task.argv)}\n'.encode())
+        task.log_pos, task.partial = log.tell(), b''
+        task.proc = subprocess.Popen(
+            task.argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=dict(os.environ, **task.env),
+            preexec_fn=_DieWithParent(os.getpid()),
+            start_new_session=True)  # Its own process group, to stop it whole.
     task.started_at = time.monotonic()
-    task.thread = threading.Thread(
-        target=self._Stream, args=(task, task.proc, log), daemon=True)
-    task.thread.start()
-    self.Print(f'launch: started {task.what} as pid {task.proc.pid}')
+    task.ready = False
+    self.Print(f'launch: started {task.what} as pid {task.proc.pid}; log: '
+               f'{task.log_path}')
 
   def StartAll(self) -> None:
     for task in self.tasks:
       self.Start(task)
+
+  def _LastLines(self, task: Task, n: int = 8) -> str:
+    try:
+      with open(task.log_path, 'rb') as f:
+        f.seek(max(0, os.path.getsize(task.log_path) - 16384))
+        lines = f.read().decode('utf-8', 'replace').splitlines()
+    except OSError:
+      return ''
+    return ''.join(f'  | {l}\n' for l in lines[-n:])
+
+  def _Answers(self, task: Task) -> bool:
+    try:
+      with socket.create_connection(
+          (cluster.Host(task.address), cluster.Port(task.address)),
+          timeout=1):
+        return True
+    except OSError:
+      return False
 
   def WaitReady(self) -> None:
     """Waits until every task's port answers; raises if one cannot."""
@@ -209,23 +434,25 @@ class Launcher:
       for task in list(pending):
         rc = task.proc.poll()
         if rc is not None:
+          self._TailOnce()
           raise RuntimeError(
               f'{task.what} exited with {_SignalName(rc)} before it was '
-              f'ready; see its log above or in {self._logdir}.')
-        try:
-          with socket.create_connection(
-              (cluster.Host(task.address), cluster.Port(task.address)),
-              timeout=1):
-            pending.remove(task)
-        except OSError:
-          pass
+              f'ready; the end of its log ({task.log_path}):\n' +
+              self._LastLines(task).rstrip())
+        if self._Answers(task):
+          pending.remove(task)
+          task.ready = True
+          self.Print(f'launch: {task.what} is ready')
       if pending and time.monotonic() > deadline:
         raise TimeoutError(
             'not ready within --ready_timeout_secs=%g: %s' %
             (self._ready_timeout_s, ', '.join(t.what for t in pending)))
       time.sleep(0.2)
+    jobs = collections.defaultdict(list)
+    for t in sorted(self.tasks, key=lambda t: (t.job, t.task)):
+      jobs[t.job].append(t.address)
     self.Print('launch: all %d tasks are serving: %s' %
-               (len(self.tasks), cluster.FormatClusterSpec(self._jobs)))
+               (len(self.tasks), cluster.FormatClusterSpec(jobs)))
 
   def Watch(self, poll_s: float = 0.2) -> int:
     """Restarts dead tasks until training ends; returns the exit code."""
@@ -235,41 +462,68 @@ class Launcher:
           continue
         rc = task.proc.poll()
         if rc is None:
+          if not task.ready and self._Answers(task):
+            task.ready = True
+            self.Print(f'launch: {task.what} is ready')
           continue
-        task.thread.join(5)  # Its last lines.
-        if rc == 0 and task.job in ('controller', 'trainer_client'):
+        self._TailOnce()  # Its last lines first.
+        if rc == 0:
+          # A client at --max_steps; a worker or ps the chief told so.
           task.done = True
           self.Print(f'launch: {task.what} finished')
           continue
         if self.restarts >= self._max_restarts:
           self.Print(f'launch: {task.what} exited with {_SignalName(rc)}; '
                      f'already restarted {self.restarts} task(s) '
-                     f'(--max_restarts={self._max_restarts}): giving up.')
+                     f'(--max_restarts={self._max_restarts}): giving up. The '
+                     f'end of its log ({task.log_path}):\n' +
+                     self._LastLines(task).rstrip())
           return 1
         self.restarts += 1
         self.Print(f'launch: {task.what}, pid {task.proc.pid}, is gone '
                    f'({_SignalName(rc)}); restarting it (restart '
                    f'{self.restarts} of --max_restarts={self._max_restarts}); '
-                   'training resumes from the last checkpoint.')
+                   'training resumes from the last checkpoint. The end of '
+                   f'its log ({task.log_path}):\n' +
+                   self._LastLines(task, 3).rstrip())
         self.Start(task)
       # A new controller restores the last checkpoint (its own server's
       # variables are new), so the step may fall back below --max_steps: a
       # trainer client that finished since must train again.
-      controller = [t for t in self.tasks if t.job == 'controller'][0]
-      for t in self.tasks:
-        if (t.job == 'trainer_client' and t.done and not controller.done and
-            controller.started_at > t.started_at):
-          t.done = False
-          self.Print(f'launch: restarting {t.what}: the restarted controller '
-                     'restores the last checkpoint.')
-          self.Start(t)
-      if all(t.done for t in self.tasks if t.job != 'worker'):
-        self.Print('launch: training finished; stopping the workers.')
+      for controller in [t for t in self.tasks if t.job == 'controller']:
+        for t in self.tasks:
+          if (t.job == 'trainer_client' and t.done and not controller.done and
+              controller.started_at > t.started_at):
+            t.done = False
+            self.Print(f'launch: restarting {t.what}: the restarted '
+                       'controller restores the last checkpoint.')
+            self.Start(t)
+      if all(t.done for t in self.tasks if t.job in CLIENT_JOBS):
+        self._AwaitServers()
+        self.Print('launch: training finished' + (
+            '.' if all(t.done for t in self.tasks) else
+            '; stopping the workers.'))
         return 0
       time.sleep(poll_s)
 
+  def _AwaitServers(self, timeout_s: float = 10) -> None:
+    """Lets the servers a finished chief told 'done' exit on their own."""
+    if not any(t.job == 'chief' for t in self.tasks):
+      return  # Separate controller and trainer client: nobody tells them.
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+      live = [t for t in self.tasks if not t.done]
+      for t in live:
+        if t.proc.poll() == 0:
+          self._TailOnce()
+          t.done = True
+          self.Print(f'launch: {t.what} finished')
+      if all(t.done for t in self.tasks):
+        return
+      time.sleep(0.2)
+
   def StopAll(self, grace_s: float = 10) -> None:
-    """Stops every process this launcher started, then their log threads."""
+    """Stops every process this launcher started."""
     live = [t for t in self.tasks if t.proc and t.proc.poll() is None]
     for t in live:
       _KillGroup(t.proc, signal.SIGTERM)
@@ -284,10 +538,9 @@ class Launcher:
       if t.proc:
         # The group may hold children of a task that already exited.
         _KillGroup(t.proc, signal.SIGKILL)
-      if t.thread:
-        t.thread.join(5)
-      if t.log:
-        t.log.close()
+    self._stop_tail.set()
+    self._tail.join(5)
+    self._TailOnce()
 
 
 def _KillGroup(proc: subprocess.Popen, sig: int) -> None:
@@ -301,7 +554,9 @@ def _KillGroup(proc: subprocess.Popen, sig: int) -> None:
 
 def Launch(num_workers: int, trainer_flags: Sequence[str], logdir: str,
            network: str = 'private', ready_timeout_s: float = 120,
-           max_restarts: int = 3, out=None) -> int:
+           max_restarts: int = 3, out=None, stream_logs: bool = False,
+           cluster_from: str = 'flags', num_ps: int = 0, nodes: int = 1,
+           layout: Optional[cluster.WorkerLayout] = None) -> int:
   """Runs a local cluster until training ends; returns the exit code."""
   out = out or sys.stdout
 
@@ -325,9 +580,15 @@ def Launch(num_workers: int, trainer_flags: Sequence[str], logdir: str,
     Say('launch: WARNING --network=host: TensorFlow\'s gRPC servers listen on '
         'all interfaces of this host and do no authentication; anyone who can '
         'reach these ports can run code in these processes.')
-  jobs = ClusterJobs(num_workers)
-  launcher = Launcher(jobs, trainer_flags, logdir, ready_timeout_s,
-                      max_restarts, out)
+  if layout:
+    Say('launch: %d replica(s) x %d cell(s): %s' % (
+        layout.num_replicas, layout.split_size, '; '.join(
+            f'replica {r} cell {i} on {layout.Device(r, i)}'
+            for r in range(layout.num_replicas)
+            for i in range(layout.split_size))))
+  tasks = ClusterTasks(num_workers, trainer_flags, cluster_from, num_ps, nodes)
+  launcher = Launcher(tasks, logdir, ready_timeout_s, max_restarts, out,
+                      stream_logs)
   interrupted = []
 
   def OnSignal(signum, frame):
@@ -335,18 +596,21 @@ def Launch(num_workers: int, trainer_flags: Sequence[str], logdir: str,
     interrupted.append(signum)
     raise KeyboardInterrupt
 
-  old = signal.signal(signal.SIGTERM, OnSignal)
+  old = {s: signal.signal(s, OnSignal) for s in (signal.SIGTERM,
+                                                  signal.SIGHUP)}
   try:
     launcher.StartAll()
     launcher.WaitReady()
     return launcher.Watch()
   except KeyboardInterrupt:
-    Say('launch: interrupted; stopping every task.')
+    launcher.Print('launch: interrupted; stopping every task.')
     return 130
   except (RuntimeError, TimeoutError) as e:
-    Say(f'error: {e}')
+    launcher.Print(f'error: {e}')
     return 1
   finally:
     launcher.StopAll()
-    signal.signal(signal.SIGTERM, old)
-    Say('launch: stopped all %d processes.' % len(launcher.tasks))
+    for s, handler in old.items():
+      signal.signal(s, handler)
+    launcher.Print('launch: stopped all %d processes.' % len(launcher.tasks))
+    launcher.Flush()

@@ -12,12 +12,22 @@ gRPC servers and its sessions do the rest. On top of Lingvo this adds:
   the workers' devices, a taken port, and addresses that never answer
   (--cluster_wait_secs);
 - a deadline on every session call (--worker_timeout_secs), so a client
-  whose worker vanished reports it instead of hanging.
+  whose worker vanished reports it instead of hanging;
+- --cluster_resolver=tf_config|slurm: the cluster, --job and --task from
+  TF_CONFIG or Slurm's environment (resolvers.py); TF_CONFIG's chief is one
+  process running the controller and the trainer client;
+- no process outlives its cluster: a task whose peers (a server's clients,
+  a client's servers and other client) do not answer for
+  --cluster_wait_secs exits (`ClusterWatch`), and when a chief that runs both
+  clients finishes training it tells the workers and ps tasks, which then
+  exit 0 (`SignalDone`, `ServeUntilDone`).
 """
 
 import os
 import re
 import sys
+import threading
+import time
 
 import lingvo.compat as tf
 from lingvo.core import checkpointer as lingvo_checkpointer
@@ -25,6 +35,7 @@ from lingvo.core import py_utils
 from tensorflow.core.protobuf import config_pb2
 
 from lingvo_ext.distributed import cluster
+from lingvo_ext.distributed import resolvers
 
 FLAGS = tf.flags.FLAGS
 
@@ -38,6 +49,57 @@ tf.flags.DEFINE_float(
     'a checkpoint save). A call that a dead or unreachable task keeps from '
     'finishing fails after this long, naming the task, instead of hanging; '
     'the process then exits non-zero (lingvo_ext.launch restarts it).')
+
+
+tf.flags.DEFINE_enum(
+    'cluster_resolver', None, list(resolvers.RESOLVERS),
+    'Read the cluster, --job and --task from the environment instead of '
+    '--cluster_spec: tf_config (the TF_CONFIG variable that Kubeflow\'s '
+    'TFJob, JobSet, Vertex AI and SageMaker set) or slurm (the SLURM_* '
+    'variables of a task started by srun). TF_CONFIG\'s "chief" task (Slurm: '
+    'rank 0) runs the controller and the trainer client, "worker" task i '
+    'is worker i, "ps" tasks are ps. Every process gets the same flags.')
+tf.flags.DEFINE_integer(
+    'slurm_port_base', 8888,
+    'With --cluster_resolver=slurm: Slurm rank r serves port '
+    'slurm_port_base + r.')
+
+
+def ResolveCluster(argv):
+  """argv with the --cluster_spec, --job and --task of --cluster_resolver.
+
+  Reads the environment once, at the entry point (the trainer re-parses its
+  flags from argv), and sets the flags.
+
+  Args:
+    argv: The trainer's argv, its flags already parsed.
+
+  Returns:
+    (argv, error): the argv to run with, or a one-line error for exit 2.
+  """
+  if not FLAGS.cluster_resolver:
+    return argv, None
+  given = [f'--{n}' for n in ('cluster_spec', 'job', 'task')
+           if FLAGS[n].present]
+  if given:
+    return argv, (f'--cluster_resolver={FLAGS.cluster_resolver} sets '
+                  '--cluster_spec, --job and --task from the environment; '
+                  f'drop {", ".join(given)}.')
+  if FLAGS.mode != 'sync':
+    return argv, (f'--cluster_resolver needs --mode=sync (got --mode='
+                  f'{FLAGS.mode}): the chief runs the controller and trainer '
+                  'client of a synchronous run.')
+  try:
+    resolved = resolvers.Resolve(FLAGS.cluster_resolver, FLAGS.slurm_port_base)
+  except resolvers.ResolveError as e:
+    return argv, str(e)
+  FLAGS.cluster_spec = resolved.cluster_spec
+  FLAGS.job = resolved.job
+  FLAGS.task = resolved.task
+  print(f'{resolved.source}: this process is {resolved.job} task '
+        f'{resolved.task} of the cluster {resolved.cluster_spec}',
+        file=sys.stderr, flush=True)
+  return list(argv) + resolved.Flags(), None
 
 
 def IsDistributed():
@@ -122,6 +184,11 @@ class DistributedRunnerManagerMixin:
     jobs = cluster.ParseClusterSpec(FLAGS.cluster_spec)
     layout = cluster.MakeWorkerLayout(
         len(jobs['worker']), DevicesPerTask(), FLAGS.worker_split_size)
+    # Lingvo sets these only for a process of one job; a chief runs two.
+    FLAGS.worker_job = '/job:worker'
+    # A ps job holds the variables; without one the workers do.
+    FLAGS.ps_job = '/job:ps' if 'ps' in jobs else '/job:worker'
+    FLAGS.ps_replicas = len(jobs['ps' if 'ps' in jobs else 'worker'])
     # Lingvo made each worker task a replica; replicas are splits instead.
     FLAGS.worker_replicas = layout.num_replicas
     tf.logging.info(
@@ -165,6 +232,8 @@ class DistributedRunnerManagerMixin:
     print(f'{me} serving on {address}', file=sys.stderr, flush=True)
     if not FLAGS.tf_master:
       FLAGS.tf_master = self._tf_server.target
+    ClusterWatch(jobs, FLAGS.job.split(','), FLAGS.task,
+                 FLAGS.cluster_wait_secs).Start()
     if job in ('worker', 'ps', 'input'):
       return  # Servers only; the clients drive them.
     # Clients need the servers that hold the variables and run the ops, not
@@ -178,6 +247,142 @@ class DistributedRunnerManagerMixin:
     except TimeoutError as e:
       _Exit(f'{me}: {e}')
     tf.logging.info('All %d other task(s) answer.', len(others))
+
+  def _CreateRunner(self, job, model_task_name, logdir, tf_master, trial):
+    if IsDistributed() and job in ('worker', 'ps'):
+      ServeUntilDone(self._tf_server,  # Does not return.
+                     cluster.ParseClusterSpec(FLAGS.cluster_spec), job,
+                     FLAGS.task)
+    return super()._CreateRunner(job, model_task_name, logdir, tf_master,
+                                 trial)
+
+  def StartRunners(self, all_runners):
+    super().StartRunners(all_runners)
+    jobs = FLAGS.job.split(',') if FLAGS.job else []
+    if not (IsDistributed() and 'controller' in jobs and
+            'trainer_client' in jobs):
+      return
+    # This process ran both clients: training is over once the controller
+    # saved the checkpoint of the last step (not after Ctrl-C).
+    max_steps = [r.params.train.max_steps for r in all_runners
+                 if hasattr(r, 'params')]
+    path = tf.train.latest_checkpoint(os.path.join(FLAGS.logdir, 'train'))
+    step = int(path.rsplit('-', 1)[1]) if path else -1
+    if max_steps and step >= max(max_steps):
+      SignalDone(cluster.ParseClusterSpec(FLAGS.cluster_spec), FLAGS.job)
+
+
+class ClusterWatch:
+  """Exits this process when its peers stop answering (no orphans).
+
+  A server (worker, ps) watches the clients (controller, trainer client); a
+  client watches the servers and the other client. Once one of them has not
+  accepted a TCP connection for --cluster_wait_secs (from this process's
+  start, or since it last did), this process prints which one and exits 1:
+  its cluster is gone (a killed launcher, a deleted Kubernetes Job, a
+  cancelled Slurm job), so it would otherwise serve or retry forever.
+  """
+
+  def __init__(self, jobs, process_jobs, task, wait_s, poll_s=2.0):
+    job = process_jobs[0]
+    self._me = f'{job} task {task}'
+    clients = ('controller', 'trainer_client')
+    self._peers = {
+        f'{j} task {t}': a for j, addrs in jobs.items()
+        for t, a in enumerate(addrs)
+        if not (j in process_jobs and t == task) and (
+            (j in clients) if job in _SERVER_JOBS else True)
+    }
+    self._wait_s = wait_s
+    self._poll_s = poll_s
+
+  def Start(self):
+    if self._peers:
+      threading.Thread(target=self._Run, daemon=True,
+                       name='ClusterWatch').start()
+
+  def _Run(self):
+    seen = {w: time.monotonic() for w in self._peers}
+    while True:
+      now = time.monotonic()
+      for what, address in self._peers.items():
+        if cluster.Answers(address):
+          seen[what] = now
+        elif now - seen[what] > self._wait_s:
+          print(f'error: {self._me}: {what} ({address}) has not answered for '
+                f'{now - seen[what]:.0f} s (--cluster_wait_secs='
+                f'{self._wait_s:g}); the cluster is gone: exiting. Start the '
+                'whole cluster again to resume from the last checkpoint.',
+                file=sys.stderr, flush=True)
+          tf.logging.error('%s gone for %.0f s; exiting.', what,
+                           now - seen[what])
+          tf.logging.flush()
+          os._exit(1)  # pylint: disable=protected-access
+      time.sleep(self._poll_s)
+
+
+def _DoneQueue(job, task):
+  """The queue on a server task through which the chief says 'done'."""
+  with tf.device(f'/job:{job}/replica:0/task:{task}/device:CPU:0'):
+    # Same attributes on both sides: a shared queue is one resource.
+    return tf.queue.FIFOQueue(
+        16, [tf.string], shapes=[[]],
+        shared_name=f'lingvo_ext_done_{job}_{task}')
+
+
+def ServeUntilDone(server, jobs, job, task, linger_s=60.0):
+  """Serves until the chief says training is done, then exits 0.
+
+  Lingvo's workers serve forever (`server.join()`), which suits a launcher
+  that stops them; under Kubernetes or Slurm nothing would. ClusterWatch
+  ends the process (exit 1) if the clients go away without saying so. Told
+  'done', the task serves on until the clients have exited (at most
+  linger_s), so that their last calls to it finish.
+  """
+  graph = tf.Graph()
+  with graph.as_default():
+    take = _DoneQueue(job, task).dequeue()
+  config = config_pb2.ConfigProto()
+  config.device_filters.append(f'/job:{job}/replica:0/task:{task}')
+  # The server's sessions have a deadline (--worker_timeout_secs): wait in
+  # shorter calls.
+  options = tf.RunOptions(timeout_in_ms=10000)
+  with tf.Session(server.target, graph=graph, config=config) as sess:
+    while True:
+      try:
+        who = sess.run(take, options=options)
+        break
+      except tf.errors.DeadlineExceededError:
+        pass
+  clients = [a for j in ('controller', 'trainer_client')
+             for a in jobs.get(j, ())]
+  deadline = time.monotonic() + linger_s
+  while time.monotonic() < deadline and any(
+      cluster.Answers(a) for a in clients):
+    time.sleep(0.5)
+  print(f'{job} task {task}: {who.decode()} finished training; exiting.',
+        file=sys.stderr, flush=True)
+  tf.logging.info('Training finished; exiting.')
+  tf.logging.flush()
+  os._exit(0)  # pylint: disable=protected-access
+
+
+def SignalDone(jobs, me, timeout_s=10.0):
+  """Tells every worker and ps task that training is done."""
+  graph = tf.Graph()
+  with graph.as_default():
+    ops = {f'{j} task {t}': _DoneQueue(j, t).enqueue(me)
+           for j in ('worker', 'ps') for t in range(len(jobs.get(j, ())))}
+  options = tf.RunOptions(timeout_in_ms=int(timeout_s * 1000))
+  with tf.Session(FLAGS.tf_master, graph=graph,
+                  config=SessionConfig()) as sess:
+    for what, op in ops.items():
+      try:
+        sess.run(op, options=options)
+      except tf.errors.OpError as e:  # It exits on its own (ClusterWatch).
+        tf.logging.warning('Could not tell %s that training is done: %s',
+                           what, e.message)
+  tf.logging.info('Told %d server task(s) that training is done.', len(ops))
 
 
 tf.flags.DEFINE_integer(
