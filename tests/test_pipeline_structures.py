@@ -24,6 +24,7 @@ from lingvo.core import py_utils
 import numpy as np
 import pytest
 
+from lingvo_ext.core import actions
 from lingvo_ext.core import gpipe
 import gpipe_testlib as lib
 
@@ -104,9 +105,18 @@ def _CnnInput():
   return tf.constant(_CNN_INPUT[0])
 
 
-@pytest.mark.parametrize('num_splits,num_micro,micro_batch_size', [
-    (1, 8, None), (2, 8, None), (4, 8, None), (2, 8, 2)])
-def test_lingvo_dummy_pipeline_cnn(num_splits, num_micro, micro_batch_size):
+# Lingvo's golden test under the default schedule, cells built once, 1F1B and
+# Lingvo's loop; the random pipelines below cover every variant.
+_CNN_VARIANTS = (('unrolled', None), ('unrolled', None, _FN), ('1f1b', None),
+                 ('recurrent', None))
+
+
+@pytest.mark.parametrize('num_splits,num_micro,micro_batch_size,variant', [
+    (1, 8, None, ('unrolled', None))] + [
+        case + (v,) for case in ((2, 8, None), (4, 8, None), (2, 8, 2))
+        for v in _CNN_VARIANTS])
+def test_lingvo_dummy_pipeline_cnn(num_splits, num_micro, micro_batch_size,
+                                   variant):
   # Lingvo's golden value for this model (gpipe_test.py): the loss is the mean
   # of the main output only, so the fetched activation gets no gradient of
   # its own but is the same tensor as cell 0's main output.
@@ -116,16 +126,16 @@ def test_lingvo_dummy_pipeline_cnn(num_splits, num_micro, micro_batch_size):
   num_devices = min(num_splits, 2)
   results, seq, names = lib.RunVariants(
       _CnnCells(num_splits), num_devices, lambda: (_CnnInput(),),
-      variants=ALL_VARIANTS, loss_fn=loss_fn,
+      variants=(variant,), loss_fn=loss_fn,
       num_micro_batches=num_micro, micro_batch_size=micro_batch_size)
   assert len(names) == 16
   seq_norm = np.sqrt(sum(np.sum(g * g) for g in seq[1]))
   np.testing.assert_allclose(seq_norm, golden, rtol=1e-5)
-  for variant, (out, grads) in results.items():
-    norm = np.sqrt(sum(np.sum(g * g) for g in grads))
-    np.testing.assert_allclose(norm, golden, rtol=1e-5, err_msg=str(variant))
-    if num_splits > 1:
-      assert len(out) == 2 and out[1].shape == (16, 8, 8, 1)
+  out, grads = results[variant]
+  norm = np.sqrt(sum(np.sum(g * g) for g in grads))
+  np.testing.assert_allclose(norm, golden, rtol=1e-5)
+  if num_splits > 1:
+    assert len(out) == 2 and out[1].shape == (16, 8, 8, 1)
   lib.AssertVariantsMatch(results, seq, names)
 
 
@@ -227,10 +237,23 @@ def rng_input(seed, shape):
   return np.random.RandomState(seed + 7).randn(*shape).astype(np.float32)
 
 
+def _ListVariants(desc):
+  """The action-list schedules that take this case (linear loss only)."""
+  if desc['nonlinear']:
+    return ()
+  k, d, m = desc['cells'], desc['devices'], desc['num_micro_batches']
+  out = []
+  if k == d:
+    out += [('zero_bubble', None), ('zero_bubble', None, _FN)]
+  if k % d == 0 and m % d == 0:
+    out += [('interleaved_1f1b', None), ('interleaved_1f1b', None, _FN)]
+  return tuple(out)
+
+
 @pytest.mark.parametrize('seed', range(10))
 def test_random_pipelines_match_sequential(seed):
   cells, num_devices, inputs_fn, loss_fn, kwargs, desc = _RandomCase(seed)
-  variants = ALL_VARIANTS
+  variants = ALL_VARIANTS + _ListVariants(desc)
   results, seq, names = lib.RunVariants(
       cells, num_devices, inputs_fn, variants=variants, loss_fn=loss_fn,
       **kwargs)
@@ -252,6 +275,8 @@ def test_random_cases_cover_the_structures():
   assert any(d['num_micro_batches'] > 1 for d in descs)
   assert any(d['devices'] == 4 for d in descs)
   assert any(len(d['used']) < 1 + d['fetches'] for d in descs)
+  lists = [v[0] for d in descs for v in _ListVariants(d)]
+  assert 'zero_bubble' in lists and 'interleaved_1f1b' in lists
 
 
 # --- Cells built once ---------------------------------------------------------
@@ -304,3 +329,74 @@ def test_jit_compiled_cells_match_sequential():
           np.random.RandomState(0).randn(8, 6).astype(np.float32)),),
       variants=variants, num_micro_batches=4)
   lib.AssertVariantsMatch(results, seq, names, atol=1e-4)
+
+
+# --- Schedules run from their action lists -----------------------------------
+
+
+def _ListGraph(schedule, num_cells, num_devices, num_micro, loss='sum'):
+  cells = [gpipe.FeatureExtractionLayer.Params().Set(
+      name='cell%d' % c, sub=[lib.Fc('fc%d' % c, 6, 6, seed=c + 1)])
+           for c in range(num_cells)]
+  g = tf.Graph()
+  with g.as_default(), lib.Cluster(num_devices):
+    py_utils.GetOrCreateGlobalStepVar()
+    net = gpipe.PipeliningLayer.Params().Set(
+        name='pipe', cell_tpl=cells, num_micro_batches=num_micro,
+        schedule=schedule).Instantiate()
+    out = net.FPropDefaultTheta(tf.ones([4 * num_micro, 6]))
+    loss_value = tf.reduce_sum(out if loss == 'sum' else out * out)
+    tf.gradients(loss_value, net.vars.Flatten())
+  return g
+
+
+def _Ancestors(op):
+  seen, stack = set(), [op]
+  while stack:
+    o = stack.pop()
+    for parent in [t.op for t in o.inputs] + list(o.control_inputs):
+      if parent not in seen:
+        seen.add(parent)
+        stack.append(parent)
+  return seen
+
+
+@pytest.mark.parametrize('schedule,num_cells,num_devices,num_micro', [
+    ('zero_bubble', 2, 2, 4), ('zero_bubble', 3, 3, 5),
+    ('interleaved_1f1b', 4, 2, 4)])
+def test_each_device_runs_its_action_list_in_order(schedule, num_cells,
+                                                   num_devices, num_micro):
+  g = _ListGraph(schedule, num_cells, num_devices, num_micro)
+  spec = actions.StageSpec(num_cells, num_devices, num_micro)
+  gate_names = {'F': 'fwd_gate', 'B': 'bwd_gate', 'I': 'bwd_gate',
+                'W': 'weight_grad/w_gate'}
+
+  def Gate(a):
+    suffix = 'cell%d_mb%d/%s' % (a.stage, a.micro_batch, gate_names[a.kind])
+    found = [op for op in g.get_operations() if op.name.endswith(suffix)]
+    assert len(found) == 1, (a, [op.name for op in found])
+    return found[0]
+
+  for device_actions in actions.Build(schedule, spec):
+    for prev, a in zip(device_actions, device_actions[1:]):
+      assert Gate(prev) in _Ancestors(Gate(a)), (prev, a)
+
+
+def test_list_schedules_refuse_what_they_cannot_run():
+  with pytest.raises(ValueError, match="schedule='zero_bubble' needs output "
+                     'gradients that do not depend'):
+    _ListGraph('zero_bubble', 2, 2, 2, loss='square')
+  with pytest.raises(ValueError, match='zero_bubble: 4 cells on 2 devices'):
+    _ListGraph('zero_bubble', 4, 2, 2)
+  with pytest.raises(ValueError, match='num_micro_batches=3 must be a '
+                     'multiple of the number of devices'):
+    _ListGraph('interleaved_1f1b', 4, 2, 3)
+  with pytest.raises(ValueError, match="does not recompute"):
+    with tf.Graph().as_default(), lib.Cluster(2):
+      py_utils.GetOrCreateGlobalStepVar()
+      gpipe.PipeliningLayer.Params().Set(
+          name='pipe', cell_tpl=[gpipe.FeatureExtractionLayer.Params().Set(
+              name='c%d' % c, sub=[lib.Fc('fc%d' % c, 6, 6, seed=1)])
+                                 for c in range(2)],
+          num_micro_batches=2, schedule='zero_bubble',
+          recompute=True).Instantiate().FPropDefaultTheta(tf.ones([4, 6]))

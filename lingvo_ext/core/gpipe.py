@@ -479,7 +479,14 @@ class PipeliningLayer(SeqLayer):
         "pass runs 1F1B with recomputation. 'recurrent': Lingvo's "
         "StackedRecurrent loop, which recomputes each cell's forward pass "
         "in the backward pass, keeping only cell boundary activations "
-        "(less memory, more time).")
+        "(less memory, more time). 'interleaved_1f1b' and 'zero_bubble' run "
+        "the per-device action lists of lingvo_ext.core.actions (each device "
+        "its list in order), for a loss linear in the outputs and without "
+        "recomputation: 'interleaved_1f1b' is Megatron's schedule for V = "
+        "K / D cells per device (K and num_micro_batches multiples of the "
+        "devices D); 'zero_bubble' (ZB-H1, one cell per device) splits each "
+        "backward pass into input gradients, sent upstream at once, and "
+        "weight gradients that fill the bubble.")
     p.Define(
         'cell_functions', False,
         "'unrolled' and '1f1b': if True, each cell's forward pass is one TF "

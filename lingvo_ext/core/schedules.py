@@ -39,6 +39,7 @@ from lingvo.core import py_utils
 from lingvo.core import recurrent
 from tensorflow.python.framework import ops  # pylint: disable=g-direct-tensorflow-import
 
+from lingvo_ext.core import actions
 from lingvo_ext.core import cell_function
 from lingvo_ext.core import matmul_grad
 from lingvo_ext.core import sharding
@@ -221,6 +222,9 @@ class _Engine:
     self.window = window
     self.inputs = inputs
     self.theta = theta
+    # Every forward (cell, micro-batch) behind a 'fwd_gate' NoOp that the
+    # backward pass may hold back.
+    self.gated = bool(window)
     self.cell_fns = None
     jit = getattr(self.p, 'jit_compile', False)
     if getattr(self.p, 'cell_functions', False) or jit:
@@ -292,7 +296,7 @@ class _Engine:
         with tf.device(self.devices[i]):
           self.cell_in[i][t] = x
           x, self.gates[i][t] = self._CellFProp(
-              i, x, steps[t], '%s_mb%d' % (name, t), gate=bool(self.window))
+              i, x, steps[t], '%s_mb%d' % (name, t), gate=self.gated)
           self.cell_out[i][t] = x
     with tf.device(self.devices[-1]):
       last = [_Flat(o) for o in self.cell_out[-1]]
@@ -560,6 +564,170 @@ class _Engine:
           gates[t]._add_control_input(d)  # pylint: disable=protected-access
 
 
+class _ListEngine(_Engine):
+  """Runs a schedule's per-device action lists (`actions.py`).
+
+  Every action has a gate (a NoOp its ops wait for) and a completion (an op
+  that runs once its ops have): each action's gate waits for the completion
+  of the action before it on its device, so each device runs its list in
+  order, while TensorFlow's executor still runs devices side by side. The
+  lists are checked for deadlock under the same dependencies before any
+  graph is built (`actions.CheckSchedule`). Nothing is recomputed: each
+  (cell, micro-batch) forward subgraph is differentiated as built, and a
+  'W' action is the batched weight-gradient MatMul of its micro-batch
+  (`matmul_grad.WeightGradientBatcher`), split from its 'I'.
+  """
+
+  def __init__(self, layer, theta, inputs, num_micro, schedule_name):
+    super().__init__(layer, theta, inputs, num_micro, recompute=False)
+    self.gated = True
+    self.schedule_name = schedule_name
+    num_devices = len(set(self.devices))
+    self.spec = actions.StageSpec(len(self.cells), num_devices, num_micro)
+    self.schedule = actions.Build(schedule_name, self.spec)
+
+  def _Backward(self, out_grads):
+    p = self.p
+    m = self.num_micro
+    num_cells = len(self.cells)
+    out_grads = [
+        None if isinstance(g, tf.Tensor) and g.op.type == 'ZerosLike' and
+        g.op.inputs[0].op is self.pipeline_op else g
+        for g in out_grads
+    ]
+    if self._DyDependsOnForward(out_grads):
+      raise ValueError(
+          "%s: schedule=%r needs output gradients that do not depend on the "
+          "pipeline's outputs (a loss linear in them, e.g. per-example losses "
+          "from the last cell, summed or averaged); this loss is not: use "
+          "schedule='1f1b', which recomputes for such losses." %
+          (p.name, self.schedule_name))
+    gates, completions = {}, {}
+    for i in range(num_cells):
+      for t in range(m):
+        gates[actions.Action('F', i, t)] = self.gates[i][t]
+    with ops.colocate_with(None, ignore_existing=True):
+      with tf.device(self.devices[-1]), tf.name_scope('pipeline_backward'):
+        it = iter(out_grads)
+        dys_flat = []
+        for o in _Flat(self.out_structure):
+          g = None if o is None else next(it)
+          dys_flat.append(None if g is None else
+                          tf.split(g, m, axis=p.batch_dim))
+      dy = [[None if d is None else d[t] for d in dys_flat] for t in range(m)]
+      sums = [None] * num_cells
+      for i in reversed(range(num_cells)):
+        dy, sums[i] = self._ListCellBackward(i, dy, gates, completions)
+      for i in range(num_cells):
+        for t in range(m):
+          with tf.device(self.devices[i]):
+            completions[actions.Action('F', i, t)] = _Group(
+                _Flat(self.cell_out[i][t]))
+      self._Wire(gates, completions)
+      in_grads = []
+      with tf.device(self.devices[0]), tf.name_scope('pipeline_backward'):
+        for k, x in enumerate(self.flat_in):
+          if x is None:
+            continue
+          parts = [dy[t][k] for t in range(m)]
+          if all(g is None for g in parts):
+            in_grads.append(None)
+            continue
+          parts = [tf.zeros_like(self.pieces[k][t]) if g is None else g
+                   for t, g in enumerate(parts)]
+          in_grads.append(tf.concat(parts, axis=p.batch_dim))
+      return list(in_grads) + [g for cell_sums in sums for g in cell_sums]
+
+  def _ListCellBackward(self, i, dy, gates, completions):
+    """Cell i's 'B' (or 'I' and 'W') actions; returns (dx, theta grads)."""
+    m = self.num_micro
+    name = self.cells[i][0]
+    leaves = self.thetas[i].Flatten()
+    split = self.schedule_name == 'zero_bubble'
+    dx = [None] * m
+    acc = [None] * len(leaves)
+
+    def Add(parts):
+      for k, g in enumerate(parts):
+        if g is None:
+          continue
+        if isinstance(g, tf.IndexedSlices) or isinstance(acc[k],
+                                                          tf.IndexedSlices):
+          acc[k] = g if acc[k] is None else tf.IndexedSlices(
+              tf.concat([acc[k].values, g.values], 0),
+              tf.concat([acc[k].indices, g.indices], 0), g.dense_shape)
+        else:
+          acc[k] = g if acc[k] is None else acc[k] + g
+
+    for t in range(m):
+      b = actions.Action('I' if split else 'B', i, t)
+      with tf.device(self.devices[i]), tf.name_scope('%s_mb%d' % (name, t)):
+        gate = tf.no_op(name='bwd_gate')
+        gates[b] = gate
+        outs = _Flat(self.cell_out[i][t])
+        idx = [k for k, (o, g) in enumerate(zip(outs, dy[t]))
+               if g is not None and _IsFloat(o)]
+        flat_x = _Flat(self.cell_in[i][t])
+        batcher = matmul_grad.WeightGradientBatcher(leaves)
+        tg, batched = [None] * len(leaves), [None] * len(leaves)
+        if idx:
+          with tf.control_dependencies([gate]):
+            grad_ys = [tf.identity(dy[t][k]) for k in idx]
+          seen, diff_x = set(), []
+          for v in flat_x:
+            if not _IsFloat(v) or v.ref() in seen:
+              diff_x.append(None)
+            else:
+              seen.add(v.ref())
+              diff_x.append(v)
+          xs = [v for v in diff_x if v is not None]
+          with batcher:
+            grads = tf.gradients([outs[k] for k in idx], xs + leaves,
+                                 grad_ys=grad_ys, stop_gradients=xs + leaves)
+          it = iter(grads[:len(xs)])
+          dx[t] = [None if v is None else next(it) for v in diff_x]
+          tg = grads[len(xs):]
+        if split:
+          completions[b] = _Group((dx[t] or []) + tg) or gate
+          w = actions.Action('W', i, t)
+          with tf.name_scope('weight_grad'):
+            w_gate = tf.no_op(name='w_gate')
+            gates[w] = w_gate
+            with tf.control_dependencies([w_gate]):
+              batched = batcher.Gradients(leaves)
+            completions[w] = _Group(batched) or w_gate
+        else:
+          batched = batcher.Gradients(leaves)
+          completions[b] = _Group((dx[t] or []) + tg + batched) or gate
+        Add(tg)
+        Add(batched)
+    dx = [[None] * len(_Flat(self.cell_in[i][t])) if dx[t] is None else dx[t]
+          for t in range(m)]
+    return dx, acc
+
+  def _Wire(self, gates, completions):
+    """Each action's gate waits for the previous action on its device."""
+    for device_actions in self.schedule:
+      for prev, a in zip(device_actions, device_actions[1:]):
+        gates[a]._add_control_input(completions[prev])  # pylint: disable=protected-access
+
+
+def ListSchedule(name):
+  """The schedule function that runs `actions.ACTION_SCHEDULES[name]`."""
+
+  def Schedule(layer, theta, inputs, num_micro):
+    if layer.params.recompute:
+      raise ValueError(
+          '%s: schedule=%r does not recompute; set recompute=None or False, '
+          "or use '1f1b' or 'unrolled' with recompute=True." %
+          (layer.params.name, name))
+    return _ListEngine(layer, theta, inputs, num_micro, name).Build()
+
+  Schedule.__name__ = name
+  Schedule.__doc__ = actions.ACTION_SCHEDULES[name].__doc__
+  return Schedule
+
+
 def Unrolled(layer, theta, inputs, num_micro):
   """One subgraph per (micro-batch, cell); see the module docstring."""
   return _Engine(layer, theta, inputs, num_micro,
@@ -689,6 +857,8 @@ SCHEDULES = {
     'unrolled': Unrolled,
     '1f1b': OneFOneB,
     'recurrent': Recurrent,
+    'interleaved_1f1b': ListSchedule('interleaved_1f1b'),
+    'zero_bubble': ListSchedule('zero_bubble'),
 }
 # Schedules that always re-materialise (recompute=False is an error there).
 ALWAYS_RECOMPUTE = ('recurrent',)
