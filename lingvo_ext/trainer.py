@@ -59,6 +59,7 @@ from lingvo.core import py_utils
 from lingvo_ext import checkpoints
 from lingvo_ext import progress
 from lingvo_ext import registry
+from lingvo_ext.core import cuts
 from lingvo_ext.distributed import trainer_lib
 
 FLAGS = tf.flags.FLAGS
@@ -92,6 +93,12 @@ class _CpuDevicesMixin(trainer_lib.LostTaskReportMixin):
     # sessions (tf_master=''), e.g. an evaler running beside the trainer.
     config = trainer_lib.SessionConfig(**kwargs)
     return trainer_lib.NewSession(self, self._tf_master, self._graph, config)
+
+  def _CreateCheckpointer(self, train_dir, model):
+    # Restores a checkpoint of another cut of the pipeline too.
+    if py_utils.IsEagerMode():
+      return super()._CreateCheckpointer(train_dir, model)
+    return checkpoints.CrossCutCheckpointer(train_dir, model)
 
 
 # Set by the first Ctrl-C: the trainer stops after its step, the controller
@@ -228,6 +235,7 @@ class LocalTrainer(_CpuDevicesMixin, runners.Trainer):
       first = f'the gradient of {gradient.group(1)} (the variables are finite)'
     else:
       first = f'{_FirstLine(e)} (the variables are finite)'
+    first = cuts.NameLayers(cuts.LayerLabels(self._model), first)
     tf.logging.warning('Step %d is not finite (try %d of %d): %s', step,
                        state['count'], FLAGS.max_nonfinite_steps, first)
     if state['count'] < FLAGS.max_nonfinite_steps:
