@@ -395,7 +395,8 @@ class RestorePlan:
 def PlanRestore(layer, checkpoint_keys: Iterable[str],
                 model_keys: Iterable[str],
                 required: Optional[Iterable[str]] = None,
-                source: str = 'the checkpoint') -> RestorePlan:
+                source: str = 'the checkpoint',
+                leaves: Optional[Sequence[Leaf]] = None) -> RestorePlan:
   """Pairs a checkpoint's keys with a model's variables across cuts.
 
   A key the model has maps to itself; any other is translated through the
@@ -408,6 +409,7 @@ def PlanRestore(layer, checkpoint_keys: Iterable[str],
     model_keys: The model's variable names (checkpoint keys), slots included.
     required: The model keys that must be found (default: all).
     source: How messages name the checkpoint.
+    leaves: The model's leaves, if known (default: ModelLeaves(layer)).
 
   Returns:
     A RestorePlan.
@@ -417,7 +419,9 @@ def PlanRestore(layer, checkpoint_keys: Iterable[str],
       onto one variable (one line naming them).
   """
   model_keys = set(model_keys)
-  tables = _AliasTables(ModelLeaves(layer))
+  if leaves is None:
+    leaves = ModelLeaves(layer)
+  tables = _AliasTables(leaves)
   by_target = collections.defaultdict(list)
   renamed = {}
   for key in sorted(checkpoint_keys):
@@ -448,7 +452,7 @@ def PlanRestore(layer, checkpoint_keys: Iterable[str],
         'cut or naming of the layers: %s.' % (len(missing), source,
                                               _Few(missing)))
   keys = {ks[0]: t for t, ks in by_target.items()}
-  order = {l.scope[:-1]: i for i, l in enumerate(ModelLeaves(layer))}
+  order = {l.scope[:-1]: i for i, l in enumerate(leaves)}
   pairs = sorted(((old, new) for new, old in renamed.items()),
                  key=lambda p: order.get(p[1], len(order)))
   return RestorePlan(keys, pairs)
