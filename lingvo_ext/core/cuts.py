@@ -315,7 +315,7 @@ def NameLayers(labels: Dict[str, str], text: str) -> str:
       best = scope
   if not best:
     return text
-  m = re.search(re.escape(best) + r'\S*', text)
+  m = re.search(re.escape(best) + r'[\w./-]*', text)
   return text[:m.end()] + ' (layer %s)' % labels[best] + text[m.end():]
 
 
@@ -469,26 +469,29 @@ def _SlotsOf(variables, graph) -> list:
   return slots
 
 
-def CheckpointVarMap(layer, checkpoint_path: str) -> Dict[str, 'tf.Variable']:
+def CheckpointVarMap(layer, checkpoint_path: str,
+                     variables=None) -> Dict[str, 'tf.Variable']:
   """{checkpoint key: variable} restoring `layer` from any cut of its stack.
 
   For `tf.train.Saver(var_list=CheckpointVarMap(layer, path)).restore(sess,
   path)`: the checkpoint may come from another cut of the same layers into
   cells (e.g. lingvo.core.gpipe's heuristic one), Lingvo's names or
-  partition_independent_names, `cell_NNN` or the user's layer names. The
-  optimizer slots of `layer`'s variables in the current graph are included
-  when the checkpoint has them.
+  partition_independent_names, `cell_NNN` or the user's layer names.
 
   Args:
     layer: The built layer (a PipeliningLayer, or a model holding pipelines).
     checkpoint_path: A checkpoint prefix, or a directory (its latest).
+    variables: The variables to restore, all of which must be found, e.g.
+      `tf.global_variables()` for the whole graph (the global step and
+      optimizer slots included). Default: `layer`'s variables, plus their
+      optimizer slots in the current graph where the checkpoint has them.
 
   Returns:
     A dict to pass as `tf.train.Saver(var_list=...)`.
 
   Raises:
-    ValueError: a variable of `layer` has no counterpart in the checkpoint,
-      or the mapping is ambiguous (one line naming the variables).
+    ValueError: a variable has no counterpart in the checkpoint, or the
+      mapping is ambiguous (one line naming the variables).
   """
   path = checkpoint_path
   if tf.io.gfile.isdir(path):
@@ -497,12 +500,17 @@ def CheckpointVarMap(layer, checkpoint_path: str) -> Dict[str, 'tf.Variable']:
       raise ValueError('checkpoint_path=%r is a directory without a '
                        'checkpoint.' % checkpoint_path)
   ckpt_keys = tf.train.load_checkpoint(path).get_variable_to_shape_map()
-  own = layer.vars.Flatten()
-  graph = own[0].graph if own else tf.get_default_graph()
-  variables = {_Key(v): v for v in own + _SlotsOf(own, graph)}
-  plan = PlanRestore(layer, ckpt_keys, variables, required=[_Key(v) for v in own],
-                     source=path)
-  return {k: variables[t] for k, t in plan.keys.items()}
+  if variables is None:
+    own = layer.vars.Flatten()
+    graph = own[0].graph if own else tf.get_default_graph()
+    required = [_Key(v) for v in own]
+    variables = own + _SlotsOf(own, graph)
+  else:
+    variables = list(variables)
+    required = [_Key(v) for v in variables]
+  by_key = {_Key(v): v for v in variables}
+  plan = PlanRestore(layer, ckpt_keys, by_key, required=required, source=path)
+  return {k: by_key[t] for k, t in plan.keys.items()}
 
 
 # ---------------------------------------------------------------------------
@@ -567,7 +575,7 @@ def RenameKeys(keys: Iterable[str], from_layout: Layout,
                      'cut the same stack.' % (len(src), len(dst)))
   # Longest scope first, so 'd1/cell_01/' never matches inside another.
   order = sorted(range(len(src)), key=lambda i: -len(src[i]))
-  out = {}
+  out, prefixes = {}, collections.defaultdict(list)
   for key in keys:
     new = key
     for i in order:
@@ -578,8 +586,17 @@ def RenameKeys(keys: Iterable[str], from_layout: Layout,
         at = key.index('/' + src[i]) + 1
       if at >= 0:
         new = key[:at] + dst[i] + key[at + len(src[i]):]
+        prefixes[key[:at]].append(key)
         break
     out[key] = new
+  if len(prefixes) > 1:
+    # One pipeline: its leaves' scopes all follow one prefix.
+    raise ValueError(
+        'The leaf scopes of the from layout follow several prefixes (%s), '
+        'so it is not how these keys were cut or named; check the cut and '
+        'the naming of the checkpoint.' % _Few(
+            ['%r in %s' % (p, ks[0]) for p, ks in sorted(prefixes.items())],
+            3))
   clash = [n for n, c in collections.Counter(out.values()).items() if c > 1]
   if clash:
     raise ValueError('Two checkpoint keys would both be named %s; check the '

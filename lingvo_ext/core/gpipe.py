@@ -269,12 +269,14 @@ def PartitionSequentialLayers(params, num_partitions, *shapes, cost='flops',
   return seqs
 
 
-def CheckpointVarMap(layer, checkpoint_path):
+def CheckpointVarMap(layer, checkpoint_path, variables=None):
   """{checkpoint key: variable} for tf.train.Saver(var_list=...), any cut.
 
+  A checkpoint written under another cut of the same layers into cells
+  (e.g. lingvo.core.gpipe's), or the other naming, restores into `layer`.
   See `lingvo_ext.core.cuts.CheckpointVarMap`.
   """
-  return cuts.CheckpointVarMap(layer, checkpoint_path)
+  return cuts.CheckpointVarMap(layer, checkpoint_path, variables)
 
 
 def CellVariableDevices(cluster, num_cells: int) -> list:
