@@ -19,6 +19,7 @@ import lingvo.compat as tf
 from lingvo.core import checkpointer as lingvo_checkpointer
 import numpy as np
 from tensorflow.python.lib.io import file_io  # pylint: disable=g-direct-tensorflow-import
+from tensorflow.python.ops import variables as tf_variables  # pylint: disable=g-direct-tensorflow-import
 
 from lingvo_ext.core import cuts
 
@@ -182,7 +183,9 @@ class CrossCutCheckpointer(lingvo_checkpointer.Checkpointer):
     keys = tf.train.load_checkpoint(
         checkpoint_path).get_variable_to_shape_map()
     if set(variables) <= set(keys) or not all(
-        isinstance(v, tf.Variable) for v in variables.values()):
+        isinstance(v, tf_variables.Variable) for v in variables.values()):
+      # The same names, or saveables a rename cannot restore (partitioned
+      # variables, stacked views): Lingvo's restore.
       return super().RestoreFromPath(sess, checkpoint_path)
     try:
       plan = cuts.PlanRestore(self._models, keys, variables,
@@ -197,6 +200,12 @@ class CrossCutCheckpointer(lingvo_checkpointer.Checkpointer):
             var_list={k: variables[t] for k, t in plan.keys.items()},
             sharded=True)
     self._cross_cut_savers[key].restore(sess, checkpoint_path)
+    # As Lingvo's saver does after a restore: its async-save copies of the
+    # variables are not in checkpoints.
+    inner = getattr(self._saver, '_saver', None)
+    copies = getattr(inner, '_copied_vars_initializer', None)
+    if copies is not None:
+      sess.run(copies)
     message = (f'restored {len(plan.keys)} variables of '
                f'{os.path.basename(checkpoint_path)} across a different cut '
                f'({plan.num_renamed} renamed): {plan.Describe()}')
