@@ -235,9 +235,11 @@ class LocalTrainer(_CpuDevicesMixin, runners.Trainer):
       first = f'the gradient of {gradient.group(1)} (the variables are finite)'
     else:
       first = f'{_FirstLine(e)} (the variables are finite)'
-    first = cuts.NameLayers(cuts.LayerLabels(self._model), first)
-    tf.logging.warning('Step %d is not finite (try %d of %d): %s', step,
-                       state['count'], FLAGS.max_nonfinite_steps, first)
+    # The user's layer, e.g. 'block3 (cell_005)', whatever the naming.
+    layer = cuts.LayerOf(cuts.LayerLabels(self._model), first)
+    layer = f'That variable is in layer {layer}. ' if layer else ''
+    tf.logging.warning('Step %d is not finite (try %d of %d): %s. %s', step,
+                       state['count'], FLAGS.max_nonfinite_steps, first, layer)
     if state['count'] < FLAGS.max_nonfinite_steps:
       return
     last = tf.train.latest_checkpoint(self._train_dir) or 'none'
@@ -245,7 +247,7 @@ class LocalTrainer(_CpuDevicesMixin, runners.Trainer):
         f'training stopped at step {step}: its loss or gradients were NaN or '
         f'Inf in {state["count"]} tries (--max_nonfinite_steps='
         f'{FLAGS.max_nonfinite_steps}). First non-finite: {first}. Last good '
-        f'checkpoint: {last}. Lower the learning rate (e.g. '
+        f'checkpoint: {last}. {layer}Lower the learning rate (e.g. '
         "--model_params_override='task.train.learning_rate:1e-4') and run "
         'again to resume from it.', 3)
 

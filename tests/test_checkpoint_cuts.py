@@ -474,3 +474,26 @@ def test_trainer_restores_a_lingvo_cut_checkpoint_and_back(tmp_path):
   assert any(re.match(r'lm/d\d/cell_003/logits/w/var/Adam$', n)
              for n in names)
   np.testing.assert_allclose(loss, lingvo_loss, rtol=1e-6)
+
+
+@pytest.mark.e2e
+def test_nan_stop_names_the_users_layer(tmp_path):
+  # Lingvo's leaf names (cell_NNN); the report still names the layer.
+  proc = subprocess.run(
+      [sys.executable, '-m', 'lingvo_ext.trainer',
+       '--model=lm.TransformerLmTiny', f'--logdir={tmp_path}',
+       '--max_steps=20', '--max_nonfinite_steps=2',
+       '--model_params_override=task.train.learning_rate:1e39;'
+       'task.keep_layer_names:False'],
+      cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+      timeout=600, check=False)
+  assert proc.returncode == 3, proc.stdout[-3000:]
+  m = re.search(r'First non-finite: variable lm/(cell_\d{3})/\S+\. Last good '
+                r'checkpoint: \S+\. That variable is in layer (\w+) '
+                r'\((cell_\d{3})\)\. Lower', proc.stdout)
+  assert m, proc.stdout[-3000:]
+  assert m.group(1) == m.group(3)
+  mp = cc.ModelParams('lm.TransformerLmTiny')
+  mp.task.input = mp.input
+  stack, _ = lm_model.TransformerLm.LayerStack(mp.task)
+  assert m.group(2) == stack[int(m.group(1)[5:])].name

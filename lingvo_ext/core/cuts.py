@@ -299,6 +299,25 @@ def LayerLabels(layer) -> Dict[str, str]:
   return {l.scope: l.label for l in ModelLeaves(layer)}
 
 
+def _ScopeIn(labels: Dict[str, str], text: str) -> str:
+  best = ''
+  for scope in labels:
+    if scope in text and len(scope) > len(best):
+      best = scope
+  return best
+
+
+def LayerOf(labels: Dict[str, str], text: str) -> str:
+  """The label of the leaf whose variable `text` names, or ''.
+
+  Args:
+    labels: From `LayerLabels`.
+    text: A message naming a variable, e.g. 'variable lm/d1/cell_005/w/var'.
+  """
+  best = _ScopeIn(labels, text)
+  return labels[best] if best else ''
+
+
 def NameLayers(labels: Dict[str, str], text: str) -> str:
   """`text` with ` (layer block3 (cell_005))` after a leaf's variable name.
 
@@ -309,10 +328,7 @@ def NameLayers(labels: Dict[str, str], text: str) -> str:
   Returns:
     The message naming the user's layer of the first variable found.
   """
-  best = ''
-  for scope in labels:
-    if scope in text and len(scope) > len(best):
-      best = scope
+  best = _ScopeIn(labels, text)
   if not best:
     return text
   m = re.search(re.escape(best) + r'[\w./-]*', text)
