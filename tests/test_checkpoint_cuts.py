@@ -52,6 +52,10 @@ def _Stack(seed):
   return stack, int(dims[0])
 
 
+def _Fc4(name):
+  return layers.FCLayer.Params().Set(name=name, input_dim=4, output_dim=4)
+
+
 def _Copies(stack):
   return [p.Copy() for p in stack]
 
@@ -95,12 +99,10 @@ def test_lingvo_cut_is_lingvos(seed, k):
 
 
 def test_lingvo_cut_flattens_as_lingvo():
-  fc = lambda name: layers.FCLayer.Params().Set(  # pylint: disable=g-long-lambda
-      name=name, input_dim=4, output_dim=4)
   seq = builder_layers.SequentialLayer.Params().Set(
-      name='seq', sub=[fc('a'), fc('b')], repeat=3)
+      name='seq', sub=[_Fc4('a'), _Fc4('b')], repeat=3)
   shape = tshape.Shape([2, 4])
-  for params in (seq, [fc('x'), seq.Copy(), fc('y')]):
+  for params in (seq, [_Fc4('x'), seq.Copy(), _Fc4('y')]):
     for k in (2, 3):
       theirs = lingvo_gpipe.PartitionSequentialLayers(
           params.Copy() if not isinstance(params, list) else
@@ -109,7 +111,7 @@ def test_lingvo_cut_flattens_as_lingvo():
       assert _Subs(ours) == _Subs(theirs)
   # Lingvo takes a list's items as they are (a SequentialLayer stays one
   # leaf); the exact cut flattens it.
-  listed = [fc('x'), seq.Copy(), fc('y')]
+  listed = [_Fc4('x'), seq.Copy(), _Fc4('y')]
   assert sum(_Sizes(gpipe.PartitionSequentialLayers(
       listed, 2, shape, cut='lingvo'))) == 3
   assert sum(_Sizes(gpipe.PartitionSequentialLayers(listed, 2, shape))) == 8
@@ -141,11 +143,9 @@ def test_bad_cut_arguments_are_one_line():
 
 
 def test_keep_layer_names():
-  fc = lambda name: layers.FCLayer.Params().Set(  # pylint: disable=g-long-lambda
-      name=name, input_dim=4, output_dim=4)
   seq = builder_layers.SequentialLayer.Params().Set(
-      name='seq', sub=[fc('blk')], repeat=2)
-  stack = [fc('proj'), seq, fc(''), fc('head')]
+      name='seq', sub=[_Fc4('blk')], repeat=2)
+  stack = [_Fc4('proj'), seq, _Fc4(''), _Fc4('head')]
   shape = tshape.Shape([2, 4])
   cells = gpipe.PartitionSequentialLayers(stack, 2, shape,
                                           keep_layer_names=True)
