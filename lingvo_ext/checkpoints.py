@@ -183,7 +183,9 @@ class CrossCutCheckpointer(lingvo_checkpointer.Checkpointer):
     keys = tf.train.load_checkpoint(
         checkpoint_path).get_variable_to_shape_map()
     if set(variables) <= set(keys) or not all(
-        isinstance(v, tf_variables.Variable) for v in variables.values()):
+        isinstance(v, tf_variables.Variable) and
+        not getattr(v, '_save_slice_info', None)
+        for v in variables.values()):
       # The same names, or saveables a rename cannot restore (partitioned
       # variables, stacked views): Lingvo's restore.
       return super().RestoreFromPath(sess, checkpoint_path)
