@@ -7,6 +7,8 @@ checkpoint can still be damaged afterwards (a full disk, a copy cut short).
 `FallBackToIntactCheckpoint` makes the state file name the newest checkpoint
 that reads back whole, and says which ones it skipped and why.
 `NonFiniteVariables` lets a job refuse to save variables that are NaN or Inf.
+`CrossCutCheckpointer` restores a checkpoint written under another cut of a
+pipeline's layers into cells.
 """
 
 import os
@@ -14,8 +16,12 @@ from typing import List, Optional, Tuple
 
 from google.protobuf import text_format
 import lingvo.compat as tf
+from lingvo.core import checkpointer as lingvo_checkpointer
 import numpy as np
 from tensorflow.python.lib.io import file_io  # pylint: disable=g-direct-tensorflow-import
+from tensorflow.python.ops import variables as tf_variables  # pylint: disable=g-direct-tensorflow-import
+
+from lingvo_ext.core import cuts
 
 
 def CheckpointProblem(path: str) -> Optional[str]:
@@ -147,3 +153,67 @@ def NonFiniteVariables(sess, checks) -> List[str]:
     return []
   ok = sess.run([t for _, t in checks])
   return [name for (name, _), good in zip(checks, ok) if not np.all(good)]
+
+
+class CrossCutCheckpointer(lingvo_checkpointer.Checkpointer):
+  """Lingvo's Checkpointer; also restores a checkpoint of another cut.
+
+  A pipeline's variable names show how its layers were cut into cells
+  (`lm/d1/cell_003/w/var`) and named. When a checkpoint's keys differ from
+  the model's in that alone (e.g. written by lingvo.core.gpipe's heuristic
+  cut, or with other `num_partitions` under Lingvo's names, or before
+  `keep_layer_names`), it is restored through a `tf.train.Saver` over the
+  renamed keys (lingvo_ext/core/cuts.py), with one line saying so.
+  """
+
+  def __init__(self, *args, **kwargs):
+    super().__init__(*args, **kwargs)
+    self._cross_cut_savers = {}
+
+  def _SavedVariables(self):
+    """{checkpoint key: variable} of what this checkpointer restores."""
+    var_list = self._saver._var_list  # pylint: disable=protected-access
+    if isinstance(var_list, dict):
+      return dict(var_list)
+    return {v.name[:-2] if v.name.endswith(':0') else v.name: v
+            for v in var_list}
+
+  def RestoreFromPath(self, sess=None, checkpoint_path=None):
+    variables = self._SavedVariables()
+    keys = tf.train.load_checkpoint(
+        checkpoint_path).get_variable_to_shape_map()
+    if set(variables) <= set(keys) or not all(
+        isinstance(v, tf_variables.Variable) and
+        not getattr(v, '_save_slice_info', None)
+        for v in variables.values()):
+      # The same names, or saveables a rename cannot restore (partitioned
+      # variables, stacked views): Lingvo's restore.
+      return super().RestoreFromPath(sess, checkpoint_path)
+    try:
+      plan = cuts.PlanRestore(self._models, keys, variables,
+                              source=checkpoint_path)
+    except ValueError as e:
+      tf.logging.warning('Not a checkpoint of another cut: %s', e)
+      return super().RestoreFromPath(sess, checkpoint_path)
+    key = tuple(sorted(plan.keys.items()))
+    if key not in self._cross_cut_savers:
+      with sess.graph.as_default():
+        self._cross_cut_savers[key] = tf.train.Saver(
+            var_list={k: variables[t] for k, t in plan.keys.items()},
+            sharded=True)
+    self._cross_cut_savers[key].restore(sess, checkpoint_path)
+    # As Lingvo's saver does after a restore: its async-save copies of the
+    # variables are not in checkpoints.
+    inner = getattr(self._saver, '_saver', None)
+    copies = getattr(inner, '_copied_vars_initializer', None)
+    if copies is not None:
+      sess.run(copies)
+    message = (f'restored {len(plan.keys)} variables of '
+               f'{os.path.basename(checkpoint_path)} across a different cut '
+               f'({plan.num_renamed} renamed): {plan.Describe()}')
+    print(message, flush=True)
+    tf.logging.info('%s', message)
+    uninitialized = self._GetUninitializedVarNames(sess)
+    if self._check_loading_status:
+      assert not uninitialized, uninitialized
+    return checkpoint_path

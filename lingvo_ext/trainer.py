@@ -59,6 +59,7 @@ from lingvo.core import py_utils
 from lingvo_ext import checkpoints
 from lingvo_ext import progress
 from lingvo_ext import registry
+from lingvo_ext.core import cuts
 from lingvo_ext.distributed import trainer_lib
 
 FLAGS = tf.flags.FLAGS
@@ -92,6 +93,12 @@ class _CpuDevicesMixin(trainer_lib.LostTaskReportMixin):
     # sessions (tf_master=''), e.g. an evaler running beside the trainer.
     config = trainer_lib.SessionConfig(**kwargs)
     return trainer_lib.NewSession(self, self._tf_master, self._graph, config)
+
+  def _CreateCheckpointer(self, train_dir, model):
+    # Restores a checkpoint of another cut of the pipeline too.
+    if py_utils.IsEagerMode():
+      return super()._CreateCheckpointer(train_dir, model)
+    return checkpoints.CrossCutCheckpointer(train_dir, model)
 
 
 # Set by the first Ctrl-C: the trainer stops after its step, the controller
@@ -228,8 +235,11 @@ class LocalTrainer(_CpuDevicesMixin, runners.Trainer):
       first = f'the gradient of {gradient.group(1)} (the variables are finite)'
     else:
       first = f'{_FirstLine(e)} (the variables are finite)'
-    tf.logging.warning('Step %d is not finite (try %d of %d): %s', step,
-                       state['count'], FLAGS.max_nonfinite_steps, first)
+    # The user's layer, e.g. 'block3 (cell_005)', whatever the naming.
+    layer = cuts.LayerOf(cuts.LayerLabels(self._model), first)
+    layer = f'That variable is in layer {layer}. ' if layer else ''
+    tf.logging.warning('Step %d is not finite (try %d of %d): %s. %s', step,
+                       state['count'], FLAGS.max_nonfinite_steps, first, layer)
     if state['count'] < FLAGS.max_nonfinite_steps:
       return
     last = tf.train.latest_checkpoint(self._train_dir) or 'none'
@@ -237,7 +247,7 @@ class LocalTrainer(_CpuDevicesMixin, runners.Trainer):
         f'training stopped at step {step}: its loss or gradients were NaN or '
         f'Inf in {state["count"]} tries (--max_nonfinite_steps='
         f'{FLAGS.max_nonfinite_steps}). First non-finite: {first}. Last good '
-        f'checkpoint: {last}. Lower the learning rate (e.g. '
+        f'checkpoint: {last}. {layer}Lower the learning rate (e.g. '
         "--model_params_override='task.train.learning_rate:1e-4') and run "
         'again to resume from it.', 3)
 

@@ -15,7 +15,9 @@ from lingvo_ext.tools import convert_checkpoint as cc
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = 'lm.TransformerLmTinyGPipe'  # K=2.
-LINGVO_NAMES = 'task.partition_independent_names:False'
+# Lingvo's names: cell scopes and leaves named cell_NNN.
+LINGVO_NAMES = ('task.partition_independent_names:False;'
+                'task.keep_layer_names:False')
 STEP = 7
 
 
@@ -70,7 +72,7 @@ def _RestoredLoss(override, path):
     return sess.run([m.loss, m.gs]), m.names
 
 
-def test_k2_lingvo_names_to_k4_lingvo_names_same_loss(lingvo_k2, tmp_path):
+def test_k2_lingvo_names_to_k4_kept_layer_names_same_loss(lingvo_k2, tmp_path):
   src, loss_k2 = lingvo_k2
   dst = str(tmp_path / 'k4' / 'ckpt-7')
   # The real entry point.
@@ -83,9 +85,10 @@ def test_k2_lingvo_names_to_k4_lingvo_names_same_loss(lingvo_k2, tmp_path):
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert 'renamed) to' in proc.stdout
   assert tf.train.latest_checkpoint(str(tmp_path / 'k4')) == dst
+  # The target keeps the layers' names (task.keep_layer_names, the default).
   (loss, step), names = _RestoredLoss(
-      LINGVO_NAMES + ';task.num_partitions:4', dst)
-  assert 'lm/d3/cell_003/logits/w/var/Adam' in names
+      'task.partition_independent_names:False;task.num_partitions:4', dst)
+  assert 'lm/d3/softmax/logits/w/var/Adam' in names
   assert step == STEP
   np.testing.assert_allclose(loss, loss_k2, rtol=1e-5)
 
@@ -100,7 +103,7 @@ def test_k2_lingvo_names_to_k1_partition_independent_same_loss(
       f'--to_checkpoint={dst}'
   ]) == 0
   (loss, step), names = _RestoredLoss('task.num_partitions:1', dst)
-  assert 'lm/cell_003/logits/w/var/Adam' in names
+  assert 'lm/softmax/logits/w/var/Adam' in names
   assert step == STEP
   np.testing.assert_allclose(loss, loss_k2, rtol=1e-5)
 
@@ -108,7 +111,9 @@ def test_k2_lingvo_names_to_k1_partition_independent_same_loss(
   back = str(tmp_path / 'back' / 'ckpt-7')
   assert cc.main([
       '--from_model=lm.TransformerLmTiny', f'--from_checkpoint={dst}',
-      f'--to_model={MODEL}', '--to_names=lingvo', f'--to_checkpoint={back}'
+      f'--to_model={MODEL}', '--to_names=lingvo',
+      '--to_model_params_override=task.keep_layer_names:False',
+      f'--to_checkpoint={back}'
   ]) == 0
   reader, original = (tf.train.load_checkpoint(p) for p in (back, src))
   keys = reader.get_variable_to_shape_map()

@@ -29,6 +29,7 @@ from lingvo.core import py_utils
 from lingvo.core import tshape
 
 from lingvo_ext.core import cost as cost_lib
+from lingvo_ext.core import cuts
 from lingvo_ext.core import partitioning
 from lingvo_ext.core import schedules
 from lingvo_ext.core import stacking
@@ -182,6 +183,7 @@ def FlattenSequentialLayers(params):
 
 
 def PartitionSequentialLayers(params, num_partitions, *shapes, cost='flops',
+                              cut='exact', keep_layer_names=False,
                               **cost_kwargs):
   """Cuts a sequence of layers into cells of least possible bottleneck cost.
 
@@ -193,40 +195,88 @@ def PartitionSequentialLayers(params, num_partitions, *shapes, cost='flops',
     cost: What to balance: 'flops' (FPropMeta forward FLOPs, the default),
       'params' (parameter bytes) or 'time' (measured forward+backward time).
       See `lingvo_ext.core.cost.LayerCosts`.
+    cut: 'exact' (the default): the cut of least bottleneck cost, never an
+      empty cell. 'lingvo': lingvo.core.gpipe.PartitionSequentialLayers'
+      heuristic cut (cost 'flops'), with its flattening (a list's items are
+      not expanded), so the cells, and with keep_layer_names=False the
+      variable names, are Lingvo's byte for byte (some cells may be empty).
+      A checkpoint restores across the two cuts anyway (`CheckpointVarMap`,
+      and the trainer by itself).
+    keep_layer_names: False (the default, Lingvo's naming): leaf layers are
+      renamed 'cell_%03d' by global index. True: they keep the names the
+      user gave them (a name used by several leaves gets its occurrence as a
+      suffix, 'layer_0', 'layer_1'; an empty one is 'cell_NNN').
     **cost_kwargs: Passed to `LayerCosts` (e.g. the device for 'time').
 
   Returns:
-    A list of `num_partitions` non-empty FeatureExtractionLayer params named
-    'd0', 'd1', ... Leaf layers are renamed 'cell_%03d' by global index, as
-    Lingvo does; with `partition_independent_names=True` on the SeqLayer or
-    PipeliningLayer, variable names then do not depend on `num_partitions`.
+    A list of `num_partitions` FeatureExtractionLayer params named 'd0',
+    'd1', ... With `partition_independent_names=True` on the SeqLayer or
+    PipeliningLayer, variable names then do not depend on the cut. Each cell
+    records its leaves' global names (`cell_NNN`) and the user's names in
+    params `leaf_global_names` and `leaf_user_names` (see
+    lingvo_ext/core/cuts.py), so messages say `block3 (cell_005)` in both
+    namings and checkpoints move between them.
 
   Raises:
-    ValueError: no input shape, or a bad `num_partitions` or `cost`.
+    ValueError: no input shape, or a bad `num_partitions`, `cost` or `cut`.
   """
   if not shapes:
     raise ValueError('PartitionSequentialLayers needs the input shapes of the '
                      'first layer as *shapes (tshape.Shape).')
-  subs = FlattenSequentialLayers(params)
+  if cut not in cuts.CUTS:
+    raise ValueError('PartitionSequentialLayers: cut=%r; use one of %s.' %
+                     (cut, ', '.join(cuts.CUTS)))
+  if cut == 'lingvo' and cost != 'flops':
+    raise ValueError("PartitionSequentialLayers: cut='lingvo' balances "
+                     "FPropMeta FLOPs as Lingvo does; cost=%r needs "
+                     "cut='exact'." % (cost,))
+  if cut == 'lingvo':
+    subs = cuts.LingvoFlatten(params)
+  else:
+    subs = FlattenSequentialLayers(params)
   if not subs:
     raise ValueError('PartitionSequentialLayers got no layers in `params`.')
-  if isinstance(num_partitions, int) and num_partitions > len(subs):
+  if not isinstance(num_partitions, int) or num_partitions < 1:
+    raise ValueError('num_partitions=%r must be an int >= 1.' %
+                     (num_partitions,))
+  if cut == 'exact' and num_partitions > len(subs):
     raise ValueError(
         'num_partitions=%d but the stack has only %d layers; use '
         'num_partitions <= %d.' % (num_partitions, len(subs), len(subs)))
-  for i, s in enumerate(subs):
-    s.name = 'cell_%03d' % i
-  costs = cost_lib.LayerCosts(subs, *shapes, cost=cost, **cost_kwargs)
-  sizes = partitioning.MinMaxPartition(costs, num_partitions)
+  names, global_names, user_names = cuts.LeafNames(subs, keep_layer_names)
+  if cut == 'lingvo':
+    sizes, costs = cuts.LingvoCut(subs, num_partitions, *shapes)
+  else:
+    costs = cost_lib.LayerCosts(subs, *shapes, cost=cost, **cost_kwargs)
+    sizes = partitioning.MinMaxPartition(costs, num_partitions)
+  for s, name in zip(subs, names):
+    s.name = name
   total = float(sum(costs)) or 1.0
   seqs, start = [], 0
   for i, size in enumerate(sizes):
     part = subs[start:start + size]
     tf.logging.info('Partition %d: %d layers, %s cost %.3f of total', i, size,
                     cost, sum(costs[start:start + size]) / total)
-    seqs.append(FeatureExtractionLayer.Params().Set(name='d%d' % i, sub=part))
+    if not part:
+      tf.logging.warning(
+          "PartitionSequentialLayers(cut='lingvo'): cell d%d is empty, as in "
+          "Lingvo's cut; cut='exact' never leaves a cell empty.", i)
+    cell = FeatureExtractionLayer.Params().Set(name='d%d' % i, sub=part)
+    cuts.RecordLeaves(cell, global_names[start:start + size],
+                      user_names[start:start + size])
+    seqs.append(cell)
     start += size
   return seqs
+
+
+def CheckpointVarMap(layer, checkpoint_path, variables=None):
+  """{checkpoint key: variable} for tf.train.Saver(var_list=...), any cut.
+
+  A checkpoint written under another cut of the same layers into cells
+  (e.g. lingvo.core.gpipe's), or the other naming, restores into `layer`.
+  See `lingvo_ext.core.cuts.CheckpointVarMap`.
+  """
+  return cuts.CheckpointVarMap(layer, checkpoint_path, variables)
 
 
 def CellVariableDevices(cluster, num_cells: int) -> list:

@@ -42,6 +42,14 @@ class PipelinedTask(base_model.BaseTask):
         '(convert between the two with '
         '`python -m lingvo_ext.tools.convert_checkpoint`).')
     p.Define(
+        'keep_layer_names', True,
+        'True: the layers of LayerStack keep their names in variable names '
+        '(lm/softmax/w/var); False: they are renamed cell_000, cell_001, ... '
+        'by index, as lingvo.core.gpipe.PartitionSequentialLayers does '
+        '(lm/cell_003/w/var). Checkpoints restore across the two namings '
+        '(the trainer maps them), and messages name both '
+        '(softmax (cell_003)).')
+    p.Define(
         'stack_variables', False,
         'Stack the same-shape variables of the layers in each pipeline cell '
         'into one variable per group (e.g. '
@@ -111,7 +119,8 @@ class PipelinedTask(base_model.BaseTask):
     p = self.params
     stack, shapes = self.LayerStack(p)
     cells = gpipe.PartitionSequentialLayers(
-        stack, p.num_partitions, *shapes, cost=p.partition_cost)
+        stack, p.num_partitions, *shapes, cost=p.partition_cost,
+        keep_layer_names=p.keep_layer_names)
     return gpipe.PipeliningLayer.Params().Set(
         name='pipeline', cell_tpl=cells,
         num_micro_batches=p.num_micro_batches,

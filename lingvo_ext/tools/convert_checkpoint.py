@@ -22,6 +22,21 @@ and --from_names/--to_names (lingvo or partition_independent) are shortcuts
 for the overrides `task.num_partitions` and `task.partition_independent_names`
 of lingvo_ext's pipelined tasks; `--*_model_params_override` takes any
 override, as the trainer's --model_params_override does ('a.b:v;c:w').
+Leaves named `cell_NNN` and leaves keeping the user's names
+(`task.keep_layer_names`) are paired too, by their index in the stack.
+
+A model that is not registered (e.g. a stack cut by lingvo.core.gpipe's
+PartitionSequentialLayers in one's own graph) is converted from the two
+layouts alone: the leaves per cell of each cut, and the naming:
+
+  python -m lingvo_ext.tools.convert_checkpoint \\
+      --from_checkpoint=/tmp/mine/ckpt --from_cut=3,4,4,5 \\
+      --to_cut=4,4,4,4 --to_checkpoint=/tmp/mine4/ckpt
+
+(--from_names/--to_names as above; --layer_names=a,b,... with
+--from_keep_layer_names/--to_keep_layer_names when a side's leaves keep the
+user's names.) In one's own program, `lingvo_ext.core.gpipe.CheckpointVarMap`
+restores such a checkpoint directly, without converting it.
 It exits non-zero with a message naming the variables when one has no
 counterpart in the other model or their shapes differ.
 """
@@ -36,6 +51,7 @@ import lingvo.compat as tf
 from lingvo.core import cluster_factory
 from lingvo.core import gpipe as lingvo_gpipe
 
+from lingvo_ext.core import cuts
 from lingvo_ext.core import gpipe
 
 _NAMES = {'lingvo': False, 'partition_independent': True}
@@ -107,13 +123,19 @@ def _Canonical(key: str, renames: Dict[str, str]) -> str:
 
 def ModelLayout(mp) -> Tuple[Dict[str, List[int]], Dict[str, str]]:
   """({checkpoint key: shape}, cell-scope renames) of a model's train graph."""
+  return _ModelLayout(mp)[:2]
+
+
+def _ModelLayout(mp):
+  """ModelLayout and the model's pipeline leaves (cuts.ModelLeaves)."""
   with tf.Graph().as_default(), cluster_factory.Cluster(mp.cluster):
     model = mp.Instantiate()
     model.ConstructFPropBPropGraph()
     shapes = {_Key(v): v.shape.as_list() for v in tf.global_variables()}
     renames = {}
     _CellScopeRenames(model, renames)
-  return shapes, renames
+    leaves = cuts.ModelLeaves(model)
+  return shapes, renames, leaves
 
 
 def _Few(names: Sequence[str], n: int = 5) -> str:
@@ -124,14 +146,21 @@ def _Few(names: Sequence[str], n: int = 5) -> str:
 
 def Plan(ckpt_shapes: Dict[str, List[int]], from_renames: Dict[str, str],
          to_shapes: Dict[str, List[int]],
-         to_renames: Dict[str, str]) -> Dict[str, str]:
-  """{source key: target key}, or ConversionError naming what does not fit."""
+         to_renames: Dict[str, str],
+         pairs: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+  """{source key: target key}, or ConversionError naming what does not fit.
+
+  Keys pair by their names without cell scopes, or as `pairs` says.
+  """
   to_by_canonical = {}
   for key in to_shapes:
     to_by_canonical[_Canonical(key, to_renames)] = key
   plan, missing, mismatched = {}, [], []
   for key, shape in ckpt_shapes.items():
-    target = to_by_canonical.get(_Canonical(key, from_renames))
+    if pairs is not None:
+      target = pairs.get(key)
+    else:
+      target = to_by_canonical.get(_Canonical(key, from_renames))
     if target is None:
       missing.append(key)
     elif list(to_shapes[target]) != list(shape):
@@ -156,6 +185,20 @@ def Plan(ckpt_shapes: Dict[str, List[int]], from_renames: Dict[str, str],
         'the same layers and shapes (check --to_model and the overrides); '
         'only cell scopes and partitioning may differ.')
   return plan
+
+
+def LeafPlan(ckpt_shapes: Dict[str, List[int]], to_shapes: Dict[str, List[int]],
+             to_leaves) -> Dict[str, str]:
+  """As Plan, pairing keys by pipeline leaf (cuts.PlanRestore).
+
+  That pairs `cell_NNN` with the user's layer names too, under any cut.
+  """
+  try:
+    keys = cuts.PlanRestore(None, ckpt_shapes, to_shapes, required=(),
+                            leaves=to_leaves).keys
+  except ValueError as e:
+    raise ConversionError(str(e)) from e
+  return Plan(ckpt_shapes, {}, to_shapes, {}, pairs=keys)
 
 
 def WriteCheckpoint(reader, plan: Dict[str, str], path: str) -> None:
@@ -186,9 +229,38 @@ def Convert(from_checkpoint: str, from_model: str, to_checkpoint: str,
       if not k.startswith('_CHECKPOINTABLE')
   }
   _, from_renames = ModelLayout(ModelParams(from_model, from_override))
-  to_shapes, to_renames = ModelLayout(
+  to_shapes, to_renames, to_leaves = _ModelLayout(
       ModelParams(to_model or from_model, to_override))
-  plan = Plan(ckpt_shapes, from_renames, to_shapes, to_renames)
+  try:
+    plan = LeafPlan(ckpt_shapes, to_shapes, to_leaves)
+  except ConversionError as by_leaf:
+    # Cells that are not PartitionSequentialLayers': pair by cell scope.
+    try:
+      plan = Plan(ckpt_shapes, from_renames, to_shapes, to_renames)
+    except ConversionError:
+      raise by_leaf  # pylint: disable=raise-missing-from
+  WriteCheckpoint(reader, plan, to_checkpoint)
+  return plan
+
+
+def ConvertLayouts(from_checkpoint: str, from_layout: cuts.Layout,
+                   to_checkpoint: str,
+                   to_layout: cuts.Layout) -> Dict[str, str]:
+  """Converts between two layouts of a stack, no model needed; the plan."""
+  reader = tf.train.load_checkpoint(from_checkpoint)
+  keys = [k for k in reader.get_variable_to_shape_map()
+          if not k.startswith('_CHECKPOINTABLE')]
+  try:
+    plan = cuts.RenameKeys(keys, from_layout, to_layout)
+  except ValueError as e:
+    raise ConversionError(str(e)) from e
+  if keys and all(k == v for k, v in plan.items()):
+    raise ConversionError(
+        'no key of %s has a leaf scope of --from_cut %s (e.g. %s); check '
+        '--from_cut, --from_names and --from_keep_layer_names.' %
+        (from_checkpoint, ','.join(map(str, from_layout.cut)),
+         '%s/%s' % (from_layout.cell_names[0], from_layout.names[0])
+         if not from_layout.independent else from_layout.names[0]))
   WriteCheckpoint(reader, plan, to_checkpoint)
   return plan
 
@@ -213,9 +285,10 @@ def _ParseArgs(argv):
   parser.add_argument('--to_checkpoint', required=True,
                       help='Checkpoint prefix to write; a `checkpoint` '
                       'state file pointing at it is written beside it.')
-  parser.add_argument('--from_model', required=True,
+  parser.add_argument('--from_model', default=None,
                       help='Registered model that wrote the checkpoint, '
-                      'e.g. lm.TransformerLmTinyGPipe.')
+                      'e.g. lm.TransformerLmTinyGPipe (or give --from_cut '
+                      'and --to_cut).')
   parser.add_argument('--to_model', default=None,
                       help='Registered model to convert for (default: '
                       '--from_model).')
@@ -230,21 +303,71 @@ def _ParseArgs(argv):
                         default=None,
                         help="Shortcut: 'lingvo' or 'partition_independent' "
                         'sets task.partition_independent_names of the %s '
-                        'model.' % side)
-  return parser.parse_args(argv)
+                        'model; with --%s_cut, whether its keys have the '
+                        'cell scope.' % (side, side))
+    parser.add_argument('--%s_cut' % side, type=_Cut, default=None,
+                        help='Without a registered model: the leaf layers '
+                        'in each cell of the %s checkpoint, e.g. 3,4,4,5.' %
+                        side)
+    parser.add_argument('--%s_keep_layer_names' % side, action='store_true',
+                        help='With --%s_cut: its leaves keep the names of '
+                        '--layer_names (else cell_000, ...).' % side)
+  parser.add_argument('--layer_names', type=_Names, default=None,
+                      help='With --from_cut/--to_cut: the leaf layers\' '
+                      'names in order, comma-separated.')
+  args = parser.parse_args(argv)
+  if (args.from_cut is None) != (args.to_cut is None):
+    parser.error('give both --from_cut and --to_cut (or neither, with '
+                 '--from_model).')
+  if args.from_cut is None and not args.from_model:
+    parser.error('give --from_model (a registered model) or --from_cut and '
+                 '--to_cut (the two layouts).')
+  if ((args.from_keep_layer_names or args.to_keep_layer_names) and
+      not args.layer_names):
+    parser.error('--from_keep_layer_names/--to_keep_layer_names need '
+                 '--layer_names=a,b,...')
+  return args
+
+
+def _Cut(text):
+  try:
+    cut = [int(n) for n in text.split(',')]
+  except ValueError:
+    raise argparse.ArgumentTypeError(
+        '%r: give the leaf layers per cell, e.g. 3,4,4,5' % text) from None
+  if not cut or min(cut) < 0:
+    raise argparse.ArgumentTypeError(
+        '%r: give the leaf layers per cell, e.g. 3,4,4,5' % text)
+  return cut
+
+
+def _Names(text):
+  return [n.strip() for n in text.split(',')]
+
+
+def _LayoutOf(args, side):
+  names = getattr(args, side + '_names')
+  keep = getattr(args, side + '_keep_layer_names')
+  return cuts.Layout(getattr(args, side + '_cut'),
+                     independent=names == 'partition_independent',
+                     layer_names=args.layer_names if keep else None)
 
 
 def main(argv=None) -> int:
   args = _ParseArgs(sys.argv[1:] if argv is None else argv)
   try:
-    plan = Convert(
-        args.from_checkpoint, args.from_model, args.to_checkpoint,
-        args.to_model,
-        _Override(args.from_model_params_override, args.from_num_partitions,
-                  args.from_names),
-        _Override(args.to_model_params_override, args.to_num_partitions,
-                  args.to_names))
-  except (ConversionError, tf.errors.NotFoundError) as e:
+    if args.from_cut is not None:
+      plan = ConvertLayouts(args.from_checkpoint, _LayoutOf(args, 'from'),
+                            args.to_checkpoint, _LayoutOf(args, 'to'))
+    else:
+      plan = Convert(
+          args.from_checkpoint, args.from_model, args.to_checkpoint,
+          args.to_model,
+          _Override(args.from_model_params_override, args.from_num_partitions,
+                    args.from_names),
+          _Override(args.to_model_params_override, args.to_num_partitions,
+                    args.to_names))
+  except (ConversionError, ValueError, tf.errors.NotFoundError) as e:
     print('convert_checkpoint: %s' % e, file=sys.stderr)
     return 1
   renamed = sum(1 for k, v in plan.items() if k != v)
