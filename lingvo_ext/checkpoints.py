@@ -17,6 +17,7 @@ from google.protobuf import text_format
 import lingvo.compat as tf
 import numpy as np
 from tensorflow.python.lib.io import file_io  # pylint: disable=g-direct-tensorflow-import
+from tensorflow.python.training import checkpoint_state_pb2  # pylint: disable=g-direct-tensorflow-import
 
 
 def CheckpointProblem(path: str) -> Optional[str]:
@@ -178,13 +179,16 @@ def StateFileProblem(train_dir: str) -> Optional[str]:
   state_file = os.path.join(train_dir, 'checkpoint')
   if not tf.io.gfile.exists(state_file):
     return f'{state_file} is missing'
+  # Parsed here: TF's get_checkpoint_state logs a parse error twice and
+  # returns None.
+  state = checkpoint_state_pb2.CheckpointState()
   try:
-    state = tf.train.get_checkpoint_state(train_dir)
+    text_format.Parse(file_io.read_file_to_string(state_file), state)
   except Exception as e:  # pylint: disable=broad-except
     # text_format.ParseError, or a decoding error for binary garbage.
     first = str(e).strip().split('\n')[0]
     return f'{state_file} does not parse ({type(e).__name__}: {first})'
-  if state is None or not state.model_checkpoint_path:
+  if not state.model_checkpoint_path:
     return f'{state_file} names no checkpoint'
   path = state.model_checkpoint_path
   if not os.path.isabs(path):

@@ -61,6 +61,7 @@ from lingvo.core import py_utils
 from lingvo_ext import checkpoints
 from lingvo_ext import progress
 from lingvo_ext import registry
+from lingvo_ext.distributed import gradient_sync
 from lingvo_ext.distributed import trainer_lib
 
 FLAGS = tf.flags.FLAGS
@@ -498,13 +499,11 @@ def _RepairCheckpoints(train_dir):
     latest = tf.train.latest_checkpoint(train_dir)
     print(f'warning: {problem}; rebuilt it from the checkpoints on disk '
           f'(latest: {latest}).', file=sys.stderr, flush=True)
-    tf.logging.warning('Rebuilt the checkpoint state file: %s', problem)
   path, skipped = checkpoints.FallBackToIntactCheckpoint(train_dir)
   for bad, why in skipped:
     print(f'warning: skipped damaged checkpoint {bad} (unreadable: {why}); '
           f'restoring {path or "nothing: starting afresh"}.',
           file=sys.stderr, flush=True)
-    tf.logging.warning('Skipped checkpoint %s: %s', bad, why)
   return path
 
 
@@ -550,11 +549,12 @@ def _CheckParams():
       task.cls.CheckParams(task)
       batch = (cfg.input.batch_size if 'input' in cfg and cfg.input is not None
                and 'batch_size' in cfg.input else None)
-      if batch and batch % task.num_micro_batches:
-        return (f'{task.name}: input.batch_size={batch} is not divisible by '
-                f'task.num_micro_batches={task.num_micro_batches}; set '
-                'task.input.batch_size to a multiple of it, or another '
-                'task.num_micro_batches.')
+      if batch and FLAGS.run_locally == 'cpu' and _TrainsHere():
+        # The check the task makes when built, before the logdir is touched.
+        split = FLAGS.worker_split_size
+        gradient_sync.CheckReplicas(task.name, task.gradient_sync,
+                                    max(1, FLAGS.num_cpu_devices // split),
+                                    split, batch, task.num_micro_batches)
     _UseSlicedCheckpoints()
   except (ValueError, AttributeError, LookupError) as e:
     return _FirstLine(e)
