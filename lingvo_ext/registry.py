@@ -206,7 +206,7 @@ def _ParseValue(key, old, default, text):
     return OverrideError(f'{_OVERRIDE_FLAG}: {key}:{text} is not valid: '
                          f'{key} takes {expected}.')
 
-  if text in ('None', 'NoneType'):
+  if text in ('None', 'NoneType', 'none'):
     if old is None or default is None:
       return None
     raise Bad(f'a {type(old).__name__}, not None')
@@ -227,8 +227,10 @@ def _ParseValue(key, old, default, text):
   if isinstance(old, str):
     return _Unquote(text)
   if old is None:
-    # Untyped (default None): a Python literal (True, 3, 0.5, (1, 2)...),
-    # else the text as a string.
+    # Untyped (default None): True/False (any case Lingvo takes), a Python
+    # literal (3, 0.5, (1, 2)...), else the text as a string.
+    if text in ('True', 'true', 'False', 'false'):
+      return _BOOLS[text]
     try:
       return ast.literal_eval(text)
     except (ValueError, SyntaxError):
@@ -269,7 +271,7 @@ def ApplyOverrides(cfg, text):
           f'{key}.{next(iter(sorted(k for k, _ in old.IterParams())), "x")}'
           ':...')
     value = _ParseValue(key, old, default, value_text)
-    if value is None and value_text not in ('None', 'NoneType'):
+    if value is None and value_text not in ('None', 'NoneType', 'none'):
       try:  # Lingvo's own parsing (dtypes, enums, dataclasses...).
         cfg.FromText(f'{key}:{value_text}')
       except Exception as e:  # pylint: disable=broad-except
@@ -282,6 +284,17 @@ def ApplyOverrides(cfg, text):
   return cfg
 
 
+def InstallImportParams():
+  """Makes Lingvo's model_registry look experiments up with ImportParams.
+
+  Lingvo's own lookup tries six modules under lingvo.tasks for each model
+  name, printing `model_imports.py: Importing ...` for each; ImportParams
+  imports the experiment's module (or params/) and prints nothing.
+  """
+  from lingvo import model_imports  # pylint: disable=g-import-not-at-top
+  model_imports.ImportParams = ImportParams
+
+
 def Install():
   """Makes Lingvo's model registry use lingvo_ext's.
 
@@ -289,9 +302,8 @@ def Install():
   --model_params_override with ApplyOverrides (checked keys and values,
   `task.input.X` for `input.X`).
   """
-  from lingvo import model_imports  # pylint: disable=g-import-not-at-top
   from lingvo import model_registry  # pylint: disable=g-import-not-at-top
-  model_imports.ImportParams = ImportParams
+  InstallImportParams()
   helper = model_registry._ModelRegistryHelper  # pylint: disable=protected-access
   if not getattr(helper, '_lingvo_ext_installed', False):
     original = helper.MaybeUpdateParamsFromFlags.__func__

@@ -366,7 +366,9 @@ class _WaitsForCheckpointsMixin:
         return path
       if self._Finished(path):
         return None
-      if not path:
+      if _CONTROLLER_HERE.is_set():
+        pass  # Training runs in this process: nothing to tell.
+      elif not path:
         self._waiting.Say(
             'none', f'{self._job_name}: waiting for a first checkpoint in '
             f'{train_dir}: train with the same --logdir (or add '
