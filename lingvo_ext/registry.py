@@ -209,7 +209,8 @@ def _ParseValue(key, old, default, text):
   if text in ('None', 'NoneType', 'none'):
     if old is None or default is None:
       return None
-    raise Bad(f'a {type(old).__name__}, not None')
+    kind = type(old).__name__
+    raise Bad(f'{"an" if kind[0] in "aeiou" else "a"} {kind}, not None')
   if isinstance(old, bool):
     if text not in _BOOLS:
       raise Bad('True or False')

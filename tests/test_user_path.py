@@ -224,7 +224,7 @@ def testEveryMisspelledTaskKeyNamesItsCloseMatch():
     ('task.num_micro_batches:four', 'task.num_micro_batches takes an int'),
     ('task.stack_variables:Flase', 'task.stack_variables takes True or False'),
     ('task.train.learning_rate:fast', 'task.train.learning_rate takes a float'),
-    ('task.num_partitions:None', 'takes a int, not None'),
+    ('task.num_partitions:None', 'takes an int, not None'),
     ('task.train:3', 'task.train holds params'),
     ('task.train.learning_rate.x:3', 'task.train.learning_rate is float'),
     ('garbage', "'garbage' is not key:value"),
