@@ -23,15 +23,24 @@ changes:
 - --job=evaler_dev evaluates DIR/train's checkpoints on the dev split
   (summaries in DIR/eval_dev); add it to the training jobs
   (--job=controller,trainer_client,evaler_dev) to evaluate as training goes.
+  Evalers and decoders print each result (`evaler_dev: step 30  log_pplx
+  3.26 ...`) and stop after the checkpoint of the trainer's last step once
+  training has finished, whatever --max_steps it ran with.
+- One trainer per logdir (a lock on DIR/trainer.lock for the process's
+  life); a finished logdir says `already trained to step N (max_steps N):
+  nothing to do` and exits with 0.
 - An unknown --model prints the close registered names and exits with 2;
   --model=module.Class also finds an experiment module on PYTHONPATH (see
   lingvo_ext/registry.py).
-- Failing safely: bad flags, an unusable --logdir and bad params are one
-  line and exit 2. After --max_nonfinite_steps steps in a row whose loss or
+- Failing safely: bad flags, an unusable --logdir, bad params and bad
+  --model_params_override keys or values are one line and exit 2, before
+  anything is written to the logdir (lingvo_ext/registry.py checks the
+  overrides). After --max_nonfinite_steps steps in a row whose loss or
   gradients are NaN/Inf, training stops (exit 3) naming the step, the first
   non-finite tensor and the last good checkpoint; no checkpoint holding
   NaN/Inf is written. A damaged latest checkpoint is skipped for the newest
-  intact one (lingvo_ext/checkpoints.py). Ctrl-C saves a checkpoint, then
+  intact one, and a damaged `checkpoint` state file is rebuilt from the
+  checkpoints on disk (lingvo_ext/checkpoints.py). Ctrl-C saves a checkpoint, then
   exits with 130 (a second Ctrl-C exits at once).
 - A model with partitioned variables (a layer's `partitioner` set, e.g.
   lm.WordLmSharded) saves checkpoints with tf.train.Saver
@@ -490,12 +499,19 @@ class RunnerManager(trainer_lib.DistributedRunnerManagerMixin,
     return cfg
 
 
+# Train dirs already repaired by this process: the repair runs before the
+# runners (Run) and again where a RunnerManager is started directly.
+_REPAIRED = {}
+
+
 def _RepairCheckpoints(train_dir):
   """Rebuilds a damaged state file, then skips damaged checkpoints.
 
   Returns:
     The checkpoint training resumes from, or None.
   """
+  if train_dir in _REPAIRED:
+    return _REPAIRED[train_dir]
   problem = checkpoints.RebuildStateFile(train_dir)
   if problem:
     latest = tf.train.latest_checkpoint(train_dir)
@@ -506,6 +522,7 @@ def _RepairCheckpoints(train_dir):
     print(f'warning: skipped damaged checkpoint {bad} (unreadable: {why}); '
           f'restoring {path or "nothing: starting afresh"}.',
           file=sys.stderr, flush=True)
+  _REPAIRED[train_dir] = path
   return path
 
 
