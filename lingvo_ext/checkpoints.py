@@ -12,6 +12,7 @@ pipeline's layers into cells.
 """
 
 import os
+import re
 from typing import List, Optional, Tuple
 
 from google.protobuf import text_format
@@ -22,6 +23,7 @@ from tensorflow.python.lib.io import file_io  # pylint: disable=g-direct-tensorf
 from tensorflow.python.ops import variables as tf_variables  # pylint: disable=g-direct-tensorflow-import
 
 from lingvo_ext.core import cuts
+from tensorflow.python.training import checkpoint_state_pb2  # pylint: disable=g-direct-tensorflow-import
 
 
 def CheckpointProblem(path: str) -> Optional[str]:
@@ -217,3 +219,110 @@ class CrossCutCheckpointer(lingvo_checkpointer.Checkpointer):
     if self._check_loading_status:
       assert not uninitialized, uninitialized
     return checkpoint_path
+# --- A damaged `checkpoint` state file ----------------------------------------
+
+_CKPT_INDEX = re.compile(r'^(ckpt-(\d+))\.index$')
+
+
+def _CheckpointsOnDisk(train_dir: str) -> List[str]:
+  """Prefixes of the `ckpt-N` checkpoints in `train_dir`, oldest first."""
+  found = []
+  for name in tf.io.gfile.listdir(train_dir):
+    m = _CKPT_INDEX.match(name)
+    if m:
+      found.append((int(m.group(2)), os.path.join(train_dir, m.group(1))))
+  return [path for _, path in sorted(found)]
+
+
+def StateFileProblem(train_dir: str) -> Optional[str]:
+  """Why `train_dir`'s `checkpoint` state file needs rebuilding, or None.
+
+  It does when it does not parse, names no checkpoint, or names one whose
+  index file is gone, while checkpoints are on disk; also when it is missing
+  while checkpoints are on disk (a run would otherwise start afresh and
+  overwrite them).
+  """
+  if not tf.io.gfile.isdir(train_dir) or not _CheckpointsOnDisk(train_dir):
+    return None
+  state_file = os.path.join(train_dir, 'checkpoint')
+  if not tf.io.gfile.exists(state_file):
+    return f'{state_file} is missing'
+  # Parsed here: TF's get_checkpoint_state logs a parse error twice and
+  # returns None.
+  state = checkpoint_state_pb2.CheckpointState()
+  try:
+    text_format.Parse(file_io.read_file_to_string(state_file), state)
+  except Exception as e:  # pylint: disable=broad-except
+    # text_format.ParseError, or a decoding error for binary garbage.
+    first = str(e).strip().split('\n')[0]
+    return f'{state_file} does not parse ({type(e).__name__}: {first})'
+  if not state.model_checkpoint_path:
+    return f'{state_file} names no checkpoint'
+  path = state.model_checkpoint_path
+  if not os.path.isabs(path):
+    path = os.path.join(train_dir, path)
+  if not tf.io.gfile.exists(path + '.index'):
+    return f'{state_file} names {path}, which is not on disk'
+  return None
+
+
+def RebuildStateFile(train_dir: str) -> Optional[str]:
+  """Rewrites a damaged `checkpoint` state file from the checkpoints on disk.
+
+  Every `ckpt-N` in `train_dir` is listed (newest last), the newest as the
+  latest: FallBackToIntactCheckpoint then skips any that does not read back.
+  Written with TF's public update_checkpoint_state (atomically).
+
+  Returns:
+    None when the state file was fine (or there are no checkpoints), else
+    the problem that was repaired.
+  """
+  problem = StateFileProblem(train_dir)
+  if problem is None:
+    return None
+  paths = _CheckpointsOnDisk(train_dir)
+  stamps = [tf.io.gfile.stat(p + '.index').mtime_nsec / 1e9 for p in paths]
+  tf.compat.v1.train.update_checkpoint_state(
+      train_dir, paths[-1], all_model_checkpoint_paths=paths,
+      all_model_checkpoint_timestamps=stamps)
+  return problem
+
+
+# --- Training finished ----------------------------------------------------------
+
+_FINISHED = 'training_finished'
+
+
+def MarkTrainingFinished(train_dir: str, step: int, max_steps: int) -> None:
+  """Records that training ended at `step` (its last checkpoint's step).
+
+  Evalers and decoders stop once they have processed that checkpoint, when
+  the trainer ran with any --max_steps.
+  """
+  file_io.atomic_write_string_to_file(
+      os.path.join(train_dir, _FINISHED), f'{int(step)} {int(max_steps)}\n')
+
+
+def TrainingFinished(train_dir: str) -> Optional[Tuple[int, int]]:
+  """(step, max_steps) if the trainer of `train_dir` finished, else None."""
+  try:
+    with tf.io.gfile.GFile(os.path.join(train_dir, _FINISHED)) as f:
+      step, max_steps = f.read().split()
+    return int(step), int(max_steps)
+  except (tf.errors.NotFoundError, ValueError):
+    return None
+
+
+def ClearTrainingFinished(train_dir: str) -> None:
+  """A trainer that goes on (a raised --max_steps) is not finished."""
+  path = os.path.join(train_dir, _FINISHED)
+  if tf.io.gfile.exists(path):
+    tf.io.gfile.remove(path)
+
+
+def CheckpointStep(path: Optional[str]) -> Optional[int]:
+  """The step of checkpoint prefix `path` (`.../ckpt-00000100` is 100)."""
+  if not path:
+    return None
+  step = _Step(path)
+  return None if step < 0 else step

@@ -83,6 +83,31 @@ def LogFilePath(logdir, job):
   return os.path.join(logdir, 'log.%s.txt' % re.sub(r'[^\w.+-]', '+', job))
 
 
+class _LogFile:
+  """The log file, kept usable to the very end of the process.
+
+  Python's logging closes handlers' streams at exit, and objects collected
+  after that still log (TF's tf_should_use does): writing to a closed file
+  would print '--- Logging error ---' with a traceback. Here `close` only
+  flushes; the file is closed when the process exits.
+  """
+
+  def __init__(self, f):
+    self._f = f
+
+  def write(self, text):
+    return self._f.write(text)
+
+  def flush(self):
+    self._f.flush()
+
+  def close(self):
+    self._f.flush()
+
+  def __getattr__(self, name):
+    return getattr(self._f, name)
+
+
 def RouteLogToFile(path):
   """Sends the absl/Lingvo log to `path` (appending) instead of stderr.
 
@@ -91,7 +116,7 @@ def RouteLogToFile(path):
   """
   os.makedirs(os.path.dirname(path), exist_ok=True)
   handler = absl_logging.get_absl_handler().python_handler
-  handler.stream = open(path, 'a', encoding='utf-8')  # pylint: disable=consider-using-with
+  handler.stream = _LogFile(open(path, 'a', encoding='utf-8'))  # pylint: disable=consider-using-with
   flags = absl_logging.FLAGS
   if flags['stderrthreshold'].using_default_value:
     flags.stderrthreshold = 'error'

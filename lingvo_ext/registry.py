@@ -16,9 +16,11 @@ Experiments are Lingvo param classes registered with
 only looks under `lingvo.tasks`.
 """
 
+import ast
 import difflib
 import importlib
 import os
+import re
 import sys
 
 import lingvo_ext  # pylint: disable=unused-import,g-bad-import-order
@@ -138,15 +140,171 @@ def TaskInputAlias(text, cfg):
   return '\n'.join(lines)
 
 
+class OverrideError(ValueError):
+  """A bad --model_params_override: its message is one line."""
+
+
+_OVERRIDE_FLAG = '--model_params_override'
+
+
+def _OverrideItems(text):
+  """[(key, value text)] of an override text (';' or newline separated)."""
+  items = []
+  for line in text.replace(';', '\n').split('\n'):
+    line = line.strip()
+    if not line or line.startswith('#'):
+      continue
+    key, sep, value = line.partition(':')
+    if not sep or not key.strip():
+      raise OverrideError(
+          f'{_OVERRIDE_FLAG}: {line!r} is not key:value; write e.g. '
+          "--model_params_override='task.num_micro_batches:4'.")
+    items.append((key.strip(), value.strip()))
+  return items
+
+
+def _Lookup(cfg, key):
+  """(params holding key's last part, last part); errors name close keys."""
+  from lingvo.core import hyperparams  # pylint: disable=g-import-not-at-top
+  parts = key.split('.')
+  node, path = cfg, []
+  for i, part in enumerate(parts):
+    if not isinstance(node, hyperparams.Params):
+      where = '.'.join(path)
+      raise OverrideError(
+          f'{_OVERRIDE_FLAG}: unknown key {key!r}: {where} is '
+          f'{type(node).__name__} ({node!r}), not params with keys.')
+    if part not in node:
+      names = sorted(name for name, _ in node.IterParams())
+      prefix = '.'.join(path + [''])
+      close = difflib.get_close_matches(part, names, n=3, cutoff=0.6)
+      where = '.'.join(path) or 'the model params'
+      hint = (' Did you mean ' + ', '.join(prefix + c for c in close) + '?'
+              if close else f' Keys of {where}: {", ".join(names)}.')
+      raise OverrideError(f'{_OVERRIDE_FLAG}: unknown key {key!r}: {where} '
+                          f'has no {part!r}.{hint}')
+    if i == len(parts) - 1:
+      return node, part
+    path.append(part)
+    node = node.Get(part)
+  raise AssertionError(key)
+
+
+_BOOLS = {'True': True, 'true': True, '1': True,
+          'False': False, 'false': False, '0': False}
+
+
+def _Unquote(text):
+  if len(text) >= 2 and text[0] == text[-1] and text[0] in '"\'':
+    return re.sub(r"""\\([\\'"])""", r'\1', text[1:-1])
+  return text
+
+
+def _ParseValue(key, old, default, text):
+  """The typed value of `text` for a param whose value is `old`."""
+  def Bad(expected):
+    return OverrideError(f'{_OVERRIDE_FLAG}: {key}:{text} is not valid: '
+                         f'{key} takes {expected}.')
+
+  if text in ('None', 'NoneType', 'none'):
+    if old is None or default is None:
+      return None
+    kind = type(old).__name__
+    raise Bad(f'{"an" if kind[0] in "aeiou" else "a"} {kind}, not None')
+  if isinstance(old, bool):
+    if text not in _BOOLS:
+      raise Bad('True or False')
+    return _BOOLS[text]
+  if isinstance(old, int):
+    try:
+      return int(text)
+    except ValueError:
+      raise Bad('an int') from None
+  if isinstance(old, float):
+    try:
+      return float(text)
+    except ValueError:
+      raise Bad('a float') from None
+  if isinstance(old, str):
+    return _Unquote(text)
+  if old is None:
+    # Untyped (default None): True/False (any case Lingvo takes), a Python
+    # literal (3, 0.5, (1, 2)...), else the text as a string.
+    if text in ('True', 'true', 'False', 'false'):
+      return _BOOLS[text]
+    try:
+      return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+      return _Unquote(text)
+  if isinstance(old, (list, tuple, dict)):
+    try:
+      value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+      raise Bad(f'a Python {type(old).__name__} literal, e.g. '
+                f'{old!r}') from None
+    if not isinstance(value, (list, tuple, dict)):
+      raise Bad(f'a Python {type(old).__name__} literal, e.g. {old!r}')
+    return value
+  return None  # Any other type: Lingvo's FromText parses it.
+
+
+def ApplyOverrides(cfg, text):
+  """Applies --model_params_override `text` to `cfg`, checking every item.
+
+  Unlike Lingvo's FromText: an unknown key names the close keys at the level
+  where it went wrong; a value that does not parse as the param's type says
+  the type; `None` is accepted for params whose default is None, and
+  True/False for untyped ones (default None). `task.input.X` is `input.X`
+  where the task has no input yet (TaskInputAlias).
+
+  Raises:
+    OverrideError: (a ValueError) with a one-line message.
+  """
+  from lingvo.core import hyperparams  # pylint: disable=g-import-not-at-top
+  text = TaskInputAlias(text, cfg)
+  for key, value_text in _OverrideItems(text):
+    node, name = _Lookup(cfg, key)
+    old = node.Get(name)
+    default = node._params[name].GetDefault()  # pylint: disable=protected-access
+    if isinstance(old, hyperparams.Params):
+      raise OverrideError(
+          f'{_OVERRIDE_FLAG}: {key} holds params; set one of its keys, e.g. '
+          f'{key}.{next(iter(sorted(k for k, _ in old.IterParams())), "x")}'
+          ':...')
+    value = _ParseValue(key, old, default, value_text)
+    if value is None and value_text not in ('None', 'NoneType', 'none'):
+      try:  # Lingvo's own parsing (dtypes, enums, dataclasses...).
+        cfg.FromText(f'{key}:{value_text}')
+      except Exception as e:  # pylint: disable=broad-except
+        first = str(e).strip().split('\n')[0]
+        raise OverrideError(
+            f'{_OVERRIDE_FLAG}: {key}:{value_text} is not valid for a '
+            f'{type(old).__name__} param: {first}') from None
+      continue
+    node.Set(**{name: value})
+  return cfg
+
+
+def InstallImportParams():
+  """Makes Lingvo's model_registry look experiments up with ImportParams.
+
+  Lingvo's own lookup tries six modules under lingvo.tasks for each model
+  name, printing `model_imports.py: Importing ...` for each; ImportParams
+  imports the experiment's module (or params/) and prints nothing.
+  """
+  from lingvo import model_imports  # pylint: disable=g-import-not-at-top
+  model_imports.ImportParams = ImportParams
+
+
 def Install():
   """Makes Lingvo's model registry use lingvo_ext's.
 
-  Points model_imports.ImportParams at ImportParams, and lets
-  --model_params_override say `task.input.X` for `input.X` (TaskInputAlias).
+  Points model_imports.ImportParams at ImportParams, and applies
+  --model_params_override with ApplyOverrides (checked keys and values,
+  `task.input.X` for `input.X`).
   """
-  from lingvo import model_imports  # pylint: disable=g-import-not-at-top
   from lingvo import model_registry  # pylint: disable=g-import-not-at-top
-  model_imports.ImportParams = ImportParams
+  InstallImportParams()
   helper = model_registry._ModelRegistryHelper  # pylint: disable=protected-access
   if not getattr(helper, '_lingvo_ext_installed', False):
     original = helper.MaybeUpdateParamsFromFlags.__func__
@@ -155,11 +313,13 @@ def Install():
     def MaybeUpdateParamsFromFlags(cls, cfg):
       text = flags.model_params_override
       if text:
-        flags.model_params_override = TaskInputAlias(text, cfg)
-      try:
-        original(cls, cfg)
-      finally:
-        flags.model_params_override = text
+        if flags.model_params_file_override:
+          raise OverrideError(
+              'pass only one of --model_params_override and '
+              '--model_params_file_override.')
+        ApplyOverrides(cfg, text)
+        return
+      original(cls, cfg)
 
     helper.MaybeUpdateParamsFromFlags = classmethod(MaybeUpdateParamsFromFlags)
     helper._lingvo_ext_installed = True  # pylint: disable=protected-access

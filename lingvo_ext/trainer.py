@@ -23,15 +23,24 @@ changes:
 - --job=evaler_dev evaluates DIR/train's checkpoints on the dev split
   (summaries in DIR/eval_dev); add it to the training jobs
   (--job=controller,trainer_client,evaler_dev) to evaluate as training goes.
+  Evalers and decoders print each result (`evaler_dev: step 30  log_pplx
+  3.26 ...`) and stop after the checkpoint of the trainer's last step once
+  training has finished, whatever --max_steps it ran with.
+- One trainer per logdir (a lock on DIR/trainer.lock for the process's
+  life); a finished logdir says `already trained to step N (max_steps N):
+  nothing to do` and exits with 0.
 - An unknown --model prints the close registered names and exits with 2;
   --model=module.Class also finds an experiment module on PYTHONPATH (see
   lingvo_ext/registry.py).
-- Failing safely: bad flags, an unusable --logdir and bad params are one
-  line and exit 2. After --max_nonfinite_steps steps in a row whose loss or
+- Failing safely: bad flags, an unusable --logdir, bad params and bad
+  --model_params_override keys or values are one line and exit 2, before
+  anything is written to the logdir (lingvo_ext/registry.py checks the
+  overrides). After --max_nonfinite_steps steps in a row whose loss or
   gradients are NaN/Inf, training stops (exit 3) naming the step, the first
   non-finite tensor and the last good checkpoint; no checkpoint holding
   NaN/Inf is written. A damaged latest checkpoint is skipped for the newest
-  intact one (lingvo_ext/checkpoints.py). Ctrl-C saves a checkpoint, then
+  intact one, and a damaged `checkpoint` state file is rebuilt from the
+  checkpoints on disk (lingvo_ext/checkpoints.py). Ctrl-C saves a checkpoint, then
   exits with 130 (a second Ctrl-C exits at once).
 - A model with partitioned variables (a layer's `partitioner` set, e.g.
   lm.WordLmSharded) saves checkpoints with tf.train.Saver
@@ -40,9 +49,11 @@ changes:
   and back.
 """
 
+import fcntl
 import os
 import re
 import signal
+import socket
 import sys
 import threading
 import time
@@ -60,6 +71,7 @@ from lingvo_ext import checkpoints
 from lingvo_ext import progress
 from lingvo_ext import registry
 from lingvo_ext.core import cuts
+from lingvo_ext.distributed import gradient_sync
 from lingvo_ext.distributed import trainer_lib
 
 FLAGS = tf.flags.FLAGS
@@ -94,11 +106,21 @@ class _CpuDevicesMixin(trainer_lib.LostTaskReportMixin):
     config = trainer_lib.SessionConfig(**kwargs)
     return trainer_lib.NewSession(self, self._tf_master, self._graph, config)
 
-  def _CreateCheckpointer(self, train_dir, model):
-    # Restores a checkpoint of another cut of the pipeline too.
+  def _CreateCheckpointer(self, train_dir, model, *args, **kwargs):
     if py_utils.IsEagerMode():
-      return super()._CreateCheckpointer(train_dir, model)
-    return checkpoints.CrossCutCheckpointer(train_dir, model)
+      ckpt = super()._CreateCheckpointer(train_dir, model, *args, **kwargs)
+    else:
+      # Restores a checkpoint of another cut of the pipeline too.
+      ckpt = checkpoints.CrossCutCheckpointer(train_dir, model, *args,
+                                              **kwargs)
+    # Its uninitialized-variables report is only run on a restore; a job that
+    # ends without one (an evaler with nothing left to do) would print TF's
+    # 'Object was never used' error when the tensor is collected.
+    mark_used = getattr(getattr(ckpt, '_uninitialized_vars', None),
+                        'mark_used', None)
+    if mark_used:
+      mark_used()
+    return ckpt
 
 
 # Set by the first Ctrl-C: the trainer stops after its step, the controller
@@ -164,7 +186,18 @@ class LocalController(_CpuDevicesMixin, runners.Controller):
   def _ShouldStop(self, sess=None, step=None, check_early_stop=True):
     if _INTERRUPTED.is_set():
       return True  # Lingvo's controller then saves a checkpoint.
-    return super()._ShouldStop(sess, step, check_early_stop)
+    stop = super()._ShouldStop(sess, step, check_early_stop)
+    if stop and step is not None and step >= self.params.train.max_steps:
+      self._finished_step = int(step)  # Its checkpoint is saved next.
+    return stop
+
+  def _DequeueThreadComplete(self):
+    super()._DequeueThreadComplete()
+    step = getattr(self, '_finished_step', None)
+    if step is not None and getattr(self, '_checkpointer', None) is not None:
+      # After the last save: evalers and decoders stop at that checkpoint.
+      checkpoints.MarkTrainingFinished(self._train_dir, step,
+                                       self.params.train.max_steps)
 
 
 _NONFINITE = re.compile(r'not finite|NaN|Inf', re.IGNORECASE)
@@ -305,24 +338,77 @@ class _Waiting:
       tf.logging.info('%s', message)
 
 
-class _WaitsForCheckpointsMixin:
-  """An evaler or decoder that says which checkpoints it waits for."""
+# Seconds between two looks for a new checkpoint of an evaler or decoder.
+CHECKPOINT_POLL_S = 1.0
 
-  def _FindNewCheckpoint(self, sess=None, processed_ckpts=None):
-    if not hasattr(self, '_waiting'):
-      self._waiting = _Waiting()
+
+class _WaitsForCheckpointsMixin:
+  """An evaler or decoder that finishes, and says what it waits for.
+
+  It processes the trainer's checkpoints as they come and stops after the
+  last one once training has finished (the controller's `training_finished`
+  file, see checkpoints.MarkTrainingFinished), whatever --max_steps the
+  trainer ran with. Each result is printed on stdout.
+  """
+
+  def _Finished(self, path):
+    """Whether training finished with checkpoint `path` as its last."""
+    done = checkpoints.TrainingFinished(self._checkpointer.checkpoint_dir)
+    step = checkpoints.CheckpointStep(path)
+    return done is not None and step is not None and step >= done[0]
+
+  def _TrainerFinished(self, sess=None):
     train_dir = self._checkpointer.checkpoint_dir
     path = tf.train.latest_checkpoint(train_dir)
-    if not path:
-      self._waiting.Say(
-          'none', f'{self._job_name}: waiting for a first checkpoint in '
-          f'{train_dir}: train with the same --logdir (or add '
-          f'{self._job_name} to the trainer\'s --job).')
-    elif path in (processed_ckpts or ()):
-      self._waiting.Say(
-          path, f'{self._job_name}: done with {path}; waiting for a newer '
-          f'checkpoint in {train_dir}.')
-    return super()._FindNewCheckpoint(sess, processed_ckpts)
+    if self._Finished(path):
+      runner_dir = getattr(self, '_eval_dir', None) or getattr(
+          self, '_decoder_dir', None)
+      if runner_dir and path in py_utils.GetProcessedCheckpoints(runner_dir):
+        print(f'{self._job_name}: training finished at '
+              f'{os.path.basename(path)}, which was processed already (see '
+              f'{runner_dir}); nothing to do.', flush=True)
+      return True
+    return super()._TrainerFinished(sess)
+
+  def _FindNewCheckpoint(self, sess=None, processed_ckpts=None):
+    """The next checkpoint to process; None once training has finished."""
+    if not hasattr(self, '_waiting'):
+      self._waiting = _Waiting()
+    processed = processed_ckpts or ()
+    train_dir = self._checkpointer.checkpoint_dir
+    while True:
+      if self._ShouldStop(sess, step=0):  # Lingvo's early stop.
+        return None
+      path = tf.train.latest_checkpoint(train_dir)
+      if path and path not in processed:
+        return path
+      if self._Finished(path):
+        return None
+      if _CONTROLLER_HERE.is_set():
+        pass  # Training runs in this process: nothing to tell.
+      elif not path:
+        self._waiting.Say(
+            'none', f'{self._job_name}: waiting for a first checkpoint in '
+            f'{train_dir}: train with the same --logdir (or add '
+            f'{self._job_name} to the trainer\'s --job).')
+      else:
+        self._waiting.Say(
+            path, f'{self._job_name}: done with {path}; waiting for a newer '
+            f'checkpoint in {train_dir} (it stops after the last one of '
+            'training).')
+      time.sleep(CHECKPOINT_POLL_S)
+
+  def _WriteSummaries(self, summary_writer, job_name, global_step, summaries,
+                      text_filename=None):
+    super()._WriteSummaries(summary_writer, job_name, global_step, summaries,
+                            text_filename)
+    values = []
+    for name, summary in sorted(summaries.items()):
+      for value in getattr(summary, 'value', ()):
+        if value.HasField('simple_value'):
+          values.append(f'{value.tag} {value.simple_value:.4g}')
+    print(f'{self._job_name}: step {int(global_step)}  ' + '  '.join(values),
+          flush=True)
 
 
 class LocalEvaler(_CpuDevicesMixin, _WaitsForCheckpointsMixin,
@@ -384,7 +470,9 @@ class RunnerManager(trainer_lib.DistributedRunnerManagerMixin,
       # Evaluate and decode with the trainer's splits: otherwise, with
       # --worker_split_size=N, they would run N one-device splits, each on
       # a full batch (N times the training batch).
-      for name in ('evaler', 'decoder'):
+      # The controller builds the training graph too: with the trainer's
+      # splits it sees the trainer's replicas (not one per CPU device).
+      for name in ('evaler', 'decoder', 'controller'):
         cluster.Get(name).devices_per_split = FLAGS.worker_split_size
 
   def StartRunners(self, all_runners):
@@ -395,13 +483,7 @@ class RunnerManager(trainer_lib.DistributedRunnerManagerMixin,
     """
     jobs = FLAGS.job.split(',')
     if FLAGS.logdir and ('controller' in jobs or 'trainer_client' in jobs):
-      train_dir = os.path.join(FLAGS.logdir, 'train')
-      path, skipped = checkpoints.FallBackToIntactCheckpoint(train_dir)
-      for bad, why in skipped:
-        print(f'warning: skipped damaged checkpoint {bad} (unreadable: {why}); '
-              f'restoring {path or "nothing: starting afresh"}.',
-              file=sys.stderr, flush=True)
-        tf.logging.warning('Skipped checkpoint %s: %s', bad, why)
+      _RepairCheckpoints(os.path.join(FLAGS.logdir, 'train'))
     runner = threading.Thread(
         target=super().StartRunners, args=(all_runners,), daemon=True)
     runner.start()
@@ -424,6 +506,103 @@ class RunnerManager(trainer_lib.DistributedRunnerManagerMixin,
       if 'task' in cfg:  # A single-task model keeps a copy in its task.
         cfg.task.train.max_steps = FLAGS.max_steps
     return cfg
+
+
+# Train dirs already repaired by this process: the repair runs before the
+# runners (Run) and again where a RunnerManager is started directly.
+_REPAIRED = {}
+
+
+def _RepairCheckpoints(train_dir):
+  """Rebuilds a damaged state file, then skips damaged checkpoints.
+
+  Returns:
+    The checkpoint training resumes from, or None.
+  """
+  if train_dir in _REPAIRED:
+    return _REPAIRED[train_dir]
+  problem = checkpoints.RebuildStateFile(train_dir)
+  if problem:
+    latest = tf.train.latest_checkpoint(train_dir)
+    print(f'warning: {problem}; rebuilt it from the checkpoints on disk '
+          f'(latest: {latest}).', file=sys.stderr, flush=True)
+  path, skipped = checkpoints.FallBackToIntactCheckpoint(train_dir)
+  for bad, why in skipped:
+    print(f'warning: skipped damaged checkpoint {bad} (unreadable: {why}); '
+          f'restoring {path or "nothing: starting afresh"}.',
+          file=sys.stderr, flush=True)
+  _REPAIRED[train_dir] = path
+  return path
+
+
+# The lock a training process holds on its logdir for its whole life (the
+# kernel drops it when the process ends, however it ends).
+LOCK_FILE = 'trainer.lock'
+_LOCK = {}
+
+
+def _LockLogdir(logdir):
+  """Takes the logdir's trainer lock; returns an error if another has it."""
+  path = os.path.join(logdir, LOCK_FILE)
+  fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+  try:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  except OSError:
+    with os.fdopen(fd) as f:
+      holder = f.read().strip() or 'another process'
+    return (f'--logdir={logdir} is in use by the trainer {holder} (it holds '
+            f'{path}); one trainer per logdir: wait for it, stop it, or '
+            'pass another --logdir.')
+  os.ftruncate(fd, 0)
+  os.write(fd, f'PID {os.getpid()} on host {socket.gethostname()}\n'.encode())
+  _LOCK['fd'] = fd  # Kept open (and locked) until the process exits.
+  return None
+
+
+def _TrainsHere():
+  """Whether this process runs the training (and writes checkpoints)."""
+  jobs = (FLAGS.job or 'controller,trainer_client').split(',')
+  if FLAGS.cluster_spec:
+    return 'controller' in jobs
+  return 'controller' in jobs or 'trainer_client' in jobs
+
+
+def _CheckParams():
+  """Applies the overrides to the experiment's params; an error or None."""
+  from lingvo_ext.tasks import pipelined_task  # pylint: disable=g-import-not-at-top
+  try:
+    cfg = model_registry.GetParams(FLAGS.model, 'Train')
+    task = cfg.task if 'task' in cfg else None
+    if task is not None and issubclass(task.cls, pipelined_task.PipelinedTask):
+      task.cls.CheckParams(task)
+      batch = (cfg.input.batch_size if 'input' in cfg and cfg.input is not None
+               and 'batch_size' in cfg.input else None)
+      if batch and FLAGS.run_locally == 'cpu' and _TrainsHere():
+        # The check the task makes when built, before the logdir is touched.
+        split = FLAGS.worker_split_size
+        gradient_sync.CheckReplicas(task.name, task.gradient_sync,
+                                    max(1, FLAGS.num_cpu_devices // split),
+                                    split, batch, task.num_micro_batches)
+    _UseSlicedCheckpoints()
+  except (ValueError, AttributeError, LookupError) as e:
+    return _FirstLine(e)
+  return None
+
+
+def _AlreadyTrained():
+  """The 'nothing to do' line of a finished logdir, or None."""
+  train_dir = os.path.join(FLAGS.logdir, 'train')
+  path = _RepairCheckpoints(train_dir)
+  step = checkpoints.CheckpointStep(path)
+  max_steps = FLAGS.max_steps
+  if max_steps is None:
+    max_steps = model_registry.GetParams(FLAGS.model, 'Train').train.max_steps
+  if step is None or step < max_steps:
+    checkpoints.ClearTrainingFinished(train_dir)
+    return None
+  checkpoints.MarkTrainingFinished(train_dir, step, max_steps)
+  return (f'already trained to step {step} (max_steps {max_steps}): nothing '
+          'to do; raise --max_steps to go on.')
 
 
 def _CheckLogdir(logdir):
@@ -455,10 +634,6 @@ def _CheckFlags():
     return error
   if FLAGS.mode in ('sync', 'async') and not FLAGS.logdir:
     return '--logdir is required, e.g. --logdir=/tmp/lingvo_ext/lm'
-  if FLAGS.logdir:
-    error = _CheckLogdir(FLAGS.logdir)
-    if error:
-      return error
   if FLAGS.num_cpu_devices < 1:
     return f'--num_cpu_devices={FLAGS.num_cpu_devices} must be >= 1.'
   if FLAGS.max_steps is not None and FLAGS.max_steps < 0:
@@ -570,9 +745,10 @@ def Run(argv=None):
       print(_Help(full=arg == '--helpfull'))
       return 0
   try:
-    FLAGS(argv, known_only=True)
+    FLAGS(argv)
   except tf.flags.Error as e:
-    print(f'{argv[0]}: {e}', file=sys.stderr)
+    message = ' '.join(str(e).split())
+    print(f'error: {message} (--help lists the flags)', file=sys.stderr)
     return 2
   argv, error = trainer_lib.ResolveCluster(argv)  # --cluster_resolver
   if error:
@@ -580,16 +756,24 @@ def Run(argv=None):
     return 2
   if FLAGS.cluster_spec:  # One task of a cluster (lingvo_ext.distributed).
     FLAGS.set_default('run_locally', '')
+  # Everything checked before anything is written to the logdir.
   error = _CheckFlags()
+  if not error:
+    registry.Install()
+    error = _CheckParams()
+  if not error and FLAGS.logdir:
+    error = _CheckLogdir(FLAGS.logdir)
+  local = FLAGS.logdir and '://' not in FLAGS.logdir
+  if not error and local and _TrainsHere():
+    error = _LockLogdir(FLAGS.logdir)
   if error:
     print(f'error: {error}', file=sys.stderr)
     return 2
-  registry.Install()
-  try:
-    _UseSlicedCheckpoints()
-  except ValueError as e:  # Bad params (e.g. an override).
-    print(f'error: {e}', file=sys.stderr)
-    return 2
+  if local and _TrainsHere() and not FLAGS.cluster_spec:
+    done = _AlreadyTrained()
+    if done:
+      print(done, flush=True)
+      return 0
   if FLAGS.disable_tf2:
     tf.disable_v2_behavior()
   py_utils.SetEagerMode(FLAGS.use_eager)

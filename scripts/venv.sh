@@ -20,5 +20,20 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "$venv/bin/python" -m pip install -q --no-deps -r "$root/requirements-nodeps.txt"
   echo "$want" > "$stamp"
 fi
+# This checkout, installed editable (pyproject.toml): `import lingvo_ext`,
+# `python -m lingvo_ext.trainer` and the lingvo-ext-* commands work from any
+# directory. Skipped when the venv already imports this checkout's package.
+if ! (cd / && "$venv/bin/python" -c '
+import os, sys
+from importlib.util import find_spec
+root = os.path.realpath(sys.argv[1])
+def Here(name):  # Where the package would be imported from (not importing it).
+  spec = find_spec(name)
+  return spec and os.path.dirname(os.path.dirname(os.path.realpath(spec.origin)))
+sys.exit(0 if Here("lingvo_ext") == Here("params") == root else 1)' "$root" \
+    2>/dev/null && [ -x "$venv/bin/lingvo-ext-train" ]); then
+  echo "venv: installing $root (editable)" >&2
+  "$venv/bin/python" -m pip install -q --no-deps -e "$root"
+fi
 # Does nothing where x_ops.so already loads.
 (cd "$root" && "$venv/bin/python" -m lingvo_ext.tools.fix_x_ops >&2)

@@ -579,13 +579,33 @@ class StepKeepingRestore:
     else:
       step = int(sess.run(self._read_step))
     self.Seen(step)
-    _StepLine(
-        f'{len(names)} variable(s) were uninitialized (e.g. '
-        f'{names[0].decode()}: a restarted task); restored the weights of '
-        f'{os.path.basename(path)} (saved at step {saved}); the step counter '
-        f'goes on from {step}, not back (the updates of steps {saved + 1}..'
-        f'{step} are lost).')
+    _StepLine(RestoredLine(len(names), names[0].decode(),
+                           os.path.basename(path), saved, step))
     return path
+
+
+def RestoredLine(num_uninitialized, example, checkpoint, saved, step):
+  """The controller's line after restoring the weights in a live run.
+
+  `step` is where this controller sets the counter; the trainer raises it to
+  its own last step (KeepTrainerStep says so), so the lost updates are named
+  from the checkpoint on, not as a range this controller cannot know the
+  end of.
+  """
+  return (f'{num_uninitialized} variable(s) were uninitialized (e.g. '
+          f'{example}: a restarted task); restored the weights of '
+          f'{checkpoint} (saved at step {saved}); the step counter goes on '
+          f'from {step}, or from the trainer\'s last step if that is higher '
+          f'(the trainer says so); the updates of the steps after {saved} are '
+          'lost.')
+
+
+def TrainerStepLine(global_step, last):
+  """The trainer's line when it raises a restored global step."""
+  return (f'the global step was {global_step} (a restored checkpoint); set '
+          f'it back to {last}, the last step this trainer ran, so that no '
+          f'step number is reused (the updates of steps {global_step + 1}..'
+          f'{last} are lost).')
 
 
 class KeepTrainerStep:
@@ -614,9 +634,7 @@ class KeepTrainerStep:
     global_step = int(global_step)
     if global_step < self.last:
       sess.run(self._assign, {self._value: self.last})
-      _StepLine(f'the global step was {global_step} (a restored checkpoint); '
-                f'set it back to {self.last}, the last step this trainer ran, '
-                'so that no step number is reused.')
+      _StepLine(TrainerStepLine(global_step, self.last))
       return self.last
     self.Ran(global_step)
     return global_step

@@ -5,13 +5,40 @@ import functools
 import heapq
 
 import lingvo.compat as tf
+from lingvo.core import base_layer
 from lingvo.core import base_model
 from lingvo.core import cluster_factory
 from lingvo.core import py_utils
 
 from lingvo_ext.core import gpipe
+from lingvo_ext.core import schedules
 from lingvo_ext.core import stacking
 from lingvo_ext.distributed import gradient_sync
+
+# PipeliningLayer params that the task sets itself (from its layer stack and
+# its own params), so they are not task params of their own.
+_PIPELINE_PARAMS_SET_BY_TASK = frozenset([
+    'name', 'cls', 'cell_tpl', 'before_tpl', 'nested_map_fprop', 'batch_dim',
+    'micro_batch_size', 'state_dtype', 'num_micro_batches',
+    'partition_independent_names', 'stack_variables',
+    'max_combined_variable_size', 'colocate_cell_variables'
+])
+
+
+def PipelineSwitches():
+  """[(name, default, doc)]: the PipeliningLayer params a task passes through.
+
+  Every param that PipeliningLayer defines beyond BaseLayer's, less those the
+  task sets itself (_PIPELINE_PARAMS_SET_BY_TASK): today `schedule`,
+  `recompute`, `cell_functions` and `jit_compile`; a param the engine adds
+  later becomes a task param too.
+  """
+  layer = gpipe.PipeliningLayer.Params()
+  base = base_layer.BaseLayer.Params()
+  entries = layer._params  # pylint: disable=protected-access
+  return [(name, value, entries[name]._description)  # pylint: disable=protected-access
+          for name, value in layer.IterParams()
+          if name not in base and name not in _PIPELINE_PARAMS_SET_BY_TASK]
 
 
 class PipelinedTask(base_model.BaseTask):
@@ -88,8 +115,43 @@ class PipelinedTask(base_model.BaseTask):
         'ps_placement', 'size', 'gradient_sync parameter_server or hybrid: '
         'how variables are spread over the ps devices, "size" (least loaded '
         'in bytes) or "round_robin".')
+    for name, default, doc in PipelineSwitches():
+      p.Define(
+          name, default,
+          f'Passed to the PipeliningLayer (e.g. --model_params_override='
+          f"'task.{name}:...'): {doc}")
     p.train.clip_gradient_norm_to_value = 1.0
     return p
+
+  @classmethod
+  def CheckParams(cls, task_params):
+    """Raises ValueError for bad pipeline switches, before building a graph.
+
+    The trainer calls it on the overridden params, so a bad value is one
+    line before anything is written to the logdir.
+    """
+    p = task_params
+    if p.schedule not in schedules.SCHEDULES:
+      raise ValueError(
+          f'{p.name}: task.schedule={p.schedule!r}; use one of '
+          f'{sorted(schedules.SCHEDULES)}, e.g. '
+          "--model_params_override='task.schedule:\"1f1b\"'.")
+    if p.recompute not in (None, True, False):
+      raise ValueError(f'{p.name}: task.recompute={p.recompute!r}; use None, '
+                       'True or False.')
+    if p.recompute is False and p.schedule in schedules.ALWAYS_RECOMPUTE:
+      raise ValueError(
+          f'{p.name}: task.recompute=False, but task.schedule={p.schedule!r} '
+          'always recomputes; set task.recompute to None or True, or use '
+          "task.schedule 'unrolled' or '1f1b'.")
+    if not isinstance(p.num_micro_batches, int) or p.num_micro_batches < 1:
+      raise ValueError(f'{p.name}: task.num_micro_batches='
+                       f'{p.num_micro_batches!r} must be an int >= 1.')
+    if not isinstance(p.num_partitions, int) or p.num_partitions < 1:
+      raise ValueError(f'{p.name}: task.num_partitions={p.num_partitions!r} '
+                       'must be an int >= 1.')
+    gradient_sync.CheckParams(p.name, p.gradient_sync, p.accumulate_steps,
+                              p.gradient_compression, p.ps_placement)
 
   @classmethod
   def _CheckHasInput(cls, task_params):
@@ -121,7 +183,8 @@ class PipelinedTask(base_model.BaseTask):
     cells = gpipe.PartitionSequentialLayers(
         stack, p.num_partitions, *shapes, cost=p.partition_cost,
         keep_layer_names=p.keep_layer_names)
-    return gpipe.PipeliningLayer.Params().Set(
+    switches = {name: p.Get(name) for name, _, _ in PipelineSwitches()}
+    return gpipe.PipeliningLayer.Params().Set(**switches).Set(
         name='pipeline', cell_tpl=cells,
         num_micro_batches=p.num_micro_batches,
         partition_independent_names=p.partition_independent_names,

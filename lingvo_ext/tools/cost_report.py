@@ -62,6 +62,7 @@ def BuildReport(layer_params: Sequence[Any],
                 num_partitions: int,
                 cost: str = 'flops',
                 verify: bool = False,
+                cell_devices: Optional[Sequence[str]] = None,
                 **cost_kwargs) -> Dict[str, Any]:
   """Costs, cells and totals of a sequential layer stack.
 
@@ -72,6 +73,10 @@ def BuildReport(layer_params: Sequence[Any],
     num_partitions: Number of pipeline cells.
     cost: What the partition balances: 'flops', 'params' or 'time'.
     verify: Whether to add each layer's TF profiler FLOPs.
+    cell_devices: Where each cell's variables live when they are colocated
+      with the cell (gpipe.CellVariableDevices); the device shown for a
+      variable of a layer without a partitioner. None or '': as FPropMeta
+      says.
     **cost_kwargs: Passed to cost.LayerCosts (e.g. device, num_repeats).
 
   Returns:
@@ -97,6 +102,11 @@ def BuildReport(layer_params: Sequence[Any],
       p, m = subs[i], metas[i]
       dtype = p.dtype if hasattr(p, 'dtype') else tf.float32
       variables = cost_lib.LayerVariables(p)
+      # A layer without a partitioner creates its variables in the cell's
+      # device scope: they live with the cell (PipeliningLayer's
+      # colocate_cell_variables), not where FPropMeta's one shard says.
+      colocated = (cell_devices[cell] if cell_devices and
+                   getattr(p, 'partitioner', None) is None else '')
       entry = {
           'index': i,
           'name': p.name,
@@ -115,7 +125,7 @@ def BuildReport(layer_params: Sequence[Any],
               'shard': sh.shard,
               'shape': list(sh.shape),
               'bytes': int(sh.bytes),
-              'device': sh.device,
+              'device': colocated or sh.device,
           } for sh in m.param_shards],
       }
       if verify:
@@ -396,11 +406,22 @@ def main(argv=None) -> int:
   split_size = args.split_size or num_partitions
   if split_size < 1:
     raise ValueError('--split_size=%d must be positive.' % split_size)
-  with cluster_factory.ForTestingWorker(
+  cluster = cluster_factory.ForTestingWorker(
       mode='sync', job='trainer_client', cpus=split_size,
-      split_size=split_size):
+      split_size=split_size)
+  # The trainer's local cluster: the ps job is the worker's devices (sync
+  # mode), which is where variables and shards go.
+  cluster.params.ps.cpus_per_replica = split_size
+  with cluster_factory.Cluster(cluster.params):
+    cell_devices = None
+    # As PipelinedTask: the ps strategies leave placement to their placer.
+    if getattr(task, 'gradient_sync', 'shared') not in ('parameter_server',
+                                                        'hybrid'):
+      cell_devices = gpipe.CellVariableDevices(cluster_factory.Current(),
+                                               num_partitions)
     report = BuildReport(stack, shapes, num_partitions, cost=cost,
-                         verify=args.verify, **kwargs)
+                         verify=args.verify, cell_devices=cell_devices,
+                         **kwargs)
   report['model'] = args.model
   if args.plot:
     PlotReport(report, args.plot, title=args.model)

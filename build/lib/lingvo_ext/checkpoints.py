@@ -1,0 +1,260 @@
+"""Checkpoint safety for the trainer: intact restores, finite saves.
+
+Lingvo's saver writes a checkpoint atomically: the shards go to
+`ckpt-N_temp/`, are merged into `ckpt-N.index` / `.data-*`, and only then is
+the `checkpoint` state file replaced (an atomic rename) to name it. A
+checkpoint can still be damaged afterwards (a full disk, a copy cut short).
+`FallBackToIntactCheckpoint` makes the state file name the newest checkpoint
+that reads back whole, and says which ones it skipped and why.
+`NonFiniteVariables` lets a job refuse to save variables that are NaN or Inf.
+"""
+
+import os
+import re
+from typing import List, Optional, Tuple
+
+from google.protobuf import text_format
+import lingvo.compat as tf
+import numpy as np
+from tensorflow.python.lib.io import file_io  # pylint: disable=g-direct-tensorflow-import
+from tensorflow.python.training import checkpoint_state_pb2  # pylint: disable=g-direct-tensorflow-import
+
+
+def CheckpointProblem(path: str) -> Optional[str]:
+  """Why the checkpoint at prefix `path` cannot be restored, or None.
+
+  Reads every tensor, so a truncated or corrupted .data file is found (the
+  reader checks sizes and checksums).
+  """
+  if not tf.io.gfile.exists(path + '.index'):
+    return f'{path}.index is missing'
+  try:
+    reader = tf.train.load_checkpoint(path)
+    for name in sorted(reader.get_variable_to_shape_map()):
+      reader.get_tensor(name)
+  except Exception as e:  # pylint: disable=broad-except
+    # The reader raises OpErrors, or IndexError on a truncated file.
+    first = str(getattr(e, 'message', e)).strip().split('\n')[0]
+    return f'{type(e).__name__}: {first}'
+  return None
+
+
+def _AllCheckpoints(train_dir: str) -> List[str]:
+  state = tf.train.get_checkpoint_state(train_dir)
+  if not state or not state.model_checkpoint_path:
+    return []
+  paths = list(state.all_model_checkpoint_paths)
+  if state.model_checkpoint_path not in paths:
+    paths.append(state.model_checkpoint_path)
+  return [p if os.path.isabs(p) else os.path.join(train_dir, p) for p in paths]
+
+
+def _Step(path: str) -> int:
+  try:
+    return int(path.rsplit('-', 1)[1])
+  except (IndexError, ValueError):
+    return -1
+
+
+def FallBackToIntactCheckpoint(
+    train_dir: str) -> Tuple[Optional[str], List[Tuple[str, str]]]:
+  """Points `train_dir`'s latest checkpoint at the newest intact one.
+
+  Args:
+    train_dir: The directory with the `checkpoint` state file.
+
+  Returns:
+    (the newest intact checkpoint or None, [(skipped path, why)] newest
+    first). When checkpoints were skipped, the state file is rewritten
+    (atomically) to name the intact ones only; the damaged files are left in
+    place for inspection.
+  """
+  paths = sorted(_AllCheckpoints(train_dir), key=_Step, reverse=True)
+  skipped = []
+  for i, path in enumerate(paths):
+    problem = CheckpointProblem(path)
+    if problem is None:
+      if skipped:
+        _WriteState(train_dir, path, {p for p, _ in skipped})
+      return path, skipped
+    skipped.append((path, problem))
+  if skipped:
+    # None is intact: remove the state file, so training starts afresh
+    # rather than failing on every restore.
+    tf.io.gfile.remove(os.path.join(train_dir, 'checkpoint'))
+  return None, skipped
+
+
+def _WriteState(train_dir, latest, dropped):
+  """Rewrites the state file: `latest` first, `dropped` paths removed."""
+  state = tf.train.get_checkpoint_state(train_dir)
+  absolute = lambda p: p if os.path.isabs(p) else os.path.join(train_dir, p)
+  pairs = list(zip(state.all_model_checkpoint_paths,
+                   state.all_model_checkpoint_timestamps))
+  paths = [p for p in state.all_model_checkpoint_paths
+           if absolute(p) not in dropped]
+  del state.all_model_checkpoint_paths[:]
+  state.all_model_checkpoint_paths.extend(paths)
+  if pairs:  # Lingvo's saver keeps one timestamp per path.
+    stamps = [t for p, t in pairs if absolute(p) not in dropped]
+    del state.all_model_checkpoint_timestamps[:]
+    state.all_model_checkpoint_timestamps.extend(stamps)
+  state.model_checkpoint_path = latest
+  file_io.atomic_write_string_to_file(
+      os.path.join(train_dir, 'checkpoint'),
+      text_format.MessageToString(state))
+
+
+def DropLatestIfNonFinite(train_dir: str) -> Optional[Tuple[str, str]]:
+  """Deletes the newest checkpoint if it holds NaN or Inf; (path, tensor).
+
+  The check before a save and the save itself are two session runs, and a
+  concurrent training step can make the variables non-finite in between; so
+  the written checkpoint is read back and, when not finite, removed and the
+  state file pointed at the previous one.
+  """
+  paths = sorted(_AllCheckpoints(train_dir), key=_Step, reverse=True)
+  if not paths:
+    return None
+  latest = paths[0]
+  reader = tf.train.load_checkpoint(latest)
+  for name in sorted(reader.get_variable_to_shape_map()):
+    value = np.asarray(reader.get_tensor(name))
+    if np.issubdtype(value.dtype, np.floating) and not np.all(
+        np.isfinite(value)):
+      if len(paths) > 1:
+        _WriteState(train_dir, paths[1], {latest})
+      else:
+        tf.io.gfile.remove(os.path.join(train_dir, 'checkpoint'))
+      for f in tf.io.gfile.glob(latest + '.*'):
+        tf.io.gfile.remove(f)
+      return latest, name
+  return None
+
+
+def FiniteChecks(variables):
+  """[(name, scalar bool tensor: all finite)] for float `variables`."""
+  checks = []
+  for v in variables:
+    if v.dtype.base_dtype.is_floating:
+      with tf.device(v.device):
+        checks.append(
+            (v.op.name, tf.reduce_all(tf.math.is_finite(v.read_value()))))
+  return checks
+
+
+def NonFiniteVariables(sess, checks) -> List[str]:
+  """Names of the variables of `checks` (FiniteChecks) holding NaN or Inf."""
+  if not checks:
+    return []
+  ok = sess.run([t for _, t in checks])
+  return [name for (name, _), good in zip(checks, ok) if not np.all(good)]
+
+
+# --- A damaged `checkpoint` state file ----------------------------------------
+
+_CKPT_INDEX = re.compile(r'^(ckpt-(\d+))\.index$')
+
+
+def _CheckpointsOnDisk(train_dir: str) -> List[str]:
+  """Prefixes of the `ckpt-N` checkpoints in `train_dir`, oldest first."""
+  found = []
+  for name in tf.io.gfile.listdir(train_dir):
+    m = _CKPT_INDEX.match(name)
+    if m:
+      found.append((int(m.group(2)), os.path.join(train_dir, m.group(1))))
+  return [path for _, path in sorted(found)]
+
+
+def StateFileProblem(train_dir: str) -> Optional[str]:
+  """Why `train_dir`'s `checkpoint` state file needs rebuilding, or None.
+
+  It does when it does not parse, names no checkpoint, or names one whose
+  index file is gone, while checkpoints are on disk; also when it is missing
+  while checkpoints are on disk (a run would otherwise start afresh and
+  overwrite them).
+  """
+  if not tf.io.gfile.isdir(train_dir) or not _CheckpointsOnDisk(train_dir):
+    return None
+  state_file = os.path.join(train_dir, 'checkpoint')
+  if not tf.io.gfile.exists(state_file):
+    return f'{state_file} is missing'
+  # Parsed here: TF's get_checkpoint_state logs a parse error twice and
+  # returns None.
+  state = checkpoint_state_pb2.CheckpointState()
+  try:
+    text_format.Parse(file_io.read_file_to_string(state_file), state)
+  except Exception as e:  # pylint: disable=broad-except
+    # text_format.ParseError, or a decoding error for binary garbage.
+    first = str(e).strip().split('\n')[0]
+    return f'{state_file} does not parse ({type(e).__name__}: {first})'
+  if not state.model_checkpoint_path:
+    return f'{state_file} names no checkpoint'
+  path = state.model_checkpoint_path
+  if not os.path.isabs(path):
+    path = os.path.join(train_dir, path)
+  if not tf.io.gfile.exists(path + '.index'):
+    return f'{state_file} names {path}, which is not on disk'
+  return None
+
+
+def RebuildStateFile(train_dir: str) -> Optional[str]:
+  """Rewrites a damaged `checkpoint` state file from the checkpoints on disk.
+
+  Every `ckpt-N` in `train_dir` is listed (newest last), the newest as the
+  latest: FallBackToIntactCheckpoint then skips any that does not read back.
+  Written with TF's public update_checkpoint_state (atomically).
+
+  Returns:
+    None when the state file was fine (or there are no checkpoints), else
+    the problem that was repaired.
+  """
+  problem = StateFileProblem(train_dir)
+  if problem is None:
+    return None
+  paths = _CheckpointsOnDisk(train_dir)
+  stamps = [tf.io.gfile.stat(p + '.index').mtime_nsec / 1e9 for p in paths]
+  tf.compat.v1.train.update_checkpoint_state(
+      train_dir, paths[-1], all_model_checkpoint_paths=paths,
+      all_model_checkpoint_timestamps=stamps)
+  return problem
+
+
+# --- Training finished ----------------------------------------------------------
+
+_FINISHED = 'training_finished'
+
+
+def MarkTrainingFinished(train_dir: str, step: int, max_steps: int) -> None:
+  """Records that training ended at `step` (its last checkpoint's step).
+
+  Evalers and decoders stop once they have processed that checkpoint, when
+  the trainer ran with any --max_steps.
+  """
+  file_io.atomic_write_string_to_file(
+      os.path.join(train_dir, _FINISHED), f'{int(step)} {int(max_steps)}\n')
+
+
+def TrainingFinished(train_dir: str) -> Optional[Tuple[int, int]]:
+  """(step, max_steps) if the trainer of `train_dir` finished, else None."""
+  try:
+    with tf.io.gfile.GFile(os.path.join(train_dir, _FINISHED)) as f:
+      step, max_steps = f.read().split()
+    return int(step), int(max_steps)
+  except (tf.errors.NotFoundError, ValueError):
+    return None
+
+
+def ClearTrainingFinished(train_dir: str) -> None:
+  """A trainer that goes on (a raised --max_steps) is not finished."""
+  path = os.path.join(train_dir, _FINISHED)
+  if tf.io.gfile.exists(path):
+    tf.io.gfile.remove(path)
+
+
+def CheckpointStep(path: Optional[str]) -> Optional[int]:
+  """The step of checkpoint prefix `path` (`.../ckpt-00000100` is 100)."""
+  if not path:
+    return None
+  step = _Step(path)
+  return None if step < 0 else step

@@ -1,0 +1,1 @@
+"""Distribution of lingvo_ext models: processes, clusters, gradient sync."""

@@ -1,0 +1,719 @@
+"""Gradient synchronisation of data-parallel replicas (AutoDist's strategies).
+
+A task with R data-parallel replicas (Lingvo's splits: R = num_cpu_devices /
+worker_split_size per worker, times the worker replicas) builds one graph in
+which replica r runs the whole (pipelined) model on its own devices. How the
+replicas' gradients meet is the strategy, `PipelinedTask.gradient_sync`:
+
+- 'shared': Lingvo's behaviour. One copy of each variable that every replica
+  reads; tf.gradients sums the replicas' gradients at the variable.
+- 'all_reduce': every replica keeps its own copy of each variable on its own
+  devices (replica 0's copy is the variable of the checkpoint, under the
+  original name; the others are local variables, copied from it when a
+  trainer starts). Dense gradients are all-reduced with TensorFlow's
+  CollectiveReduceV2 (sum, then divide by R), sparse ones (tf.IndexedSlices)
+  all-gathered, indices and values, with CollectiveGatherV2, never densified.
+  Every replica applies the same update to its copy.
+- 'parameter_server': one copy, on a ps device; every replica's gradient goes
+  into a ConditionalAccumulator (dense) or SparseConditionalAccumulator
+  (sparse) on that device, and the variable is updated once all R gradients
+  have arrived.
+- 'hybrid': dense variables by 'all_reduce', sparse ones (read only by
+  gathers, e.g. embedding tables) by 'parameter_server'.
+
+`accumulate_steps` = N > 1 (any strategy) applies one update every N steps
+from the mean of the N steps' gradients, using the same TensorFlow
+accumulators, so it equals one step of an N-times larger batch, sparse
+gradients included. Gradients are clipped after accumulation, like those of
+the large batch. (Lingvo's optimizer.Accumulator clips each step's gradient
+before it accumulates, and densifies IndexedSlices, so it is not used.)
+
+Each replica's gradient is that of R times the global loss with respect to
+its own copy (or its own read of the shared copy). The global loss is
+Lingvo's weighted mean over replicas, so the mean of these R gradients is the
+gradient of one replica training on the whole global batch.
+"""
+
+import contextlib
+import dataclasses
+import zlib
+
+import lingvo.compat as tf
+from lingvo.core import cluster_factory
+from lingvo.core import py_utils
+import numpy as np
+from tensorflow.python.ops import collective_ops
+from tensorflow.python.ops import control_flow_util
+from tensorflow.python.ops import data_flow_ops
+
+STRATEGIES = ('shared', 'all_reduce', 'parameter_server', 'hybrid')
+COMPRESSIONS = ('none', 'fp16')
+PS_PLACEMENTS = ('size', 'round_robin')
+
+# Collective groups: one per pipeline stage (its members are the R replicas'
+# devices of that stage); keys above this base.
+_GROUP_KEY_BASE = 1000
+
+
+def CheckParams(name: str, gradient_sync: str, accumulate_steps: int,
+                gradient_compression: str, ps_placement: str) -> None:
+  """Raises ValueError for a bad value of a data-parallel task param."""
+  if gradient_sync not in STRATEGIES:
+    raise ValueError(
+        f'{name}: gradient_sync={gradient_sync!r} is not a strategy; set '
+        f'task.gradient_sync to one of {", ".join(STRATEGIES)}.')
+  if not isinstance(accumulate_steps, int) or accumulate_steps < 1:
+    raise ValueError(
+        f'{name}: accumulate_steps={accumulate_steps!r} must be an integer '
+        '>= 1; set task.accumulate_steps to 1 for one update per step, or N '
+        'for one update every N steps.')
+  if gradient_compression not in COMPRESSIONS:
+    raise ValueError(
+        f'{name}: gradient_compression={gradient_compression!r}; set '
+        f'task.gradient_compression to one of {", ".join(COMPRESSIONS)}.')
+  if ps_placement not in PS_PLACEMENTS:
+    raise ValueError(
+        f'{name}: ps_placement={ps_placement!r}; set task.ps_placement to '
+        f'one of {", ".join(PS_PLACEMENTS)}.')
+
+
+def CheckReplicas(name: str, gradient_sync: str, num_replicas: int,
+                  devices_per_replica: int, batch_size: int,
+                  num_micro_batches: int) -> None:
+  """Raises ValueError if the replicas cannot run `gradient_sync`.
+
+  Args:
+    name: The task's name, for messages.
+    gradient_sync: The strategy.
+    num_replicas: R, the number of data-parallel replicas (splits).
+    devices_per_replica: Devices of one replica (the worker split size).
+    batch_size: The input's batch_size, per replica.
+    num_micro_batches: Micro-batches of the pipeline.
+  """
+  if gradient_sync == 'all_reduce' and num_replicas < 2:
+    k = devices_per_replica
+    raise ValueError(
+        f'{name}: gradient_sync="all_reduce" needs at least 2 data-parallel '
+        f'replicas but there is {num_replicas}. Give the worker twice the '
+        f'devices of one replica (--num_cpu_devices={2 * k} '
+        f'--worker_split_size={k}), or more worker replicas, or set '
+        'task.gradient_sync to "shared".')
+  if batch_size % num_micro_batches:
+    raise ValueError(
+        f'{name}: the global batch {batch_size * num_replicas} '
+        f'(input.batch_size={batch_size} per replica x {num_replicas} '
+        f'replicas) is not divisible by replicas x micro-batches = '
+        f'{num_replicas} x {num_micro_batches}; set task.input.batch_size '
+        f'to a multiple of num_micro_batches={num_micro_batches}.')
+
+
+def StableKey(text: str) -> int:
+  """A positive int32 key derived from `text`, the same in every process."""
+  return zlib.crc32(text.encode('utf-8')) % (2**31 - 2**20) + 2**20
+
+
+def AllReduceMean(grads, devices, group_key, instance_key, compression='none'):
+  """Mean of the replicas' dense gradients with CollectiveReduceV2.
+
+  Args:
+    grads: One tensor per replica, all of one shape.
+    devices: The device of each replica's collective op, all distinct.
+    group_key: The collective group of these devices.
+    instance_key: This reduction's key, the same on every replica.
+    compression: 'fp16' sends float16 and returns the input dtype.
+
+  Returns:
+    One tensor per replica, each the sum of `grads` divided by len(grads).
+  """
+  out = []
+  for g, d in zip(grads, devices):
+    with tf.device(d):
+      x = tf.cast(g, tf.float16) if compression == 'fp16' else g
+      y = collective_ops.all_reduce_v2(
+          x, len(grads), group_key, instance_key, merge_op='Add',
+          final_op='Div')
+      out.append(tf.cast(y, g.dtype) if compression == 'fp16' else y)
+  return out
+
+
+def AllGatherSlices(grads, devices, group_key, instance_key):
+  """Concatenates the replicas' IndexedSlices with CollectiveGatherV2.
+
+  Indices and values are gathered in replica order and values divided by R,
+  so the sum the optimizer applies is the replicas' mean. Nothing is
+  densified. Slices of different static sizes are padded to the largest
+  (the padding rows are dropped after the gather).
+
+  Args:
+    grads: One tf.IndexedSlices per replica, of one dense shape.
+    devices: The device of each replica's collective ops.
+    group_key: The collective group of these devices.
+    instance_key: Key of the values' gather; the indices use the next key,
+      the sizes (when padding) the one after.
+
+  Returns:
+    One tf.IndexedSlices per replica, identical on all.
+  """
+  r = len(grads)
+  sizes = [g.values.shape[0] for g in grads]
+  equal = None not in sizes and len(set(sizes)) == 1
+  out = []
+  for g, d in zip(grads, devices):
+    with tf.device(d):
+      values, indices = g.values, tf.cast(g.indices, tf.int64)
+      if not equal:
+        n = tf.shape(values)[:1]
+        counts = collective_ops.all_gather_v2(n, r, group_key,
+                                              instance_key + 2)
+        longest = tf.reduce_max(counts)
+        pad = longest - n[0]
+        values = tf.pad(values, [[0, pad]] + [[0, 0]] *
+                        (values.shape.rank - 1))
+        indices = tf.pad(indices, [[0, pad]])
+      values = collective_ops.all_gather_v2(values, r, group_key,
+                                            instance_key)
+      indices = collective_ops.all_gather_v2(indices, r, group_key,
+                                             instance_key + 1)
+      if not equal:
+        keep = tf.reshape(tf.sequence_mask(counts, longest), [-1])
+        values = tf.boolean_mask(values, keep)
+        indices = tf.boolean_mask(indices, keep)
+      out.append(
+          tf.IndexedSlices(values / tf.cast(r, values.dtype), indices,
+                           g.dense_shape))
+  return out
+
+
+def _NumBytes(shape, dtype):
+  return int(np.prod(shape.as_list())) * tf.as_dtype(dtype).size
+
+
+@dataclasses.dataclass
+class CommunicationStats:
+  """Bytes one replica sends per step, from the static shapes of the graph.
+
+  dense_all_reduce_bytes: dense gradients entering CollectiveReduce.
+  sparse_all_gather_bytes: IndexedSlices (values and indices) entering
+    CollectiveGather.
+  sparse_densified_bytes: what all-reducing those gradients dense would send.
+  ps_push_bytes: gradients pushed into accumulators on ps devices.
+  """
+  dense_all_reduce_bytes: int = 0
+  sparse_all_gather_bytes: int = 0
+  sparse_densified_bytes: int = 0
+  ps_push_bytes: int = 0
+
+
+class GradientSync:
+  """Builds the replicas' variable reads and the synchronised update.
+
+  The task calls `ReplicaTheta(r, ...)` for r = 0..R-1 in order, each inside
+  replica r's model split, then `Apply(learner, ...)` in place of each
+  learner's Apply.
+  """
+
+  def __init__(self, name, strategy, num_replicas, accumulate_steps=1,
+               compression='none'):
+    self._name = name
+    self._strategy = strategy
+    self._r = num_replicas
+    self._n = accumulate_steps
+    self._compression = compression
+    self._reads = [{} for _ in range(num_replicas)]  # Path -> read tensor.
+    self._devices = [{} for _ in range(num_replicas)]  # Path -> device.
+    self._stages = {}  # Path -> pipeline stage.
+    self._masters = {}  # Path -> variable (replica 0's copy).
+    self._plans = {}  # Path -> 'replicated' or 'ps'.
+    self._mirrors = {}  # (replica, path) -> local variable.
+    self._synced = None  # Local bool: mirrors and their slots are in sync.
+    self._copy_vars = None
+    self._keys = {}
+    self.stats = CommunicationStats()
+    self.accumulators = []  # For graph checks: (variable, accumulator).
+
+  @property
+  def num_replicas(self):
+    return self._r
+
+  def _InstanceKey(self, text):
+    """A key derived from `text`; unique among this graph's keys."""
+    if text not in self._keys:
+      key = StableKey(text)
+      used = set(self._keys.values())
+      while any(k in used for k in range(key, key + 3)):
+        key += 3  # Each collective may use key, key + 1 and key + 2.
+      self._keys[text] = key
+    return self._keys[text]
+
+  def _GroupKey(self, stage):
+    return _GROUP_KEY_BASE + stage
+
+  # Forward: what each replica reads.
+
+  def ReplicaTheta(self, replica, theta, variables, device_fn, stage_fn):
+    """The theta replica `replica` runs its tower with.
+
+    Args:
+      replica: r in [0, R).
+      theta: The task's theta (replica 0's copy of every variable).
+      variables: The task's variables (a NestedMap like theta).
+      device_fn: path -> the device of replica r that reads that variable.
+      stage_fn: path -> its pipeline stage (the collective group).
+
+    Returns:
+      A NestedMap like theta whose leaves are replica r's reads.
+    """
+    var_of = dict(variables.FlattenItems())
+    if replica == 1 and not self._plans:
+      self._Plan(var_of)
+
+    def Read(path, value):
+      if path not in var_of:
+        return value  # Not a variable (extra theta); shared.
+      self._masters[path] = var_of[path]
+      self._stages[path] = stage_fn(path)
+      device = device_fn(path)
+      self._devices[replica][path] = device
+      if replica > 0 and self._plans[path] == 'replicated':
+        value = self._mirrors[(replica, path)]
+        with tf.control_dependencies([self._copy_vars]):
+          value = value.read_value()
+      with tf.device(device):
+        read = tf.identity(value, name='replica_read')
+      self._reads[replica][path] = read
+      return read
+
+    return theta.TransformWithKey(Read)
+
+  def _Plan(self, var_of):
+    """Decides each variable's plan and creates the replicas' copies."""
+    for path in var_of:
+      if self._strategy == 'all_reduce':
+        plan = 'replicated'
+      elif self._strategy == 'parameter_server':
+        plan = 'ps'
+      else:  # hybrid: variables read only by gathers get sparse gradients.
+        plan = 'ps' if _ReadOnlyByGathers(self._reads[0][path]) else (
+            'replicated')
+      self._plans[path] = plan
+    graph = tf.get_default_graph()
+    with graph.name_scope(None), tf.control_dependencies(None):
+      with graph.colocate_with(None, ignore_existing=True):
+        self._synced = tf.Variable(
+            False, trainable=False, name=f'{self._name}/replicas_synced',
+            collections=[tf.GraphKeys.LOCAL_VARIABLES], use_resource=True)
+        copies = []
+        for r in range(1, self._r):
+          for path, var in var_of.items():
+            if self._plans[path] != 'replicated':
+              continue
+            # The copy lives where replica r reads it (its stage's device).
+            device = self._ReplicaDevice(r, path)
+            with tf.device(device):
+              mirror = tf.Variable(
+                  tf.zeros(var.shape, var.dtype), trainable=False,
+                  name=f'replica_{r}/{var.op.name}',
+                  collections=[tf.GraphKeys.LOCAL_VARIABLES],
+                  use_resource=True)
+            self._mirrors[(r, path)] = mirror
+            copies.append((mirror, var))
+        # Replicas >= 1 start from replica 0's copy (fresh or restored).
+        self._copy_vars = tf.cond(
+            self._synced.read_value(), tf.no_op,
+            lambda: tf.group(*[m.assign(v.read_value()) for m, v in copies]),
+            name='copy_replica_vars')
+
+  def _ReplicaDevice(self, r, path):
+    """Replica r's device for `path`: replica 0's, shifted by r splits."""
+    # Replica r's device of stage s is device r * K + s of the worker; the
+    # task gives it to ReplicaTheta, but mirrors are made before replica r's
+    # tower, so it is derived from the cluster here.
+    from lingvo.core import cluster_factory  # pylint: disable=g-import-not-at-top
+    with cluster_factory.SetModelSplit(r) as c:
+      return c.WorkerDeviceInModelSplit(self._stages.get(path, 0))
+
+  def MirrorVariables(self):
+    """{(replica, path): local variable} of replicas >= 1 ('replicated')."""
+    return dict(self._mirrors)
+
+  def Plans(self):
+    return dict(self._plans)
+
+  # Backward: synchronised gradients and updates.
+
+  def Apply(self, learner, metrics, vmap, gradient_mask=None,
+            gradient_adjuster=None):
+    """Replaces `learner.Apply`: same signature and return values."""
+    losses = learner.ComputeLosses(metrics)
+    if len(losses) != 1:
+      raise ValueError(
+          f'{self._name}: gradient_sync supports one loss per learner, got '
+          f'loss_name={learner.params.loss_name!r}.')
+    loss = losses[0]
+    vmap = learner.GetTrainableVariables(vmap)
+    paths = [path for path, _ in vmap.FlattenItems()]
+    p = learner.params
+    if self._strategy == 'shared':
+      xs = [[v for _, v in vmap.FlattenItems()]]
+      grads = tf.gradients(
+          loss, xs[0], colocate_gradients_with_ops=p.colocate_gradients_with_ops)
+      grads = [grads]
+    else:
+      missing = [x for x in paths if x not in self._reads[0]]
+      if missing:
+        raise ValueError(f'{self._name}: variables {missing} were not read '
+                         'through ReplicaTheta.')
+      if not self._plans:  # One replica: planned here, not at replica 1.
+        self._Plan(dict(self._masters))
+      xs = [self._reads[r][x] for r in range(self._r) for x in paths]
+      flat = tf.gradients(
+          tf.cast(self._r, loss.dtype) * loss, xs,
+          colocate_gradients_with_ops=p.colocate_gradients_with_ops)
+      n = len(paths)
+      grads = [flat[r * n:(r + 1) * n] for r in range(self._r)]
+    for x, g in zip(paths, grads[0]):
+      if g is None:
+        raise ValueError(f'{self._name}: variable {x} has no gradient.')
+    var_of = dict(vmap.FlattenItems())
+    synced = self._SyncGradients(paths, grads, var_of)
+    update, eval_metrics = self._Update(learner, var_of, paths, synced,
+                                        gradient_mask, gradient_adjuster)
+    return [loss], update, eval_metrics
+
+  def _SyncGradients(self, paths, grads, var_of):
+    """Per replica, per path: the gradient, or an accumulator to take from.
+
+    Returns:
+      A list over replicas (1 for 'shared') of {path: _Pending}.
+    """
+    num_targets = 1 if self._strategy == 'shared' else self._r
+    out = [{} for _ in range(num_targets)]
+    for i, path in enumerate(paths):
+      var = var_of[path]
+      plan = 'shared' if self._strategy == 'shared' else self._plans[path]
+      if plan == 'shared':
+        out[0][path] = self._Accumulate([grads[0][i]], var,
+                                        grads[0][i].device)
+        continue
+      per_replica = [grads[r][i] for r in range(self._r)]
+      if plan == 'ps':
+        g0 = per_replica[0]
+        if isinstance(g0, tf.IndexedSlices):
+          self.stats.ps_push_bytes += (
+              _NumBytes(g0.values.shape, g0.values.dtype) +
+              _NumBytes(g0.indices.shape, tf.int64))
+        else:
+          self.stats.ps_push_bytes += _NumBytes(g0.shape, g0.dtype)
+        # AutoDist's PS synchroniser: the accumulator lives with the
+        # variable and releases one mean once all R gradients arrived.
+        pending = self._Accumulate(per_replica, var, var.device, force=True)
+        for r in range(self._r):
+          out[r][path] = pending
+        continue
+      devices = [self._devices[r][path] for r in range(self._r)]
+      group = self._GroupKey(self._stages[path])
+      key = self._InstanceKey(var.op.name)
+      with tf.name_scope('all_reduce'):
+        if isinstance(per_replica[0], tf.IndexedSlices):
+          g0 = per_replica[0]
+          self.stats.sparse_all_gather_bytes += (
+              _NumBytes(g0.values.shape, g0.values.dtype) +
+              _NumBytes(g0.indices.shape, tf.int64))
+          self.stats.sparse_densified_bytes += _NumBytes(var.shape, var.dtype)
+          reduced = AllGatherSlices(per_replica, devices, group, key)
+        else:
+          size = _NumBytes(per_replica[0].shape, per_replica[0].dtype)
+          if self._compression == 'fp16':
+            size //= 2
+          self.stats.dense_all_reduce_bytes += size
+          reduced = AllReduceMean(per_replica, devices, group, key,
+                                  self._compression)
+      for r in range(self._r):
+        with tf.device(devices[r]):
+          out[r][path] = self._Accumulate([reduced[r]], var, devices[r])
+    return out
+
+  def _Accumulate(self, grads, var, device, force=False):
+    """A _Pending for `grads` (this step's, one per source) of `var`.
+
+    Args:
+      grads: The gradients of this step to average, dense or IndexedSlices.
+      var: The variable they are for.
+      device: Where the accumulator lives.
+      force: Accumulate even a single gradient of a single step.
+
+    Returns:
+      A _Pending: the gradient itself, or an accumulator that yields the mean
+      of len(grads) * accumulate_steps gradients.
+    """
+    required = len(grads) * self._n
+    if required == 1 and not force:
+      return _Pending(grad=grads[0])
+    sparse = isinstance(grads[0], tf.IndexedSlices)
+    with tf.device(device), tf.name_scope('accumulate'):
+      shape = var.shape
+      if sparse:
+        acc = data_flow_ops.SparseConditionalAccumulator(
+            var.dtype, shape=shape, reduction_type='SUM')
+      else:
+        acc = data_flow_ops.ConditionalAccumulator(
+            var.dtype, shape=shape, reduction_type='SUM')
+      self.accumulators.append((var, acc))
+      # Gradients of an older update would be dropped; none is older than the
+      # global step.
+      step = tf.cast(py_utils.GetGlobalStep(), tf.int64)
+      applies = []
+      for g in grads:
+        if sparse:
+          applies.append(
+              acc.apply_indexed_slices_grad(
+                  tf.IndexedSlices(g.values, tf.cast(g.indices, tf.int64),
+                                   tf.cast(g.dense_shape, tf.int64)),
+                  local_step=step))
+        else:
+          applies.append(acc.apply_grad(g, local_step=step))
+      with tf.control_dependencies(applies):
+        ready = tf.greater_equal(acc.num_accumulated(), required)
+    return _Pending(acc=acc, sparse=sparse, required=required, ready=ready,
+                    device=device, var=var)
+
+  def _Update(self, learner, var_of, paths, synced, gradient_mask,
+              gradient_adjuster):
+    """Clips and applies the synced gradients to every replica's copies.
+
+    Returns:
+      (the update op, the eval metrics of replica 0's clipping).
+    """
+    ready = None
+    for pending in synced[0].values():
+      if pending.acc is not None:
+        ready = pending.ready
+        break
+    lr = learner.LearningRate()
+    ops = []
+    eval_metrics = None
+    taken = {}  # id(_Pending) -> gradient, so a ps take happens once.
+    master_new_vars = []
+    for r, grads in enumerate(synced):
+      with tf.name_scope(f'replica_{r}_update'):
+        var_grads = py_utils.NestedMap()
+        for path in paths:
+          pending = grads.get(path) or synced[0][path]
+          if id(pending) not in taken:
+            taken[id(pending)] = pending.Take()
+          var = var_of[path]
+          if r > 0 and self._plans.get(path) == 'replicated':
+            var = self._mirrors[(r, path)]
+          var_grads.Set(path, py_utils.VarGrad(var, taken[id(pending)]))
+        adjusted, stats = learner.AdjustGradients(
+            var_grads, gradient_mask=gradient_mask,
+            gradient_adjuster=gradient_adjuster)
+        if r == 0:
+          # The learner keeps one metrics dict; later replicas overwrite it.
+          eval_metrics = dict(stats)
+          targets = adjusted
+        else:
+          # Replica r updates only its own copies; the shared ones are
+          # replica 0's. The clipping above saw every gradient, as replica
+          # 0's did.
+          targets = adjusted.Filter(lambda vg: vg.var.op.name.startswith(
+              'replica_'))
+          if not targets.Flatten():
+            continue
+        ops.append(
+            self._ApplyOptimizer(learner, lr, targets, r, ready,
+                                 master_new_vars, ops[:1]))
+    eval_metrics['learning_rate'] = (tf.convert_to_tensor(lr),
+                                     tf.convert_to_tensor(1.))
+    update = tf.group(*ops)
+    if self._synced is not None:
+      with tf.control_dependencies([update]):
+        done = (tf.constant(True) if ready is None else ready)
+        update = self._synced.assign(
+            tf.logical_or(self._synced.read_value(), done)).op
+    return update, eval_metrics
+
+  def _ApplyOptimizer(self, learner, lr, var_grads, r, ready, master_new_vars,
+                      master_ops):
+    """Replica r's optimizer update (under `ready` when accumulating)."""
+
+    def Apply():
+      with learner._SelfVariableScope():  # pylint: disable=protected-access
+        if r == 0 and ready is None:
+          return tf.group(learner.optimizer.Apply(lr, var_grads))
+        # Summaries cannot be made inside a cond (Lingvo's Accumulator turns
+        # them off too); replica 0's are made when it updates unconditionally.
+        with _NoSummaryInApply(learner.optimizer):
+          return tf.group(learner.optimizer.Apply(lr, var_grads))
+
+    # The recorders wrap the conds: optimizer slots are made in init_scope,
+    # i.e. in the outer graph, whose variable creators are these.
+    if r == 0:
+      with _RecordNewVariables(master_new_vars, local=False):
+        return Apply() if ready is None else tf.cond(ready, Apply, tf.no_op)
+
+    new_vars = []
+
+    def CopyFromMaster():
+      # The first update after a start: replica 0's copies and optimizer
+      # state were restored, this replica's optimizer state was not; take
+      # replica 0's updated copies and state.
+      with tf.control_dependencies(master_ops):
+        assigns = []
+        for vg in var_grads.Flatten():
+          master = self._masters[_PathOfMirror(self._mirrors, vg.var)]
+          assigns.append(vg.var.assign(master.read_value()))
+        for mine, theirs in _PairOptimizerVariables(r, new_vars,
+                                                    master_new_vars):
+          assigns.append(mine.assign(theirs.read_value()))
+        return tf.group(*assigns)
+
+    def Update():
+      return tf.cond(self._synced.read_value(), Apply, CopyFromMaster)
+
+    with _RecordNewVariables(new_vars, local=True):
+      if ready is None:
+        return Update()
+      return tf.cond(ready, Update, tf.no_op)
+
+
+def _PairOptimizerVariables(r, mine, masters):
+  """Pairs replica r's optimizer variables with replica 0's.
+
+  Slots are matched by name (replica r's are named after its copies,
+  'replica_r/<name>/...'); the rest (e.g. Adam's beta powers) in creation
+  order among those of the same shape.
+  """
+  by_name = {v.op.name: v for v in masters}
+  pairs, rest = [], []
+  used = set()
+  prefix = f'replica_{r}/'
+  for v in mine:
+    name = v.op.name
+    if name.startswith(prefix) and name[len(prefix):] in by_name:
+      theirs = by_name[name[len(prefix):]]
+      pairs.append((v, theirs))
+      used.add(id(theirs))
+    else:
+      rest.append(v)
+  others = [v for v in masters if id(v) not in used]
+  for v in rest:
+    match = next((m for m in others if m.shape == v.shape), None)
+    if match is None:
+      raise ValueError(
+          f'replica {r}\'s optimizer variable {v.name} has no counterpart '
+          f'among replica 0\'s {[m.name for m in masters]}.')
+    others.remove(match)
+    pairs.append((v, match))
+  return pairs
+
+
+@contextlib.contextmanager
+def _NoSummaryInApply(opt):
+  p = opt.params
+  saved = p.add_summary_in_apply
+  p.add_summary_in_apply = False
+  try:
+    yield
+  finally:
+    p.add_summary_in_apply = saved
+
+
+def _PathOfMirror(mirrors, var):
+  for (_, path), m in mirrors.items():
+    if m is var:
+      return path
+  raise KeyError(var.name)
+
+
+@dataclasses.dataclass
+class _Pending:
+  """A gradient, or the accumulator that yields it once `ready`."""
+  grad: object = None
+  acc: object = None
+  sparse: bool = False
+  required: int = 1
+  ready: object = None
+  device: str = ''
+  var: object = None
+
+  def Take(self):
+    """The gradient to apply (zeros on steps that do not update)."""
+    if self.acc is None:
+      return self.grad
+    scale = 1.0 / self.required
+    with tf.device(self.device):
+      if self.sparse:
+        shape = self.var.shape.as_list()
+
+        def TakeSlices():
+          g = self.acc.take_indexed_slices_grad(self.required)
+          return g.values * scale, g.indices
+
+        def NoSlices():
+          return (tf.zeros([0] + shape[1:], self.var.dtype),
+                  tf.zeros([0], tf.int64))
+
+        with _V1ControlFlow():
+          values, indices = tf.cond(self.ready, TakeSlices, NoSlices)
+        return tf.IndexedSlices(values, indices,
+                                tf.constant(shape, tf.int64))
+      with _V1ControlFlow():
+        return tf.cond(self.ready,
+                       lambda: self.acc.take_grad(self.required) * scale,
+                       lambda: tf.zeros(self.var.shape, self.var.dtype))
+
+
+@contextlib.contextmanager
+def _V1ControlFlow():
+  """Builds tf.cond as Switch/Merge: the accumulators' handles are refs,
+  which a functional (v2) cond cannot capture."""
+  saved = control_flow_util.ENABLE_CONTROL_FLOW_V2
+  control_flow_util.ENABLE_CONTROL_FLOW_V2 = False
+  try:
+    yield
+  finally:
+    control_flow_util.ENABLE_CONTROL_FLOW_V2 = saved
+
+
+class _RecordNewVariables:
+  """Records the variables created inside; `local` makes them local ones."""
+
+  def __init__(self, into, local):
+    self._into = into
+    self._local = local
+    self._scope = None
+
+  def _Creator(self, next_creator, **kwargs):
+    if self._local:
+      kwargs['collections'] = [tf.GraphKeys.LOCAL_VARIABLES]
+    v = next_creator(**kwargs)
+    self._into.append(v)
+    return v
+
+  def __enter__(self):
+    self._scope = tf.variable_creator_scope(self._Creator)
+    self._scope.__enter__()
+
+  def __exit__(self, *args):
+    return self._scope.__exit__(*args)
+
+
+def _ReadOnlyByGathers(read):
+  """Whether every use of `read` (through identities) is a gather's params."""
+  frontier = [read]
+  seen = False
+  while frontier:
+    t = frontier.pop()
+    for op in t.consumers():
+      if op.type == 'Identity':
+        frontier.extend(op.outputs)
+      elif op.type == 'IdentityN':  # E.g. a tf.custom_gradient's inputs.
+        frontier.extend(
+            out for inp, out in zip(op.inputs, op.outputs) if inp is t)
+      elif op.type in ('GatherV2', 'Gather', 'ResourceGather') and (
+          op.inputs[0] is t):
+        seen = True
+      else:
+        return False
+  return seen

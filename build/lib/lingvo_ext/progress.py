@@ -1,0 +1,122 @@
+"""Readable trainer output: one progress line, Lingvo's full log in a file.
+
+By default the trainer prints a line like
+
+  step 120/5000  loss 2.3456  3.10 steps/s  99.2 examples/s  ETA 26m12s
+
+every few seconds to stdout, and Lingvo's INFO log (thousands of lines of
+params, variable placement, per-step metrics) goes to <logdir>/log.<job>.txt.
+--alsologtostderr also prints that log to stderr, --logtostderr only there
+(absl's flags).
+"""
+
+import collections
+import os
+import re
+import sys
+import time
+
+from absl import logging as absl_logging
+
+# Seconds over which steps/s is averaged, and between two progress lines.
+RATE_WINDOW_S = 30.0
+PRINT_INTERVAL_S = 2.0
+
+
+def FormatDuration(seconds: float) -> str:
+  """'1h02m', '26m12s' or '9s'."""
+  seconds = int(round(seconds))
+  h, rest = divmod(seconds, 3600)
+  m, s = divmod(rest, 60)
+  if h:
+    return f'{h}h{m:02d}m'
+  if m:
+    return f'{m}m{s:02d}s'
+  return f'{s}s'
+
+
+class Progress:
+  """Prints step/max, loss, steps/s, examples/s and ETA, now and then."""
+
+  def __init__(self, max_steps, stream=None, interval_s=PRINT_INTERVAL_S,
+               clock=time.time):
+    self._max_steps = max_steps
+    self._stream = stream
+    self._interval_s = interval_s
+    self._clock = clock
+    self._window = collections.deque()  # (time, step, examples so far)
+    self._examples = 0.0
+    self._last_print = None
+
+  def Line(self, step, loss, examples_in_batch):
+    """Records a finished step; returns its progress line."""
+    now = self._clock()
+    self._examples += examples_in_batch
+    self._window.append((now, step, self._examples))
+    while len(self._window) > 2 and now - self._window[0][0] > RATE_WINDOW_S:
+      self._window.popleft()
+    t0, s0, e0 = self._window[0]
+    parts = [f'step {step}/{self._max_steps}', f'loss {loss:.4f}']
+    if now > t0 and step > s0:
+      steps_per_s = (step - s0) / (now - t0)
+      parts.append(f'{steps_per_s:.2f} steps/s')
+      parts.append(f'{(self._examples - e0) / (now - t0):.1f} examples/s')
+      left = max(self._max_steps - step, 0)
+      parts.append(f'ETA {FormatDuration(left / steps_per_s)}')
+    else:
+      parts.append('(measuring speed)')
+    return '  '.join(parts)
+
+  def Update(self, step, loss, examples_in_batch):
+    """Records a step; prints its line if it is time (or the last step)."""
+    line = self.Line(step, loss, examples_in_batch)
+    now = self._clock()
+    if (self._last_print is None or now - self._last_print >= self._interval_s
+        or step >= self._max_steps):
+      self._last_print = now
+      stream = self._stream or sys.stdout
+      print(line, file=stream, flush=True)
+
+
+def LogFilePath(logdir, job):
+  """<logdir>/log.<job>.txt, the job's commas made '+'."""
+  return os.path.join(logdir, 'log.%s.txt' % re.sub(r'[^\w.+-]', '+', job))
+
+
+class _LogFile:
+  """The log file, kept usable to the very end of the process.
+
+  Python's logging closes handlers' streams at exit, and objects collected
+  after that still log (TF's tf_should_use does): writing to a closed file
+  would print '--- Logging error ---' with a traceback. Here `close` only
+  flushes; the file is closed when the process exits.
+  """
+
+  def __init__(self, f):
+    self._f = f
+
+  def write(self, text):
+    return self._f.write(text)
+
+  def flush(self):
+    self._f.flush()
+
+  def close(self):
+    self._f.flush()
+
+  def __getattr__(self, name):
+    return getattr(self._f, name)
+
+
+def RouteLogToFile(path):
+  """Sends the absl/Lingvo log to `path` (appending) instead of stderr.
+
+  Errors still reach stderr too (absl's --stderrthreshold, set to 'error'
+  unless given); --alsologtostderr keeps everything on stderr as well.
+  """
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  handler = absl_logging.get_absl_handler().python_handler
+  handler.stream = _LogFile(open(path, 'a', encoding='utf-8'))  # pylint: disable=consider-using-with
+  flags = absl_logging.FLAGS
+  if flags['stderrthreshold'].using_default_value:
+    flags.stderrthreshold = 'error'

@@ -1,0 +1,313 @@
+"""The experiment registry that the trainer, cost_report and list_models share.
+
+Experiments are Lingvo param classes registered with
+`@model_registry.RegisterSingleTaskModel`; Lingvo keys each by its module path
+(less a `params.` prefix) and class name. Two places are searched:
+
+- every module in the repository's `params/` package (`params/mine.py`
+  registers `mine.<Class>`), found by listing the package: nothing else needs
+  editing;
+- a module named by --model itself, imported from `sys.path` (PYTHONPATH):
+  `--model=myexp.MyModel` imports `myexp`, `--model=a.b.MyModel` imports
+  `a.b`.
+
+`Install()` makes Lingvo's `model_registry.GetParams` (which calls
+`model_imports.ImportParams`) use the same search, instead of Lingvo's, which
+only looks under `lingvo.tasks`.
+"""
+
+import ast
+import difflib
+import importlib
+import os
+import re
+import sys
+
+import lingvo_ext  # pylint: disable=unused-import,g-bad-import-order
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _ImportRepoParams():
+  if _ROOT not in sys.path:
+    sys.path.append(_ROOT)
+  import params  # pylint: disable=g-import-not-at-top,unused-import
+
+
+def _Registered():
+  from lingvo import model_registry  # pylint: disable=g-import-not-at-top
+  # The helper's map, not model_registry.GetAllRegisteredClasses(): that one
+  # first tries to import all of lingvo.tasks' params, printing a line each.
+  return model_registry._ModelRegistryHelper._MODEL_PARAMS  # pylint: disable=protected-access
+
+
+def ImportModule(module):
+  """Imports a user's experiment module from sys.path; returns an error.
+
+  Returns:
+    None if `module` was imported or does not exist; the error message if it
+    exists but failed to import.
+  """
+  if not module:
+    return None
+  _ImportRepoParams()
+  try:
+    importlib.import_module(module)
+  except ModuleNotFoundError as e:
+    if e.name and module.startswith(e.name):
+      return None  # No such module: the name is simply unknown.
+    return f'importing {module!r} failed: {e}'
+  except Exception as e:  # pylint: disable=broad-except
+    return f'importing {module!r} failed: {type(e).__name__}: {e}'
+  return None
+
+
+def ImportExperiments(model=None):
+  """Registers params/'s experiments, and `model`'s module if it names one.
+
+  Args:
+    model: A --model value; when it is not registered by params/, its module
+      (everything before the last '.') is imported from sys.path.
+
+  Returns:
+    An error message if `model`'s module exists but failed to import, else
+    None.
+  """
+  _ImportRepoParams()
+  if model and model not in _Registered():
+    return ImportModule(model.rpartition('.')[0])
+  return None
+
+
+def RegisteredModels(model=None):
+  """Sorted names of the registered experiments (see ImportExperiments)."""
+  ImportExperiments(model)
+  return sorted(_Registered())
+
+
+def UnknownModelMessage(name):
+  """The error for an unregistered --model, naming the close names."""
+  import_error = ImportExperiments(name)
+  if import_error:
+    return f'--model={name}: {import_error}'
+  names = RegisteredModels()
+  close = difflib.get_close_matches(name, names, n=5, cutoff=0.5)
+  # Also match on the class name alone (e.g. --model=TransformerLmTiny).
+  close += [n for n in names if n.split('.')[-1].lower() == name.lower() and
+            n not in close]
+  msg = f'Unknown model {name!r}: it is not registered.'
+  if close:
+    msg += ' Did you mean:\n' + ''.join(f'  {n}\n' for n in close)
+  else:
+    msg += ' Registered models:\n' + ''.join(f'  {n}\n' for n in names)
+  msg += ('List them with: .venv/bin/python -m lingvo_ext.tools.list_models. '
+          'Your own experiment: put it in params/ or pass --model=module.Class '
+          'with module on PYTHONPATH (README, "Your own experiment").')
+  return msg
+
+
+def CheckModel(model):
+  """Returns None if `model` is registered (after importing), else an error."""
+  if model in RegisteredModels(model):
+    return None
+  return UnknownModelMessage(model)
+
+
+def ImportParams(model_name, *unused_args, **unused_kwargs):
+  """model_imports.ImportParams for lingvo_ext: see the module docstring."""
+  error = ImportExperiments(model_name)
+  if error:
+    raise LookupError(error)
+  return model_name in _Registered()
+
+
+def TaskInputAlias(text, cfg):
+  """Rewrites `task.input.X` overrides to `input.X` where the task has none.
+
+  A single-task model's params hold the input at `input`; the task gets its
+  copy (`task.input`) only when the model is built, after the overrides are
+  applied. Both spellings then set the same param.
+  """
+  if ('task' not in cfg or 'input' not in cfg or cfg.input is None or
+      getattr(cfg.task, 'input', None) is not None):
+    return text
+  lines = []
+  for line in text.replace(';', '\n').split('\n'):
+    stripped = line.lstrip()
+    if stripped.startswith('task.input.'):
+      line = stripped[len('task.'):]
+    lines.append(line)
+  return '\n'.join(lines)
+
+
+class OverrideError(ValueError):
+  """A bad --model_params_override: its message is one line."""
+
+
+_OVERRIDE_FLAG = '--model_params_override'
+
+
+def _OverrideItems(text):
+  """[(key, value text)] of an override text (';' or newline separated)."""
+  items = []
+  for line in text.replace(';', '\n').split('\n'):
+    line = line.strip()
+    if not line or line.startswith('#'):
+      continue
+    key, sep, value = line.partition(':')
+    if not sep or not key.strip():
+      raise OverrideError(
+          f'{_OVERRIDE_FLAG}: {line!r} is not key:value; write e.g. '
+          "--model_params_override='task.num_micro_batches:4'.")
+    items.append((key.strip(), value.strip()))
+  return items
+
+
+def _Lookup(cfg, key):
+  """(params holding key's last part, last part); errors name close keys."""
+  from lingvo.core import hyperparams  # pylint: disable=g-import-not-at-top
+  parts = key.split('.')
+  node, path = cfg, []
+  for i, part in enumerate(parts):
+    if not isinstance(node, hyperparams.Params):
+      where = '.'.join(path)
+      raise OverrideError(
+          f'{_OVERRIDE_FLAG}: unknown key {key!r}: {where} is '
+          f'{type(node).__name__} ({node!r}), not params with keys.')
+    if part not in node:
+      names = sorted(name for name, _ in node.IterParams())
+      prefix = '.'.join(path + [''])
+      close = difflib.get_close_matches(part, names, n=3, cutoff=0.6)
+      where = '.'.join(path) or 'the model params'
+      hint = (' Did you mean ' + ', '.join(prefix + c for c in close) + '?'
+              if close else f' Keys of {where}: {", ".join(names)}.')
+      raise OverrideError(f'{_OVERRIDE_FLAG}: unknown key {key!r}: {where} '
+                          f'has no {part!r}.{hint}')
+    if i == len(parts) - 1:
+      return node, part
+    path.append(part)
+    node = node.Get(part)
+  raise AssertionError(key)
+
+
+_BOOLS = {'True': True, 'true': True, '1': True,
+          'False': False, 'false': False, '0': False}
+
+
+def _Unquote(text):
+  if len(text) >= 2 and text[0] == text[-1] and text[0] in '"\'':
+    return re.sub(r"""\\([\\'"])""", r'\1', text[1:-1])
+  return text
+
+
+def _ParseValue(key, old, default, text):
+  """The typed value of `text` for a param whose value is `old`."""
+  def Bad(expected):
+    return OverrideError(f'{_OVERRIDE_FLAG}: {key}:{text} is not valid: '
+                         f'{key} takes {expected}.')
+
+  if text in ('None', 'NoneType'):
+    if old is None or default is None:
+      return None
+    raise Bad(f'a {type(old).__name__}, not None')
+  if isinstance(old, bool):
+    if text not in _BOOLS:
+      raise Bad('True or False')
+    return _BOOLS[text]
+  if isinstance(old, int):
+    try:
+      return int(text)
+    except ValueError:
+      raise Bad('an int') from None
+  if isinstance(old, float):
+    try:
+      return float(text)
+    except ValueError:
+      raise Bad('a float') from None
+  if isinstance(old, str):
+    return _Unquote(text)
+  if old is None:
+    # Untyped (default None): a Python literal (True, 3, 0.5, (1, 2)...),
+    # else the text as a string.
+    try:
+      return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+      return _Unquote(text)
+  if isinstance(old, (list, tuple, dict)):
+    try:
+      value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+      raise Bad(f'a Python {type(old).__name__} literal, e.g. '
+                f'{old!r}') from None
+    if not isinstance(value, (list, tuple, dict)):
+      raise Bad(f'a Python {type(old).__name__} literal, e.g. {old!r}')
+    return value
+  return None  # Any other type: Lingvo's FromText parses it.
+
+
+def ApplyOverrides(cfg, text):
+  """Applies --model_params_override `text` to `cfg`, checking every item.
+
+  Unlike Lingvo's FromText: an unknown key names the close keys at the level
+  where it went wrong; a value that does not parse as the param's type says
+  the type; `None` is accepted for params whose default is None, and
+  True/False for untyped ones (default None). `task.input.X` is `input.X`
+  where the task has no input yet (TaskInputAlias).
+
+  Raises:
+    OverrideError: (a ValueError) with a one-line message.
+  """
+  from lingvo.core import hyperparams  # pylint: disable=g-import-not-at-top
+  text = TaskInputAlias(text, cfg)
+  for key, value_text in _OverrideItems(text):
+    node, name = _Lookup(cfg, key)
+    old = node.Get(name)
+    default = node._params[name].GetDefault()  # pylint: disable=protected-access
+    if isinstance(old, hyperparams.Params):
+      raise OverrideError(
+          f'{_OVERRIDE_FLAG}: {key} holds params; set one of its keys, e.g. '
+          f'{key}.{next(iter(sorted(k for k, _ in old.IterParams())), "x")}'
+          ':...')
+    value = _ParseValue(key, old, default, value_text)
+    if value is None and value_text not in ('None', 'NoneType'):
+      try:  # Lingvo's own parsing (dtypes, enums, dataclasses...).
+        cfg.FromText(f'{key}:{value_text}')
+      except Exception as e:  # pylint: disable=broad-except
+        first = str(e).strip().split('\n')[0]
+        raise OverrideError(
+            f'{_OVERRIDE_FLAG}: {key}:{value_text} is not valid for a '
+            f'{type(old).__name__} param: {first}') from None
+      continue
+    node.Set(**{name: value})
+  return cfg
+
+
+def Install():
+  """Makes Lingvo's model registry use lingvo_ext's.
+
+  Points model_imports.ImportParams at ImportParams, and applies
+  --model_params_override with ApplyOverrides (checked keys and values,
+  `task.input.X` for `input.X`).
+  """
+  from lingvo import model_imports  # pylint: disable=g-import-not-at-top
+  from lingvo import model_registry  # pylint: disable=g-import-not-at-top
+  model_imports.ImportParams = ImportParams
+  helper = model_registry._ModelRegistryHelper  # pylint: disable=protected-access
+  if not getattr(helper, '_lingvo_ext_installed', False):
+    original = helper.MaybeUpdateParamsFromFlags.__func__
+    flags = model_registry.FLAGS
+
+    def MaybeUpdateParamsFromFlags(cls, cfg):
+      text = flags.model_params_override
+      if text:
+        if flags.model_params_file_override:
+          raise OverrideError(
+              'pass only one of --model_params_override and '
+              '--model_params_file_override.')
+        ApplyOverrides(cfg, text)
+        return
+      original(cls, cfg)
+
+    helper.MaybeUpdateParamsFromFlags = classmethod(MaybeUpdateParamsFromFlags)
+    helper._lingvo_ext_installed = True  # pylint: disable=protected-access
+  ImportExperiments()

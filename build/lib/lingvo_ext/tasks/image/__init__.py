@@ -1,0 +1,1 @@
+"""Pipelined convolutional image classification task."""

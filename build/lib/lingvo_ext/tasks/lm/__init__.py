@@ -1,0 +1,1 @@
+"""Pipelined Transformer language model task."""

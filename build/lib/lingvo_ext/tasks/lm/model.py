@@ -1,0 +1,214 @@
+"""A GPipe-pipelined Transformer language model.
+
+The whole stack (embedding, num_layers Transformer layers, softmax) is one
+flat list of layers. `PartitionSequentialLayers` cuts it into num_partitions
+cells of balanced cost and a `PipeliningLayer` runs the cells over
+num_micro_batches micro-batches, cell i on device i of the model split
+(--worker_split_size devices; with one device the cells run in sequence).
+Variable names do not depend on num_partitions, so checkpoints move between
+partitionings.
+
+Its decoder (--job=decoder_dev) samples continuations of dev prefixes: the
+first decode_prefix_len tokens of each dev window are kept, the rest sampled
+token by token. The samples go to <logdir>/decoder_dev/samples-<step>.txt and
+to TensorBoard's Text tab (tag `samples`).
+"""
+
+import lingvo.compat as tf
+from lingvo.core import metrics as metrics_lib
+from lingvo.core import py_utils
+from lingvo.core import tshape
+from lingvo_ext.core import layers
+from lingvo_ext.tasks import decoding
+from lingvo_ext.tasks import pipelined_task
+
+
+class TransformerLm(pipelined_task.PipelinedTask):
+  """Causal Transformer LM reporting per-token log-perplexity (log_pplx)."""
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.Define('vocab_size', 128,
+             'Vocabulary size; must equal the input generator\'s.')
+    p.Define('model_dim', 64, 'Model depth.')
+    p.Define('num_heads', 4, 'Attention heads; must divide model_dim.')
+    p.Define('hidden_dim', 256, 'Feed-forward hidden depth.')
+    p.Define('num_layers', 2, 'Number of Transformer layers.')
+    p.Define(
+        'position_embedding', 'LEARNED',
+        'Position embedding of the EmbeddingLayer: LEARNED, SINUSOIDAL or '
+        'NONE.')
+    p.Define(
+        'partitioner', None, 'Partitioning of the token embedding and the '
+        'softmax along the vocabulary (EmbeddingLayer.partitioner and '
+        "SoftmaxLayer.partitioner), e.g. ('fixed_size', dict(num_shards=4)); "
+        'None: unpartitioned.')
+    p.Define(
+        'partition_strategy', 'div', "'div' or 'mod': how token ids map to "
+        'shards (EmbeddingLayer.partition_strategy).')
+    p.Define(
+        'decode_prefix_len', 0, 'Decoding: dev tokens kept as the prefix of '
+        'each sample; 0: half the window (seq_len // 2).')
+    p.Define('decode_temperature', 1.0,
+             'Decoding: softmax temperature of the sampling; > 0.')
+    p.Define('decode_seed', 1234, 'Decoding: seed of the (stateless) sampling.')
+    p.eval.decoder_samples_per_summary = 16
+    tp = p.train
+    tp.learning_rate = 1e-3
+    return p
+
+  @classmethod
+  def LayerStack(cls, task_params):
+    """See PipelinedTask.LayerStack; the input shape is [batch_size, seq_len]."""
+    p = task_params
+    cls._CheckHasInput(p)
+    if p.input.vocab_size != p.vocab_size:
+      raise ValueError(
+          f'The input\'s vocab_size={p.input.vocab_size} differs from the '
+          f'task\'s vocab_size={p.vocab_size}; set both to the same value.')
+    seq_len = p.input.seq_len
+    stack = [
+        layers.EmbeddingLayer.Params().Set(
+            name='emb',
+            vocab_size=p.vocab_size,
+            embedding_dim=p.model_dim,
+            max_seq_len=seq_len,
+            position_embedding=p.position_embedding,
+            partitioner=p.partitioner,
+            partition_strategy=p.partition_strategy),
+    ]
+    for i in range(p.num_layers):
+      stack.append(layers.TransformerLayer.Params().Set(
+          name='layer_%03d' % i,
+          model_dim=p.model_dim,
+          num_heads=p.num_heads,
+          hidden_dim=p.hidden_dim,
+          mask_self_atten=True))
+    stack.append(layers.SoftmaxLayer.Params().Set(
+        name='softmax',
+        input_dim=p.model_dim,
+        num_classes=p.vocab_size,
+        apply_layer_norm=True,
+        partitioner=p.partitioner,
+        partition_strategy=p.partition_strategy))
+    return stack, (tshape.Shape([p.input.batch_size, seq_len]),)
+
+  def _PipelineParams(self):
+    # Token ids enter the pipeline as floats (exact below 2**24), so the
+    # states between cells are float32 whatever the input dtype.
+    return super()._PipelineParams().Set(state_dtype=tf.float32)
+
+  def ComputePredictions(self, theta, input_batch):
+    ids = tf.cast(input_batch.ids, tf.float32)
+    logits = self.pipeline.FProp(theta.pipeline, ids)
+    return py_utils.NestedMap(logits=logits)
+
+  def ComputeLoss(self, theta, predictions, input_batch):
+    labels = input_batch.labels
+    weights = input_batch.weights
+    xent = tf.nn.sparse_softmax_cross_entropy_with_logits(
+        labels=labels, logits=predictions.logits)
+    num_tokens = tf.reduce_sum(weights)
+    denom = tf.maximum(num_tokens, 1.0)
+    log_pplx = tf.reduce_sum(xent * weights) / denom
+    correct = tf.cast(
+        tf.equal(tf.argmax(predictions.logits, -1, output_type=tf.int32),
+                 labels), tf.float32)
+    accuracy = tf.reduce_sum(correct * weights) / denom
+    per_example_tokens = tf.reduce_sum(weights, axis=1)
+    per_example = tf.reduce_sum(xent * weights, axis=1) / tf.maximum(
+        per_example_tokens, 1.0)
+    metrics = {
+        # Weighted by tokens, so averages over batches are per-token.
+        'loss': (log_pplx, num_tokens),
+        'log_pplx': (log_pplx, num_tokens),
+        'token_accuracy': (accuracy, num_tokens),
+        'num_tokens': (num_tokens, tf.constant(1.0)),
+    }
+    return metrics, {
+        'loss': per_example,
+        'example_ids': input_batch.example_ids
+    }
+
+  def Vocab(self):
+    """The input generator's tokenizer.Vocab (ids to text: .Decode(ids))."""
+    return self.input_generator.vocab
+
+  # --- Decoding (--job=decoder_dev): sampled continuations of dev prefixes.
+
+  def _DecodePrefixLen(self):
+    p = self.params
+    seq_len = p.input.seq_len
+    prefix = p.decode_prefix_len or seq_len // 2
+    if not 0 < prefix < seq_len:
+      raise ValueError(f'{p.name}: decode_prefix_len={p.decode_prefix_len} '
+                       f'must be in [1, seq_len={seq_len}).')
+    if p.decode_temperature <= 0:
+      raise ValueError(f'{p.name}: decode_temperature='
+                       f'{p.decode_temperature} must be > 0.')
+    return prefix
+
+  def Decode(self, input_batch):
+    """Samples ids[:, prefix:] given ids[:, :prefix], one token a step."""
+    p = self.params
+    prefix = self._DecodePrefixLen()
+    ids = input_batch.ids
+    seq_len = p.input.seq_len
+    pos = tf.broadcast_to(tf.range(seq_len)[tf.newaxis, :], tf.shape(ids))
+    # Positions past t do not matter (causal attention): start them at 0.
+    start = tf.where(pos < prefix, ids, tf.zeros_like(ids))
+    theta = self.theta
+
+    def Body(t, cur):
+      logits = self.ComputePredictions(
+          theta, py_utils.NestedMap(ids=cur)).logits
+      step_logits = tf.gather(logits, t - 1, axis=1) / p.decode_temperature
+      sample = tf.random.stateless_categorical(
+          step_logits, 1, seed=tf.stack([p.decode_seed, t]),
+          dtype=tf.int32)
+      return t + 1, tf.where(
+          tf.equal(pos, t), tf.broadcast_to(sample, tf.shape(cur)), cur)
+
+    _, sampled = tf.while_loop(lambda t, _: t < seq_len, Body,
+                               (tf.constant(prefix), start))
+    return {
+        'prefix': ids[:, :prefix],
+        'sample': sampled[:, prefix:],
+        'target': ids[:, prefix:],
+        'example_ids': input_batch.example_ids,
+    }
+
+  def CreateDecoderMetrics(self):
+    # Kept for DecodeFinalize, which Lingvo gives only the output path.
+    self._dec_metrics = {'num_samples_in_batch': metrics_lib.AverageMetric()}
+    self._samples = []
+    return self._dec_metrics
+
+  def PostProcessDecodeOut(self, dec_out, dec_metrics):
+    vocab = self.Vocab()
+    first = not self._samples
+    real = dec_out['example_ids'] >= 0
+    for i in range(len(real)):
+      if not real[i]:
+        continue
+      self._samples.append(
+          (int(dec_out['example_ids'][i]), vocab.Decode(dec_out['prefix'][i]),
+           vocab.Decode(dec_out['sample'][i]),
+           vocab.Decode(dec_out['target'][i])))
+    dec_metrics['num_samples_in_batch'].Update(int(real.sum()))
+    if first and self._samples:  # Lingvo writes summaries of the first batch.
+      return [('samples', decoding.TextSummary('samples', '\n\n'.join(
+          '**prefix** `%r`  \n**sample** `%r`  \n**dev text** `%r`' %
+          (pre, smp, tgt) for _, pre, smp, tgt in self._samples)))]
+    return []
+
+  def DecodeFinalize(self, decode_finalize_args):
+    """Writes samples-<step>.txt: each prefix, its sample and the dev text."""
+    lines = []
+    for ex_id, pre, smp, tgt in self._samples:
+      lines += [f'example {ex_id}', f'  prefix:   {pre!r}',
+                f'  sample:   {smp!r}', f'  dev text: {tgt!r}', '']
+    decoding.WriteText(
+        decoding.OutputPath(decode_finalize_args.decode_out_path, 'samples'),
+        '\n'.join(lines))
