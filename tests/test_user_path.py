@@ -128,20 +128,28 @@ def testALaterEngineParamIsPassedThroughWithoutEdits(monkeypatch):
 
   def Params(cls):
     p = original(cls)
-    p.Define('jit_compile', False, 'Compile each cell with XLA.')
+    p.Define('future_switch', False, 'A switch the engine adds later.')
     return p
 
   monkeypatch.setattr(gpipe.PipeliningLayer, 'Params', classmethod(Params))
   tp = pipelined_task.PipelinedTask.Params()
-  assert tp.jit_compile is False
-  assert 'Compile each cell with XLA.' in tp._params['jit_compile']._description  # pylint: disable=protected-access
-  cfg = _Params(TINY, 'task.jit_compile:True; task.schedule:"1f1b"')
-  assert cfg.task.jit_compile is True
+  assert tp.future_switch is False
+  assert 'A switch the engine adds later.' in tp._params['future_switch']._description  # pylint: disable=protected-access
+  cfg = _Params(TINY, 'task.future_switch:True; task.schedule:"1f1b"')
+  assert cfg.task.future_switch is True
   with tf.Graph().as_default():
     cfg.task.input = cfg.input
     task = cfg.task.Instantiate()
-    assert task.pipeline.params.jit_compile is True
+    assert task.pipeline.params.future_switch is True
     assert task.pipeline.params.schedule == '1f1b'
+
+
+def testEngineSwitchesAreTaskParams():
+  cfg = _Params(TINY, 'task.cell_functions:True; task.jit_compile:False')
+  with tf.Graph().as_default():
+    cfg.task.input = cfg.input
+    pipeline = cfg.task.Instantiate().pipeline.params
+  assert (pipeline.cell_functions, pipeline.jit_compile) == (True, False)
 
 
 @pytest.mark.parametrize('text,schedule,recompute', [
@@ -165,19 +173,30 @@ def testScheduleAndRecomputeOverridesReachThePipeline(text, schedule,
 def schedule_runs(tmp_path_factory):
   """{(model, schedule): {step: loss}}, 2 steps each through the trainer."""
   cases = [(model, schedule, str(tmp_path_factory.mktemp('sched')))
-           for model in GPIPE_EXPERIMENTS for schedule in schedules.SCHEDULES]
+           for model in GPIPE_EXPERIMENTS for schedule in _SCHEDULES]
   results = _TrainAll([[
       f'--model={model}', f'--logdir={logdir}', '--max_steps=2',
-      f'--model_params_override=task.schedule:"{schedule}"'
+      '--model_params_override=task.schedule:"%s"%s' % (
+          schedule.split('+')[0],
+          '; task.cell_functions:True' if '+functions' in schedule else '')
   ] for model, schedule, logdir in cases])
   runs = {}
   for (model, schedule, logdir), (rc, out, err) in zip(cases, results):
     assert rc == 0, (model, schedule, err[-3000:])
     with open(os.path.join(logdir, 'control', 'params.txt')) as f:
-      assert f"task.schedule : '{schedule}'" in f.read()
+      text = f.read()
+    assert f"task.schedule : '{schedule.split('+')[0]}'" in text
+    assert ('task.cell_functions : True' in text) == ('+functions' in schedule)
     runs[model, schedule] = _Losses(out)
     shutil.rmtree(logdir)
   return runs
+
+
+# Every schedule these experiments' losses (computed after the pipeline) take,
+# and cells built once; interleaved_1f1b and zero_bubble need a loss linear in
+# the pipeline's outputs and refuse these in one line (tested below).
+_SCHEDULES = [s for s in schedules.SCHEDULES
+              if s not in schedules.LINEAR_LOSS_ONLY] + ['unrolled+functions']
 
 
 @pytest.mark.e2e
@@ -187,12 +206,28 @@ def testEveryGPipeExperimentTrainsUnderEverySchedule(schedule_runs, model):
   # one update (the same gradients) under every schedule.
   reference = schedule_runs[model, 'unrolled']
   assert sorted(reference) == [1, 2], reference
-  for schedule in schedules.SCHEDULES:
+  for schedule in _SCHEDULES:
     losses = schedule_runs[model, schedule]
     assert sorted(losses) == [1, 2], (schedule, losses)
     for step in (1, 2):
       assert losses[step] == pytest.approx(reference[step], abs=2e-3), (
           schedule, losses, reference)
+
+
+@pytest.mark.e2e
+def testALinearLossScheduleRefusesThisLossInOneLine(tmp_path):
+  logdir = str(tmp_path / 'zb')
+  rc, _, err = _Train(f'--model={TINY}', f'--logdir={logdir}',
+                      '--max_steps=2', '--num_cpu_devices=2',
+                      '--worker_split_size=2',
+                      '--model_params_override=task.schedule:"zero_bubble"')
+  assert rc == 2, err[-3000:]
+  lines = [l for l in err.splitlines() if l.startswith('error:')]
+  assert len(lines) == 1 and "schedule='zero_bubble' needs output " in lines[0]
+  assert "use schedule='1f1b'" in lines[0]
+  _NoErrorLines(err)
+  assert not [f for f in os.listdir(os.path.join(logdir, 'train'))
+              if f.startswith('ckpt')]
 
 
 # --- 2. Bad overrides and flags: one line, exit 2, nothing written -----------

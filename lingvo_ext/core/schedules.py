@@ -862,3 +862,6 @@ SCHEDULES = {
 }
 # Schedules that always re-materialise (recompute=False is an error there).
 ALWAYS_RECOMPUTE = ('recurrent',)
+# Schedules that need a loss linear in the pipeline's outputs (they neither
+# recompute nor wait for every forward pass before a backward pass).
+LINEAR_LOSS_ONLY = ('interleaved_1f1b', 'zero_bubble')
