@@ -185,16 +185,19 @@ def _BuildPipeline(gpipe_module, cells: Sequence, num_micro_batches: int,
 
 
 def VariantParams(variant: str) -> Dict:
-  """'<schedule>[+recompute]' -> lingvo_ext PipeliningLayer params."""
-  schedule, _, extra = variant.partition('+')
-  if schedule not in ext_gpipe.PipeliningLayer._SCHEDULES or extra not in (  # pylint: disable=protected-access
-      '', 'recompute'):
-    raise ValueError('Unknown lingvo_ext variant %r; use <schedule> or '
-                     '<schedule>+recompute, schedule one of %s.' %
+  """'<schedule>[+recompute][+functions][+jit]' -> PipeliningLayer params."""
+  schedule, *extras = variant.split('+')
+  flags = {'recompute': 'recompute', 'functions': 'cell_functions',
+           'jit': 'jit_compile'}
+  if schedule not in ext_gpipe.PipeliningLayer._SCHEDULES or not set(  # pylint: disable=protected-access
+      extras) <= set(flags):
+    raise ValueError('Unknown lingvo_ext variant %r; use <schedule> with '
+                     'optional +recompute, +functions (cell_functions) or '
+                     '+jit (jit_compile), schedule one of %s.' %
                      (variant, ext_gpipe.PipeliningLayer._SCHEDULES))  # pylint: disable=protected-access
   params = dict(schedule=schedule)
-  if extra:
-    params['recompute'] = True
+  for extra in extras:
+    params[flags[extra]] = True
   return params
 
 
@@ -780,7 +783,7 @@ def ParseArgs(argv=None):
   parser.add_argument(
       '--schedules', nargs='*',
       help='lingvo_ext variants timed beside its default, as '
-      '<schedule>[+recompute] (default: %s; quick: %s).' %
+      '<schedule>[+recompute][+functions][+jit] (default: %s; quick: %s).' %
       (' '.join(FULL['schedules']), ' '.join(QUICK['schedules'])))
   parser.add_argument('--steps', type=int,
                       help='Timed steps per implementation (>= 10).')
