@@ -13,9 +13,11 @@ it has in Lingvo's loop, and the micro-batch step (an input) replaces the
 global step (`lingvo.core.gpipe.SetOverWriteGlobalStep`).
 """
 
+import contextlib
 from typing import List
 
 import lingvo.compat as tf
+from lingvo.core import cluster_factory
 from lingvo.core import gpipe as lingvo_gpipe
 from lingvo.core import py_utils
 import tensorflow as tf2
@@ -35,7 +37,8 @@ class CellFunction:
   """One cell's FProp as a function called once per micro-batch.
 
   The function takes the cell's theta leaves, its present (non-None) inputs,
-  the micro-batch step and the cell's accumulator values, and returns its
+  the micro-batch step, the global step's value and the cell's accumulator
+  values, and returns its
   present outputs and the new accumulator values. It is traced on the first
   call; later calls must give inputs of the same structure, dtypes and
   shapes (every micro-batch of a pipeline does).
@@ -69,6 +72,7 @@ class CellFunction:
     present = [i for i, x in enumerate(in_flat) if x is not None]
     n_in = len(present)
     n_acc = len(_Flat(self._acc_struct))
+    self._has_global_step = py_utils.GetGlobalStep() is not None
 
     def Body(*args):
       theta_b = tf.nest.pack_sequence_as(self._theta_struct,
@@ -78,14 +82,26 @@ class CellFunction:
         xs[i] = x
       x_b = tf.nest.pack_sequence_as(self._in_struct, xs)
       step_b = args[n_theta + n_in]
-      accs = args[n_theta + n_in + 1:]
+      rest = list(args[n_theta + n_in + 1:])
+      # The global step comes in as a value, not as a captured variable
+      # (which XLA cannot read from another device).
+      global_step = rest.pop(0) if self._has_global_step else None
+      accs = rest
       if n_acc:
         cell.SetAccumulatorValues(
             tf.nest.pack_sequence_as(self._acc_struct, list(accs)))
-      with lingvo_gpipe.CellFnFPropOpReplacementWrapper():
+      with contextlib.ExitStack() as stack:
+        if global_step is not None:
+          stack.enter_context(py_utils.GlobalStepContext(global_step))
+        if self._jit_compile:
+          # Lingvo's shape asserts and numeric checks have no XLA kernels.
+          stack.enter_context(cluster_factory.Current().params.Copy().Set(
+              enable_asserts=False,
+              enable_check_numerics=False).Instantiate())
+        stack.enter_context(lingvo_gpipe.CellFnFPropOpReplacementWrapper())
         lingvo_gpipe.SetOverWriteGlobalStep(step_b)
-        with py_utils.RemoveAssertContext(remove=True):
-          out = cell.FProp(theta_b, *_ToTuple(x_b))
+        stack.enter_context(py_utils.RemoveAssertContext(remove=True))
+        out = cell.FProp(theta_b, *_ToTuple(x_b))
       self._out_struct = out
       out_flat = [t for t in _Flat(out) if t is not None]
       new_accs = _Flat(cell.GetAccumulatorValues()) if n_acc else []
@@ -110,7 +126,10 @@ class CellFunction:
       self._Trace(theta, inputs, step)
     accs = _Flat(self._cell.GetAccumulatorValues())
     args = _Flat(theta) + [x for x in _Flat(inputs) if x is not None]
-    args += [step] + accs
+    args += [step]
+    if self._has_global_step:
+      args.append(tf.convert_to_tensor(py_utils.GetGlobalStep()))
+    args += accs
     results = self._fn(*args)
     results = list(results) if isinstance(results, (list, tuple)) else [
         results]
