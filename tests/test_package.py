@@ -34,6 +34,16 @@ def test_users_setting_wins(setting, enabled):
   assert out == ['False', setting, enabled]
 
 
-def test_importing_after_tensorflow_is_quiet():
-  r = _Run('import tensorflow; import lingvo_ext')
-  assert 'TF_ENABLE_ONEDNN_OPTS' not in r.stderr
+_MARK = '-- tensorflow imported --'
+
+
+@pytest.mark.parametrize('setting', [None, '0', '1'])
+def test_importing_after_tensorflow_is_quiet(setting):
+  # TensorFlow itself may print its oneDNN notice (where the CPU's default is
+  # on) before the mark; lingvo_ext, imported after it, must print nothing.
+  env = {} if setting is None else {'TF_ENABLE_ONEDNN_OPTS': setting}
+  r = _Run('import sys, tensorflow; print(%r, file=sys.stderr, flush=True); '
+           'print(%r, flush=True); import lingvo_ext' % (_MARK, _MARK), **env)
+  assert r.stdout.splitlines() == [_MARK]
+  assert r.stderr.splitlines().count(_MARK) == 1
+  assert r.stderr.split(_MARK + '\n', 1)[1] == ''
