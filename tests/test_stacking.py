@@ -251,6 +251,7 @@ def _Names(logdir, step):
   return sorted(tf.train.load_checkpoint(path).get_variable_to_shape_map())
 
 
+@pytest.mark.e2e
 def testTrainerResumesAcrossStacking(tmp_path):
   logdir = str(tmp_path)
   stack = '--model_params_override=task.stack_variables:True'

@@ -94,12 +94,14 @@ def lm_run(tmp_path_factory):
   return logdir, loss
 
 
+@pytest.mark.e2e
 def testLmTrainsAndResumes(lm_run):
   logdir, _ = lm_run
   assert os.path.exists(os.path.join(logdir, 'train', 'vocab.json'))
   assert glob.glob(os.path.join(logdir, 'control', 'events.out.*'))
 
 
+@pytest.mark.e2e
 def testLmEvalerScoresTheDevSplit(lm_run):
   logdir, _ = lm_run
   _Train('lm.TransformerLmTiny', logdir, '--max_steps=26', '--job=evaler_dev')
@@ -122,6 +124,7 @@ def _TextSummaries(event_dir):
   return texts
 
 
+@pytest.mark.e2e
 def testLmDecoderSamplesContinuationsOfDevPrefixes(lm_run):
   logdir, _ = lm_run
   _Train('lm.TransformerLmTiny', logdir, '--max_steps=26',
@@ -141,6 +144,7 @@ def testLmDecoderSamplesContinuationsOfDevPrefixes(lm_run):
   assert examples[0][1][1:-1] in texts['samples'][0], texts
 
 
+@pytest.mark.e2e
 def testLmTwoPartitionsOnTwoCpusMatchOnePartition(lm_run, tmp_path):
   _, loss_k1 = lm_run
   logdir = str(tmp_path)
@@ -157,6 +161,7 @@ def _LatestCheckpointStep(logdir):
   return int(path.rsplit('-', 1)[1]) if path else -1
 
 
+@pytest.mark.e2e
 def testImageTrainsResumesAndSurvivesAKill(tmp_path):
   logdir = str(tmp_path)
   model = 'image.ConvClassifierTiny'
@@ -216,6 +221,7 @@ def testListModels():
   assert names == sorted(names)
 
 
+@pytest.mark.e2e
 def testUnknownModelIsAClearError(tmp_path):
   rc, out = _Run('lingvo_ext.trainer', '--model=lm.TransformerLmTinny',
                  f'--logdir={tmp_path}')
@@ -226,6 +232,7 @@ def testUnknownModelIsAClearError(tmp_path):
   assert not os.listdir(str(tmp_path))
 
 
+@pytest.mark.e2e
 def testBadSplitSizeIsAClearError(tmp_path):
   rc, out = _Run('lingvo_ext.trainer', '--model=lm.TransformerLmTiny',
                  f'--logdir={tmp_path}', '--worker_split_size=2')

@@ -14,6 +14,7 @@ import time
 
 import lingvo.compat as tf
 import numpy as np
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT = 300
@@ -36,6 +37,7 @@ def _Latest(logdir):
   return tf.train.latest_checkpoint(os.path.join(logdir, 'train'))
 
 
+@pytest.mark.e2e
 def testNonFiniteLossStopsWithoutANonFiniteCheckpoint(tmp_path):
   # A float32-infinite learning rate makes the first update Inf; the next
   # steps are NaN.
@@ -59,6 +61,7 @@ def testNonFiniteLossStopsWithoutANonFiniteCheckpoint(tmp_path):
         assert np.all(np.isfinite(value)), (index, name)
 
 
+@pytest.mark.e2e
 def testDamagedLatestCheckpointFallsBackToTheNewestIntactOne(tmp_path):
   logdir = str(tmp_path)
   rc, out = _Run(MODEL, f'--logdir={logdir}', '--max_steps=3')
@@ -82,6 +85,7 @@ def testDamagedLatestCheckpointFallsBackToTheNewestIntactOne(tmp_path):
   assert _Latest(logdir).endswith('ckpt-00000005')
 
 
+@pytest.mark.e2e
 def testCtrlCSavesACheckpoint(tmp_path):
   logdir = str(tmp_path)
   log = str(tmp_path / 'out.txt')
@@ -115,6 +119,7 @@ def testCtrlCSavesACheckpoint(tmp_path):
   assert f'interrupted: the last checkpoint is {latest}' in out
 
 
+@pytest.mark.e2e
 def testBadLogdirAndParamsAreOneLineErrors(tmp_path):
   a_file = str(tmp_path / 'a_file')
   with open(a_file, 'w') as f:
@@ -139,6 +144,7 @@ def testBadLogdirAndParamsAreOneLineErrors(tmp_path):
   shutil.rmtree(str(tmp_path / 'new'), ignore_errors=True)
 
 
+@pytest.mark.e2e
 def testWaitingJobsSayWhatTheyWaitFor(tmp_path):
   # A trainer without its controller, and an evaler without checkpoints.
   logdir = str(tmp_path)

@@ -43,6 +43,7 @@ def _Run(args, pythonpath=None, cwd=ROOT):
   return proc.returncode, proc.stdout
 
 
+@pytest.mark.e2e
 def testOwnExperimentOnPythonpathTrainsAndIsCostReported(tmp_path):
   exp_dir = tmp_path / 'exp'
   exp_dir.mkdir()
