@@ -7,12 +7,58 @@ worker.
 """
 
 import os
+import shutil
+import subprocess
 import sys
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import lingvo_ext  # pylint: disable=unused-import,g-import-not-at-top
+
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class TrainedRun:
+  """A finished `python -m lingvo_ext.trainer` run that tests continue.
+
+  Each test goes on from its own copy (Copy), so the run stays as it was
+  for the others.
+  """
+
+  def __init__(self, logdir, model, flags, output):
+    self.logdir, self.model, self.flags = logdir, model, flags
+    self.output = output
+
+  def Copy(self, dst):
+    """Copies the logdir to dst, its checkpoint list pointing into dst."""
+    shutil.copytree(self.logdir, dst)
+    state = os.path.join(dst, 'train', 'checkpoint')
+    with open(state) as f:
+      text = f.read()
+    with open(state, 'w') as f:  # The paths in it are absolute.
+      f.write(text.replace('"%s/' % self.logdir, '"%s/' % dst))
+    return dst
+
+
+@pytest.fixture(scope='session')
+def tiny_gpipe_run(tmp_path_factory):
+  """lm.TransformerLmTinyGPipe, K=2 cells on 2 CPU devices, 3 steps.
+
+  Shared by the tests that need a finished pipelined run: the K=2 vs K=1
+  loss, resuming across variable stacking, a damaged latest checkpoint.
+  """
+  logdir = str(tmp_path_factory.mktemp('tiny_gpipe'))
+  model = 'lm.TransformerLmTinyGPipe'
+  flags = ['--num_cpu_devices=2', '--worker_split_size=2']
+  proc = subprocess.run(
+      [sys.executable, '-m', 'lingvo_ext.trainer', f'--model={model}',
+       f'--logdir={logdir}', '--max_steps=3', *flags], cwd=_ROOT,
+      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+      timeout=300, check=False)
+  assert proc.returncode == 0, proc.stdout[-5000:]
+  return TrainedRun(logdir, model, flags, proc.stdout)
 
 
 def _SharedFixtures(item):

@@ -145,11 +145,11 @@ def testLmDecoderSamplesContinuationsOfDevPrefixes(lm_run):
 
 
 @pytest.mark.e2e
-def testLmTwoPartitionsOnTwoCpusMatchOnePartition(lm_run, tmp_path):
+def testLmTwoPartitionsOnTwoCpusMatchOnePartition(lm_run, tiny_gpipe_run):
+  # tiny_gpipe_run: lm.TransformerLmTinyGPipe on --num_cpu_devices=2
+  # --worker_split_size=2 (conftest.py).
   _, loss_k1 = lm_run
-  logdir = str(tmp_path)
-  _Train('lm.TransformerLmTinyGPipe', logdir, '--max_steps=1',
-         '--num_cpu_devices=2', '--worker_split_size=2')
+  logdir = tiny_gpipe_run.logdir
   assert 'device:CPU:1' in _Log(logdir)
   loss_k2 = _Scalars(os.path.join(logdir, 'train'), 'loss')
   print(f'first-step loss: K=1 {loss_k1[1]:.7f}, K=2 {loss_k2[1]:.7f}')

@@ -62,26 +62,30 @@ def testNonFiniteLossStopsWithoutANonFiniteCheckpoint(tmp_path):
 
 
 @pytest.mark.e2e
-def testDamagedLatestCheckpointFallsBackToTheNewestIntactOne(tmp_path):
-  logdir = str(tmp_path)
-  rc, out = _Run(MODEL, f'--logdir={logdir}', '--max_steps=3')
-  assert rc == 0, out[-3000:]
+def testDamagedLatestCheckpointFallsBackToTheNewestIntactOne(
+    tmp_path, tiny_gpipe_run):
+  # A copy of a finished 3-step run (conftest.py).
+  logdir = tiny_gpipe_run.Copy(str(tmp_path / 'log'))
+  model = [f'--model={tiny_gpipe_run.model}', *tiny_gpipe_run.flags]
   steps = [int(re.search(r'ckpt-(\d+)', p).group(1))
            for p in _Checkpoints(logdir)]
   assert steps[0] == 0 and steps[-1] == 3, steps
   latest = _Latest(logdir)
+  assert latest.startswith(logdir), latest
   data = glob.glob(latest + '.data-*')[0]
   with open(data, 'r+b') as f:
     f.truncate(os.path.getsize(data) // 2)
-  rc, out = _Run(MODEL, f'--logdir={logdir}', '--max_steps=5')
+  log = os.path.join(logdir, 'log.controller+trainer_client.txt')
+  logged = os.path.getsize(log)  # What the first run logged.
+  rc, out = _Run(*model, f'--logdir={logdir}', '--max_steps=5')
   assert rc == 0, out[-3000:]
   previous = latest.replace('ckpt-00000003', 'ckpt-%08d' % steps[-2])
   assert (f'warning: skipped damaged checkpoint {latest} (unreadable: '
           in out), out[-3000:]
   assert f'restoring {previous}.' in out
-  log = os.path.join(logdir, 'log.controller+trainer_client.txt')
-  with open(log, encoding='utf-8') as f:
-    assert f'Restored {steps[-2]} ' in f.read()
+  with open(log, 'rb') as f:
+    f.seek(logged)
+    assert f'Restored {steps[-2]} ' in f.read().decode('utf-8')
   assert _Latest(logdir).endswith('ckpt-00000005')
 
 
