@@ -1,5 +1,7 @@
 """Tests of lingvo_ext.core.cost: formulas, LayerCosts for each cost choice."""
 
+import functools
+
 import lingvo.compat as tf
 from lingvo.core import base_layer
 from lingvo.core import gpipe as lingvo_gpipe
@@ -164,6 +166,25 @@ def _Bottleneck(costs, sizes):
   return partitioning.Bottleneck(costs, sizes) / (sum(costs) / len(sizes))
 
 
+def _LeastLoadedTimes(stack, shape, attempts=3):
+  """Per-layer seconds, the fixed Session.run overhead included.
+
+  Load on the machine only ever adds time, so each layer's minimum over a
+  few measurements is the closest to its cost; a second measurement is
+  taken only when the first does not show the slow layers as slow.
+  Without the overhead subtracted, no layer can come out as 0 s.
+  """
+  measure = functools.partial(cost.MeasureLayerTime, subtract_overhead=False)
+  best = None
+  for _ in range(attempts):
+    times = cost.LayerCosts(stack, shape, cost='time', num_repeats=7,
+                            measure_fn=measure)
+    best = times if best is None else [min(a, b) for a, b in zip(best, times)]
+    if min(best[2:]) > 2 * (best[0] + best[1]):
+      break
+  return best
+
+
 def test_time_cost_balances_flop_cheap_but_slow_layers():
   # Two FLOP-heavy but fast FC layers, then two FLOP-cheap but slow layers.
   d = 128
@@ -172,10 +193,11 @@ def test_time_cost_balances_flop_cheap_but_slow_layers():
   ]
   shape = tshape.Shape([16, d])
   flops = cost.LayerCosts(stack, shape)
-  times = cost.LayerCosts(stack, shape, cost='time', num_repeats=7)
+  times = _LeastLoadedTimes(stack, shape)
   assert max(flops[2:]) < 0.01 * min(flops[:2])  # Cheap in FLOPs...
-  # ...but slow: each slow layer outlasts both FC layers together (about 10x
-  # on a CPU), so the only balanced split gives each cell one slow layer.
+  # ...but slow: each slow layer outlasts both FC layers together (about 5x
+  # on a CPU, Session.run overhead included), so the only balanced split
+  # gives each cell one slow layer.
   assert min(times[2:]) > 2 * (times[0] + times[1]), times
 
   by_flops = partitioning.MinMaxPartition(flops, 2)

@@ -22,11 +22,13 @@ def _Run(code, **env_overrides):
                         capture_output=True, text=True, check=True)
 
 
+@pytest.mark.e2e
 def test_import_does_not_set_onednn():
   loaded, setting, _ = _Run(_PROBE).stdout.split()
   assert (loaded, setting) == ('False', 'None')
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize('setting,enabled', [('0', 'False'), ('1', 'True')])
 def test_users_setting_wins(setting, enabled):
   out = _Run(_PROBE, TF_ENABLE_ONEDNN_OPTS=setting).stdout.split()
@@ -37,6 +39,7 @@ def test_users_setting_wins(setting, enabled):
 _MARK = '-- tensorflow imported --'
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize('setting', [None, '0', '1'])
 def test_importing_after_tensorflow_is_quiet(setting):
   # TensorFlow itself may print its oneDNN notice (where the CPU's default is

@@ -64,7 +64,8 @@ def _Checkpoints(logdir):
       if m)
 
 
-def _CheckTrainsAndResumes(model, logdir, steps, more_steps):
+def _CheckTrains(model, logdir, steps):
+  """A new run of `steps` steps; returns its {step: loss}."""
   out = _Train(model, logdir, f'--max_steps={steps}')
   # A short, readable output: progress lines; Lingvo's log is in a file.
   assert re.search(rf'\nstep {steps}/{steps}  loss [\d.]+  [\d.]+ steps/s  '
@@ -76,7 +77,11 @@ def _CheckTrainsAndResumes(model, logdir, steps, more_steps):
   last = np.mean([loss[s] for s in range(steps - 4, steps + 1)])
   assert last < first - 0.1, loss
   assert _Checkpoints(logdir)[-1] == steps
+  return loss
 
+
+def _CheckTrainsAndResumes(model, logdir, steps, more_steps):
+  loss = _CheckTrains(model, logdir, steps)
   _Train(model, logdir, f'--max_steps={more_steps}')
   assert f'Restored {steps} ' in _Log(logdir)
   resumed = _Scalars(os.path.join(logdir, 'train'), 'loss')
@@ -163,31 +168,36 @@ def _LatestCheckpointStep(logdir):
 
 @pytest.mark.e2e
 def testImageTrainsResumesAndSurvivesAKill(tmp_path):
-  logdir = str(tmp_path)
+  logdir = str(tmp_path / 'log')
   model = 'image.ConvClassifierTiny'
-  _CheckTrainsAndResumes(model, logdir, 30, 36)
+  _CheckTrains(model, logdir, 30)
 
-  # Kill a long run once it has checkpointed past step 36 (the Tiny
-  # experiments checkpoint every 5 s), then restart it.
-  proc = subprocess.Popen([
-      sys.executable, '-m', 'lingvo_ext.trainer', f'--model={model}',
-      f'--logdir={logdir}', '--max_steps=1000000'
-  ],
-                          cwd=ROOT,
-                          stdout=subprocess.DEVNULL,
-                          stderr=subprocess.DEVNULL)
+  # A long run resumes from step 30; kill it once it has checkpointed past
+  # step 30 (the Tiny experiments checkpoint every 5 s), then restart it.
+  out_path = str(tmp_path / 'killed.out')
+  with open(out_path, 'w') as out:
+    proc = subprocess.Popen([
+        sys.executable, '-m', 'lingvo_ext.trainer', f'--model={model}',
+        f'--logdir={logdir}', '--max_steps=1000000'
+    ], cwd=ROOT, stdout=out, stderr=subprocess.DEVNULL)
   try:
     deadline = time.time() + TIMEOUT
-    while _LatestCheckpointStep(logdir) <= 36 and time.time() < deadline:
+    while _LatestCheckpointStep(logdir) <= 30 and time.time() < deadline:
       assert proc.poll() is None, 'the trainer exited early'
       time.sleep(0.5)
   finally:
     proc.kill()
     proc.wait()
+  assert 'Restored 30 ' in _Log(logdir)
+  with open(out_path) as f:  # The first step's progress line is printed.
+    resumed = [int(s) for s in re.findall(r'^step (\d+)/1000000 ', f.read(),
+                                           re.MULTILINE)]
+  assert resumed and resumed[0] == 31, resumed
   step = _LatestCheckpointStep(logdir)
-  assert step > 36
-  _Train(model, logdir, f'--max_steps={step + 3}')
+  assert step > 30
+  out = _Train(model, logdir, f'--max_steps={step + 3}')
   assert f'Restored {step} ' in _Log(logdir)
+  assert re.search(rf'\nstep {step + 3}/{step + 3}  ', out), out[-3000:]
   assert _LatestCheckpointStep(logdir) == step + 3
 
   # The decoder's confusion matrix covers the whole dev split (every 5th of
@@ -209,6 +219,7 @@ def testImageTrainsResumesAndSurvivesAKill(tmp_path):
   assert 'confusion/matrix' in _TextSummaries(dec_dir)
 
 
+@pytest.mark.e2e
 def testListModels():
   rc, out = _Run('lingvo_ext.tools.list_models', merge_stderr=False)
   assert rc == 0, out

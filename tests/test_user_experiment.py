@@ -69,6 +69,7 @@ def testOwnExperimentOnPythonpathTrainsAndIsCostReported(tmp_path):
     assert 'Traceback' not in out
 
 
+@pytest.mark.e2e
 def testNewFileInParamsIsRegisteredWithoutOtherEdits(tmp_path):
   # A copy of the repository's params/ package, with one new file in it and
   # nothing else changed, found before the repository's (python -m puts the
