@@ -74,6 +74,8 @@ def _SharedFixtures(item):
   return ids
 
 
+# Before pytest-xdist's own hook, which reads the xdist_group marks.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items):
   # One xdist_group per set of tests linked by shared fixtures (union-find).
   parent = {}
