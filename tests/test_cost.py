@@ -180,7 +180,7 @@ def _LeastLoadedTimes(stack, shape, attempts=3):
     times = cost.LayerCosts(stack, shape, cost='time', num_repeats=7,
                             measure_fn=measure)
     best = times if best is None else [min(a, b) for a, b in zip(best, times)]
-    if min(best[2:]) > 2 * (best[0] + best[1]):
+    if min(best[2:]) > best[0] + best[1]:
       break
   return best
 
@@ -195,10 +195,10 @@ def test_time_cost_balances_flop_cheap_but_slow_layers():
   flops = cost.LayerCosts(stack, shape)
   times = _LeastLoadedTimes(stack, shape)
   assert max(flops[2:]) < 0.01 * min(flops[:2])  # Cheap in FLOPs...
-  # ...but slow: each slow layer outlasts both FC layers together (about 5x
-  # on a CPU, Session.run overhead included), so the only balanced split
-  # gives each cell one slow layer.
-  assert min(times[2:]) > 2 * (times[0] + times[1]), times
+  # ...but slow: each slow layer outlasts both FC layers together (each time
+  # includes one Session.run overhead, so the FC side carries two), which
+  # makes [3, 1] the only balanced split: each cell gets one slow layer.
+  assert min(times[2:]) > times[0] + times[1], times
 
   by_flops = partitioning.MinMaxPartition(flops, 2)
   by_time = partitioning.MinMaxPartition(times, 2)
