@@ -19,5 +19,5 @@ done
 # One more worker than cores: the end-to-end tests spend much of their time
 # waiting on their subprocesses.
 jobs="${TEST_JOBS:-$(( $(nproc) + 1 ))}"
-exec "$root/.venv/bin/python" -m pytest -n "$jobs" --dist loadgroup \
+exec "$root/.venv/bin/python" -m pytest -n "$jobs" \
   ${args[@]+"${args[@]}"}

@@ -1,11 +1,12 @@
 """Shared test set-up: the repository on sys.path, lingvo_ext imported.
 
-Under pytest-xdist (scripts/test.sh runs --dist loadgroup), the tests that
-share a module- or session-scoped fixture of this repository go to one
-worker, so the fixture (often a whole training run) runs once, not once per
-worker.
+Under pytest-xdist (scripts/test.sh), a session fixture runs once per
+worker; tiny_gpipe_run runs once in all, the other workers waiting on a
+file lock and reusing its logdir (the pattern pytest-xdist documents).
 """
 
+import fcntl
+import json
 import os
 import shutil
 import subprocess
@@ -43,55 +44,38 @@ class TrainedRun:
 
 
 @pytest.fixture(scope='session')
-def tiny_gpipe_run(tmp_path_factory):
+def tiny_gpipe_run(tmp_path_factory, worker_id):
   """lm.TransformerLmTinyGPipe, K=2 cells on 2 CPU devices, 3 steps.
 
   Shared by the tests that need a finished pipelined run: the K=2 vs K=1
   loss, resuming across variable stacking, a damaged latest checkpoint.
+  Tests only read it or continue in a copy (TrainedRun.Copy).
   """
-  logdir = str(tmp_path_factory.mktemp('tiny_gpipe'))
   model = 'lm.TransformerLmTinyGPipe'
   flags = ['--num_cpu_devices=2', '--worker_split_size=2']
-  proc = subprocess.run(
-      [sys.executable, '-m', 'lingvo_ext.trainer', f'--model={model}',
-       f'--logdir={logdir}', '--max_steps=3', *flags], cwd=_ROOT,
-      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-      timeout=300, check=False)
-  assert proc.returncode == 0, proc.stdout[-5000:]
+  # The parent of this worker's basetemp is shared by all workers of a run.
+  shared = tmp_path_factory.getbasetemp()
+  if worker_id != 'master':
+    shared = shared.parent
+  logdir = str(shared / 'tiny_gpipe_run')
+  done = logdir + '.json'
+  with open(logdir + '.lock', 'w') as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)  # Released when the file closes.
+    if os.path.exists(done):
+      with open(done) as f:
+        return TrainedRun(logdir, model, flags, json.load(f)['output'])
+    proc = subprocess.run(
+        [sys.executable, '-m', 'lingvo_ext.trainer', f'--model={model}',
+         f'--logdir={logdir}', '--max_steps=3', *flags], cwd=_ROOT,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout[-5000:]
+    with open(done, 'w') as f:
+      json.dump({'output': proc.stdout}, f)
   return TrainedRun(logdir, model, flags, proc.stdout)
 
 
-def _SharedFixtures(item):
-  """This repository's module/session fixtures that item uses, as ids."""
-  info = getattr(item, '_fixtureinfo', None)
-  ids = []
-  for name in getattr(item, 'fixturenames', ()):
-    defs = info.name2fixturedefs.get(name) if info else None
-    # Plugins' fixtures (tmp_path_factory, ...) have an empty baseid.
-    if defs and defs[-1].baseid and defs[-1].scope in ('module', 'session'):
-      where = os.path.splitext(os.path.basename(defs[-1].baseid))[0]
-      ids.append('%s.%s' % (where, name))
-  return ids
-
-
-# Before pytest-xdist's own hook, which reads the xdist_group marks.
-@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items):
-  # One xdist_group per set of tests linked by shared fixtures (union-find).
-  parent = {}
-
-  def Find(x):
-    while parent.setdefault(x, x) != x:
-      x = parent[x]
-    return x
-
-  shared = {item: _SharedFixtures(item) for item in items}
-  for ids in shared.values():
-    for other in ids[1:]:
-      parent[Find(other)] = Find(ids[0])
-  for item, ids in shared.items():
-    if ids and not item.get_closest_marker('xdist_group'):
-      item.add_marker(pytest.mark.xdist_group(Find(ids[0])))
   # The end-to-end tests are the long ones: started first, they do not leave
   # one pytest-xdist worker busy at the end while the others wait.
   items.sort(key=lambda item: item.get_closest_marker('e2e') is None)

@@ -89,9 +89,6 @@ def _Run(model, replicas, batch, steps=3, k=1, m=1, adam=False, save=None,
       losses, weights, copies, task, graph)
 
 
-# Tests share training runs through this per-process cache: under xdist the
-# whole module goes to one worker, which runs each of them once.
-pytestmark = pytest.mark.xdist_group('test_data_parallel')
 _CACHE = {}
 
 
