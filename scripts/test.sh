@@ -1,7 +1,23 @@
 #!/usr/bin/env bash
-# Runs the test suite (installs .venv first when needed). Extra args go to pytest.
+# Runs the test suite in parallel (installs .venv first when needed).
+#   bash scripts/test.sh            every test
+#   bash scripts/test.sh --quick    all but the end-to-end tests (marker e2e)
+# Other args go to pytest, e.g. a file: bash scripts/test.sh tests/test_cost.py
+# TEST_JOBS sets the number of pytest-xdist workers (0: no workers).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$root/scripts/venv.sh"
 cd "$root"
-exec "$root/.venv/bin/python" -m pytest "$@"
+args=()
+for a in "$@"; do
+  if [ "$a" = --quick ]; then
+    args+=(-m "not e2e")
+  else
+    args+=("$a")
+  fi
+done
+# One more worker than cores: the end-to-end tests spend much of their time
+# waiting on their subprocesses.
+jobs="${TEST_JOBS:-$(( $(nproc) + 1 ))}"
+exec "$root/.venv/bin/python" -m pytest -n "$jobs" \
+  ${args[@]+"${args[@]}"}

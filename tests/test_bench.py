@@ -137,6 +137,7 @@ def testTraceStep(tmp_path):
   assert sorted(stats['busy_ms']) == ['CPU:0', 'CPU:1']
 
 
+@pytest.mark.e2e
 def testQuickJson():
   out = subprocess.run(
       [sys.executable, os.path.join(_REPO, 'bench', 'pipeline.py'), '--quick',

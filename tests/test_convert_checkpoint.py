@@ -72,6 +72,7 @@ def _RestoredLoss(override, path):
     return sess.run([m.loss, m.gs]), m.names
 
 
+@pytest.mark.e2e
 def test_k2_lingvo_names_to_k4_kept_layer_names_same_loss(lingvo_k2, tmp_path):
   src, loss_k2 = lingvo_k2
   dst = str(tmp_path / 'k4' / 'ckpt-7')
@@ -93,6 +94,7 @@ def test_k2_lingvo_names_to_k4_kept_layer_names_same_loss(lingvo_k2, tmp_path):
   np.testing.assert_allclose(loss, loss_k2, rtol=1e-5)
 
 
+@pytest.mark.e2e
 def test_k2_lingvo_names_to_k1_partition_independent_same_loss(
     lingvo_k2, tmp_path):
   src, loss_k2 = lingvo_k2
@@ -122,6 +124,7 @@ def test_k2_lingvo_names_to_k1_partition_independent_same_loss(
     np.testing.assert_array_equal(reader.get_tensor(k), original.get_tensor(k))
 
 
+@pytest.mark.e2e
 def test_refuses_a_shape_difference(lingvo_k2, tmp_path, capsys):
   src, _ = lingvo_k2
   assert cc.main([

@@ -138,6 +138,7 @@ def test_main_on_registered_model(capsys, tmp_path):
   assert '3 cells balanced by flops' in text
 
 
+@pytest.mark.e2e
 def test_cli_json_on_lm_model():
   # The real entry point, on a registered lingvo_ext experiment.
   out = subprocess.run(

@@ -107,6 +107,7 @@ def _AssertSameTraining(got, want):
                                err_msg=name)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize('strategy', STRATEGIES)
 def testLmTwoReplicasEqualOneReplicaOfTwiceTheBatch(strategy):
   want = _Cached('lm', 1, 2 * B)
@@ -115,6 +116,7 @@ def testLmTwoReplicasEqualOneReplicaOfTwiceTheBatch(strategy):
   assert got.losses[-1] < got.losses[0]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize('strategy', STRATEGIES)
 def testPipelinedTwoReplicasEqualOneReplicaOfTwiceTheBatch(strategy):
   # Image classifier in K=2 cells over 2 micro-batches, 2 replicas on 4 CPUs.
@@ -123,6 +125,7 @@ def testPipelinedTwoReplicasEqualOneReplicaOfTwiceTheBatch(strategy):
   _AssertSameTraining(got, want)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize('strategy', STRATEGIES)
 def testAccumulateTwoStepsEqualsOneReplicaOfFourTimesTheBatch(strategy):
   want = _Cached('lm', 1, 4 * B, steps=1)
@@ -134,6 +137,7 @@ def testAccumulateTwoStepsEqualsOneReplicaOfFourTimesTheBatch(strategy):
                                err_msg=name)
 
 
+@pytest.mark.e2e
 def testParameterServerWithOneReplicaEqualsShared():
   want = _Run('image', 1, 2 * B)
   got = _Run('image', 1, 2 * B, gradient_sync='parameter_server',
@@ -142,6 +146,7 @@ def testParameterServerWithOneReplicaEqualsShared():
   assert len(got.task.gradient_sync.accumulators) == len(got.weights)
 
 
+@pytest.mark.e2e
 def testAllReduceCopiesStayBitIdentical():
   got = _Cached('lm', 2, B, gradient_sync='all_reduce')
   assert len(got.copies) == len(got.weights)
@@ -158,6 +163,7 @@ def _OpTypes(graph):
   return collections.Counter(op.type for op in graph.get_operations())
 
 
+@pytest.mark.e2e
 def testAllReduceGraphUsesCollectivesAndKeepsGradientsSparse():
   got = _Cached('lm', 2, B, gradient_sync='all_reduce')
   types = _OpTypes(got.graph)
@@ -180,6 +186,7 @@ def testAllReduceGraphUsesCollectivesAndKeepsGradientsSparse():
   assert stats.sparse_all_gather_bytes < stats.sparse_densified_bytes
 
 
+@pytest.mark.e2e
 def testAllReduceGroupsArePipelineStages():
   got = _Cached('image', 2, B, k=2, m=2, gradient_sync='all_reduce')
   devices = collections.defaultdict(set)
@@ -191,6 +198,7 @@ def testAllReduceGroupsArePipelineStages():
   assert sorted(map(sorted, devices.values())) == [['0', '2'], ['1', '3']]
 
 
+@pytest.mark.e2e
 def testParameterServerAccumulatorsAreOnTheVariablesPsDevices():
   got = _Cached('lm', 2, B, gradient_sync='parameter_server')
   sync = got.task.gradient_sync
@@ -210,6 +218,7 @@ def testParameterServerAccumulatorsAreOnTheVariablesPsDevices():
   assert types['CollectiveReduceV2'] == types['CollectiveGatherV2'] == 0
 
 
+@pytest.mark.e2e
 def testHybridGathersNothingAndReducesDense():
   got = _Cached('lm', 2, B, gradient_sync='hybrid')
   plans = got.task.gradient_sync.Plans()
@@ -245,6 +254,7 @@ def testBadDataParallelParamsAreClearErrors():
     _Build(2, gradient_compression='int8')
 
 
+@pytest.mark.e2e
 def testFp16CompressionIsCloseAndHalvesTheBytes():
   full = _Cached('lm', 2, B, gradient_sync='all_reduce')
   half = _Cached('lm', 2, B, gradient_sync='all_reduce',
@@ -255,6 +265,7 @@ def testFp16CompressionIsCloseAndHalvesTheBytes():
     np.testing.assert_allclose(half.weights[name], w, rtol=0, atol=1e-3)
 
 
+@pytest.mark.e2e
 def testAllReduceCheckpointHasOneCopyAndRestoresIntoSharedAndBack(tmp_path):
   # Adam, so the optimizer state moves between strategies too.
   kw = dict(k=2, m=2, adam=True)
@@ -280,6 +291,7 @@ def testAllReduceCheckpointHasOneCopyAndRestoresIntoSharedAndBack(tmp_path):
     np.testing.assert_array_equal(copy, back.weights[name], err_msg=name)
 
 
+@pytest.mark.e2e
 def testHybridWithAdamKeepsCopiesBitIdentical():
   # Replica 1's optimizer has slots for the replicated variables only; they
   # are taken from replica 0's at the first update.

@@ -186,6 +186,7 @@ def _AssertSameNumbers(logdir, single):
         got.get_tensor(name), want.get_tensor(name), atol=1e-5, err_msg=name)
 
 
+@pytest.mark.e2e
 def testClusterMatchesOneProcessAndIsPrivate(tmp_path, single_process):
   """R=2 replicas x K=2 cells on 4 worker processes vs 4 devices in one.
 
@@ -253,6 +254,7 @@ def testClusterMatchesOneProcessAndIsPrivate(tmp_path, single_process):
   _AssertSameNumbers(logdir, single_process)
 
 
+@pytest.mark.e2e
 def testHybridAcrossProcessesMatchesOneProcess(tmp_path, single_process):
   """R=2 x K=2 under 'hybrid' on 4 worker processes vs one process.
 
@@ -310,6 +312,7 @@ def _Step(run):
   return int(steps[-1]) if steps else 0
 
 
+@pytest.mark.e2e
 def testKilledHungAndRestartedTasksKeepTheStepCounter(tmp_path):
   """One run: worker kill -9, hung worker, controller and trainer kills.
 
@@ -448,6 +451,7 @@ def testClusterSpecErrorsNameTheFlagAndTheFix():
       '/job:worker/replica:0/task:1/device:CPU:1')
 
 
+@pytest.mark.e2e
 def testTrainerAndLaunchReportBadInputInOneLine():
   import lingvo_ext.distributed.launch_lib as launch_lib  # pylint: disable=g-import-not-at-top
   free = launch_lib.FreePorts(3)

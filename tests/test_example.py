@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 from lingvo_ext.examples import gpipe_example
 
 
@@ -14,6 +16,7 @@ def test_example_matches_sequential():
   assert r['max_abs_grad_diff'] < 1e-5
 
 
+@pytest.mark.e2e
 def test_example_prints_cells_and_difference():
   out = subprocess.run(
       [sys.executable, '-m', 'lingvo_ext.examples.gpipe_example'],

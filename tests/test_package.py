@@ -22,11 +22,13 @@ def _Run(code, **env_overrides):
                         capture_output=True, text=True, check=True)
 
 
+@pytest.mark.e2e
 def test_import_does_not_set_onednn():
   loaded, setting, _ = _Run(_PROBE).stdout.split()
   assert (loaded, setting) == ('False', 'None')
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize('setting,enabled', [('0', 'False'), ('1', 'True')])
 def test_users_setting_wins(setting, enabled):
   out = _Run(_PROBE, TF_ENABLE_ONEDNN_OPTS=setting).stdout.split()
@@ -34,6 +36,17 @@ def test_users_setting_wins(setting, enabled):
   assert out == ['False', setting, enabled]
 
 
-def test_importing_after_tensorflow_is_quiet():
-  r = _Run('import tensorflow; import lingvo_ext')
-  assert 'TF_ENABLE_ONEDNN_OPTS' not in r.stderr
+_MARK = '-- tensorflow imported --'
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize('setting', [None, '0', '1'])
+def test_importing_after_tensorflow_is_quiet(setting):
+  # TensorFlow itself may print its oneDNN notice (where the CPU's default is
+  # on) before the mark; lingvo_ext, imported after it, must print nothing.
+  env = {} if setting is None else {'TF_ENABLE_ONEDNN_OPTS': setting}
+  r = _Run('import sys, tensorflow; print(%r, file=sys.stderr, flush=True); '
+           'print(%r, flush=True); import lingvo_ext' % (_MARK, _MARK), **env)
+  assert r.stdout.splitlines() == [_MARK]
+  assert r.stderr.splitlines().count(_MARK) == 1
+  assert r.stderr.split(_MARK + '\n', 1)[1] == ''

@@ -464,6 +464,7 @@ def _LogPplx(out):
   }
 
 
+@pytest.mark.e2e
 def test_word_lm_sharded_trains_like_unsharded_and_checkpoints_cross(
     tmp_path):
   flags = ('--num_cpu_devices=4', '--worker_split_size=4')

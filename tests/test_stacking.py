@@ -251,21 +251,22 @@ def _Names(logdir, step):
   return sorted(tf.train.load_checkpoint(path).get_variable_to_shape_map())
 
 
-def testTrainerResumesAcrossStacking(tmp_path):
-  logdir = str(tmp_path)
+@pytest.mark.e2e
+def testTrainerResumesAcrossStacking(tmp_path, tiny_gpipe_run):
+  # Unstacked, 2 cells on 2 devices, 3 steps: a copy of the shared run.
+  assert tiny_gpipe_run.model == 'lm.TransformerLmTinyGPipe'
+  assert '--worker_split_size=2' in tiny_gpipe_run.flags
+  logdir = tiny_gpipe_run.Copy(str(tmp_path / 'log'))
   stack = '--model_params_override=task.stack_variables:True'
-  # Unstacked, 2 cells on 2 devices.
-  _Trainer('--model=lm.TransformerLmTinyGPipe', f'--logdir={logdir}',
-           '--max_steps=2', '--num_cpu_devices=2', '--worker_split_size=2')
   # Stacked, 1 cell: restores it, saves under the same names.
   out = _Trainer('--model=lm.TransformerLmTiny', f'--logdir={logdir}',
-                 '--max_steps=3', stack)
-  assert 'Restored 2 ' in out
+                 '--max_steps=4', stack)
+  assert 'Restored 3 ' in out
   assert re.search(r'Place variable lm/pipeline/d0_stacked_\d+/var', out)
-  assert _Names(logdir, 3) == _Names(logdir, 2)
+  assert _Names(logdir, 4) == _Names(logdir, 3)
   # Unstacked again (K=1), from the stacked run's checkpoint.
   out = _Trainer('--model=lm.TransformerLmTiny', f'--logdir={logdir}',
-                 '--max_steps=4')
-  assert 'Restored 3 ' in out
+                 '--max_steps=5')
+  assert 'Restored 4 ' in out
   assert not re.search(r'Place variable \S*_stacked_', out)
-  assert _Names(logdir, 4) == _Names(logdir, 2)
+  assert _Names(logdir, 5) == _Names(logdir, 3)

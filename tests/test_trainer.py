@@ -64,7 +64,8 @@ def _Checkpoints(logdir):
       if m)
 
 
-def _CheckTrainsAndResumes(model, logdir, steps, more_steps):
+def _CheckTrains(model, logdir, steps):
+  """A new run of `steps` steps; returns its {step: loss}."""
   out = _Train(model, logdir, f'--max_steps={steps}')
   # A short, readable output: progress lines; Lingvo's log is in a file.
   assert re.search(rf'\nstep {steps}/{steps}  loss [\d.]+  [\d.]+ steps/s  '
@@ -76,7 +77,11 @@ def _CheckTrainsAndResumes(model, logdir, steps, more_steps):
   last = np.mean([loss[s] for s in range(steps - 4, steps + 1)])
   assert last < first - 0.1, loss
   assert _Checkpoints(logdir)[-1] == steps
+  return loss
 
+
+def _CheckTrainsAndResumes(model, logdir, steps, more_steps):
+  loss = _CheckTrains(model, logdir, steps)
   _Train(model, logdir, f'--max_steps={more_steps}')
   assert f'Restored {steps} ' in _Log(logdir)
   resumed = _Scalars(os.path.join(logdir, 'train'), 'loss')
@@ -94,12 +99,14 @@ def lm_run(tmp_path_factory):
   return logdir, loss
 
 
+@pytest.mark.e2e
 def testLmTrainsAndResumes(lm_run):
   logdir, _ = lm_run
   assert os.path.exists(os.path.join(logdir, 'train', 'vocab.json'))
   assert glob.glob(os.path.join(logdir, 'control', 'events.out.*'))
 
 
+@pytest.mark.e2e
 def testLmEvalerScoresTheDevSplit(lm_run):
   logdir, _ = lm_run
   _Train('lm.TransformerLmTiny', logdir, '--max_steps=26', '--job=evaler_dev')
@@ -122,6 +129,7 @@ def _TextSummaries(event_dir):
   return texts
 
 
+@pytest.mark.e2e
 def testLmDecoderSamplesContinuationsOfDevPrefixes(lm_run):
   logdir, _ = lm_run
   _Train('lm.TransformerLmTiny', logdir, '--max_steps=26',
@@ -141,11 +149,12 @@ def testLmDecoderSamplesContinuationsOfDevPrefixes(lm_run):
   assert examples[0][1][1:-1] in texts['samples'][0], texts
 
 
-def testLmTwoPartitionsOnTwoCpusMatchOnePartition(lm_run, tmp_path):
+@pytest.mark.e2e
+def testLmTwoPartitionsOnTwoCpusMatchOnePartition(lm_run, tiny_gpipe_run):
+  # tiny_gpipe_run: lm.TransformerLmTinyGPipe on --num_cpu_devices=2
+  # --worker_split_size=2 (conftest.py).
   _, loss_k1 = lm_run
-  logdir = str(tmp_path)
-  _Train('lm.TransformerLmTinyGPipe', logdir, '--max_steps=1',
-         '--num_cpu_devices=2', '--worker_split_size=2')
+  logdir = tiny_gpipe_run.logdir
   assert 'device:CPU:1' in _Log(logdir)
   loss_k2 = _Scalars(os.path.join(logdir, 'train'), 'loss')
   print(f'first-step loss: K=1 {loss_k1[1]:.7f}, K=2 {loss_k2[1]:.7f}')
@@ -157,32 +166,38 @@ def _LatestCheckpointStep(logdir):
   return int(path.rsplit('-', 1)[1]) if path else -1
 
 
+@pytest.mark.e2e
 def testImageTrainsResumesAndSurvivesAKill(tmp_path):
-  logdir = str(tmp_path)
+  logdir = str(tmp_path / 'log')
   model = 'image.ConvClassifierTiny'
-  _CheckTrainsAndResumes(model, logdir, 30, 36)
+  _CheckTrains(model, logdir, 30)
 
-  # Kill a long run once it has checkpointed past step 36 (the Tiny
-  # experiments checkpoint every 5 s), then restart it.
-  proc = subprocess.Popen([
-      sys.executable, '-m', 'lingvo_ext.trainer', f'--model={model}',
-      f'--logdir={logdir}', '--max_steps=1000000'
-  ],
-                          cwd=ROOT,
-                          stdout=subprocess.DEVNULL,
-                          stderr=subprocess.DEVNULL)
+  # A long run resumes from step 30; kill it once it has checkpointed past
+  # step 30 (the Tiny experiments checkpoint every 5 s), then restart it.
+  out_path = str(tmp_path / 'killed.out')
+  with open(out_path, 'w') as out:
+    proc = subprocess.Popen([
+        sys.executable, '-m', 'lingvo_ext.trainer', f'--model={model}',
+        f'--logdir={logdir}', '--max_steps=1000000'
+    ], cwd=ROOT, stdout=out, stderr=subprocess.DEVNULL)
   try:
     deadline = time.time() + TIMEOUT
-    while _LatestCheckpointStep(logdir) <= 36 and time.time() < deadline:
+    while _LatestCheckpointStep(logdir) <= 30 and time.time() < deadline:
       assert proc.poll() is None, 'the trainer exited early'
       time.sleep(0.5)
   finally:
     proc.kill()
     proc.wait()
+  assert 'Restored 30 ' in _Log(logdir)
+  with open(out_path) as f:  # The first step's progress line is printed.
+    resumed = [int(s) for s in re.findall(r'^step (\d+)/1000000 ', f.read(),
+                                           re.MULTILINE)]
+  assert resumed and resumed[0] == 31, resumed
   step = _LatestCheckpointStep(logdir)
-  assert step > 36
-  _Train(model, logdir, f'--max_steps={step + 3}')
+  assert step > 30
+  out = _Train(model, logdir, f'--max_steps={step + 3}')
   assert f'Restored {step} ' in _Log(logdir)
+  assert re.search(rf'\nstep {step + 3}/{step + 3}  ', out), out[-3000:]
   assert _LatestCheckpointStep(logdir) == step + 3
 
   # The decoder's confusion matrix covers the whole dev split (every 5th of
@@ -204,6 +219,7 @@ def testImageTrainsResumesAndSurvivesAKill(tmp_path):
   assert 'confusion/matrix' in _TextSummaries(dec_dir)
 
 
+@pytest.mark.e2e
 def testListModels():
   rc, out = _Run('lingvo_ext.tools.list_models', merge_stderr=False)
   assert rc == 0, out
@@ -216,6 +232,7 @@ def testListModels():
   assert names == sorted(names)
 
 
+@pytest.mark.e2e
 def testUnknownModelIsAClearError(tmp_path):
   rc, out = _Run('lingvo_ext.trainer', '--model=lm.TransformerLmTinny',
                  f'--logdir={tmp_path}')
@@ -226,6 +243,7 @@ def testUnknownModelIsAClearError(tmp_path):
   assert not os.listdir(str(tmp_path))
 
 
+@pytest.mark.e2e
 def testBadSplitSizeIsAClearError(tmp_path):
   rc, out = _Run('lingvo_ext.trainer', '--model=lm.TransformerLmTiny',
                  f'--logdir={tmp_path}', '--worker_split_size=2')

@@ -14,6 +14,7 @@ import time
 
 import lingvo.compat as tf
 import numpy as np
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT = 300
@@ -36,6 +37,7 @@ def _Latest(logdir):
   return tf.train.latest_checkpoint(os.path.join(logdir, 'train'))
 
 
+@pytest.mark.e2e
 def testNonFiniteLossStopsWithoutANonFiniteCheckpoint(tmp_path):
   # A float32-infinite learning rate makes the first update Inf; the next
   # steps are NaN.
@@ -59,29 +61,35 @@ def testNonFiniteLossStopsWithoutANonFiniteCheckpoint(tmp_path):
         assert np.all(np.isfinite(value)), (index, name)
 
 
-def testDamagedLatestCheckpointFallsBackToTheNewestIntactOne(tmp_path):
-  logdir = str(tmp_path)
-  rc, out = _Run(MODEL, f'--logdir={logdir}', '--max_steps=3')
-  assert rc == 0, out[-3000:]
+@pytest.mark.e2e
+def testDamagedLatestCheckpointFallsBackToTheNewestIntactOne(
+    tmp_path, tiny_gpipe_run):
+  # A copy of a finished 3-step run (conftest.py).
+  logdir = tiny_gpipe_run.Copy(str(tmp_path / 'log'))
+  model = [f'--model={tiny_gpipe_run.model}', *tiny_gpipe_run.flags]
   steps = [int(re.search(r'ckpt-(\d+)', p).group(1))
            for p in _Checkpoints(logdir)]
   assert steps[0] == 0 and steps[-1] == 3, steps
   latest = _Latest(logdir)
+  assert latest.startswith(logdir), latest
   data = glob.glob(latest + '.data-*')[0]
   with open(data, 'r+b') as f:
     f.truncate(os.path.getsize(data) // 2)
-  rc, out = _Run(MODEL, f'--logdir={logdir}', '--max_steps=5')
+  log = os.path.join(logdir, 'log.controller+trainer_client.txt')
+  logged = os.path.getsize(log)  # What the first run logged.
+  rc, out = _Run(*model, f'--logdir={logdir}', '--max_steps=5')
   assert rc == 0, out[-3000:]
   previous = latest.replace('ckpt-00000003', 'ckpt-%08d' % steps[-2])
   assert (f'warning: skipped damaged checkpoint {latest} (unreadable: '
           in out), out[-3000:]
   assert f'restoring {previous}.' in out
-  log = os.path.join(logdir, 'log.controller+trainer_client.txt')
-  with open(log, encoding='utf-8') as f:
-    assert f'Restored {steps[-2]} ' in f.read()
+  with open(log, 'rb') as f:
+    f.seek(logged)
+    assert f'Restored {steps[-2]} ' in f.read().decode('utf-8')
   assert _Latest(logdir).endswith('ckpt-00000005')
 
 
+@pytest.mark.e2e
 def testCtrlCSavesACheckpoint(tmp_path):
   logdir = str(tmp_path)
   log = str(tmp_path / 'out.txt')
@@ -115,6 +123,7 @@ def testCtrlCSavesACheckpoint(tmp_path):
   assert f'interrupted: the last checkpoint is {latest}' in out
 
 
+@pytest.mark.e2e
 def testBadLogdirAndParamsAreOneLineErrors(tmp_path):
   a_file = str(tmp_path / 'a_file')
   with open(a_file, 'w') as f:
@@ -139,6 +148,7 @@ def testBadLogdirAndParamsAreOneLineErrors(tmp_path):
   shutil.rmtree(str(tmp_path / 'new'), ignore_errors=True)
 
 
+@pytest.mark.e2e
 def testWaitingJobsSayWhatTheyWaitFor(tmp_path):
   # A trainer without its controller, and an evaler without checkpoints.
   logdir = str(tmp_path)

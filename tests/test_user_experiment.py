@@ -43,6 +43,7 @@ def _Run(args, pythonpath=None, cwd=ROOT):
   return proc.returncode, proc.stdout
 
 
+@pytest.mark.e2e
 def testOwnExperimentOnPythonpathTrainsAndIsCostReported(tmp_path):
   exp_dir = tmp_path / 'exp'
   exp_dir.mkdir()
@@ -68,6 +69,7 @@ def testOwnExperimentOnPythonpathTrainsAndIsCostReported(tmp_path):
     assert 'Traceback' not in out
 
 
+@pytest.mark.e2e
 def testNewFileInParamsIsRegisteredWithoutOtherEdits(tmp_path):
   # A copy of the repository's params/ package, with one new file in it and
   # nothing else changed, found before the repository's (python -m puts the
