@@ -282,7 +282,7 @@ def testBadOverridesAndFlagsExit2BeforeTheLogdir(tmp_path):
       (['--model_params_override=task.num_micro_batches:four'],
        'task.num_micro_batches takes an int'),
       (['--model_params_override=task.schedule:"1f2b"'],
-       "task.schedule='1f2b'; use one of ['1f1b', 'recurrent', 'unrolled']"),
+       "task.schedule='1f2b'; use one of %s" % sorted(schedules.SCHEDULES)),
       (['--max_step=3'], "error: Unknown command line flag 'max_step'. Did "
        'you mean: max_steps'),
       # One replica of a 2-cell pipeline is "x 1 replicas".
