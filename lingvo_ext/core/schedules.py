@@ -344,18 +344,53 @@ class _Engine:
           stack.append(parent)
     return False
 
-  def _Backward(self, out_grads):
-    """Gradients of (present inputs, theta leaves) from those of outputs."""
-    p = self.p
-    m = self.num_micro
-    num_cells = len(self.cells)
+  def _DropZeroGrads(self, out_grads):
     # tf.gradients gives an output it has no gradient for zeros_like(output)
     # when another output has one: no gradient, and no wait for the output.
-    out_grads = [
+    return [
         None if isinstance(g, tf.Tensor) and g.op.type == 'ZerosLike' and
         g.op.inputs[0].op is self.pipeline_op else g
         for g in out_grads
     ]
+
+  def _MicroBatchOutputGrads(self, out_grads):
+    """Per micro-batch, the flat gradients of the last cell's outputs.
+
+    None where the caller's loss does not depend on an output.
+    """
+    p = self.p
+    m = self.num_micro
+    with tf.device(self.devices[-1]), tf.name_scope('pipeline_backward'):
+      it = iter(out_grads)
+      dys_flat = []
+      for o in _Flat(self.out_structure):
+        g = None if o is None else next(it)
+        dys_flat.append(None if g is None else
+                        tf.split(g, m, axis=p.batch_dim))
+    return [[None if d is None else d[t] for d in dys_flat] for t in range(m)]
+
+  def _InputGrads(self, dy):
+    """The present inputs' gradients from those of each micro-batch."""
+    p = self.p
+    in_grads = []
+    with tf.device(self.devices[0]), tf.name_scope('pipeline_backward'):
+      for k, x in enumerate(self.flat_in):
+        if x is None:
+          continue
+        parts = [dy[t][k] for t in range(self.num_micro)]
+        if all(g is None for g in parts):
+          in_grads.append(None)
+          continue
+        parts = [tf.zeros_like(self.pieces[k][t]) if g is None else g
+                 for t, g in enumerate(parts)]
+        in_grads.append(tf.concat(parts, axis=p.batch_dim))
+    return in_grads
+
+  def _Backward(self, out_grads):
+    """Gradients of (present inputs, theta leaves) from those of outputs."""
+    p = self.p
+    num_cells = len(self.cells)
+    out_grads = self._DropZeroGrads(out_grads)
     recompute = self.recompute
     if recompute is None:
       # '1f1b' by default: recompute only when the forward passes of all
@@ -370,35 +405,11 @@ class _Engine:
           'loss is not: set recompute=None (recompute when needed) or True.'
           % p.name)
     with ops.colocate_with(None, ignore_existing=True):
-      # dy for every micro-batch of the last cell; zeros where the caller's
-      # loss does not depend on an output.
-      with tf.device(self.devices[-1]), tf.name_scope('pipeline_backward'):
-        it = iter(out_grads)
-        dys_flat = []
-        for o in _Flat(self.out_structure):
-          g = None if o is None else next(it)
-          dys_flat.append(None if g is None else
-                          tf.split(g, m, axis=p.batch_dim))
-      dy = [[None if d is None else d[t] for d in dys_flat] for t in range(m)]
+      dy = self._MicroBatchOutputGrads(out_grads)
       theta_grads = [[] for _ in range(num_cells)]
       for i in reversed(range(num_cells)):
         dy = self._CellBackward(i, dy, theta_grads[i], recompute)
-      # dy now holds the gradients of the pipeline's inputs per micro-batch.
-      in_grads = []
-      with tf.device(self.devices[0]), tf.name_scope('pipeline_backward'):
-        for k, x in enumerate(self.flat_in):
-          if x is None:
-            continue
-          parts = [dy[t][k] for t in range(m)]
-          if all(g is None for g in parts):
-            in_grads.append(None)
-            continue
-          parts = [
-              tf.zeros_like(s[t]) if g is None else g
-              for t, (g, s) in enumerate(zip(parts, [self.pieces[k]] * m))
-          ]
-          in_grads.append(tf.concat(parts, axis=p.batch_dim))
-      out = list(in_grads)
+      out = self._InputGrads(dy)
       for i in range(num_cells):
         with tf.device(self.devices[i]), tf.name_scope(
             '%s_theta/grad_sum' % self.cells[i][0]):
@@ -590,11 +601,7 @@ class _ListEngine(_Engine):
     p = self.p
     m = self.num_micro
     num_cells = len(self.cells)
-    out_grads = [
-        None if isinstance(g, tf.Tensor) and g.op.type == 'ZerosLike' and
-        g.op.inputs[0].op is self.pipeline_op else g
-        for g in out_grads
-    ]
+    out_grads = self._DropZeroGrads(out_grads)
     if self._DyDependsOnForward(out_grads):
       raise ValueError(
           "%s: schedule=%r needs output gradients that do not depend on the "
@@ -607,14 +614,7 @@ class _ListEngine(_Engine):
       for t in range(m):
         gates[actions.Action('F', i, t)] = self.gates[i][t]
     with ops.colocate_with(None, ignore_existing=True):
-      with tf.device(self.devices[-1]), tf.name_scope('pipeline_backward'):
-        it = iter(out_grads)
-        dys_flat = []
-        for o in _Flat(self.out_structure):
-          g = None if o is None else next(it)
-          dys_flat.append(None if g is None else
-                          tf.split(g, m, axis=p.batch_dim))
-      dy = [[None if d is None else d[t] for d in dys_flat] for t in range(m)]
+      dy = self._MicroBatchOutputGrads(out_grads)
       sums = [None] * num_cells
       for i in reversed(range(num_cells)):
         dy, sums[i] = self._ListCellBackward(i, dy, gates, completions)
@@ -624,19 +624,8 @@ class _ListEngine(_Engine):
             completions[actions.Action('F', i, t)] = _Group(
                 _Flat(self.cell_out[i][t]))
       self._Wire(gates, completions)
-      in_grads = []
-      with tf.device(self.devices[0]), tf.name_scope('pipeline_backward'):
-        for k, x in enumerate(self.flat_in):
-          if x is None:
-            continue
-          parts = [dy[t][k] for t in range(m)]
-          if all(g is None for g in parts):
-            in_grads.append(None)
-            continue
-          parts = [tf.zeros_like(self.pieces[k][t]) if g is None else g
-                   for t, g in enumerate(parts)]
-          in_grads.append(tf.concat(parts, axis=p.batch_dim))
-      return list(in_grads) + [g for cell_sums in sums for g in cell_sums]
+      return (self._InputGrads(dy) +
+              [g for cell_sums in sums for g in cell_sums])
 
   def _ListCellBackward(self, i, dy, gates, completions):
     """Cell i's 'B' (or 'I' and 'W') actions; returns (dx, theta grads)."""

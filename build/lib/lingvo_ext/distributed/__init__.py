@@ -1,1 +1,0 @@
-"""Distribution of lingvo_ext models: processes, clusters, gradient sync."""

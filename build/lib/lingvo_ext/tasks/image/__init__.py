@@ -1,1 +1,0 @@
-"""Pipelined convolutional image classification task."""

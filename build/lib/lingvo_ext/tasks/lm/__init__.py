@@ -1,1 +1,0 @@
-"""Pipelined Transformer language model task."""
