@@ -27,6 +27,7 @@ import pytest
 from lingvo_ext.core import actions
 from lingvo_ext.core import gpipe
 import gpipe_testlib as lib
+import test_schedules
 
 
 # Cells built once: each cell one function, called per micro-batch.
@@ -350,17 +351,6 @@ def _ListGraph(schedule, num_cells, num_devices, num_micro, loss='sum'):
   return g
 
 
-def _Ancestors(op):
-  seen, stack = set(), [op]
-  while stack:
-    o = stack.pop()
-    for parent in [t.op for t in o.inputs] + list(o.control_inputs):
-      if parent not in seen:
-        seen.add(parent)
-        stack.append(parent)
-  return seen
-
-
 @pytest.mark.parametrize('schedule,num_cells,num_devices,num_micro', [
     ('zero_bubble', 2, 2, 4), ('zero_bubble', 3, 3, 5),
     ('interleaved_1f1b', 4, 2, 4)])
@@ -379,7 +369,7 @@ def test_each_device_runs_its_action_list_in_order(schedule, num_cells,
 
   for device_actions in actions.Build(schedule, spec):
     for prev, a in zip(device_actions, device_actions[1:]):
-      assert Gate(prev) in _Ancestors(Gate(a)), (prev, a)
+      assert Gate(prev) in test_schedules._Ancestors(Gate(a), {}), (prev, a)  # pylint: disable=protected-access
 
 
 def test_list_schedules_refuse_what_they_cannot_run():

@@ -182,6 +182,39 @@ def _Group(tensors):
   return tf.group(*tensors) if tensors else None
 
 
+def _CellGradients(ys, flat_x, leaves, grad_ys):
+  """One cell's backward pass on one micro-batch.
+
+  Args:
+    ys: The cell's outputs that have gradients.
+    flat_x: The cell's flat inputs (None entries allowed).
+    leaves: The cell's theta leaves.
+    grad_ys: The gradients of `ys`.
+
+  Returns:
+    (gradients of flat_x, aligned with it; gradients of leaves).
+  """
+  # A tensor that is several of the cell's inputs (e.g. a FetchLayer
+  # activation that is also the main output of the cell before) gets its
+  # whole gradient once: tf.gradients would return it for every occurrence,
+  # and the cell before would sum them.
+  seen, diff_x = set(), []
+  for v in flat_x:
+    if not _IsFloat(v) or v.ref() in seen:
+      diff_x.append(None)
+    else:
+      seen.add(v.ref())
+      diff_x.append(v)
+  xs = [v for v in diff_x if v is not None]
+  # stop_gradients: an input that also reaches an output through an earlier
+  # cell (a passed-through activation) must not count that path here; the
+  # earlier cell's backward pass does.
+  grads = tf.gradients(ys, xs + leaves, grad_ys=grad_ys,
+                       stop_gradients=xs + leaves)
+  it = iter(grads[:len(xs)])
+  return [None if v is None else next(it) for v in diff_x], grads[len(xs):]
+
+
 class _Engine:
   """Builds a pipeline's forward pass and its hand-built backward pass.
 
@@ -503,29 +536,9 @@ class _Engine:
           else:
             x_r = flat_x
             ys = [outs[k] for k in idx]
-          # A tensor that is several of the cell's inputs (e.g. a FetchLayer
-          # activation that is also the main output of the cell before) gets
-          # its whole gradient once: tf.gradients would return it for every
-          # occurrence, and the cell before would sum them.
-          seen = set()
-          diff_x = []
-          for v in x_r:
-            if not _IsFloat(v) or v.ref() in seen:
-              diff_x.append(None)
-            else:
-              seen.add(v.ref())
-              diff_x.append(v)
-          xs = [v for v in diff_x if v is not None]
           with batcher:
-            # stop_gradients: an input that also reaches an output through
-            # an earlier cell (a passed-through activation) must not count
-            # that path here; the earlier cell's backward pass does.
-            grads = tf.gradients(ys, xs + leaves,
-                                 grad_ys=[dy[t][k] for k in idx],
-                                 stop_gradients=xs + leaves)
-          it = iter(grads[:len(xs)])
-          dx[t] = [None if v is None else next(it) for v in diff_x]
-          tg = grads[len(xs):]
+            dx[t], tg = _CellGradients(ys, x_r, leaves,
+                                       [dy[t][k] for k in idx])
           theta_grads.append(tg)
           done[t] = _Group(dx[t] + tg)
       if (t + 1) % group_size == 0 or t == m - 1:
@@ -662,20 +675,9 @@ class _ListEngine(_Engine):
         if idx:
           with tf.control_dependencies([gate]):
             grad_ys = [tf.identity(dy[t][k]) for k in idx]
-          seen, diff_x = set(), []
-          for v in flat_x:
-            if not _IsFloat(v) or v.ref() in seen:
-              diff_x.append(None)
-            else:
-              seen.add(v.ref())
-              diff_x.append(v)
-          xs = [v for v in diff_x if v is not None]
           with batcher:
-            grads = tf.gradients([outs[k] for k in idx], xs + leaves,
-                                 grad_ys=grad_ys, stop_gradients=xs + leaves)
-          it = iter(grads[:len(xs)])
-          dx[t] = [None if v is None else next(it) for v in diff_x]
-          tg = grads[len(xs):]
+            dx[t], tg = _CellGradients([outs[k] for k in idx], flat_x,
+                                       leaves, grad_ys)
         if split:
           completions[b] = _Group((dx[t] or []) + tg) or gate
           w = actions.Action('W', i, t)
