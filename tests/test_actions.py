@@ -143,3 +143,20 @@ def test_previous_on_device():
   assert prev[A.Action('F', 0, 2)] == A.Action('B', 0, 0)
   assert prev[A.Action('F', 0, 1)] is None
   assert prev[A.Action('F', 1, 2)] == A.Action('B', 1, 1)
+
+
+@pytest.mark.parametrize('name,spec', [
+    ('zero_bubble', A.StageSpec(2, 2, 4)),
+    ('zero_bubble', A.StageSpec(4, 4, 8)),
+    ('interleaved_1f1b', A.StageSpec(4, 2, 4)),
+    ('interleaved_1f1b', A.StageSpec(6, 3, 6))])
+def test_forwards_first_keeps_each_kind_in_order_and_is_deadlock_free(
+    name, spec):
+  schedule = A.Build(name, spec)
+  first = A.ForwardsFirst(schedule)
+  A.CheckSchedule(spec, first)
+  for acts, new in zip(schedule, first):
+    n_fwd = sum(a.kind == 'F' for a in acts)
+    assert all(a.kind == 'F' for a in new[:n_fwd])
+    assert new[:n_fwd] == [a for a in acts if a.kind == 'F']
+    assert new[n_fwd:] == [a for a in acts if a.kind != 'F']

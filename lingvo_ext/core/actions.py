@@ -463,6 +463,27 @@ def Build(name: str, spec: StageSpec) -> ScheduleLists:
   return schedule
 
 
+def ForwardsFirst(schedule: ScheduleLists) -> ScheduleLists:
+  """`schedule` with each device's 'F' actions ahead of its other actions.
+
+  For a loss that is not linear in the pipeline's outputs (e.g. a softmax
+  cross-entropy computed after the last cell), no output gradient exists
+  before every micro-batch's forward pass has run, so a backward action
+  cannot come between forward actions. Each device keeps the order of its
+  forward actions and of its backward actions; the backward actions (and
+  a split schedule's deferred 'W's) keep their schedule's order, and all
+  activations are alive at once, as under GPipe.
+
+  Args:
+    schedule: Per device, its ordered actions.
+
+  Returns:
+    Per device, its forward actions and then its other actions.
+  """
+  return [[a for a in acts if a.kind == 'F'] +
+          [a for a in acts if a.kind != 'F'] for acts in schedule]
+
+
 def PreviousOnDevice(schedule: ScheduleLists,
                      kinds: Sequence[str]) -> Dict[Action, Optional[Action]]:
   """For each action, the last action of one of `kinds` before it on its

@@ -27,6 +27,9 @@ schedule is one new entry there.
   one recomputed forward and one backward micro-batch in the backward pass.
   Checked when tf.gradients builds the backward pass (`recompute=None`).
 - 'recurrent': Lingvo's `StackedRecurrent` loop, which always recomputes.
+- 'interleaved_1f1b', 'zero_bubble': each device runs its action list from
+  `actions.py` in order (`_ListEngine`); for a loss not linear in the
+  outputs, its forward actions first (`actions.ForwardsFirst`).
 """
 
 import contextlib
@@ -616,12 +619,14 @@ class _ListEngine(_Engine):
     num_cells = len(self.cells)
     out_grads = self._DropZeroGrads(out_grads)
     if self._DyDependsOnForward(out_grads):
-      raise ValueError(
-          "%s: schedule=%r needs output gradients that do not depend on the "
-          "pipeline's outputs (a loss linear in them, e.g. per-example losses "
-          "from the last cell, summed or averaged); this loss is not: use "
-          "schedule='1f1b', which recomputes for such losses." %
-          (p.name, self.schedule_name))
+      # No output gradient before every forward pass has run: each device
+      # runs its forward actions first, then the schedule's backward order.
+      tf.logging.info(
+          '%s: the loss is not linear in the pipeline\'s outputs; schedule '
+          '%r runs every forward pass before its backward actions.', p.name,
+          self.schedule_name)
+      self.schedule = actions.ForwardsFirst(self.schedule)
+      actions.CheckSchedule(self.spec, self.schedule)
     gates, completions = {}, {}
     for i in range(num_cells):
       for t in range(m):
@@ -853,6 +858,7 @@ SCHEDULES = {
 }
 # Schedules that always re-materialise (recompute=False is an error there).
 ALWAYS_RECOMPUTE = ('recurrent',)
-# Schedules that need a loss linear in the pipeline's outputs (they neither
-# recompute nor wait for every forward pass before a backward pass).
+# Schedules that overlap forward and backward passes only for a loss linear
+# in the pipeline's outputs; for other losses they run every forward pass
+# first (`actions.ForwardsFirst`), without recomputing.
 LINEAR_LOSS_ONLY = ('interleaved_1f1b', 'zero_bubble')
