@@ -1,19 +1,34 @@
-"""PyTorch baselines for bench/pipeline.py: the same FC model in torch.
+"""PyTorch baselines for bench/pipeline.py and bench/transformer.py.
 
 Benchmark only: torch is no requirement of lingvo_ext. Run this file with a
 python that has torch and numpy (scripts/torch_venv.sh makes `.venv-torch`);
-bench/pipeline.py runs it in a subprocess (`--torch_python`) and adds its rows
-to its own records, so the torch and TensorFlow figures come from one run.
+bench/pipeline.py and bench/transformer.py run it in a subprocess
+(`--torch_python`) and add its rows to their own records, so the torch and
+TensorFlow figures come from one run.
 
-The model is bench/pipeline.py's homogeneous model: `--layers` FC layers
-(`nn.Linear` + ReLU) of width `--width`, batch `--batch`, the input
-`np.random.RandomState(0).randn(batch, width)`. The last layer is followed by
-the per-example loss (sum of squares per example) inside the model, in the
-last pipeline stage; a step's loss is the sum over the batch, then backward
-and SGD (lr 1e-6), as the TensorFlow step. Weights come from `--init_npz`
-(`w<i>` [in, out], `b<i>` [out]: bench/pipeline.py passes its plain model's
-initial weights, so the first-step losses must agree) or else from a numpy
-Gaussian(1/sqrt(width)) with seed i + 1 and zero biases.
+`--model homogeneous` (the default) is bench/pipeline.py's homogeneous model:
+`--layers` FC layers (`nn.Linear` + ReLU) of width `--width`, batch `--batch`,
+the input `np.random.RandomState(0).randn(batch, width)`. The last layer is
+followed by the per-example loss (sum of squares per example) inside the
+model, in the last pipeline stage; a step's loss is the sum over the batch,
+then backward and SGD (lr 1e-6), as the TensorFlow step. Weights come from
+`--init_npz` (`w<i>` [in, out], `b<i>` [out]: bench/pipeline.py passes its
+plain model's initial weights, so the first-step losses must agree) or else
+from a numpy Gaussian(1/sqrt(width)) with seed i + 1 and zero biases.
+
+`--model transformer` is bench/transformer.py's model at the same sizes:
+token embedding plus Lingvo's sinusoidal position embedding, `--layers`
+`nn.TransformerEncoderLayer`s (d_model 64, dim_feedforward 128, nhead 2, ReLU,
+dropout 0, batch_first, norm_first=True, LayerNorm eps 1e-6), a 64 -> 32
+softmax layer, the summed token cross-entropy of 16 time steps x `--batch`
+(default 32) from the same random ids and labels, backward, SGD (lr 1e-4).
+Lingvo's default GPipeTransformerLayer is pre-LN too; it differs in that its
+attention residual adds the *normalized* input (`add_unnormalized_input`
+False: LN(x) + Attn(LN(x)); torch: x + Attn(LN(x))) and its queries have a
+learned per-dimension scale (`enable_per_dim_scale`) where torch scales by
+1/sqrt(head dim); same weights shapes otherwise, torch's default init (seed
+0). Stages split the layers as GPipeTransformerStack's `splits=K` does, the
+embedding in the first stage and the softmax in the last.
 
 Implementations (impl names in the records):
   torch/plain   eager, one process, `--threads` intra-op threads.
@@ -23,20 +38,27 @@ Implementations (impl names in the records):
                 sum of per-micro-batch losses (scale_grads=False).
 
 The step time is the median over `--steps` timed steps after `--warmup`
-(pipelines: each step between two barriers, the slowest rank's time). Peak RSS
-is each process's VmHWM (pipelines: summed over the K processes), base RSS its
-resident set after importing torch, before the model is built.
+(pipelines: each step between two barriers, the slowest rank's time). The
+time to the first step runs from after `import torch` to the end of the first
+step (building the model, the process group for pipelines, the first step;
+pipelines: the slowest rank). Peak RSS is each process's VmHWM (pipelines:
+summed over the K processes), base RSS its resident set after importing torch,
+before the model is built.
 
   .venv-torch/bin/python bench/torch_baselines.py                # JSON lines
   .venv-torch/bin/python bench/torch_baselines.py --markdown
   .venv-torch/bin/python bench/torch_baselines.py --K 2 --M 4 16 --steps 10
+  .venv-torch/bin/python bench/torch_baselines.py --model transformer \
+      --layers 32 --K 4 --M 16 --markdown
 
 Only the standard library and numpy are imported at module level, so
-bench/pipeline.py (without torch) can use the record helpers here.
+bench/pipeline.py and bench/transformer.py (without torch) can use the record
+helpers here.
 """
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import signal
@@ -45,22 +67,54 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 SCHEDULES = ('gpipe', '1f1b')
+MODELS = ('homogeneous', 'transformer')
 IMPL_PREFIX = 'torch/'
-LEARNING_RATE = 1e-6
+# Per model: its defaults and SGD learning rate (bench/pipeline.py's and
+# bench/transformer.py's).
 DEFAULTS = dict(width=1536, batch=128, layers=8, K=[2], M=[4, 16],
                 schedules=list(SCHEDULES), threads=2, steps=20, warmup=3)
+TRANSFORMER_DEFAULTS = dict(DEFAULTS, width=None, batch=32, K=[2], M=[4])
+LEARNING_RATE = {'homogeneous': 1e-6, 'transformer': 1e-4}
+# bench/transformer.py's sizes (T, D, HIDDEN, HEADS, VOCAB there).
+TRANSFORMER = dict(time_steps=16, model_dim=64, hidden=128, heads=2, vocab=32)
 TORCH_MISSING = ('torch is not installed for %s; run this file with the '
                  'python of a torch venv (bash scripts/torch_venv.sh makes '
                  '.venv-torch).')
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The torch baselines' python when --torch_python is not given.
+VENV_PYTHON = os.path.join(_REPO, '.venv-torch', 'bin', 'python')
 
 
 def _Log(msg: str) -> None:
   print('[torch_baselines] ' + msg, file=sys.stderr, flush=True)
+
+
+def TorchPython(flag: Optional[str],
+                default: str = VENV_PYTHON) -> Tuple[Optional[str], str]:
+  """(the python to run the torch baselines with or None, a note why)."""
+  if flag == 'none':
+    return None, 'torch baselines off (--torch_python none).'
+  if flag:
+    return flag, 'torch baselines: %s' % flag
+  if os.access(default, os.X_OK):
+    return default, 'torch baselines: %s' % default
+  return None, ('torch baselines skipped: no %s (make it with `bash '
+                'scripts/torch_venv.sh`, or pass --torch_python PATH).' %
+                os.path.relpath(default, _REPO))
+
+
+def BadTorchPython(flag: Optional[str]) -> Optional[str]:
+  """The one-line error for a --torch_python that cannot run, else None."""
+  if flag and flag != 'none' and not os.access(flag, os.X_OK):
+    return ('--torch_python %s is not an executable; give a python that has '
+            'torch (bash scripts/torch_venv.sh makes .venv-torch/bin/python) '
+            'or "none".' % flag)
+  return None
 
 
 # --- What to run --------------------------------------------------------------
@@ -88,6 +142,14 @@ def Threads(total: int, num_processes: int) -> int:
   return max(1, total // num_processes)
 
 
+def TransformerSplits(num_layers: int, k: int) -> List[int]:
+  """Each stage's last encoder layer (exclusive), as GPipeTransformerStack's
+  `splits=K` (ceil(L / K) layers per stage, the rest in the last)."""
+  per_stage = (num_layers - 1) // k + 1
+  return [min((i + 1) * per_stage, num_layers) for i in range(k - 1)] + [
+      num_layers]
+
+
 # --- Records (no torch needed) ------------------------------------------------
 
 
@@ -99,19 +161,27 @@ def _Sum(values: Sequence[Optional[float]]) -> Optional[float]:
 
 def Record(job: Dict, args, times_s: Sequence[float], first_loss: float,
            rss_mb: Sequence[Optional[float]],
-           base_rss_mb: Sequence[Optional[float]], torch_info: Dict) -> Dict:
+           base_rss_mb: Sequence[Optional[float]], torch_info: Dict,
+           first_step_s: Optional[float] = None) -> Dict:
+  """One job's record; transformer records also carry bench/transformer.py's
+  keys (variant, L, ops, first_step_s, peak_rss_mb)."""
   ms = [1e3 * t for t in times_s]
-  return dict(
-      impl=job['impl'], framework='torch', model='homogeneous', K=job['K'],
+  model = getattr(args, 'model', 'homogeneous')
+  rec = dict(
+      impl=job['impl'], framework='torch', model=model, K=job['K'],
       M=job['M'], step_ms=round(statistics.median(ms), 3),
       p25_ms=round(float(np.percentile(ms, 25)), 3),
       p75_ms=round(float(np.percentile(ms, 75)), 3), steps=len(ms),
       width=args.width, batch=args.batch, layers=args.layers,
       processes=len(rss_mb), threads_per_process=job['threads'],
       first_loss=first_loss,
+      first_step_s=None if first_step_s is None else round(first_step_s, 2),
       peak_rss_mb=_Sum(rss_mb), base_rss_mb=_Sum(base_rss_mb),
       rss_per_process_mb=[None if r is None else round(r, 1) for r in rss_mb],
       **torch_info)
+  if model == 'transformer':
+    rec.update(variant=job['impl'], L=args.layers, ops=None, **TRANSFORMER)
+  return rec
 
 
 def AddRatios(records: List[Dict]) -> None:
@@ -131,22 +201,71 @@ def Markdown(records: Sequence[Dict]) -> str:
     return '-' if x is None else fmt % x
 
   lines = ['| impl | K | M | processes x threads | ms (p25-p75) '
-           '| x torch plain | first loss | vs TF plain loss | peak RSS MB '
-           '(base) |',
-           '|' + '---|' * 9]
+           '| x torch plain | first step s | first loss | vs TF plain loss '
+           '| peak RSS MB (base) |',
+           '|' + '---|' * 10]
   for r in records:
     if not r['impl'].startswith(IMPL_PREFIX):
       continue
-    lines.append('| %s | %d | %d | %d x %d | %s (%s-%s) | %s | %.6g | %s '
+    lines.append('| %s | %d | %d | %d x %d | %s (%s-%s) | %s | %s | %.6g | %s '
                  '| %s (%s) |' % (
                      r['impl'], r['K'], r['M'], r['processes'],
                      r['threads_per_process'], _F(r['step_ms']),
                      _F(r['p25_ms']), _F(r['p75_ms']),
-                     _F(r.get('vs_torch_plain'), '%.2f'), r['first_loss'],
+                     _F(r.get('vs_torch_plain'), '%.2f'),
+                     _F(r.get('first_step_s'), '%.2f'), r['first_loss'],
                      _F(r.get('loss_rel_diff'), '%.1e'),
                      _F(r['peak_rss_mb'], '%.0f'),
                      _F(r.get('base_rss_mb'), '%.0f')))
   return '\n'.join(lines)
+
+
+# --- For bench/transformer.py (no torch needed here) --------------------------
+
+
+def TransformerRecords(torch_python: str, num_layers: Sequence[int],
+                       km_pairs: Sequence[Tuple[int, int]], steps: int,
+                       timeout_s: int = 600) -> List[Dict]:
+  """Runs this file's transformer model with `torch_python`, per (L, K, M).
+
+  Returns records in bench/transformer.py's format (variant 'torch/plain',
+  'torch/gpipe', 'torch/1f1b'; torch/plain under each (L, K, M) it was timed
+  beside), or one error record per configuration that failed.
+  """
+  records = []
+  for l, (k, m) in itertools.product(num_layers, km_pairs):
+    cmd = [torch_python, os.path.abspath(__file__), '--model', 'transformer',
+           '--layers', str(l), '--K', str(k), '--M', str(m), '--steps',
+           str(steps), '--timeout_s', str(timeout_s)]
+    _Log('torch L=%d K=%d M=%d' % (l, k, m))
+    try:
+      res = subprocess.run(cmd, capture_output=True, text=True, check=False,
+                           timeout=timeout_s * (1 + len(SCHEDULES)))
+    except (OSError, subprocess.TimeoutExpired) as e:
+      records.append(dict(variant='torch', L=l, K=k, M=m, error=repr(e)))
+      continue
+    lines = [x for x in res.stdout.splitlines() if x.startswith('{')]
+    if res.returncode or not lines:
+      tail = res.stderr.strip().splitlines()[-1:] or ['no output']
+      records.append(dict(variant='torch', L=l, K=k, M=m,
+                          error='exit %d: %s' % (res.returncode, tail[0])))
+      continue
+    for line in lines:
+      rec = json.loads(line)
+      # The unpipelined model goes with the configuration it ran beside.
+      rec['K'], rec['M'] = k, m
+      records.append(rec)
+  return records
+
+
+def MergeByConfig(records: Sequence[Dict],
+                  more: Sequence[Dict]) -> List[Dict]:
+  """records + more, grouped by (L, K, M) in the order first seen."""
+  order = {}
+  for r in list(records) + list(more):
+    order.setdefault((r['L'], r['K'], r['M']), len(order))
+  return sorted(list(records) + list(more),
+                key=lambda r: order[(r['L'], r['K'], r['M'])])
 
 
 # --- Workers (torch) ----------------------------------------------------------
@@ -181,8 +300,28 @@ def Input(batch: int, width: int) -> np.ndarray:
   return np.random.RandomState(0).randn(batch, width).astype(np.float32)
 
 
-def _Modules(job: Dict):
-  """This process's layers (all of them, or one stage's) as nn.Sequential."""
+def TransformerData(batch: int) -> Tuple[np.ndarray, np.ndarray]:
+  """bench/transformer.py's ids and labels ([time, batch] there), [batch,
+  time]."""
+  rng = np.random.RandomState(0)
+  shape = [TRANSFORMER['time_steps'], batch]
+  ids = rng.randint(0, TRANSFORMER['vocab'], shape)
+  labels = rng.randint(0, TRANSFORMER['vocab'], shape)
+  return ids.T.astype(np.int64), labels.T.astype(np.int64)
+
+
+def PositionalEmbedding(length: int, dim: int) -> np.ndarray:
+  """Lingvo's PositionalEmbeddingLayer (timescales 1 to 1e4), [length, dim]."""
+  num_timescales = dim // 2
+  log_increment = np.log(1e4) / max(num_timescales - 1, 1)
+  inv_timescales = np.exp(np.arange(num_timescales) * -log_increment)
+  scaled_time = np.arange(length)[:, None] * inv_timescales[None, :]
+  return np.concatenate([np.sin(scaled_time), np.cos(scaled_time)],
+                        axis=1).astype(np.float32)
+
+
+def _FcModules(job: Dict):
+  """This process's FC layers (all of them, or one stage's)."""
   import torch  # pylint: disable=g-import-not-at-top
   from torch import nn  # pylint: disable=g-import-not-at-top
 
@@ -207,19 +346,78 @@ def _Modules(job: Dict):
   return nn.Sequential(*mods)
 
 
-def _TimeSteps(step_fn, warmup: int, steps: int, sync=None) -> List[float]:
-  for _ in range(warmup):
-    step_fn()
+def _TransformerModules(job: Dict):
+  """This process's part of the Transformer: all of it, or one stage."""
+  import torch  # pylint: disable=g-import-not-at-top
+  from torch import nn  # pylint: disable=g-import-not-at-top
+  t = TRANSFORMER
+
+  class Embedding(nn.Module):
+    """Token embedding plus Lingvo's sinusoidal positions: [b, T, D]."""
+
+    def __init__(self):
+      super().__init__()
+      self.emb = nn.Embedding(t['vocab'], t['model_dim'])
+      self.register_buffer('pos', torch.from_numpy(PositionalEmbedding(
+          t['time_steps'], t['model_dim'])))
+
+    def forward(self, ids):
+      return self.emb(ids) + self.pos
+
+  # Every process builds the whole model from one seed and keeps its stage,
+  # so the pipelines start from torch/plain's weights (the same first loss).
+  torch.manual_seed(0)
+  layers = [Embedding()] + [
+      nn.TransformerEncoderLayer(
+          t['model_dim'], t['heads'], dim_feedforward=t['hidden'],
+          dropout=0.0, activation='relu', layer_norm_eps=1e-6,
+          batch_first=True, norm_first=True)
+      for _ in range(job['layers'])] + [
+          nn.Linear(t['model_dim'], t['vocab'])]
+  k, rank = job['K'], job.get('rank', 0)
+  ends = [0] + TransformerSplits(job['layers'], k)
+  # Layer i + 1 of `layers` is encoder layer i; the embedding goes with the
+  # first stage, the softmax with the last.
+  lo = 0 if rank == 0 else ends[rank] + 1
+  hi = len(layers) if rank == k - 1 else ends[rank + 1] + 1
+  return nn.Sequential(*layers[lo:hi])
+
+
+def _Model(job: Dict):
+  """(modules, inputs, target, loss_fn(output, target) -> scalar)."""
+  import torch  # pylint: disable=g-import-not-at-top
+  if job['model'] == 'transformer':
+    ids, labels = TransformerData(job['batch'])
+    vocab = TRANSFORMER['vocab']
+
+    def Xent(logits, target):
+      return torch.nn.functional.cross_entropy(
+          logits.reshape(-1, vocab), target.reshape(-1), reduction='sum')
+
+    return (_TransformerModules(job), torch.from_numpy(ids),
+            torch.from_numpy(labels), Xent)
+  # The FC model's output is already the per-example loss: sum it.
+  return (_FcModules(job), torch.from_numpy(Input(job['batch'], job['width'])),
+          torch.zeros(job['batch']), lambda out, target: out.sum())
+
+
+def _TimeSteps(step_fn, warmup: int, steps: int, sync=None,
+               t0: Optional[float] = None) -> Tuple[List[float], float]:
+  """(the timed steps' times, the time from t0 to the end of the first)."""
+  first_s = None
   times = []
-  for _ in range(steps):
-    if sync:
+  for i in range(warmup + steps):
+    if sync and i >= warmup:
       sync()
     t = time.perf_counter()
     step_fn()
-    if sync:
+    if sync and i >= warmup:
       sync()
-    times.append(time.perf_counter() - t)
-  return times
+    if first_s is None:
+      first_s = time.perf_counter() - (t if t0 is None else t0)
+    if i >= warmup:
+      times.append(time.perf_counter() - t)
+  return times, first_s
 
 
 def _TorchInfo() -> Dict:
@@ -230,22 +428,24 @@ def _TorchInfo() -> Dict:
 
 def RunPlain(job: Dict) -> Dict:
   import torch  # pylint: disable=g-import-not-at-top
+  t0 = time.perf_counter()
   base = RssMb('VmRSS')
   torch.set_num_threads(job['threads'])
-  model = _Modules(job)
-  x = torch.from_numpy(Input(job['batch'], job['width']))
-  opt = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
-  with torch.no_grad():
-    first_loss = float(model(x).sum())
+  model, x, target, loss_fn = _Model(job)
+  opt = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE[job['model']])
+  first_losses = []
 
   def Step():
     opt.zero_grad(set_to_none=True)
-    model(x).sum().backward()
+    loss = loss_fn(model(x), target)
+    loss.backward()
     opt.step()
+    if not first_losses:
+      first_losses.append(float(loss.detach()))
 
-  times = _TimeSteps(Step, job['warmup'], job['steps'])
-  return dict(times_s=times, first_loss=first_loss, rss_mb=RssMb(),
-              base_rss_mb=base)
+  times, first_s = _TimeSteps(Step, job['warmup'], job['steps'], t0=t0)
+  return dict(times_s=times, first_loss=first_losses[0], first_step_s=first_s,
+              rss_mb=RssMb(), base_rss_mb=base)
 
 
 def RunStage(job: Dict) -> Dict:
@@ -253,6 +453,7 @@ def RunStage(job: Dict) -> Dict:
   import torch  # pylint: disable=g-import-not-at-top
   import torch.distributed as dist  # pylint: disable=g-import-not-at-top
   from torch.distributed import pipelining  # pylint: disable=g-import-not-at-top
+  t0 = time.perf_counter()
   base = RssMb('VmRSS')
   torch.set_num_threads(job['threads'])
   k, rank = job['K'], job['rank']
@@ -262,17 +463,15 @@ def RunStage(job: Dict) -> Dict:
   dist.init_process_group('gloo', store=store, rank=rank, world_size=k,
                           timeout=timeout)
   try:
-    stage_mod = _Modules(job)
+    stage_mod, x, target, loss_fn = _Model(job)
     stage = pipelining.PipelineStage(stage_mod, rank, k, torch.device('cpu'))
     cls = {'gpipe': pipelining.ScheduleGPipe,
            '1f1b': pipelining.Schedule1F1B}[job['impl'][len(IMPL_PREFIX):]]
-    # The stage's output is already the per-example loss: sum it, and sum
-    # (not average) over micro-batches, as the TensorFlow step does.
-    schedule = cls(stage, n_microbatches=job['M'],
-                   loss_fn=lambda out, target: out.sum(), scale_grads=False)
-    opt = torch.optim.SGD(stage_mod.parameters(), lr=LEARNING_RATE)
-    x = torch.from_numpy(Input(job['batch'], job['width']))
-    target = torch.zeros(job['batch'])
+    # Sum (not average) over micro-batches, as the TensorFlow step does.
+    schedule = cls(stage, n_microbatches=job['M'], loss_fn=loss_fn,
+                   scale_grads=False)
+    opt = torch.optim.SGD(stage_mod.parameters(),
+                          lr=LEARNING_RATE[job['model']])
     first_losses = []
 
     def Step():
@@ -288,14 +487,13 @@ def RunStage(job: Dict) -> Dict:
       if losses and not first_losses:
         first_losses.append(float(sum(l.detach() for l in losses)))
 
-    times = _TimeSteps(Step, job['warmup'], job['steps'], sync=dist.barrier)
+    times, first_s = _TimeSteps(Step, job['warmup'], job['steps'],
+                                sync=dist.barrier, t0=t0)
     return dict(times_s=times,
                 first_loss=first_losses[0] if first_losses else None,
-                rss_mb=RssMb(), base_rss_mb=base)
+                first_step_s=first_s, rss_mb=RssMb(), base_rss_mb=base)
   finally:
     dist.destroy_process_group()
-
-
 # --- The parent: processes, bounded waits -------------------------------------
 
 
@@ -329,8 +527,9 @@ def RunJob(job: Dict, args, torch_info: Dict) -> Dict:
   import torch.distributed as dist  # pylint: disable=g-import-not-at-top
   k = job['K']
   num_procs = 1 if job['impl'] == IMPL_PREFIX + 'plain' else k
-  job = dict(job, width=args.width, batch=args.batch, layers=args.layers,
-             steps=args.steps, warmup=args.warmup, init_npz=args.init_npz,
+  job = dict(job, model=args.model, width=args.width, batch=args.batch,
+             layers=args.layers, steps=args.steps, warmup=args.warmup,
+             init_npz=args.init_npz,
              threads=(args.threads if num_procs == 1 else
                       Threads(args.threads, num_procs)),
              timeout_s=args.timeout_s)
@@ -372,7 +571,8 @@ def RunJob(job: Dict, args, torch_info: Dict) -> Dict:
   first_loss = [r['first_loss'] for r in results
                 if r['first_loss'] is not None][0]
   return Record(job, args, times, first_loss, [r['rss_mb'] for r in results],
-                [r['base_rss_mb'] for r in results], torch_info)
+                [r['base_rss_mb'] for r in results], torch_info,
+                max(r['first_step_s'] for r in results))
 
 
 def ParseArgs(argv=None):
@@ -381,15 +581,24 @@ def ParseArgs(argv=None):
       formatter_class=argparse.RawDescriptionHelpFormatter,
       epilog='\n'.join(__doc__.splitlines()[1:]))
   d = DEFAULTS
-  parser.add_argument('--width', type=int, default=d['width'])
-  parser.add_argument('--batch', type=int, default=d['batch'])
-  parser.add_argument('--layers', type=int, default=d['layers'],
-                      help='FC layers (default %(default)s).')
-  parser.add_argument('--K', type=int, nargs='+', default=d['K'],
+  parser.add_argument('--model', choices=MODELS, default=MODELS[0],
+                      help='bench/pipeline.py\'s FC model (default) or '
+                      'bench/transformer.py\'s Transformer.')
+  parser.add_argument('--width', type=int,
+                      help='FC width (default %d; homogeneous only).' %
+                      d['width'])
+  parser.add_argument('--batch', type=int,
+                      help='Default %d (homogeneous), %d (transformer).' %
+                      (d['batch'], TRANSFORMER_DEFAULTS['batch']))
+  parser.add_argument('--layers', type=int,
+                      help='FC or encoder layers (default %d).' % d['layers'])
+  parser.add_argument('--K', type=int, nargs='+',
                       help='Pipeline stages = processes (K < 2 skipped: the '
-                      'plain model is the one-stage case).')
-  parser.add_argument('--M', type=int, nargs='+', default=d['M'],
-                      help='Micro-batches.')
+                      'plain model is the one-stage case; default %s, '
+                      'transformer %s).' % (d['K'], TRANSFORMER_DEFAULTS['K']))
+  parser.add_argument('--M', type=int, nargs='+',
+                      help='Micro-batches (default %s, transformer %s).' %
+                      (d['M'], TRANSFORMER_DEFAULTS['M']))
   parser.add_argument('--schedules', nargs='*', choices=SCHEDULES,
                       default=d['schedules'])
   parser.add_argument('--no_plain', action='store_true',
@@ -402,7 +611,8 @@ def ParseArgs(argv=None):
   parser.add_argument('--steps', type=int, default=d['steps'])
   parser.add_argument('--warmup', type=int, default=d['warmup'])
   parser.add_argument('--init_npz',
-                      help='Initial weights w<i> [in, out], b<i> [out].')
+                      help='Initial weights w<i> [in, out], b<i> [out] '
+                      '(homogeneous only).')
   parser.add_argument('--timeout_s', type=int, default=600,
                       help='Bound on each job and each collective wait.')
   parser.add_argument('--markdown', action='store_true',
@@ -411,13 +621,26 @@ def ParseArgs(argv=None):
   args = parser.parse_args(argv)
   if args._worker:  # pylint: disable=protected-access
     return args
-  for name in ('width', 'batch', 'layers', 'threads', 'steps', 'timeout_s'):
+  transformer = args.model == 'transformer'
+  if transformer:
+    for name in ('width', 'init_npz'):
+      if getattr(args, name) is not None:
+        parser.error('--%s is for --model homogeneous; drop it for the '
+                     'transformer.' % name)
+  for name, value in (TRANSFORMER_DEFAULTS if transformer else d).items():
+    if getattr(args, name) is None:
+      setattr(args, name, value)
+  for name in ('batch', 'layers', 'threads', 'steps', 'timeout_s') + (
+      () if transformer else ('width',)):
     if getattr(args, name) < 1:
       parser.error('--%s must be >= 1.' % name)
   if args.warmup < 0:
     parser.error('--warmup must be >= 0.')
   for k in args.K:
-    if k >= 2 and args.layers % k:
+    if transformer and k > args.layers:
+      parser.error('--K %d is more stages than --layers %d; use K <= layers.' %
+                   (k, args.layers))
+    if not transformer and k >= 2 and args.layers % k:
       parser.error('--K %d does not divide --layers %d; use a K that does.' %
                    (k, args.layers))
   for m in args.M:
