@@ -26,7 +26,8 @@ With a torch venv (`bash scripts/torch_venv.sh` makes .venv-torch, used by
 default; or `--torch_python PATH`), bench/torch_baselines.py runs the
 homogeneous model in torch (eager, and torch.distributed.pipelining at the
 same K and M) in a subprocess, from the plain model's initial weights, and its
-rows join the records and the markdown.
+rows join the records and the markdown; with `--models transformer`, torch's
+nn.TransformerEncoderLayer stack at the same sizes (see bench/transformer.py).
 
 See docs/benchmarks.md for what the numbers mean.
 """
@@ -80,8 +81,6 @@ HETERO_WIDTHS = (1, 2, 0.5, 0.25, 1, 2, 1, 0.25, 1)
 LEARNING_RATE = 1e-6
 # A pipeline's loss must equal the plain model's on the first step.
 LOSS_RTOL = 1e-4
-# The torch baselines' python, when --torch_python is not given.
-TORCH_VENV_PYTHON = os.path.join(_REPO, '.venv-torch', 'bin', 'python')
 
 FULL = dict(width=1536, batch=128, K=[1, 2], M=[1, 2, 4, 8, 16, 32],
             steps=20, warmup=3, rss='spawn', schedules=list(EXT_VARIANTS))
@@ -364,18 +363,8 @@ class RssMeter:
 # --- torch baselines (bench/torch_baselines.py, in the torch venv) ------------
 
 
-def TorchPython(flag: Optional[str],
-                default: str = TORCH_VENV_PYTHON) -> (Optional[str], str):
-  """(the python to run the torch baselines with or None, a note why)."""
-  if flag == 'none':
-    return None, 'torch baselines off (--torch_python none).'
-  if flag:
-    return flag, 'torch baselines: %s' % flag
-  if os.access(default, os.X_OK):
-    return default, 'torch baselines: %s' % default
-  return None, ('torch baselines skipped: no %s (make it with `bash '
-                'scripts/torch_venv.sh`, or pass --torch_python PATH).' %
-                os.path.relpath(default, _REPO))
+# The torch python: --torch_python, else .venv-torch's when it exists.
+TorchPython = torch_baselines.TorchPython
 
 
 def SavePlainWeights(step: 'Step', path: str) -> None:
@@ -816,7 +805,8 @@ def ParseArgs(argv=None):
       '--torch_python', metavar='PATH',
       help='A python with torch: also time bench/torch_baselines.py (torch '
       'eager, torch.distributed.pipelining GPipe and 1F1B) on the '
-      'homogeneous model at the same width, batch, K and M. Default: '
+      'homogeneous model at the same width, batch, K and M, or on '
+      '--models transformer at the same sizes. Default: '
       '.venv-torch/bin/python when it exists (bash scripts/torch_venv.sh), '
       'else skipped with a note; "none" turns it off.')
   parser.add_argument('--torch_timeout_s', type=int, default=600,
@@ -838,14 +828,11 @@ def ParseArgs(argv=None):
   for m in args.M:
     if args.batch % m:
       parser.error('--batch %d is not divisible by M=%d.' % (args.batch, m))
-  if (args.torch_python and args.torch_python != 'none' and
-      not os.access(args.torch_python, os.X_OK)):
-    parser.error('--torch_python %s is not an executable; give a python that '
-                 'has torch (bash scripts/torch_venv.sh makes '
-                 '.venv-torch/bin/python) or "none".' % args.torch_python)
+  if torch_baselines.BadTorchPython(args.torch_python):
+    parser.error(torch_baselines.BadTorchPython(args.torch_python))
   if not args._child:  # pylint: disable=protected-access
     args.torch_python, note = TorchPython(args.torch_python)
-    if 'homogeneous' in args.models:
+    if {'homogeneous', 'transformer'} & set(args.models):
       _Log(note)
   return args
 
@@ -876,9 +863,12 @@ def main(argv=None) -> int:
     if len(args.models) > 1:
       _Log("--models transformer runs on its own; give it alone.")
       return 2
+    pairs = transformer.Pairs(args.K or [2, 4], args.M or [4, 16])
     records = transformer.Run(
-        list(transformer.DEFAULT_VARIANTS), args.transformer_layers,
-        transformer.Pairs(args.K or [2, 4], args.M or [4, 16]),
+        list(transformer.DEFAULT_VARIANTS), args.transformer_layers, pairs,
+        args.steps or 5)
+    records = torch_baselines.WithTransformerRecords(
+        records, args.torch_python, args.transformer_layers, pairs,
         args.steps or 5)
     if args.markdown:
       print(transformer.Markdown(records))

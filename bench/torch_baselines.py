@@ -268,6 +268,19 @@ def MergeByConfig(records: Sequence[Dict],
                 key=lambda r: order[(r['L'], r['K'], r['M'])])
 
 
+def WithTransformerRecords(records: Sequence[Dict],
+                           torch_python: Optional[str],
+                           num_layers: Sequence[int],
+                           km_pairs: Sequence[Tuple[int, int]],
+                           steps: int) -> List[Dict]:
+  """bench/transformer.py's records with the torch rows of each (L, K, M)
+  beside them; `records` alone when torch_python is None (no torch)."""
+  if not torch_python:
+    return list(records)
+  return MergeByConfig(records, TransformerRecords(torch_python, num_layers,
+                                                   km_pairs, steps))
+
+
 # --- Workers (torch) ----------------------------------------------------------
 
 

@@ -16,7 +16,9 @@ devices with 2 inter-op and 1 intra-op threads.
 
 Variants: 'lingvo' (lingvo.core.gpipe), and lingvo_ext '<schedule>' with
 optional '+functions' (`cell_functions=True`: each cell one TF function
-called per micro-batch) and '+jit' (`jit_compile=True`).
+called per micro-batch) and '+jit' (`jit_compile=True`). With a torch venv
+(`bash scripts/torch_venv.sh`, or `--torch_python PATH`), torch's rows at the
+same sizes follow each configuration's (bench/torch_baselines.py).
 """
 
 import argparse
@@ -157,8 +159,9 @@ def Markdown(records) -> str:
     ratio = ''
     if key in base:
       ratio = '%.2fx' % (r['step_ms'] / base[key]['step_ms'])
-    rows.append('| %d, %d, %d | %s | %d | %.1f | %.1f | %d | %s |' %
-                (*key, r['variant'], r['ops'], r['first_step_s'],
+    rows.append('| %d, %d, %d | %s | %s | %.1f | %.1f | %d | %s |' %
+                (*key, r['variant'],
+                 '-' if r['ops'] is None else r['ops'], r['first_step_s'],
                  r['step_ms'], r['peak_rss_mb'], ratio))
   return '\n'.join(rows)
 
@@ -178,8 +181,17 @@ def main(argv=None) -> int:
                       help='Timed steps after the first.')
   parser.add_argument('--markdown', action='store_true',
                       help='Print a markdown table instead of JSON lines.')
+  parser.add_argument('--torch_python', metavar='PATH',
+                      help='A python with torch: also time '
+                      'bench/torch_baselines.py --model transformer (torch '
+                      'eager, GPipe, 1F1B). Default: .venv-torch/bin/python '
+                      'when it exists; "none" turns it off.')
   parser.add_argument('--_child', help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
+  sys.path.insert(0, _REPO)
+  from bench import torch_baselines  # pylint: disable=g-import-not-at-top
+  if torch_baselines.BadTorchPython(args.torch_python):
+    parser.error(torch_baselines.BadTorchPython(args.torch_python))
   for v in ([args._child] if args._child else args.variants):  # pylint: disable=protected-access
     schedule, *extras = v.split('+')
     if (schedule not in ('lingvo', 'unrolled', '1f1b', 'recurrent') or
@@ -191,6 +203,10 @@ def main(argv=None) -> int:
                             args.steps)))
     return 0
   records = Run(args.variants, args.L, Pairs(args.K, args.M), args.steps)
+  torch_python, note = torch_baselines.TorchPython(args.torch_python)
+  print('[bench] ' + note, file=sys.stderr, flush=True)
+  records = torch_baselines.WithTransformerRecords(
+      records, torch_python, args.L, Pairs(args.K, args.M), args.steps)
   if args.markdown:
     print(Markdown(records))
   else:
