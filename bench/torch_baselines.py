@@ -166,9 +166,8 @@ def Record(job: Dict, args, times_s: Sequence[float], first_loss: float,
   """One job's record; transformer records also carry bench/transformer.py's
   keys (variant, L, ops, first_step_s, peak_rss_mb)."""
   ms = [1e3 * t for t in times_s]
-  model = getattr(args, 'model', 'homogeneous')
   rec = dict(
-      impl=job['impl'], framework='torch', model=model, K=job['K'],
+      impl=job['impl'], framework='torch', model=args.model, K=job['K'],
       M=job['M'], step_ms=round(statistics.median(ms), 3),
       p25_ms=round(float(np.percentile(ms, 25)), 3),
       p75_ms=round(float(np.percentile(ms, 75)), 3), steps=len(ms),
@@ -179,7 +178,7 @@ def Record(job: Dict, args, times_s: Sequence[float], first_loss: float,
       peak_rss_mb=_Sum(rss_mb), base_rss_mb=_Sum(base_rss_mb),
       rss_per_process_mb=[None if r is None else round(r, 1) for r in rss_mb],
       **torch_info)
-  if model == 'transformer':
+  if args.model == 'transformer':
     rec.update(variant=job['impl'], L=args.layers, ops=None, **TRANSFORMER)
   return rec
 
