@@ -160,3 +160,16 @@ def test_forwards_first_keeps_each_kind_in_order_and_is_deadlock_free(
     assert all(a.kind == 'F' for a in new[:n_fwd])
     assert new[:n_fwd] == [a for a in acts if a.kind == 'F']
     assert new[n_fwd:] == [a for a in acts if a.kind != 'F']
+
+
+@pytest.mark.parametrize('k,d,m', [(2, 1, 4), (4, 2, 4), (4, 2, 3), (3, 2, 5),
+                                   (6, 4, 7)])
+def test_zero_bubble_folds_onto_fewer_devices(k, d, m):
+  spec = A.StageSpec(k, d, m)
+  schedule = A.Build('zero_bubble', spec)  # Checked: complete, deadlock-free.
+  one_each = A.ZeroBubble(A.StageSpec(k, k, m))
+  for dev, acts in enumerate(schedule):
+    assert all(spec.Device(a.stage) == dev for a in acts)
+    # Each stage keeps its own order from the one-stage-per-device schedule.
+    for s in spec.Stages(dev):
+      assert [a for a in acts if a.stage == s] == one_each[s]

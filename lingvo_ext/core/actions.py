@@ -178,11 +178,13 @@ def ZeroBubble(spec: StageSpec) -> ScheduleLists:
   'F' while fewer than K - d micro-batches hold activations on device d
   (1F1B's bound: a micro-batch's are freed by its 'W'), else the oldest
   pending 'W'.
+
+  With fewer devices than stages, the one-stage-per-device schedule is
+  folded onto the devices (`FoldOntoDevices`).
   """
   if spec.num_stages != spec.num_devices:
-    raise ValueError(
-        'zero_bubble: %d cells on %d devices; it needs one cell per device.'
-        % (spec.num_stages, spec.num_devices))
+    virtual = dataclasses.replace(spec, num_devices=spec.num_stages)
+    return FoldOntoDevices(virtual, ZeroBubble(virtual), spec)
   k, m = spec.num_stages, spec.num_micro_batches
   out = [[] for _ in range(k)]
   end = {}
@@ -461,6 +463,33 @@ def Build(name: str, spec: StageSpec) -> ScheduleLists:
   schedule = ACTION_SCHEDULES[name](spec)
   CheckSchedule(spec, schedule)
   return schedule
+
+
+def FoldOntoDevices(virtual: StageSpec, schedule: ScheduleLists,
+                    spec: StageSpec) -> ScheduleLists:
+  """A schedule for `virtual`'s devices, run on `spec`'s fewer devices.
+
+  Each of `spec`'s devices runs the actions of its stages in the order of
+  their start times when `schedule` is simulated on `virtual` (unit costs).
+  Deadlock-free: an action's dependencies start strictly before it does, so
+  no device waits for an action that comes after it in another's list.
+
+  Args:
+    virtual: The pipeline with one device per stage.
+    schedule: Per virtual device, its ordered actions.
+    spec: The same pipeline on fewer devices (stage s on s % num_devices).
+
+  Returns:
+    Per device of `spec`, its ordered actions.
+  """
+  timeline = Simulate(virtual, schedule)
+  out = [[] for _ in range(spec.num_devices)]
+  for acts in schedule:
+    for a in acts:
+      out[spec.Device(a.stage)].append(a)
+  for acts in out:
+    acts.sort(key=lambda a: (timeline.start[a], a.stage))
+  return out
 
 
 def ForwardsFirst(schedule: ScheduleLists) -> ScheduleLists:

@@ -536,9 +536,10 @@ class PipeliningLayer(SeqLayer):
         "then its backward actions in the schedule's order: "
         "'interleaved_1f1b' is Megatron's schedule for V = "
         "K / D cells per device (K and num_micro_batches multiples of the "
-        "devices D); 'zero_bubble' (ZB-H1, one cell per device) splits each "
+        "devices D); 'zero_bubble' (ZB-H1) splits each "
         "backward pass into input gradients, sent upstream at once, and "
-        "weight gradients that fill the bubble.")
+        "weight gradients that fill the bubble (with fewer devices than "
+        "cells, its one-cell-per-device order folded onto the devices).")
     p.Define(
         'cell_functions', False,
         "'unrolled' and '1f1b': if True, each cell's forward pass is one TF "
