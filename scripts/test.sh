@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Runs the test suite in parallel (installs .venv first when needed).
 #   bash scripts/test.sh            every test
-#   bash scripts/test.sh --quick    all but the end-to-end tests (marker e2e)
+#   bash scripts/test.sh --quick    all but the end-to-end tests and the
+#                                   numerics cases beyond the quick tier's
+#                                   share (markers e2e, slow; pytest.ini)
 # Other args go to pytest, e.g. a file: bash scripts/test.sh tests/test_cost.py
 # TEST_JOBS sets the number of pytest-xdist workers (0: no workers).
 set -euo pipefail
@@ -9,15 +11,18 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$root/scripts/venv.sh"
 cd "$root"
 args=()
+# One more worker than cores: the end-to-end tests spend much of their time
+# waiting on their subprocesses. The quick tier does not wait: one per core
+# (each worker first spends seconds importing TensorFlow).
+spare=1
 for a in "$@"; do
   if [ "$a" = --quick ]; then
-    args+=(-m "not e2e")
+    args+=(-m "not e2e and not slow")
+    spare=0
   else
     args+=("$a")
   fi
 done
-# One more worker than cores: the end-to-end tests spend much of their time
-# waiting on their subprocesses.
-jobs="${TEST_JOBS:-$(( $(nproc) + 1 ))}"
+jobs="${TEST_JOBS:-$(( $(nproc) + spare ))}"
 exec "$root/.venv/bin/python" -m pytest -n "$jobs" \
   ${args[@]+"${args[@]}"}

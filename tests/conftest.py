@@ -1,8 +1,8 @@
 """Shared test set-up: the repository on sys.path, lingvo_ext imported.
 
-Under pytest-xdist (scripts/test.sh), a session fixture runs once per
-worker; tiny_gpipe_run runs once in all, the other workers waiting on a
-file lock and reusing its logdir (the pattern pytest-xdist documents).
+Under pytest-xdist (scripts/test.sh), a session or module fixture runs once
+per worker; SharedOnce builds an expensive one (a trainer run) once in all,
+the other workers waiting on a file lock and reusing its result.
 """
 
 import fcntl
@@ -43,8 +43,40 @@ class TrainedRun:
     return dst
 
 
+def _SharedOnce(tmp_path_factory, name, build):
+  """build(path)'s JSON result, built once for all pytest-xdist workers.
+
+  A module fixture runs once per worker that gets one of its tests; an
+  expensive one (a trainer run) goes through here instead: the first worker
+  builds it under `name` in the run's shared temp folder while the others
+  wait on a file lock, then read its result (the pattern pytest-xdist
+  documents). build must leave `path` as the tests expect it, read-only.
+  """
+  # The parent of this worker's basetemp is shared by all workers of a run.
+  # (Without pytest-xdist, -p no:xdist, the basetemp itself.)
+  shared = tmp_path_factory.getbasetemp()
+  if os.environ.get('PYTEST_XDIST_WORKER'):
+    shared = shared.parent
+  path = str(shared / name)
+  done = path + '.json'
+  with open(path + '.lock', 'w') as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)  # Released when the file closes.
+    if not os.path.exists(done):
+      result = build(path)
+      with open(done, 'w') as f:
+        json.dump({'result': result}, f)
+    with open(done) as f:
+      return json.load(f)['result']
+
+
 @pytest.fixture(scope='session')
-def tiny_gpipe_run(tmp_path_factory, worker_id):
+def shared_once(tmp_path_factory):
+  """shared_once(name, build): build(path)'s result, once for all workers."""
+  return lambda name, build: _SharedOnce(tmp_path_factory, name, build)
+
+
+@pytest.fixture(scope='session')
+def tiny_gpipe_run(shared_once):
   """lm.TransformerLmTinyGPipe, K=2 cells on 2 CPU devices, 3 steps.
 
   Shared by the tests that need a finished pipelined run: the K=2 vs K=1
@@ -53,26 +85,18 @@ def tiny_gpipe_run(tmp_path_factory, worker_id):
   """
   model = 'lm.TransformerLmTinyGPipe'
   flags = ['--num_cpu_devices=2', '--worker_split_size=2']
-  # The parent of this worker's basetemp is shared by all workers of a run.
-  shared = tmp_path_factory.getbasetemp()
-  if worker_id != 'master':
-    shared = shared.parent
-  logdir = str(shared / 'tiny_gpipe_run')
-  done = logdir + '.json'
-  with open(logdir + '.lock', 'w') as lock:
-    fcntl.flock(lock, fcntl.LOCK_EX)  # Released when the file closes.
-    if os.path.exists(done):
-      with open(done) as f:
-        return TrainedRun(logdir, model, flags, json.load(f)['output'])
+
+  def Build(logdir):
     proc = subprocess.run(
         [sys.executable, '-m', 'lingvo_ext.trainer', f'--model={model}',
          f'--logdir={logdir}', '--max_steps=3', *flags], cwd=_ROOT,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         timeout=300, check=False)
     assert proc.returncode == 0, proc.stdout[-5000:]
-    with open(done, 'w') as f:
-      json.dump({'output': proc.stdout}, f)
-  return TrainedRun(logdir, model, flags, proc.stdout)
+    return [logdir, proc.stdout]
+
+  logdir, output = shared_once('tiny_gpipe_run', Build)
+  return TrainedRun(logdir, model, flags, output)
 
 
 def pytest_collection_modifyitems(items):

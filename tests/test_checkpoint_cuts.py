@@ -209,14 +209,17 @@ def _CutsDiffer(seed, k):
 
 
 # Stacks whose two cuts differ (the point), Lingvo's with no empty cell (its
-# pipeline cannot run one): the first such K of each of 8 stacks.
+# pipeline cannot run one): the first such K of each of 8 stacks. Stacks 0-3
+# take the four namings once (the quick tier); 4-7 again (marked slow).
 PIPE_CASES = [
     next((s, k) for k in (2 + (s * 3 + j) % 7 for j in range(7))
          if _CutsDiffer(s, k)) for s in range(8)
 ]
 
 
-@pytest.mark.parametrize('seed,k', PIPE_CASES)
+@pytest.mark.parametrize('seed,k', [
+    case if case[0] < 4 else pytest.param(*case, marks=pytest.mark.slow)
+    for case in PIPE_CASES])
 def test_lingvo_checkpoint_restores_into_exact_cut(seed, k, tmp_path):
   stack, dim = _Stack(seed)
   shape = tshape.Shape([BATCH, dim])
@@ -330,6 +333,7 @@ def test_nan_report_names_the_users_layer():
     assert text == f'variable {var} (layer fc2 (cell_002)): NaN'
 
 
+@pytest.mark.e2e  # The converter's command line, in a subprocess.
 def test_converter_without_a_model(tmp_path):
   stack = [layers.FCLayer.Params().Set(name='fc%d' % i, input_dim=8,
                                        output_dim=8) for i in range(16)]

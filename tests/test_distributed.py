@@ -157,13 +157,17 @@ def _Refused(host, port):
 
 
 @pytest.fixture(scope='module')
-def single_process(tmp_path_factory):
+def single_process(shared_once):
   """The logdir of MODEL trained 3 steps in one process on 4 CPU devices.
 
   2 replicas x 2 cells with Lingvo's shared variables: the numbers of one
-  large batch, which every gradient_sync must reproduce.
+  large batch, which every gradient_sync must reproduce. Built once for all
+  test workers (conftest.py).
   """
-  single = str(tmp_path_factory.mktemp('single'))
+  return shared_once('single_process', _TrainSingleProcess)
+
+
+def _TrainSingleProcess(single):
   proc = subprocess.run(
       [sys.executable, '-m', 'lingvo_ext.trainer', f'--model={MODEL}',
        f'--logdir={single}', '--num_cpu_devices=4', '--worker_split_size=2',

@@ -298,6 +298,7 @@ def test_layers_with_gpipe_runs_on_lingvo_ext():
   assert lingvo_stacks.PipeliningLayer is lingvo_gpipe.PipeliningLayer
 
 
+@pytest.mark.slow  # Two Transformer graphs; FC cells above in the quick tier.
 def test_gpipe_transformer_stack_equals_lingvos(tmp_path):
   # Residual and input dropout on (deterministic, as the stack sets it up).
   # The default 'unrolled' schedule; 'recurrent' is Lingvo's own loop, and

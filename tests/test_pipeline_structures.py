@@ -107,15 +107,20 @@ def _CnnInput():
 
 
 # Lingvo's golden test under the default schedule, cells built once, 1F1B and
-# Lingvo's loop; the random pipelines below cover every variant.
+# Lingvo's loop; the random pipelines below cover every variant. One test
+# per (case, variant), so that test workers share them. The quick tier runs
+# each variant once (variant i with case i % 3); the others are marked slow.
 _CNN_VARIANTS = (('unrolled', None), ('unrolled', None, _FN), ('1f1b', None),
                  ('recurrent', None))
+_CNN_CASES = ((2, 8, None), (4, 8, None), (2, 8, 2))
 
 
 @pytest.mark.parametrize('num_splits,num_micro,micro_batch_size,variant', [
     (1, 8, None, ('unrolled', None))] + [
-        case + (v,) for case in ((2, 8, None), (4, 8, None), (2, 8, 2))
-        for v in _CNN_VARIANTS])
+        case + (v,) if i % 3 == c else pytest.param(
+            *case, v, marks=pytest.mark.slow)
+        for c, case in enumerate(_CNN_CASES)
+        for i, v in enumerate(_CNN_VARIANTS)])
 def test_lingvo_dummy_pipeline_cnn(num_splits, num_micro, micro_batch_size,
                                    variant):
   # Lingvo's golden value for this model (gpipe_test.py): the loss is the mean
@@ -249,10 +254,23 @@ def _ListVariants(desc):
   return tuple(out)
 
 
-@pytest.mark.parametrize('seed', range(10))
-def test_random_pipelines_match_sequential(seed):
+def _Variants(seed, part):
+  """The variants seed's case runs in `part`: 'quick' takes every 4th.
+
+  The quick tier runs every case with its quick part (every variant in at
+  least one case; test_random_cases_cover_the_structures checks), the whole
+  suite runs the rest too (marked slow).
+  """
+  variants = ALL_VARIANTS + _ListVariants(_RandomCase(seed)[-1])
+  return tuple(v for i, v in enumerate(variants)
+               if ((i + seed + 1) % 4 == 0) == (part == 'quick'))
+
+
+@pytest.mark.parametrize('seed,part', [(s, 'quick') for s in range(10)] + [
+    pytest.param(s, 'rest', marks=pytest.mark.slow) for s in range(10)])
+def test_random_pipelines_match_sequential(seed, part):
   cells, num_devices, inputs_fn, loss_fn, kwargs, desc = _RandomCase(seed)
-  variants = ALL_VARIANTS + _ListVariants(desc)
+  variants = _Variants(seed, part)
   results, seq, names = lib.RunVariants(
       cells, num_devices, inputs_fn, variants=variants, loss_fn=loss_fn,
       **kwargs)
@@ -276,6 +294,15 @@ def test_random_cases_cover_the_structures():
   assert any(len(d['used']) < 1 + d['fetches'] for d in descs)
   lists = [v[0] for d in descs for v in _ListVariants(d)]
   assert 'zero_bubble' in lists and 'interleaved_1f1b' in lists
+  # Each case runs every variant it takes, split in two parts; the quick
+  # tier's parts cover every variant, and every case runs in it.
+  every = set(ALL_VARIANTS) | {v for d in descs for v in _ListVariants(d)}
+  quick = [_Variants(s, 'quick') for s in range(10)]
+  assert all(quick) and set(sum(quick, ())) == every
+  for s in range(10):
+    both = _Variants(s, 'quick') + _Variants(s, 'rest')
+    assert sorted(both, key=str) == sorted(
+        ALL_VARIANTS + _ListVariants(descs[s]), key=str)
 
 
 # --- Cells built once ---------------------------------------------------------

@@ -140,7 +140,8 @@ def _HasRecomputation(graph):
   return any('recompute' in op.name for op in graph.get_operations())
 
 
-@pytest.mark.parametrize('num_cells', [2, 4])
+@pytest.mark.parametrize('num_cells', [
+    2, pytest.param(4, marks=pytest.mark.slow)])
 def test_1f1b_keeps_at_most_k_micro_batches_alive(num_cells):
   num_micro = 8
   # A per-example loss linear in the outputs: no recomputation, the forward
@@ -180,7 +181,8 @@ def test_1f1b_without_its_control_edges_keeps_all_m(monkeypatch):
       g, fetches, 0, num_micro, recomputed=False) == num_micro
 
 
-@pytest.mark.parametrize('num_cells', [2, 4])
+@pytest.mark.parametrize('num_cells', [
+    2, pytest.param(4, marks=pytest.mark.slow)])
 def test_1f1b_recomputes_for_a_nonlinear_loss(num_cells):
   num_micro = 8
   # sum(y^2): dy needs every micro-batch's output, so no backward pass can

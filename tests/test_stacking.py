@@ -99,6 +99,7 @@ def _Counts(p):
           tf.GraphKeys.GLOBAL_VARIABLES)))
 
 
+@pytest.mark.slow  # Two 24-layer graphs; the quick tier builds smaller ones.
 def testGraphIsSmallerFor24Layers():
   plain = _Counts(_TaskParams(False, num_layers=24))
   stacked = _Counts(_TaskParams(True, num_layers=24))

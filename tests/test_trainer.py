@@ -92,11 +92,19 @@ def _CheckTrainsAndResumes(model, logdir, steps, more_steps):
 
 
 @pytest.fixture(scope='module')
-def lm_run(tmp_path_factory):
-  """The Tiny LM trained (K=1) and resumed; returns (logdir, step losses)."""
-  logdir = str(tmp_path_factory.mktemp('lm'))
-  loss = _CheckTrainsAndResumes('lm.TransformerLmTiny', logdir, 20, 26)
-  return logdir, loss
+def lm_run(shared_once):
+  """The Tiny LM trained (K=1) and resumed; returns (logdir, step losses).
+
+  Built once for all test workers (conftest.py); the tests' evaler and
+  decoder jobs write subfolders of their own.
+  """
+  def Build(logdir):
+    os.makedirs(logdir)
+    loss = _CheckTrainsAndResumes('lm.TransformerLmTiny', logdir, 20, 26)
+    return logdir, sorted(loss.items())
+
+  logdir, loss = shared_once('lm_run', Build)
+  return logdir, dict(loss)
 
 
 @pytest.mark.e2e

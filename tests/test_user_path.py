@@ -91,14 +91,19 @@ def _Params(model, override=''):
 
 
 @pytest.fixture(scope='module')
-def trained(tmp_path_factory):
-  """A logdir of TINY trained to TRAINED_STEPS (below its MAX_STEPS)."""
-  logdir = str(tmp_path_factory.mktemp('trained'))
-  rc, out, err = _Train(f'--model={TINY}', f'--logdir={logdir}',
+def trained(shared_once):
+  """A logdir of TINY trained to TRAINED_STEPS (below its MAX_STEPS).
+
+  Built once for all test workers (conftest.py); tests go on in a copy.
+  """
+  def Build(logdir):
+    rc, _, err = _Train(f'--model={TINY}', f'--logdir={logdir}',
                         f'--max_steps={TRAINED_STEPS}')
-  assert rc == 0, err[-3000:]
+    assert rc == 0, err[-3000:]
+    return logdir
+
   assert _Params(TINY).train.max_steps > TRAINED_STEPS
-  return logdir
+  return shared_once('user_path_trained', Build)
 
 
 def _Copy(logdir, tmp_path):
@@ -169,25 +174,23 @@ def testScheduleAndRecomputeOverridesReachThePipeline(text, schedule,
   assert (pipeline.schedule, pipeline.recompute) == (schedule, recompute)
 
 
-@pytest.fixture(scope='module')
-def schedule_runs(tmp_path_factory):
-  """{(model, schedule): {step: loss}}, 2 steps each through the trainer."""
-  cases = [(model, schedule, str(tmp_path_factory.mktemp('sched')))
-           for model in GPIPE_EXPERIMENTS for schedule in _SCHEDULES]
+def _ScheduleRuns(model, tmp_path):
+  """{schedule: {step: loss}}, 2 steps of `model` each through the trainer."""
+  cases = [(schedule, str(tmp_path / schedule)) for schedule in _SCHEDULES]
   results = _TrainAll([[
       f'--model={model}', f'--logdir={logdir}', '--max_steps=2',
       '--model_params_override=task.schedule:"%s"%s' % (
           schedule.split('+')[0],
           '; task.cell_functions:True' if '+functions' in schedule else '')
-  ] for model, schedule, logdir in cases])
+  ] for schedule, logdir in cases])
   runs = {}
-  for (model, schedule, logdir), (rc, out, err) in zip(cases, results):
+  for (schedule, logdir), (rc, out, err) in zip(cases, results):
     assert rc == 0, (model, schedule, err[-3000:])
     with open(os.path.join(logdir, 'control', 'params.txt')) as f:
       text = f.read()
     assert f"task.schedule : '{schedule.split('+')[0]}'" in text
     assert ('task.cell_functions : True' in text) == ('+functions' in schedule)
-    runs[model, schedule] = _Losses(out)
+    runs[schedule] = _Losses(out)
     shutil.rmtree(logdir)
   return runs
 
@@ -199,15 +202,18 @@ _SCHEDULES = [s for s in schedules.SCHEDULES
               if s not in schedules.LINEAR_LOSS_ONLY] + ['unrolled+functions']
 
 
+# One test per experiment (its schedules' runs its own), so that test workers
+# share the 4 x 4 trainer runs.
 @pytest.mark.e2e
 @pytest.mark.parametrize('model', GPIPE_EXPERIMENTS)
-def testEveryGPipeExperimentTrainsUnderEverySchedule(schedule_runs, model):
+def testEveryGPipeExperimentTrainsUnderEverySchedule(tmp_path, model):
   # The same first loss (same weights and batch) and the same loss after
   # one update (the same gradients) under every schedule.
-  reference = schedule_runs[model, 'unrolled']
+  schedule_runs = _ScheduleRuns(model, tmp_path)
+  reference = schedule_runs['unrolled']
   assert sorted(reference) == [1, 2], reference
   for schedule in _SCHEDULES:
-    losses = schedule_runs[model, schedule]
+    losses = schedule_runs[schedule]
     assert sorted(losses) == [1, 2], (schedule, losses)
     for step in (1, 2):
       assert losses[step] == pytest.approx(reference[step], abs=2e-3), (
@@ -563,6 +569,7 @@ def testCostReportPlacesVariablesWhereTheTrainerDoes(capsys):
   assert reported['softmax/logits.w'].endswith('CPU:1')
 
 
+@pytest.mark.e2e  # A fresh interpreter.
 def testLookingUpAnExperimentPrintsNoLingvoImportLines(tmp_path):
   code = ('import lingvo.compat as tf; from lingvo import model_registry; '
           'import params; tf.flags.FLAGS.mark_as_parsed(); '

@@ -7,6 +7,7 @@ import lingvo_ext  # pylint: disable=unused-import
 import lingvo.compat as tf
 from lingvo.core import ops
 import numpy as np
+import pytest
 
 from lingvo_ext.tools import fix_x_ops
 
@@ -23,6 +24,7 @@ def test_x_ops_op_runs():
   np.testing.assert_array_equal(paddings, [[0, 0, 0, 1]])
 
 
+@pytest.mark.e2e  # The fixer's command line, in a subprocess.
 def test_fix_is_a_no_op_where_it_loads():
   r = subprocess.run([sys.executable, '-m', 'lingvo_ext.tools.fix_x_ops'],
                      capture_output=True, text=True, check=True)
