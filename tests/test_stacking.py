@@ -65,7 +65,8 @@ def _AssertSameWeights(a, b, atol=1e-6):
                                err_msg=name)
 
 
-@pytest.mark.parametrize('num_partitions', [1, 2])
+@pytest.mark.parametrize('num_partitions', [
+    pytest.param(1, marks=pytest.mark.slow), 2])
 def testStackedEqualsUnstackedAfterThreeAdamSteps(num_partitions):
   k = num_partitions
   loss_a, weights_a, _ = _Train(_TaskParams(False, k), 3, num_devices=k)
