@@ -80,14 +80,7 @@ def _Flags():
 
 
 def _Params(model, override=''):
-  flags = _Flags()
-  registry.Install()
-  saved = flags.model_params_override
-  flags.model_params_override = override
-  try:
-    return model_registry.GetParams(model, 'Train')
-  finally:
-    flags.model_params_override = saved
+  return registry.GetParams(model, 'Train', override)
 
 
 @pytest.fixture(scope='module')

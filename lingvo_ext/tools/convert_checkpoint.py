@@ -65,16 +65,9 @@ class ConversionError(ValueError):
 
 def ModelParams(model: str, override: str = ''):
   """Training params of registered `model`, with `override` ('a.b:v;...')."""
-  from lingvo import model_registry  # pylint: disable=g-import-not-at-top
+  from lingvo_ext import registry  # pylint: disable=g-import-not-at-top
   try:
-    import params  # pylint: disable=g-import-not-at-top,unused-import
-  except ImportError:
-    pass  # The model may be registered by other means.
-  flags = tf.flags.FLAGS
-  if not flags.is_parsed():
-    flags.mark_as_parsed()
-  try:
-    mp = model_registry.GetParams(model, 'Train').Copy()
+    mp = registry.GetParams(model, 'Train').Copy()
   except LookupError as e:
     raise ConversionError('Model %r is not registered (%s); see '
                           '`python -m lingvo_ext.tools.list_models`.' %
