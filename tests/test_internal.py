@@ -138,6 +138,17 @@ def testLocalServerConfig():
   _Check('tf.distribute.Server.create_local_server', Check)
 
 
+def testSlurmClusterResolverModule():
+
+  def Check():
+    slurm = internal_tf.SlurmClusterResolverModule()
+    assert slurm.expand_hostlist('n[1-2]') == ['n1', 'n2']
+    assert slurm.expand_tasks_per_node('2(x2)') == [2, 2]
+    assert slurm.SlurmClusterResolver
+
+  _Check('slurm_cluster_resolver.expand_hostlist/expand_tasks_per_node', Check)
+
+
 # --- Lingvo -------------------------------------------------------------------
 
 

@@ -89,3 +89,14 @@ def LocalServerConfig(config):
     yield
   finally:
     server_cls.create_local_server = original
+
+
+def SlurmClusterResolverModule():
+  """TensorFlow's slurm_cluster_resolver module.
+
+  Its SlurmClusterResolver is public (tf.distribute.cluster_resolver), its
+  expand_hostlist / expand_tasks_per_node (Slurm's compact host and task
+  lists) are not.
+  """
+  from tensorflow.python.distribute.cluster_resolver import slurm_cluster_resolver  # pylint: disable=g-import-not-at-top,g-direct-tensorflow-import
+  return slurm_cluster_resolver

@@ -26,6 +26,8 @@ from lingvo.core import tshape
 import numpy as np
 import sympy
 
+from lingvo_ext._internal import lingvo as internal_lingvo
+
 COST_CHOICES = ('flops', 'params', 'time')
 
 # Per-element FLOPs of the activations FCLayer and Conv2DLayer support.
@@ -284,15 +286,8 @@ def _Sandbox(graph=None):
     The graph.
   """
   graph = graph or tf.Graph()
-  # pylint: disable=protected-access
-  saved = base_layer._LAYER_STACK.stack
-  base_layer._LAYER_STACK.stack = []
-  try:
-    with graph.as_default():
-      yield graph
-  finally:
-    base_layer._LAYER_STACK.stack = saved
-  # pylint: enable=protected-access
+  with internal_lingvo.OutsideLayerStack(), graph.as_default():
+    yield graph
 
 
 def _InstantiateLayer(p):

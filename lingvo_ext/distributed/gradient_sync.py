@@ -36,15 +36,16 @@ gradient of one replica training on the whole global batch.
 
 import contextlib
 import dataclasses
+import threading
 import zlib
 
 import lingvo.compat as tf
 from lingvo.core import cluster_factory
+from lingvo.core import learner as lingvo_learner
 from lingvo.core import py_utils
 import numpy as np
-from tensorflow.python.ops import collective_ops
-from tensorflow.python.ops import control_flow_util
-from tensorflow.python.ops import data_flow_ops
+
+from lingvo_ext._internal import tf as internal_tf
 
 STRATEGIES = ('shared', 'all_reduce', 'parameter_server', 'hybrid')
 COMPRESSIONS = ('none', 'fp16')
@@ -129,8 +130,9 @@ def AllReduceMean(grads, devices, group_key, instance_key, compression='none'):
   for g, d in zip(grads, devices):
     with tf.device(d):
       x = tf.cast(g, tf.float16) if compression == 'fp16' else g
-      y = collective_ops.all_reduce_v2(
-          x, len(grads), group_key, instance_key, merge_op='Add',
+      y = tf.raw_ops.CollectiveReduceV2(
+          input=x, group_size=len(grads), group_key=group_key,
+          instance_key=instance_key, ordering_token=[], merge_op='Add',
           final_op='Div')
       out.append(tf.cast(y, g.dtype) if compression == 'fp16' else y)
   return out
@@ -163,17 +165,14 @@ def AllGatherSlices(grads, devices, group_key, instance_key):
       values, indices = g.values, tf.cast(g.indices, tf.int64)
       if not equal:
         n = tf.shape(values)[:1]
-        counts = collective_ops.all_gather_v2(n, r, group_key,
-                                              instance_key + 2)
+        counts = _AllGather(n, r, group_key, instance_key + 2)
         longest = tf.reduce_max(counts)
         pad = longest - n[0]
         values = tf.pad(values, [[0, pad]] + [[0, 0]] *
                         (values.shape.rank - 1))
         indices = tf.pad(indices, [[0, pad]])
-      values = collective_ops.all_gather_v2(values, r, group_key,
-                                            instance_key)
-      indices = collective_ops.all_gather_v2(indices, r, group_key,
-                                             instance_key + 1)
+      values = _AllGather(values, r, group_key, instance_key)
+      indices = _AllGather(indices, r, group_key, instance_key + 1)
       if not equal:
         keep = tf.reshape(tf.sequence_mask(counts, longest), [-1])
         values = tf.boolean_mask(values, keep)
@@ -182,6 +181,12 @@ def AllGatherSlices(grads, devices, group_key, instance_key):
           tf.IndexedSlices(values / tf.cast(r, values.dtype), indices,
                            g.dense_shape))
   return out
+
+
+def _AllGather(x, group_size, group_key, instance_key):
+  return tf.raw_ops.CollectiveGatherV2(
+      input=x, group_size=group_size, group_key=group_key,
+      instance_key=instance_key, ordering_token=[])
 
 
 def _NumBytes(shape, dtype):
@@ -208,8 +213,8 @@ class GradientSync:
   """Builds the replicas' variable reads and the synchronised update.
 
   The task calls `ReplicaTheta(r, ...)` for r = 0..R-1 in order, each inside
-  replica r's model split, then `Apply(learner, ...)` in place of each
-  learner's Apply.
+  replica r's model split, then builds its train ops inside `Applying(sync)`:
+  its learners (SyncLearner, see WithSyncLearners) apply through `Apply`.
   """
 
   def __init__(self, name, strategy, num_replicas, accumulate_steps=1,
@@ -343,7 +348,7 @@ class GradientSync:
 
   def Apply(self, learner, metrics, vmap, gradient_mask=None,
             gradient_adjuster=None):
-    """Replaces `learner.Apply`: same signature and return values."""
+    """A SyncLearner's Apply: Learner.Apply's arguments and return values."""
     losses = learner.ComputeLosses(metrics)
     if len(losses) != 1:
       raise ValueError(
@@ -453,10 +458,10 @@ class GradientSync:
     with tf.device(device), tf.name_scope('accumulate'):
       shape = var.shape
       if sparse:
-        acc = data_flow_ops.SparseConditionalAccumulator(
+        acc = tf.compat.v1.SparseConditionalAccumulator(
             var.dtype, shape=shape, reduction_type='SUM')
       else:
-        acc = data_flow_ops.ConditionalAccumulator(
+        acc = tf.compat.v1.ConditionalAccumulator(
             var.dtype, shape=shape, reduction_type='SUM')
       self.accumulators.append((var, acc))
       # Gradients of an older update would be dropped; none is older than the
@@ -538,13 +543,12 @@ class GradientSync:
     """Replica r's optimizer update (under `ready` when accumulating)."""
 
     def Apply():
-      with learner._SelfVariableScope():  # pylint: disable=protected-access
-        if r == 0 and ready is None:
-          return tf.group(learner.optimizer.Apply(lr, var_grads))
-        # Summaries cannot be made inside a cond (Lingvo's Accumulator turns
-        # them off too); replica 0's are made when it updates unconditionally.
-        with _NoSummaryInApply(learner.optimizer):
-          return tf.group(learner.optimizer.Apply(lr, var_grads))
+      if r == 0 and ready is None:
+        return learner.ApplyOptimizer(lr, var_grads)
+      # Summaries cannot be made inside a cond (Lingvo's Accumulator turns
+      # them off too); replica 0's are made when it updates unconditionally.
+      with _NoSummaryInApply(learner.optimizer):
+        return learner.ApplyOptimizer(lr, var_grads)
 
     # The recorders wrap the conds: optimizer slots are made in init_scope,
     # i.e. in the outer graph, whose variable creators are these.
@@ -654,26 +658,14 @@ class _Pending:
           return (tf.zeros([0] + shape[1:], self.var.dtype),
                   tf.zeros([0], tf.int64))
 
-        with _V1ControlFlow():
+        with internal_tf.V1ControlFlow():
           values, indices = tf.cond(self.ready, TakeSlices, NoSlices)
         return tf.IndexedSlices(values, indices,
                                 tf.constant(shape, tf.int64))
-      with _V1ControlFlow():
+      with internal_tf.V1ControlFlow():
         return tf.cond(self.ready,
                        lambda: self.acc.take_grad(self.required) * scale,
                        lambda: tf.zeros(self.var.shape, self.var.dtype))
-
-
-@contextlib.contextmanager
-def _V1ControlFlow():
-  """Builds tf.cond as Switch/Merge: the accumulators' handles are refs,
-  which a functional (v2) cond cannot capture."""
-  saved = control_flow_util.ENABLE_CONTROL_FLOW_V2
-  control_flow_util.ENABLE_CONTROL_FLOW_V2 = False
-  try:
-    yield
-  finally:
-    control_flow_util.ENABLE_CONTROL_FLOW_V2 = saved
 
 
 class _RecordNewVariables:
@@ -717,3 +709,80 @@ def _ReadOnlyByGathers(read):
       else:
         return False
   return seen
+
+
+# --- The learners' hook ----------------------------------------------------------
+
+_ACTIVE = threading.local()
+
+
+def _Stack():
+  if not hasattr(_ACTIVE, 'stack'):
+    _ACTIVE.stack = []
+  return _ACTIVE.stack
+
+
+@contextlib.contextmanager
+def Applying(sync):
+  """SyncLearners' Apply built inside goes through `sync` (a GradientSync)."""
+  _Stack().append(sync)
+  try:
+    yield sync
+  finally:
+    _Stack().pop()
+
+
+class SyncLearnerMixin:
+  """A Learner whose Apply is the active GradientSync's (see Applying).
+
+  Outside `Applying` (evalers, the controller of a cluster, a task without
+  a sync) it is the Learner's own Apply.
+  """
+
+  def Apply(self, metrics, vmap, gradient_mask=None, gradient_adjuster=None):
+    stack = _Stack()
+    if not stack:
+      return super().Apply(metrics, vmap, gradient_mask=gradient_mask,
+                           gradient_adjuster=gradient_adjuster)
+    return stack[-1].Apply(self, metrics, vmap, gradient_mask,
+                           gradient_adjuster)
+
+  def ApplyOptimizer(self, lr, var_grads):
+    """The optimizer's update of var_grads, in the learner's variable scope."""
+    with self._SelfVariableScope():
+      return tf.group(self.optimizer.Apply(lr, var_grads))
+
+
+class SyncLearner(SyncLearnerMixin, lingvo_learner.Learner):
+  """lingvo.core.learner.Learner through the active GradientSync."""
+
+
+_SYNC_CLASSES = {lingvo_learner.Learner: SyncLearner}
+
+
+def _SyncClass(cls):
+  if issubclass(cls, SyncLearnerMixin):
+    return cls
+  if cls not in _SYNC_CLASSES:  # A user's Learner subclass.
+    _SYNC_CLASSES[cls] = type(f'Sync{cls.__name__}', (SyncLearnerMixin, cls),
+                              {'__module__': __name__})
+  return _SYNC_CLASSES[cls]
+
+
+def WithSyncLearners(task_params):
+  """A copy of task_params whose learners apply through GradientSync.
+
+  Legacy learner params (train.learning_rate, optimizer...) become one
+  SyncLearner, as Lingvo's BaseTask would make a Learner of them.
+  """
+  p = task_params.Copy()
+  tp = p.train
+  if tp.learner is None:
+    tp.learner = lingvo_learner.ExtractLearnerFromLegacyParams(
+        tp, cls=SyncLearner)
+  elif isinstance(tp.learner, (list, tuple)):
+    for lp in tp.learner:
+      lp.cls = _SyncClass(lp.cls)
+  else:
+    tp.learner.cls = _SyncClass(tp.learner.cls)
+  return p

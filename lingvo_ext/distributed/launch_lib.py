@@ -55,6 +55,7 @@ import threading
 import time
 from typing import Dict, List, Optional, Sequence
 
+from lingvo_ext._internal import process
 from lingvo_ext.distributed import cluster
 from lingvo_ext.distributed import resolvers
 
@@ -323,7 +324,7 @@ def _DieWithParent(parent_pid: int):
   def Preexec():
     prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
     if os.getppid() != parent_pid:  # The launcher died before prctl.
-      os._exit(1)  # pylint: disable=protected-access
+      process.ExitNow(1)
 
   return Preexec
 
