@@ -103,7 +103,7 @@ def testSaveSliceInfo():
       whole = tf.get_variable('w', [4, 2], initializer=tf.zeros_initializer())
       parts = tf.get_variable(
           'p', [4, 2], initializer=tf.zeros_initializer(),
-          partitioner=tf.fixed_size_partitioner(2))
+          partitioner=tf.compat.v1.fixed_size_partitioner(2))
       assert internal_tf.SaveSliceInfo(whole) is None
       shard = list(parts)[0]
       assert internal_tf.SaveSliceInfo(shard).full_shape == [4, 2]
@@ -126,7 +126,7 @@ def testOpIdAndAddControlInput():
 def testLocalServerConfig():
 
   def Check():
-    config = tf.ConfigProto()
+    config = tf.compat.v1.ConfigProto()
     config.device_count['CPU'] = 3
     with internal_tf.LocalServerConfig(config):
       server = tf.distribute.Server.create_local_server()

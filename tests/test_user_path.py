@@ -486,11 +486,11 @@ def testTheControllerSeesTheTrainersReplicas():
   from lingvo.core import cluster_factory  # pylint: disable=g-import-not-at-top
   from lingvo_ext import trainer  # pylint: disable=g-import-not-at-top
   flags = _Flags()
-  names = ('num_cpu_devices', 'worker_split_size', 'run_locally')
+  names = ('num_cpu_devices', 'worker_split_size', 'run_locally', 'mode')
   saved = {n: flags[n].value for n in names}
   try:
     for devices, split in ((2, 2), (4, 2), (4, 4), (2, 1)):
-      for n, v in zip(names, (devices, split, 'cpu')):
+      for n, v in zip(names, (devices, split, 'cpu', 'sync')):
         setattr(flags, n, v)
       manager = trainer.RunnerManager(TINY)
       splits = {}
@@ -521,6 +521,7 @@ def testCostReportPlacesVariablesWhereTheTrainerDoes(capsys):
   # The trainer's own placement, --num_cpu_devices=2 --worker_split_size=2
   # (with the flags Lingvo's MaybeConfigRunLocally sets for a local run).
   local = dict(num_cpu_devices=2, worker_split_size=2, run_locally='cpu',
+               mode='sync',
                controller_job='/job:localhost', worker_job='/job:localhost',
                ps_job='/job:localhost', worker_replicas=1, ps_replicas=1,
                worker_gpus=0, ps_gpus=0, task=0)

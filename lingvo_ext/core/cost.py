@@ -20,7 +20,6 @@ import time
 from typing import Any, Callable, List, Optional, Sequence
 
 import lingvo.compat as tf
-from lingvo.core import base_layer
 from lingvo.core import py_utils
 from lingvo.core import tshape
 import numpy as np

@@ -37,7 +37,6 @@ gradient of one replica training on the whole global batch.
 import contextlib
 import dataclasses
 import threading
-import zlib
 
 import lingvo.compat as tf
 from lingvo.core import cluster_factory
@@ -45,7 +44,13 @@ from lingvo.core import learner as lingvo_learner
 from lingvo.core import py_utils
 import numpy as np
 
-from lingvo_ext._internal import tf as internal_tf
+from lingvo_ext.distributed import accumulation
+from lingvo_ext.distributed import collectives
+
+# Kept where callers found them.
+StableKey = collectives.StableKey
+AllReduceMean = collectives.AllReduceMean
+AllGatherSlices = collectives.AllGatherSlices
 
 STRATEGIES = ('shared', 'all_reduce', 'parameter_server', 'hybrid')
 COMPRESSIONS = ('none', 'fp16')
@@ -106,87 +111,6 @@ def CheckReplicas(name: str, gradient_sync: str, num_replicas: int,
         f'replicas) is not divisible by replicas x micro-batches = '
         f'{num_replicas} x {num_micro_batches}; set task.input.batch_size '
         f'to a multiple of num_micro_batches={num_micro_batches}.')
-
-
-def StableKey(text: str) -> int:
-  """A positive int32 key derived from `text`, the same in every process."""
-  return zlib.crc32(text.encode('utf-8')) % (2**31 - 2**20) + 2**20
-
-
-def AllReduceMean(grads, devices, group_key, instance_key, compression='none'):
-  """Mean of the replicas' dense gradients with CollectiveReduceV2.
-
-  Args:
-    grads: One tensor per replica, all of one shape.
-    devices: The device of each replica's collective op, all distinct.
-    group_key: The collective group of these devices.
-    instance_key: This reduction's key, the same on every replica.
-    compression: 'fp16' sends float16 and returns the input dtype.
-
-  Returns:
-    One tensor per replica, each the sum of `grads` divided by len(grads).
-  """
-  out = []
-  for g, d in zip(grads, devices):
-    with tf.device(d):
-      x = tf.cast(g, tf.float16) if compression == 'fp16' else g
-      y = tf.raw_ops.CollectiveReduceV2(
-          input=x, group_size=len(grads), group_key=group_key,
-          instance_key=instance_key, ordering_token=[], merge_op='Add',
-          final_op='Div')
-      out.append(tf.cast(y, g.dtype) if compression == 'fp16' else y)
-  return out
-
-
-def AllGatherSlices(grads, devices, group_key, instance_key):
-  """Concatenates the replicas' IndexedSlices with CollectiveGatherV2.
-
-  Indices and values are gathered in replica order and values divided by R,
-  so the sum the optimizer applies is the replicas' mean. Nothing is
-  densified. Slices of different static sizes are padded to the largest
-  (the padding rows are dropped after the gather).
-
-  Args:
-    grads: One tf.IndexedSlices per replica, of one dense shape.
-    devices: The device of each replica's collective ops.
-    group_key: The collective group of these devices.
-    instance_key: Key of the values' gather; the indices use the next key,
-      the sizes (when padding) the one after.
-
-  Returns:
-    One tf.IndexedSlices per replica, identical on all.
-  """
-  r = len(grads)
-  sizes = [g.values.shape[0] for g in grads]
-  equal = None not in sizes and len(set(sizes)) == 1
-  out = []
-  for g, d in zip(grads, devices):
-    with tf.device(d):
-      values, indices = g.values, tf.cast(g.indices, tf.int64)
-      if not equal:
-        n = tf.shape(values)[:1]
-        counts = _AllGather(n, r, group_key, instance_key + 2)
-        longest = tf.reduce_max(counts)
-        pad = longest - n[0]
-        values = tf.pad(values, [[0, pad]] + [[0, 0]] *
-                        (values.shape.rank - 1))
-        indices = tf.pad(indices, [[0, pad]])
-      values = _AllGather(values, r, group_key, instance_key)
-      indices = _AllGather(indices, r, group_key, instance_key + 1)
-      if not equal:
-        keep = tf.reshape(tf.sequence_mask(counts, longest), [-1])
-        values = tf.boolean_mask(values, keep)
-        indices = tf.boolean_mask(indices, keep)
-      out.append(
-          tf.IndexedSlices(values / tf.cast(r, values.dtype), indices,
-                           g.dense_shape))
-  return out
-
-
-def _AllGather(x, group_size, group_key, instance_key):
-  return tf.raw_ops.CollectiveGatherV2(
-      input=x, group_size=group_size, group_key=group_key,
-      instance_key=instance_key, ordering_token=[])
 
 
 def _NumBytes(shape, dtype):
@@ -389,7 +313,7 @@ class GradientSync:
     """Per replica, per path: the gradient, or an accumulator to take from.
 
     Returns:
-      A list over replicas (1 for 'shared') of {path: _Pending}.
+      A list over replicas (1 for 'shared') of {path: accumulation.Pending}.
     """
     num_targets = 1 if self._strategy == 'shared' else self._r
     out = [{} for _ in range(num_targets)]
@@ -439,48 +363,11 @@ class GradientSync:
     return out
 
   def _Accumulate(self, grads, var, device, force=False):
-    """A _Pending for `grads` (this step's, one per source) of `var`.
-
-    Args:
-      grads: The gradients of this step to average, dense or IndexedSlices.
-      var: The variable they are for.
-      device: Where the accumulator lives.
-      force: Accumulate even a single gradient of a single step.
-
-    Returns:
-      A _Pending: the gradient itself, or an accumulator that yields the mean
-      of len(grads) * accumulate_steps gradients.
-    """
-    required = len(grads) * self._n
-    if required == 1 and not force:
-      return _Pending(grad=grads[0])
-    sparse = isinstance(grads[0], tf.IndexedSlices)
-    with tf.device(device), tf.name_scope('accumulate'):
-      shape = var.shape
-      if sparse:
-        acc = tf.compat.v1.SparseConditionalAccumulator(
-            var.dtype, shape=shape, reduction_type='SUM')
-      else:
-        acc = tf.compat.v1.ConditionalAccumulator(
-            var.dtype, shape=shape, reduction_type='SUM')
-      self.accumulators.append((var, acc))
-      # Gradients of an older update would be dropped; none is older than the
-      # global step.
-      step = tf.cast(py_utils.GetGlobalStep(), tf.int64)
-      applies = []
-      for g in grads:
-        if sparse:
-          applies.append(
-              acc.apply_indexed_slices_grad(
-                  tf.IndexedSlices(g.values, tf.cast(g.indices, tf.int64),
-                                   tf.cast(g.dense_shape, tf.int64)),
-                  local_step=step))
-        else:
-          applies.append(acc.apply_grad(g, local_step=step))
-      with tf.control_dependencies(applies):
-        ready = tf.greater_equal(acc.num_accumulated(), required)
-    return _Pending(acc=acc, sparse=sparse, required=required, ready=ready,
-                    device=device, var=var)
+    """accumulation.Accumulate over accumulate_steps; records accumulators."""
+    pending = accumulation.Accumulate(grads, var, device, self._n, force)
+    if pending.acc is not None:
+      self.accumulators.append((var, pending.acc))
+    return pending
 
   def _Update(self, learner, var_of, paths, synced, gradient_mask,
               gradient_adjuster):
@@ -497,7 +384,7 @@ class GradientSync:
     lr = learner.LearningRate()
     ops = []
     eval_metrics = None
-    taken = {}  # id(_Pending) -> gradient, so a ps take happens once.
+    taken = {}  # id(Pending) -> gradient, so a ps take happens once.
     master_new_vars = []
     for r, grads in enumerate(synced):
       with tf.name_scope(f'replica_{r}_update'):
@@ -628,44 +515,6 @@ def _PathOfMirror(mirrors, var):
     if m is var:
       return path
   raise KeyError(var.name)
-
-
-@dataclasses.dataclass
-class _Pending:
-  """A gradient, or the accumulator that yields it once `ready`."""
-  grad: object = None
-  acc: object = None
-  sparse: bool = False
-  required: int = 1
-  ready: object = None
-  device: str = ''
-  var: object = None
-
-  def Take(self):
-    """The gradient to apply (zeros on steps that do not update)."""
-    if self.acc is None:
-      return self.grad
-    scale = 1.0 / self.required
-    with tf.device(self.device):
-      if self.sparse:
-        shape = self.var.shape.as_list()
-
-        def TakeSlices():
-          g = self.acc.take_indexed_slices_grad(self.required)
-          return g.values * scale, g.indices
-
-        def NoSlices():
-          return (tf.zeros([0] + shape[1:], self.var.dtype),
-                  tf.zeros([0], tf.int64))
-
-        with internal_tf.V1ControlFlow():
-          values, indices = tf.cond(self.ready, TakeSlices, NoSlices)
-        return tf.IndexedSlices(values, indices,
-                                tf.constant(shape, tf.int64))
-      with internal_tf.V1ControlFlow():
-        return tf.cond(self.ready,
-                       lambda: self.acc.take_grad(self.required) * scale,
-                       lambda: tf.zeros(self.var.shape, self.var.dtype))
 
 
 class _RecordNewVariables:

@@ -23,7 +23,7 @@
 5. restarts a task that dies (at most --max_restarts times in all): the
    controller restores the weights of the last checkpoint when it finds
    variables uninitialized on a fresh worker, keeping the step counter where
-   training was (trainer_lib.StepKeepingRestore); the trainer client retries
+   training was (step_keeping.StepKeepingRestore); the trainer client retries
    its step;
 6. ends when the clients (controller and trainer client, or the chief) exit
    0 (training reached --max_steps), stopping the workers; on Ctrl-C, on a
