@@ -429,9 +429,9 @@ class Launcher:
 
   def WaitReady(self) -> None:
     """Waits until every task's port answers; raises if one cannot."""
-    deadline = time.monotonic() + self._ready_timeout_s
     pending = list(self.tasks)
-    while pending:
+
+    def AllReady():
       for task in list(pending):
         rc = task.proc.poll()
         if rc is not None:
@@ -444,11 +444,12 @@ class Launcher:
           pending.remove(task)
           task.ready = True
           self.Print(f'launch: {task.what} is ready')
-      if pending and time.monotonic() > deadline:
-        raise TimeoutError(
-            'not ready within --ready_timeout_secs=%g: %s' %
-            (self._ready_timeout_s, ', '.join(t.what for t in pending)))
-      time.sleep(0.2)
+      return not pending
+
+    if not cluster.PollUntil(AllReady, self._ready_timeout_s, 0.2):
+      raise TimeoutError(
+          'not ready within --ready_timeout_secs=%g: %s' %
+          (self._ready_timeout_s, ', '.join(t.what for t in pending)))
     jobs = collections.defaultdict(list)
     for t in sorted(self.tasks, key=lambda t: (t.job, t.task)):
       jobs[t.job].append(t.address)
@@ -511,17 +512,16 @@ class Launcher:
     """Lets the servers a finished chief told 'done' exit on their own."""
     if not any(t.job == 'chief' for t in self.tasks):
       return  # Separate controller and trainer client: nobody tells them.
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-      live = [t for t in self.tasks if not t.done]
-      for t in live:
+
+    def AllDone():
+      for t in [t for t in self.tasks if not t.done]:
         if t.proc.poll() == 0:
           self._TailOnce()
           t.done = True
           self.Print(f'launch: {t.what} finished')
-      if all(t.done for t in self.tasks):
-        return
-      time.sleep(0.2)
+      return all(t.done for t in self.tasks)
+
+    cluster.PollUntil(AllDone, timeout_s, 0.2)
 
   def StopAll(self, grace_s: float = 10) -> None:
     """Stops every process this launcher started."""

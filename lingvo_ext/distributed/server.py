@@ -135,10 +135,8 @@ def ServeUntilDone(server, jobs, job, task, linger_s=60.0):
         pass
   clients = [a for j in ('controller', 'trainer_client')
              for a in jobs.get(j, ())]
-  deadline = time.monotonic() + linger_s
-  while time.monotonic() < deadline and any(
-      cluster.Answers(a) for a in clients):
-    time.sleep(0.5)
+  cluster.PollUntil(lambda: not any(cluster.Answers(a) for a in clients),
+                    linger_s, 0.5)
   print(f'{job} task {task}: {who.decode()} finished training; exiting.',
         file=sys.stderr, flush=True)
   tf.logging.info('Training finished; exiting.')
