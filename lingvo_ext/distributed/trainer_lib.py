@@ -28,7 +28,6 @@ import sys
 
 import lingvo.compat as tf
 
-from lingvo_ext import trainer_flags  # pylint: disable=unused-import
 from lingvo_ext.distributed import cluster
 from lingvo_ext.distributed import faults
 from lingvo_ext.distributed import resolvers
