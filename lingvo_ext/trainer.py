@@ -57,7 +57,6 @@ import sys
 import traceback
 
 import lingvo_ext  # pylint: disable=unused-import,g-bad-import-order
-from lingvo import trainer as lingvo_trainer
 import lingvo.compat as tf
 from lingvo.core import hyperparams
 from lingvo.core import py_utils
@@ -67,6 +66,7 @@ from lingvo_ext import progress
 from lingvo_ext import registry
 from lingvo_ext import runners
 from lingvo_ext import trainer_flags
+from lingvo_ext._internal import lingvo as internal_lingvo
 from lingvo_ext._internal import process
 from lingvo_ext.distributed import gradient_sync
 from lingvo_ext.distributed import trainer_lib
@@ -245,8 +245,7 @@ def _OnSigint(run_state):
 def main(unused_argv, options=None):
   """Runs Lingvo's runners (Run has checked and read the flags)."""
   o = options or Options.FromFlags()
-  lingvo_trainer.tpu_embedding_layers_v2.TPU_EMBEDDING_MANAGER = (
-      lingvo_trainer.tpu_embedding_manager.TPUEmbeddingManager())
+  internal_lingvo.InitTpuEmbeddingManager()  # As lingvo.trainer.main.
   run_state = RunState()
   signal.signal(signal.SIGINT, _OnSigint(run_state))
   if o.run_locally == 'cpu' and o.num_cpu_devices > 1:

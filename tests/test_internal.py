@@ -275,9 +275,24 @@ def testEngineSymbols():
          'py_utils.GenerateStepSeedPair', Check)
 
 
+def testInitTpuEmbeddingManager():
+
+  def Check():
+    from lingvo.core import tpu_embedding_layers_v2  # pylint: disable=g-import-not-at-top
+    saved = tpu_embedding_layers_v2.TPU_EMBEDDING_MANAGER
+    try:
+      internal_lingvo.InitTpuEmbeddingManager()
+      assert tpu_embedding_layers_v2.TPU_EMBEDDING_MANAGER is not None
+    finally:
+      tpu_embedding_layers_v2.TPU_EMBEDDING_MANAGER = saved
+
+  _Check('tpu_embedding_layers_v2.TPU_EMBEDDING_MANAGER', Check)
+
+
 # --- The trainer changes no default at import ------------------------------------
 
 
+@pytest.mark.e2e
 def testImportingTheTrainerKeepsLingvosFlagDefaults(tmp_path):
   code = ('import lingvo.compat as tf; from lingvo import trainer; '
           'F = tf.flags.FLAGS; names = ("run_locally", "mode", '

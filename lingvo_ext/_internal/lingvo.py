@@ -95,6 +95,18 @@ def ParamDescription(params, name):
   return params._params[name]._description  # pylint: disable=protected-access
 
 
+def InitTpuEmbeddingManager():
+  """What lingvo.trainer.main does before its runners: a process-wide manager.
+
+  Lingvo's Learner.Apply reads tpu_embedding_layers_v2.TPU_EMBEDDING_MANAGER
+  (a module global that its trainer's main sets).
+  """
+  from lingvo.core import tpu_embedding_layers_v2  # pylint: disable=g-import-not-at-top
+  from lingvo.core import tpu_embedding_manager  # pylint: disable=g-import-not-at-top
+  tpu_embedding_layers_v2.TPU_EMBEDDING_MANAGER = (
+      tpu_embedding_manager.TPUEmbeddingManager())
+
+
 # For the pipeline engine (core/schedules.py, core/gpipe.py).
 
 # The collection through which Lingvo's pipeline overwrites the global step
