@@ -275,6 +275,23 @@ def testEngineSymbols():
          'py_utils.GenerateStepSeedPair', Check)
 
 
+def testSeqCells():
+
+  def Check():
+    from lingvo.core import gpipe as lingvo_gpipe  # pylint: disable=g-import-not-at-top
+    from lingvo.core import layers  # pylint: disable=g-import-not-at-top
+    with tf.Graph().as_default():
+      seq = lingvo_gpipe.SeqLayer.Params().Set(
+          name='seq', cell_tpl=[
+              layers.IdentityLayer.Params().Set(name='a'),
+              layers.IdentityLayer.Params().Set(name='b')
+          ]).Instantiate()
+      cells = internal_lingvo.SeqCells(seq)
+    assert [name for name, _ in cells] == ['a', 'b'], cells
+
+  _Check('gpipe.SeqLayer._cells', Check)
+
+
 def testInitTpuEmbeddingManager():
 
   def Check():

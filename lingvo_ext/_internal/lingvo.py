@@ -107,6 +107,12 @@ def InitTpuEmbeddingManager():
       tpu_embedding_manager.TPUEmbeddingManager())
 
 
+def SeqCells(layer):
+  """[(name, cell)] of a lingvo.core.gpipe.SeqLayer (or a subclass: lingvo_ext's
+  SeqLayer and PipeliningLayer keep the same attribute)."""
+  return list(layer._cells)  # pylint: disable=protected-access
+
+
 # For the pipeline engine (core/schedules.py, core/gpipe.py).
 
 # The collection through which Lingvo's pipeline overwrites the global step

@@ -271,7 +271,7 @@ class PipelinedTask(base_model.BaseTask):
     """The pipeline stage (cell index) whose device reads variable `path`."""
     parts = path.split('.')
     if len(parts) > 1 and parts[0] == 'pipeline':
-      names = [name for name, _ in self.pipeline._cells]  # pylint: disable=protected-access
+      names = [name for name, _ in internal_lingvo.SeqCells(self.pipeline)]
       if parts[1] in names:
         return names.index(parts[1])
     return 0

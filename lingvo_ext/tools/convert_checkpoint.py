@@ -51,6 +51,7 @@ import lingvo.compat as tf
 from lingvo.core import cluster_factory
 from lingvo.core import gpipe as lingvo_gpipe
 
+from lingvo_ext._internal import lingvo as internal_lingvo
 from lingvo_ext.core import cuts
 from lingvo_ext.core import gpipe
 
@@ -85,7 +86,7 @@ def _Key(v) -> str:
 def _CellScopeRenames(layer, renames: Dict[str, str]) -> None:
   """Adds {prefix with cell scope: prefix without} for layer's subtree."""
   if isinstance(layer, (gpipe.SeqLayer, lingvo_gpipe.SeqLayer)):
-    for cell_name, cell in layer._cells:  # pylint: disable=protected-access
+    for cell_name, cell in internal_lingvo.SeqCells(layer):
       if not isinstance(cell, _CELL_CLASSES):
         continue  # e.g. SequentialLayer: its scope is part of every naming.
       for sub_name, sub in cell.children.items():
