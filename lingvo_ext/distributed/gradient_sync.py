@@ -36,6 +36,7 @@ gradient of one replica training on the whole global batch.
 
 import contextlib
 import dataclasses
+import re
 import threading
 
 import lingvo.compat as tf
@@ -472,8 +473,10 @@ def _PairOptimizerVariables(r, mine, masters):
   """Pairs replica r's optimizer variables with replica 0's.
 
   Slots are matched by name (replica r's are named after its copies,
-  'replica_r/<name>/...'); the rest (e.g. Adam's beta powers) in creation
-  order among those of the same shape.
+  'replica_r/<name>/...'). The rest (e.g. Adam's beta1_power, beta2_power)
+  by their own name, less the scopes and the '_N' TensorFlow adds to a
+  repeated name, and shape; only where that is ambiguous, in creation order
+  among those of the same shape.
   """
   by_name = {v.op.name: v for v in masters}
   pairs, rest = [], []
@@ -489,7 +492,9 @@ def _PairOptimizerVariables(r, mine, masters):
       rest.append(v)
   others = [v for v in masters if id(v) not in used]
   for v in rest:
-    match = next((m for m in others if m.shape == v.shape), None)
+    same = [m for m in others if m.shape == v.shape]
+    named = [m for m in same if _BaseName(m) == _BaseName(v)]
+    match = named[0] if len(named) == 1 else next(iter(same), None)
     if match is None:
       raise ValueError(
           f'replica {r}\'s optimizer variable {v.name} has no counterpart '
@@ -497,6 +502,11 @@ def _PairOptimizerVariables(r, mine, masters):
     others.remove(match)
     pairs.append((v, match))
   return pairs
+
+
+def _BaseName(v):
+  """'beta1_power' of '.../beta1_power_1': the name a variable was given."""
+  return re.sub(r'_\d+$', '', v.op.name.rsplit('/', 1)[-1])
 
 
 @contextlib.contextmanager
