@@ -18,12 +18,12 @@ from typing import List, Optional, Tuple
 from google.protobuf import text_format
 import lingvo.compat as tf
 from lingvo.core import checkpointer as lingvo_checkpointer
+from lingvo.core import py_utils
 import numpy as np
-from tensorflow.python.lib.io import file_io  # pylint: disable=g-direct-tensorflow-import
-from tensorflow.python.ops import variables as tf_variables  # pylint: disable=g-direct-tensorflow-import
 
+from lingvo_ext._internal import lingvo as internal_lingvo
+from lingvo_ext._internal import tf as internal_tf
 from lingvo_ext.core import cuts
-from tensorflow.python.training import checkpoint_state_pb2  # pylint: disable=g-direct-tensorflow-import
 
 
 def CheckpointProblem(path: str) -> Optional[str]:
@@ -92,23 +92,24 @@ def FallBackToIntactCheckpoint(
 
 
 def _WriteState(train_dir, latest, dropped):
-  """Rewrites the state file: `latest` first, `dropped` paths removed."""
+  """Rewrites the state file: `latest` last (the latest), `dropped` removed."""
   state = tf.train.get_checkpoint_state(train_dir)
   absolute = lambda p: p if os.path.isabs(p) else os.path.join(train_dir, p)
-  pairs = list(zip(state.all_model_checkpoint_paths,
-                   state.all_model_checkpoint_timestamps))
-  paths = [p for p in state.all_model_checkpoint_paths
-           if absolute(p) not in dropped]
-  del state.all_model_checkpoint_paths[:]
-  state.all_model_checkpoint_paths.extend(paths)
-  if pairs:  # Lingvo's saver keeps one timestamp per path.
-    stamps = [t for p, t in pairs if absolute(p) not in dropped]
-    del state.all_model_checkpoint_timestamps[:]
-    state.all_model_checkpoint_timestamps.extend(stamps)
-  state.model_checkpoint_path = latest
-  file_io.atomic_write_string_to_file(
-      os.path.join(train_dir, 'checkpoint'),
-      text_format.MessageToString(state))
+  latest = absolute(latest)
+  paths = [absolute(p) for p in state.all_model_checkpoint_paths]
+  # Lingvo's saver keeps one timestamp per path.
+  stamps = list(state.all_model_checkpoint_timestamps)
+  if len(stamps) != len(paths):
+    stamps = [None] * len(paths)
+  kept = [(p, t) for p, t in zip(paths, stamps)
+          if p not in dropped and p != latest]
+  kept.append((latest, dict(zip(paths, stamps)).get(latest)))
+  stamps = [t for _, t in kept]
+  # TF's public writer of the state file (atomic, as Lingvo's saver writes).
+  tf.compat.v1.train.update_checkpoint_state(
+      train_dir, latest, all_model_checkpoint_paths=[p for p, _ in kept],
+      all_model_checkpoint_timestamps=(None if None in stamps else stamps),
+      last_preserved_timestamp=state.last_preserved_timestamp or None)
 
 
 def DropLatestIfNonFinite(train_dir: str) -> Optional[Tuple[str, str]]:
@@ -171,10 +172,16 @@ class CrossCutCheckpointer(lingvo_checkpointer.Checkpointer):
   def __init__(self, *args, **kwargs):
     super().__init__(*args, **kwargs)
     self._cross_cut_savers = {}
+    # Its uninitialized-variables report is only run on a restore; a job that
+    # ends without one (an evaler with nothing left to do) would print TF's
+    # 'Object was never used' error when the tensor is collected.
+    mark_used = getattr(self._uninitialized_vars, 'mark_used', None)
+    if mark_used:
+      mark_used()
 
   def _SavedVariables(self):
     """{checkpoint key: variable} of what this checkpointer restores."""
-    var_list = self._saver._var_list  # pylint: disable=protected-access
+    var_list = internal_lingvo.SaverVariables(self)
     if isinstance(var_list, dict):
       return dict(var_list)
     return {v.name[:-2] if v.name.endswith(':0') else v.name: v
@@ -185,8 +192,8 @@ class CrossCutCheckpointer(lingvo_checkpointer.Checkpointer):
     keys = tf.train.load_checkpoint(
         checkpoint_path).get_variable_to_shape_map()
     if set(variables) <= set(keys) or not all(
-        isinstance(v, tf_variables.Variable) and
-        not getattr(v, '_save_slice_info', None)
+        isinstance(v, tf.compat.v2.Variable) and
+        not internal_tf.SaveSliceInfo(v)
         for v in variables.values()):
       # The same names, or saveables a rename cannot restore (partitioned
       # variables, stacked views): Lingvo's restore.
@@ -206,8 +213,7 @@ class CrossCutCheckpointer(lingvo_checkpointer.Checkpointer):
     self._cross_cut_savers[key].restore(sess, checkpoint_path)
     # As Lingvo's saver does after a restore: its async-save copies of the
     # variables are not in checkpoints.
-    inner = getattr(self._saver, '_saver', None)
-    copies = getattr(inner, '_copied_vars_initializer', None)
+    copies = internal_lingvo.AsyncCopiesInitializer(self)
     if copies is not None:
       sess.run(copies)
     message = (f'restored {len(plan.keys)} variables of '
@@ -219,6 +225,82 @@ class CrossCutCheckpointer(lingvo_checkpointer.Checkpointer):
     if self._check_loading_status:
       assert not uninitialized, uninitialized
     return checkpoint_path
+
+
+class TrainingCheckpointer(CrossCutCheckpointer):
+  """The controller's checkpointer: finite saves, a kept step, a first save.
+
+  What the trainer's controller returns from Lingvo's
+  BaseRunner._CreateCheckpointer (its extension point):
+
+  - `Save` refuses variables that hold NaN or Inf, and removes a checkpoint
+    that became non-finite while it was written (DropLatestIfNonFinite);
+  - with `step_keeper` (a live multi-process cluster), `RestoreIfNeeded`
+    restores a restarted task's weights without rewinding the step
+    (distributed/step_keeping.py);
+  - `on_save_attempt` is called after every save attempt (the trainer waits
+    for the first one, so that a new run's first checkpoint holds the initial
+    weights).
+
+  Built in the controller's graph, after its model.
+  """
+
+  def __init__(self, train_dir, models, *args, on_save_attempt=None,
+               step_keeper=None, **kwargs):
+    super().__init__(train_dir, models, *args, **kwargs)
+    self._on_save_attempt = on_save_attempt
+    # Outside the runner's placer: each check runs on its variable's device.
+    with tf.device(None):
+      self._finite_checks = FiniteChecks(tf.global_variables())
+      self._keeper = step_keeper(self._models) if step_keeper else None
+
+  def Save(self, sess=None, gsteps=None, sync=True):
+    try:
+      bad = NonFiniteVariables(sess, self._finite_checks)
+      if bad:
+        tf.logging.warning(
+            'Not saving a checkpoint at step %s: variable %s (and %d more) '
+            'holds NaN or Inf.', gsteps, bad[0], len(bad) - 1)
+        return
+      super().Save(sess, gsteps, sync)
+      if sync:
+        dropped = DropLatestIfNonFinite(self._train_dir)
+        if dropped:
+          tf.logging.warning(
+              'Removed checkpoint %s: %s became NaN or Inf while it was '
+              'saved.', *dropped)
+    finally:
+      if self._on_save_attempt:
+        self._on_save_attempt()
+
+  def MaybeSave(self, sess=None, gsteps=None, sync=True):
+    if self._keeper:
+      self._keeper.Seen(gsteps)
+    return super().MaybeSave(sess, gsteps, sync)
+
+  def RestoreIfNeeded(self, sess):
+    if not self._keeper:
+      return super().RestoreIfNeeded(sess)
+    names = self._GetUninitializedVarNames(sess)
+    if not names:
+      return None
+    return self._keeper.Restore(
+        sess, names, lambda: super(TrainingCheckpointer,
+                                   self).RestoreIfNeeded(sess))
+
+
+def NewCheckpointer(train_dir, model, default, **kwargs):
+  """A runner's checkpointer: `default()` in eager mode, else cross-cut.
+
+  kwargs: TrainingCheckpointer's (the controller's); none for the others.
+  """
+  if py_utils.IsEagerMode():
+    return default()
+  if kwargs:
+    return TrainingCheckpointer(train_dir, model, **kwargs)
+  return CrossCutCheckpointer(train_dir, model)
+
+
 # --- A damaged `checkpoint` state file ----------------------------------------
 
 _CKPT_INDEX = re.compile(r'^(ckpt-(\d+))\.index$')
@@ -249,9 +331,10 @@ def StateFileProblem(train_dir: str) -> Optional[str]:
     return f'{state_file} is missing'
   # Parsed here: TF's get_checkpoint_state logs a parse error twice and
   # returns None.
-  state = checkpoint_state_pb2.CheckpointState()
+  state = internal_tf.CheckpointState()
   try:
-    text_format.Parse(file_io.read_file_to_string(state_file), state)
+    with tf.io.gfile.GFile(state_file, 'rb') as f:
+      text_format.Parse(f.read(), state)
   except Exception as e:  # pylint: disable=broad-except
     # text_format.ParseError, or a decoding error for binary garbage.
     first = str(e).strip().split('\n')[0]
@@ -299,8 +382,16 @@ def MarkTrainingFinished(train_dir: str, step: int, max_steps: int) -> None:
   Evalers and decoders stop once they have processed that checkpoint, when
   the trainer ran with any --max_steps.
   """
-  file_io.atomic_write_string_to_file(
-      os.path.join(train_dir, _FINISHED), f'{int(step)} {int(max_steps)}\n')
+  _AtomicWrite(os.path.join(train_dir, _FINISHED),
+               f'{int(step)} {int(max_steps)}\n')
+
+
+def _AtomicWrite(path, text):
+  """Writes `text` to `path` through a temporary file and a rename."""
+  temp = f'{path}.tmp{os.getpid()}'
+  with tf.io.gfile.GFile(temp, 'w') as f:
+    f.write(text)
+  tf.io.gfile.rename(temp, path, overwrite=True)
 
 
 def TrainingFinished(train_dir: str) -> Optional[Tuple[int, int]]:

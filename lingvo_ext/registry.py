@@ -11,9 +11,12 @@ Experiments are Lingvo param classes registered with
   `--model=myexp.MyModel` imports `myexp`, `--model=a.b.MyModel` imports
   `a.b`.
 
-`Install()` makes Lingvo's `model_registry.GetParams` (which calls
-`model_imports.ImportParams`) use the same search, instead of Lingvo's, which
-only looks under `lingvo.tasks`.
+`GetParams(model, dataset, overrides)` builds an experiment's params with
+that search and applies --model_params_override with `ApplyOverrides`; the
+trainer hands Lingvo's RunnerManager a `ModelRegistry` (its `model_registry`
+extension point), so Lingvo's own lookup and override parsing are not used.
+Importing `params/` also points Lingvo's `model_registry.GetParams` at
+`ImportParams`, for code that calls Lingvo's registry directly.
 """
 
 import ast
@@ -35,10 +38,8 @@ def _ImportRepoParams():
 
 
 def _Registered():
-  from lingvo import model_registry  # pylint: disable=g-import-not-at-top
-  # The helper's map, not model_registry.GetAllRegisteredClasses(): that one
-  # first tries to import all of lingvo.tasks' params, printing a line each.
-  return model_registry._ModelRegistryHelper._MODEL_PARAMS  # pylint: disable=protected-access
+  from lingvo_ext._internal import lingvo as internal_lingvo  # pylint: disable=g-import-not-at-top
+  return internal_lingvo.RegisteredModelClasses()
 
 
 def ImportModule(module):
@@ -261,11 +262,12 @@ def ApplyOverrides(cfg, text):
     OverrideError: (a ValueError) with a one-line message.
   """
   from lingvo.core import hyperparams  # pylint: disable=g-import-not-at-top
+  from lingvo_ext._internal import lingvo as internal_lingvo  # pylint: disable=g-import-not-at-top
   text = TaskInputAlias(text, cfg)
   for key, value_text in _OverrideItems(text):
     node, name = _Lookup(cfg, key)
     old = node.Get(name)
-    default = node._params[name].GetDefault()  # pylint: disable=protected-access
+    default = internal_lingvo.ParamDefault(node, name)
     if isinstance(old, hyperparams.Params):
       raise OverrideError(
           f'{_OVERRIDE_FLAG}: {key} holds params; set one of its keys, e.g. '
@@ -289,38 +291,85 @@ def InstallImportParams():
   """Makes Lingvo's model_registry look experiments up with ImportParams.
 
   Lingvo's own lookup tries six modules under lingvo.tasks for each model
-  name, printing `model_imports.py: Importing ...` for each; ImportParams
-  imports the experiment's module (or params/) and prints nothing.
+  name, printing `model_imports.py: Importing ...` for each, and does not
+  find params/'s experiments; ImportParams imports the experiment's module
+  (or params/) and prints nothing. Only for code that calls Lingvo's
+  model_registry directly (importing `params` does this); lingvo_ext's
+  trainer and tools use GetParams.
   """
-  from lingvo import model_imports  # pylint: disable=g-import-not-at-top
-  model_imports.ImportParams = ImportParams
+  from lingvo_ext._internal import lingvo as internal_lingvo  # pylint: disable=g-import-not-at-top
+  internal_lingvo.SetModelImporter(ImportParams)
 
 
-def Install():
-  """Makes Lingvo's model registry use lingvo_ext's.
+def _FileOverride(path):
+  """The text of a --model_params_file_override file ('' if none)."""
+  if not path:
+    return ''
+  import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
+  if not tf.io.gfile.exists(path):
+    return ''  # As Lingvo: a missing file is ignored.
+  with tf.io.gfile.GFile(path) as f:
+    return f.read()
 
-  Points model_imports.ImportParams at ImportParams, and applies
-  --model_params_override with ApplyOverrides (checked keys and values,
-  `task.input.X` for `input.X`).
+
+_MODEL_OBJECTS = {}
+
+
+def GetParams(model, dataset_name, overrides='', file_override=''):
+  """The params of experiment `model` for `dataset_name`, overrides applied.
+
+  Lingvo's model_registry.GetParams, with lingvo_ext's search (params/ and
+  the module --model names) and checked overrides.
+
+  Args:
+    model: A registered name, e.g. 'lm.TransformerLmTiny'.
+    dataset_name: 'Train', 'Dev', 'Test'...
+    overrides: A --model_params_override text, applied with ApplyOverrides.
+    file_override: A --model_params_file_override path, applied with
+      Lingvo's FromText when there is no `overrides`.
+
+  Raises:
+    LookupError: `model` is not registered (the message names close ones).
+    OverrideError: a bad override (a ValueError, one line).
   """
-  from lingvo import model_registry  # pylint: disable=g-import-not-at-top
-  InstallImportParams()
-  helper = model_registry._ModelRegistryHelper  # pylint: disable=protected-access
-  if not getattr(helper, '_lingvo_ext_installed', False):
-    original = helper.MaybeUpdateParamsFromFlags.__func__
-    flags = model_registry.FLAGS
+  from lingvo_ext._internal import lingvo as internal_lingvo  # pylint: disable=g-import-not-at-top
+  error = CheckModel(model)
+  if error:
+    raise LookupError(error)
+  if overrides and file_override:
+    raise OverrideError('pass only one of --model_params_override and '
+                        '--model_params_file_override.')
+  if model not in _MODEL_OBJECTS:  # Lingvo caches them alike.
+    _MODEL_OBJECTS[model] = _Registered()[model]()
+  cfg = internal_lingvo.DatasetParams(_MODEL_OBJECTS[model], dataset_name)
+  if overrides:
+    ApplyOverrides(cfg, overrides)
+  else:
+    text = _FileOverride(file_override)
+    if text:
+      cfg.FromText(text)
+  return cfg
 
-    def MaybeUpdateParamsFromFlags(cls, cfg):
-      text = flags.model_params_override
-      if text:
-        if flags.model_params_file_override:
-          raise OverrideError(
-              'pass only one of --model_params_override and '
-              '--model_params_file_override.')
-        ApplyOverrides(cfg, text)
-        return
-      original(cls, cfg)
 
-    helper.MaybeUpdateParamsFromFlags = classmethod(MaybeUpdateParamsFromFlags)
-    helper._lingvo_ext_installed = True  # pylint: disable=protected-access
-  ImportExperiments()
+class ModelRegistry:
+  """What Lingvo's RunnerManager asks its `model_registry` for.
+
+  RunnerManager.model_registry is Lingvo's extension point for another
+  registry ("so these classes can be overridden"); the trainer sets one of
+  these, made once from its flags, so every runner's params come from
+  GetParams with the same overrides.
+  """
+
+  def __init__(self, overrides='', file_override=''):
+    self._overrides = overrides
+    self._file_override = file_override
+
+  def GetParams(self, class_key, dataset_name):
+    return GetParams(class_key, dataset_name, self._overrides,
+                     self._file_override)
+
+  def GetClass(self, class_key):
+    error = CheckModel(class_key)
+    if error:
+      raise LookupError(error)
+    return _Registered()[class_key]

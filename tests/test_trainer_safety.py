@@ -190,10 +190,11 @@ def testEvalerAndDecoderUseTheTrainersSplits():
   if not flags.is_parsed():
     flags.mark_as_parsed()
   names = ('num_cpu_devices', 'worker_split_size', 'evaler_replicas',
-           'decoder_replicas', 'run_locally')
+           'decoder_replicas', 'run_locally', 'mode')
   saved = {n: flags[n].value for n in names}
   try:
-    for n, v in zip(names, (2, 2, 1, 1, 'cpu')):
+    # The trainer's flags (its defaults: --run_locally=cpu --mode=sync).
+    for n, v in zip(names, (2, 2, 1, 1, 'cpu', 'sync')):
       setattr(flags, n, v)
     manager = trainer.RunnerManager('lm.TransformerLmTinyGPipe')
     splits = {}

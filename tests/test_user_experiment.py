@@ -128,16 +128,7 @@ def _Assignments(text):
 
 
 def _ParamsWithOverride(model, text):
-  flags = tf.flags.FLAGS
-  if not flags.is_parsed():
-    flags.mark_as_parsed()
-  registry.Install()
-  saved = flags.model_params_override
-  flags.model_params_override = text
-  try:
-    return model_registry.GetParams(model, 'Train')
-  finally:
-    flags.model_params_override = saved
+  return registry.GetParams(model, 'Train', text)
 
 
 def _CheckOverride(text):

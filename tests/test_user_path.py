@@ -80,14 +80,7 @@ def _Flags():
 
 
 def _Params(model, override=''):
-  flags = _Flags()
-  registry.Install()
-  saved = flags.model_params_override
-  flags.model_params_override = override
-  try:
-    return model_registry.GetParams(model, 'Train')
-  finally:
-    flags.model_params_override = saved
+  return registry.GetParams(model, 'Train', override)
 
 
 @pytest.fixture(scope='module')
@@ -499,11 +492,11 @@ def testTheControllerSeesTheTrainersReplicas():
   from lingvo.core import cluster_factory  # pylint: disable=g-import-not-at-top
   from lingvo_ext import trainer  # pylint: disable=g-import-not-at-top
   flags = _Flags()
-  names = ('num_cpu_devices', 'worker_split_size', 'run_locally')
+  names = ('num_cpu_devices', 'worker_split_size', 'run_locally', 'mode')
   saved = {n: flags[n].value for n in names}
   try:
     for devices, split in ((2, 2), (4, 2), (4, 4), (2, 1)):
-      for n, v in zip(names, (devices, split, 'cpu')):
+      for n, v in zip(names, (devices, split, 'cpu', 'sync')):
         setattr(flags, n, v)
       manager = trainer.RunnerManager(TINY)
       splits = {}
@@ -534,6 +527,7 @@ def testCostReportPlacesVariablesWhereTheTrainerDoes(capsys):
   # The trainer's own placement, --num_cpu_devices=2 --worker_split_size=2
   # (with the flags Lingvo's MaybeConfigRunLocally sets for a local run).
   local = dict(num_cpu_devices=2, worker_split_size=2, run_locally='cpu',
+               mode='sync',
                controller_job='/job:localhost', worker_job='/job:localhost',
                ps_job='/job:localhost', worker_replicas=1, ps_replicas=1,
                worker_gpus=0, ps_gpus=0, task=0)

@@ -48,6 +48,15 @@ def _CheckPositive(p, *names):
                        (p.cls.__name__, name, value))
 
 
+def _CheckPositiveInts(p, name, count, what=''):
+  """Param `name` must be `count` positive ints (what: e.g. ' [h, w]')."""
+  value = p.Get(name)
+  if (len(value) != count or
+      not all(isinstance(d, (int, np.integer)) and d > 0 for d in value)):
+    raise ValueError('%s.%s=%r must be %d positive ints%s.' %
+                     (p.cls.__name__, name, value, count, what))
+
+
 def _CheckRank(p, shape, rank, what):
   if shape.rank != rank:
     raise ValueError('%s (%s) expects %s of rank %d, got shape %s.' %
@@ -646,16 +655,8 @@ class Conv2DLayer(base_layer.BaseLayer):
 
   @classmethod
   def _CheckParams(cls, p):
-    if (len(p.filter_shape) != 4 or
-        not all(isinstance(d, (int, np.integer)) and d > 0
-                for d in p.filter_shape)):
-      raise ValueError('Conv2DLayer.filter_shape=%r must be 4 positive ints '
-                       '[h, w, in, out].' % (p.filter_shape,))
-    if (len(p.filter_stride) != 2 or
-        not all(isinstance(d, (int, np.integer)) and d > 0
-                for d in p.filter_stride)):
-      raise ValueError('Conv2DLayer.filter_stride=%r must be 2 positive ints.'
-                       % (p.filter_stride,))
+    _CheckPositiveInts(p, 'filter_shape', 4, ' [h, w, in, out]')
+    _CheckPositiveInts(p, 'filter_stride', 2)
     _CheckChoice(p, 'padding', PADDINGS)
     _CheckChoice(p, 'activation', ACTIVATIONS)
 
@@ -729,11 +730,7 @@ class PoolingLayer(base_layer.BaseLayer):
   @classmethod
   def _CheckParams(cls, p):
     for name in ('window', 'stride'):
-      value = p.Get(name)
-      if (len(value) != 2 or
-          not all(isinstance(d, (int, np.integer)) and d > 0 for d in value)):
-        raise ValueError('PoolingLayer.%s=%r must be 2 positive ints.' %
-                         (name, value))
+      _CheckPositiveInts(p, name, 2)
     _CheckChoice(p, 'pooling_type', POOLING_TYPES)
     _CheckChoice(p, 'padding', PADDINGS)
 

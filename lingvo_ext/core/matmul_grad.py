@@ -14,18 +14,17 @@ gradient is used (`TransposedInputGradPays`).
 
 import contextlib
 import functools
+import threading
 
 import lingvo.compat as tf
-from tensorflow.python.ops import math_grad  # pylint: disable=g-direct-tensorflow-import
+
+from lingvo_ext._internal import tf as internal_tf
 
 
 @functools.lru_cache(maxsize=None)
 def TransposedInputGradPays() -> bool:
   """Whether (W dy^T)^T beats dy W^T on CPU: only with Eigen's kernels."""
-  # pylint: disable=g-import-not-at-top
-  from tensorflow.python.util import _pywrap_util_port
-  # pylint: enable=g-import-not-at-top
-  return not _pywrap_util_port.IsMklEnabled()
+  return not internal_tf.IsMklEnabled()
 
 
 def IsCpuDevice(device: str) -> bool:
@@ -36,7 +35,16 @@ def IsCpuDevice(device: str) -> bool:
 # --- Weight gradients batched across micro-batches ----------------------------
 
 PIPELINE_GRADIENT_NAME = 'LingvoExtPipelineMatMul'
-_BATCHERS = []
+# The batchers being built into, innermost last: a graph-building hook on a
+# thread-local stack (as stacking.py's), so graphs built on two threads do not
+# see each other's.
+_LOCAL = threading.local()
+
+
+def _Batchers():
+  if not hasattr(_LOCAL, 'batchers'):
+    _LOCAL.batchers = []
+  return _LOCAL.batchers
 
 
 class WeightGradientBatcher:
@@ -58,11 +66,11 @@ class WeightGradientBatcher:
     self._groups = {}
 
   def __enter__(self):
-    _BATCHERS.append(self)
+    _Batchers().append(self)
     return self
 
   def __exit__(self, *unused_exc):
-    _BATCHERS.pop()
+    _Batchers().pop()
 
   def _Weight(self, b):
     """The weight `b` is, through Identity ops (layers add one per call)."""
@@ -100,7 +108,7 @@ def _PipelineMatMulGrad(op, grad):
   """MatMul's gradient for pipeline cells: CPU dx, batched weight gradient."""
   if (op.get_attr('transpose_a') or op.get_attr('transpose_b') or
       op.inputs[0].dtype.is_complex):
-    return math_grad._MatMulGrad(op, grad)  # pylint: disable=protected-access
+    return internal_tf.MatMulGrad(op, grad)
   a, b = op.inputs
   skip = getattr(op, 'skip_input_indices', None) or ()
   grad_a = None
@@ -111,8 +119,9 @@ def _PipelineMatMulGrad(op, grad):
       grad_a = tf.matmul(grad, b, transpose_b=True)
   grad_b = None
   if 1 not in skip:
-    if _BATCHERS and _BATCHERS[-1].Collects(b):
-      _BATCHERS[-1].Add(b, a, grad)
+    batchers = _Batchers()
+    if batchers and batchers[-1].Collects(b):
+      batchers[-1].Add(b, a, grad)
     else:
       grad_b = tf.matmul(a, grad, transpose_a=True)
   return grad_a, grad_b

@@ -42,6 +42,9 @@ import lingvo.compat as tf
 from lingvo.core import cluster_factory
 from lingvo.core import py_utils
 
+from lingvo_ext._internal import lingvo as internal_lingvo
+from lingvo_ext._internal import tf as internal_tf
+
 PARTITIONERS = {
     'fixed_size': (tf.compat.v1.fixed_size_partitioner, ('num_shards',),
                    ('num_shards',)),
@@ -278,16 +281,16 @@ def CreatePartitionedVariable(layer, name: str, var_params, axis: int = 0,
   with py_utils.VariableCreatorScope(Creator), \
       py_utils.DisableVariableNameChecking():
     layer.CreateVariable(name, var_params)
-  shards = list(layer._private_vars[name])  # pylint: disable=protected-access
+  shards = list(internal_lingvo.PrivateVars(layer)[name])
   if len(shards) != n:
     raise AssertionError('expected %d shards of %s, got %d' %
                          (n, name, len(shards)))
-  layer._private_vars[name] = shards  # pylint: disable=protected-access
-  layer._private_theta[name] = list(shards)  # pylint: disable=protected-access
+  internal_lingvo.PrivateVars(layer)[name] = shards
+  internal_lingvo.PrivateTheta(layer)[name] = list(shards)
   return shards
 
 
 def IsShard(v) -> bool:
   """Whether v is one shard of a partitioned variable."""
-  return getattr(v, '_save_slice_info', None) is not None
+  return internal_tf.SaveSliceInfo(v) is not None
 

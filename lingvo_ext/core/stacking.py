@@ -30,8 +30,9 @@ import lingvo.compat as tf
 from lingvo.core import base_layer
 from lingvo.core import py_utils
 import numpy as np
-from tensorflow.python.framework import tensor_conversion_registry
-from tensorflow.python.training.saving import saveable_object
+
+from lingvo_ext._internal import lingvo as internal_lingvo
+from lingvo_ext._internal import tf as internal_tf
 
 # Collection of the stacked variables of a graph (they are not in
 # GLOBAL_VARIABLES; their views are).
@@ -71,8 +72,7 @@ def _PendingToTensor(value, dtype=None, name=None, as_ref=False):
   return tf.zeros(value.shape, value.dtype, name=name)
 
 
-tensor_conversion_registry.register_tensor_conversion_function(
-    _PendingVariable, _PendingToTensor)
+tf.register_tensor_conversion_function(_PendingVariable, _PendingToTensor)
 
 
 class _ViewOp:
@@ -82,7 +82,7 @@ class _ViewOp:
     self.name = name
 
 
-class StackedVariableView(saveable_object.SaveableObject):
+class StackedVariableView(internal_tf.SaveableObject):
   """Slice `index` of a stacked variable under its per-layer name.
 
   It stands in GLOBAL_VARIABLES for the variable the layer would have had:
@@ -93,7 +93,7 @@ class StackedVariableView(saveable_object.SaveableObject):
   def __init__(self, stacked, index, name):
     self._stacked = stacked
     self._index = index
-    spec = saveable_object.SaveSpec(
+    spec = internal_tf.SaveSpec(
         self.read_value, '', name, dtype=stacked.dtype.base_dtype,
         device=stacked.device)
     super().__init__(_ViewOp(name), [spec], name + ':0')
@@ -159,8 +159,7 @@ def _ViewToTensor(value, dtype=None, name=None, as_ref=False):
   return value.read_value()
 
 
-tensor_conversion_registry.register_tensor_conversion_function(
-    StackedVariableView, _ViewToTensor)
+tf.register_tensor_conversion_function(StackedVariableView, _ViewToTensor)
 
 
 def _Unstacked(var):
@@ -291,8 +290,7 @@ class VariableStacker:
       return {}
     owners = {}  # id(pending) -> (layer, key)
     for layer in _Layers(root):
-      # pylint: disable=protected-access
-      for key, v in layer._private_vars.items():
+      for key, v in internal_lingvo.PrivateVars(layer).items():
         if isinstance(v, _PendingVariable):
           owners[id(v)] = (layer, key)
     missing = [p.name for p in pending if id(p) not in owners]
@@ -314,9 +312,8 @@ class VariableStacker:
           p = chunk[0]
           layer, name = owners[id(p)]
           var = p.next_creator(**p.kwargs)
-          # pylint: disable=protected-access
-          layer._private_vars[name] = var
-          layer._private_theta[name] = var
+          internal_lingvo.PrivateVars(layer)[name] = var
+          internal_lingvo.PrivateTheta(layer)[name] = var
           continue
         key = '%s_stacked_%03d' % (prefix, len(result))
         var = self._CreateStacked(key, chunk)
@@ -326,9 +323,8 @@ class VariableStacker:
           slices = tf.unstack(var.read_value(), num=len(chunk))
         for p, s in zip(chunk, slices):
           layer, name = owners[id(p)]
-          # pylint: disable=protected-access
-          del layer._private_vars[name]
-          layer._private_theta[name] = s
+          del internal_lingvo.PrivateVars(layer)[name]
+          internal_lingvo.PrivateTheta(layer)[name] = s
     return result
 
   def _Chunks(self, members):

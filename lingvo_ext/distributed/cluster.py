@@ -276,10 +276,9 @@ def WaitForAddresses(addresses: Dict[str, str], timeout_s: float,
   Raises:
     TimeoutError: naming the tasks and addresses that never answered.
   """
-  import time  # pylint: disable=g-import-not-at-top
-  deadline = time.monotonic() + timeout_s
   pending = dict(addresses)
-  while pending:
+
+  def AllAnswered():
     for what, address in list(pending.items()):
       try:
         with socket.create_connection((Host(address), Port(address)),
@@ -287,14 +286,31 @@ def WaitForAddresses(addresses: Dict[str, str], timeout_s: float,
           del pending[what]
       except OSError:
         pass
-    if not pending:
-      return
+    return not pending
+
+  if not PollUntil(AllAnswered, timeout_s, poll_s):
+    raise TimeoutError(
+        'no answer within --cluster_wait_secs=%g s from %s; start those '
+        'processes (python -m lingvo_ext.trainer --cluster_spec=... '
+        '--job=JOB --task=N), or fix their addresses in --cluster_spec.' %
+        (timeout_s, ', '.join(f'{w} at {a}' for w, a in pending.items())))
+
+
+def PollUntil(done, timeout_s, poll_s):
+  """Calls done() every poll_s seconds until it is true or timeout_s passed.
+
+  done() is called at least once, and once more after the deadline.
+
+  Returns:
+    Whether done() returned true.
+  """
+  import time  # pylint: disable=g-import-not-at-top
+  deadline = time.monotonic() + timeout_s
+  while True:
+    if done():
+      return True
     if time.monotonic() > deadline:
-      raise TimeoutError(
-          'no answer within --cluster_wait_secs=%g s from %s; start those '
-          'processes (python -m lingvo_ext.trainer --cluster_spec=... '
-          '--job=JOB --task=N), or fix their addresses in --cluster_spec.' %
-          (timeout_s, ', '.join(f'{w} at {a}' for w, a in pending.items())))
+      return False
     time.sleep(poll_s)
 
 

@@ -36,15 +36,22 @@ gradient of one replica training on the whole global batch.
 
 import contextlib
 import dataclasses
-import zlib
+import re
+import threading
 
 import lingvo.compat as tf
 from lingvo.core import cluster_factory
+from lingvo.core import learner as lingvo_learner
 from lingvo.core import py_utils
 import numpy as np
-from tensorflow.python.ops import collective_ops
-from tensorflow.python.ops import control_flow_util
-from tensorflow.python.ops import data_flow_ops
+
+from lingvo_ext.distributed import accumulation
+from lingvo_ext.distributed import collectives
+
+# Kept where callers found them.
+StableKey = collectives.StableKey
+AllReduceMean = collectives.AllReduceMean
+AllGatherSlices = collectives.AllGatherSlices
 
 STRATEGIES = ('shared', 'all_reduce', 'parameter_server', 'hybrid')
 COMPRESSIONS = ('none', 'fp16')
@@ -107,83 +114,6 @@ def CheckReplicas(name: str, gradient_sync: str, num_replicas: int,
         f'to a multiple of num_micro_batches={num_micro_batches}.')
 
 
-def StableKey(text: str) -> int:
-  """A positive int32 key derived from `text`, the same in every process."""
-  return zlib.crc32(text.encode('utf-8')) % (2**31 - 2**20) + 2**20
-
-
-def AllReduceMean(grads, devices, group_key, instance_key, compression='none'):
-  """Mean of the replicas' dense gradients with CollectiveReduceV2.
-
-  Args:
-    grads: One tensor per replica, all of one shape.
-    devices: The device of each replica's collective op, all distinct.
-    group_key: The collective group of these devices.
-    instance_key: This reduction's key, the same on every replica.
-    compression: 'fp16' sends float16 and returns the input dtype.
-
-  Returns:
-    One tensor per replica, each the sum of `grads` divided by len(grads).
-  """
-  out = []
-  for g, d in zip(grads, devices):
-    with tf.device(d):
-      x = tf.cast(g, tf.float16) if compression == 'fp16' else g
-      y = collective_ops.all_reduce_v2(
-          x, len(grads), group_key, instance_key, merge_op='Add',
-          final_op='Div')
-      out.append(tf.cast(y, g.dtype) if compression == 'fp16' else y)
-  return out
-
-
-def AllGatherSlices(grads, devices, group_key, instance_key):
-  """Concatenates the replicas' IndexedSlices with CollectiveGatherV2.
-
-  Indices and values are gathered in replica order and values divided by R,
-  so the sum the optimizer applies is the replicas' mean. Nothing is
-  densified. Slices of different static sizes are padded to the largest
-  (the padding rows are dropped after the gather).
-
-  Args:
-    grads: One tf.IndexedSlices per replica, of one dense shape.
-    devices: The device of each replica's collective ops.
-    group_key: The collective group of these devices.
-    instance_key: Key of the values' gather; the indices use the next key,
-      the sizes (when padding) the one after.
-
-  Returns:
-    One tf.IndexedSlices per replica, identical on all.
-  """
-  r = len(grads)
-  sizes = [g.values.shape[0] for g in grads]
-  equal = None not in sizes and len(set(sizes)) == 1
-  out = []
-  for g, d in zip(grads, devices):
-    with tf.device(d):
-      values, indices = g.values, tf.cast(g.indices, tf.int64)
-      if not equal:
-        n = tf.shape(values)[:1]
-        counts = collective_ops.all_gather_v2(n, r, group_key,
-                                              instance_key + 2)
-        longest = tf.reduce_max(counts)
-        pad = longest - n[0]
-        values = tf.pad(values, [[0, pad]] + [[0, 0]] *
-                        (values.shape.rank - 1))
-        indices = tf.pad(indices, [[0, pad]])
-      values = collective_ops.all_gather_v2(values, r, group_key,
-                                            instance_key)
-      indices = collective_ops.all_gather_v2(indices, r, group_key,
-                                             instance_key + 1)
-      if not equal:
-        keep = tf.reshape(tf.sequence_mask(counts, longest), [-1])
-        values = tf.boolean_mask(values, keep)
-        indices = tf.boolean_mask(indices, keep)
-      out.append(
-          tf.IndexedSlices(values / tf.cast(r, values.dtype), indices,
-                           g.dense_shape))
-  return out
-
-
 def _NumBytes(shape, dtype):
   return int(np.prod(shape.as_list())) * tf.as_dtype(dtype).size
 
@@ -208,8 +138,8 @@ class GradientSync:
   """Builds the replicas' variable reads and the synchronised update.
 
   The task calls `ReplicaTheta(r, ...)` for r = 0..R-1 in order, each inside
-  replica r's model split, then `Apply(learner, ...)` in place of each
-  learner's Apply.
+  replica r's model split, then builds its train ops inside `Applying(sync)`:
+  its learners (SyncLearner, see WithSyncLearners) apply through `Apply`.
   """
 
   def __init__(self, name, strategy, num_replicas, accumulate_steps=1,
@@ -343,7 +273,7 @@ class GradientSync:
 
   def Apply(self, learner, metrics, vmap, gradient_mask=None,
             gradient_adjuster=None):
-    """Replaces `learner.Apply`: same signature and return values."""
+    """A SyncLearner's Apply: Learner.Apply's arguments and return values."""
     losses = learner.ComputeLosses(metrics)
     if len(losses) != 1:
       raise ValueError(
@@ -384,7 +314,7 @@ class GradientSync:
     """Per replica, per path: the gradient, or an accumulator to take from.
 
     Returns:
-      A list over replicas (1 for 'shared') of {path: _Pending}.
+      A list over replicas (1 for 'shared') of {path: accumulation.Pending}.
     """
     num_targets = 1 if self._strategy == 'shared' else self._r
     out = [{} for _ in range(num_targets)]
@@ -434,48 +364,11 @@ class GradientSync:
     return out
 
   def _Accumulate(self, grads, var, device, force=False):
-    """A _Pending for `grads` (this step's, one per source) of `var`.
-
-    Args:
-      grads: The gradients of this step to average, dense or IndexedSlices.
-      var: The variable they are for.
-      device: Where the accumulator lives.
-      force: Accumulate even a single gradient of a single step.
-
-    Returns:
-      A _Pending: the gradient itself, or an accumulator that yields the mean
-      of len(grads) * accumulate_steps gradients.
-    """
-    required = len(grads) * self._n
-    if required == 1 and not force:
-      return _Pending(grad=grads[0])
-    sparse = isinstance(grads[0], tf.IndexedSlices)
-    with tf.device(device), tf.name_scope('accumulate'):
-      shape = var.shape
-      if sparse:
-        acc = data_flow_ops.SparseConditionalAccumulator(
-            var.dtype, shape=shape, reduction_type='SUM')
-      else:
-        acc = data_flow_ops.ConditionalAccumulator(
-            var.dtype, shape=shape, reduction_type='SUM')
-      self.accumulators.append((var, acc))
-      # Gradients of an older update would be dropped; none is older than the
-      # global step.
-      step = tf.cast(py_utils.GetGlobalStep(), tf.int64)
-      applies = []
-      for g in grads:
-        if sparse:
-          applies.append(
-              acc.apply_indexed_slices_grad(
-                  tf.IndexedSlices(g.values, tf.cast(g.indices, tf.int64),
-                                   tf.cast(g.dense_shape, tf.int64)),
-                  local_step=step))
-        else:
-          applies.append(acc.apply_grad(g, local_step=step))
-      with tf.control_dependencies(applies):
-        ready = tf.greater_equal(acc.num_accumulated(), required)
-    return _Pending(acc=acc, sparse=sparse, required=required, ready=ready,
-                    device=device, var=var)
+    """accumulation.Accumulate over accumulate_steps; records accumulators."""
+    pending = accumulation.Accumulate(grads, var, device, self._n, force)
+    if pending.acc is not None:
+      self.accumulators.append((var, pending.acc))
+    return pending
 
   def _Update(self, learner, var_of, paths, synced, gradient_mask,
               gradient_adjuster):
@@ -492,7 +385,7 @@ class GradientSync:
     lr = learner.LearningRate()
     ops = []
     eval_metrics = None
-    taken = {}  # id(_Pending) -> gradient, so a ps take happens once.
+    taken = {}  # id(Pending) -> gradient, so a ps take happens once.
     master_new_vars = []
     for r, grads in enumerate(synced):
       with tf.name_scope(f'replica_{r}_update'):
@@ -538,13 +431,12 @@ class GradientSync:
     """Replica r's optimizer update (under `ready` when accumulating)."""
 
     def Apply():
-      with learner._SelfVariableScope():  # pylint: disable=protected-access
-        if r == 0 and ready is None:
-          return tf.group(learner.optimizer.Apply(lr, var_grads))
-        # Summaries cannot be made inside a cond (Lingvo's Accumulator turns
-        # them off too); replica 0's are made when it updates unconditionally.
-        with _NoSummaryInApply(learner.optimizer):
-          return tf.group(learner.optimizer.Apply(lr, var_grads))
+      if r == 0 and ready is None:
+        return learner.ApplyOptimizer(lr, var_grads)
+      # Summaries cannot be made inside a cond (Lingvo's Accumulator turns
+      # them off too); replica 0's are made when it updates unconditionally.
+      with _NoSummaryInApply(learner.optimizer):
+        return learner.ApplyOptimizer(lr, var_grads)
 
     # The recorders wrap the conds: optimizer slots are made in init_scope,
     # i.e. in the outer graph, whose variable creators are these.
@@ -581,8 +473,10 @@ def _PairOptimizerVariables(r, mine, masters):
   """Pairs replica r's optimizer variables with replica 0's.
 
   Slots are matched by name (replica r's are named after its copies,
-  'replica_r/<name>/...'); the rest (e.g. Adam's beta powers) in creation
-  order among those of the same shape.
+  'replica_r/<name>/...'). The rest (e.g. Adam's beta1_power, beta2_power)
+  by their own name, less the scopes and the '_N' TensorFlow adds to a
+  repeated name, and shape; only where that is ambiguous, in creation order
+  among those of the same shape.
   """
   by_name = {v.op.name: v for v in masters}
   pairs, rest = [], []
@@ -598,7 +492,9 @@ def _PairOptimizerVariables(r, mine, masters):
       rest.append(v)
   others = [v for v in masters if id(v) not in used]
   for v in rest:
-    match = next((m for m in others if m.shape == v.shape), None)
+    same = [m for m in others if m.shape == v.shape]
+    named = [m for m in same if _BaseName(m) == _BaseName(v)]
+    match = named[0] if len(named) == 1 else next(iter(same), None)
     if match is None:
       raise ValueError(
           f'replica {r}\'s optimizer variable {v.name} has no counterpart '
@@ -606,6 +502,11 @@ def _PairOptimizerVariables(r, mine, masters):
     others.remove(match)
     pairs.append((v, match))
   return pairs
+
+
+def _BaseName(v):
+  """'beta1_power' of '.../beta1_power_1': the name a variable was given."""
+  return re.sub(r'_\d+$', '', v.op.name.rsplit('/', 1)[-1])
 
 
 @contextlib.contextmanager
@@ -624,56 +525,6 @@ def _PathOfMirror(mirrors, var):
     if m is var:
       return path
   raise KeyError(var.name)
-
-
-@dataclasses.dataclass
-class _Pending:
-  """A gradient, or the accumulator that yields it once `ready`."""
-  grad: object = None
-  acc: object = None
-  sparse: bool = False
-  required: int = 1
-  ready: object = None
-  device: str = ''
-  var: object = None
-
-  def Take(self):
-    """The gradient to apply (zeros on steps that do not update)."""
-    if self.acc is None:
-      return self.grad
-    scale = 1.0 / self.required
-    with tf.device(self.device):
-      if self.sparse:
-        shape = self.var.shape.as_list()
-
-        def TakeSlices():
-          g = self.acc.take_indexed_slices_grad(self.required)
-          return g.values * scale, g.indices
-
-        def NoSlices():
-          return (tf.zeros([0] + shape[1:], self.var.dtype),
-                  tf.zeros([0], tf.int64))
-
-        with _V1ControlFlow():
-          values, indices = tf.cond(self.ready, TakeSlices, NoSlices)
-        return tf.IndexedSlices(values, indices,
-                                tf.constant(shape, tf.int64))
-      with _V1ControlFlow():
-        return tf.cond(self.ready,
-                       lambda: self.acc.take_grad(self.required) * scale,
-                       lambda: tf.zeros(self.var.shape, self.var.dtype))
-
-
-@contextlib.contextmanager
-def _V1ControlFlow():
-  """Builds tf.cond as Switch/Merge: the accumulators' handles are refs,
-  which a functional (v2) cond cannot capture."""
-  saved = control_flow_util.ENABLE_CONTROL_FLOW_V2
-  control_flow_util.ENABLE_CONTROL_FLOW_V2 = False
-  try:
-    yield
-  finally:
-    control_flow_util.ENABLE_CONTROL_FLOW_V2 = saved
 
 
 class _RecordNewVariables:
@@ -717,3 +568,80 @@ def _ReadOnlyByGathers(read):
       else:
         return False
   return seen
+
+
+# --- The learners' hook ----------------------------------------------------------
+
+_ACTIVE = threading.local()
+
+
+def _Stack():
+  if not hasattr(_ACTIVE, 'stack'):
+    _ACTIVE.stack = []
+  return _ACTIVE.stack
+
+
+@contextlib.contextmanager
+def Applying(sync):
+  """SyncLearners' Apply built inside goes through `sync` (a GradientSync)."""
+  _Stack().append(sync)
+  try:
+    yield sync
+  finally:
+    _Stack().pop()
+
+
+class SyncLearnerMixin:
+  """A Learner whose Apply is the active GradientSync's (see Applying).
+
+  Outside `Applying` (evalers, the controller of a cluster, a task without
+  a sync) it is the Learner's own Apply.
+  """
+
+  def Apply(self, metrics, vmap, gradient_mask=None, gradient_adjuster=None):
+    stack = _Stack()
+    if not stack:
+      return super().Apply(metrics, vmap, gradient_mask=gradient_mask,
+                           gradient_adjuster=gradient_adjuster)
+    return stack[-1].Apply(self, metrics, vmap, gradient_mask,
+                           gradient_adjuster)
+
+  def ApplyOptimizer(self, lr, var_grads):
+    """The optimizer's update of var_grads, in the learner's variable scope."""
+    with self._SelfVariableScope():
+      return tf.group(self.optimizer.Apply(lr, var_grads))
+
+
+class SyncLearner(SyncLearnerMixin, lingvo_learner.Learner):
+  """lingvo.core.learner.Learner through the active GradientSync."""
+
+
+_SYNC_CLASSES = {lingvo_learner.Learner: SyncLearner}
+
+
+def _SyncClass(cls):
+  if issubclass(cls, SyncLearnerMixin):
+    return cls
+  if cls not in _SYNC_CLASSES:  # A user's Learner subclass.
+    _SYNC_CLASSES[cls] = type(f'Sync{cls.__name__}', (SyncLearnerMixin, cls),
+                              {'__module__': __name__})
+  return _SYNC_CLASSES[cls]
+
+
+def WithSyncLearners(task_params):
+  """A copy of task_params whose learners apply through GradientSync.
+
+  Legacy learner params (train.learning_rate, optimizer...) become one
+  SyncLearner, as Lingvo's BaseTask would make a Learner of them.
+  """
+  p = task_params.Copy()
+  tp = p.train
+  if tp.learner is None:
+    tp.learner = lingvo_learner.ExtractLearnerFromLegacyParams(
+        tp, cls=SyncLearner)
+  elif isinstance(tp.learner, (list, tuple)):
+    for lp in tp.learner:
+      lp.cls = _SyncClass(lp.cls)
+  else:
+    tp.learner.cls = _SyncClass(tp.learner.cls)
+  return p

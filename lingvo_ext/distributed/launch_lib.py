@@ -23,7 +23,7 @@
 5. restarts a task that dies (at most --max_restarts times in all): the
    controller restores the weights of the last checkpoint when it finds
    variables uninitialized on a fresh worker, keeping the step counter where
-   training was (trainer_lib.StepKeepingRestore); the trainer client retries
+   training was (step_keeping.StepKeepingRestore); the trainer client retries
    its step;
 6. ends when the clients (controller and trainer client, or the chief) exit
    0 (training reached --max_steps), stopping the workers; on Ctrl-C, on a
@@ -55,6 +55,7 @@ import threading
 import time
 from typing import Dict, List, Optional, Sequence
 
+from lingvo_ext._internal import process
 from lingvo_ext.distributed import cluster
 from lingvo_ext.distributed import resolvers
 
@@ -323,7 +324,7 @@ def _DieWithParent(parent_pid: int):
   def Preexec():
     prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
     if os.getppid() != parent_pid:  # The launcher died before prctl.
-      os._exit(1)  # pylint: disable=protected-access
+      process.ExitNow(1)
 
   return Preexec
 
@@ -428,9 +429,9 @@ class Launcher:
 
   def WaitReady(self) -> None:
     """Waits until every task's port answers; raises if one cannot."""
-    deadline = time.monotonic() + self._ready_timeout_s
     pending = list(self.tasks)
-    while pending:
+
+    def AllReady():
       for task in list(pending):
         rc = task.proc.poll()
         if rc is not None:
@@ -443,11 +444,12 @@ class Launcher:
           pending.remove(task)
           task.ready = True
           self.Print(f'launch: {task.what} is ready')
-      if pending and time.monotonic() > deadline:
-        raise TimeoutError(
-            'not ready within --ready_timeout_secs=%g: %s' %
-            (self._ready_timeout_s, ', '.join(t.what for t in pending)))
-      time.sleep(0.2)
+      return not pending
+
+    if not cluster.PollUntil(AllReady, self._ready_timeout_s, 0.2):
+      raise TimeoutError(
+          'not ready within --ready_timeout_secs=%g: %s' %
+          (self._ready_timeout_s, ', '.join(t.what for t in pending)))
     jobs = collections.defaultdict(list)
     for t in sorted(self.tasks, key=lambda t: (t.job, t.task)):
       jobs[t.job].append(t.address)
@@ -510,17 +512,16 @@ class Launcher:
     """Lets the servers a finished chief told 'done' exit on their own."""
     if not any(t.job == 'chief' for t in self.tasks):
       return  # Separate controller and trainer client: nobody tells them.
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-      live = [t for t in self.tasks if not t.done]
-      for t in live:
+
+    def AllDone():
+      for t in [t for t in self.tasks if not t.done]:
         if t.proc.poll() == 0:
           self._TailOnce()
           t.done = True
           self.Print(f'launch: {t.what} finished')
-      if all(t.done for t in self.tasks):
-        return
-      time.sleep(0.2)
+      return all(t.done for t in self.tasks)
+
+    cluster.PollUntil(AllDone, timeout_s, 0.2)
 
   def StopAll(self, grace_s: float = 10) -> None:
     """Stops every process this launcher started."""

@@ -102,7 +102,7 @@ def FromTFConfig(environ: Optional[Mapping[str, str]] = None) -> Resolved:
   Raises:
     ResolveError: naming TF_CONFIG and what it must hold.
   """
-  from tensorflow.python.distribute.cluster_resolver import tfconfig_cluster_resolver  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
   environ = os.environ if environ is None else environ
   text = environ.get('TF_CONFIG', '')
   if not text.strip():
@@ -122,7 +122,7 @@ def FromTFConfig(environ: Optional[Mapping[str, str]] = None) -> Resolved:
   saved = os.environ.get('TF_CONFIG')
   os.environ['TF_CONFIG'] = text
   try:
-    resolver = tfconfig_cluster_resolver.TFConfigClusterResolver()
+    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
     try:
       spec = resolver.cluster_spec().as_dict()
       task_type, task_id = resolver.task_type, resolver.task_id
@@ -181,7 +181,8 @@ def FromSlurm(port_base: int = 8888,
   Raises:
     ResolveError: naming the SLURM_* variable and what it must hold.
   """
-  from tensorflow.python.distribute.cluster_resolver import slurm_cluster_resolver as slurm  # pylint: disable=g-import-not-at-top
+  from lingvo_ext._internal import tf as internal_tf  # pylint: disable=g-import-not-at-top
+  slurm = internal_tf.SlurmClusterResolverModule()
   environ = os.environ if environ is None else environ
   what = ('the environment of a task started by srun (' +
           ', '.join(_SLURM_VARS) + ')')

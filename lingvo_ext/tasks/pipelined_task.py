@@ -1,7 +1,6 @@
 """A Lingvo task whose layer stack runs as a GPipe pipeline."""
 
 import contextlib
-import functools
 import heapq
 
 import lingvo.compat as tf
@@ -10,6 +9,7 @@ from lingvo.core import base_model
 from lingvo.core import cluster_factory
 from lingvo.core import py_utils
 
+from lingvo_ext._internal import lingvo as internal_lingvo
 from lingvo_ext.core import gpipe
 from lingvo_ext.core import schedules
 from lingvo_ext.core import stacking
@@ -35,8 +35,7 @@ def PipelineSwitches():
   """
   layer = gpipe.PipeliningLayer.Params()
   base = base_layer.BaseLayer.Params()
-  entries = layer._params  # pylint: disable=protected-access
-  return [(name, value, entries[name]._description)  # pylint: disable=protected-access
+  return [(name, value, internal_lingvo.ParamDescription(layer, name))
           for name, value in layer.IterParams()
           if name not in base and name not in _PIPELINE_PARAMS_SET_BY_TASK]
 
@@ -195,6 +194,10 @@ class PipelinedTask(base_model.BaseTask):
                                                         'hybrid'))
 
   def __init__(self, params):
+    if params.gradient_sync != 'shared' or (isinstance(
+        params.accumulate_steps, int) and params.accumulate_steps > 1):
+      # Its learners apply through the GradientSync made below.
+      params = gradient_sync.WithSyncLearners(params)
     super().__init__(params)
     p = self.params
     if p.stack_variables:
@@ -268,7 +271,7 @@ class PipelinedTask(base_model.BaseTask):
     """The pipeline stage (cell index) whose device reads variable `path`."""
     parts = path.split('.')
     if len(parts) > 1 and parts[0] == 'pipeline':
-      names = [name for name, _ in self.pipeline._cells]  # pylint: disable=protected-access
+      names = [name for name, _ in internal_lingvo.SeqCells(self.pipeline)]
       if parts[1] in names:
         return names.index(parts[1])
     return 0
@@ -298,16 +301,10 @@ class PipelinedTask(base_model.BaseTask):
   def _BPropGenTrainOps(self, vmap, metrics=None, add_summary=True):
     if self._sync is None:
       return super()._BPropGenTrainOps(vmap, metrics, add_summary)
-    # Lingvo's train ops (EMA, global step...) with each learner's Apply
-    # replaced by the synchronised one.
-    learners = list(self.learners)
-    for l in learners:
-      l.Apply = functools.partial(self._sync.Apply, l)
-    try:
+    # Lingvo's train ops (EMA, global step...); its learners (SyncLearners)
+    # apply through the synchronised update.
+    with gradient_sync.Applying(self._sync):
       return super()._BPropGenTrainOps(vmap, metrics, add_summary)
-    finally:
-      for l in learners:
-        del l.Apply
 
   def _LearnerParams(self):
     tp = self.params.train

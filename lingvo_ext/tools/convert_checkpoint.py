@@ -51,6 +51,7 @@ import lingvo.compat as tf
 from lingvo.core import cluster_factory
 from lingvo.core import gpipe as lingvo_gpipe
 
+from lingvo_ext._internal import lingvo as internal_lingvo
 from lingvo_ext.core import cuts
 from lingvo_ext.core import gpipe
 
@@ -65,16 +66,9 @@ class ConversionError(ValueError):
 
 def ModelParams(model: str, override: str = ''):
   """Training params of registered `model`, with `override` ('a.b:v;...')."""
-  from lingvo import model_registry  # pylint: disable=g-import-not-at-top
+  from lingvo_ext import registry  # pylint: disable=g-import-not-at-top
   try:
-    import params  # pylint: disable=g-import-not-at-top,unused-import
-  except ImportError:
-    pass  # The model may be registered by other means.
-  flags = tf.flags.FLAGS
-  if not flags.is_parsed():
-    flags.mark_as_parsed()
-  try:
-    mp = model_registry.GetParams(model, 'Train').Copy()
+    mp = registry.GetParams(model, 'Train').Copy()
   except LookupError as e:
     raise ConversionError('Model %r is not registered (%s); see '
                           '`python -m lingvo_ext.tools.list_models`.' %
@@ -92,7 +86,7 @@ def _Key(v) -> str:
 def _CellScopeRenames(layer, renames: Dict[str, str]) -> None:
   """Adds {prefix with cell scope: prefix without} for layer's subtree."""
   if isinstance(layer, (gpipe.SeqLayer, lingvo_gpipe.SeqLayer)):
-    for cell_name, cell in layer._cells:  # pylint: disable=protected-access
+    for cell_name, cell in internal_lingvo.SeqCells(layer):
       if not isinstance(cell, _CELL_CLASSES):
         continue  # e.g. SequentialLayer: its scope is part of every naming.
       for sub_name, sub in cell.children.items():

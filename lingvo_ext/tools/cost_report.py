@@ -327,18 +327,16 @@ def PlotReport(report: Dict[str, Any], path: str, title: str = '') -> None:
   plt.close(fig)
 
 
-def ModelLayerStack(model: str, dataset: str = 'Train'):
-  """(task params, layer params, input shapes) of a registered model."""
-  from lingvo import model_registry  # pylint: disable=g-import-not-at-top
+def ModelLayerStack(model: str, dataset: str = 'Train', overrides: str = ''):
+  """(task params, layer params, input shapes) of a registered model.
+
+  `overrides` is a --model_params_override text.
+  """
   from lingvo_ext import registry  # pylint: disable=g-import-not-at-top
-  registry.Install()
-  error = registry.CheckModel(model)
-  if error:
-    raise ValueError(error)
-  flags = tf.flags.FLAGS
-  if not flags.is_parsed():
-    flags.mark_as_parsed()
-  mp = model_registry.GetParams(model, dataset)
+  try:
+    mp = registry.GetParams(model, dataset, overrides)
+  except LookupError as e:
+    raise ValueError(str(e)) from None
   task = mp.task.Copy()
   # SingleTaskModel hands the input to its task only when instantiated.
   if getattr(task, 'input', None) is None and getattr(mp, 'input', None):
@@ -392,7 +390,8 @@ def main(argv=None) -> int:
       print(f'error: {e}', file=sys.stderr)
       return 2
   try:
-    task, stack, shapes = ModelLayerStack(args.model, args.dataset)
+    task, stack, shapes = ModelLayerStack(args.model, args.dataset,
+                                         flags.model_params_override)
   except ValueError as e:  # A bad --model or param: one message, no trace.
     print(f'error: {e}', file=sys.stderr)
     return 2

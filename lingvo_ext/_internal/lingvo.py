@@ -1,0 +1,157 @@
+"""Lingvo internals lingvo_ext needs, each behind one small function.
+
+Each has a test in tests/test_internal.py. Lingvo's documented extension
+points (BaseRunner._CreateCheckpointer, RunnerManager.model_registry, Learner
+subclasses, task hooks) are used where they exist; these are the rest.
+"""
+
+import contextlib
+
+from lingvo import model_imports
+from lingvo import model_registry
+from lingvo.core import base_layer
+from lingvo.core import checkpointer
+from lingvo.core import gpipe as lingvo_gpipe
+
+
+def RegisteredModelClasses():
+  """{name: params class} of the registered models, importing nothing.
+
+  model_registry.GetAllRegisteredClasses() first imports all of
+  lingvo.tasks' params (a line each on stderr).
+  """
+  return model_registry._ModelRegistryHelper._MODEL_PARAMS  # pylint: disable=protected-access
+
+
+class _NoFlagOverrides(model_registry._ModelRegistryHelper):  # pylint: disable=protected-access
+  """Lingvo's registry helper without applying --model_params_override."""
+
+  @classmethod
+  def MaybeUpdateParamsFromFlags(cls, cfg):
+    del cfg  # The caller applies its overrides (lingvo_ext.registry).
+
+
+def DatasetParams(model_params_obj, dataset_name):
+  """Lingvo's params of a model object for a dataset, without flag overrides.
+
+  The model's Model() with the dataset's input and its Task_<dataset> params,
+  as model_registry.GetParams builds them.
+  """
+  return _NoFlagOverrides.GetParamsFromModelParamsObject(
+      model_params_obj, dataset_name)
+
+
+def SetModelImporter(import_params):
+  """Points Lingvo's model_registry.Get* lookups at `import_params`.
+
+  Lingvo's model_imports.ImportParams tries six modules under lingvo.tasks
+  for each name, printing a line each, and cannot find `params/`'s
+  experiments (keyed `lm.X`, module `params.lm`). For code that calls
+  model_registry.GetParams directly after `import params`; the trainer and
+  the tools use lingvo_ext.registry instead.
+  """
+  model_imports.ImportParams = import_params
+
+
+def SaveableVariables(models):
+  """{checkpoint key: variable} that Lingvo's Checkpointer saves for models."""
+  return checkpointer._GetSaveableVariablesDict(models)  # pylint: disable=protected-access
+
+
+@contextlib.contextmanager
+def OutsideLayerStack():
+  """Layers built inside are not recorded as children of one being built.
+
+  Lingvo records every layer built during another's __init__ as that one's
+  child; throw-away layers (cost measurements) are built with the stack of
+  layers under construction set aside.
+  """
+  stack = base_layer._LAYER_STACK  # pylint: disable=protected-access
+  saved = stack.stack
+  stack.stack = []
+  try:
+    yield
+  finally:
+    stack.stack = saved
+
+
+def PrivateVars(layer):
+  """The layer's own {name: variable} (BaseLayer._private_vars), mutable."""
+  return layer._private_vars  # pylint: disable=protected-access
+
+
+def PrivateTheta(layer):
+  """The layer's own {name: theta} (BaseLayer._private_theta), mutable."""
+  return layer._private_theta  # pylint: disable=protected-access
+
+
+def ParamDefault(params, name):
+  """The default value of param `name` of `params` (not its current one)."""
+  return params._params[name].GetDefault()  # pylint: disable=protected-access
+
+
+def ParamDescription(params, name):
+  """The description `name` was defined with."""
+  return params._params[name]._description  # pylint: disable=protected-access
+
+
+def InitTpuEmbeddingManager():
+  """What lingvo.trainer.main does before its runners: a process-wide manager.
+
+  Lingvo's Learner.Apply reads tpu_embedding_layers_v2.TPU_EMBEDDING_MANAGER
+  (a module global that its trainer's main sets).
+  """
+  from lingvo.core import tpu_embedding_layers_v2  # pylint: disable=g-import-not-at-top
+  from lingvo.core import tpu_embedding_manager  # pylint: disable=g-import-not-at-top
+  tpu_embedding_layers_v2.TPU_EMBEDDING_MANAGER = (
+      tpu_embedding_manager.TPUEmbeddingManager())
+
+
+def SeqCells(layer):
+  """[(name, cell)] of a lingvo.core.gpipe.SeqLayer (or a subclass: lingvo_ext's
+  SeqLayer and PipeliningLayer keep the same attribute)."""
+  return list(layer._cells)  # pylint: disable=protected-access
+
+
+# For the pipeline engine (core/schedules.py, core/gpipe.py).
+
+# The collection through which Lingvo's pipeline overwrites the global step
+# that step-seeded random ops read (gpipe.SetOverWriteGlobalStep).
+OVERWRITE_GLOBAL_STEP_COLLECTION = lingvo_gpipe._OVERWRITE_GLOBAL_STEP_COLLECTION  # pylint: disable=protected-access
+
+
+def RecursiveMap(nested_map, fn):
+  """NestedMap._RecursiveMap(fn): fn(key path, value) over every leaf."""
+  return nested_map._RecursiveMap(fn)  # pylint: disable=protected-access
+
+
+@contextlib.contextmanager
+def StepSeedPairFn(fn):
+  """py_utils.GenerateStepSeedPair is `fn` inside (a process-wide switch).
+
+  Lingvo's stateless random layers call py_utils.GenerateStepSeedPair by
+  module attribute; a schedule building a cell inline seeds them as
+  Lingvo's pipeline loop would.
+  """
+  from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
+  saved = py_utils.GenerateStepSeedPair
+  py_utils.GenerateStepSeedPair = fn
+  try:
+    yield
+  finally:
+    py_utils.GenerateStepSeedPair = saved
+
+
+def SaverVariables(ckpt):
+  """What a graph-mode Checkpointer's saver saves: a list or {key: var}."""
+  return ckpt._saver._var_list  # pylint: disable=protected-access
+
+
+def AsyncCopiesInitializer(ckpt):
+  """The initializer of Lingvo's async-save copies of the variables, or None.
+
+  Lingvo's custom saver keeps copies (async_ckpt/) that checkpoints do not
+  hold; its restore re-initializes them, and so must a restore of ours.
+  """
+  inner = getattr(ckpt._saver, '_saver', None)  # pylint: disable=protected-access
+  return getattr(inner, '_copied_vars_initializer', None)

@@ -1,0 +1,102 @@
+"""TensorFlow internals lingvo_ext needs, each behind one small function.
+
+Each has a test in tests/test_internal.py. Where TensorFlow has a public
+equivalent, lingvo_ext uses it instead (tf.raw_ops.CollectiveReduceV2,
+tf.compat.v1.ConditionalAccumulator, tf.register_tensor_conversion_function,
+tf.compat.v1.train.update_checkpoint_state, graph.colocate_with,
+tf.distribute.cluster_resolver.*).
+"""
+
+import contextlib
+
+import tensorflow as tf
+# pylint: disable=g-direct-tensorflow-import
+from tensorflow.python.ops import control_flow_util
+from tensorflow.python.ops import math_grad
+from tensorflow.python.training import checkpoint_state_pb2
+from tensorflow.python.training.saving import saveable_object
+from tensorflow.python.util import _pywrap_util_port
+# pylint: enable=g-direct-tensorflow-import
+
+# A checkpoint that restores through a custom object (stacking.py's views of
+# stacked variables) is a SaveableObject of SaveSpecs; no public API offers
+# one in TF1 graph mode.
+SaveableObject = saveable_object.SaveableObject
+SaveSpec = saveable_object.SaveSpec
+
+# The `checkpoint` state file's proto: parsed directly so that a damaged file
+# is reported (tf.train.get_checkpoint_state logs and returns None).
+CheckpointState = checkpoint_state_pb2.CheckpointState
+
+
+@contextlib.contextmanager
+def V1ControlFlow():
+  """tf.cond inside builds Switch/Merge (control flow v1).
+
+  A (Sparse)ConditionalAccumulator's handle is a ref, which a functional
+  (v2) cond cannot capture. A process-wide switch: set only while building.
+  """
+  saved = control_flow_util.ENABLE_CONTROL_FLOW_V2
+  control_flow_util.ENABLE_CONTROL_FLOW_V2 = False
+  try:
+    yield
+  finally:
+    control_flow_util.ENABLE_CONTROL_FLOW_V2 = saved
+
+
+def MatMulGrad(op, grad):
+  """TensorFlow's registered gradient of MatMul (for a gradient override)."""
+  return math_grad._MatMulGrad(op, grad)  # pylint: disable=protected-access
+
+
+def IsMklEnabled() -> bool:
+  """Whether TensorFlow's CPU kernels are oneDNN's (MKL) rather than Eigen's."""
+  return bool(_pywrap_util_port.IsMklEnabled())
+
+
+def SaveSliceInfo(variable):
+  """A partitioned variable's slice info (a shard of it), else None."""
+  return getattr(variable, '_save_slice_info', None)
+
+
+def OpId(op) -> int:
+  """The op's creation index in its graph (increasing)."""
+  return op._id  # pylint: disable=protected-access
+
+
+def AddControlInput(op, dependency) -> None:
+  """Adds a control input to an op that is already built."""
+  op._add_control_input(dependency)  # pylint: disable=protected-access
+
+
+@contextlib.contextmanager
+def LocalServerConfig(config):
+  """tf.distribute.Server.create_local_server() inside uses `config`.
+
+  Lingvo's RunnerManager.MaybeConfigRunLocally makes the in-process server
+  with create_local_server() and no config; its devices (e.g. N logical
+  CPUs) come from the server's config, not the sessions'. Set only for that
+  call.
+  """
+  server_cls = tf.distribute.Server
+  original = server_cls.__dict__['create_local_server']
+
+  def CreateLocalServer(config=config, start=True):
+    return original.__func__(config=config, start=start)
+
+  server_cls.create_local_server = staticmethod(CreateLocalServer)
+  try:
+    yield
+  finally:
+    server_cls.create_local_server = original
+
+
+def SlurmClusterResolverModule():
+  """TensorFlow's slurm_cluster_resolver module.
+
+  Its SlurmClusterResolver is public (tf.distribute.cluster_resolver), its
+  expand_hostlist / expand_tasks_per_node (Slurm's compact host and task
+  lists) are not.
+  """
+  from tensorflow.python.distribute.cluster_resolver import slurm_cluster_resolver  # pylint: disable=g-import-not-at-top,g-direct-tensorflow-import
+  return slurm_cluster_resolver

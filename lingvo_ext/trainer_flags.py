@@ -1,0 +1,123 @@
+"""The trainer's flags (beside Lingvo's), and the values it runs with.
+
+Every flag lingvo_ext.trainer adds is defined here, so a new one is one
+DEFINE and one `Options` field. The entry point (`trainer.Run`) parses the
+flags once, sets the trainer's defaults for Lingvo's flags
+(`SetTrainerDefaults`, never at import) and reads `Options.FromFlags()`;
+the runners and lingvo_ext.distributed get those values, not FLAGS.
+"""
+
+import dataclasses
+
+import lingvo.compat as tf
+
+from lingvo_ext.distributed import resolvers
+
+FLAGS = tf.flags.FLAGS
+
+tf.flags.DEFINE_integer(
+    'num_cpu_devices', 1,
+    'Logical CPU devices per replica (local runs). Use with '
+    '--worker_split_size=N to pipeline a model over N CPU devices.')
+tf.flags.DEFINE_integer(
+    'max_steps', None, 'If set, overrides the experiment\'s train.max_steps.')
+tf.flags.DEFINE_integer(
+    'max_nonfinite_steps', 10,
+    'Stop training (exit 3) after this many tries in a row of one step whose '
+    'loss or gradients are NaN or Inf.')
+tf.flags.DEFINE_float(
+    'cluster_wait_secs', 120,
+    'With --cluster_spec: how long a process waits for the other tasks of '
+    'the cluster to answer before it exits with an error naming them.')
+tf.flags.DEFINE_float(
+    'worker_timeout_secs', 60,
+    'With --cluster_spec: deadline of each session call (a training step, '
+    'a checkpoint save). A call that a dead or unreachable task keeps from '
+    'finishing fails after this long, naming the task, instead of hanging; '
+    'the process then exits non-zero (lingvo_ext.launch restarts it).')
+tf.flags.DEFINE_enum(
+    'cluster_resolver', None, list(resolvers.RESOLVERS),
+    'Read the cluster, --job and --task from the environment instead of '
+    '--cluster_spec: tf_config (the TF_CONFIG variable that Kubeflow\'s '
+    'TFJob, JobSet, Vertex AI and SageMaker set) or slurm (the SLURM_* '
+    'variables of a task started by srun). TF_CONFIG\'s "chief" task (Slurm: '
+    'rank 0) runs the controller and the trainer client, "worker" task i '
+    'is worker i, "ps" tasks are ps. Every process gets the same flags.')
+tf.flags.DEFINE_integer(
+    'slurm_port_base', 8888,
+    'With --cluster_resolver=slurm: Slurm rank r serves port '
+    'slurm_port_base + r.')
+tf.flags.DEFINE_integer(
+    'trace_train_step', 0,
+    'If > 0, the trainer traces the N-th training step this process runs '
+    '(the global step N when training starts from scratch) with '
+    'RunOptions.FULL_TRACE and writes its RunMetadata (step stats: the device '
+    'of every op that ran) to LOGDIR/train/run_metadata_step_N.pb.')
+
+# The trainer's defaults for Lingvo's flags: one process runs the controller
+# and the trainer client on CPU; variables start from name-seeded stateless
+# initializers.
+TRAINER_DEFAULTS = {
+    'run_locally': 'cpu',
+    'mode': 'sync',
+    'stateless_vars_init': True,
+}
+
+
+def SetTrainerDefaults():
+  """Sets TRAINER_DEFAULTS; the entry point calls it before parsing."""
+  for name, value in TRAINER_DEFAULTS.items():
+    FLAGS.set_default(name, value)
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+  """The flags the trainer's own code reads, read once at the entry point.
+
+  Lingvo's runners keep reading Lingvo's flags (and its RunnerManager sets
+  some, e.g. --job and --tf_master of a local run); lingvo_ext's code reads
+  these values.
+  """
+  model: str = ''
+  logdir: str = ''
+  job: str = ''
+  task: int = 0
+  mode: str = 'sync'
+  run_locally: str = ''
+  cluster_spec: str = ''
+  num_cpu_devices: int = 1
+  worker_gpus: int = 0
+  worker_split_size: int = 1
+  max_steps: int = None
+  max_nonfinite_steps: int = 10
+  cluster_wait_secs: float = 120
+  worker_timeout_secs: float = 60
+  trace_train_step: int = 0
+  model_params_override: str = ''
+  model_params_file_override: str = ''
+
+  @classmethod
+  def FromFlags(cls):
+    values = {f.name: FLAGS[f.name].value for f in dataclasses.fields(cls)}
+    for name in ('model', 'logdir', 'job', 'run_locally', 'cluster_spec',
+                 'model_params_override', 'model_params_file_override'):
+      values[name] = values[name] or ''
+    values['worker_gpus'] = values['worker_gpus'] or 0
+    return cls(**values)
+
+  @property
+  def distributed(self):
+    """Whether this process is one task of a --cluster_spec cluster."""
+    return bool(self.cluster_spec)
+
+  @property
+  def jobs(self):
+    """This process's jobs; a local run's default as Lingvo sets it."""
+    if self.job:
+      return self.job.split(',')
+    return (['controller', 'trainer'] if self.mode == 'async' else
+            ['controller', 'trainer_client'])
+
+  @property
+  def devices_per_task(self):
+    return self.worker_gpus or self.num_cpu_devices

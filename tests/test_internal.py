@@ -1,0 +1,326 @@
+"""The private TensorFlow and Lingvo symbols of lingvo_ext/_internal, checked.
+
+One test per symbol: after an upgrade, a failure names the symbol that moved
+and the file that needs a change. Also: importing lingvo_ext.trainer leaves
+Lingvo's flag defaults alone.
+"""
+
+import subprocess
+import sys
+
+import lingvo.compat as tf
+import numpy as np
+import pytest
+
+from lingvo_ext import _internal
+from lingvo_ext._internal import lingvo as internal_lingvo
+from lingvo_ext._internal import tf as internal_tf
+
+
+def _Gone(symbol, error):
+  return (f'{symbol} changed or is gone in this TensorFlow/Lingvo '
+          f'({", ".join(_internal.VersionMismatches()) or "pinned versions"}):'
+          f' {type(error).__name__}: {error}; update lingvo_ext/_internal.')
+
+
+def _Check(symbol, fn):
+  try:
+    fn()
+  except Exception as e:  # pylint: disable=broad-except
+    pytest.fail(_Gone(symbol, e))
+
+
+def testPinnedVersionsAreInstalled():
+  assert not _internal.VersionMismatches(), (
+      f'installed versions differ from lingvo_ext/_internal.PINNED: '
+      f'{_internal.VersionMismatches()}; run tests/test_internal.py and '
+      'update the pins.')
+
+
+# --- TensorFlow ---------------------------------------------------------------
+
+
+def testControlFlowV2Switch():
+
+  def Check():
+    with tf.Graph().as_default():
+      with internal_tf.V1ControlFlow():
+        out = tf.cond(tf.constant(True), lambda: tf.constant(1),
+                      lambda: tf.constant(2))
+      assert out.op.type == 'Merge', out.op.type
+      out = tf.cond(tf.constant(True), lambda: tf.constant(1),
+                    lambda: tf.constant(2))
+      assert out.op.type != 'Merge', out.op.type
+
+  _Check('control_flow_util.ENABLE_CONTROL_FLOW_V2', Check)
+
+
+def testMatMulGrad():
+
+  def Check():
+    with tf.Graph().as_default():
+      a, b = tf.ones([2, 3]), tf.ones([3, 4])
+      c = tf.matmul(a, b)
+      ga, gb = internal_tf.MatMulGrad(c.op, tf.ones([2, 4]))
+      with tf.Session() as sess:
+        ga, gb = sess.run([ga, gb])
+    np.testing.assert_allclose(ga, np.full([2, 3], 4.0))
+    np.testing.assert_allclose(gb, np.full([3, 4], 2.0))
+
+  _Check('math_grad._MatMulGrad', Check)
+
+
+def testIsMklEnabled():
+  _Check('_pywrap_util_port.IsMklEnabled',
+         lambda: isinstance(internal_tf.IsMklEnabled(), bool) or 1 / 0)
+
+
+def testSaveableObject():
+
+  def Check():
+    with tf.Graph().as_default():
+      t = tf.constant([1.0])
+      spec = internal_tf.SaveSpec(t, '', 'x')
+      obj = internal_tf.SaveableObject(t, [spec], 'x')
+      assert obj.specs[0].name == 'x'
+
+  _Check('saveable_object.SaveableObject/SaveSpec', Check)
+
+
+def testCheckpointState():
+
+  def Check():
+    state = internal_tf.CheckpointState(model_checkpoint_path='ckpt-1')
+    assert state.model_checkpoint_path == 'ckpt-1'
+
+  _Check('checkpoint_state_pb2.CheckpointState', Check)
+
+
+def testSaveSliceInfo():
+
+  def Check():
+    with tf.Graph().as_default():
+      whole = tf.get_variable('w', [4, 2], initializer=tf.zeros_initializer())
+      parts = tf.get_variable(
+          'p', [4, 2], initializer=tf.zeros_initializer(),
+          partitioner=tf.compat.v1.fixed_size_partitioner(2))
+      assert internal_tf.SaveSliceInfo(whole) is None
+      shard = list(parts)[0]
+      assert internal_tf.SaveSliceInfo(shard).full_shape == [4, 2]
+
+  _Check('Variable._save_slice_info', Check)
+
+
+def testOpIdAndAddControlInput():
+
+  def Check():
+    with tf.Graph().as_default():
+      a, b = tf.no_op(name='a'), tf.no_op(name='b')
+      assert internal_tf.OpId(a) < internal_tf.OpId(b)
+      internal_tf.AddControlInput(a, b)
+      assert a.control_inputs == [b]
+
+  _Check('Operation._id/_add_control_input', Check)
+
+
+def testLocalServerConfig():
+
+  def Check():
+    config = tf.compat.v1.ConfigProto()
+    config.device_count['CPU'] = 3
+    with internal_tf.LocalServerConfig(config):
+      server = tf.distribute.Server.create_local_server()
+    assert 'create_local_server' in vars(tf.distribute.Server)
+    with tf.Session(server.target, config=config) as sess:
+      cpus = [d for d in sess.list_devices() if d.device_type == 'CPU']
+    assert len(cpus) == 3, cpus
+
+  _Check('tf.distribute.Server.create_local_server', Check)
+
+
+def testSlurmClusterResolverModule():
+
+  def Check():
+    slurm = internal_tf.SlurmClusterResolverModule()
+    assert slurm.expand_hostlist('n[1-2]') == ['n1', 'n2']
+    assert slurm.expand_tasks_per_node('2(x2)') == [2, 2]
+    assert slurm.SlurmClusterResolver
+
+  _Check('slurm_cluster_resolver.expand_hostlist/expand_tasks_per_node', Check)
+
+
+# --- Lingvo -------------------------------------------------------------------
+
+
+def testRegisteredModelClasses():
+
+  def Check():
+    from lingvo_ext import registry  # pylint: disable=g-import-not-at-top
+    registry.ImportExperiments()
+    assert 'lm.TransformerLmTiny' in internal_lingvo.RegisteredModelClasses()
+
+  _Check('model_registry._ModelRegistryHelper._MODEL_PARAMS', Check)
+
+
+def testDatasetParamsAppliesNoFlagOverride():
+
+  def Check():
+    from lingvo_ext import registry  # pylint: disable=g-import-not-at-top
+    registry.ImportExperiments()
+    cls = internal_lingvo.RegisteredModelClasses()['lm.TransformerLmTiny']
+    flags = tf.flags.FLAGS
+    if not flags.is_parsed():
+      flags.mark_as_parsed()
+    saved = flags.model_params_override
+    flags.model_params_override = 'task.num_micro_batches:3'
+    try:
+      cfg = internal_lingvo.DatasetParams(cls(), 'Train')
+    finally:
+      flags.model_params_override = saved
+    assert cfg.task.num_micro_batches != 3
+    assert cfg.input is not None
+
+  _Check('model_registry._ModelRegistryHelper.GetParamsFromModelParamsObject',
+         Check)
+
+
+def testSetModelImporter():
+
+  def Check():
+    from lingvo import model_imports  # pylint: disable=g-import-not-at-top
+    saved = model_imports.ImportParams
+    internal_lingvo.SetModelImporter(len)
+    try:
+      from lingvo import model_registry  # pylint: disable=g-import-not-at-top
+      assert model_registry.model_imports.ImportParams is len
+    finally:
+      internal_lingvo.SetModelImporter(saved)
+
+  _Check('model_imports.ImportParams', Check)
+
+
+def testSaveableVariables():
+
+  def Check():
+    from lingvo_ext import registry  # pylint: disable=g-import-not-at-top
+    with tf.Graph().as_default():
+      model = registry.GetParams('lm.TransformerLmTiny', 'Train').Instantiate()
+      saved = internal_lingvo.SaveableVariables([model])
+    assert 'global_step' in saved and len(saved) > 2, sorted(saved)
+
+  _Check('checkpointer._GetSaveableVariablesDict', Check)
+
+
+def testOutsideLayerStack():
+
+  def Check():
+    from lingvo.core import base_layer  # pylint: disable=g-import-not-at-top
+    from lingvo.core import layers  # pylint: disable=g-import-not-at-top
+    built = []
+
+    class Outer(base_layer.BaseLayer):
+
+      def __init__(self, params):
+        super().__init__(params)
+        with internal_lingvo.OutsideLayerStack(), tf.Graph().as_default():
+          built.append(
+              layers.IdentityLayer.Params().Set(name='thrown').Instantiate())
+
+    with tf.Graph().as_default():
+      outer = Outer.Params().Set(name='outer').Instantiate()
+    assert built and not outer.children, outer.children
+
+  _Check('base_layer._LAYER_STACK', Check)
+
+
+def testPrivateVarsAndTheta():
+
+  def Check():
+    from lingvo.core import layers  # pylint: disable=g-import-not-at-top
+    with tf.Graph().as_default():
+      layer = layers.ProjectionLayer.Params().Set(
+          name='p', input_dim=2, output_dim=3, batch_norm=False).Instantiate()
+      assert 'w' in internal_lingvo.PrivateVars(layer)
+      assert 'w' in internal_lingvo.PrivateTheta(layer)
+
+  _Check('BaseLayer._private_vars/_private_theta', Check)
+
+
+def testParamDefaultAndDescription():
+
+  def Check():
+    from lingvo.core import hyperparams  # pylint: disable=g-import-not-at-top
+    p = hyperparams.Params()
+    p.Define('x', 3, 'The x.')
+    p.x = 5
+    assert internal_lingvo.ParamDefault(p, 'x') == 3
+    assert internal_lingvo.ParamDescription(p, 'x') == 'The x.'
+
+  _Check('hyperparams.Params._params/_Param._description', Check)
+
+
+def testEngineSymbols():
+
+  def Check():
+    from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
+    assert isinstance(internal_lingvo.OVERWRITE_GLOBAL_STEP_COLLECTION, str)
+    m = py_utils.NestedMap(a=1, b=py_utils.NestedMap(c=2))
+    out = internal_lingvo.RecursiveMap(m, lambda k, v: (k, v))
+    assert out.b.c == ('b.c', 2), out
+    with internal_lingvo.StepSeedPairFn(len):
+      assert py_utils.GenerateStepSeedPair is len
+    assert py_utils.GenerateStepSeedPair is not len
+
+  _Check('gpipe._OVERWRITE_GLOBAL_STEP_COLLECTION, NestedMap._RecursiveMap, '
+         'py_utils.GenerateStepSeedPair', Check)
+
+
+def testSeqCells():
+
+  def Check():
+    from lingvo.core import gpipe as lingvo_gpipe  # pylint: disable=g-import-not-at-top
+    from lingvo.core import layers  # pylint: disable=g-import-not-at-top
+    with tf.Graph().as_default():
+      seq = lingvo_gpipe.SeqLayer.Params().Set(
+          name='seq', cell_tpl=[
+              layers.IdentityLayer.Params().Set(name='a'),
+              layers.IdentityLayer.Params().Set(name='b')
+          ]).Instantiate()
+      cells = internal_lingvo.SeqCells(seq)
+    assert [name for name, _ in cells] == ['a', 'b'], cells
+
+  _Check('gpipe.SeqLayer._cells', Check)
+
+
+def testInitTpuEmbeddingManager():
+
+  def Check():
+    from lingvo.core import tpu_embedding_layers_v2  # pylint: disable=g-import-not-at-top
+    saved = tpu_embedding_layers_v2.TPU_EMBEDDING_MANAGER
+    try:
+      internal_lingvo.InitTpuEmbeddingManager()
+      assert tpu_embedding_layers_v2.TPU_EMBEDDING_MANAGER is not None
+    finally:
+      tpu_embedding_layers_v2.TPU_EMBEDDING_MANAGER = saved
+
+  _Check('tpu_embedding_layers_v2.TPU_EMBEDDING_MANAGER', Check)
+
+
+# --- The trainer changes no default at import ------------------------------------
+
+
+@pytest.mark.e2e
+def testImportingTheTrainerKeepsLingvosFlagDefaults(tmp_path):
+  code = ('import lingvo.compat as tf; from lingvo import trainer; '
+          'F = tf.flags.FLAGS; names = ("run_locally", "mode", '
+          '"stateless_vars_init", "use_custom_saver"); '
+          'before = [F[n].default for n in names]; '
+          'import lingvo_ext.trainer; '
+          'print(before == [F[n].default for n in names], before)')
+  import os  # pylint: disable=g-import-not-at-top
+  env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(
+      os.path.abspath(__file__))))
+  out = subprocess.run([sys.executable, '-c', code], capture_output=True,
+                       text=True, cwd=str(tmp_path), env=env, timeout=300)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert out.stdout.split()[0] == 'True', out.stdout
