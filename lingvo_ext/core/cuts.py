@@ -28,6 +28,8 @@ import lingvo.compat as tf
 from lingvo.core import builder_layers
 from lingvo.core import gpipe as lingvo_gpipe
 
+from lingvo_ext._internal import lingvo as internal_lingvo
+
 CUTS = ('exact', 'lingvo')
 
 # Params that PartitionSequentialLayers defines on each cell it returns,
@@ -271,7 +273,7 @@ def ModelLeaves(layer) -> List[Leaf]:
   for seq in _Layers(layer):
     if not _IsSeqLayer(seq):
       continue
-    for cell_name, cell in seq._cells:  # pylint: disable=protected-access
+    for cell_name, cell in internal_lingvo.SeqCells(seq):
       if not _IsCell(cell):
         continue
       for sub_name, user, glob in CellLeaves(cell.params):

@@ -28,6 +28,7 @@ from lingvo.core import gpipe as lingvo_gpipe
 from lingvo.core import py_utils
 from lingvo.core import tshape
 
+from lingvo_ext._internal import lingvo as internal_lingvo
 from lingvo_ext.core import cost as cost_lib
 from lingvo_ext.core import cuts
 from lingvo_ext.core import partitioning
@@ -658,7 +659,7 @@ class PipeliningLayer(SeqLayer):
           (p.name, batch, p.batch_dim, m, divisors))
     return batch, batch // m, m
 
-  def _StateShapes(self, args, micro_batch_size, after_before_layers=False):
+  def StateShapes(self, args, micro_batch_size, after_before_layers=False):
     """tshape.Shapes of the cells' inputs and outputs for one micro-batch.
 
     Args:
@@ -693,13 +694,13 @@ class PipeliningLayer(SeqLayer):
       state_shapes.append(shapes[0] if p.nested_map_fprop else shapes)
     return state_shapes
 
-  def _StateDtype(self, args):
+  def StateDtype(self, args):
     p = self.params
     if p.state_dtype:
       return p.state_dtype
     return [t for t in self._InputTensors(args) if t is not None][0].dtype
 
-  def _ToState(self, values):
+  def ToState(self, values):
     """Packs cell inputs/outputs into the NestedMap that StackedRecurrent uses."""
     if self.params.nested_map_fprop:
       return values.Filter(lambda x: x is not None)
@@ -709,10 +710,10 @@ class PipeliningLayer(SeqLayer):
         state['s%d' % i] = v
     return state
 
-  def _FromState(self, state, shapes, fn):
+  def FromState(self, state, shapes, fn):
     """Inverse of _ToState: applies fn(name, tshape) to each present entry."""
     if self.params.nested_map_fprop:
-      return shapes._RecursiveMap(fn)  # pylint: disable=protected-access
+      return internal_lingvo.RecursiveMap(shapes, fn)
     return tuple(fn('s%d' % i, s) for i, s in enumerate(shapes))
 
   def FPropSequential(self, theta, *args):
@@ -733,13 +734,18 @@ class PipeliningLayer(SeqLayer):
       outputs = l.FProp(theta[name], *_ToTuple(outputs))
     return outputs
 
-  def _Devices(self):
+  def Cells(self):
+    """[(name, cell layer)] of the pipeline's cells, in order."""
+    return list(self._cells)
+
+  def Devices(self):
+    """The device of each cell (Lingvo's model split, round robin)."""
     return [
         self.cluster.WorkerDeviceInModelSplit(i)
         for i in range(len(self._cells))
     ]
 
-  def _MicroBatchSteps(self, num_micro, state_dtype):
+  def MicroBatchSteps(self, num_micro, state_dtype):
     """Lingvo's per-micro-batch steps: global_step * num_micro + t."""
     global_step = py_utils.GetGlobalStep()
     return [
@@ -767,7 +773,7 @@ class PipeliningLayer(SeqLayer):
       return self.FPropSequential(theta, *args)
 
     _, _, num_micro = self._MicroBatching(args)
-    with tf.device(self._Devices()[0]):
+    with tf.device(self.Devices()[0]):
       inputs = _ToTuple(args)
       for (name, l) in self._before_layers:
         inputs = _ToTuple(l.FProp(theta[name], *inputs))

@@ -40,8 +40,9 @@ import lingvo.compat as tf
 from lingvo.core import gpipe as lingvo_gpipe
 from lingvo.core import py_utils
 from lingvo.core import recurrent
-from tensorflow.python.framework import ops  # pylint: disable=g-direct-tensorflow-import
 
+from lingvo_ext._internal import lingvo as internal_lingvo
+from lingvo_ext._internal import tf as internal_tf
 from lingvo_ext.core import actions
 from lingvo_ext.core import cell_function
 from lingvo_ext.core import matmul_grad
@@ -120,17 +121,15 @@ def CellRandomness(micro_batch_step, scope):
   """
   graph = tf.get_default_graph()
   collection = graph.get_collection_ref(
-      lingvo_gpipe._OVERWRITE_GLOBAL_STEP_COLLECTION)  # pylint: disable=protected-access
+      internal_lingvo.OVERWRITE_GLOBAL_STEP_COLLECTION)
   saved_collection = list(collection)
-  saved_seed_fn = py_utils.GenerateStepSeedPair
   with tf.name_scope(scope) as prefix:
     try:
       lingvo_gpipe.SetOverWriteGlobalStep(micro_batch_step, graph)
-      py_utils.GenerateStepSeedPair = (
-          lambda *a, **kw: _CellStepSeedPair(*a, prefix=prefix, **kw))
-      yield prefix
+      with internal_lingvo.StepSeedPairFn(
+          lambda *a, **kw: _CellStepSeedPair(*a, prefix=prefix, **kw)):
+        yield prefix
     finally:
-      py_utils.GenerateStepSeedPair = saved_seed_fn
       collection[:] = saved_collection
 
 
@@ -251,8 +250,8 @@ class _Engine:
                window: Optional[Callable[[int], int]] = None):
     self.layer = layer
     self.p = layer.params
-    self.cells = layer._cells  # pylint: disable=protected-access
-    self.devices = layer._Devices()  # pylint: disable=protected-access
+    self.cells = layer.Cells()
+    self.devices = layer.Devices()
     self.num_micro = num_micro
     self.recompute = recompute
     self.window = window
@@ -297,17 +296,15 @@ class _Engine:
     m = self.num_micro
     # Every op from here to the closing IdentityN is the pipeline's forward
     # pass (ids grow with creation): what `_DyDependsOnForward` looks for.
-    self.first_id = tf.no_op(name='pipeline_begin')._id  # pylint: disable=protected-access
+    self.first_id = internal_tf.OpId(tf.no_op(name='pipeline_begin'))
     with tf.device(self.devices[0]):
       flat_in = _Flat(self.inputs)
       pieces = [
           None if x is None else tf.split(x, m, axis=p.batch_dim)
           for x in flat_in
       ]
-      # pylint: disable=protected-access
-      steps = self.layer._MicroBatchSteps(
-          m, self.layer._StateDtype(self.inputs))
-      # pylint: enable=protected-access
+      steps = self.layer.MicroBatchSteps(
+          m, self.layer.StateDtype(self.inputs))
     self.pieces = pieces
     # Read each cell's weights onto its device once per step, not once per
     # micro-batch. Shards of a partitioned variable stay where they live
@@ -348,7 +345,7 @@ class _Engine:
           [t for t in flat_in if t is not None] + theta_leaves, present,
           self._Backward)
     self.pipeline_op = wrapped[0].op if wrapped else None
-    self.last_id = tf.no_op(name='pipeline_end')._id  # pylint: disable=protected-access
+    self.last_id = internal_tf.OpId(tf.no_op(name='pipeline_end'))
     it = iter(wrapped)
     merged = [None if t is None else next(it) for t in merged]
     out = tf.nest.pack_sequence_as(self.out_structure, merged)
@@ -372,7 +369,7 @@ class _Engine:
     seen = set(stack)
     while stack:
       op = stack.pop()
-      if self.first_id <= op._id <= self.last_id:  # pylint: disable=protected-access
+      if self.first_id <= internal_tf.OpId(op) <= self.last_id:
         return True
       for parent in [t.op for t in op.inputs] + list(op.control_inputs):
         if parent not in seen:
@@ -440,7 +437,7 @@ class _Engine:
           'them, e.g. per-example losses from the last cell, summed); this '
           'loss is not: set recompute=None (recompute when needed) or True.'
           % p.name)
-    with ops.colocate_with(None, ignore_existing=True):
+    with tf.get_default_graph().colocate_with(None, ignore_existing=True):
       dy = self._MicroBatchOutputGrads(out_grads)
       theta_grads = [[] for _ in range(num_cells)]
       for i in reversed(range(num_cells)):
@@ -588,7 +585,7 @@ class _Engine:
         deps += [done[t - window], group_done[complete - 1] if complete else None]
       for d in deps:
         if d is not None:
-          gates[t]._add_control_input(d)  # pylint: disable=protected-access
+          internal_tf.AddControlInput(gates[t], d)
 
 
 class _ListEngine(_Engine):
@@ -631,7 +628,7 @@ class _ListEngine(_Engine):
     for i in range(num_cells):
       for t in range(m):
         gates[actions.Action('F', i, t)] = self.gates[i][t]
-    with ops.colocate_with(None, ignore_existing=True):
+    with tf.get_default_graph().colocate_with(None, ignore_existing=True):
       dy = self._MicroBatchOutputGrads(out_grads)
       sums = [None] * num_cells
       for i in reversed(range(num_cells)):
@@ -705,7 +702,7 @@ class _ListEngine(_Engine):
     """Each action's gate waits for the previous action on its device."""
     for device_actions in self.schedule:
       for prev, a in zip(device_actions, device_actions[1:]):
-        gates[a]._add_control_input(completions[prev])  # pylint: disable=protected-access
+        internal_tf.AddControlInput(gates[a], completions[prev])
 
 
 def ListSchedule(name):
@@ -732,7 +729,7 @@ def Unrolled(layer, theta, inputs, num_micro):
 
 def OneFOneB(layer, theta, inputs, num_micro):
   """1F1B: at most K - i micro-batches in flight in cell i's backward pass."""
-  num_cells = len(layer._cells)  # pylint: disable=protected-access
+  num_cells = len(layer.Cells())
   return _Engine(layer, theta, inputs, num_micro,
                  recompute=layer.params.recompute,
                  window=lambda i: num_cells - i).Build()
@@ -740,19 +737,18 @@ def OneFOneB(layer, theta, inputs, num_micro):
 
 def Recurrent(layer, theta, inputs, num_micro):
   """Lingvo's StackedRecurrent loop over micro-batches (always recomputes)."""
-  # pylint: disable=protected-access
   p = layer.params
-  cells = layer._cells
+  cells = layer.Cells()
   num_cells = len(cells)
   micro_batch_size = None
   for x in _Flat(inputs):
     if x is not None:
       micro_batch_size = x.shape.as_list()[p.batch_dim] // num_micro
       break
-  state_dtype = layer._StateDtype(inputs)
-  state_shapes = layer._StateShapes(inputs, micro_batch_size,
+  state_dtype = layer.StateDtype(inputs)
+  state_shapes = layer.StateShapes(inputs, micro_batch_size,
                                     after_before_layers=True)
-  devices = layer._Devices()
+  devices = layer.Devices()
 
   def _CellFn(i):
     """The step function of cell i inside StackedRecurrent."""
@@ -767,7 +763,7 @@ def Recurrent(layer, theta, inputs, num_micro):
         t.set_shape(t_shape.ToTensorShape().as_list())
         return t
 
-      fprop_inputs = layer._FromState(inputs, state_shapes[i], _SetShape)
+      fprop_inputs = layer.FromState(inputs, state_shapes[i], _SetShape)
       with py_utils.RemoveAssertContext(remove=True):
         with lingvo_gpipe.CellFnFPropOpReplacementWrapper():
           mb_tensor = inputs[_MICRO_BATCH_STATE_NAME]
@@ -779,7 +775,7 @@ def Recurrent(layer, theta, inputs, num_micro):
         raise ValueError(
             '%s: cell %d returned %d outputs but its FPropMeta says %d.' %
             (p.name, i, len(ToTuple(outputs)), len(state_shapes[i + 1])))
-      state1 = layer._ToState(outputs)
+      state1 = layer.ToState(outputs)
       state1[_MICRO_BATCH_STATE_NAME] = mb_tensor
       return state1, py_utils.NestedMap()
 
@@ -796,7 +792,7 @@ def Recurrent(layer, theta, inputs, num_micro):
       init_state = py_utils.Transform(_Zeros, state_shapes[i + 1])
     else:
       init_state = tuple(_Zeros(s) for s in state_shapes[i + 1])
-    init_state = layer._ToState(init_state)
+    init_state = layer.ToState(init_state)
     init_state[_MICRO_BATCH_STATE_NAME] = tf.cast(0, dtype=state_dtype)
     init_states.append(init_state)
 
@@ -808,11 +804,11 @@ def Recurrent(layer, theta, inputs, num_micro):
       return tf.stack(tf.split(x, num_micro, axis=p.batch_dim))
 
     if p.nested_map_fprop:
-      states = layer._ToState(py_utils.Transform(_Split, inputs[0]))
+      states = layer.ToState(py_utils.Transform(_Split, inputs[0]))
     else:
-      states = layer._ToState(tuple(_Split(x) for x in inputs))
+      states = layer.ToState(tuple(_Split(x) for x in inputs))
     states[_MICRO_BATCH_STATE_NAME] = tf.stack(
-        layer._MicroBatchSteps(num_micro, state_dtype))
+        layer.MicroBatchSteps(num_micro, state_dtype))
 
   output_state, _ = recurrent.StackedRecurrent(
       devices=devices,
@@ -841,8 +837,7 @@ def Recurrent(layer, theta, inputs, num_micro):
       shape[p.batch_dim] *= num_micro
       return tf.reshape(out, shape)
 
-    outputs = layer._FromState(output_state, state_shapes[-1], _Merge)
-  # pylint: enable=protected-access
+    outputs = layer.FromState(output_state, state_shapes[-1], _Merge)
   if not p.nested_map_fprop and len(outputs) == 1:
     return outputs[0]
   return outputs
