@@ -1,0 +1,249 @@
+r"""Chooses how to pipeline a registered experiment on N devices.
+
+  python -m lingvo_ext.tools.plan --model=lm.TransformerLm --devices=2
+  python -m lingvo_ext.tools.plan --model=lm.TransformerLm --devices=4 \
+      --memory_per_device=64MB --global_batch=32 --measure --json
+
+Enumerates the plans (K cells and their exact min-max cut, M micro-batches,
+schedule, recompute, R data-parallel replicas with K * R <= N, gradient_sync),
+predicts each one's step time and peak memory per device
+(lingvo_ext/core/planner.py), drops those over --memory_per_device and prints
+them fastest first, with the trainer command that runs the best. --measure
+times the top --measure_top plans for a few steps, each in a fresh process
+(its peak RSS too), and ranks those by the measured step time.
+"""
+
+import argparse
+import difflib
+import json
+import multiprocessing
+import os
+import sys
+from typing import Dict, List, Optional
+
+from lingvo_ext.core import planner
+
+# Process memory besides the model: a trainer-like process that has imported
+# TensorFlow and Lingvo, loaded a shipped experiment's data and built and run
+# a small training graph. Calibrated on the development machine (peak RSS of
+# lm.TransformerLmTiny's smallest plan minus its predicted model bytes; see
+# docs/benchmarks.md, "Planner"); pass --overhead to use another figure.
+PROCESS_OVERHEAD_BYTES = 620 * 2**20
+MEASURE_STEPS = 5
+MEASURE_WARMUP = 2
+
+
+def _Fail(message: str) -> int:
+  print('error: ' + message.replace('\n', ' '), file=sys.stderr)
+  return 2
+
+
+def _UnknownModel(model: str) -> str:
+  from lingvo_ext import registry  # pylint: disable=g-import-not-at-top
+  names = registry.RegisteredModels(model)
+  close = difflib.get_close_matches(model, names, n=3, cutoff=0.5)
+  hint = ('did you mean %s? ' % ', '.join(close)) if close else ''
+  return ('--model=%s is not a registered experiment; %spass one of '
+          '`python -m lingvo_ext.tools.list_models`.' % (model, hint))
+
+
+# --- Measuring plans in child processes -------------------------------------
+
+
+class Measurer:
+  """Runs jobs in fresh processes forked from a server that has imported TF.
+
+  Each job gets its own process, so its peak RSS is its own; the fork server
+  (multiprocessing's forkserver, with `preload` imported once) saves the
+  import of TensorFlow per job.
+  """
+
+  def __init__(self, fn, preload: List[str], timeout_s: float = 300):
+    self._ctx = multiprocessing.get_context('forkserver')
+    self._ctx.set_forkserver_preload(preload)
+    self._fn = fn
+    self.timeout_s = timeout_s
+
+  def Measure(self, job: Dict) -> Dict:
+    try:
+      with self._ctx.Pool(1, maxtasksperchild=1) as pool:
+        return pool.apply_async(self._fn, (job,)).get(self.timeout_s)
+    except Exception as e:  # pylint: disable=broad-except
+      print('[plan] measuring %s failed: %r' % (job.get('plan', {}).get(
+          'key', job), e), file=sys.stderr, flush=True)
+      return dict(step_s=None, rss_bytes=None, error=repr(e))
+
+
+def MeasurePlans(model: str, plans: List[planner.Plan],
+                 steps: int = MEASURE_STEPS,
+                 warmup: int = MEASURE_WARMUP) -> None:
+  """Sets measured_step_s and measured_rss_bytes of each plan."""
+  measurer = Measurer(planner.MeasureJob, ['lingvo_ext.core.planner'])
+  for p in plans:
+    out = measurer.Measure(dict(model=model, plan=p.ToDict(), steps=steps,
+                                warmup=warmup))
+    p.measured_step_s = out.get('step_s')
+    p.measured_rss_bytes = out.get('rss_bytes')
+
+
+# --- Choosing -----------------------------------------------------------------
+
+
+def Machine(num_devices: int, model: Optional[str] = None,
+            profile: Optional[planner.ModelProfile] = None,
+            overhead_bytes: float = PROCESS_OVERHEAD_BYTES):
+  """This host's Machine, probed under the trainer's session config.
+
+  With `model` and `profile`, the per-op time is calibrated on a few steps of
+  the model's plainest plan (planner.Calibrate), run in this process.
+  """
+  import statistics  # pylint: disable=g-import-not-at-top
+  machine = planner.ProbeMachine(planner.SessionConfig(num_devices),
+                                 overhead_bytes=overhead_bytes)
+  if model and profile:
+    ref = planner.ReferencePlan(profile)
+    sess, train_op = planner.BuildExperimentStep(model, ref)
+    times = planner.TimeSteps(lambda: sess.run(train_op), 5, 2)
+    sess.close()
+    machine = planner.Calibrate(profile, machine, ref,
+                                statistics.median(times))
+  return machine
+
+
+def ChooseForExperiment(model_params, name: str, devices: int,
+                        memory_per_device: Optional[float] = None,
+                        global_batch: Optional[int] = None,
+                        machine: Optional[planner.Machine] = None
+                       ) -> List[planner.Plan]:
+  """Ranked predicted plans of an experiment's params (PlanError if none)."""
+  profile = planner.ProfileExperiment(model_params, name)
+  machine = machine or Machine(devices, name, profile)
+  return planner.Choose(profile, devices, memory_per_device, global_batch,
+                        machine)
+
+
+def ChooseAndApply(model_params, name: str, devices: int,
+                   memory_per_device: Optional[float] = None,
+                   global_batch: Optional[int] = None,
+                   machine: Optional[planner.Machine] = None):
+  """Picks the best predicted plan and sets it on `model_params`.
+
+  Returns:
+    (the plan, the trainer flags it needs: --num_cpu_devices and
+    --worker_split_size as a dict).
+  """
+  plan = ChooseForExperiment(model_params, name, devices, memory_per_device,
+                             global_batch, machine)[0]
+  planner.ApplyPlan(model_params, plan)
+  return plan, dict(num_cpu_devices=plan.devices,
+                    worker_split_size=plan.devices_per_replica)
+
+
+# --- The command line ---------------------------------------------------------
+
+
+def _ParseArgs(argv):
+  parser = argparse.ArgumentParser(
+      prog='python -m lingvo_ext.tools.plan',
+      description=__doc__.splitlines()[0],
+      formatter_class=argparse.RawDescriptionHelpFormatter,
+      epilog='\n'.join(__doc__.splitlines()[1:]))
+  parser.add_argument('--model', required=True,
+                      help='A registered experiment, e.g. lm.TransformerLm.')
+  parser.add_argument('--devices', type=int, required=True,
+                      help='Devices available, N.')
+  parser.add_argument('--memory_per_device', default=None,
+                      help='Memory budget of each device, e.g. 512MB or 2GB.')
+  parser.add_argument('--global_batch', type=int, default=None,
+                      help="Examples per step over all replicas (default: "
+                      "the experiment's input batch_size).")
+  parser.add_argument('--measure', action='store_true',
+                      help='Time the top --measure_top plans and rank them '
+                      'by the measured step time.')
+  parser.add_argument('--measure_top', type=int, default=3,
+                      help='Plans --measure times (default %(default)s).')
+  parser.add_argument('--measure_steps', type=int, default=MEASURE_STEPS,
+                      help='Timed steps per plan (default %(default)s).')
+  parser.add_argument('--json', action='store_true',
+                      help='Print one JSON object: the ranked plans and the '
+                      'best one\'s override and flags.')
+  parser.add_argument('--limit', type=int, default=15,
+                      help='Rows of the table (default %(default)s).')
+  parser.add_argument('--_child', help=argparse.SUPPRESS)
+  return parser.parse_args(argv)
+
+
+def _CheckArgs(args) -> Optional[str]:
+  """One-line message for a bad flag, or None."""
+  if args.devices < 1:
+    return ('--devices=%d must be >= 1; pass the number of devices to plan '
+            'for, e.g. --devices=2.' % args.devices)
+  if args.global_batch is not None and args.global_batch < 1:
+    return ('--global_batch=%d must be >= 1; pass examples per step, e.g. '
+            '--global_batch=32, or leave it out.' % args.global_batch)
+  if args.memory_per_device is not None:
+    try:
+      args.memory_bytes = planner.ParseSize(args.memory_per_device)
+    except ValueError as e:
+      return '--memory_per_device=%s: %s' % (args.memory_per_device, e)
+  else:
+    args.memory_bytes = None
+  if args.measure_top < 1 or args.measure_steps < 1:
+    return ('--measure_top and --measure_steps must be >= 1, e.g. '
+            '--measure_top=3 --measure_steps=5.')
+  return None
+
+
+def main(argv=None) -> int:
+  argv = sys.argv[1:] if argv is None else argv
+  try:
+    args = _ParseArgs(argv)
+  except SystemExit as e:
+    return int(e.code or 0)
+  error = _CheckArgs(args)
+  if error:
+    return _Fail(error)
+  from lingvo_ext import registry  # pylint: disable=g-import-not-at-top
+  if registry.CheckModel(args.model):
+    return _Fail(_UnknownModel(args.model))
+  try:
+    cfg = planner.ExperimentParams(args.model)
+    if not hasattr(cfg.task.cls, 'LayerStack'):
+      return _Fail('--model=%s: its task %s is not a PipelinedTask (no '
+                   'LayerStack); pass a pipelined experiment.' %
+                   (args.model, cfg.task.cls.__name__))
+    plans = ChooseForExperiment(cfg, args.model, args.devices,
+                                args.memory_bytes, args.global_batch)
+  except ValueError as e:  # PlanError, or a bad param: one line.
+    return _Fail(str(e).strip().split('\n')[0])
+  if args.measure:
+    top = plans[:args.measure_top]
+    MeasurePlans(args.model, top, steps=args.measure_steps)
+    plans = planner.Rank(plans, args.memory_bytes, measured=True)
+  best = plans[0]
+  if args.json:
+    print(json.dumps(dict(
+        model=args.model, devices=args.devices,
+        memory_per_device=args.memory_bytes,
+        plans=[p.ToDict() for p in plans],
+        best=best.ToDict(),
+        model_params_override=planner.OverrideString(best),
+        trainer_flags=planner.TrainerFlags(best),
+        command=planner.Command(args.model, best))))
+    return 0
+  print('%d plans for %s on %d devices%s, fastest first (predicted%s):' % (
+      len(plans), args.model, args.devices,
+      (' within %s each' % planner.FormatSize(args.memory_bytes)
+       if args.memory_bytes else ''),
+      '; the top %d measured' % min(args.measure_top, len(plans))
+      if args.measure else ''))
+  print(planner.Table(plans, args.limit))
+  print()
+  print('best: ' + planner.Describe(best))
+  print('run it with:')
+  print('  ' + planner.Command(args.model, best))
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())
