@@ -164,8 +164,12 @@ class Machine:
       share its cores); None: all of them.
     step_s: Fixed time of a training step (session run, input, summaries).
     update_ops_per_var: Ops of one variable's optimizer update.
-    overhead_bytes: Process memory besides the model (TF runtime, input
-      data, graph); counted in the process total, not per device.
+    loop_s: 'recurrent' only: the extra time of each action in Lingvo's
+      StackedRecurrent loop (one loop iteration per action).
+    bytes_per_op: Process memory per op of the step's graph (graph,
+      executor and kernel state, allocator slack).
+    overhead_bytes: Process memory besides the model and its graph (TF
+      runtime, input data); counted in the process total, not per device.
   """
   flops_per_s: float = 2e10
   s_per_op: float = 2e-5
@@ -173,6 +177,8 @@ class Machine:
   cores: Optional[int] = None
   step_s: float = 2e-3
   update_ops_per_var: int = 12
+  loop_s: float = 0.
+  bytes_per_op: float = 0.
   overhead_bytes: float = 0.
 
   def Parallel(self, devices: int) -> int:
@@ -378,10 +384,14 @@ def ActionSchedule(plan: Plan) -> Tuple[actions.StageSpec, List]:
   return spec, actions.Build(name, spec)
 
 
-def _Costs(stages: Sequence[_Stage], micro_batch: int, machine: Machine):
+def _Costs(stages: Sequence[_Stage], micro_batch: int, machine: Machine,
+           loop: bool = False):
   """Action -> seconds for the stages at `micro_batch` examples."""
 
   def Cost(a: actions.Action) -> float:
+    return _Cost(a) + (machine.loop_s if loop else 0.)
+
+  def _Cost(a: actions.Action) -> float:
     st = stages[a.stage]
     fwd = st.fwd_ops * machine.s_per_op + (
         st.flops * micro_batch / machine.flops_per_s)
@@ -414,7 +424,7 @@ def Predict(profile: ModelProfile, plan: Plan,
   stages = Stages(profile, plan.sizes)
   mb = plan.replica_batch // plan.num_micro_batches
   spec, schedule = ActionSchedule(plan)
-  cost = _Costs(stages, mb, machine)
+  cost = _Costs(stages, mb, machine, loop=plan.schedule == 'recurrent')
   tl = actions.Simulate(spec, schedule, cost)
   busy = sum(tl.end[a] - tl.start[a] for a in tl.start)
   r = plan.replicas
@@ -443,23 +453,39 @@ def Predict(profile: ModelProfile, plan: Plan,
     weights = sum(stages[s].param_bytes for s in st_ids)
     # Weights, their gradients and the optimizer's slots.
     per_device[d] += weights * (2 + profile.optimizer_slots)
-    kept = max(stages[s].kept_bytes for s in st_ids) * mb
-    per_device[d] += tl.PeakInFlight(d) * kept
+    # A cell's input is kept for its backward pass too (the first cell's is
+    # the pipeline's input, counted below).
+    boundary = {s: stages[s].in_bytes if s else 0. for s in st_ids}
     if plan.recompute:
-      # Boundary inputs of every micro-batch, from 'F' to 'R'.
-      per_device[d] += sum(stages[s].in_bytes for s in st_ids) * (
-          plan.replica_batch)
+      # Boundary inputs of every micro-batch, from 'F' to 'R'; whole
+      # activations only between 'R' and 'B'.
+      per_device[d] += sum(boundary.values()) * plan.replica_batch
+      kept = max(stages[s].kept_bytes for s in st_ids) * mb
+    else:
+      kept = max(stages[s].kept_bytes + boundary[s] for s in st_ids) * mb
+    per_device[d] += tl.PeakInFlight(d) * kept
   # The whole batch enters on the first device and leaves on the last; the
   # output's gradient comes back there.
   per_device[0] += profile.in_bytes * plan.replica_batch
   per_device[last] += 2 * stages[-1].out_bytes * plan.replica_batch
   plan.peak_bytes = max(per_device)
-  plan.process_bytes = r * sum(per_device) + machine.overhead_bytes
+  plan.process_bytes = (r * sum(per_device) + machine.overhead_bytes +
+                        GraphOps(profile, plan) * machine.bytes_per_op)
   boundary = sum(st.out_bytes for st in stages[:-1])
   plan.comm_bytes = 2 * boundary * plan.global_batch + sync_bytes
   if spec.num_devices == 1:
     plan.comm_bytes = sync_bytes
   return plan
+
+
+def GraphOps(profile: ModelProfile, plan: Plan) -> int:
+  """Ops of one training step's graph (counted as in ProfileLayers)."""
+  fwd = sum(l.fwd_ops for l in profile.layers)
+  bwd = sum(l.bwd_ops for l in profile.layers)
+  per_replica = plan.num_micro_batches * (
+      fwd * (2 if plan.recompute else 1) + bwd) + profile.loss_ops
+  num_vars = sum(l.num_vars for l in profile.layers)
+  return plan.replicas * per_replica + num_vars * 12
 
 
 def PredictAll(profile: ModelProfile, plans: Sequence[Plan],
@@ -641,12 +667,34 @@ def Spearman(xs: Sequence[float], ys: Sequence[float]) -> float:
 # --- The TensorFlow half (TF) -------------------------------------------------
 
 
+# Ops that move no data of their own (aliases, constants, checks).
+_FREE_OPS = frozenset(['Const', 'Identity', 'IdentityN', 'NoOp', 'Assert',
+                       'EnsureShape', 'ReadVariableOp', 'StopGradient',
+                       'Placeholder', 'PreventGradient'])
+
+
+def _IsCounted(op) -> bool:
+  """Whether op computes on floats (shape arithmetic is folded away)."""
+  return op.type not in _FREE_OPS and any(
+      t.dtype.is_floating for t in op.outputs)
+
+
+def _Source(t):
+  """The tensor t aliases through Identity-like ops."""
+  while t.op.type in ('Identity', 'EnsureShape', 'StopGradient') and (
+      t.op.inputs):
+    t = t.op.inputs[0]
+  return t
+
+
 def _LayerGraphStats(p, shapes) -> Tuple[int, int, float]:
   """(forward ops, backward ops, kept bytes) of layer p on inputs of shapes (TF).
 
   Builds the layer's FProp and its tf.gradients in a throw-away graph (nothing
-  runs): the kept bytes are those of the forward tensors that backward ops
-  read, the activations a pipeline keeps between a cell's 'F' and its 'B'.
+  runs). Ops are those computing on floats (`_IsCounted`). The kept bytes are
+  those of the tensors the layer's forward pass makes (not its inputs or
+  weights, through Identity aliases) that its backward ops read: the
+  activations a pipeline keeps between a cell's 'F' and its 'B'.
   """
   import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
   from lingvo_ext.core import cost  # pylint: disable=g-import-not-at-top
@@ -670,9 +718,11 @@ def _LayerGraphStats(p, shapes) -> Tuple[int, int, float]:
   kept = {}
   for op in bwd:
     for t in op.inputs:
+      t = _Source(t)
       if t.op in fwd_set and t.shape.is_fully_defined():
         kept[t.name] = t.shape.num_elements() * t.dtype.size
-  return len(fwd), len(bwd), float(sum(kept.values()))
+  return (sum(map(_IsCounted, fwd)), sum(map(_IsCounted, bwd)),
+          float(sum(kept.values())))
 
 
 def ProfileLayers(layer_params: Sequence, *shapes) -> List[LayerProfile]:
@@ -888,30 +938,76 @@ def MeasureJob(job: Dict) -> Dict:
               rss_bytes=RssBytes('VmHWM'))
 
 
-def ReferencePlan(profile: ModelProfile,
-                  global_batch: Optional[int] = None) -> Plan:
-  """The plainest plan: one cell, one micro-batch, one replica."""
+def ReferencePlans(profile: ModelProfile,
+                   global_batch: Optional[int] = None) -> List[Plan]:
+  """The plans Calibrate measures: one cell, one replica, 'unrolled' at M=1
+  and at a larger M (4, or the largest divisor of the batch below it), and
+  'recurrent' at that M."""
+  batch = global_batch or profile.batch
+  m = max(_Divisors(batch, 4))
   n = len(profile.layers)
-  return Plan(num_cells=1, sizes=(n,), devices_per_replica=1,
-              num_micro_batches=1, schedule='unrolled', recompute=False,
-              replicas=1, gradient_sync='shared',
-              global_batch=global_batch or profile.batch)
+  out = []
+  for schedule, mb, rc in (('unrolled', 1, False), ('unrolled', m, False),
+                           ('recurrent', m, True)):
+    out.append(Plan(num_cells=1, sizes=(n,), devices_per_replica=1,
+                    num_micro_batches=mb, schedule=schedule, recompute=rc,
+                    replicas=1, gradient_sync='shared', global_batch=batch))
+  return out
 
 
-def Calibrate(profile: ModelProfile, machine: Machine, reference: Plan,
-              measured_s: float) -> Machine:
-  """`machine` with s_per_op set so that `reference` predicts `measured_s`.
+def _Fit(profile: ModelProfile, plan: Plan, machine: Machine, **fields):
+  return Predict(profile, dataclasses.replace(plan),
+                 dataclasses.replace(machine, **fields))
+
+
+def Calibrate(profile: ModelProfile, machine: Machine,
+              step_s: Sequence[float],
+              rss_bytes: Optional[Sequence[float]] = None) -> Machine:
+  """`machine` fitted to measurements of the ReferencePlans.
 
   The probe's per-op time is that of a chain of tiny ops; a model's graph
-  (allocation, several devices, Lingvo's bookkeeping) costs more per op. One
-  measured step of the plainest plan fixes that one constant; everything
-  else (FLOP rate, schedules, recompute, replicas) stays predicted.
+  (allocation, several devices, Lingvo's bookkeeping) costs more per op. The
+  two 'unrolled' references fix the per-op time (from how the step grows with
+  M) and the fixed time of a step; the 'recurrent' one the cost of a loop
+  iteration. With their peak RSS, the two 'unrolled' ones fix the bytes per
+  graph op and the process overhead. Everything else (FLOP rate from the
+  probe, schedules, cells, recompute, replicas) stays predicted.
+
+  Args:
+    profile: The model.
+    machine: The probed machine.
+    step_s: Measured step seconds of ReferencePlans(profile), in order.
+    rss_bytes: Their measured peak RSS (the first two are used), or None.
   """
-  zero = dataclasses.replace(machine, s_per_op=0.)
-  unit = dataclasses.replace(machine, s_per_op=1.)
-  base = Predict(profile, dataclasses.replace(reference), zero).step_s
-  slope = Predict(profile, dataclasses.replace(reference), unit).step_s - base
-  if slope <= 0:
-    return machine
-  return dataclasses.replace(
-      machine, s_per_op=max((measured_s - base) / slope, machine.s_per_op))
+  a, b, c = ReferencePlans(profile)
+  zero = dict(s_per_op=0., step_s=0., loop_s=0., bytes_per_op=0.,
+              overhead_bytes=0.)
+
+  def Time(plan, **fields):
+    return _Fit(profile, plan, machine, **dict(zero, **fields)).step_s
+
+  fa, fb = Time(a), Time(b)
+  oa, ob = Time(a, s_per_op=1.) - fa, Time(b, s_per_op=1.) - fb
+  ta, tb = step_s[0], step_s[1]
+  s_per_op = machine.s_per_op
+  if ob > oa:
+    s_per_op = max(((tb - fb) - (ta - fa)) / (ob - oa), machine.s_per_op)
+  fixed = max(ta - fa - s_per_op * oa, 0.)
+  out = dataclasses.replace(machine, s_per_op=s_per_op, step_s=fixed)
+  if len(step_s) > 2:
+    rc = _Fit(profile, c, out, loop_s=0.).step_s
+    num_actions = 3 * c.num_micro_batches  # F, R, B per micro-batch.
+    out = dataclasses.replace(
+        out, loop_s=max((step_s[2] - rc) / num_actions, 0.))
+  if rss_bytes:
+    ma = _Fit(profile, a, out, bytes_per_op=0., overhead_bytes=0.)
+    mb = _Fit(profile, b, out, bytes_per_op=0., overhead_bytes=0.)
+    ga, gb = GraphOps(profile, a), GraphOps(profile, b)
+    per_op = 0.
+    if gb > ga:
+      per_op = max(((rss_bytes[1] - mb.process_bytes) -
+                    (rss_bytes[0] - ma.process_bytes)) / (gb - ga), 0.)
+    out = dataclasses.replace(
+        out, bytes_per_op=per_op,
+        overhead_bytes=max(rss_bytes[0] - ma.process_bytes - per_op * ga, 0.))
+  return out

@@ -18,7 +18,9 @@ import difflib
 import json
 import multiprocessing
 import os
+import statistics
 import sys
+import time
 from typing import Dict, List, Optional
 
 from lingvo_ext.core import planner
@@ -48,6 +50,23 @@ def _UnknownModel(model: str) -> str:
 
 
 # --- Measuring plans in child processes -------------------------------------
+
+
+def RoundRobin(runs, rounds: int, warmup: int) -> List[List[float]]:
+  """Seconds of each run() over `rounds` rounds, taken in turn (the order
+  rotating each round), so that load that comes and goes hits all alike."""
+  for run in runs:
+    for _ in range(warmup):
+      run()
+  times = [[] for _ in runs]
+  order = list(range(len(runs)))
+  for r in range(rounds):
+    k = r % len(order)
+    for i in order[k:] + order[:k]:
+      t = time.perf_counter()
+      runs[i]()
+      times[i].append(time.perf_counter() - t)
+  return times
 
 
 class Measurer:
@@ -94,30 +113,34 @@ def Machine(num_devices: int, model: Optional[str] = None,
             overhead_bytes: float = PROCESS_OVERHEAD_BYTES):
   """This host's Machine, probed under the trainer's session config.
 
-  With `model` and `profile`, the per-op time is calibrated on a few steps of
-  the model's plainest plan (planner.Calibrate), run in this process.
+  With `model` and `profile`, calibrated (planner.Calibrate) on the model's
+  reference plans, timed in turn in this process.
   """
-  import statistics  # pylint: disable=g-import-not-at-top
   machine = planner.ProbeMachine(planner.SessionConfig(num_devices),
                                  overhead_bytes=overhead_bytes)
   if model and profile:
-    ref = planner.ReferencePlan(profile)
-    sess, train_op = planner.BuildExperimentStep(model, ref)
-    times = planner.TimeSteps(lambda: sess.run(train_op), 5, 2)
-    sess.close()
-    machine = planner.Calibrate(profile, machine, ref,
-                                statistics.median(times))
+    refs = planner.ReferencePlans(profile)
+    steps = [planner.BuildExperimentStep(model, ref) for ref in refs]
+    times = RoundRobin([lambda s=s: s[0].run(s[1]) for s in steps], 5, 1)
+    for sess, _ in steps:
+      sess.close()
+    machine = planner.Calibrate(profile, machine,
+                                [statistics.median(t) for t in times])
   return machine
 
 
 def ChooseForExperiment(model_params, name: str, devices: int,
                         memory_per_device: Optional[float] = None,
                         global_batch: Optional[int] = None,
-                        machine: Optional[planner.Machine] = None
-                       ) -> List[planner.Plan]:
-  """Ranked predicted plans of an experiment's params (PlanError if none)."""
+                        machine: Optional[planner.Machine] = None,
+                        calibrate: bool = True) -> List[planner.Plan]:
+  """Ranked predicted plans of an experiment's params (PlanError if none).
+
+  Without `machine`, this host's, probed, and with `calibrate` calibrated on
+  the experiment `name`'s reference plans (see Machine).
+  """
   profile = planner.ProfileExperiment(model_params, name)
-  machine = machine or Machine(devices, name, profile)
+  machine = machine or Machine(devices, name if calibrate else None, profile)
   return planner.Choose(profile, devices, memory_per_device, global_batch,
                         machine)
 
@@ -164,6 +187,11 @@ def _ParseArgs(argv):
                       help='Plans --measure times (default %(default)s).')
   parser.add_argument('--measure_steps', type=int, default=MEASURE_STEPS,
                       help='Timed steps per plan (default %(default)s).')
+  parser.add_argument(
+      '--calibrate', action=argparse.BooleanOptionalAction, default=True,
+      help='Time the model\'s three reference plans (one cell, one '
+      'replica) in this process first, to fit the per-op and per-step '
+      'times (default); --no-calibrate uses the machine probe alone.')
   parser.add_argument('--json', action='store_true',
                       help='Print one JSON object: the ranked plans and the '
                       'best one\'s override and flags.')
@@ -213,7 +241,8 @@ def main(argv=None) -> int:
                    'LayerStack); pass a pipelined experiment.' %
                    (args.model, cfg.task.cls.__name__))
     plans = ChooseForExperiment(cfg, args.model, args.devices,
-                                args.memory_bytes, args.global_batch)
+                                args.memory_bytes, args.global_batch,
+                                calibrate=args.calibrate)
   except ValueError as e:  # PlanError, or a bad param: one line.
     return _Fail(str(e).strip().split('\n')[0])
   if args.measure:
