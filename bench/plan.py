@@ -54,7 +54,7 @@ FC_WIDTH = 512
 FC_BATCH = 64
 FC_MODEL = 'homogeneous'
 # What the sweep enumerates (every plan of planner.Enumerate within these).
-SWEEP_MICRO_BATCHES = (1, 2, 4)
+SWEEP_MICRO_BATCHES = (1, 4)
 SWEEP_SYNC = ('all_reduce',)
 
 
@@ -118,7 +118,7 @@ def BuildFcStep(plan: planner.Plan):
                     dtype=tf.float32)
     params = dict(schedule=plan.schedule)
     if plan.schedule not in planner.ALWAYS_RECOMPUTE + (
-        planner.LINEAR_LOSS_ONLY):
+        planner.LIST_SCHEDULES):
       params['recompute'] = plan.recompute
     net = gpipe.PipeliningLayer.Params().Set(
         name='pipe', cell_tpl=cells, num_micro_batches=plan.num_micro_batches,
@@ -174,8 +174,9 @@ def SweepPlans(model: str, profile: planner.ModelProfile,
 
 def TimePlans(model: str, plans: Sequence[planner.Plan], rounds: int,
               warmup: int) -> List[float]:
-  """Median step seconds of each plan, all built in this process and timed
-  in turn, round robin (plan_tool.RoundRobin)."""
+  """Step seconds of each plan, all built in this process and timed in
+  turn, round robin (plan_tool.RoundRobin): the fastest of the rounds, the
+  least disturbed by other processes' load."""
   steps = []
   for p in plans:
     steps.append(BuildStep(model, p))
@@ -183,7 +184,7 @@ def TimePlans(model: str, plans: Sequence[planner.Plan], rounds: int,
       [lambda s=s: s[0].run(s[1]) for s in steps], rounds, warmup)
   for sess, _ in steps:
     sess.close()
-  return [statistics.median(t) for t in times]
+  return [min(t) for t in times]
 
 
 def Rss(model: str, plans: Sequence[planner.Plan], measurer) -> List:

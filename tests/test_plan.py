@@ -1,5 +1,6 @@
 """The automatic plan (issue 24): lingvo_ext/core/planner.py, tools/plan.py."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -83,14 +84,27 @@ def test_enumeration_uses_the_exact_cut():
 def test_enumeration_offers_schedules_the_loss_allows():
   nonlinear = {(p.schedule, p.recompute)
                for p in planner.Enumerate(_Profile(linear_loss=False), 4)}
-  assert ('zero_bubble', False) not in nonlinear
-  assert not any(s == 'interleaved_1f1b' for s, _ in nonlinear)
+  # No backward pass before every forward: '1f1b' recomputes.
   assert ('1f1b', False) not in nonlinear and ('1f1b', True) in nonlinear
   assert ('recurrent', False) not in nonlinear
+  assert {('zero_bubble', False), ('interleaved_1f1b', False),
+          ('unrolled', True), ('unrolled', False)} <= nonlinear
   linear = {(p.schedule, p.recompute)
             for p in planner.Enumerate(_Profile(), 4)}
   assert {('zero_bubble', False), ('interleaved_1f1b', False),
           ('1f1b', False), ('unrolled', True)} <= linear
+
+
+def test_nonlinear_loss_runs_forwards_first():
+  """zero_bubble with a loss not linear in the outputs: all forwards first,
+  so every micro-batch is alive at once, as under GPipe."""
+  plan = _Plan(4, 8, 'zero_bubble')
+  linear = planner.Predict(_Profile(kept=4096.), plan, _FLOPS_ONLY)
+  nonlinear = planner.Predict(_Profile(kept=4096., linear_loss=False),
+                              dataclasses.replace(plan), _FLOPS_ONLY)
+  gpipe = planner.Predict(_Profile(kept=4096., linear_loss=False),
+                          _Plan(4, 8), _FLOPS_ONLY)
+  assert nonlinear.peak_bytes == gpipe.peak_bytes > linear.peak_bytes
 
 
 def test_budget_drops_plans_and_names_the_least_that_fits():

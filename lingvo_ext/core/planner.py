@@ -28,11 +28,11 @@ per-stage costs (`actions.Simulate`):
 
 'unrolled' and 'recurrent' run GPipe's order (all forward passes, then the
 backward passes; 'recurrent' is Lingvo's StackedRecurrent loop, which always
-recomputes). '1f1b' with a loss that is not linear in the pipeline's outputs
-cannot start a backward pass before every forward pass ends
-(schedules.py): it runs GPipe's order with recompute, so the planner only
-offers it with recompute there, as it offers 'interleaved_1f1b' and
-'zero_bubble' (schedules.LINEAR_LOSS_ONLY) only for linear losses.
+recomputes). With a loss that is not linear in the pipeline's outputs no backward pass
+can start before every forward pass ends (schedules.py): '1f1b' then runs
+GPipe's order with recompute, so the planner offers it only with recompute
+there, and 'interleaved_1f1b' and 'zero_bubble' run each device's forward
+actions first (`actions.ForwardsFirst`), which is what is simulated.
 
 Everything here is pure Python. The TensorFlow half (profiling a registered
 experiment's layers, probing the machine's FLOP rate and per-op time,
@@ -53,7 +53,8 @@ from lingvo_ext.core import partitioning
 SCHEDULE_NAMES = ('unrolled', '1f1b', 'recurrent', 'interleaved_1f1b',
                   'zero_bubble')
 ALWAYS_RECOMPUTE = ('recurrent',)
-LINEAR_LOSS_ONLY = ('interleaved_1f1b', 'zero_bubble')
+# Schedules that never recompute (action lists run as they are).
+LIST_SCHEDULES = ('interleaved_1f1b', 'zero_bubble')
 # gradient_sync strategies the planner offers for R > 1 (the ps strategies
 # need a ps job; see gradient_sync.py).
 SYNC_CHOICES = ('shared', 'all_reduce')
@@ -161,11 +162,13 @@ class Machine:
     s_per_op: Fixed time of one op (executor dispatch, kernel launch).
     bytes_per_s: Rate of moving bytes between devices (and of updates).
     cores: How many devices can compute at once (CPU devices of one host
-      share its cores); None: all of them.
+      share its cores, and other processes' load takes its share); None: all
+      of them. May be fractional.
     step_s: Fixed time of a training step (session run, input, summaries).
     update_ops_per_var: Ops of one variable's optimizer update.
-    loop_s: 'recurrent' only: the extra time of each action in Lingvo's
-      StackedRecurrent loop (one loop iteration per action).
+    loop_s: 'recurrent' only: the time of each iteration of Lingvo's
+      StackedRecurrent loop after the first (M + K - 2 more forward and as
+      many backward).
     bytes_per_op: Process memory per op of the step's graph (graph,
       executor and kernel state, allocator slack).
     overhead_bytes: Process memory besides the model and its graph (TF
@@ -174,15 +177,15 @@ class Machine:
   flops_per_s: float = 2e10
   s_per_op: float = 2e-5
   bytes_per_s: float = 5e9
-  cores: Optional[int] = None
+  cores: Optional[float] = None
   step_s: float = 2e-3
   update_ops_per_var: int = 12
   loop_s: float = 0.
   bytes_per_op: float = 0.
   overhead_bytes: float = 0.
 
-  def Parallel(self, devices: int) -> int:
-    return devices if self.cores is None else max(1, min(devices, self.cores))
+  def Parallel(self, devices: int) -> float:
+    return devices if self.cores is None else max(1., min(devices, self.cores))
 
 
 @dataclasses.dataclass
@@ -304,8 +307,6 @@ def Enumerate(profile: ModelProfile, devices: int,
       if micro_batches:
         ms = [m for m in ms if m in micro_batches]
       for name in schedules:
-        if name in LINEAR_LOSS_ONLY and not profile.linear_loss:
-          continue
         if name == 'zero_bubble' and d == 1:
           continue  # One stage: nothing to overlap; it is 'unrolled'.
         if name == 'interleaved_1f1b':
@@ -314,7 +315,7 @@ def Enumerate(profile: ModelProfile, devices: int,
           ks = [d]
         if name == 'recurrent':
           recomputes = [True]
-        elif name in LINEAR_LOSS_ONLY:
+        elif name in LIST_SCHEDULES:
           recomputes = [False]
         elif name == '1f1b' and not profile.linear_loss:
           recomputes = [True]
@@ -372,26 +373,27 @@ def Stages(profile: ModelProfile, sizes: Sequence[int]) -> List[_Stage]:
   return out
 
 
-def ActionSchedule(plan: Plan) -> Tuple[actions.StageSpec, List]:
+def ActionSchedule(plan: Plan, linear_loss: bool = True
+                  ) -> Tuple[actions.StageSpec, List]:
   """The plan's action lists: the schedule's own, or GPipe's order for the
   engine schedules whose order it is ('unrolled', 'recurrent', and '1f1b'
-  with recompute, whose backward passes wait for every forward pass)."""
+  with recompute, whose backward passes wait for every forward pass); for a
+  loss not linear in the outputs, forward actions first."""
   spec = actions.StageSpec(plan.num_cells, plan.devices_per_replica,
                            plan.num_micro_batches, recompute=plan.recompute)
   name = plan.schedule
   if name == 'recurrent' or (name == '1f1b' and plan.recompute):
     name = 'unrolled'
-  return spec, actions.Build(name, spec)
+  schedule = actions.Build(name, spec)
+  if not linear_loss and name in LIST_SCHEDULES:
+    schedule = actions.ForwardsFirst(schedule)
+  return spec, schedule
 
 
-def _Costs(stages: Sequence[_Stage], micro_batch: int, machine: Machine,
-           loop: bool = False):
+def _Costs(stages: Sequence[_Stage], micro_batch: int, machine: Machine):
   """Action -> seconds for the stages at `micro_batch` examples."""
 
   def Cost(a: actions.Action) -> float:
-    return _Cost(a) + (machine.loop_s if loop else 0.)
-
-  def _Cost(a: actions.Action) -> float:
     st = stages[a.stage]
     fwd = st.fwd_ops * machine.s_per_op + (
         st.flops * micro_batch / machine.flops_per_s)
@@ -423,8 +425,8 @@ def Predict(profile: ModelProfile, plan: Plan,
   """Fills in the plan's predicted step time, bubble, memory and bytes."""
   stages = Stages(profile, plan.sizes)
   mb = plan.replica_batch // plan.num_micro_batches
-  spec, schedule = ActionSchedule(plan)
-  cost = _Costs(stages, mb, machine, loop=plan.schedule == 'recurrent')
+  spec, schedule = ActionSchedule(plan, profile.linear_loss)
+  cost = _Costs(stages, mb, machine)
   tl = actions.Simulate(spec, schedule, cost)
   busy = sum(tl.end[a] - tl.start[a] for a in tl.start)
   r = plan.replicas
@@ -442,7 +444,11 @@ def Predict(profile: ModelProfile, plan: Plan,
   # Splitting the batch into micro-batches and concatenating the outputs.
   split = 2 * plan.num_micro_batches * machine.s_per_op
   loss = profile.loss_ops * r * machine.s_per_op
-  plan.step_s = compute + update + sync + split + loss + machine.step_s
+  loop = 0.
+  if plan.schedule == 'recurrent':
+    loop = 2 * (plan.num_micro_batches + plan.num_cells - 2) * machine.loop_s
+  plan.step_s = (compute + update + sync + split + loss + loop +
+                 machine.step_s)
   plan.bubble = tl.IdleFraction()
 
   # Memory of each device of one replica.
@@ -552,7 +558,7 @@ def Overrides(plan: Plan) -> Dict[str, object]:
       # None lets '1f1b' decide per gradient (schedules.py); the planner
       # only gives it recompute where it must recompute.
       'task.recompute': (None if plan.schedule in ALWAYS_RECOMPUTE +
-                         LINEAR_LOSS_ONLY else plan.recompute),
+                         LIST_SCHEDULES else plan.recompute),
       'task.gradient_sync': plan.gradient_sync,
       'input.batch_size': plan.replica_batch,
   }
@@ -782,16 +788,19 @@ def ProfileExperiment(model_params, name: str = '') -> ModelProfile:
       linear_loss=False)
 
 
-def ProbeMachine(session_config=None, cores: Optional[int] = None,
+def ProbeMachine(session_config=None, cores: Optional[float] = None,
                  overhead_bytes: float = 0.) -> Machine:
-  """Machine with this host's FLOP rate and per-op time, measured (TF).
+  """Machine with this host's FLOP rate, per-op time and parallelism (TF).
 
   Times a chain of small elementwise ops (the per-op cost) and a chain of
-  matmuls (the FLOP rate) in a throw-away session: about a second.
+  matmuls (the FLOP rate) in a throw-away session, and two such matmul
+  chains on two devices at once: how much faster than one after the other
+  they run is how many devices compute at once (CPU devices share the
+  host's cores, and other processes take their share). A few seconds.
 
   Args:
     session_config: The tf.ConfigProto the model will run under.
-    cores: Devices that compute at once; default os.cpu_count().
+    cores: Devices that compute at once; default: measured as above.
     overhead_bytes: See Machine.
   """
   import statistics  # pylint: disable=g-import-not-at-top
@@ -807,11 +816,17 @@ def ProbeMachine(session_config=None, cores: Optional[int] = None,
       y = tf.tanh(y)  # Nothing for Grappler to fold.
     small = tf.reduce_sum(y)
     empty = tf.reduce_sum(x)
-    a = tf.Variable(np.random.RandomState(0).rand(dim, dim).astype(np.float32))
-    z = tf.identity(a)
-    for _ in range(n_mm):
-      z = tf.matmul(z, a) * (1. / dim)
-    big = tf.reduce_sum(z)
+    chains = []
+    for d in range(2):
+      with tf.device('/cpu:%d' % d):
+        a = tf.Variable(
+            np.random.RandomState(d).rand(dim, dim).astype(np.float32))
+        z = tf.identity(a)
+        for _ in range(n_mm):
+          z = tf.matmul(z, a) * (1. / dim)
+        chains.append(tf.reduce_sum(z))
+    big = chains[0]
+    both = tf.add_n(chains)
     init = tf.global_variables_initializer()
 
   def Median(sess, fetch, n=7):
@@ -823,15 +838,23 @@ def ProbeMachine(session_config=None, cores: Optional[int] = None,
       ts.append(time.perf_counter() - t)
     return statistics.median(ts)
 
-  with tf.Session(graph=g, config=session_config) as sess:
+  config = tf.config_pb2.ConfigProto()
+  if session_config is not None:
+    config.CopyFrom(session_config)
+  config.device_count['CPU'] = max(2, config.device_count['CPU'])
+  config.allow_soft_placement = True
+  with tf.Session(graph=g, config=config) as sess:
     sess.run(init)
     base = Median(sess, empty)
     s_per_op = max(Median(sess, small) - base, 1e-7) / n_ops
-    mm = max(Median(sess, big) - base - n_mm * 2 * s_per_op, 1e-7)
+    one = Median(sess, big)
+    two = Median(sess, both)
+  mm = max(one - base - n_mm * 2 * s_per_op, 1e-7)
   flops_per_s = n_mm * 2. * dim**3 / mm
-  return Machine(flops_per_s=flops_per_s, s_per_op=s_per_op,
-                 cores=cores or os.cpu_count() or 1, step_s=base,
-                 overhead_bytes=overhead_bytes)
+  if cores is None:
+    cores = min(max(2. * one / max(two, 1e-9), 1.), float(os.cpu_count() or 1))
+  return Machine(flops_per_s=flops_per_s, s_per_op=s_per_op, cores=cores,
+                 step_s=base, overhead_bytes=overhead_bytes)
 
 
 def ExperimentParams(model: str, dataset: str = 'Train'):
@@ -996,9 +1019,10 @@ def Calibrate(profile: ModelProfile, machine: Machine,
   out = dataclasses.replace(machine, s_per_op=s_per_op, step_s=fixed)
   if len(step_s) > 2:
     rc = _Fit(profile, c, out, loop_s=0.).step_s
-    num_actions = 3 * c.num_micro_batches  # F, R, B per micro-batch.
-    out = dataclasses.replace(
-        out, loop_s=max((step_s[2] - rc) / num_actions, 0.))
+    iterations = 2 * (c.num_micro_batches - 1)
+    if iterations:
+      out = dataclasses.replace(
+          out, loop_s=max((step_s[2] - rc) / iterations, 0.))
   if rss_bytes:
     ma = _Fit(profile, a, out, bytes_per_op=0., overhead_bytes=0.)
     mb = _Fit(profile, b, out, bytes_per_op=0., overhead_bytes=0.)

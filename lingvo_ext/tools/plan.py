@@ -18,7 +18,6 @@ import difflib
 import json
 import multiprocessing
 import os
-import statistics
 import sys
 import time
 from typing import Dict, List, Optional
@@ -96,12 +95,22 @@ class Measurer:
 def MeasurePlans(model: str, plans: List[planner.Plan],
                  steps: int = MEASURE_STEPS,
                  warmup: int = MEASURE_WARMUP) -> None:
-  """Sets measured_step_s and measured_rss_bytes of each plan."""
+  """Sets measured_step_s and measured_rss_bytes of each plan.
+
+  Step times: all plans built in this process and timed in turn, `steps`
+  rounds (RoundRobin), the fastest round (the least disturbed by other
+  processes); peak RSS: each plan in a fresh process.
+  """
+  built = [planner.BuildExperimentStep(model, p) for p in plans]
+  times = RoundRobin([lambda s=s: s[0].run(s[1]) for s in built], steps,
+                     warmup)
+  for (sess, _), p, t in zip(built, plans, times):
+    sess.close()
+    p.measured_step_s = min(t)
   measurer = Measurer(planner.MeasureJob, ['lingvo_ext.core.planner'])
   for p in plans:
-    out = measurer.Measure(dict(model=model, plan=p.ToDict(), steps=steps,
-                                warmup=warmup))
-    p.measured_step_s = out.get('step_s')
+    out = measurer.Measure(dict(model=model, plan=p.ToDict(), steps=2,
+                                warmup=0))
     p.measured_rss_bytes = out.get('rss_bytes')
 
 
@@ -124,8 +133,7 @@ def Machine(num_devices: int, model: Optional[str] = None,
     times = RoundRobin([lambda s=s: s[0].run(s[1]) for s in steps], 5, 1)
     for sess, _ in steps:
       sess.close()
-    machine = planner.Calibrate(profile, machine,
-                                [statistics.median(t) for t in times])
+    machine = planner.Calibrate(profile, machine, [min(t) for t in times])
   return machine
 
 
