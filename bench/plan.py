@@ -320,7 +320,15 @@ def main(argv=None) -> int:
                       '%(default)s).')
   parser.add_argument('--markdown', action='store_true',
                       help='Print markdown tables instead of JSON lines.')
+  parser.add_argument('--jsonl', help='Also append each model\'s record '
+                      'to this file as it is done.')
+  parser.add_argument('--from_jsonl',
+                      help='Only render --markdown from a saved --jsonl.')
   args = parser.parse_args(argv)
+  if args.from_jsonl:
+    with open(args.from_jsonl) as f:
+      print(Markdown([json.loads(l) for l in f if l.strip()]))
+    return 0
   if args.devices < 1:
     parser.error('--devices must be >= 1.')
   # By module path, so the fork server's children find it.
@@ -331,6 +339,9 @@ def main(argv=None) -> int:
   for model in args.models:
     records.append(RunModel(model, args.devices, args.rounds, args.warmup,
                             args.measure_top, measurer))
+    if args.jsonl:
+      with open(args.jsonl, 'a') as f:
+        f.write(json.dumps(records[-1]) + '\n')
     if not args.markdown:
       print(json.dumps(records[-1]), flush=True)
   if args.markdown:
