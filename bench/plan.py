@@ -214,10 +214,10 @@ def RunModel(model: str, devices: int, rounds: int, warmup: int,
   times = TimePlans(model, refs + plans, rounds, warmup)
   ref_rss = Rss(model, refs[:2], measurer)
   machine = planner.Calibrate(profile, machine, times[:len(refs)], ref_rss)
-  _Log('%s: %.3g FLOP/s, %.1f us per op, %.1f ms per step, %.2f ms per loop '
-       'iteration, %.0f KB per graph op, overhead %s' % (
-           model, machine.flops_per_s, 1e6 * machine.s_per_op,
-           1e3 * machine.step_s, 1e3 * machine.loop_s,
+  _Log('%s: %.3g FLOP/s, %.2f devices at once, %.1f us per op (x %.2f in '
+       'recurrent), %.1f ms per step, %.0f KB per graph op, overhead %s' % (
+           model, machine.flops_per_s, machine.cores, 1e6 * machine.s_per_op,
+           machine.recurrent_op_factor, 1e3 * machine.step_s,
            machine.bytes_per_op / 1024,
            planner.FormatSize(machine.overhead_bytes)))
   plans = planner.PredictAll(profile, plans, machine)
@@ -258,6 +258,8 @@ def RunModel(model: str, devices: int, rounds: int, warmup: int,
       chosen_measure_over_best=round(chosen_measured.measured_step_s / best,
                                      3),
       machine=dataclasses.asdict(machine),
+      reference_ms=[round(1e3 * t, 3) for t in times[:len(refs)]],
+      reference_rss_mb=[round(r / 2**20, 1) for r in ref_rss if r],
       seconds=round(time.time() - t0),
       rows=[dict(key=p.Key(), sizes=list(p.sizes),
                  predicted_ms=round(1e3 * p.step_s, 2),

@@ -222,14 +222,14 @@ def test_bytes_between_devices():
 def test_calibrate_recovers_the_constants():
   profile = _Profile(linear_loss=False)
   truth = planner.Machine(flops_per_s=1e9, s_per_op=3e-5, step_s=4e-3,
-                          loop_s=1e-3, bytes_per_op=2048.,
+                          recurrent_op_factor=0.4, bytes_per_op=2048.,
                           overhead_bytes=5e8, cores=2)
   refs = planner.ReferencePlans(profile)
   times = [planner.Predict(profile, p, truth).step_s for p in refs]
   rss = [planner.Predict(profile, p, truth).process_bytes for p in refs]
   probed = planner.Machine(flops_per_s=1e9, s_per_op=1e-6, cores=2)
   fitted = planner.Calibrate(profile, probed, times, rss)
-  for field in ('s_per_op', 'step_s', 'loop_s', 'bytes_per_op',
+  for field in ('s_per_op', 'step_s', 'recurrent_op_factor', 'bytes_per_op',
                 'overhead_bytes'):
     assert getattr(fitted, field) == pytest.approx(getattr(truth, field)), (
         field)

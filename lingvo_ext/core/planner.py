@@ -166,9 +166,9 @@ class Machine:
       of them. May be fractional.
     step_s: Fixed time of a training step (session run, input, summaries).
     update_ops_per_var: Ops of one variable's optimizer update.
-    loop_s: 'recurrent' only: the time of each iteration of Lingvo's
-      StackedRecurrent loop after the first (M + K - 2 more forward and as
-      many backward).
+    recurrent_op_factor: 'recurrent' only: the time of an op inside Lingvo's
+      StackedRecurrent loop (a function the loop calls per micro-batch)
+      over s_per_op.
     bytes_per_op: Process memory per op of the step's graph (graph,
       executor and kernel state, allocator slack).
     overhead_bytes: Process memory besides the model and its graph (TF
@@ -180,7 +180,7 @@ class Machine:
   cores: Optional[float] = None
   step_s: float = 2e-3
   update_ops_per_var: int = 12
-  loop_s: float = 0.
+  recurrent_op_factor: float = 1.
   bytes_per_op: float = 0.
   overhead_bytes: float = 0.
 
@@ -390,14 +390,15 @@ def ActionSchedule(plan: Plan, linear_loss: bool = True
   return spec, schedule
 
 
-def _Costs(stages: Sequence[_Stage], micro_batch: int, machine: Machine):
+def _Costs(stages: Sequence[_Stage], micro_batch: int, machine: Machine,
+           s_per_op: float):
   """Action -> seconds for the stages at `micro_batch` examples."""
 
   def Cost(a: actions.Action) -> float:
     st = stages[a.stage]
-    fwd = st.fwd_ops * machine.s_per_op + (
+    fwd = st.fwd_ops * s_per_op + (
         st.flops * micro_batch / machine.flops_per_s)
-    bwd = st.bwd_ops * machine.s_per_op + (
+    bwd = st.bwd_ops * s_per_op + (
         2 * st.flops * micro_batch / machine.flops_per_s)
     if a.kind in ('F', 'R'):
       return fwd
@@ -426,7 +427,10 @@ def Predict(profile: ModelProfile, plan: Plan,
   stages = Stages(profile, plan.sizes)
   mb = plan.replica_batch // plan.num_micro_batches
   spec, schedule = ActionSchedule(plan, profile.linear_loss)
-  cost = _Costs(stages, mb, machine)
+  s_per_op = machine.s_per_op
+  if plan.schedule == 'recurrent':
+    s_per_op *= machine.recurrent_op_factor
+  cost = _Costs(stages, mb, machine, s_per_op)
   tl = actions.Simulate(spec, schedule, cost)
   busy = sum(tl.end[a] - tl.start[a] for a in tl.start)
   r = plan.replicas
@@ -444,11 +448,7 @@ def Predict(profile: ModelProfile, plan: Plan,
   # Splitting the batch into micro-batches and concatenating the outputs.
   split = 2 * plan.num_micro_batches * machine.s_per_op
   loss = profile.loss_ops * r * machine.s_per_op
-  loop = 0.
-  if plan.schedule == 'recurrent':
-    loop = 2 * (plan.num_micro_batches + plan.num_cells - 2) * machine.loop_s
-  plan.step_s = (compute + update + sync + split + loss + loop +
-                 machine.step_s)
+  plan.step_s = compute + update + sync + split + loss + machine.step_s
   plan.bubble = tl.IdleFraction()
 
   # Memory of each device of one replica.
@@ -991,9 +991,9 @@ def Calibrate(profile: ModelProfile, machine: Machine,
   The probe's per-op time is that of a chain of tiny ops; a model's graph
   (allocation, several devices, Lingvo's bookkeeping) costs more per op. The
   two 'unrolled' references fix the per-op time (from how the step grows with
-  M) and the fixed time of a step; the 'recurrent' one the cost of a loop
-  iteration. With their peak RSS, the two 'unrolled' ones fix the bytes per
-  graph op and the process overhead. Everything else (FLOP rate from the
+  M) and the fixed time of a step; the 'recurrent' one the time of an op in
+  Lingvo's loop (`recurrent_op_factor`). With their peak RSS, the two
+  'unrolled' ones fix the bytes per graph op and the process overhead. Everything else (FLOP rate from the
   probe, schedules, cells, recompute, replicas) stays predicted.
 
   Args:
@@ -1003,8 +1003,8 @@ def Calibrate(profile: ModelProfile, machine: Machine,
     rss_bytes: Their measured peak RSS (the first two are used), or None.
   """
   a, b, c = ReferencePlans(profile)
-  zero = dict(s_per_op=0., step_s=0., loop_s=0., bytes_per_op=0.,
-              overhead_bytes=0.)
+  zero = dict(s_per_op=0., step_s=0., recurrent_op_factor=1.,
+              bytes_per_op=0., overhead_bytes=0.)
 
   def Time(plan, **fields):
     return _Fit(profile, plan, machine, **dict(zero, **fields)).step_s
@@ -1018,11 +1018,11 @@ def Calibrate(profile: ModelProfile, machine: Machine,
   fixed = max(ta - fa - s_per_op * oa, 0.)
   out = dataclasses.replace(machine, s_per_op=s_per_op, step_s=fixed)
   if len(step_s) > 2:
-    rc = _Fit(profile, c, out, loop_s=0.).step_s
-    iterations = 2 * (c.num_micro_batches - 1)
-    if iterations:
-      out = dataclasses.replace(
-          out, loop_s=max((step_s[2] - rc) / iterations, 0.))
+    p0 = _Fit(profile, c, out, recurrent_op_factor=0.).step_s
+    p1 = _Fit(profile, c, out, recurrent_op_factor=1.).step_s
+    if p1 > p0:
+      out = dataclasses.replace(out, recurrent_op_factor=min(
+          max((step_s[2] - p0) / (p1 - p0), 0.05), 20.))
   if rss_bytes:
     ma = _Fit(profile, a, out, bytes_per_op=0., overhead_bytes=0.)
     mb = _Fit(profile, b, out, bytes_per_op=0., overhead_bytes=0.)
