@@ -804,7 +804,6 @@ def ProbeMachine(session_config=None, cores: Optional[float] = None,
     overhead_bytes: See Machine.
   """
   import statistics  # pylint: disable=g-import-not-at-top
-  import time  # pylint: disable=g-import-not-at-top
   import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   n_ops, dim, n_mm = 300, 384, 4
@@ -829,14 +828,8 @@ def ProbeMachine(session_config=None, cores: Optional[float] = None,
     both = tf.add_n(chains)
     init = tf.global_variables_initializer()
 
-  def Median(sess, fetch, n=7):
-    sess.run(fetch)
-    ts = []
-    for _ in range(n):
-      t = time.perf_counter()
-      sess.run(fetch)
-      ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
+  def Median(sess, fetch):
+    return statistics.median(TimeSteps(lambda: sess.run(fetch), 7, 1))
 
   config = tf.config_pb2.ConfigProto()
   if session_config is not None:

@@ -170,6 +170,43 @@ def ChooseAndApply(model_params, name: str, devices: int,
                     worker_split_size=plan.devices_per_replica)
 
 
+def TrainerAutoPlan(model: str, devices: int,
+                    memory_per_device: Optional[str] = None):
+  """The trainer's --plan=auto: the best plan for `model` on `devices`.
+
+  Args:
+    model: The registered experiment (--model); its params are read with the
+      user's --model_params_override applied.
+    devices: --devices.
+    memory_per_device: --memory_per_device text, or None.
+
+  Returns:
+    (the plan, its --model_params_override text, the trainer flags it needs
+    as a dict, one line to log).
+
+  Raises:
+    ValueError: a one-line message naming the flag (a bad size, or no plan
+      fits the budget).
+  """
+  if devices < 1:
+    raise ValueError('--devices=%d must be >= 1; pass the number of devices '
+                     'to plan for, e.g. --devices=2.' % devices)
+  budget = None
+  if memory_per_device:
+    try:
+      budget = planner.ParseSize(memory_per_device)
+    except ValueError as e:
+      raise ValueError('--memory_per_device=%s: %s' %
+                       (memory_per_device, e)) from None
+  plan, flags = ChooseAndApply(planner.ExperimentParams(model), model,
+                               devices, budget)
+  text = planner.OverrideString(plan)
+  line = ('--plan=auto chose %s; running it with %s '
+          "--model_params_override='%s'" %
+          (planner.Describe(plan), ' '.join(planner.TrainerFlags(plan)), text))
+  return plan, text, flags, line
+
+
 # --- The command line ---------------------------------------------------------
 
 
@@ -205,7 +242,6 @@ def _ParseArgs(argv):
                       'best one\'s override and flags.')
   parser.add_argument('--limit', type=int, default=15,
                       help='Rows of the table (default %(default)s).')
-  parser.add_argument('--_child', help=argparse.SUPPRESS)
   return parser.parse_args(argv)
 
 
