@@ -363,3 +363,12 @@ def test_cli_json_parses_and_runs_the_best():
       timeout=300, check=False)
   assert proc.returncode == 2
   assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+@pytest.mark.parametrize('devices,memory,flag', [
+    (0, None, '--devices'), (2, '2XB', '--memory_per_device')])
+def test_trainer_auto_plan_bad_flags(devices, memory, flag):
+  from lingvo_ext.tools import plan as plan_tool  # pylint: disable=g-import-not-at-top
+  with pytest.raises(ValueError) as e:
+    plan_tool.TrainerAutoPlan(TINY, devices, memory)
+  assert str(e.value).startswith(flag) and '\n' not in str(e.value)
