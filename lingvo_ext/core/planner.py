@@ -1008,8 +1008,17 @@ def Calibrate(profile: ModelProfile, machine: Machine,
   s_per_op = machine.s_per_op
   if ob > oa:
     s_per_op = max(((tb - fb) - (ta - fa)) / (ob - oa), machine.s_per_op)
-  fixed = max(ta - fa - s_per_op * oa, 0.)
-  out = dataclasses.replace(machine, s_per_op=s_per_op, step_s=fixed)
+  fixed = ta - fa - s_per_op * oa
+  out = dataclasses.replace(machine, s_per_op=s_per_op, step_s=max(fixed, 0.))
+  if fixed < 0:
+    # The reference ran faster than the probe's FLOP rate allows (the probe
+    # is a small matmul, taken under whatever load there was): raise the
+    # rate until the FLOPs fit in the time the ops leave.
+    flops_s = Time(a) - Time(a, flops_per_s=1e30)
+    budget = ta - s_per_op * oa - Time(a, flops_per_s=1e30)
+    if flops_s > 0 and budget > 0:
+      out = dataclasses.replace(
+          out, flops_per_s=machine.flops_per_s * flops_s / budget)
   if len(step_s) > 2:
     p0 = _Fit(profile, c, out, recurrent_op_factor=0.).step_s
     p1 = _Fit(profile, c, out, recurrent_op_factor=1.).step_s
