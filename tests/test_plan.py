@@ -372,3 +372,16 @@ def test_trainer_auto_plan_bad_flags(devices, memory, flag):
   with pytest.raises(ValueError) as e:
     plan_tool.TrainerAutoPlan(TINY, devices, memory)
   assert str(e.value).startswith(flag) and '\n' not in str(e.value)
+
+
+@pytest.mark.e2e
+def test_trainer_plan_auto_bad_budget_exits_2(tmp_path):
+  env = dict(os.environ, PYTHONPATH=ROOT)
+  proc = subprocess.run(
+      [sys.executable, '-m', 'lingvo_ext.trainer', '--model=%s' % TINY,
+       '--plan=auto', '--devices=2', '--memory_per_device=2XB',
+       '--logdir=%s' % tmp_path], cwd=ROOT, env=env, capture_output=True,
+      text=True, timeout=300, check=False)
+  assert proc.returncode == 2
+  lines = proc.stderr.strip().splitlines()
+  assert lines[-1].startswith('error: --memory_per_device=2XB'), lines

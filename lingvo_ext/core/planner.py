@@ -850,18 +850,15 @@ def ProbeMachine(session_config=None, cores: Optional[float] = None,
                  step_s=base, overhead_bytes=overhead_bytes)
 
 
-def ExperimentParams(model: str, dataset: str = 'Train'):
-  """A registered experiment's params (TF); ValueError naming close names."""
-  import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
-  from lingvo import model_registry  # pylint: disable=g-import-not-at-top
+def ExperimentParams(model: str, dataset: str = 'Train',
+                     overrides: str = ''):
+  """A registered experiment's params (TF), `overrides` (a
+  --model_params_override text) applied; ValueError naming close names."""
   from lingvo_ext import registry  # pylint: disable=g-import-not-at-top
-  registry.Install()
   error = registry.CheckModel(model)
   if error:
     raise ValueError(error)
-  if not tf.flags.FLAGS.is_parsed():
-    tf.flags.FLAGS.mark_as_parsed()
-  return model_registry.GetParams(model, dataset)
+  return registry.GetParams(model, dataset, overrides)
 
 
 def SessionConfig(num_devices: int):

@@ -171,14 +171,15 @@ def ChooseAndApply(model_params, name: str, devices: int,
 
 
 def TrainerAutoPlan(model: str, devices: int,
-                    memory_per_device: Optional[str] = None):
+                    memory_per_device: Optional[str] = None,
+                    overrides: str = ''):
   """The trainer's --plan=auto: the best plan for `model` on `devices`.
 
   Args:
-    model: The registered experiment (--model); its params are read with the
-      user's --model_params_override applied.
+    model: The registered experiment (--model).
     devices: --devices.
     memory_per_device: --memory_per_device text, or None.
+    overrides: The user's --model_params_override, applied first.
 
   Returns:
     (the plan, its --model_params_override text, the trainer flags it needs
@@ -198,9 +199,12 @@ def TrainerAutoPlan(model: str, devices: int,
     except ValueError as e:
       raise ValueError('--memory_per_device=%s: %s' %
                        (memory_per_device, e)) from None
-  plan, flags = ChooseAndApply(planner.ExperimentParams(model), model,
-                               devices, budget)
+  plan, flags = ChooseAndApply(
+      planner.ExperimentParams(model, overrides=overrides), model, devices,
+      budget)
   text = planner.OverrideString(plan)
+  if overrides:
+    text = overrides.rstrip('; ') + '; ' + text
   line = ('--plan=auto chose %s; running it with %s '
           "--model_params_override='%s'" %
           (planner.Describe(plan), ' '.join(planner.TrainerFlags(plan)), text))
