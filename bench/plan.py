@@ -4,25 +4,25 @@ For shipped experiments (lingvo_ext/tools/plan.py's models) and the FC
 benchmark of bench/pipeline.py (8 FC layers, a per-example loss in the last
 cell: a loss linear in the pipeline's outputs, so every schedule applies),
 enumerates the plans on --devices CPU devices (lingvo_ext/core/planner.py),
-predicts each, then measures each one's median step time and peak RSS in a
-fresh process (forked from a server that has imported TensorFlow). Per model
+predicts each, then times them all in turn in one process (round robin,
+the fastest of --rounds) and reads each one's peak RSS in a fresh process
+(forked from a server that has imported TensorFlow). Per model
 it reports:
 
 - Spearman's rank correlation of predicted and measured step times;
 - peak memory: the predicted process peak (model bytes plus a process
   overhead calibrated once per model, below) against the measured peak RSS,
   as the relative error |predicted - measured| / measured per plan (mean and
-  worst), and the same for the part above the reference plan's;
+  worst);
 - chosen vs best: the measured step time of the plan the planner ranks first
   without measuring, over the best measured step time in the sweep, and of
   the plan ranked first after measuring its top --measure_top plans again
   (as `--measure` does).
 
-Calibration (once per model, before the sweep, not counted in it): the
-machine probe (FLOP rate, per-op time), then one in-process run of the
-plainest plan (1 cell, 1 micro-batch, 1 replica) sets the per-op time
-(planner.Calibrate), and that plan's peak RSS in a child sets the process
-overhead (its RSS minus its predicted model bytes).
+Calibration (once per model, not counted in the comparison): the machine
+probe (FLOP rate, per-op time, devices at once), then the three reference
+plans of planner.ReferencePlans, timed beside the sweep in their own sessions,
+and the peak RSS of two of them (planner.Calibrate).
 
   .venv/bin/python bench/plan.py                    # JSON lines, default sweep
   .venv/bin/python bench/plan.py --markdown         # tables for docs
