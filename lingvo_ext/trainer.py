@@ -49,6 +49,7 @@ changes:
   and back.
 """
 
+import dataclasses
 import fcntl
 import os
 import signal
@@ -138,6 +139,25 @@ def _CheckParams(o):
   except (ValueError, AttributeError, LookupError) as e:
     return runners.FirstLine(e)
   return None
+
+
+def _AutoPlan(o, argv):
+  """--plan=auto: (error or None, options and argv with the plan's flags)."""
+  if o.plan != 'auto':
+    return (f"--plan={o.plan}: the only plan is 'auto'; pass --plan=auto or "
+            'leave it out.'), o, argv
+  from lingvo_ext.tools import plan as plan_tool  # pylint: disable=g-import-not-at-top
+  try:
+    _, text, flags, line = plan_tool.TrainerAutoPlan(
+        o.model, o.devices or o.num_cpu_devices, o.memory_per_device or None,
+        o.model_params_override)
+  except (ValueError, LookupError) as e:
+    return runners.FirstLine(e), o, argv
+  print(line, flush=True)
+  flags['model_params_override'] = text
+  # tf.app.run parses argv again for Lingvo's runners.
+  argv = list(argv) + [f'--{k}={v}' for k, v in flags.items()]
+  return None, dataclasses.replace(o, **flags), argv
 
 
 def _AlreadyTrained(o):
@@ -280,7 +300,8 @@ def main(unused_argv, options=None):
 
 # The flags --help describes; --helpfull lists all of Lingvo's and TF's.
 _HELP_FLAGS = ('model', 'logdir', 'max_steps', 'num_cpu_devices',
-               'worker_split_size', 'job', 'model_params_override',
+               'worker_split_size', 'job', 'model_params_override', 'plan',
+               'devices', 'memory_per_device',
                'max_nonfinite_steps')
 
 
@@ -319,6 +340,8 @@ def Run(argv=None):
   o = Options.FromFlags()  # The flags, read once.
   # Everything checked before anything is written to the logdir.
   error = _CheckFlags(o)
+  if not error and o.plan:
+    error, o, argv = _AutoPlan(o, argv)
   if not error:
     error = _CheckParams(o)
   if not error:

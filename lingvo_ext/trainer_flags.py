@@ -54,6 +54,17 @@ tf.flags.DEFINE_integer(
     'RunOptions.FULL_TRACE and writes its RunMetadata (step stats: the device '
     'of every op that ran) to LOGDIR/train/run_metadata_step_N.pb.')
 
+tf.flags.DEFINE_string(
+    'plan', '', "'auto': choose the pipeline plan (cells, micro-batches, "
+    'schedule, recompute, replicas) for --devices and --memory_per_device '
+    'with lingvo_ext.tools.plan, log it and train with it.')
+tf.flags.DEFINE_integer(
+    'devices', None,
+    '--plan=auto: devices to plan for (default: --num_cpu_devices).')
+tf.flags.DEFINE_string(
+    'memory_per_device', None,
+    '--plan=auto: memory budget of each device, e.g. 512MB or 2GB.')
+
 # The trainer's defaults for Lingvo's flags: one process runs the controller
 # and the trainer client on CPU; variables start from name-seeded stateless
 # initializers.
@@ -95,12 +106,16 @@ class Options:
   trace_train_step: int = 0
   model_params_override: str = ''
   model_params_file_override: str = ''
+  plan: str = ''
+  devices: int = None
+  memory_per_device: str = ''
 
   @classmethod
   def FromFlags(cls):
     values = {f.name: FLAGS[f.name].value for f in dataclasses.fields(cls)}
     for name in ('model', 'logdir', 'job', 'run_locally', 'cluster_spec',
-                 'model_params_override', 'model_params_file_override'):
+                 'model_params_override', 'model_params_file_override',
+                 'plan', 'memory_per_device'):
       values[name] = values[name] or ''
     values['worker_gpus'] = values['worker_gpus'] or 0
     return cls(**values)

@@ -1,0 +1,356 @@
+"""The planner's predictions against measurements, over every plan of a sweep.
+
+For shipped experiments (lingvo_ext/tools/plan.py's models) and the FC
+benchmark of bench/pipeline.py (8 FC layers, a per-example loss in the last
+cell: a loss linear in the pipeline's outputs, so every schedule applies),
+enumerates the plans on --devices CPU devices (lingvo_ext/core/planner.py),
+predicts each, then times them all in turn in one process (round robin,
+the fastest of --rounds) and reads each one's peak RSS in a fresh process
+(forked from a server that has imported TensorFlow). Per model
+it reports:
+
+- Spearman's rank correlation of predicted and measured step times;
+- peak memory: the predicted process peak (model bytes plus a process
+  overhead calibrated once per model, below) against the measured peak RSS,
+  as the relative error |predicted - measured| / measured per plan (mean and
+  worst);
+- chosen vs best: the measured step time of the plan the planner ranks first
+  without measuring, over the best measured step time in the sweep, and of
+  the plan ranked first after measuring its top --measure_top plans again
+  (as `--measure` does).
+
+Calibration (once per model, not counted in the comparison): the machine
+probe (FLOP rate, per-op time, devices at once), then the three reference
+plans of planner.ReferencePlans, timed beside the sweep in their own sessions,
+and the peak RSS of two of them (planner.Calibrate).
+
+  .venv/bin/python bench/plan.py                    # JSON lines, default sweep
+  .venv/bin/python bench/plan.py --markdown         # tables for docs
+  .venv/bin/python bench/plan.py --models fc --devices 2 --markdown
+"""
+
+import argparse
+import dataclasses
+import importlib
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Dict, List, Sequence
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _REPO not in sys.path:
+  sys.path.insert(0, _REPO)
+
+from lingvo_ext.core import planner  # pylint: disable=g-import-not-at-top
+from lingvo_ext.tools import plan as plan_tool  # pylint: disable=g-import-not-at-top
+
+FC = 'fc'
+DEFAULT_MODELS = ('lm.TransformerLmTiny', 'image.ConvClassifierTiny', FC)
+# The FC benchmark's size here: large enough that FLOPs, not per-op
+# overhead, dominate at M=1, small enough for a sweep of minutes.
+FC_WIDTH = 512
+FC_BATCH = 64
+FC_MODEL = 'homogeneous'
+# What the sweep enumerates (every plan of planner.Enumerate within these).
+SWEEP_MICRO_BATCHES = (1, 4)
+SWEEP_SYNC = ('all_reduce',)
+
+
+def _Log(msg: str) -> None:
+  print('[bench/plan] ' + msg, file=sys.stderr, flush=True)
+
+
+# --- The FC benchmark as a planner model (TF) ---------------------------------
+
+
+def FcLayers():
+  """bench/pipeline.py's FC stack with its per-example loss, and its shape."""
+  from lingvo.core import tshape  # pylint: disable=g-import-not-at-top
+  from bench import pipeline  # pylint: disable=g-import-not-at-top
+  layers = pipeline.LayerParams(FC_MODEL, FC_WIDTH)
+  layers.append(pipeline.PerExampleLoss.Params().Set(name='loss'))
+  shape = tshape.Shape([FC_BATCH, pipeline.Widths(FC_MODEL, FC_WIDTH)[0]])
+  return layers, shape
+
+
+def FcProfile() -> planner.ModelProfile:
+  """The FC benchmark: linear loss, plain SGD (no slots), its own loss op."""
+  layers, shape = FcLayers()
+  return planner.ModelProfile(
+      name=FC, layers=tuple(planner.ProfileLayers(layers, shape)),
+      batch=FC_BATCH, in_bytes=4. * FC_WIDTH, optimizer_slots=0,
+      linear_loss=True, loss_ops=2)
+
+
+def FcSessionConfig(num_devices: int):
+  import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
+  return tf.config_pb2.ConfigProto(
+      device_count={'CPU': num_devices}, inter_op_parallelism_threads=2,
+      intra_op_parallelism_threads=1)
+
+
+def BuildFcStep(plan: planner.Plan):
+  """(session, train op) of the FC benchmark under `plan` (one replica).
+
+  As bench/pipeline.py's Step: the cells of the exact FLOPs cut on the plan's
+  devices, the per-example losses summed, tf.gradients, SGD.
+  """
+  import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
+  from lingvo.core import cluster_factory  # pylint: disable=g-import-not-at-top
+  from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from bench import pipeline  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.core import gpipe  # pylint: disable=g-import-not-at-top
+  py_utils.SetEagerMode(False)
+  if plan.replicas != 1:
+    raise ValueError('the FC benchmark runs one replica.')
+  layers, shape = FcLayers()
+  cells = gpipe.PartitionSequentialLayers(layers, plan.num_cells, shape)
+  graph = tf.Graph()
+  d = plan.devices_per_replica
+  with graph.as_default(), cluster_factory.ForTestingWorker(
+      mode='sync', job='trainer_client', cpus=d, split_size=d):
+    tf.random.set_seed(1)
+    py_utils.GetOrCreateGlobalStepVar()
+    x = tf.constant(np.random.RandomState(0).randn(FC_BATCH, FC_WIDTH),
+                    dtype=tf.float32)
+    params = dict(schedule=plan.schedule)
+    if plan.schedule not in planner.ALWAYS_RECOMPUTE + (
+        planner.LIST_SCHEDULES):
+      params['recompute'] = plan.recompute
+    net = gpipe.PipeliningLayer.Params().Set(
+        name='pipe', cell_tpl=cells, num_micro_batches=plan.num_micro_batches,
+        **params).Instantiate()
+    loss = tf.reduce_sum(net.FPropDefaultTheta(x))
+    variables = net.vars.Flatten()
+    grads = tf.gradients(loss, variables, colocate_gradients_with_ops=True)
+    train = tf.group(*[tf.assign_sub(v, pipeline.LEARNING_RATE * g)
+                       for v, g in zip(variables, grads)])
+    init = tf.global_variables_initializer()
+  sess = tf.Session(graph=graph, config=FcSessionConfig(d))
+  sess.run(init)
+  return sess, train
+
+
+def BuildStep(model: str, plan: planner.Plan):
+  if model == FC:
+    return BuildFcStep(plan)
+  return planner.BuildExperimentStep(model, plan)
+
+
+def MeasureJob(job: Dict) -> Dict:
+  """Runs in a child: one plan's step times and peak RSS."""
+  plan = planner.PlanFromDict(job['plan'])
+  sess, train = BuildStep(job['model'], plan)
+  times = planner.TimeSteps(lambda: sess.run(train), job['steps'],
+                            job['warmup'])
+  sess.close()
+  return dict(step_s=statistics.median(times), times=times,
+              rss_bytes=planner.RssBytes('VmHWM'))
+
+
+# --- The sweep ----------------------------------------------------------------
+
+
+def Profile(model: str) -> planner.ModelProfile:
+  if model == FC:
+    return FcProfile()
+  return planner.ProfileExperiment(planner.ExperimentParams(model), model)
+
+
+def SweepPlans(model: str, profile: planner.ModelProfile,
+               devices: int) -> List[planner.Plan]:
+  """planner.Enumerate within the sweep's bounds (see the constants)."""
+  plans = planner.Enumerate(profile, devices,
+                            micro_batches=SWEEP_MICRO_BATCHES,
+                            sync_choices=SWEEP_SYNC)
+  plans = [p for p in plans if p.num_cells <= 2 * p.devices_per_replica]
+  if model == FC:
+    plans = [p for p in plans if p.replicas == 1]
+  return plans
+
+
+def TimePlans(model: str, plans: Sequence[planner.Plan], rounds: int,
+              warmup: int) -> List[float]:
+  """Step seconds of each plan, all built in this process and timed in
+  turn, round robin (plan_tool.RoundRobin): the fastest of the rounds, the
+  least disturbed by other processes' load."""
+  steps = []
+  for p in plans:
+    steps.append(BuildStep(model, p))
+  times = plan_tool.RoundRobin(
+      [lambda s=s: s[0].run(s[1]) for s in steps], rounds, warmup)
+  for sess, _ in steps:
+    sess.close()
+  return [min(t) for t in times]
+
+
+def Rss(model: str, plans: Sequence[planner.Plan], measurer) -> List:
+  """Peak RSS bytes of each plan, each in a fresh process (2 steps)."""
+  out = []
+  for p in plans:
+    r = measurer.Measure(dict(model=model, plan=p.ToDict(), steps=2,
+                              warmup=0))
+    out.append(r.get('rss_bytes'))
+  return out
+
+
+def RunModel(model: str, devices: int, rounds: int, warmup: int,
+             measure_top: int, measurer) -> Dict:
+  """Predicts and measures every plan of one model; its summary record."""
+  t0 = time.time()
+  profile = Profile(model)
+  config = (FcSessionConfig(devices) if model == FC
+            else planner.SessionConfig(devices))
+  machine = planner.ProbeMachine(config)
+  refs = planner.ReferencePlans(profile)
+  plans = SweepPlans(model, profile, devices)
+  _Log('%s: %d plans; building and timing them (%d rounds)' %
+       (model, len(plans), rounds))
+  # The references are timed beside the sweep's plans (the same load), as
+  # separate sessions: their figures calibrate, the sweep's are compared.
+  times = TimePlans(model, refs + plans, rounds, warmup)
+  ref_rss = Rss(model, refs[:2], measurer)
+  machine = planner.Calibrate(profile, machine, times[:len(refs)], ref_rss)
+  _Log('%s: %.3g FLOP/s, %.2f devices at once, %.1f us per op (x %.2f in '
+       'recurrent), %.1f ms per step, %.0f KB per graph op, overhead %s' % (
+           model, machine.flops_per_s, machine.cores, 1e6 * machine.s_per_op,
+           machine.recurrent_op_factor, 1e3 * machine.step_s,
+           machine.bytes_per_op / 1024,
+           planner.FormatSize(machine.overhead_bytes)))
+  plans = planner.PredictAll(profile, plans, machine)
+  for p, t in zip(plans, times[len(refs):]):
+    p.measured_step_s = t
+  for p, r in zip(plans, Rss(model, plans, measurer)):
+    p.measured_rss_bytes = r
+  for p in plans:
+    _Log('  %-36s predicted %7.1f ms %s, measured %7.1f ms %s' % (
+        p.Key(), 1e3 * p.step_s, planner.FormatSize(p.process_bytes),
+        1e3 * p.measured_step_s,
+        '-' if p.measured_rss_bytes is None else
+        planner.FormatSize(p.measured_rss_bytes)))
+  best = min(p.measured_step_s for p in plans)
+  ranked = planner.Rank(plans)
+  chosen = ranked[0]
+  # --measure: the top plans timed again, in turn, and the fastest taken;
+  # its time below is the sweep's, so both choices compare on one run.
+  top = ranked[:measure_top]
+  again = TimePlans(model, top, rounds, warmup)
+  chosen_measured = top[again.index(min(again))]
+  with_rss = [p for p in plans if p.measured_rss_bytes]
+  mem_err = [abs(p.process_bytes - p.measured_rss_bytes) / p.measured_rss_bytes
+             for p in with_rss]
+  return dict(
+      model=model, devices=devices, plans=len(plans),
+      spearman=round(planner.Spearman([p.step_s for p in plans],
+                                      [p.measured_step_s for p in plans]), 3),
+      mem_err_mean=round(statistics.mean(mem_err), 4),
+      mem_err_max=round(max(mem_err), 4),
+      best_key=min(plans, key=lambda p: p.measured_step_s).Key(),
+      best_ms=round(1e3 * best, 2),
+      chosen_key=chosen.Key(),
+      chosen_ms=round(1e3 * chosen.measured_step_s, 2),
+      chosen_over_best=round(chosen.measured_step_s / best, 3),
+      chosen_measure_key=chosen_measured.Key(),
+      chosen_measure_ms=round(1e3 * chosen_measured.measured_step_s, 2),
+      chosen_measure_over_best=round(chosen_measured.measured_step_s / best,
+                                     3),
+      machine=dataclasses.asdict(machine),
+      reference_ms=[round(1e3 * t, 3) for t in times[:len(refs)]],
+      reference_rss_mb=[round(r / 2**20, 1) for r in ref_rss if r],
+      seconds=round(time.time() - t0),
+      rows=[dict(key=p.Key(), sizes=list(p.sizes),
+                 predicted_ms=round(1e3 * p.step_s, 2),
+                 measured_ms=round(1e3 * p.measured_step_s, 2),
+                 bubble=round(p.bubble, 3),
+                 predicted_peak_mb=round(p.peak_bytes / 2**20, 2),
+                 predicted_process_mb=round(p.process_bytes / 2**20, 1),
+                 measured_rss_mb=(round(p.measured_rss_bytes / 2**20, 1)
+                                  if p.measured_rss_bytes else None),
+                 comm_kb=round(p.comm_bytes / 1024, 1))
+             for p in sorted(plans, key=lambda p: p.measured_step_s)])
+
+
+def Markdown(records: Sequence[Dict]) -> str:
+  lines = [
+      '| model | plans | Spearman (step time) | peak RSS error mean / max '
+      '| chosen (predicted) | x best | chosen (--measure) | x best '
+      '| best measured |',
+      '|' + '---|' * 9,
+  ]
+  for r in records:
+    lines.append('| %s | %d | %.2f | %.1f%% / %.1f%% | %s, %.1f ms | %.2f '
+                 '| %s, %.1f ms | %.2f | %s, %.1f ms |' % (
+                     r['model'], r['plans'], r['spearman'],
+                     100 * r['mem_err_mean'], 100 * r['mem_err_max'],
+                     r['chosen_key'], r['chosen_ms'], r['chosen_over_best'],
+                     r['chosen_measure_key'], r['chosen_measure_ms'],
+                     r['chosen_measure_over_best'], r['best_key'],
+                     r['best_ms']))
+  for r in records:
+    lines += ['', '%s (N=%d): per plan, fastest measured first' %
+              (r['model'], r['devices']), '',
+              '| plan | cut | predicted ms | measured ms | bubble '
+              '| predicted process MB | measured RSS MB |',
+              '|' + '---|' * 7]
+    for row in r['rows']:
+      lines.append('| %s | %s | %.1f | %.1f | %.0f%% | %.0f | %s |' % (
+          row['key'], '+'.join(map(str, row['sizes'])), row['predicted_ms'],
+          row['measured_ms'], 100 * row['bubble'],
+          row['predicted_process_mb'],
+          '-' if row['measured_rss_mb'] is None else
+          '%.0f' % row['measured_rss_mb']))
+  return '\n'.join(lines)
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument('--models', nargs='+', default=list(DEFAULT_MODELS),
+                      help='Registered experiments and/or "fc" (default '
+                      '%(default)s).')
+  parser.add_argument('--devices', type=int, default=2,
+                      help='CPU devices N (default %(default)s).')
+  parser.add_argument('--rounds', type=int, default=7,
+                      help='Timed rounds (one step of each plan per round, '
+                      'in turn; median; default %(default)s).')
+  parser.add_argument('--warmup', type=int, default=2,
+                      help='Untimed steps first (default %(default)s).')
+  parser.add_argument('--measure_top', type=int, default=3,
+                      help='Plans the --measure choice re-times (default '
+                      '%(default)s).')
+  parser.add_argument('--markdown', action='store_true',
+                      help='Print markdown tables instead of JSON lines.')
+  parser.add_argument('--jsonl', help='Also append each model\'s record '
+                      'to this file as it is done.')
+  parser.add_argument('--from_jsonl',
+                      help='Only render --markdown from a saved --jsonl.')
+  args = parser.parse_args(argv)
+  if args.from_jsonl:
+    with open(args.from_jsonl) as f:
+      print(Markdown([json.loads(l) for l in f if l.strip()]))
+    return 0
+  if args.devices < 1:
+    parser.error('--devices must be >= 1.')
+  # By module path, so the fork server's children find it.
+  measurer = plan_tool.Measurer(
+      importlib.import_module('bench.plan').MeasureJob, ['bench.plan'])
+  records = []
+  t = time.time()
+  for model in args.models:
+    records.append(RunModel(model, args.devices, args.rounds, args.warmup,
+                            args.measure_top, measurer))
+    if args.jsonl:
+      with open(args.jsonl, 'a') as f:
+        f.write(json.dumps(records[-1]) + '\n')
+    if not args.markdown:
+      print(json.dumps(records[-1]), flush=True)
+  if args.markdown:
+    print(Markdown(records))
+  _Log('done in %.0f s' % (time.time() - t))
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())

@@ -1,0 +1,327 @@
+r"""Chooses how to pipeline a registered experiment on N devices.
+
+  python -m lingvo_ext.tools.plan --model=lm.TransformerLm --devices=2
+  python -m lingvo_ext.tools.plan --model=lm.TransformerLm --devices=4 \
+      --memory_per_device=64MB --global_batch=32 --measure --json
+
+Enumerates the plans (K cells and their exact min-max cut, M micro-batches,
+schedule, recompute, R data-parallel replicas with K * R <= N, gradient_sync),
+predicts each one's step time and peak memory per device
+(lingvo_ext/core/planner.py), drops those over --memory_per_device and prints
+them fastest first, with the trainer command that runs the best. --measure
+times the top --measure_top plans in turn in this process (the fastest of
+--measure_steps rounds; each one's peak RSS in a fresh process) and ranks
+those by the measured step time.
+"""
+
+import argparse
+import difflib
+import json
+import multiprocessing
+import os
+import sys
+import time
+from typing import Dict, List, Optional
+
+from lingvo_ext.core import planner
+
+# Process memory besides the model, only for the process totals printed
+# (the budget is per device, without it): what bench/plan.py's calibration
+# found for lm.TransformerLmTiny on the development machine (its M=1
+# reference's peak RSS less the predicted model and graph bytes; see
+# docs/benchmarks.md, "Planner").
+PROCESS_OVERHEAD_BYTES = 730 * 2**20
+MEASURE_STEPS = 5
+MEASURE_WARMUP = 2
+
+
+def _Fail(message: str) -> int:
+  print('error: ' + message.replace('\n', ' '), file=sys.stderr)
+  return 2
+
+
+def _UnknownModel(model: str) -> str:
+  from lingvo_ext import registry  # pylint: disable=g-import-not-at-top
+  names = registry.RegisteredModels(model)
+  close = difflib.get_close_matches(model, names, n=3, cutoff=0.5)
+  hint = ('did you mean %s? ' % ', '.join(close)) if close else ''
+  return ('--model=%s is not a registered experiment; %spass one of '
+          '`python -m lingvo_ext.tools.list_models`.' % (model, hint))
+
+
+# --- Measuring plans in child processes -------------------------------------
+
+
+def RoundRobin(runs, rounds: int, warmup: int) -> List[List[float]]:
+  """Seconds of each run() over `rounds` rounds, taken in turn (the order
+  rotating each round), so that load that comes and goes hits all alike."""
+  for run in runs:
+    for _ in range(warmup):
+      run()
+  times = [[] for _ in runs]
+  order = list(range(len(runs)))
+  for r in range(rounds):
+    k = r % len(order)
+    for i in order[k:] + order[:k]:
+      t = time.perf_counter()
+      runs[i]()
+      times[i].append(time.perf_counter() - t)
+  return times
+
+
+class Measurer:
+  """Runs jobs in fresh processes forked from a server that has imported TF.
+
+  Each job gets its own process, so its peak RSS is its own; the fork server
+  (multiprocessing's forkserver, with `preload` imported once) saves the
+  import of TensorFlow per job.
+  """
+
+  def __init__(self, fn, preload: List[str], timeout_s: float = 300):
+    self._ctx = multiprocessing.get_context('forkserver')
+    self._ctx.set_forkserver_preload(preload)
+    self._fn = fn
+    self.timeout_s = timeout_s
+
+  def Measure(self, job: Dict) -> Dict:
+    try:
+      with self._ctx.Pool(1, maxtasksperchild=1) as pool:
+        return pool.apply_async(self._fn, (job,)).get(self.timeout_s)
+    except Exception as e:  # pylint: disable=broad-except
+      print('[plan] measuring %s failed: %r' % (job.get('plan', {}).get(
+          'key', job), e), file=sys.stderr, flush=True)
+      return dict(step_s=None, rss_bytes=None, error=repr(e))
+
+
+def MeasurePlans(model: str, plans: List[planner.Plan],
+                 steps: int = MEASURE_STEPS,
+                 warmup: int = MEASURE_WARMUP) -> None:
+  """Sets measured_step_s and measured_rss_bytes of each plan.
+
+  Step times: all plans built in this process and timed in turn, `steps`
+  rounds (RoundRobin), the fastest round (the least disturbed by other
+  processes); peak RSS: each plan in a fresh process.
+  """
+  built = [planner.BuildExperimentStep(model, p) for p in plans]
+  times = RoundRobin([lambda s=s: s[0].run(s[1]) for s in built], steps,
+                     warmup)
+  for (sess, _), p, t in zip(built, plans, times):
+    sess.close()
+    p.measured_step_s = min(t)
+  measurer = Measurer(planner.MeasureJob, ['lingvo_ext.core.planner'])
+  for p in plans:
+    out = measurer.Measure(dict(model=model, plan=p.ToDict(), steps=2,
+                                warmup=0))
+    p.measured_rss_bytes = out.get('rss_bytes')
+
+
+# --- Choosing -----------------------------------------------------------------
+
+
+def Machine(num_devices: int, model: Optional[str] = None,
+            profile: Optional[planner.ModelProfile] = None,
+            overhead_bytes: float = PROCESS_OVERHEAD_BYTES):
+  """This host's Machine, probed under the trainer's session config.
+
+  With `model` and `profile`, calibrated (planner.Calibrate) on the model's
+  reference plans, timed in turn in this process.
+  """
+  machine = planner.ProbeMachine(planner.SessionConfig(num_devices),
+                                 overhead_bytes=overhead_bytes)
+  if model and profile:
+    refs = planner.ReferencePlans(profile)
+    steps = [planner.BuildExperimentStep(model, ref) for ref in refs]
+    times = RoundRobin([lambda s=s: s[0].run(s[1]) for s in steps], 5, 1)
+    for sess, _ in steps:
+      sess.close()
+    machine = planner.Calibrate(profile, machine, [min(t) for t in times])
+  return machine
+
+
+def ChooseForExperiment(model_params, name: str, devices: int,
+                        memory_per_device: Optional[float] = None,
+                        global_batch: Optional[int] = None,
+                        machine: Optional[planner.Machine] = None,
+                        calibrate: bool = True) -> List[planner.Plan]:
+  """Ranked predicted plans of an experiment's params (PlanError if none).
+
+  Without `machine`, this host's, probed, and with `calibrate` calibrated on
+  the experiment `name`'s reference plans (see Machine).
+  """
+  profile = planner.ProfileExperiment(model_params, name)
+  machine = machine or Machine(devices, name if calibrate else None, profile)
+  return planner.Choose(profile, devices, memory_per_device, global_batch,
+                        machine)
+
+
+def ChooseAndApply(model_params, name: str, devices: int,
+                   memory_per_device: Optional[float] = None,
+                   global_batch: Optional[int] = None,
+                   machine: Optional[planner.Machine] = None):
+  """Picks the best predicted plan and sets it on `model_params`.
+
+  Returns:
+    (the plan, the trainer flags it needs: --num_cpu_devices and
+    --worker_split_size as a dict).
+  """
+  plan = ChooseForExperiment(model_params, name, devices, memory_per_device,
+                             global_batch, machine)[0]
+  planner.ApplyPlan(model_params, plan)
+  return plan, dict(num_cpu_devices=plan.devices,
+                    worker_split_size=plan.devices_per_replica)
+
+
+def TrainerAutoPlan(model: str, devices: int,
+                    memory_per_device: Optional[str] = None,
+                    overrides: str = ''):
+  """The trainer's --plan=auto: the best plan for `model` on `devices`.
+
+  Args:
+    model: The registered experiment (--model).
+    devices: --devices.
+    memory_per_device: --memory_per_device text, or None.
+    overrides: The user's --model_params_override, applied first.
+
+  Returns:
+    (the plan, its --model_params_override text, the trainer flags it needs
+    as a dict, one line to log).
+
+  Raises:
+    ValueError: a one-line message naming the flag (a bad size, or no plan
+      fits the budget).
+  """
+  if devices < 1:
+    raise ValueError('--devices=%d must be >= 1; pass the number of devices '
+                     'to plan for, e.g. --devices=2.' % devices)
+  budget = None
+  if memory_per_device:
+    try:
+      budget = planner.ParseSize(memory_per_device)
+    except ValueError as e:
+      raise ValueError('--memory_per_device=%s: %s' %
+                       (memory_per_device, e)) from None
+  plan, flags = ChooseAndApply(
+      planner.ExperimentParams(model, overrides=overrides), model, devices,
+      budget)
+  text = planner.OverrideString(plan)
+  if overrides:
+    text = overrides.rstrip('; ') + '; ' + text
+  line = ('--plan=auto chose %s; running it with %s '
+          "--model_params_override='%s'" %
+          (planner.Describe(plan), ' '.join(planner.TrainerFlags(plan)), text))
+  return plan, text, flags, line
+
+
+# --- The command line ---------------------------------------------------------
+
+
+def _ParseArgs(argv):
+  parser = argparse.ArgumentParser(
+      prog='python -m lingvo_ext.tools.plan',
+      description=__doc__.splitlines()[0],
+      formatter_class=argparse.RawDescriptionHelpFormatter,
+      epilog='\n'.join(__doc__.splitlines()[1:]))
+  parser.add_argument('--model', required=True,
+                      help='A registered experiment, e.g. lm.TransformerLm.')
+  parser.add_argument('--devices', type=int, required=True,
+                      help='Devices available, N.')
+  parser.add_argument('--memory_per_device', default=None,
+                      help='Memory budget of each device, e.g. 512MB or 2GB.')
+  parser.add_argument('--global_batch', type=int, default=None,
+                      help="Examples per step over all replicas (default: "
+                      "the experiment's input batch_size).")
+  parser.add_argument('--measure', action='store_true',
+                      help='Time the top --measure_top plans and rank them '
+                      'by the measured step time.')
+  parser.add_argument('--measure_top', type=int, default=3,
+                      help='Plans --measure times (default %(default)s).')
+  parser.add_argument('--measure_steps', type=int, default=MEASURE_STEPS,
+                      help='Timed steps per plan (default %(default)s).')
+  parser.add_argument(
+      '--calibrate', action=argparse.BooleanOptionalAction, default=True,
+      help='Time the model\'s three reference plans (one cell, one '
+      'replica) in this process first, to fit the per-op and per-step '
+      'times (default); --no-calibrate uses the machine probe alone.')
+  parser.add_argument('--json', action='store_true',
+                      help='Print one JSON object: the ranked plans and the '
+                      'best one\'s override and flags.')
+  parser.add_argument('--limit', type=int, default=15,
+                      help='Rows of the table (default %(default)s).')
+  return parser.parse_args(argv)
+
+
+def _CheckArgs(args) -> Optional[str]:
+  """One-line message for a bad flag, or None."""
+  if args.devices < 1:
+    return ('--devices=%d must be >= 1; pass the number of devices to plan '
+            'for, e.g. --devices=2.' % args.devices)
+  if args.global_batch is not None and args.global_batch < 1:
+    return ('--global_batch=%d must be >= 1; pass examples per step, e.g. '
+            '--global_batch=32, or leave it out.' % args.global_batch)
+  if args.memory_per_device is not None:
+    try:
+      args.memory_bytes = planner.ParseSize(args.memory_per_device)
+    except ValueError as e:
+      return '--memory_per_device=%s: %s' % (args.memory_per_device, e)
+  else:
+    args.memory_bytes = None
+  if args.measure_top < 1 or args.measure_steps < 1:
+    return ('--measure_top and --measure_steps must be >= 1, e.g. '
+            '--measure_top=3 --measure_steps=5.')
+  return None
+
+
+def main(argv=None) -> int:
+  argv = sys.argv[1:] if argv is None else argv
+  try:
+    args = _ParseArgs(argv)
+  except SystemExit as e:
+    return int(e.code or 0)
+  error = _CheckArgs(args)
+  if error:
+    return _Fail(error)
+  from lingvo_ext import registry  # pylint: disable=g-import-not-at-top
+  if registry.CheckModel(args.model):
+    return _Fail(_UnknownModel(args.model))
+  try:
+    cfg = planner.ExperimentParams(args.model)
+    if not hasattr(cfg.task.cls, 'LayerStack'):
+      return _Fail('--model=%s: its task %s is not a PipelinedTask (no '
+                   'LayerStack); pass a pipelined experiment.' %
+                   (args.model, cfg.task.cls.__name__))
+    plans = ChooseForExperiment(cfg, args.model, args.devices,
+                                args.memory_bytes, args.global_batch,
+                                calibrate=args.calibrate)
+  except ValueError as e:  # PlanError, or a bad param: one line.
+    return _Fail(str(e).strip().split('\n')[0])
+  if args.measure:
+    top = plans[:args.measure_top]
+    MeasurePlans(args.model, top, steps=args.measure_steps)
+    plans = planner.Rank(plans, args.memory_bytes, measured=True)
+  best = plans[0]
+  if args.json:
+    print(json.dumps(dict(
+        model=args.model, devices=args.devices,
+        memory_per_device=args.memory_bytes,
+        plans=[p.ToDict() for p in plans],
+        best=best.ToDict(),
+        model_params_override=planner.OverrideString(best),
+        trainer_flags=planner.TrainerFlags(best),
+        command=planner.Command(args.model, best))))
+    return 0
+  print('%d plans for %s on %d devices%s, fastest first (predicted%s):' % (
+      len(plans), args.model, args.devices,
+      (' within %s each' % planner.FormatSize(args.memory_bytes)
+       if args.memory_bytes else ''),
+      '; the top %d measured' % min(args.measure_top, len(plans))
+      if args.measure else ''))
+  print(planner.Table(plans, args.limit))
+  print()
+  print('best: ' + planner.Describe(best))
+  print('run it with:')
+  print('  ' + planner.Command(args.model, best))
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())
