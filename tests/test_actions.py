@@ -70,8 +70,9 @@ def test_every_schedule_is_complete_placed_and_deadlock_free(name):
     try:
       schedule = A.ACTION_SCHEDULES[name](spec)
     except ValueError as e:
-      # Only the documented limits refuse a spec.
-      assert ('multiple' in str(e) or 'one cell per device' in str(e)), e
+      # Only interleaved's documented limits refuse a spec (zero_bubble
+      # folds onto fewer devices).
+      assert name != 'zero_bubble' and 'multiple' in str(e), e
       continue
     A.CheckSchedule(spec, schedule)
     built += 1

@@ -711,7 +711,7 @@ class PipeliningLayer(SeqLayer):
     return state
 
   def FromState(self, state, shapes, fn):
-    """Inverse of _ToState: applies fn(name, tshape) to each present entry."""
+    """Inverse of ToState: applies fn(name, tshape) to each present entry."""
     if self.params.nested_map_fprop:
       return internal_lingvo.RecursiveMap(shapes, fn)
     return tuple(fn('s%d' % i, s) for i, s in enumerate(shapes))
