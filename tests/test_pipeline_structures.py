@@ -145,24 +145,29 @@ def test_lingvo_dummy_pipeline_cnn(num_splits, num_micro, micro_batch_size,
   lib.AssertVariantsMatch(results, seq, names)
 
 
-@pytest.mark.parametrize('schedule,functions', [
-    ('unrolled', False), ('1f1b', False), ('recurrent', False),
-    ('unrolled', True), ('1f1b', True)])
-def test_lingvo_dummy_pipeline_cnn_accumulators(schedule, functions):
-  # Each layer's accumulator counts the micro-batches that ran through it.
+@pytest.mark.parametrize('schedule,functions,recompute', [
+    ('unrolled', False, False), ('1f1b', False, None), ('recurrent', False, None),
+    ('unrolled', True, False), ('1f1b', True, None), ('unrolled', False, True),
+    ('1f1b', False, True), ('unrolled', True, True), ('zero_bubble', False, None),
+    ('interleaved_1f1b', False, None)])
+def test_lingvo_dummy_pipeline_cnn_accumulators(schedule, functions, recompute):
+  # Each layer's accumulator counts the micro-batches that ran through it,
+  # with the backward pass built (a recomputation is no further micro-batch).
   num_micro = 4
   g = tf.Graph()
   with g.as_default(), lib.Cluster(2):
     py_utils.GetOrCreateGlobalStepVar()
     net = gpipe.PipeliningLayer.Params().Set(
         name='pipeline', cell_tpl=_CnnCells(2), num_micro_batches=num_micro,
-        schedule=schedule, cell_functions=functions).Instantiate()
+        schedule=schedule, cell_functions=functions,
+        recompute=recompute).Instantiate()
     out = net.FPropDefaultTheta(_CnnInput())
+    grads = tf.gradients(tf.reduce_mean(out[0]), net.vars.Flatten())
     counts = net.GetAccumulatorValues().Flatten()
     init = tf.global_variables_initializer()
   with lib.Session(g, 2) as sess:
     sess.run(init)
-    values = sess.run([out, counts])[1]
+    values = sess.run([grads, counts])[1]
   assert len(values) == 16
   assert all(v == num_micro for v in values), values
 

@@ -529,9 +529,14 @@ class _Engine:
               ]
             # The same step and the same names under a fresh scope: the
             # same random seeds as the forward pass (see CellRandomness).
+            # A recomputation is no further micro-batch: the cell's
+            # accumulators keep what its forward passes made of them.
+            cell = self.cells[i][1]
+            saved_accs = cell.GetAccumulatorValues()
             y_r = _Flat(self._CellFProp(
                 i, tf.nest.pack_sequence_as(x, x_r), self.steps[t],
                 'recompute')[0])
+            cell.SetAccumulatorValues(saved_accs)
             ys = [y_r[k] for k in idx]
           else:
             x_r = flat_x
