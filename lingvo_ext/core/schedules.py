@@ -751,6 +751,12 @@ def Recurrent(layer, theta, inputs, num_micro):
       micro_batch_size = x.shape.as_list()[p.batch_dim] // num_micro
       break
   state_dtype = layer.StateDtype(inputs)
+  if p.fprop_dtype is not None:
+    # Cells that compute in fprop_dtype (Lingvo's mixed precision, e.g.
+    # bfloat16) pass their outputs on in it, and StackedRecurrent takes one
+    # dtype for all of a cell's states, the micro-batch step included (in
+    # bfloat16 exact up to 256, as with Lingvo's state_dtype=tf.bfloat16).
+    state_dtype = p.fprop_dtype
   state_shapes = layer.StateShapes(inputs, micro_batch_size,
                                     after_before_layers=True)
   devices = layer.Devices()
