@@ -19,6 +19,10 @@ class PipelinedExperiment(base_model_params.SingleTaskModelParams):
   MAX_STEPS = 1000
   SAVE_INTERVAL_SECONDS = 120
   SUMMARY_INTERVAL_STEPS = 50
+  # The dtype the layers compute in (task.fprop_dtype): None (float32) or
+  # 'bfloat16' (float32 variables, optimizer and checkpoints); per run:
+  # --model_params_override='task.fprop_dtype:bfloat16'.
+  FPROP_DTYPE = None
 
   def _InputParams(self, split):
     """The input generator params of `split` ('train' or 'dev')."""
@@ -45,6 +49,8 @@ class PipelinedExperiment(base_model_params.SingleTaskModelParams):
         num_partitions=self.NUM_PARTITIONS,
         num_micro_batches=self.NUM_MICRO_BATCHES,
         partition_independent_names=self.PARTITION_INDEPENDENT_NAMES)
+    if self.FPROP_DTYPE is not None:
+      p.fprop_dtype = self.FPROP_DTYPE
     tp = p.train
     tp.learning_rate = self.LEARNING_RATE
     tp.max_steps = self.MAX_STEPS

@@ -11,6 +11,7 @@ from lingvo.core import py_utils
 
 from lingvo_ext._internal import lingvo as internal_lingvo
 from lingvo_ext.core import gpipe
+from lingvo_ext.core import precision
 from lingvo_ext.core import schedules
 from lingvo_ext.core import stacking
 from lingvo_ext.distributed import gradient_sync
@@ -119,6 +120,15 @@ class PipelinedTask(base_model.BaseTask):
           name, default,
           f'Passed to the PipeliningLayer (e.g. --model_params_override='
           f"'task.{name}:...'): {doc}")
+    # BaseLayer's own param, documented for this task's users.
+    p._params['fprop_dtype']._description = (  # pylint: disable=protected-access
+        'The dtype the layers compute in: None or float32 (the default), or '
+        'bfloat16 (e.g. --model_params_override=\'task.fprop_dtype:'
+        'bfloat16\'): Lingvo\'s mixed precision, the cells compute in '
+        'bfloat16 and pass bfloat16 activations and gradients between '
+        'them; variables, their gradients, the optimizer and checkpoints '
+        'stay float32. Fast on CPUs only with oneDNN (TF_ENABLE_ONEDNN_OPTS=1).'
+        ' See lingvo_ext/core/precision.py.')
     p.train.clip_gradient_norm_to_value = 1.0
     return p
 
@@ -130,6 +140,7 @@ class PipelinedTask(base_model.BaseTask):
     line before anything is written to the logdir.
     """
     p = task_params
+    precision.ParseDtype(p.fprop_dtype, f'{p.name}: task.fprop_dtype')
     if p.schedule not in schedules.SCHEDULES:
       raise ValueError(
           f'{p.name}: task.schedule={p.schedule!r}; use one of '
@@ -198,6 +209,11 @@ class PipelinedTask(base_model.BaseTask):
         params.accumulate_steps, int) and params.accumulate_steps > 1):
       # Its learners apply through the GradientSync made below.
       params = gradient_sync.WithSyncLearners(params)
+    # An override gives the dtype as text ('bfloat16'); Lingvo's layers take
+    # a tf.DType, which the children then copy (BaseLayer.CopyBaseParams).
+    params = params.Copy()
+    params.fprop_dtype = precision.ParseDtype(
+        params.fprop_dtype, f'{params.name}: task.fprop_dtype')
     super().__init__(params)
     p = self.params
     if p.stack_variables:

@@ -91,9 +91,17 @@ class ConvClassifier(pipelined_task.PipelinedTask):
           f'task\'s num_classes={p.num_classes}; set both to the same value.')
     super().__init__(params)
 
+  def _PipelineParams(self):
+    # The micro-batch steps (dropout seeds) stay float32 when the images
+    # enter in bfloat16 (fprop_dtype): exact, not rounded past 256.
+    return super()._PipelineParams().Set(state_dtype=tf.float32)
+
   def ComputePredictions(self, theta, input_batch):
-    logits = self.pipeline.FProp(theta.pipeline, input_batch.data)
-    return py_utils.NestedMap(logits=logits)
+    # The images in the dtype the layers compute in (fprop_dtype); the
+    # logits back in float32 for the loss and the metrics.
+    data = tf.cast(input_batch.data, py_utils.FPropDtype(self.params))
+    logits = self.pipeline.FProp(theta.pipeline, data)
+    return py_utils.NestedMap(logits=tf.cast(logits, tf.float32))
 
   def ComputeLoss(self, theta, predictions, input_batch):
     labels = input_batch.label

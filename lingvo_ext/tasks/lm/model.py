@@ -102,7 +102,8 @@ class TransformerLm(pipelined_task.PipelinedTask):
   def ComputePredictions(self, theta, input_batch):
     ids = tf.cast(input_batch.ids, tf.float32)
     logits = self.pipeline.FProp(theta.pipeline, ids)
-    return py_utils.NestedMap(logits=logits)
+    # With fprop_dtype=bfloat16 the loss and the sampling still see float32.
+    return py_utils.NestedMap(logits=tf.cast(logits, tf.float32))
 
   def ComputeLoss(self, theta, predictions, input_batch):
     labels = input_batch.labels

@@ -1,0 +1,325 @@
+"""bfloat16 through the pipeline: Lingvo's fprop_dtype, float32 variables.
+
+Tolerances: bfloat16 keeps 8 significant bits (relative spacing 2**-8 =
+0.0039). The pipeline and the sequential model run the same bfloat16 ops on
+other batch splits (micro-batches, their gradients summed in other orders),
+so they may differ by a few units in the last place of each value: outputs
+and gradients are compared at rtol 3e-2 and atol 3e-2 of the largest value
+(float32 tests use 1e-5). Dtypes and bytes are exact.
+"""
+
+import lingvo_ext  # pylint: disable=unused-import
+import lingvo.compat as tf
+from lingvo import model_registry
+from lingvo.core import cluster_factory
+from lingvo.core import layers as lingvo_layers
+from lingvo.core import py_utils
+import numpy as np
+import pytest
+
+from lingvo_ext import registry
+from lingvo_ext.core import gpipe
+from lingvo_ext.core import precision
+from lingvo_ext.core import schedules
+from lingvo_ext.tasks import pipelined_task
+import params  # pylint: disable=unused-import
+from tests import gpipe_testlib as lib
+
+D, B = 32, 16
+RTOL = 3e-2
+# Every schedule, with and without recomputation where it is allowed, and
+# cells built once as TF functions.
+VARIANTS = (('unrolled', False), ('unrolled', True), ('1f1b', None),
+            ('1f1b', True), ('recurrent', True), ('interleaved_1f1b', None),
+            ('zero_bubble', None))
+assert {v[0] for v in VARIANTS} == set(schedules.SCHEDULES)
+FUNCTION_VARIANTS = (('unrolled', False), ('1f1b', None))
+
+
+def _Cells(num_cells, keep_prob=None):
+  """FC cells (tanh), each ending in dropout when keep_prob is set."""
+  cells = []
+  for c in range(num_cells):
+    subs = [lib.Fc('fc%d' % c, D, D, seed=c + 1)]
+    if keep_prob is not None:
+      subs.append(lingvo_layers.DeterministicDropoutLayer.Params().Set(
+          name='drop%d' % c, keep_prob=keep_prob))
+    cells.append(gpipe.FeatureExtractionLayer.Params().Set(
+        name='cell%d' % c, sub=subs))
+  return cells
+
+
+def _LinearLoss(outputs):
+  """Per-element weights, linear in the outputs (every schedule takes it)."""
+  w = np.random.RandomState(0).uniform(-1, 1, [B, D]).astype(np.float32)
+  return tf.reduce_sum(tf.cast(outputs, tf.float32) * w)
+
+
+def _SequentialPerMicroBatch(net, theta, x, num_micro):
+  """The sequential model with the pipeline's per-micro-batch random streams.
+
+  Each cell runs whole on each micro-batch in turn, under the seeds Lingvo's
+  pipeline gives micro-batch t (schedules.CellRandomness); autodiff does the
+  backward pass. With no random op it is FPropSequential on the batch.
+  """
+  # pylint: disable=protected-access
+  steps = net._MicroBatchSteps(num_micro, tf.float32)
+  outs = []
+  for t, xt in enumerate(tf.split(x, num_micro)):
+    for name, cell in net._cells:
+      with schedules.CellRandomness(steps[t], '%s_mb%d' % (name, t)):
+        xt = cell.FProp(theta[name], xt)
+    outs.append(xt)
+  # pylint: enable=protected-access
+  return tf.concat(outs, 0)
+
+
+def _Run(keep_prob, variants, num_micro=4, **kwargs):
+  """bf16 outputs and float32 variable gradients of each variant + reference."""
+  g = tf.Graph()
+  with g.as_default(), lib.Cluster(2):
+    tf.random.set_seed(1)
+    py_utils.GetOrCreateGlobalStepVar()
+    net = gpipe.PipeliningLayer.Params().Set(
+        name='pipe', cell_tpl=_Cells(2, keep_prob), num_micro_batches=num_micro,
+        fprop_dtype=tf.bfloat16, state_dtype=tf.float32, **kwargs).Instantiate()
+    x = tf.constant(np.random.RandomState(1).randn(B, D), tf.bfloat16)
+    variables = net.vars.Flatten()
+    assert all(v.dtype.base_dtype == tf.float32 for v in variables)
+    fetches = {}
+    for variant in variants:
+      out = lib.Variant(net, *variant).FProp(net.theta, x)
+      assert out.dtype == tf.bfloat16, variant
+      grads = tf.gradients(_LinearLoss(out), variables,
+                           colocate_gradients_with_ops=True)
+      assert all(gr.dtype == tf.float32 for gr in grads), variant
+      fetches[variant] = (out, grads)
+    if keep_prob is None:
+      ref = net.FPropSequential(net.theta, x)
+    else:
+      ref = _SequentialPerMicroBatch(net, net.theta, x, num_micro)
+    fetches['ref'] = (ref, tf.gradients(_LinearLoss(ref), variables))
+    init = tf.global_variables_initializer()
+  with lib.Session(g, 2) as sess:
+    sess.run(init)
+    return sess.run(fetches)
+
+
+def _AssertClose(a, b, msg):
+  a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+  np.testing.assert_allclose(a, b, rtol=RTOL,
+                             atol=RTOL * max(np.abs(b).max(), 1e-6),
+                             err_msg=msg)
+
+
+@pytest.mark.parametrize('keep_prob', [None, 0.5])
+def test_bf16_pipeline_equals_bf16_sequential_every_schedule(keep_prob):
+  res = _Run(keep_prob, VARIANTS)
+  ref_out, ref_grads = res.pop('ref')
+  if keep_prob is not None:  # Dropout is on: about half the outputs are 0.
+    assert 0.3 < (ref_out == 0).mean() < 0.7
+  for variant, (out, grads) in res.items():
+    _AssertClose(out, ref_out, str(variant))
+    if keep_prob is not None:  # The same masks, exactly.
+      np.testing.assert_array_equal(out == 0, ref_out == 0, str(variant))
+    for i, (a, b) in enumerate(zip(grads, ref_grads)):
+      assert np.abs(b).max() > 0
+      _AssertClose(a, b, '%s grad %d' % (variant, i))
+
+
+def test_bf16_cell_functions_equal_sequential():
+  res = _Run(0.5, FUNCTION_VARIANTS, cell_functions=True)
+  ref_out, ref_grads = res.pop('ref')
+  for variant, (out, grads) in res.items():
+    _AssertClose(out, ref_out, str(variant))
+    np.testing.assert_array_equal(out == 0, ref_out == 0, str(variant))
+    for a, b in zip(grads, ref_grads):
+      _AssertClose(a, b, str(variant))
+
+
+def _BoundaryBytes(variant, dtype, cell_functions=False):
+  """(bytes, {dtype: bytes}) between the 2 cells' devices of a train graph."""
+  g = tf.Graph()
+  with g.as_default(), lib.Cluster(2):
+    py_utils.GetOrCreateGlobalStepVar()
+    net = gpipe.PipeliningLayer.Params().Set(
+        name='pipe', cell_tpl=_Cells(2), num_micro_batches=4,
+        schedule=variant[0], recompute=variant[1], fprop_dtype=dtype,
+        state_dtype=tf.float32, cell_functions=cell_functions).Instantiate()
+    x = tf.constant(np.random.RandomState(1).randn(B, D), dtype)
+    out = net.FPropDefaultTheta(x)
+    tf.gradients(_LinearLoss(out), net.vars.Flatten(),
+                 colocate_gradients_with_ops=True)
+  return precision.CrossDeviceBytes(g)
+
+
+@pytest.mark.parametrize('variant', VARIANTS + (('unrolled', 'functions'),))
+def test_bytes_between_cells_are_bf16_and_half(variant):
+  functions = variant[1] == 'functions'
+  if functions:
+    variant = (variant[0], False)
+  f32, f32_by = _BoundaryBytes(variant, tf.float32, functions)
+  bf16, bf16_by = _BoundaryBytes(variant, tf.bfloat16, functions)
+  # Everything that crosses is bfloat16 (activations forward, their
+  # gradients backward), and exactly half float32's bytes.
+  assert set(f32_by) == {'float32'}, f32_by
+  assert set(bf16_by) == {'bfloat16'}, bf16_by
+  # At least the activations of 4 micro-batches, each way.
+  assert f32 >= 2 * B * D * 4
+  assert bf16 * 2 == f32
+
+
+def _Params(model):
+  """The registered experiment's training params (flags at defaults)."""
+  if not tf.flags.FLAGS.is_parsed():
+    tf.flags.FLAGS.mark_as_parsed()
+  return model_registry.GetParams(model, 'Train').Copy()
+
+
+def test_fprop_dtype_override_syntax_and_errors():
+  for text in ('bfloat16', 'tf.bfloat16', '"bfloat16"'):
+    mp = _Params('lm.TransformerLmTinyGPipe')
+    registry.ApplyOverrides(mp, 'task.fprop_dtype:' + text)
+    mp.task.cls.CheckParams(mp.task)
+    assert precision.ParseDtype(mp.task.fprop_dtype) == tf.bfloat16, text
+  assert precision.ParseDtype('float32') == tf.float32
+  assert precision.ParseDtype(None) is None
+  mp = _Params('lm.TransformerLmTinyGPipe')
+  registry.ApplyOverrides(mp, 'task.fprop_dtype:float16')
+  with pytest.raises(ValueError, match=r'task.fprop_dtype=.float16.; use '
+                     'bfloat16'):
+    mp.task.cls.CheckParams(mp.task)
+
+
+def test_slow_bf16_warning_only_without_onednn():
+  assert precision.SlowBf16Warning(tf.bfloat16, onednn=True) is None
+  assert precision.SlowBf16Warning(None, onednn=False) is None
+  assert precision.SlowBf16Warning('float32', onednn=False) is None
+  msg = precision.SlowBf16Warning('bfloat16', onednn=False)
+  assert 'TF_ENABLE_ONEDNN_OPTS=1' in msg and '\n' not in msg
+  assert (precision.SlowBf16Warning('bfloat16') is None) == (
+      precision.OneDnnEnabled())
+
+
+def test_task_param_is_documented_and_passed_through():
+  p = pipelined_task.PipelinedTask.Params()
+  doc = p._params['fprop_dtype']._description  # pylint: disable=protected-access
+  assert 'bfloat16' in doc
+
+
+# --- Registered tasks, trained in this process -------------------------------
+
+STEPS = 200
+
+
+def _TaskGraph(model, dtype, eval_mode=False):
+  """The task's train (or eval) graph on 2 CPU devices, as the trainer's."""
+  mp = _Params(model)
+  if dtype is not None:
+    registry.ApplyOverrides(mp, 'task.fprop_dtype:' + dtype)
+  mp.task.train.save_interval_seconds = 1e9
+  g = tf.Graph()
+  cp = lib.Cluster(2).params.Copy()
+  if eval_mode:
+    cp.job = 'evaler'
+    cp.evaler.replicas = 1
+    cp.do_eval = True
+  with g.as_default(), cluster_factory.Cluster(cp):
+    tf.random.set_seed(1)
+    model_obj = mp.Instantiate()
+    task = model_obj.GetTask()
+    if eval_mode:
+      model_obj.ConstructFPropGraph()
+      train = None
+    else:
+      model_obj.ConstructFPropBPropGraph()
+      train = task.train_op
+    ops = py_utils.NestedMap(
+        g=g, task=task, train=train, loss=task.eval_metrics['loss'][0],
+        init=tf.global_variables_initializer(), saver=tf.train.Saver(),
+        vars=sorted(task.vars.Flatten(), key=lambda v: v.op.name))
+  return ops
+
+
+def _Config():
+  return tf.config_pb2.ConfigProto(
+      device_count={'CPU': 2}, inter_op_parallelism_threads=2,
+      intra_op_parallelism_threads=1)
+
+
+def _TrainLosses(m, sess, steps):
+  losses = []
+  for _ in range(steps):
+    losses.append(sess.run([m.train, m.loss])[1])
+  return losses
+
+
+def _OpDtypes(g, op_type):
+  return {op.get_attr('T').name for op in g.get_operations()
+          if op.type == op_type}
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize('model,op_type', [
+    ('lm.TransformerLmTinyGPipe', 'BatchMatMulV2'),
+    ('image.ConvClassifierTinyGPipe', 'Conv2D')])
+def test_registered_task_trains_in_bf16_like_float32(model, op_type, tmp_path):
+  """200 steps each; bf16's final loss within 5% of float32's.
+
+  The Tiny experiments in 2 cells over 2 micro-batches (their GPipe variants:
+  the same model and variables) on 2 CPU devices, the same input batches.
+  """
+  final = {}
+  for dtype in (None, 'bfloat16'):
+    m = _TaskGraph(model, dtype)
+    want = 'bfloat16' if dtype else 'float32'
+    assert _OpDtypes(m.g, op_type) == {want}, dtype
+    assert _OpDtypes(m.g, 'MatMul') == {want}, dtype
+    assert all(v.dtype.base_dtype == tf.float32 for v in m.vars)
+    with tf.Session(graph=m.g, config=_Config()) as sess:
+      sess.run(m.init)
+      losses = _TrainLosses(m, sess, STEPS)
+      if dtype:
+        m.saver.save(sess, str(tmp_path / 'bf16' / 'ckpt'))
+    final[want] = float(np.mean(losses[-20:]))
+    assert final[want] < 0.8 * losses[0], (want, losses[0], final[want])
+  assert abs(final['bfloat16'] - final['float32']) <= 0.05 * final['float32'], (
+      final)
+
+
+@pytest.mark.e2e
+def test_checkpoints_move_between_bf16_and_float32(tmp_path):
+  """A bf16 run's checkpoint restores into a float32 run, and back."""
+  model = 'lm.TransformerLmTinyGPipe'
+  bf16, f32 = _TaskGraph(model, 'bfloat16'), _TaskGraph(model, None)
+  assert [v.op.name for v in bf16.vars] == [v.op.name for v in f32.vars]
+  config = _Config()
+  path = str(tmp_path / 'ckpt')
+  with tf.Session(graph=bf16.g, config=config) as sess:
+    sess.run(bf16.init)
+    _TrainLosses(bf16, sess, 5)
+    bf16.saver.save(sess, path + '-bf16')
+    bf16_vars = sess.run(bf16.vars)
+  with tf.Session(graph=f32.g, config=config) as sess:
+    f32.saver.restore(sess, path + '-bf16')  # Strict: every variable.
+    for a, b in zip(sess.run(f32.vars), bf16_vars):
+      np.testing.assert_array_equal(a, b)
+      assert a.dtype == np.float32
+    _TrainLosses(f32, sess, 5)
+    f32.saver.save(sess, path + '-f32')
+    f32_vars = sess.run(f32.vars)
+  with tf.Session(graph=bf16.g, config=config) as sess:
+    bf16.saver.restore(sess, path + '-f32')
+    for a, b in zip(sess.run(bf16.vars), f32_vars):
+      np.testing.assert_array_equal(a, b)
+
+
+def test_evaler_graph_runs_in_the_same_dtype():
+  m = _TaskGraph('lm.TransformerLmTinyGPipe', 'bfloat16', eval_mode=True)
+  assert m.train is None
+  assert _OpDtypes(m.g, 'BatchMatMulV2') == {'bfloat16'}
+  assert all(v.dtype.base_dtype == tf.float32 for v in m.vars)
+  with tf.Session(graph=m.g) as sess:
+    sess.run(m.init)
+    loss = sess.run(m.loss)
+  assert 3.5 < loss < 6.0  # About log(128) = 4.85 before training.
