@@ -8,6 +8,10 @@ and gradients are compared at rtol 3e-2 and atol 3e-2 of the largest value
 (float32 tests use 1e-5). Dtypes and bytes are exact.
 """
 
+import os
+import subprocess
+import sys
+
 import lingvo_ext  # pylint: disable=unused-import
 import lingvo.compat as tf
 from lingvo import model_registry
@@ -22,9 +26,11 @@ from lingvo_ext.core import gpipe
 from lingvo_ext.core import precision
 from lingvo_ext.core import schedules
 from lingvo_ext.tasks import pipelined_task
+from tensorflow.core.protobuf import rewriter_config_pb2  # pylint: disable=g-direct-tensorflow-import
 import params  # pylint: disable=unused-import
 from tests import gpipe_testlib as lib
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 D, B = 32, 16
 RTOL = 3e-2
 # Every schedule, with and without recomputation where it is allowed, and
@@ -201,6 +207,28 @@ def test_slow_bf16_warning_only_without_onednn():
       precision.OneDnnEnabled())
 
 
+@pytest.mark.parametrize('onednn', [False, True])
+def test_start_up_warns_or_turns_the_remapper_off(onednn, monkeypatch, capsys):
+  monkeypatch.setattr(precision, '_warned', [])
+  monkeypatch.setattr(precision, 'OneDnnEnabled', lambda: onednn)
+  monkeypatch.setattr(py_utils, 'SessionConfig', py_utils.SessionConfig)
+  remapping = py_utils.SessionConfig().graph_options.rewrite_options.remapping
+  assert precision.StartUp(None) is None
+  assert precision.StartUp('float32') is None
+  assert capsys.readouterr().err == ''
+  for _ in range(2):  # Said once.
+    precision.StartUp('bfloat16')
+  err = capsys.readouterr().err
+  off = rewriter_config_pb2.RewriterConfig.OFF
+  after = py_utils.SessionConfig().graph_options.rewrite_options.remapping
+  if onednn:
+    assert err == ''
+    assert after == off
+  else:
+    assert err.count('TF_ENABLE_ONEDNN_OPTS=1') == 1, err
+    assert after == remapping != off
+
+
 def test_task_param_is_documented_and_passed_through():
   p = pipelined_task.PipelinedTask.Params()
   doc = p._params['fprop_dtype']._description  # pylint: disable=protected-access
@@ -221,8 +249,10 @@ def _TaskGraph(model, dtype, eval_mode=False):
   g = tf.Graph()
   cp = lib.Cluster(2).params.Copy()
   if eval_mode:
+    # As the trainer's evaler with --num_cpu_devices=2 --worker_split_size=2:
+    # the pipeline on 2 devices, forward only.
     cp.job = 'evaler'
-    cp.evaler.replicas = 1
+    cp.evaler = cp.worker.Copy().Set(replicas=1)
     cp.do_eval = True
   with g.as_default(), cluster_factory.Cluster(cp):
     tf.random.set_seed(1)
@@ -323,3 +353,25 @@ def test_evaler_graph_runs_in_the_same_dtype():
     sess.run(m.init)
     loss = sess.run(m.loss)
   assert 3.5 < loss < 6.0  # About log(128) = 4.85 before training.
+
+
+@pytest.mark.e2e
+def test_trainer_and_evaler_in_bf16(tmp_path):
+  """The override on the command line: trainer, then evaler, in bfloat16.
+
+  Conv2D + BiasAdd in bfloat16 through Lingvo's gRPC sessions (see
+  precision.StartUp), with oneDNN as this machine has it.
+  """
+  flags = ['--model=image.ConvClassifierTinyGPipe', f'--logdir={tmp_path}',
+           '--num_cpu_devices=2', '--worker_split_size=2',
+           "--model_params_override=task.fprop_dtype:bfloat16"]
+  env = dict(os.environ, PYTHONPATH=ROOT)
+  for extra in (['--max_steps=4'], ['--job=evaler_dev']):
+    out = subprocess.run(
+        [sys.executable, '-m', 'lingvo_ext.trainer'] + flags + extra,
+        capture_output=True, text=True, env=env, timeout=300, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+  assert 'evaler_dev: step 4  accuracy' in out.stdout, out.stdout
+  assert ('oneDNN off' in out.stderr) == (not precision.OneDnnEnabled())
+  params = (tmp_path / 'train' / 'trainer_params.txt').read_text()
+  assert "task.fprop_dtype : 'bfloat16'" in params

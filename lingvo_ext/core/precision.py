@@ -12,11 +12,21 @@ float32 run and back. A task turns it on with `task.fprop_dtype`, e.g.
 On a CPU, TensorFlow's bfloat16 matmuls are fast only through oneDNN
 (TF_ENABLE_ONEDNN_OPTS=1, TensorFlow's default on CPUs that have bfloat16
 units); Eigen's bfloat16 kernels are slower than its float32 ones.
+
+The trainer calls `StartUp(task.fprop_dtype)` once: it says when bfloat16
+will be slow here, and works round a TensorFlow 2.21 bug: with oneDNN on,
+Grappler's remapper fuses a bfloat16 Conv2D + BiasAdd into `_FusedConv2D`,
+which only oneDNN's rewrite can run, and a session over gRPC (Lingvo's
+trainer, evaler and clusters) rejects the graph ("Value for attr 'T' of
+bfloat16 is not in the list of allowed values"); so bfloat16 runs there
+with the remapper off.
 """
 
 import sys
 
 import lingvo.compat as tf
+from lingvo.core import py_utils
+from tensorflow.core.protobuf import rewriter_config_pb2  # pylint: disable=g-direct-tensorflow-import
 
 # Values task.fprop_dtype takes from an override (text) or from Python.
 _NAMES = {'float32': tf.float32, 'bfloat16': tf.bfloat16}
@@ -81,12 +91,39 @@ def SlowBf16Warning(dtype, onednn=None):
 
 
 def WarnIfSlow(dtype):
-  """Says once per process, on stderr and in the log, if bf16 will be slow."""
+  """Says once per process, one line on stderr, if bf16 will be slow here."""
   message = SlowBf16Warning(dtype)
   if message and not _warned:
     _warned.append(message)
     print(message, file=sys.stderr, flush=True)
-    tf.logging.warning('%s', message)
+  return message
+
+
+def _SessionConfigWithoutRemapper(fn):
+  def SessionConfig(*args, **kwargs):
+    config = fn(*args, **kwargs)
+    config.graph_options.rewrite_options.remapping = (
+        rewriter_config_pb2.RewriterConfig.OFF)
+    return config
+
+  SessionConfig.lingvo_ext_bf16 = True
+  return SessionConfig
+
+
+def StartUp(dtype):
+  """Once at start-up, for a task computing in `dtype`: see the docstring.
+
+  Warns where bfloat16 is slow (oneDNN off); with oneDNN on, turns Grappler's
+  remapper off in Lingvo's session configs (`py_utils.SessionConfig`).
+
+  Returns:
+    The warning printed, or None.
+  """
+  message = WarnIfSlow(dtype)
+  if (IsLowPrecision(dtype) and OneDnnEnabled() and
+      not getattr(py_utils.SessionConfig, 'lingvo_ext_bf16', False)):
+    py_utils.SessionConfig = _SessionConfigWithoutRemapper(
+        py_utils.SessionConfig)
   return message
 
 
