@@ -128,6 +128,8 @@ def _CheckParams(o):
     task = cfg.task if 'task' in cfg else None
     if task is not None and issubclass(task.cls, pipelined_task.PipelinedTask):
       task.cls.CheckParams(task)
+      from lingvo_ext.core import precision  # pylint: disable=g-import-not-at-top
+      precision.StartUp(task.fprop_dtype)  # bf16: oneDNN warning, TF bug.
       batch = (cfg.input.batch_size if 'input' in cfg and cfg.input is not None
                and 'batch_size' in cfg.input else None)
       if batch and o.run_locally == 'cpu' and _TrainsHere(o):
