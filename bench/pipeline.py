@@ -21,6 +21,10 @@ RSS comes from a fresh child process per (implementation, configuration).
   .venv/bin/python bench/pipeline.py --quick --trace /tmp/trace   # + timelines
   .venv/bin/python bench/pipeline.py --models transformer --markdown
       # Lingvo's GPipeTransformerStack, see bench/transformer.py
+  .venv/bin/python bench/pipeline.py --dtype float32,bfloat16 --K 2 --M 4 \
+      --models homogeneous --markdown
+      # lingvo_ext's pipeline in float32 and in bfloat16 (fprop_dtype, float32
+      # variables) side by side: step time and bytes between cells per step
 
 With a torch venv (`bash scripts/torch_venv.sh` makes .venv-torch, used by
 default; or `--torch_python PATH`), bench/torch_baselines.py runs the
@@ -65,6 +69,7 @@ from bench import timeline  # pylint: disable=g-import-not-at-top
 from bench import torch_baselines  # pylint: disable=g-import-not-at-top
 from bench import transformer  # pylint: disable=g-import-not-at-top
 from lingvo_ext.core import gpipe as ext_gpipe  # pylint: disable=g-import-not-at-top
+from lingvo_ext.core import precision  # pylint: disable=g-import-not-at-top
 
 py_utils.SetEagerMode(False)
 
@@ -218,8 +223,16 @@ class Step:
   """One implementation's training step in its own graph and session."""
 
   def __init__(self, impl: str, model: str, width: int, batch: int,
-               num_cells: int, num_micro: int, colocate: bool = False):
+               num_cells: int, num_micro: int, colocate: bool = False,
+               dtype: str = 'float32'):
+    """`dtype` 'bfloat16': fprop_dtype=tf.bfloat16 (Lingvo's mixed
+    precision: float32 variables and updates, bfloat16 cells, activations
+    and their gradients between cells); the input is cast to it."""
     self.impl = impl
+    # With fprop_dtype the micro-batch steps (the first input's dtype
+    # otherwise) stay float32.
+    bf16 = dict(fprop_dtype=tf.bfloat16) if dtype == 'bfloat16' else {}
+    ext_bf16 = dict(bf16, state_dtype=tf.float32) if bf16 else {}
     cells = Cells(model, width, batch, num_cells, per_example_loss=True)
     graph = tf.Graph()
     num_split = 1 if impl == 'plain' else num_cells
@@ -231,22 +244,24 @@ class Step:
       x = tf.constant(
           np.random.RandomState(0).randn(batch, Widths(model, width)[0]),
           dtype=tf.float32)
+      x = tf.cast(x, dtype)
       if impl == 'plain':
         net = builder_layers.SequentialLayer.Params().Set(
-            name='plain',
-            sub=[s.Copy() for c in cells for s in c.sub]).Instantiate()
+            name='plain', sub=[s.Copy() for c in cells for s in c.sub],
+            **bf16).Instantiate()
       elif impl == 'lingvo':
-        net = _BuildPipeline(lingvo_gpipe, cells, num_micro)
+        net = _BuildPipeline(lingvo_gpipe, cells, num_micro, **bf16)
       elif impl == 'lingvo_ext':
-        net = _BuildPipeline(ext_gpipe, cells, num_micro)
+        net = _BuildPipeline(ext_gpipe, cells, num_micro, **ext_bf16)
       elif impl.startswith('lingvo_ext/'):
         net = _BuildPipeline(ext_gpipe, cells, num_micro,
-                             **VariantParams(impl[len('lingvo_ext/'):]))
+                             **VariantParams(impl[len('lingvo_ext/'):]),
+                             **ext_bf16)
       else:
         raise ValueError('Unknown impl %r; use one of %s.' % (impl, IMPLS))
       y = net.FPropDefaultTheta(x)
       # Per-example losses from the last cell, summed: linear in y.
-      self.loss = tf.reduce_sum(y)
+      self.loss = tf.reduce_sum(tf.cast(y, tf.float32))
       variables = net.vars.Flatten()
       self.variables = variables
       grads = tf.gradients(self.loss, variables,
@@ -256,6 +271,10 @@ class Step:
           for v, g in zip(variables, grads)
       ])
       init = tf.global_variables_initializer()
+    # Bytes of the activations and gradients sent between the cells'
+    # devices per step (from the graph's static shapes).
+    self.cross_bytes, self.cross_bytes_by_dtype = precision.CrossDeviceBytes(
+        graph)
     graph.finalize()
     self.sess = tf.Session(graph=graph, config=SessionConfig())
     self.sess.run(init)
@@ -685,6 +704,86 @@ def RunSweep(args) -> List[Dict]:
   return records
 
 
+def RunDtypes(args) -> List[Dict]:
+  """lingvo_ext's pipelines in each of --dtype, timed side by side.
+
+  The default schedule and each of --schedules, in float32 and in bfloat16
+  (fprop_dtype), round-robin in one process per (model, K, M); each record
+  has the step time and the bytes sent between the cells' devices per step.
+  """
+  records = []
+  impls = ['lingvo_ext'] + ['lingvo_ext/' + v for v in args.schedules]
+  for model in args.models:
+    for k in args.K:
+      for m in args.M:
+        steps, losses = {}, {}
+        for impl in impls:
+          for dtype in args.dtype:
+            key = (impl, dtype)
+            steps[key] = Step(impl, model, args.width, args.batch, k, m,
+                              args.colocate, dtype=dtype)
+            losses[key] = steps[key].FirstLoss()
+        times = TimeRoundRobin(steps, args.steps, args.warmup)
+        recs = {}
+        for (impl, dtype), s in steps.items():
+          ms = [1e3 * t for t in times[(impl, dtype)]]
+          recs[(impl, dtype)] = dict(
+              impl=impl, dtype=dtype, model=model, K=k, M=m,
+              step_ms=round(statistics.median(ms), 3),
+              p25_ms=round(float(np.percentile(ms, 25)), 3),
+              p75_ms=round(float(np.percentile(ms, 75)), 3),
+              bytes_between_cells=s.cross_bytes,
+              bytes_by_dtype=s.cross_bytes_by_dtype,
+              first_loss=losses[(impl, dtype)], width=args.width,
+              batch=args.batch, steps=len(ms), onednn=OneDnnEnabled(),
+              colocate_gradients=args.colocate)
+          s.Close()
+        for (impl, dtype), r in recs.items():
+          base = recs.get((impl, 'float32'))
+          if base and dtype != 'float32':
+            r['vs_float32'] = round(r['step_ms'] / base['step_ms'], 4)
+            r['bytes_vs_float32'] = (
+                round(r['bytes_between_cells'] / base['bytes_between_cells'],
+                      4) if base['bytes_between_cells'] else None)
+            r['first_loss_rel_diff'] = float('%.3g' % (
+                abs(r['first_loss'] - base['first_loss']) /
+                max(abs(base['first_loss']), 1e-30)))
+          records.append(r)
+          if not args.markdown:
+            print(json.dumps(r), flush=True)
+          if args.jsonl:
+            with open(args.jsonl, 'a') as f:
+              f.write(json.dumps(r) + '\n')
+        _Log('%s K=%d M=%d: %s' % (model, k, m, ', '.join(
+            '%s %s %.1f ms' % (i, d, r['step_ms'])
+            for (i, d), r in recs.items())))
+  return records
+
+
+def MarkdownDtypes(records: Sequence[Dict]) -> str:
+  """One row per (model, K, M, impl): bfloat16 beside float32."""
+  by = {}
+  for r in records:
+    by.setdefault((r['model'], r['K'], r['M'], r['impl']),
+                  {})[r['dtype']] = r
+  lines = [
+      '| model | K | M | impl | float32 ms | bf16 ms | bf16 / float32 '
+      '| bytes between cells per step float32 / bf16 | first-loss rel. diff '
+      '| oneDNN |',
+      '|' + '---|' * 10,
+  ]
+  for (model, k, m, impl), d in by.items():
+    f, b = d.get('float32'), d.get('bfloat16')
+    if not f or not b:
+      continue
+    lines.append('| %s | %d | %d | %s | %s | %s | %s | %d / %d | %s | %s |' % (
+        model, k, m, impl, _Fmt(f['step_ms']), _Fmt(b['step_ms']),
+        _Fmt(b.get('vs_float32'), '%.2fx'), f['bytes_between_cells'],
+        b['bytes_between_cells'], _Fmt(b.get('first_loss_rel_diff'), '%.2g'),
+        'on' if b['onednn'] else 'off'))
+  return '\n'.join(lines)
+
+
 def Markdown(records: Sequence[Dict]) -> str:
   """One table row per (model, K, M)."""
   by_cfg = {}
@@ -811,6 +910,14 @@ def ParseArgs(argv=None):
       'else skipped with a note; "none" turns it off.')
   parser.add_argument('--torch_timeout_s', type=int, default=600,
                       help='Bound on each torch job (default %(default)s).')
+  parser.add_argument(
+      '--dtype', type=transformer.ParseDtypes, default=['float32'],
+      help="'float32' (default: lingvo, lingvo_ext and plain), or "
+      "'float32,bfloat16' / 'bfloat16': lingvo_ext's pipelines (default "
+      'schedule and --schedules) with fprop_dtype=tf.bfloat16 (float32 '
+      'variables and updates, bfloat16 cells) beside float32: step time and '
+      'bytes between cells per step; with --models transformer the same for '
+      "bench/transformer.py's variants.")
   parser.add_argument('--_child', help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   base = QUICK if args.quick else FULL
@@ -864,19 +971,35 @@ def main(argv=None) -> int:
       _Log("--models transformer runs on its own; give it alone.")
       return 2
     pairs = transformer.Pairs(args.K or [2, 4], args.M or [4, 16])
+    variants = list(transformer.DEFAULT_VARIANTS)
+    if 'bfloat16' in args.dtype:
+      # Lingvo's GPipeTransformerStack in bfloat16 fails inside Lingvo's
+      # StackedRecurrent (float32 and bfloat16 state gradients added), so
+      # 'lingvo' and 'recurrent' are left out.
+      variants = [v for v in variants if v.split('+')[0] in ('unrolled',
+                                                             '1f1b')]
     records = transformer.Run(
-        list(transformer.DEFAULT_VARIANTS), args.transformer_layers, pairs,
-        args.steps or 5)
+        variants, args.transformer_layers, pairs, args.steps or 5,
+        dtypes=args.dtype)
     records = torch_baselines.WithTransformerRecords(
         records, args.torch_python, args.transformer_layers, pairs,
         args.steps or 5)
     if args.markdown:
       print(transformer.Markdown(records))
+      if len(args.dtype) > 1:
+        print()
+        print(transformer.MarkdownDtypes(records))
     else:
       for r in records:
         print(json.dumps(r))
     return 0
   t = time.time()
+  if args.dtype != ['float32']:
+    records = RunDtypes(args)
+    if args.markdown:
+      print(MarkdownDtypes(records))
+    _Log('done in %.0f s' % (time.time() - t))
+    return 0
   records = RunSweep(args)
   if args.markdown:
     PrintMarkdown(records)

@@ -13,6 +13,8 @@ devices with 2 inter-op and 1 intra-op threads.
   .venv/bin/python bench/transformer.py --L 8 32 --K 2 4 --M 4 16 --markdown
       # (K, M) = (2, 4) and (4, 16), each at L = 8 and 32
   .venv/bin/python bench/pipeline.py --models transformer   # the same sweep
+  .venv/bin/python bench/transformer.py --K 2 --M 4 --variants unrolled 1f1b \
+      --dtype float32,bfloat16 --markdown   # bf16 beside float32
 
 Variants: 'lingvo' (lingvo.core.gpipe), and lingvo_ext '<schedule>' with
 optional '+functions' (`cell_functions=True`: each cell one TF function
@@ -37,8 +39,13 @@ DEFAULT_VARIANTS = ('lingvo', 'unrolled', 'unrolled+functions', '1f1b',
 T, B, D, HIDDEN, HEADS, VOCAB = 16, 32, 64, 128, 2, 32
 
 
-def _Child(variant: str, num_layers: int, k: int, m: int, steps: int) -> dict:
-  """Builds and times one configuration in this process."""
+def _Child(variant: str, num_layers: int, k: int, m: int, steps: int,
+           dtype: str = 'float32') -> dict:
+  """Builds and times one configuration in this process.
+
+  `dtype` 'bfloat16': the stack's fprop_dtype (Lingvo's mixed precision:
+  float32 variables and updates, bfloat16 cells and states between them).
+  """
   t0 = time.time()
   sys.path.insert(0, _REPO)
   import lingvo_ext  # pylint: disable=g-import-not-at-top,unused-import
@@ -62,6 +69,8 @@ def _Child(variant: str, num_layers: int, k: int, m: int, steps: int) -> dict:
         name='transformer', model_dim=D, num_encoder_layers=num_layers,
         num_decoder_layers=0, splits=k, num_micro_batches=m,
         state_dtype=tf.float32, random_seed=0)
+    if dtype == 'bfloat16':
+      p.fprop_dtype = p.state_dtype = tf.bfloat16
     p.encoder_tpl.source_dim = D
     p.encoder_tpl.tr_atten_tpl.num_attention_heads = HEADS
     p.encoder_tpl.tr_fflayer_tpl.hidden_dim = HIDDEN
@@ -78,7 +87,7 @@ def _Child(variant: str, num_layers: int, k: int, m: int, steps: int) -> dict:
     labels = tf.constant(rng.randint(0, VOCAB, [T, B]), tf.int32)
     xent, _ = net.FPropDefaultTheta(ids, tf.zeros([T, B]), labels=labels,
                                     label_weights=tf.ones([T, B]))
-    loss = tf.reduce_sum(xent)
+    loss = tf.reduce_sum(tf.cast(xent, tf.float32))
     variables = net.vars.Flatten()
     grads = tf.gradients(loss, variables, colocate_gradients_with_ops=True)
     train = tf.group(
@@ -86,6 +95,8 @@ def _Child(variant: str, num_layers: int, k: int, m: int, steps: int) -> dict:
          for v, dv in zip(variables, grads)] + [tf.assign_add(global_step, 1)])
     init = tf.global_variables_initializer()
   ops = len(g.get_operations())
+  from lingvo_ext.core import precision  # pylint: disable=g-import-not-at-top
+  cross_bytes, _ = precision.CrossDeviceBytes(g)
   t_build = time.time() - t0
   config = tf.config_pb2.ConfigProto(
       device_count={'CPU': k}, inter_op_parallelism_threads=2,
@@ -101,7 +112,8 @@ def _Child(variant: str, num_layers: int, k: int, m: int, steps: int) -> dict:
       times.append(time.time() - t1)
   from tensorflow.python.util import _pywrap_util_port  # pylint: disable=g-import-not-at-top,g-direct-tensorflow-import
   return dict(
-      variant=variant, L=num_layers, K=k, M=m, ops=ops,
+      variant=variant, dtype=dtype, L=num_layers, K=k, M=m, ops=ops,
+      bytes_between_cells=cross_bytes,
       import_s=round(t_import, 2), build_s=round(t_build, 2),
       first_step_s=round(t_first, 2),
       step_ms=round(1e3 * float(np.median(times)), 1),
@@ -117,30 +129,64 @@ def Pairs(ks, ms):
   return list(itertools.product(ks, ms))
 
 
-def Run(variants, num_layers, km_pairs, steps, timeout_s=1800):
+def Run(variants, num_layers, km_pairs, steps, timeout_s=1800,
+        dtypes=('float32',)):
   """Each configuration in a fresh child; returns the records."""
   records = []
-  for l, (k, m), v in itertools.product(num_layers, km_pairs, variants):
+  for l, (k, m), v, dtype in itertools.product(num_layers, km_pairs, variants,
+                                               dtypes):
     cmd = [sys.executable, os.path.abspath(__file__), '--_child', v,
            '--L', str(l), '--K', str(k), '--M', str(m), '--steps',
-           str(steps)]
-    print('[bench] %s L=%d K=%d M=%d' % (v, l, k, m), file=sys.stderr,
-          flush=True)
+           str(steps), '--dtype', dtype]
+    print('[bench] %s %s L=%d K=%d M=%d' % (v, dtype, l, k, m),
+          file=sys.stderr, flush=True)
     try:
       res = subprocess.run(cmd, capture_output=True, text=True,
                            timeout=timeout_s, check=False)
     except subprocess.TimeoutExpired:
-      records.append(dict(variant=v, L=l, K=k, M=m,
+      records.append(dict(variant=v, dtype=dtype, L=l, K=k, M=m,
                           error='timeout %ds' % timeout_s))
       continue
     lines = [x for x in res.stdout.splitlines() if x.startswith('{')]
     if res.returncode or not lines:
       tail = res.stderr.strip().splitlines()[-1:] or ['no output']
-      records.append(dict(variant=v, L=l, K=k, M=m,
+      records.append(dict(variant=v, dtype=dtype, L=l, K=k, M=m,
                           error='exit %d: %s' % (res.returncode, tail[0])))
       continue
     records.append(json.loads(lines[-1]))
   return records
+
+
+DTYPES = ('float32', 'bfloat16')
+
+
+def ParseDtypes(text):
+  """'float32,bfloat16' -> ['float32', 'bfloat16']; argparse's type."""
+  dtypes = [d.strip() for d in text.split(',') if d.strip()]
+  if not dtypes or any(d not in DTYPES for d in dtypes):
+    raise argparse.ArgumentTypeError(
+        '%r: give float32, bfloat16 or float32,bfloat16' % text)
+  return dtypes
+
+
+def MarkdownDtypes(records) -> str:
+  """bf16 beside float32 per configuration and variant."""
+  by = {}
+  for r in records:
+    if 'error' not in r:
+      by.setdefault((r['L'], r['K'], r['M'], r['variant']),
+                    {})[r.get('dtype', 'float32')] = r
+  rows = ['| L, K, M | variant | float32 ms | bf16 ms | bf16 / float32 | '
+          'bytes between cells float32 / bf16 | oneDNN |',
+          '|---|---|---|---|---|---|---|']
+  for (l, k, m, v), d in by.items():
+    if set(DTYPES) <= set(d):
+      f, b = d['float32'], d['bfloat16']
+      rows.append('| %d, %d, %d | %s | %.1f | %.1f | %.2fx | %d / %d | %s |' %
+                  (l, k, m, v, f['step_ms'], b['step_ms'],
+                   b['step_ms'] / f['step_ms'], f['bytes_between_cells'],
+                   b['bytes_between_cells'], 'on' if b['onednn'] else 'off'))
+  return '\n'.join(rows)
 
 
 def Markdown(records) -> str:
@@ -148,19 +194,22 @@ def Markdown(records) -> str:
   rows = ['| L, K, M | variant | graph ops | first step (s) | step (ms) | '
           'peak RSS (MB) | step / Lingvo |',
           '|---|---|---|---|---|---|---|']
-  base = {(r['L'], r['K'], r['M']): r for r in records
+  base = {(r['L'], r['K'], r['M'], r.get('dtype', 'float32')): r
+          for r in records
           if r.get('variant') == 'lingvo' and 'error' not in r}
   for r in records:
     key = (r['L'], r['K'], r['M'])
+    dtype = r.get('dtype', 'float32')
+    name = r['variant'] + (' (%s)' % dtype if dtype != 'float32' else '')
     if 'error' in r:
       rows.append('| %d, %d, %d | %s | %s | | | | |' %
-                  (*key, r['variant'], r['error']))
+                  (*key, name, r['error']))
       continue
     ratio = ''
-    if key in base:
-      ratio = '%.2fx' % (r['step_ms'] / base[key]['step_ms'])
+    if key + (dtype,) in base:
+      ratio = '%.2fx' % (r['step_ms'] / base[key + (dtype,)]['step_ms'])
     rows.append('| %d, %d, %d | %s | %s | %.1f | %.1f | %d | %s |' %
-                (*key, r['variant'],
+                (*key, name,
                  '-' if r['ops'] is None else r['ops'], r['first_step_s'],
                  r['step_ms'], r['peak_rss_mb'], ratio))
   return '\n'.join(rows)
@@ -186,6 +235,10 @@ def main(argv=None) -> int:
                       'bench/torch_baselines.py --model transformer (torch '
                       'eager, GPipe, 1F1B). Default: .venv-torch/bin/python '
                       'when it exists; "none" turns it off.')
+  parser.add_argument(
+      '--dtype', default='float32', type=ParseDtypes,
+      help="'float32' (default), 'bfloat16' (fprop_dtype: float32 variables, "
+      "bfloat16 cells) or both, 'float32,bfloat16', side by side.")
   parser.add_argument('--_child', help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   sys.path.insert(0, _REPO)
@@ -200,15 +253,19 @@ def main(argv=None) -> int:
                    "'<unrolled|1f1b|recurrent>[+functions][+jit]'" % v)
   if args._child:  # pylint: disable=protected-access
     print(json.dumps(_Child(args._child, args.L[0], args.K[0], args.M[0],  # pylint: disable=protected-access
-                            args.steps)))
+                            args.steps, args.dtype[0])))
     return 0
-  records = Run(args.variants, args.L, Pairs(args.K, args.M), args.steps)
+  records = Run(args.variants, args.L, Pairs(args.K, args.M), args.steps,
+                dtypes=args.dtype)
   torch_python, note = torch_baselines.TorchPython(args.torch_python)
   print('[bench] ' + note, file=sys.stderr, flush=True)
   records = torch_baselines.WithTransformerRecords(
       records, torch_python, args.L, Pairs(args.K, args.M), args.steps)
   if args.markdown:
     print(Markdown(records))
+    if len(args.dtype) > 1:
+      print()
+      print(MarkdownDtypes(records))
   else:
     for r in records:
       print(json.dumps(r))

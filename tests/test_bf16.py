@@ -170,9 +170,13 @@ def test_bytes_between_cells_are_bf16_and_half(variant):
   # gradients backward), and exactly half float32's bytes.
   assert set(f32_by) == {'float32'}, f32_by
   assert set(bf16_by) == {'bfloat16'}, bf16_by
-  # At least the activations of 4 micro-batches, each way.
-  assert f32 >= 2 * B * D * 4
   assert bf16 * 2 == f32
+  # 'recurrent''s loop sends its states, not just these; with
+  # cell_functions, cell 0's function gradients run on cell 1's device
+  # (SymbolicGradient placement) and take its weights and inputs there.
+  if variant[0] != 'recurrent' and not functions:
+    # Exactly the activations (B x D over the micro-batches), each way.
+    assert f32 == 2 * B * D * 4
 
 
 def _Params(model):

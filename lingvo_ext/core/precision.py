@@ -135,11 +135,13 @@ def CrossDeviceTensors(graph, scalars=False):
   what TensorFlow sends between the cells' devices (processes, in a
   cluster), once per destination device, per step. Scalars (the micro-batch
   steps that seed random ops, in the pipeline's state_dtype) only with
-  `scalars`.
+  `scalars`. IdentityN ops are left out: the one that closes a pipeline
+  (its custom gradient) takes every weight, but Grappler prunes its unused
+  outputs, and nothing of them is sent (bench/cluster.py measures it).
   """
   out = {}
   for op in graph.get_operations():
-    if not op.device:
+    if not op.device or op.type == 'IdentityN':
       continue
     for t in op.inputs:
       if (t.dtype.is_floating and t.op.device and
