@@ -171,6 +171,22 @@ def _WithBackward(inputs: List, outputs: List, backward_fn: Callable) -> List:
 # --- The engine behind 'unrolled' and '1f1b' ----------------------------------
 
 
+def CastHere(v):
+  """`v`, cast under the current device if it is a cast weight.
+
+  Lingvo's fprop_dtype (mixed precision) casts each float32 weight to
+  bfloat16 where theta is taken, on whatever device that is; cast again
+  here, on the cell's device, the float32 weight does not cross devices
+  (processes) to be cast, and its gradient comes back float32 on the cell's
+  device. The first cast is then unused and pruned.
+  """
+  if (v is not None and not isinstance(v, tf.Variable) and
+      getattr(v, 'op', None) is not None and v.op.type == 'Cast' and
+      v.op.inputs[0].dtype != v.dtype):
+    return tf.cast(v.op.inputs[0], v.dtype)
+  return v
+
+
 def _Flat(structure) -> List:
   return tf.nest.flatten(structure)
 
@@ -311,7 +327,7 @@ class _Engine:
     # (lookups and per-shard matmuls run there; a copy would gather the whole
     # table onto the cell's device).
     def _Read(v):
-      return v if sharding.IsShard(v) else tf.identity(v)
+      return v if sharding.IsShard(v) else tf.identity(CastHere(v))
 
     self.thetas = []
     for i, (name, _) in enumerate(self.cells):
@@ -821,13 +837,18 @@ def Recurrent(layer, theta, inputs, num_micro):
     states[_MICRO_BATCH_STATE_NAME] = tf.stack(
         layer.MicroBatchSteps(num_micro, state_dtype))
 
+  cell_thetas = []
+  for i, (name, _) in enumerate(cells):
+    with tf.device(devices[i]):
+      cell_thetas.append(theta[name].Transform(CastHere))
+
   output_state, _ = recurrent.StackedRecurrent(
       devices=devices,
       cell_fns=[_CellFn(i) for i in range(num_cells)],
       cell_grads=[None] * num_cells,
       cell_outs=[lambda x: x] * num_cells,
       cell_out_grads=[lambda x: x] * num_cells,
-      thetas=[theta[name] for name, _ in cells],
+      thetas=cell_thetas,
       init_states=init_states,
       inputs=states,
       accumulator_layers=[cell for _, cell in cells],
