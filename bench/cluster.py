@@ -24,6 +24,14 @@ The whole run is in a private network namespace (loopback only).
 
   python bench/cluster.py            # width 1536, batch 128, 20 steps
   python bench/cluster.py --quick    # width 256, batch 32, 10 steps
+  python bench/cluster.py --dtype float32,bfloat16   # both, side by side
+
+With --dtype bfloat16 the pipeline is built with fprop_dtype=tf.bfloat16
+(Lingvo's mixed precision: float32 variables and updates, bfloat16 cells):
+the activations and gradients between the processes are bfloat16. With
+several dtypes every (kind, dtype) step is timed in the same round-robin and
+one record per dtype is printed, the bfloat16 one with its ratios to
+float32's.
 """
 
 import argparse
@@ -62,7 +70,12 @@ def _Args(argv=None):
   p.add_argument('--steps', type=int, default=None)
   p.add_argument('--micro_batches', type=int, default=4)
   p.add_argument('--network', choices=('private', 'host'), default='private')
+  p.add_argument('--dtype', default='float32',
+                 help="float32 (default), bfloat16, or float32,bfloat16.")
   args = p.parse_args(argv)
+  args.dtype = [d.strip() for d in args.dtype.split(',') if d.strip()]
+  if not args.dtype or set(args.dtype) - {'float32', 'bfloat16'}:
+    p.error('--dtype: give float32, bfloat16 or float32,bfloat16')
   width, batch, steps = (256, 32, 10) if args.quick else (1536, 128, 20)
   args.width = args.width or width
   args.batch = args.batch or batch
@@ -103,7 +116,7 @@ def main(argv=None):
         config=tf.config_pb2.ConfigProto(inter_op_parallelism_threads=2,
                                          intra_op_parallelism_threads=1))
 
-    def Build(kind):
+    def Build(kind, dtype):
       graph = tf.Graph()
       colocate = kind != 'least_loaded'
       if kind == 'local':
@@ -126,13 +139,16 @@ def main(argv=None):
       with graph.as_default(), c, tf.device(c.GetPlacer()):
         tf.random.set_seed(1)
         py_utils.GetOrCreateGlobalStepVar()
-        x = tf.constant(
+        x = tf.cast(tf.constant(
             np.random.RandomState(0).randn(args.batch, args.width),
-            dtype=tf.float32)
+            dtype=tf.float32), dtype)
+        bf16 = (dict(fprop_dtype=tf.bfloat16, state_dtype=tf.float32)
+                if dtype == 'bfloat16' else {})
         net = gpipe.PipeliningLayer.Params().Set(
             name='pipe', cell_tpl=cells, num_micro_batches=m,
-            colocate_cell_variables=colocate).Instantiate()
-        loss = tf.reduce_sum(tf.square(net.FPropDefaultTheta(x)))
+            colocate_cell_variables=colocate, **bf16).Instantiate()
+        loss = tf.reduce_sum(
+            tf.square(tf.cast(net.FPropDefaultTheta(x), tf.float32)))
         variables = net.vars.Flatten()
         grads = tf.gradients(loss, variables,
                              colocate_gradients_with_ops=True)
@@ -144,13 +160,13 @@ def main(argv=None):
         sess.run(tf.global_variables_initializer())
       return sess, loss, train
 
-    steps = {
-        kind: Build(kind) for kind in ('local', 'cluster', 'least_loaded')
-    }
-    first = {kind: float(s.run(l)) for kind, (s, l, _) in steps.items()}
-    if not all(np.isclose(first['local'], f, rtol=1e-5)
-               for f in first.values()):
-      raise AssertionError(f'first losses differ: {first}')
+    steps = {(kind, dtype): Build(kind, dtype)
+             for dtype in args.dtype
+             for kind in ('local', 'cluster', 'least_loaded')}
+    first = {key: float(s.run(l)) for key, (s, l, _) in steps.items()}
+    for (kind, dtype), f in first.items():
+      if not np.isclose(first[('local', dtype)], f, rtol=1e-5):
+        raise AssertionError(f'first losses differ: {first}')
     for _ in range(3):  # Warm-up.
       for sess, _, train in steps.values():
         sess.run(train)
@@ -187,27 +203,38 @@ def main(argv=None):
           recvs += 1
       return cross, recvs
 
-    cross, recvs = CrossProcessBytes('cluster')
-    ll_cross, ll_recvs = CrossProcessBytes('least_loaded')
-    act = args.batch * args.width * 4  # One direction, all micro-batches.
-    local_ms = statistics.median(times['local']) * 1e3
-    cluster_ms = statistics.median(times['cluster']) * 1e3
-    ll_ms = statistics.median(times['least_loaded']) * 1e3
-    record = dict(
-        model='homogeneous', width=args.width, batch=args.batch, K=k, M=m,
-        steps=args.steps, local_ms=round(local_ms, 2),
-        cluster_ms=round(cluster_ms, 2),
-        ratio=round(cluster_ms / local_ms, 3),
-        measured_cross_process_bytes_per_step=cross,
-        measured_cross_process_recvs=recvs,
-        least_loaded_cluster_ms=round(ll_ms, 2),
-        least_loaded_ratio=round(ll_ms / local_ms, 3),
-        least_loaded_cross_process_bytes_per_step=ll_cross,
-        least_loaded_cross_process_recvs=ll_recvs,
-        activation_bytes_per_step_fwd_plus_bwd=2 * act,
-        activation_bytes_per_micro_batch=act // m,
-        first_loss=first['local'])
-    print(json.dumps(record))
+    records = {}
+    for dtype in args.dtype:
+      cross, recvs = CrossProcessBytes(('cluster', dtype))
+      ll_cross, ll_recvs = CrossProcessBytes(('least_loaded', dtype))
+      # One direction, all micro-batches.
+      act = args.batch * args.width * (2 if dtype == 'bfloat16' else 4)
+      local_ms = statistics.median(times[('local', dtype)]) * 1e3
+      cluster_ms = statistics.median(times[('cluster', dtype)]) * 1e3
+      ll_ms = statistics.median(times[('least_loaded', dtype)]) * 1e3
+      records[dtype] = dict(
+          model='homogeneous', dtype=dtype, width=args.width,
+          batch=args.batch, K=k, M=m, steps=args.steps,
+          local_ms=round(local_ms, 2), cluster_ms=round(cluster_ms, 2),
+          ratio=round(cluster_ms / local_ms, 3),
+          measured_cross_process_bytes_per_step=cross,
+          measured_cross_process_recvs=recvs,
+          least_loaded_cluster_ms=round(ll_ms, 2),
+          least_loaded_ratio=round(ll_ms / local_ms, 3),
+          least_loaded_cross_process_bytes_per_step=ll_cross,
+          least_loaded_cross_process_recvs=ll_recvs,
+          activation_bytes_per_step_fwd_plus_bwd=2 * act,
+          activation_bytes_per_micro_batch=act // m,
+          first_loss=first[('local', dtype)],
+          onednn=bool(pipeline.OneDnnEnabled()))
+    if 'float32' in records and 'bfloat16' in records:
+      f, b = records['float32'], records['bfloat16']
+      for key in ('local_ms', 'cluster_ms', 'least_loaded_cluster_ms',
+                  'measured_cross_process_bytes_per_step'):
+        b[key.replace('_per_step', '') + '_vs_float32'] = round(
+            b[key] / f[key], 4) if f[key] else None
+    for r in records.values():
+      print(json.dumps(r))
     return 0
   finally:
     for p in procs:
