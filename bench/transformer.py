@@ -110,6 +110,10 @@ def _Child(variant: str, num_layers: int, k: int, m: int, steps: int,
       t1 = time.time()
       sess.run(train)
       times.append(time.time() - t1)
+    md = tf.RunMetadata()  # One traced step: where the time goes.
+    sess.run(train, options=tf.RunOptions(
+        trace_level=tf.RunOptions.FULL_TRACE), run_metadata=md)
+  op_ms = OpTimes(md.step_stats)
   from tensorflow.python.util import _pywrap_util_port  # pylint: disable=g-import-not-at-top,g-direct-tensorflow-import
   return dict(
       variant=variant, dtype=dtype, L=num_layers, K=k, M=m, ops=ops,
@@ -119,7 +123,28 @@ def _Child(variant: str, num_layers: int, k: int, m: int, steps: int,
       step_ms=round(1e3 * float(np.median(times)), 1),
       peak_rss_mb=round(
           resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
-      loss0=float(loss0), onednn=bool(_pywrap_util_port.IsMklEnabled()))
+      loss0=float(loss0), onednn=bool(_pywrap_util_port.IsMklEnabled()),
+      busy_ms=round(sum(op_ms.values()), 1),
+      matmul_ms=round(sum(v for o, v in op_ms.items() if 'MatMul' in o), 1),
+      cast_ms=round(op_ms.get('Cast', 0.0), 1),
+      top_ops_ms={o: round(v, 1) for o, v in sorted(
+          op_ms.items(), key=lambda x: -x[1])[:10]})
+
+
+def OpTimes(step_stats) -> dict:
+  """{op type: ms} summed over a traced step's ops on every device.
+
+  Ops inside TF functions (cell_functions) count as their call op.
+  """
+  out = {}
+  for dev in step_stats.dev_stats:
+    for node in dev.node_stats:
+      label = node.timeline_label
+      if ' = ' not in label:
+        continue
+      op = label.split(' = ', 1)[1].split('(', 1)[0].strip()
+      out[op] = out.get(op, 0.0) + node.all_end_rel_micros / 1e3
+  return out
 
 
 def Pairs(ks, ms):
@@ -177,15 +202,19 @@ def MarkdownDtypes(records) -> str:
       by.setdefault((r['L'], r['K'], r['M'], r['variant']),
                     {})[r.get('dtype', 'float32')] = r
   rows = ['| L, K, M | variant | float32 ms | bf16 ms | bf16 / float32 | '
-          'bytes between cells float32 / bf16 | oneDNN |',
-          '|---|---|---|---|---|---|---|']
+          'bytes between cells float32 / bf16 | op time: MatMul ms float32 / '
+          'bf16 | Cast ms bf16 | all ops ms float32 / bf16 | oneDNN |',
+          '|---|---|---|---|---|---|---|---|---|---|']
   for (l, k, m, v), d in by.items():
     if set(DTYPES) <= set(d):
       f, b = d['float32'], d['bfloat16']
-      rows.append('| %d, %d, %d | %s | %.1f | %.1f | %.2fx | %d / %d | %s |' %
+      rows.append('| %d, %d, %d | %s | %.1f | %.1f | %.2fx | %d / %d | '
+                  '%.1f / %.1f | %.1f | %.1f / %.1f | %s |' %
                   (l, k, m, v, f['step_ms'], b['step_ms'],
                    b['step_ms'] / f['step_ms'], f['bytes_between_cells'],
-                   b['bytes_between_cells'], 'on' if b['onednn'] else 'off'))
+                   b['bytes_between_cells'], f['matmul_ms'], b['matmul_ms'],
+                   b['cast_ms'], f['busy_ms'], b['busy_ms'],
+                   'on' if b['onednn'] else 'off'))
   return '\n'.join(rows)
 
 

@@ -379,3 +379,28 @@ def test_trainer_and_evaler_in_bf16(tmp_path):
   assert ('oneDNN off' in out.stderr) == (not precision.OneDnnEnabled())
   params = (tmp_path / 'train' / 'trainer_params.txt').read_text()
   assert "task.fprop_dtype : 'bfloat16'" in params
+
+
+def test_bench_dtype_tables():
+  from bench import pipeline as bench_pipeline  # pylint: disable=g-import-not-at-top
+  from bench import transformer as bench_transformer  # pylint: disable=g-import-not-at-top
+  assert bench_transformer.ParseDtypes('float32, bfloat16') == [
+      'float32', 'bfloat16']
+  with pytest.raises(Exception, match='float16'):
+    bench_transformer.ParseDtypes('float16')
+  common = dict(model='homogeneous', K=2, M=4, impl='lingvo_ext', onednn=True)
+  rows = bench_pipeline.MarkdownDtypes([
+      dict(common, dtype='float32', step_ms=100.0, bytes_between_cells=8),
+      dict(common, dtype='bfloat16', step_ms=62.0, bytes_between_cells=4,
+           vs_float32=0.62, first_loss_rel_diff=1e-3)]).splitlines()
+  assert len(rows) == 3
+  assert '| 100.0 | 62.0 | 0.62x | 8 / 4 |' in rows[2]
+  rec = dict(variant='unrolled', L=8, K=2, M=4, bytes_between_cells=8,
+             matmul_ms=10.0, cast_ms=0.0, busy_ms=20.0, onednn=False,
+             step_ms=50.0)
+  rows = bench_transformer.MarkdownDtypes([
+      dict(rec, dtype='float32'),
+      dict(rec, dtype='bfloat16', step_ms=40.0, bytes_between_cells=4,
+           cast_ms=3.0)]).splitlines()
+  assert rows[2] == ('| 8, 2, 4 | unrolled | 50.0 | 40.0 | 0.80x | 8 / 4 | '
+                     '10.0 / 10.0 | 3.0 | 20.0 / 20.0 | off |')
