@@ -69,7 +69,7 @@ def _SequentialPerMicroBatch(net, theta, x, num_micro):
   backward pass. With no random op it is FPropSequential on the batch.
   """
   # pylint: disable=protected-access
-  steps = net._MicroBatchSteps(num_micro, tf.float32)
+  steps = net.MicroBatchSteps(num_micro, tf.float32)
   outs = []
   for t, xt in enumerate(tf.split(x, num_micro)):
     for name, cell in net._cells:
