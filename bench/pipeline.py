@@ -635,6 +635,16 @@ def _ConfigRecords(args, model: str, k: int, m: int,
   return recs
 
 
+def _Emit(args, records: List[Dict], r: Dict) -> None:
+  """Appends a record; prints it (unless --markdown) and adds it to --jsonl."""
+  records.append(r)
+  if not args.markdown:
+    print(json.dumps(r), flush=True)
+  if args.jsonl:
+    with open(args.jsonl, 'a') as f:
+      f.write(json.dumps(r) + '\n')
+
+
 def RunSweep(args) -> List[Dict]:
   """Times every configuration; returns one record per (impl, model, K, M)."""
   rss = RssMeter(args.rss)
@@ -648,12 +658,7 @@ def RunSweep(args) -> List[Dict]:
     plain_loss = plain.FirstLoss()
     if model == 'homogeneous' and args.torch_python:
       for r in TorchRecords(args, plain, plain_loss):
-        records.append(r)
-        if not args.markdown:
-          print(json.dumps(r), flush=True)
-        if args.jsonl:
-          with open(args.jsonl, 'a') as f:
-            f.write(json.dumps(r) + '\n')
+        _Emit(args, records, r)
     plain_rss = rss.Measure(dict(job, impl='plain', K=1, M=1))
     for k in args.K:
       cell_ratio = SlowestToMean(
@@ -748,12 +753,7 @@ def RunDtypes(args) -> List[Dict]:
             r['first_loss_rel_diff'] = float('%.3g' % (
                 abs(r['first_loss'] - base['first_loss']) /
                 max(abs(base['first_loss']), 1e-30)))
-          records.append(r)
-          if not args.markdown:
-            print(json.dumps(r), flush=True)
-          if args.jsonl:
-            with open(args.jsonl, 'a') as f:
-              f.write(json.dumps(r) + '\n')
+          _Emit(args, records, r)
         _Log('%s K=%d M=%d: %s' % (model, k, m, ', '.join(
             '%s %s %.1f ms' % (i, d, r['step_ms'])
             for (i, d), r in recs.items())))
