@@ -255,6 +255,8 @@ def testParamDefaultAndDescription():
     p.x = 5
     assert internal_lingvo.ParamDefault(p, 'x') == 3
     assert internal_lingvo.ParamDescription(p, 'x') == 'The x.'
+    internal_lingvo.SetParamDescription(p, 'x', 'The new x.')
+    assert internal_lingvo.ParamDescription(p, 'x') == 'The new x.'
 
   _Check('hyperparams.Params._params/_Param._description', Check)
 

@@ -95,6 +95,11 @@ def ParamDescription(params, name):
   return params._params[name]._description  # pylint: disable=protected-access
 
 
+def SetParamDescription(params, name, description):
+  """Replaces the description of an inherited param (Params has no setter)."""
+  params._params[name]._description = description  # pylint: disable=protected-access
+
+
 def InitTpuEmbeddingManager():
   """What lingvo.trainer.main does before its runners: a process-wide manager.
 

@@ -98,7 +98,8 @@ def LayerMetas(layer_params: Sequence[Any],
   return metas
 
 
-def _NamedCopy(p, default_name):
+def NamedCopy(p, default_name):
+  """A copy of params p, named default_name if it has no name."""
   p = p.Copy()
   if not p.name:
     p.name = default_name
@@ -106,7 +107,7 @@ def _NamedCopy(p, default_name):
 
 
 @contextlib.contextmanager
-def _Sandbox(graph=None):
+def Sandbox(graph=None):
   """Makes graph (a new one by default) the default, outside any layer.
 
   Costs are often computed while a layer is being built (a task calls
@@ -125,7 +126,7 @@ def _Sandbox(graph=None):
     yield graph
 
 
-def _InstantiateLayer(p):
+def InstantiateLayer(p):
   """Instantiates p in the current graph and returns the layer."""
   layer = p.Instantiate()
   # Recent Lingvo creates variables lazily; make sure they exist.
@@ -145,8 +146,8 @@ def LayerVariables(p) -> List[Any]:
   Returns:
     A list of (name, shape list, tf.DType).
   """
-  with _Sandbox():
-    layer = _InstantiateLayer(_NamedCopy(p, 'layer'))
+  with Sandbox():
+    layer = InstantiateLayer(NamedCopy(p, 'layer'))
     out = []
     for v in layer.vars.Flatten():
       out.append((v.name, v.shape.as_list(), v.dtype.base_dtype))
@@ -173,7 +174,7 @@ def ActivationBytes(out_shapes, dtype=tf.float32) -> int:
   return total * tf.as_dtype(dtype).size
 
 
-def _FakeInputs(p, shapes):
+def FakeInputs(p, shapes):
   """Input tensors for a layer p at shapes, for timing.
 
   A layer may define a classmethod `FakeInputs(p, *shapes)` (e.g. embedding
@@ -200,8 +201,8 @@ def _FakeInputs(p, shapes):
 
 def _InputSpecs(p, shapes):
   """(dtype, static shape list) of each input of layer p at shapes."""
-  with _Sandbox():
-    fake = _FakeInputs(p, shapes)
+  with Sandbox():
+    fake = FakeInputs(p, shapes)
     return [(t.dtype, t.shape.as_list()) for t in fake]
 
 
@@ -223,10 +224,10 @@ def TfProfilerFlops(p, *shapes) -> int:
     if s is not None:
       _CheckNumeric(NumElements(s), 'An input shape')
   specs = _InputSpecs(p, shapes)
-  with _Sandbox():
-    layer = _InstantiateLayer(_NamedCopy(p, 'layer'))
+  with Sandbox():
+    layer = InstantiateLayer(NamedCopy(p, 'layer'))
     theta_specs = layer.theta.Transform(lambda v: (v.dtype, v.shape.as_list()))
-  with _Sandbox() as g:
+  with Sandbox() as g:
     theta = theta_specs.Transform(
         lambda spec: tf.placeholder(spec[0].base_dtype, spec[1]))
     inputs = [tf.placeholder(dtype, shape) for dtype, shape in specs]
@@ -270,10 +271,10 @@ def MeasureLayerTime(p,
   for s in shapes:
     if s is not None:
       _CheckNumeric(NumElements(s), 'An input shape')
-  with _Sandbox() as g, tf.device(device):
+  with Sandbox() as g, tf.device(device):
     tf.random.set_seed(1234)
-    layer = _InstantiateLayer(_NamedCopy(p, 'layer'))
-    fake = _FakeInputs(p, shapes)
+    layer = InstantiateLayer(NamedCopy(p, 'layer'))
+    fake = FakeInputs(p, shapes)
     # Inputs live in variables, so that each run only reads them.
     inputs = []
     for i, t in enumerate(fake):

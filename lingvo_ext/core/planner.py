@@ -704,11 +704,10 @@ def _LayerGraphStats(p, shapes) -> Tuple[int, int, float]:
   """
   import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
   from lingvo_ext.core import cost  # pylint: disable=g-import-not-at-top
-  # pylint: disable=protected-access
-  with cost._Sandbox() as g:
-    layer = cost._InstantiateLayer(cost._NamedCopy(p, 'layer'))
+  with cost.Sandbox() as g:
+    layer = cost.InstantiateLayer(cost.NamedCopy(p, 'layer'))
     theta = layer.theta.Transform(tf.identity)
-    inputs = [tf.identity(t) for t in cost._FakeInputs(p, shapes)]
+    inputs = [tf.identity(t) for t in cost.FakeInputs(p, shapes)]
     n0 = len(g.get_operations())
     outs = layer.FProp(theta, *inputs)
     outs = [o for o in tf.nest.flatten(outs)
@@ -719,7 +718,6 @@ def _LayerGraphStats(p, shapes) -> Tuple[int, int, float]:
     xs = theta.Flatten() + [x for x in inputs if x.dtype.is_floating]
     tf.gradients(loss, xs)
     bwd = g.get_operations()[n1:]
-  # pylint: enable=protected-access
   fwd_set = set(fwd)
   kept = {}
   for op in bwd:

@@ -28,6 +28,8 @@ import lingvo.compat as tf
 from lingvo.core import py_utils
 from tensorflow.core.protobuf import rewriter_config_pb2  # pylint: disable=g-direct-tensorflow-import
 
+from lingvo_ext._internal import tf as internal_tf
+
 # Values task.fprop_dtype takes from an override (text) or from Python.
 _NAMES = {'float32': tf.float32, 'bfloat16': tf.bfloat16}
 ENV_VAR = 'TF_ENABLE_ONEDNN_OPTS'
@@ -73,8 +75,7 @@ def IsLowPrecision(dtype) -> bool:
 
 def OneDnnEnabled() -> bool:
   """Whether TensorFlow runs its oneDNN CPU kernels in this process."""
-  from tensorflow.python.util import _pywrap_util_port  # pylint: disable=g-import-not-at-top,g-direct-tensorflow-import
-  return bool(_pywrap_util_port.IsMklEnabled())
+  return internal_tf.IsMklEnabled()
 
 
 def SlowBf16Warning(dtype, onednn=None):

@@ -121,14 +121,14 @@ class PipelinedTask(base_model.BaseTask):
           f'Passed to the PipeliningLayer (e.g. --model_params_override='
           f"'task.{name}:...'): {doc}")
     # BaseLayer's own param, documented for this task's users.
-    p._params['fprop_dtype']._description = (  # pylint: disable=protected-access
+    internal_lingvo.SetParamDescription(p, 'fprop_dtype', (
         'The dtype the layers compute in: None or float32 (the default), or '
         'bfloat16 (e.g. --model_params_override=\'task.fprop_dtype:'
         'bfloat16\'): Lingvo\'s mixed precision, the cells compute in '
         'bfloat16 and pass bfloat16 activations and gradients between '
         'them; variables, their gradients, the optimizer and checkpoints '
         'stay float32. Fast on CPUs only with oneDNN (TF_ENABLE_ONEDNN_OPTS=1).'
-        ' See lingvo_ext/core/precision.py.')
+        ' See lingvo_ext/core/precision.py.'))
     p.train.clip_gradient_norm_to_value = 1.0
     return p
 
