@@ -353,7 +353,7 @@ def test_evaler_graph_runs_in_the_same_dtype():
   assert m.train is None
   assert _OpDtypes(m.g, 'BatchMatMulV2') == {'bfloat16'}
   assert all(v.dtype.base_dtype == tf.float32 for v in m.vars)
-  with tf.Session(graph=m.g) as sess:
+  with tf.Session(graph=m.g, config=_Config()) as sess:
     sess.run(m.init)
     loss = sess.run(m.loss)
   assert 3.5 < loss < 6.0  # About log(128) = 4.85 before training.
