@@ -80,6 +80,20 @@ def Cluster(num_devices):
       split_size=num_devices)
 
 
+def BuildTrainTask(task_params):
+  """A task and its training step in the default graph and cluster.
+
+  Returns:
+    (task, its loss tensor, the variable initializers).
+  """
+  py_utils.GetOrCreateGlobalStepVar()
+  task = task_params.Instantiate()
+  task.FPropDefaultTheta()
+  task.BProp()
+  return task, task.eval_metrics['loss'][0], [
+      tf.global_variables_initializer(), tf.local_variables_initializer()]
+
+
 def Session(graph, num_devices):
   config = tf.config_pb2.ConfigProto(
       device_count={'CPU': num_devices}, inter_op_parallelism_threads=2,

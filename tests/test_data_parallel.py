@@ -10,6 +10,7 @@ from lingvo.core import py_utils
 import numpy as np
 import pytest
 
+import gpipe_testlib as lib
 from lingvo_ext.distributed import gradient_sync
 from params import image
 from params import lm
@@ -58,12 +59,7 @@ def _Run(model, replicas, batch, steps=3, k=1, m=1, adam=False, save=None,
     p.train.learning_rate = 0.01
   graph = tf.Graph()
   with graph.as_default(), _Cluster(replicas, k):
-    py_utils.GetOrCreateGlobalStepVar()
-    task = p.Instantiate()
-    task.FPropDefaultTheta()
-    task.BProp()
-    loss = task.eval_metrics['loss'][0]
-    init = [tf.global_variables_initializer(), tf.local_variables_initializer()]
+    task, loss, init = lib.BuildTrainTask(p)
     config = tf.config_pb2.ConfigProto(
         device_count={'CPU': replicas * k}, inter_op_parallelism_threads=4)
     saver = tf.train.Saver()

@@ -25,10 +25,10 @@ import zlib
 import lingvo_ext  # pylint: disable=unused-import
 import lingvo.compat as tf
 from lingvo.core import cluster_factory
-from lingvo.core import py_utils
 import numpy as np
 import pytest
 
+import gpipe_testlib as lib
 from lingvo_ext.core import schedules
 from params import image
 from params import lm
@@ -58,12 +58,7 @@ def _Train(name, schedule, extra, pipelined=True, scale=1.0):
       mode='sync', job='trainer_client', cpus=k, split_size=k)
   with graph.as_default(), cluster:
     tf.random.set_seed(1)
-    py_utils.GetOrCreateGlobalStepVar()
-    task = p.Instantiate()
-    task.FPropDefaultTheta()
-    task.BProp()
-    loss = task.eval_metrics['loss'][0]
-    init = [tf.global_variables_initializer(), tf.local_variables_initializer()]
+    task, loss, init = lib.BuildTrainTask(p)
     config = tf.config_pb2.ConfigProto(
         device_count={'CPU': k}, inter_op_parallelism_threads=2,
         intra_op_parallelism_threads=1)
