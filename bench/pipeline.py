@@ -921,6 +921,9 @@ def ParseArgs(argv=None):
   parser.add_argument('--_child', help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   base = QUICK if args.quick else FULL
+  # --models transformer has defaults of its own for these.
+  args.given = {key for key in ('K', 'M', 'steps')
+                if getattr(args, key) is not None}
   for key in ('width', 'batch', 'K', 'M', 'steps', 'warmup', 'rss',
               'schedules'):
     if getattr(args, key) is None:
@@ -970,7 +973,9 @@ def main(argv=None) -> int:
     if len(args.models) > 1:
       _Log("--models transformer runs on its own; give it alone.")
       return 2
-    pairs = transformer.Pairs(args.K or [2, 4], args.M or [4, 16])
+    pairs = transformer.Pairs(args.K if 'K' in args.given else [2, 4],
+                              args.M if 'M' in args.given else [4, 16])
+    steps = args.steps if 'steps' in args.given else 5
     variants = list(transformer.DEFAULT_VARIANTS)
     if 'bfloat16' in args.dtype:
       # Lingvo's GPipeTransformerStack in bfloat16 fails inside Lingvo's
@@ -979,11 +984,9 @@ def main(argv=None) -> int:
       variants = [v for v in variants if v.split('+')[0] in ('unrolled',
                                                              '1f1b')]
     records = transformer.Run(
-        variants, args.transformer_layers, pairs, args.steps or 5,
-        dtypes=args.dtype)
+        variants, args.transformer_layers, pairs, steps, dtypes=args.dtype)
     records = torch_baselines.WithTransformerRecords(
-        records, args.torch_python, args.transformer_layers, pairs,
-        args.steps or 5)
+        records, args.torch_python, args.transformer_layers, pairs, steps)
     if args.markdown:
       print(transformer.Markdown(records))
       if len(args.dtype) > 1:

@@ -256,3 +256,14 @@ def testMarkdownVsTorch():
   assert rows[2] == ('| homogeneous | 2 | 4 | 120.0 | 100.0 | 110.0 | 240.0 '
                      '| 200.0 | 1.20 | 1.09 | 0.50 | 0.60 |')
   assert len(torch_baselines.Markdown(records).splitlines()) == 5
+
+
+def test_transformer_keeps_its_own_defaults_unless_given():
+  # --models transformer: K, M and steps default to (2, 4), (4, 16) and 5
+  # steps unless given on the command line (the FC sweep's defaults would
+  # fill them otherwise).
+  args = pipeline.ParseArgs(['--models', 'transformer'])
+  assert args.given == set()
+  args = pipeline.ParseArgs(['--models', 'transformer', '--K', '4', '--M',
+                             '16', '--steps', '12'])
+  assert args.given == {'K', 'M', 'steps'} and args.steps == 12
