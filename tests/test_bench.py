@@ -262,6 +262,7 @@ def test_transformer_keeps_its_own_defaults_unless_given():
   # --models transformer: K, M and steps default to (2, 4), (4, 16) and 5
   # steps unless given on the command line (the FC sweep's defaults would
   # fill them otherwise).
+  from bench import pipeline  # pylint: disable=g-import-not-at-top
   args = pipeline.ParseArgs(['--models', 'transformer'])
   assert args.given == set()
   args = pipeline.ParseArgs(['--models', 'transformer', '--K', '4', '--M',
