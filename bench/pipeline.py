@@ -224,8 +224,9 @@ class Step:
 
   def __init__(self, impl: str, model: str, width: int, batch: int,
                num_cells: int, num_micro: int, colocate: bool = False,
-               dtype: str = 'float32'):
-    """`dtype` 'bfloat16': fprop_dtype=tf.bfloat16 (Lingvo's mixed
+               dtype: str = 'float32', num_devices: Optional[int] = None):
+    """`num_devices`: the pipelines' devices (default one per cell; fewer
+    put the cells on them round robin). `dtype` 'bfloat16': fprop_dtype=tf.bfloat16 (Lingvo's mixed
     precision: float32 variables and updates, bfloat16 cells, activations
     and their gradients between cells); the input is cast to it."""
     self.impl = impl
@@ -235,7 +236,8 @@ class Step:
     ext_bf16 = dict(bf16, state_dtype=tf.float32) if bf16 else {}
     cells = Cells(model, width, batch, num_cells, per_example_loss=True)
     graph = tf.Graph()
-    num_split = 1 if impl == 'plain' else num_cells
+    num_split = 1 if impl == 'plain' else min(num_cells,
+                                              num_devices or num_cells)
     with graph.as_default(), cluster_factory.ForTestingWorker(
         mode='sync', job='trainer_client', cpus=num_split,
         split_size=num_split):
@@ -333,7 +335,8 @@ def ChildPeakRss(job: Dict) -> Dict:
   """
   base = _RssMb('VmRSS')
   s = Step(job['impl'], job['model'], job['width'], job['batch'], job['K'],
-           job['M'], job.get('colocate', False))
+           job['M'], job.get('colocate', False),
+           num_devices=job.get('devices'))
   for _ in range(job['steps']):
     s.Run()
   s.Close()
@@ -652,7 +655,8 @@ def RunSweep(args) -> List[Dict]:
   for model in args.models:
     _Log('%s: building the plain model' % model)
     job = dict(model=model, width=args.width, batch=args.batch,
-               steps=args.rss_steps, colocate=args.colocate)
+               steps=args.rss_steps, colocate=args.colocate,
+               devices=args.devices)
     # The plain model does not depend on K and M: one session and one RSS.
     plain = Step('plain', model, args.width, args.batch, 1, 1, args.colocate)
     plain_loss = plain.FirstLoss()
@@ -671,7 +675,7 @@ def RunSweep(args) -> List[Dict]:
         losses = {'plain': plain_loss}
         for impl in Pipelines(args):
           steps[impl] = Step(impl, model, args.width, args.batch, k, m,
-                             args.colocate)
+                             args.colocate, num_devices=args.devices)
           losses[impl] = steps[impl].FirstLoss()
         bad = {i: l for i, l in losses.items()
                if abs(l - plain_loss) > LOSS_RTOL * abs(plain_loss)}
@@ -726,7 +730,8 @@ def RunDtypes(args) -> List[Dict]:
           for dtype in args.dtype:
             key = (impl, dtype)
             steps[key] = Step(impl, model, args.width, args.batch, k, m,
-                              args.colocate, dtype=dtype)
+                              args.colocate, dtype=dtype,
+                              num_devices=args.devices)
             losses[key] = steps[key].FirstLoss()
         times = TimeRoundRobin(steps, args.steps, args.warmup)
         recs = {}
@@ -857,6 +862,11 @@ def ParseArgs(argv=None):
   parser.add_argument('--batch', type=int, help='Batch size (default %d, '
                       'quick %d).' % (FULL['batch'], QUICK['batch']))
   parser.add_argument('--K', type=int, nargs='+', help='Numbers of cells.')
+  parser.add_argument(
+      '--devices', type=int,
+      help='Devices the pipelines run on (default: one per cell). Fewer '
+      'than K puts the cells on them round robin, K / D cells each, as '
+      "'interleaved_1f1b' wants (e.g. --K 4 --devices 2).")
   parser.add_argument('--M', type=int, nargs='+',
                       help='Numbers of micro-batches.')
   parser.add_argument(
@@ -928,6 +938,9 @@ def ParseArgs(argv=None):
               'schedules'):
     if getattr(args, key) is None:
       setattr(args, key, base[key])
+  if args.devices is not None and not 1 <= args.devices <= min(args.K):
+    parser.error('--devices=%d: give 1 to the smallest --K (%d).' %
+                 (args.devices, min(args.K)))
   if args.steps < 10 and not args._child:  # pylint: disable=protected-access
     parser.error('--steps must be >= 10 for a meaningful median.')
   for v in args.schedules:

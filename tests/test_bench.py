@@ -268,3 +268,12 @@ def test_transformer_keeps_its_own_defaults_unless_given():
   args = pipeline.ParseArgs(['--models', 'transformer', '--K', '4', '--M',
                              '16', '--steps', '12'])
   assert args.given == {'K', 'M', 'steps'} and args.steps == 12
+
+
+def test_devices_must_fit_the_cells():
+  from bench import pipeline  # pylint: disable=g-import-not-at-top
+  assert pipeline.ParseArgs(['--K', '2', '4', '--devices', '2']).devices == 2
+  for bad in ('3', '0'):
+    with pytest.raises(SystemExit) as e:
+      pipeline.ParseArgs(['--K', '2', '4', '--devices', bad])
+    assert e.value.code == 2
