@@ -123,6 +123,20 @@ def testOpIdAndAddControlInput():
   _Check('Operation._id/_add_control_input', Check)
 
 
+def testUpdateInput():
+
+  def Check():
+    with tf.Graph().as_default():
+      a, b = tf.constant(1.0), tf.constant(2.0)
+      c = tf.identity(a)
+      internal_tf.UpdateInput(c.op, 0, b)
+      assert list(c.op.inputs) == [b]
+      with tf.Session() as sess:
+        assert sess.run(c) == 2.0
+
+  _Check('Operation._update_input', Check)
+
+
 def testLocalServerConfig():
 
   def Check():

@@ -349,6 +349,23 @@ def test_cell_functions_graph_grows_with_call_sites_not_cell_copies(schedule):
   assert len(fwd) == 2 * 8, [op.name for op in calls]
 
 
+def test_cell_functions_batch_weight_gradients_across_micro_batches():
+  # A cell function's backward pass computes no weight gradient: each weight
+  # MatMul exports its operands, and the engine computes x^T dy once over all
+  # micro-batches' rows (one MatMul per weight, not one per micro-batch).
+  _, calls = _GraphSize(4, True)
+
+  def WeightGradMatMuls(nodes):
+    return [n for n in nodes if n.op == 'MatMul' and n.attr['transpose_a'].b]
+  graph_def = calls[0].graph.as_graph_def()
+  in_functions = [n for f in graph_def.library.function
+                  for n in WeightGradMatMuls(f.node_def)]
+  assert not in_functions, [n.name for n in in_functions]
+  outer = WeightGradMatMuls(graph_def.node)
+  assert len(outer) == 2 * 3, [n.name for n in outer]  # 2 cells x 3 FC.
+  assert all('weight_grad' in n.name for n in outer), [n.name for n in outer]
+
+
 def test_jit_compiled_cells_match_sequential():
   cells = [gpipe.FeatureExtractionLayer.Params().Set(
       name='cell%d' % c,

@@ -64,6 +64,16 @@ def OpId(op) -> int:
   return op._id  # pylint: disable=protected-access
 
 
+def UpdateInput(op, index: int, tensor) -> None:
+  """Makes input `index` of an op that is already built read `tensor`.
+
+  A cell function (cell_function.py) routes a weight MatMul's output through
+  an added op after the cell's FProp has built it; no public API rewires an
+  op's input.
+  """
+  op._update_input(index, tensor)  # pylint: disable=protected-access
+
+
 def AddControlInput(op, dependency) -> None:
   """Adds a control input to an op that is already built."""
   op._add_control_input(dependency)  # pylint: disable=protected-access

@@ -7,6 +7,14 @@ micro-batch), instead of a copy of the cell per micro-batch. TensorFlow
 differentiates the call op with the function's own gradient function, also
 built once, so the backward pass grows the same way.
 
+Weight gradients are left out of the function's backward pass: each MatMul
+of an activation by a weight (a theta leaf) exports its left operand x as an
+output and adds to its product a zero the call takes, whose gradient is then
+the product's gradient dy (`ExportedOperands`). The engine computes the
+weight's gradient x^T dy once over the micro-batches of a group
+(`matmul_grad.WeightGradientBatcher`), as it does for inline cells: one
+weight-sized MatMul instead of one per micro-batch summed at the end.
+
 Random ops seed as in Lingvo's `StackedRecurrent` loop: the function body is a
 graph of its own, so an op's name scope inside it, and so its seed, is the one
 it has in Lingvo's loop, and the micro-batch step (an input) replaces the
@@ -14,6 +22,7 @@ global step (`lingvo.core.gpipe.SetOverWriteGlobalStep`).
 """
 
 import contextlib
+import weakref
 from typing import List
 
 import lingvo.compat as tf
@@ -21,6 +30,25 @@ from lingvo.core import cluster_factory
 from lingvo.core import gpipe as lingvo_gpipe
 from lingvo.core import py_utils
 import tensorflow as tf2
+
+from lingvo_ext._internal import tf as internal_tf
+from lingvo_ext.core import matmul_grad
+
+# Per graph (weakly): a call's op name -> its exported weight-MatMul
+# operands [(weight, x, zero)].
+_OPERANDS = weakref.WeakKeyDictionary()
+
+
+def ExportedOperands(op) -> List:
+  """[(weight, x, zero)] of the cell-function call that made `op`'s outputs.
+
+  For each weight MatMul x @ weight inside the call, its left operand x (a
+  call output) and the zero added to its product (a call input): the
+  gradient of a loss with respect to the zero is the product's gradient dy,
+  so the weight's gradient through this call is x^T dy, which the call's own
+  gradient leaves out. Empty for any other op.
+  """
+  return _OPERANDS.get(op.graph, {}).get(op.name, [])
 
 
 def _Flat(structure) -> List:
@@ -60,6 +88,7 @@ class CellFunction:
     self._in_struct = None
     self._out_struct = None  # The cell's output structure, None kept.
     self._acc_struct = None
+    self._exported = []  # [(theta leaf index, zero)] per weight MatMul.
 
   def _Trace(self, theta, inputs, step):
     """Builds the tf.function for these input structures."""
@@ -101,15 +130,58 @@ class CellFunction:
         stack.enter_context(lingvo_gpipe.CellFnFPropOpReplacementWrapper())
         lingvo_gpipe.SetOverWriteGlobalStep(step_b)
         stack.enter_context(py_utils.RemoveAssertContext(remove=True))
+        stack.enter_context(matmul_grad.PipelineMatMulGradients())
+        first_op = len(tf.get_default_graph().get_operations())
         out = cell.FProp(theta_b, *_ToTuple(x_b))
+      new_accs = _Flat(cell.GetAccumulatorValues()) if n_acc else []
+      out, new_accs, xs = self._ExportWeightMatMuls(
+          first_op, list(args[:n_theta]), out, new_accs)
       self._out_struct = out
       out_flat = [t for t in _Flat(out) if t is not None]
-      new_accs = _Flat(cell.GetAccumulatorValues()) if n_acc else []
-      return out_flat + new_accs
+      return out_flat + new_accs + xs
 
     self._fn = tf2.function(Body, autograph=False,
                             jit_compile=self._jit_compile or None)
     self._fn.__name__ = self._name
+
+  def _ExportWeightMatMuls(self, first_op, theta_args, out, new_accs):
+    """Routes each weight MatMul made since `first_op` through a zero input.
+
+    Returns:
+      (out, new_accs) with every such product replaced by product + zero, and
+      the MatMuls' left operands (function outputs).
+    """
+    fg = tf.get_default_graph()
+    leaf_index = {t.ref(): k for k, t in enumerate(theta_args)}
+    replaced = {}
+    xs = []
+    self._exported = []
+    for op in fg.get_operations()[first_op:]:
+      if (op.type != 'MatMul' or op.get_attr('transpose_a') or
+          op.get_attr('transpose_b') or
+          not op.outputs[0].dtype.is_floating):
+        continue
+      w = op.inputs[1]
+      while w.ref() not in leaf_index and w.op.type == 'Identity':
+        w = w.op.inputs[0]
+      y = op.outputs[0]
+      if w.ref() not in leaf_index or not y.shape.is_fully_defined():
+        continue
+      uses = [(c, j) for c in y.consumers()
+              for j, t in enumerate(c.inputs) if t.ref() == y.ref()]
+      # Created in the calling graph: a captured input of every call.
+      with fg.outer_graph.as_default():
+        zero = tf.zeros(y.shape, y.dtype, name='weight_matmul_dy')
+      y_z = y + zero
+      for c, j in uses:
+        internal_tf.UpdateInput(c, j, y_z)
+      replaced[y.ref()] = y_z
+      matmul_grad.MarkExported(op)
+      self._exported.append((leaf_index[w.ref()], zero))
+      xs.append(op.inputs[0])
+    swap = lambda t: t if t is None else replaced.get(t.ref(), t)
+    out = tf.nest.map_structure(swap, out)
+    return out, [swap(t) for t in new_accs], xs
 
   def __call__(self, theta, inputs, step):
     """The cell on one micro-batch; updates the cell's accumulators.
@@ -133,6 +205,15 @@ class CellFunction:
     results = self._fn(*args)
     results = list(results) if isinstance(results, (list, tuple)) else [
         results]
+    n_xs = len(self._exported)
+    if n_xs:
+      xs = results[len(results) - n_xs:]
+      results = results[:len(results) - n_xs]
+      operands = [(args[k], x, zero)
+                  for (k, zero), x in zip(self._exported, xs)]
+      calls = _OPERANDS.setdefault(tf.get_default_graph(), {})
+      for t in results:
+        calls[t.op.name] = operands
     n_out = len(results) - len(accs)
     if accs:
       self._cell.SetAccumulatorValues(

@@ -15,6 +15,7 @@ gradient is used (`TransposedInputGradPays`).
 import contextlib
 import functools
 import threading
+import weakref
 
 import lingvo.compat as tf
 
@@ -45,6 +46,12 @@ def _Batchers():
   if not hasattr(_LOCAL, 'batchers'):
     _LOCAL.batchers = []
   return _LOCAL.batchers
+
+
+def CurrentBatcher():
+  """The innermost `WeightGradientBatcher` being built into, or None."""
+  batchers = _Batchers()
+  return batchers[-1] if batchers else None
 
 
 class WeightGradientBatcher:
@@ -81,12 +88,15 @@ class WeightGradientBatcher:
   def Collects(self, b) -> bool:
     return self._Weight(b) is not None
 
+  def AddOperands(self, weight, a, dy):
+    """Records x^T dy of `weight` (one of `weights`) from exported operands."""
+    self._groups.setdefault(weight.ref(), ([], []))
+    self._groups[weight.ref()][0].append(a)
+    self._groups[weight.ref()][1].append(dy)
+
   def Add(self, b, a, dy):
     # Identity's gradient is the identity: x^T dy belongs to the weight.
-    key = self._Weight(b).ref()
-    self._groups.setdefault(key, ([], []))
-    self._groups[key][0].append(a)
-    self._groups[key][1].append(dy)
+    self.AddOperands(self._Weight(b), a, dy)
 
   def Gradients(self, weights):
     """The batched gradients of `weights` (None where nothing was recorded)."""
@@ -101,6 +111,27 @@ class WeightGradientBatcher:
       dy = dy[0] if len(dy) == 1 else tf.concat(dy, axis=0)
       out.append(tf.matmul(a, dy, transpose_a=True))
     return out
+
+
+# Per graph (weakly): names of MatMuls whose weight gradient is computed
+# outside their graph, from operands it exports (`MarkExported`).
+_EXPORTED = weakref.WeakKeyDictionary()
+
+
+def MarkExported(op) -> None:
+  """`op`'s weight gradient is left to whoever holds its exported operands.
+
+  A cell function (cell_function.py) returns a weight MatMul's left operand
+  and takes a zero it adds to the MatMul's output, whose gradient is the
+  MatMul's output gradient; the weight gradient x^T dy is then batched
+  across micro-batches outside the function, so its backward function
+  computes none.
+  """
+  _EXPORTED.setdefault(op.graph, set()).add(op.name)
+
+
+def _IsExported(op) -> bool:
+  return op.name in _EXPORTED.get(op.graph, ())
 
 
 @tf.RegisterGradient(PIPELINE_GRADIENT_NAME)
@@ -118,7 +149,7 @@ def _PipelineMatMulGrad(op, grad):
     else:
       grad_a = tf.matmul(grad, b, transpose_b=True)
   grad_b = None
-  if 1 not in skip:
+  if 1 not in skip and not _IsExported(op):
     batchers = _Batchers()
     if batchers and batchers[-1].Collects(b):
       batchers[-1].Add(b, a, grad)

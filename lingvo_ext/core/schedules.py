@@ -224,13 +224,31 @@ def _CellGradients(ys, flat_x, leaves, grad_ys):
       seen.add(v.ref())
       diff_x.append(v)
   xs = [v for v in diff_x if v is not None]
+  # A cell function's weight MatMuls leave their weight gradients out and
+  # export (weight, x, zero): the zero's gradient is the product's dy.
+  operands = []
+  for op in {y.op.name: y.op for y in ys}.values():
+    operands += cell_function.ExportedOperands(op)
+  zeros = [z for _, _, z in operands]
   # stop_gradients: an input that also reaches an output through an earlier
   # cell (a passed-through activation) must not count that path here; the
   # earlier cell's backward pass does.
-  grads = tf.gradients(ys, xs + leaves, grad_ys=grad_ys,
+  grads = tf.gradients(ys, xs + leaves + zeros, grad_ys=grad_ys,
                        stop_gradients=xs + leaves)
   it = iter(grads[:len(xs)])
-  return [None if v is None else next(it) for v in diff_x], grads[len(xs):]
+  leaf_grads = grads[len(xs):len(xs) + len(leaves)]
+  batcher = matmul_grad.CurrentBatcher()
+  position = {w.ref(): k for k, w in enumerate(leaves)}
+  for (w, x, _), dy in zip(operands, grads[len(xs) + len(leaves):]):
+    if dy is None:
+      continue
+    if batcher is not None and batcher.Collects(w):
+      batcher.AddOperands(w, x, dy)
+    else:
+      k = position[w.ref()]
+      g = tf.matmul(x, dy, transpose_a=True)
+      leaf_grads[k] = g if leaf_grads[k] is None else leaf_grads[k] + g
+  return [None if v is None else next(it) for v in diff_x], leaf_grads
 
 
 class _Engine:
