@@ -189,19 +189,22 @@ def _BuildPipeline(gpipe_module, cells: Sequence, num_micro_batches: int,
 
 
 def VariantParams(variant: str) -> Dict:
-  """'<schedule>[+recompute][+functions][+jit]' -> PipeliningLayer params."""
+  """'<schedule>[+recompute][+functions|+inline][+jit]' -> layer params."""
   schedule, *extras = variant.split('+')
-  flags = {'recompute': 'recompute', 'functions': 'cell_functions',
-           'jit': 'jit_compile'}
+  flags = {'recompute': ('recompute', True),
+           'functions': ('cell_functions', True),
+           'inline': ('cell_functions', False), 'jit': ('jit_compile', True)}
   if schedule not in ext_gpipe.PipeliningLayer._SCHEDULES or not set(  # pylint: disable=protected-access
       extras) <= set(flags):
     raise ValueError('Unknown lingvo_ext variant %r; use <schedule> with '
-                     'optional +recompute, +functions (cell_functions) or '
-                     '+jit (jit_compile), schedule one of %s.' %
+                     'optional +recompute, +functions (cell_functions, the '
+                     'default), +inline (cell_functions=False) or +jit '
+                     '(jit_compile), schedule one of %s.' %
                      (variant, ext_gpipe.PipeliningLayer._SCHEDULES))  # pylint: disable=protected-access
   params = dict(schedule=schedule)
   for extra in extras:
-    params[flags[extra]] = True
+    name, value = flags[extra]
+    params[name] = value
   return params
 
 
@@ -881,7 +884,7 @@ def ParseArgs(argv=None):
   parser.add_argument(
       '--schedules', nargs='*',
       help='lingvo_ext variants timed beside its default, as '
-      '<schedule>[+recompute][+functions][+jit] (default: %s; quick: %s).' %
+      '<schedule>[+recompute][+inline][+jit] (default: %s; quick: %s).' %
       (' '.join(FULL['schedules']), ' '.join(QUICK['schedules'])))
   parser.add_argument('--steps', type=int,
                       help='Timed steps per implementation (>= 10).')

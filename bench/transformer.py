@@ -17,8 +17,9 @@ devices with 2 inter-op and 1 intra-op threads.
       --dtype float32,bfloat16 --markdown   # bf16 beside float32
 
 Variants: 'lingvo' (lingvo.core.gpipe), and lingvo_ext '<schedule>' with
-optional '+functions' (`cell_functions=True`: each cell one TF function
-called per micro-batch) and '+jit' (`jit_compile=True`). With a torch venv
+optional '+inline' (`cell_functions=False`: each (cell, micro-batch) its own
+copy of the cell's ops; the default, '+functions', builds each cell once as a
+TF function called per micro-batch) and '+jit' (`jit_compile=True`). With a torch venv
 (`bash scripts/torch_venv.sh`, or `--torch_python PATH`), torch's rows at the
 same sizes follow each configuration's (bench/torch_baselines.py).
 """
@@ -34,8 +35,8 @@ import time
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-DEFAULT_VARIANTS = ('lingvo', 'unrolled', 'unrolled+functions', '1f1b',
-                    '1f1b+functions', 'recurrent')
+DEFAULT_VARIANTS = ('lingvo', 'unrolled', 'unrolled+inline', '1f1b',
+                    '1f1b+inline', 'recurrent')
 T, B, D, HIDDEN, HEADS, VOCAB = 16, 32, 64, 128, 2, 32
 
 
@@ -79,7 +80,7 @@ def _Child(variant: str, num_layers: int, k: int, m: int, steps: int,
     p.softmax_tpl.Set(input_dim=D, num_classes=VOCAB)
     if schedule != 'lingvo':
       p.schedule = schedule
-      p.cell_functions = 'functions' in extras
+      p.cell_functions = 'inline' not in extras
       p.jit_compile = 'jit' in extras
     net = p.Instantiate()
     rng = np.random.RandomState(0)
@@ -254,7 +255,7 @@ def main(argv=None) -> int:
   parser.add_argument('--M', type=int, nargs='+', default=[4],
                       help='Micro-batches.')
   parser.add_argument('--variants', nargs='+', default=list(DEFAULT_VARIANTS),
-                      help="'lingvo' or '<schedule>[+functions][+jit]'.")
+                      help="'lingvo' or '<schedule>[+inline][+jit]'.")
   parser.add_argument('--steps', type=int, default=5,
                       help='Timed steps after the first.')
   parser.add_argument('--markdown', action='store_true',
@@ -277,9 +278,9 @@ def main(argv=None) -> int:
   for v in ([args._child] if args._child else args.variants):  # pylint: disable=protected-access
     schedule, *extras = v.split('+')
     if (schedule not in ('lingvo', 'unrolled', '1f1b', 'recurrent') or
-        not set(extras) <= {'functions', 'jit'}):
+        not set(extras) <= {'functions', 'inline', 'jit'}):
       parser.error("--variants: %r is not 'lingvo' or "
-                   "'<unrolled|1f1b|recurrent>[+functions][+jit]'" % v)
+                   "'<unrolled|1f1b|recurrent>[+inline|+functions][+jit]'" % v)
   if args._child:  # pylint: disable=protected-access
     print(json.dumps(_Child(args._child, args.L[0], args.K[0], args.M[0],  # pylint: disable=protected-access
                             args.steps, args.dtype[0])))

@@ -39,7 +39,7 @@ VARIANTS = (('unrolled', False), ('unrolled', True), ('1f1b', None),
             ('1f1b', True), ('recurrent', True), ('interleaved_1f1b', None),
             ('zero_bubble', None))
 assert {v[0] for v in VARIANTS} == set(schedules.SCHEDULES)
-FUNCTION_VARIANTS = (('unrolled', False), ('1f1b', None))
+INLINE_VARIANTS = (('unrolled', False), ('1f1b', None))
 
 
 def _Cells(num_cells, keep_prob=None):
@@ -133,8 +133,9 @@ def test_bf16_pipeline_equals_bf16_sequential_every_schedule(keep_prob):
       _AssertClose(a, b, '%s grad %d' % (variant, i))
 
 
-def test_bf16_cell_functions_equal_sequential():
-  res = _Run(0.5, FUNCTION_VARIANTS, cell_functions=True)
+def test_bf16_inline_cells_equal_sequential():
+  # Cells built inline, a copy per micro-batch (functions are the default).
+  res = _Run(0.5, INLINE_VARIANTS, cell_functions=False)
   ref_out, ref_grads = res.pop('ref')
   for variant, (out, grads) in res.items():
     _AssertClose(out, ref_out, str(variant))
@@ -143,7 +144,7 @@ def test_bf16_cell_functions_equal_sequential():
       _AssertClose(a, b, str(variant))
 
 
-def _BoundaryBytes(variant, dtype, cell_functions=False):
+def _BoundaryBytes(variant, dtype, cell_functions=True):
   """(bytes, {dtype: bytes}) between the 2 cells' devices of a train graph."""
   g = tf.Graph()
   with g.as_default(), lib.Cluster(2):
@@ -159,10 +160,10 @@ def _BoundaryBytes(variant, dtype, cell_functions=False):
   return precision.CrossDeviceBytes(g)
 
 
-@pytest.mark.parametrize('variant', VARIANTS + (('unrolled', 'functions'),))
+@pytest.mark.parametrize('variant', VARIANTS + (('unrolled', 'inline'),))
 def test_bytes_between_cells_are_bf16_and_half(variant):
-  functions = variant[1] == 'functions'
-  if functions:
+  functions = variant[1] != 'inline'
+  if not functions:
     variant = (variant[0], False)
   f32, f32_by = _BoundaryBytes(variant, tf.float32, functions)
   bf16, bf16_by = _BoundaryBytes(variant, tf.bfloat16, functions)
@@ -171,10 +172,8 @@ def test_bytes_between_cells_are_bf16_and_half(variant):
   assert set(f32_by) == {'float32'}, f32_by
   assert set(bf16_by) == {'bfloat16'}, bf16_by
   assert bf16 * 2 == f32
-  # 'recurrent''s loop sends its states, not just these; with
-  # cell_functions, cell 0's function gradients run on cell 1's device
-  # (SymbolicGradient placement) and take its weights and inputs there.
-  if variant[0] != 'recurrent' and not functions:
+  # 'recurrent''s loop sends its states, not just these.
+  if variant[0] != 'recurrent':
     # Exactly the activations (B x D over the micro-batches), each way.
     assert f32 == 2 * B * D * 4
 
@@ -289,8 +288,13 @@ def _TrainLosses(m, sess, steps):
 
 
 def _OpDtypes(g, op_type):
-  return {op.get_attr('T').name for op in g.get_operations()
-          if op.type == op_type}
+  """The dtypes of `op_type` ops in `g` and in its functions (built cells)."""
+  graph_def = g.as_graph_def()
+  nodes = list(graph_def.node)
+  for f in graph_def.library.function:
+    nodes += f.node_def
+  return {tf.as_dtype(n.attr['T'].type).name for n in nodes
+          if n.op == op_type}
 
 
 @pytest.mark.e2e

@@ -35,11 +35,11 @@ SCHEDULES = [
     dict(schedule='unrolled', recompute=True),
     dict(schedule='1f1b'),
     dict(schedule='recurrent'),
-    dict(schedule='unrolled', cell_functions=True),
-    dict(schedule='1f1b', cell_functions=True, recompute=True),
+    dict(schedule='unrolled', cell_functions=False),
+    dict(schedule='1f1b', cell_functions=False, recompute=True),
 ]
 SCHEDULE_IDS = ['unrolled', 'unrolled-recompute', '1f1b', 'recurrent',
-                'unrolled-functions', '1f1b-functions-recompute']
+                'unrolled-inline', '1f1b-inline-recompute']
 
 
 class TupleOutLayer(base_layer.BaseLayer):

@@ -30,11 +30,11 @@ import gpipe_testlib as lib
 import test_schedules
 
 
-# Cells built once: each cell one function, called per micro-batch.
-_FN = (('cell_functions', True),)
-FUNCTION_VARIANTS = (('unrolled', False, _FN), ('unrolled', True, _FN),
-                     ('1f1b', None, _FN), ('1f1b', True, _FN))
-ALL_VARIANTS = lib.VARIANTS + (('1f1b', True),) + FUNCTION_VARIANTS
+# Cells built inline, a copy per micro-batch (cell functions are the default).
+_INLINE = (('cell_functions', False),)
+INLINE_VARIANTS = (('unrolled', False, _INLINE), ('unrolled', True, _INLINE),
+                   ('1f1b', None, _INLINE), ('1f1b', True, _INLINE))
+ALL_VARIANTS = lib.VARIANTS + (('1f1b', True),) + INLINE_VARIANTS
 
 
 # --- Lingvo's DummyPipelineCnn structure --------------------------------------
@@ -110,7 +110,7 @@ def _CnnInput():
 # Lingvo's loop; the random pipelines below cover every variant. One test
 # per (case, variant), so that test workers share them. The quick tier runs
 # each variant once (variant i with case i % 3); the others are marked slow.
-_CNN_VARIANTS = (('unrolled', None), ('unrolled', None, _FN), ('1f1b', None),
+_CNN_VARIANTS = (('unrolled', None), ('unrolled', None, _INLINE), ('1f1b', None),
                  ('recurrent', None))
 _CNN_CASES = ((2, 8, None), (4, 8, None), (2, 8, 2))
 
@@ -253,9 +253,9 @@ def _ListVariants(desc):
   k, d, m = desc['cells'], desc['devices'], desc['num_micro_batches']
   out = []
   # More cells than devices: zero_bubble's schedule folded onto them.
-  out += [('zero_bubble', None), ('zero_bubble', None, _FN)]
+  out += [('zero_bubble', None), ('zero_bubble', None, _INLINE)]
   if k % d == 0 and m % d == 0:
-    out += [('interleaved_1f1b', None), ('interleaved_1f1b', None, _FN)]
+    out += [('interleaved_1f1b', None), ('interleaved_1f1b', None, _INLINE)]
   return tuple(out)
 
 

@@ -36,8 +36,13 @@ def test_every_schedule_is_one_registry_entry():
           schedule='gpipe').Instantiate()
 
 
-def _BackwardGraph(num_cells, num_micro, schedule, recompute, loss_fn=None):
-  """The graph and gradient ops; the default loss is nonlinear (recomputes)."""
+def _BackwardGraph(num_cells, num_micro, schedule, recompute, loss_fn=None,
+                   functions=False):
+  """The graph and gradient ops; the default loss is nonlinear (recomputes).
+
+  Inline cells unless `functions`: the liveness measure below reads each
+  (cell, micro-batch)'s own ops.
+  """
   loss_fn = loss_fn or (lambda out: tf.reduce_sum(out * out))
   g = tf.Graph()
   with g.as_default(), lib.Cluster(num_cells):
@@ -45,7 +50,7 @@ def _BackwardGraph(num_cells, num_micro, schedule, recompute, loss_fn=None):
     net = gpipe.PipeliningLayer.Params().Set(
         name='pipe', cell_tpl=test_gpipe._FcCells(num_cells, 3),  # pylint: disable=protected-access
         num_micro_batches=num_micro, schedule=schedule,
-        recompute=recompute).Instantiate()
+        recompute=recompute, cell_functions=functions).Instantiate()
     out = net.FPropDefaultTheta(test_gpipe._Input(B, D))  # pylint: disable=protected-access
     grads = tf.gradients(loss_fn(out), net.vars.Flatten())
   return g, [t.op for t in grads]
@@ -140,17 +145,26 @@ def _HasRecomputation(graph):
   return any('recompute' in op.name for op in graph.get_operations())
 
 
+@pytest.mark.parametrize('functions', [False, True])
 @pytest.mark.parametrize('num_cells', [
     2, pytest.param(4, marks=pytest.mark.slow)])
-def test_1f1b_keeps_at_most_k_micro_batches_alive(num_cells):
+def test_1f1b_keeps_at_most_k_micro_batches_alive(num_cells, functions):
   num_micro = 8
   # A per-example loss linear in the outputs: no recomputation, the forward
   # pass itself is held to the 1F1B order.
-  g, fetches = _BackwardGraph(num_cells, num_micro, '1f1b', None, lib._Loss)  # pylint: disable=protected-access
+  g, fetches = _BackwardGraph(num_cells, num_micro, '1f1b', None, lib._Loss,  # pylint: disable=protected-access
+                              functions=functions)
   assert not _HasRecomputation(g)
-  # Every cell ran its forward pass once per micro-batch: 3 FC layers each.
-  assert sum(op.type == 'Tanh' for op in g.get_operations()) == (
-      num_cells * 3 * num_micro)
+  # Every cell ran its forward pass once per micro-batch: 3 FC layers each
+  # (inline), or one call of its function.
+  if functions:
+    calls = [op for op in g.get_operations()
+             if op.type.endswith('PartitionedCall') and
+             re.match(r'cell\d_mb\d+/', op.name)]
+    assert len(calls) == num_cells * num_micro, [op.name for op in calls]
+  else:
+    assert sum(op.type == 'Tanh' for op in g.get_operations()) == (
+        num_cells * 3 * num_micro)
   # Cell i holds all activations of at most W_i = K - i micro-batches: the
   # 1F1B window ...
   counts = [
@@ -181,13 +195,17 @@ def test_1f1b_without_its_control_edges_keeps_all_m(monkeypatch):
       g, fetches, 0, num_micro, recomputed=False) == num_micro
 
 
+@pytest.mark.parametrize('functions', [False, True])
 @pytest.mark.parametrize('num_cells', [
     2, pytest.param(4, marks=pytest.mark.slow)])
-def test_1f1b_recomputes_for_a_nonlinear_loss(num_cells):
+def test_1f1b_recomputes_for_a_nonlinear_loss(num_cells, functions):
   num_micro = 8
   # sum(y^2): dy needs every micro-batch's output, so no backward pass can
-  # start before every forward pass ends: 1F1B with recomputation.
-  g, fetches = _BackwardGraph(num_cells, num_micro, '1f1b', None)
+  # start before every forward pass ends: 1F1B with recomputation. With
+  # cell functions, a (cell, micro-batch) is one call op whose outputs are
+  # what it keeps alive.
+  g, fetches = _BackwardGraph(num_cells, num_micro, '1f1b', None,
+                              functions=functions)
   assert _HasRecomputation(g)
   counts = [
       MaxLiveMicroBatches(g, fetches, c, num_micro) for c in range(num_cells)

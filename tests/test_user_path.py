@@ -143,11 +143,11 @@ def testALaterEngineParamIsPassedThroughWithoutEdits(monkeypatch):
 
 
 def testEngineSwitchesAreTaskParams():
-  cfg = _Params(TINY, 'task.cell_functions:True; task.jit_compile:False')
+  cfg = _Params(TINY, 'task.cell_functions:False; task.jit_compile:False')
   with tf.Graph().as_default():
     cfg.task.input = cfg.input
     pipeline = cfg.task.Instantiate().pipeline.params
-  assert (pipeline.cell_functions, pipeline.jit_compile) == (True, False)
+  assert (pipeline.cell_functions, pipeline.jit_compile) == (False, False)
 
 
 @pytest.mark.parametrize('text,schedule,recompute', [
@@ -174,7 +174,7 @@ def _ScheduleRuns(model, tmp_path):
       f'--model={model}', f'--logdir={logdir}', '--max_steps=2',
       '--model_params_override=task.schedule:"%s"%s' % (
           schedule.split('+')[0],
-          '; task.cell_functions:True' if '+functions' in schedule else '')
+          '; task.cell_functions:False' if '+inline' in schedule else '')
   ] for schedule, logdir in cases])
   runs = {}
   for (schedule, logdir), (rc, out, err) in zip(cases, results):
@@ -182,18 +182,19 @@ def _ScheduleRuns(model, tmp_path):
     with open(os.path.join(logdir, 'control', 'params.txt')) as f:
       text = f.read()
     assert f"task.schedule : '{schedule.split('+')[0]}'" in text
-    assert ('task.cell_functions : True' in text) == ('+functions' in schedule)
+    assert ('task.cell_functions : False' in text) == ('+inline' in schedule)
     runs[schedule] = _Losses(out)
     shutil.rmtree(logdir)
   return runs
 
 
-# Every schedule from the trainer, and cells built once. interleaved_1f1b
+# Every schedule from the trainer (cells built once, the default), and cells
+# built inline. interleaved_1f1b
 # and zero_bubble run these losses (computed after the pipeline) forwards
 # first; tests/test_experiment_schedules.py trains them 200 steps in process,
 # and the trainer runs one below.
 _SCHEDULES = [s for s in schedules.SCHEDULES
-              if s not in schedules.LINEAR_LOSS_ONLY] + ['unrolled+functions']
+              if s not in schedules.LINEAR_LOSS_ONLY] + ['unrolled+inline']
 
 
 # One test per experiment (its schedules' runs its own), so that test workers

@@ -542,16 +542,21 @@ class PipeliningLayer(SeqLayer):
         "weight gradients that fill the bubble (with fewer devices than "
         "cells, its one-cell-per-device order folded onto the devices).")
     p.Define(
-        'cell_functions', False,
-        "'unrolled' and '1f1b': if True, each cell's forward pass is one TF "
-        'function traced once and called once per micro-batch (its backward '
-        "pass is the function's gradient, also built once), so the graph "
-        'grows with layers + cells x micro-batches instead of layers x '
-        'micro-batches.')
+        'cell_functions', True,
+        "Every schedule but 'recurrent' (which always builds cells once): "
+        "if True, each cell's forward pass is one TF function traced once "
+        'and called once per micro-batch on the cell\'s device (its backward '
+        "pass is the function's gradient, also built once, less the weight "
+        'gradients, which are one MatMul per weight over the micro-batches), '
+        'so the graph grows with layers + cells x micro-batches instead of '
+        'layers x micro-batches. False: every (cell, micro-batch) pair is '
+        'its own copy of the cell\'s ops. A cell holding shards of a '
+        'partitioned variable is built inline either way (its shards are '
+        'read where they live).')
     p.Define(
         'jit_compile', False,
-        "'unrolled' and '1f1b': compile each cell's function with XLA "
-        '(cells are then built once, as with cell_functions=True).')
+        "Every schedule but 'recurrent': compile each cell's function with "
+        'XLA (cells are then built once, as with cell_functions=True).')
     p.Define(
         'recompute', None,
         'Re-materialisation: whether each cell\'s forward pass is '

@@ -210,7 +210,10 @@ def _CellGradients(ys, flat_x, leaves, grad_ys):
     grad_ys: The gradients of `ys`.
 
   Returns:
-    (gradients of flat_x, aligned with it; gradients of leaves).
+    (gradients of flat_x, aligned with it; gradients of leaves; the output
+    gradients of the cell function's exported weight MatMuls, which the
+    batcher holds for the weight gradients: this backward pass's ops have run
+    once they have).
   """
   # A tensor that is several of the cell's inputs (e.g. a FetchLayer
   # activation that is also the main output of the cell before) gets its
@@ -239,7 +242,8 @@ def _CellGradients(ys, flat_x, leaves, grad_ys):
   leaf_grads = grads[len(xs):len(xs) + len(leaves)]
   batcher = matmul_grad.CurrentBatcher()
   position = {w.ref(): k for k, w in enumerate(leaves)}
-  for (w, x, _), dy in zip(operands, grads[len(xs) + len(leaves):]):
+  exported_dys = grads[len(xs) + len(leaves):]
+  for (w, x, _), dy in zip(operands, exported_dys):
     if dy is None:
       continue
     if batcher is not None and batcher.Collects(w):
@@ -248,7 +252,8 @@ def _CellGradients(ys, flat_x, leaves, grad_ys):
       k = position[w.ref()]
       g = tf.matmul(x, dy, transpose_a=True)
       leaf_grads[k] = g if leaf_grads[k] is None else leaf_grads[k] + g
-  return [None if v is None else next(it) for v in diff_x], leaf_grads
+  return ([None if v is None else next(it) for v in diff_x], leaf_grads,
+          [dy for dy in exported_dys if dy is not None])
 
 
 class _Engine:
@@ -294,12 +299,19 @@ class _Engine:
     # Every forward (cell, micro-batch) behind a 'fwd_gate' NoOp that the
     # backward pass may hold back.
     self.gated = bool(window)
-    self.cell_fns = None
+    # Per cell, its function (None: built inline).
+    self.cell_fns = [None] * len(self.cells)
     jit = getattr(self.p, 'jit_compile', False)
     if getattr(self.p, 'cell_functions', False) or jit:
-      self.cell_fns = [
-          cell_function.CellFunction(cell, '%s_fprop' % name, jit)
-          for name, cell in self.cells]
+      for i, (name, cell) in enumerate(self.cells):
+        if any(sharding.IsShard(v) for v in theta[name].Flatten()):
+          # A partitioned variable's shards are read where they live (see
+          # Build); a function would read each one onto the cell's device.
+          tf.logging.info('%s: cell %s holds variable shards; built inline.',
+                          self.p.name, name)
+          continue
+        self.cell_fns[i] = cell_function.CellFunction(
+            cell, '%s_fprop' % name, jit)
 
   def _CellFProp(self, i, x, step, scope, gate=False):
     """Cell i on micro-batch input x, in a fresh name scope `scope`.
@@ -308,7 +320,7 @@ class _Engine:
     second), which the backward pass may hold back (see `_HoldForward`).
     """
     _, cell = self.cells[i]
-    if self.cell_fns is not None:
+    if self.cell_fns[i] is not None:
       # One traced function per cell; this is one call of it.
       with tf.name_scope(scope):
         if not gate:
@@ -361,6 +373,11 @@ class _Engine:
       x = ToTuple(x)
       for i, (name, _) in enumerate(self.cells):
         with tf.device(self.devices[i]):
+          if self.cell_fns[i] is not None:
+            # A function call's inputs are Identities: tf.gradients stops
+            # there, not at the previous cell's call op (for which it would
+            # build a dead SymbolicGradient).
+            x = tuple(None if v is None else tf.identity(v) for v in x)
           self.cell_in[i][t] = x
           x, self.gates[i][t] = self._CellFProp(
               i, x, steps[t], '%s_mb%d' % (name, t), gate=self.gated)
@@ -576,10 +593,10 @@ class _Engine:
             x_r = flat_x
             ys = [outs[k] for k in idx]
           with batcher:
-            dx[t], tg = _CellGradients(ys, x_r, leaves,
-                                       [dy[t][k] for k in idx])
+            dx[t], tg, dys = _CellGradients(ys, x_r, leaves,
+                                            [dy[t][k] for k in idx])
           theta_grads.append(tg)
-          done[t] = _Group(dx[t] + tg)
+          done[t] = _Group(dx[t] + tg + dys)
       if (t + 1) % group_size == 0 or t == m - 1:
         with tf.device(self.devices[i]), tf.name_scope(
             '%s_mb%d/weight_grad' % (name, t)):
@@ -713,14 +730,15 @@ class _ListEngine(_Engine):
         flat_x = _Flat(self.cell_in[i][t])
         batcher = matmul_grad.WeightGradientBatcher(leaves)
         tg, batched = [None] * len(leaves), [None] * len(leaves)
+        dys = []
         if idx:
           with tf.control_dependencies([gate]):
             grad_ys = [tf.identity(dy[t][k]) for k in idx]
           with batcher:
-            dx[t], tg = _CellGradients([outs[k] for k in idx], flat_x,
-                                       leaves, grad_ys)
+            dx[t], tg, dys = _CellGradients([outs[k] for k in idx], flat_x,
+                                            leaves, grad_ys)
         if split:
-          completions[b] = _Group((dx[t] or []) + tg) or gate
+          completions[b] = _Group((dx[t] or []) + tg + dys) or gate
           w = actions.Action('W', i, t)
           with tf.name_scope('weight_grad'):
             w_gate = tf.no_op(name='w_gate')
@@ -730,7 +748,7 @@ class _ListEngine(_Engine):
             completions[w] = _Group(batched) or w_gate
         else:
           batched = batcher.Gradients(leaves)
-          completions[b] = _Group((dx[t] or []) + tg + batched) or gate
+          completions[b] = _Group((dx[t] or []) + tg + dys + batched) or gate
         Add(tg)
         Add(batched)
     dx = [[None] * len(_Flat(self.cell_in[i][t])) if dx[t] is None else dx[t]
