@@ -21,6 +21,8 @@ from lingvo.core import py_utils
 import numpy as np
 import pytest
 
+from tests import zygote
+
 from lingvo_ext import registry
 from lingvo_ext.core import gpipe
 from lingvo_ext.core import precision
@@ -371,7 +373,7 @@ def test_trainer_and_evaler_in_bf16(tmp_path):
            "--model_params_override=task.fprop_dtype:bfloat16"]
   env = dict(os.environ, PYTHONPATH=ROOT)
   for extra in (['--max_steps=4'], ['--job=evaler_dev']):
-    out = subprocess.run(
+    out = zygote.run(
         [sys.executable, '-m', 'lingvo_ext.trainer'] + flags + extra,
         capture_output=True, text=True, env=env, timeout=300, check=False)
     assert out.returncode == 0, out.stderr[-3000:]

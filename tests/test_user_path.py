@@ -20,6 +20,8 @@ import lingvo.compat as tf
 from lingvo import model_registry
 import pytest
 
+from tests import zygote
+
 from lingvo_ext import checkpoints
 from lingvo_ext import registry
 from lingvo_ext.core import gpipe
@@ -44,8 +46,8 @@ def _Run(args, cwd=ROOT, pythonpath=None, timeout=TIMEOUT, module=True):
   env = dict(os.environ)
   env['PYTHONPATH'] = pythonpath or ROOT
   cmd = [sys.executable, '-m', *args] if module else list(args)
-  proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True,
-                        timeout=timeout, check=False)
+  proc = zygote.run(cmd, cwd=cwd, env=env, capture_output=True, text=True,
+                    timeout=timeout, check=False)
   return proc.returncode, proc.stdout, proc.stderr
 
 
