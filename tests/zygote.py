@@ -56,6 +56,7 @@ _IMPORT_ENV = ('TF_', 'OMP_', 'KMP_', 'MKL_', 'CUDA', 'XLA_', 'PYTHON', 'LD_',
 _SERVER_ENV = {'OPENBLAS_NUM_THREADS': '1'}
 # Off with LINGVO_EXT_TEST_ZYGOTE=0 (every run a fresh interpreter).
 ENABLED = os.environ.get('LINGVO_EXT_TEST_ZYGOTE', '1') != '0'
+forks = 0  # Runs forked from the server in this process (tests/test_zygote.py).
 
 
 def _ImportEnv(env):
@@ -131,15 +132,22 @@ def _Usable(cmd, env):
   return mine == theirs
 
 
-def _ReadAll(conn, timeout):
-  conn.settimeout(timeout)
-  data = b''
-  while not data.endswith(b'\n'):
-    chunk = conn.recv(4096)
-    if not chunk:
-      break
-    data += chunk
-  return data
+class _Lines:
+  """The server's one-line JSON replies on a connection."""
+
+  def __init__(self, conn):
+    self._conn, self._data = conn, b''
+
+  def Next(self, timeout):
+    """The next reply ({} at EOF); socket.timeout after `timeout` seconds."""
+    self._conn.settimeout(timeout)
+    while b'\n' not in self._data:
+      chunk = self._conn.recv(4096)
+      if not chunk:
+        return {}
+      self._data += chunk
+    line, self._data = self._data.split(b'\n', 1)
+    return json.loads(line)
 
 
 def run(cmd, cwd=None, env=None, stdout=None, stderr=None,
@@ -167,14 +175,17 @@ def run(cmd, cwd=None, env=None, stdout=None, stderr=None,
     conn = _CLIENT.Connect()
     with conn:
       conn.sendall(json.dumps(request).encode() + b'\n')
-      reply = json.loads(_ReadAll(conn, 60) or b'{}')
+      replies = _Lines(conn)
+      reply = replies.Next(60)
       if 'pid' not in reply:  # Refused (e.g. not single-threaded).
         return subprocess.run(cmd, cwd=cwd, env=env, stdout=stdout,
                               stderr=stderr, text=text, timeout=timeout,
                               check=check)
       pid = reply['pid']
+      global forks
+      forks += 1
       try:
-        done = json.loads(_ReadAll(conn, timeout) or b'{}')
+        done = replies.Next(timeout)
         timed_out = False
       except socket.timeout:
         timed_out = True
@@ -182,7 +193,7 @@ def run(cmd, cwd=None, env=None, stdout=None, stderr=None,
           os.killpg(pid, signal.SIGKILL)
         except ProcessLookupError:
           pass
-        done = json.loads(_ReadAll(conn, 60) or b'{}')
+        done = replies.Next(60)
     if 'returncode' not in done:
       raise RuntimeError('zygote server lost run %d' % pid)
 
@@ -319,8 +330,8 @@ def _Serve(sock_path):
           continue
         pid = os.fork()
         if pid == 0:
-          server.close()
-          conn.close()
+          for c in [server, conn, *children.values()]:
+            c.close()
           _Child(request, base_path)
         children[pid] = conn
         conn.sendall(json.dumps({'pid': pid}).encode() + b'\n')
