@@ -36,6 +36,7 @@ import atexit
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -102,6 +103,8 @@ class _Client:
       except subprocess.TimeoutExpired:
         self._proc.kill()
         self._proc.wait()
+    if self._path:
+      shutil.rmtree(self._path, ignore_errors=True)
 
   def Connect(self):
     with self._lock:
