@@ -16,6 +16,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import lingvo_ext  # pylint: disable=unused-import,g-import-not-at-top
+from tests import zygote  # pylint: disable=g-import-not-at-top
 
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -87,7 +88,7 @@ def tiny_gpipe_run(shared_once):
   flags = ['--num_cpu_devices=2', '--worker_split_size=2']
 
   def Build(logdir):
-    proc = subprocess.run(
+    proc = zygote.run(
         [sys.executable, '-m', 'lingvo_ext.trainer', f'--model={model}',
          f'--logdir={logdir}', '--max_steps=3', *flags], cwd=_ROOT,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

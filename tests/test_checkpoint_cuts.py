@@ -23,6 +23,8 @@ from lingvo.core import tshape
 import numpy as np
 import pytest
 
+from tests import zygote
+
 from lingvo_ext.core import cuts
 from lingvo_ext.core import gpipe
 from lingvo_ext.tasks.lm import model as lm_model
@@ -436,7 +438,7 @@ def _LmLoss(override, cls=None, restore=None, save=None):
 
 
 def _Train(logdir, max_steps, override):
-  proc = subprocess.run(
+  proc = zygote.run(
       [sys.executable, '-m', 'lingvo_ext.trainer', f'--model={MODEL}',
        f'--logdir={logdir}', f'--max_steps={max_steps}',
        f'--model_params_override={override}'],
@@ -483,7 +485,7 @@ def test_trainer_restores_a_lingvo_cut_checkpoint_and_back(tmp_path):
 @pytest.mark.e2e
 def test_nan_stop_names_the_users_layer(tmp_path):
   # Lingvo's leaf names (cell_NNN); the report still names the layer.
-  proc = subprocess.run(
+  proc = zygote.run(
       [sys.executable, '-m', 'lingvo_ext.trainer',
        '--model=lm.TransformerLmTiny', f'--logdir={tmp_path}',
        '--max_steps=20', '--max_nonfinite_steps=2',

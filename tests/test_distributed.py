@@ -23,6 +23,8 @@ import lingvo.compat as tf
 import numpy as np
 import pytest
 
+from tests import zygote
+
 from lingvo_ext.distributed import cluster
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -168,7 +170,7 @@ def single_process(shared_once):
 
 
 def _TrainSingleProcess(single):
-  proc = subprocess.run(
+  proc = zygote.run(
       [sys.executable, '-m', 'lingvo_ext.trainer', f'--model={MODEL}',
        f'--logdir={single}', '--num_cpu_devices=4', '--worker_split_size=2',
        '--max_steps=3'], cwd=ROOT, stdout=subprocess.PIPE,
@@ -414,7 +416,7 @@ _PRIVATE = ('import os, sys; from lingvo_ext.distributed import launch_lib; '
 
 def _Trainer(*flags, timeout=120, private=True):
   cmd = ['-c', _PRIVATE] if private else ['-m', 'lingvo_ext.trainer']
-  proc = subprocess.run(
+  proc = zygote.run(
       [sys.executable, *cmd, f'--model={MODEL}',
        '--logdir=/tmp/unused_lingvo_ext', *flags], cwd=ROOT,
       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

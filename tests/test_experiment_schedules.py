@@ -72,16 +72,32 @@ def _Train(name, schedule, extra, pipelined=True, scale=1.0):
                        for _ in range(STEPS)])
 
 
-@pytest.mark.e2e
-@pytest.mark.parametrize('name', sorted(EXPERIMENTS))
-def test_tiny_gpipe_experiment_trains_like_the_unpipelined_model(name):
+def _Reference(name):
+  """The unpipelined curve and the envelope of its float noise."""
   ref = _Train(name, 'unrolled', (), pipelined=False)
-  assert ref[-20:].mean() < 0.8 * ref[:20].mean(), ref  # It learns.
   perturbed = _Train(name, 'unrolled', (), pipelined=False, scale=1 + 1e-7)
   envelope = max(ENVELOPE * np.abs(perturbed - ref).max(), EARLY_ATOL)
-  for variant in VARIANTS:
-    curve = _Train(name, *variant)
-    np.testing.assert_allclose(curve[:EARLY_STEPS], ref[:EARLY_STEPS],
-                               rtol=0, atol=EARLY_ATOL, err_msg=str(variant))
-    np.testing.assert_allclose(curve, ref, rtol=0, atol=envelope,
-                               err_msg=str(variant))
+  return {'ref': ref.tolist(), 'envelope': float(envelope)}
+
+
+# One test per experiment and variant, so that test workers share the
+# variants' runs; each experiment's reference is trained once for all of them
+# (shared_once; JSON keeps the float32 losses exactly).
+@pytest.mark.e2e
+@pytest.mark.parametrize('name,variant', [
+    (n, v) for n in sorted(EXPERIMENTS) for v in VARIANTS],
+                         ids=lambda x: x if isinstance(x, str) else '%s%s' % (
+                             x[0], '+inline' if x[1] else ''))
+def test_tiny_gpipe_experiment_trains_like_the_unpipelined_model(
+    shared_once, name, variant):
+  reference = shared_once('schedules_reference_' + name,
+                          lambda unused_path: _Reference(name))
+  ref = np.array(reference['ref'], np.float32)
+  envelope = reference['envelope']
+  assert ref.shape == (STEPS,)
+  assert ref[-20:].mean() < 0.8 * ref[:20].mean(), ref  # It learns.
+  curve = _Train(name, *variant)
+  np.testing.assert_allclose(curve[:EARLY_STEPS], ref[:EARLY_STEPS],
+                             rtol=0, atol=EARLY_ATOL, err_msg=str(variant))
+  np.testing.assert_allclose(curve, ref, rtol=0, atol=envelope,
+                             err_msg=str(variant))

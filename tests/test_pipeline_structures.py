@@ -145,11 +145,16 @@ def test_lingvo_dummy_pipeline_cnn(num_splits, num_micro, micro_batch_size,
   lib.AssertVariantsMatch(results, seq, names)
 
 
+# The quick tier runs every schedule once, cell functions once and recompute
+# on and off; the further combinations are marked slow.
 @pytest.mark.parametrize('schedule,functions,recompute', [
     ('unrolled', False, False), ('1f1b', False, None), ('recurrent', False, None),
-    ('unrolled', True, False), ('1f1b', True, None), ('unrolled', False, True),
-    ('1f1b', False, True), ('unrolled', True, True), ('zero_bubble', False, None),
-    ('interleaved_1f1b', False, None)])
+    ('unrolled', True, False),
+    pytest.param('1f1b', True, None, marks=pytest.mark.slow),
+    ('unrolled', False, True),
+    pytest.param('1f1b', False, True, marks=pytest.mark.slow),
+    pytest.param('unrolled', True, True, marks=pytest.mark.slow),
+    ('zero_bubble', False, None), ('interleaved_1f1b', False, None)])
 def test_lingvo_dummy_pipeline_cnn_accumulators(schedule, functions, recompute):
   # Each layer's accumulator counts the micro-batches that ran through it,
   # with the backward pass built (a recomputation is no further micro-batch).

@@ -13,6 +13,8 @@ from lingvo.core import saver as lingvo_saver
 import numpy as np
 import pytest
 
+from tests import zygote
+
 from lingvo_ext.core import gpipe
 from lingvo_ext.core import stacking
 from tests import gpipe_testlib
@@ -239,7 +241,7 @@ def testLearnerVariableFilterIsAnError():
 
 def _Trainer(*flags):
   # --alsologtostderr: Lingvo's full log (Restored, Place variable) in stdout.
-  proc = subprocess.run(
+  proc = zygote.run(
       [sys.executable, '-m', 'lingvo_ext.trainer', '--alsologtostderr',
        *flags], cwd=ROOT,
       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

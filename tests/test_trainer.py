@@ -16,19 +16,21 @@ import lingvo.compat as tf
 import numpy as np
 import pytest
 
+from tests import zygote
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT = 300
 
 
 def _Run(*args, merge_stderr=True):
   """Runs a lingvo_ext module; returns (returncode, stdout [+ stderr])."""
-  proc = subprocess.run([sys.executable, '-m', *args],
-                        cwd=ROOT,
-                        stdout=subprocess.PIPE,
-                        stderr=subprocess.STDOUT if merge_stderr else None,
-                        text=True,
-                        timeout=TIMEOUT,
-                        check=False)
+  proc = zygote.run([sys.executable, '-m', *args],
+                    cwd=ROOT,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT if merge_stderr else None,
+                    text=True,
+                    timeout=TIMEOUT,
+                    check=False)
   return proc.returncode, proc.stdout
 
 

@@ -16,16 +16,18 @@ import lingvo.compat as tf
 import numpy as np
 import pytest
 
+from tests import zygote
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT = 300
 MODEL = '--model=lm.TransformerLmTiny'
 
 
 def _Run(*args):
-  proc = subprocess.run([sys.executable, '-m', 'lingvo_ext.trainer', *args],
-                        cwd=ROOT, stdout=subprocess.PIPE,
-                        stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT,
-                        check=False)
+  proc = zygote.run([sys.executable, '-m', 'lingvo_ext.trainer', *args],
+                    cwd=ROOT, stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT,
+                    check=False)
   return proc.returncode, proc.stdout
 
 

@@ -16,6 +16,8 @@ from lingvo import model_registry
 import numpy as np
 import pytest
 
+from tests import zygote
+
 from lingvo_ext import registry
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -37,9 +39,9 @@ def _Run(args, pythonpath=None, cwd=ROOT):
   env = dict(os.environ)
   if pythonpath:
     env['PYTHONPATH'] = pythonpath
-  proc = subprocess.run([sys.executable, '-m', *args], cwd=cwd, env=env,
-                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                        text=True, timeout=TIMEOUT, check=False)
+  proc = zygote.run([sys.executable, '-m', *args], cwd=cwd, env=env,
+                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                    text=True, timeout=TIMEOUT, check=False)
   return proc.returncode, proc.stdout
 
 

@@ -20,6 +20,8 @@ import lingvo.compat as tf
 from lingvo import model_registry
 import pytest
 
+from tests import zygote
+
 from lingvo_ext import checkpoints
 from lingvo_ext import registry
 from lingvo_ext.core import gpipe
@@ -44,8 +46,8 @@ def _Run(args, cwd=ROOT, pythonpath=None, timeout=TIMEOUT, module=True):
   env = dict(os.environ)
   env['PYTHONPATH'] = pythonpath or ROOT
   cmd = [sys.executable, '-m', *args] if module else list(args)
-  proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True,
-                        timeout=timeout, check=False)
+  proc = zygote.run(cmd, cwd=cwd, env=env, capture_output=True, text=True,
+                    timeout=timeout, check=False)
   return proc.returncode, proc.stdout, proc.stderr
 
 
@@ -167,25 +169,21 @@ def testScheduleAndRecomputeOverridesReachThePipeline(text, schedule,
   assert (pipeline.schedule, pipeline.recompute) == (schedule, recompute)
 
 
-def _ScheduleRuns(model, tmp_path):
-  """{schedule: {step: loss}}, 2 steps of `model` each through the trainer."""
-  cases = [(schedule, str(tmp_path / schedule)) for schedule in _SCHEDULES]
-  results = _TrainAll([[
+def _ScheduleRun(model, schedule, logdir):
+  """{step: loss} of 2 steps of `model` under `schedule` through the trainer."""
+  rc, out, err = _Train(
       f'--model={model}', f'--logdir={logdir}', '--max_steps=2',
       '--model_params_override=task.schedule:"%s"%s' % (
           schedule.split('+')[0],
-          '; task.cell_functions:False' if '+inline' in schedule else '')
-  ] for schedule, logdir in cases])
-  runs = {}
-  for (schedule, logdir), (rc, out, err) in zip(cases, results):
-    assert rc == 0, (model, schedule, err[-3000:])
-    with open(os.path.join(logdir, 'control', 'params.txt')) as f:
-      text = f.read()
-    assert f"task.schedule : '{schedule.split('+')[0]}'" in text
-    assert ('task.cell_functions : False' in text) == ('+inline' in schedule)
-    runs[schedule] = _Losses(out)
-    shutil.rmtree(logdir)
-  return runs
+          '; task.cell_functions:False' if '+inline' in schedule else ''))
+  assert rc == 0, (model, schedule, err[-3000:])
+  with open(os.path.join(logdir, 'control', 'params.txt')) as f:
+    text = f.read()
+  assert f"task.schedule : '{schedule.split('+')[0]}'" in text
+  assert ('task.cell_functions : False' in text) == ('+inline' in schedule)
+  losses = _Losses(out)
+  shutil.rmtree(logdir)
+  return losses
 
 
 # Every schedule from the trainer (cells built once, the default), and cells
@@ -197,22 +195,25 @@ _SCHEDULES = [s for s in schedules.SCHEDULES
               if s not in schedules.LINEAR_LOSS_ONLY] + ['unrolled+inline']
 
 
-# One test per experiment (its schedules' runs its own), so that test workers
-# share the 4 x 4 trainer runs.
+# One test per experiment and schedule, so that test workers share the 4 x 4
+# trainer runs; each experiment's 'unrolled' run, the reference, is made once
+# for all of them (shared_once).
 @pytest.mark.e2e
-@pytest.mark.parametrize('model', GPIPE_EXPERIMENTS)
-def testEveryGPipeExperimentTrainsUnderEverySchedule(tmp_path, model):
+@pytest.mark.parametrize('model,schedule', [
+    (m, s) for m in GPIPE_EXPERIMENTS for s in _SCHEDULES if s != 'unrolled'])
+def testEveryGPipeExperimentTrainsUnderEverySchedule(shared_once, tmp_path,
+                                                     model, schedule):
   # The same first loss (same weights and batch) and the same loss after
   # one update (the same gradients) under every schedule.
-  schedule_runs = _ScheduleRuns(model, tmp_path)
-  reference = schedule_runs['unrolled']
+  reference = {int(k): v for k, v in shared_once(
+      'schedule_reference_' + model,
+      lambda path: _ScheduleRun(model, 'unrolled', path)).items()}
   assert sorted(reference) == [1, 2], reference
-  for schedule in _SCHEDULES:
-    losses = schedule_runs[schedule]
-    assert sorted(losses) == [1, 2], (schedule, losses)
-    for step in (1, 2):
-      assert losses[step] == pytest.approx(reference[step], abs=2e-3), (
-          schedule, losses, reference)
+  losses = _ScheduleRun(model, schedule, str(tmp_path / 'run'))
+  assert sorted(losses) == [1, 2], (schedule, losses)
+  for step in (1, 2):
+    assert losses[step] == pytest.approx(reference[step], abs=2e-3), (
+        schedule, losses, reference)
 
 
 @pytest.mark.e2e
