@@ -123,6 +123,20 @@ def testOpIdAndAddControlInput():
   _Check('Operation._id/_add_control_input', Check)
 
 
+def testBatchMatMulV2Grad():
+
+  def Check():
+    with tf.Graph().as_default():
+      x = tf.constant(np.ones([2, 3, 4], np.float32))
+      w = tf.constant(np.ones([4, 5], np.float32))
+      y = tf.matmul(x, w)
+      assert y.op.type == 'BatchMatMulV2'
+      dx, dw = internal_tf.BatchMatMulV2Grad(y.op, tf.ones_like(y))
+      assert dx.shape == x.shape and dw.shape == w.shape
+
+  _Check('math_grad._BatchMatMulV2', Check)
+
+
 def testUpdateInput():
 
   def Check():

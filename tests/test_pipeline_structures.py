@@ -371,6 +371,49 @@ def test_cell_functions_batch_weight_gradients_across_micro_batches():
   assert all('weight_grad' in n.name for n in outer), [n.name for n in outer]
 
 
+def _ProjectionCells():
+  """2 cells of Lingvo ProjectionLayers: [B, T, D] @ [D, D] BatchMatMuls."""
+  return [gpipe.FeatureExtractionLayer.Params().Set(
+      name='cell%d' % c,
+      sub=[layers.ProjectionLayer.Params().Set(
+          name='proj%d_%d' % (c, j), input_dim=6, output_dim=6,
+          activation='TANH', batch_norm=False, has_bias=True,
+          params_init=py_utils.WeightInit.Gaussian(0.5, seed=c * 10 + j))
+           for j in range(2)]) for c in range(2)]
+
+
+def _Input3D():
+  return (tf.constant(
+      np.random.RandomState(0).randn(8, 3, 6).astype(np.float32)),)
+
+
+def test_cell_functions_batch_broadcast_weight_gradients():
+  # A weight broadcast over a BatchMatMul's leading dimensions: its gradient
+  # is also computed once, outside the function, from [B*T, D] rows; equal
+  # to the sequential model's and inline cells'.
+  g = tf.Graph()
+  with g.as_default(), lib.Cluster(2):
+    py_utils.GetOrCreateGlobalStepVar()
+    net = gpipe.PipeliningLayer.Params().Set(
+        name='pipe', cell_tpl=_ProjectionCells(),
+        num_micro_batches=4).Instantiate()
+    out = net.FPropDefaultTheta(*_Input3D())
+    tf.gradients(tf.reduce_sum(out * out), net.vars.Flatten())
+  graph_def = g.as_graph_def()
+  body = [n for f in graph_def.library.function for n in f.node_def]
+  assert sum(n.op == 'BatchMatMulV2' for n in body) >= 4  # Forward, dx.
+  assert not [n.name for n in body if n.op == 'BatchMatMulV2' and
+              n.attr['adj_x'].b], 'a weight gradient inside a function'
+  outer = [n for n in graph_def.node
+           if n.op == 'MatMul' and n.attr['transpose_a'].b]
+  assert len(outer) == 4, [n.name for n in outer]  # One per weight.
+  results, seq, names = lib.RunVariants(
+      _ProjectionCells(), 2, _Input3D, num_micro_batches=4,
+      variants=(('unrolled', False), ('1f1b', None), ('zero_bubble', None),
+                ('unrolled', False, _INLINE)))
+  lib.AssertVariantsMatch(results, seq, names)
+
+
 def test_jit_compiled_cells_match_sequential():
   cells = [gpipe.FeatureExtractionLayer.Params().Set(
       name='cell%d' % c,

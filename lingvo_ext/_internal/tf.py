@@ -49,6 +49,11 @@ def MatMulGrad(op, grad):
   return math_grad._MatMulGrad(op, grad)  # pylint: disable=protected-access
 
 
+def BatchMatMulV2Grad(op, grad):
+  """TensorFlow's registered gradient of BatchMatMulV2 (for an override)."""
+  return math_grad._BatchMatMulV2(op, grad)  # pylint: disable=protected-access
+
+
 def IsMklEnabled() -> bool:
   """Whether TensorFlow's CPU kernels are oneDNN's (MKL) rather than Eigen's."""
   return bool(_pywrap_util_port.IsMklEnabled())

@@ -8,7 +8,8 @@ differentiates the call op with the function's own gradient function, also
 built once, so the backward pass grows the same way.
 
 Weight gradients are left out of the function's backward pass: each MatMul
-of an activation by a weight (a theta leaf) exports its left operand x as an
+(or BatchMatMul broadcasting a [in, out] weight) of an activation by a weight
+(a theta leaf) exports its left operand x as an
 output and adds to its product a zero the call takes, whose gradient is then
 the product's gradient dy (`ExportedOperands`). The engine computes the
 weight's gradient x^T dy once over the micro-batches of a group
@@ -130,7 +131,7 @@ class CellFunction:
         stack.enter_context(lingvo_gpipe.CellFnFPropOpReplacementWrapper())
         lingvo_gpipe.SetOverWriteGlobalStep(step_b)
         stack.enter_context(py_utils.RemoveAssertContext(remove=True))
-        stack.enter_context(matmul_grad.PipelineMatMulGradients())
+        stack.enter_context(matmul_grad.CellMatMulGradients())
         first_op = len(tf.get_default_graph().get_operations())
         out = cell.FProp(theta_b, *_ToTuple(x_b))
       new_accs = _Flat(cell.GetAccumulatorValues()) if n_acc else []
@@ -162,9 +163,15 @@ class CellFunction:
     xs = []
     self._exported = []
     for op in fg.get_operations()[first_op:]:
-      if (op.type != 'MatMul' or op.get_attr('transpose_a') or
-          op.get_attr('transpose_b') or
-          not op.outputs[0].dtype.is_floating):
+      if op.type == 'MatMul':
+        adjoint = op.get_attr('transpose_a') or op.get_attr('transpose_b')
+      elif op.type == 'BatchMatMulV2':
+        # x [..., in] @ w [in, out], w broadcast over x's leading dimensions.
+        adjoint = (op.get_attr('adj_x') or op.get_attr('adj_y') or
+                   op.inputs[1].shape.rank != 2)
+      else:
+        continue
+      if adjoint or not op.outputs[0].dtype.is_floating:
         continue
       w = op.inputs[1]
       while w.ref() not in leaf_index and w.op.type == 'Identity':

@@ -36,6 +36,7 @@ def IsCpuDevice(device: str) -> bool:
 # --- Weight gradients batched across micro-batches ----------------------------
 
 PIPELINE_GRADIENT_NAME = 'LingvoExtPipelineMatMul'
+CELL_BATCH_MATMUL_GRADIENT_NAME = 'LingvoExtCellBatchMatMul'
 # The batchers being built into, innermost last: a graph-building hook on a
 # thread-local stack (as stacking.py's), so graphs built on two threads do not
 # see each other's.
@@ -156,6 +157,30 @@ def _PipelineMatMulGrad(op, grad):
     else:
       grad_b = tf.matmul(a, grad, transpose_a=True)
   return grad_a, grad_b
+
+
+@tf.RegisterGradient(CELL_BATCH_MATMUL_GRADIENT_NAME)
+def _CellBatchMatMulGrad(op, grad):
+  """BatchMatMulV2's gradient in a cell function: no exported weight's."""
+  if not _IsExported(op):
+    return internal_tf.BatchMatMulV2Grad(op, grad)
+  # x @ w, w a [in, out] weight broadcast over x's leading dimensions, no
+  # adjoints (see cell_function.py): x's gradient only.
+  return tf.matmul(grad, op.inputs[1], adjoint_b=True), None
+
+
+@contextlib.contextmanager
+def CellMatMulGradients():
+  """MatMuls and BatchMatMuls made inside: gradients for cell functions.
+
+  A MatMul's as `PipelineMatMulGradients`'; a BatchMatMulV2's as
+  TensorFlow's, except that neither computes the gradient of a weight whose
+  operands the cell function exports (`MarkExported`).
+  """
+  with tf.get_default_graph().gradient_override_map({
+      'MatMul': PIPELINE_GRADIENT_NAME,
+      'BatchMatMulV2': CELL_BATCH_MATMUL_GRADIENT_NAME}):
+    yield
 
 
 @contextlib.contextmanager
