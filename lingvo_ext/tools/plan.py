@@ -247,12 +247,15 @@ def _ParseArgs(argv):
                       help="Examples per step over all replicas (default: "
                       "the experiment's input batch_size).")
   parser.add_argument('--measure', action='store_true',
-                      help='Time the top --measure_top plans and rank them '
-                      'by the measured step time.')
+                      help='Time the top --measure_top plans (and their '
+                      'twins without recompute) round robin and take the '
+                      'fastest if it beats the predicted best by more than '
+                      'the rounds\' noise.')
   parser.add_argument('--measure_top', type=int, default=3,
                       help='Plans --measure times (default %(default)s).')
   parser.add_argument('--measure_steps', type=int, default=MEASURE_STEPS,
-                      help='Timed steps per plan (default %(default)s).')
+                      help='Timed rounds (one step of each plan per round) '
+                      '(default %(default)s).')
   parser.add_argument(
       '--calibrate', action=argparse.BooleanOptionalAction, default=True,
       help='Time the model\'s three reference plans (one cell, one '
