@@ -5,8 +5,8 @@ parameter bytes and the activation bytes each layer keeps for its backward
 pass, per example) and N devices, `Enumerate` lists every plan
 
   K cells (cut by the exact min-max FLOPs cut, as `PartitionSequentialLayers`
-  cuts them), D devices per replica (D = K, or K / V for 'interleaved_1f1b'
-  and 'zero_bubble'),
+  cuts them), D devices per replica (D = K, or K / V for 'interleaved_1f1b',
+  and K / 2 for 'zero_bubble' too),
   M micro-batches, a schedule of `schedules.SCHEDULES`, recompute, R
   data-parallel replicas with D * R <= N, and a gradient_sync strategy,
 
@@ -336,9 +336,10 @@ def Enumerate(profile: ModelProfile, devices: int,
         if name == 'interleaved_1f1b':
           ks = [v * d for v in range(2, num_layers // d + 1)] if d > 1 else []
         elif name == 'zero_bubble':
-          # Also V cells per device: the engine folds the one-cell-per-device
-          # order onto the D devices (actions.FoldOntoDevices).
-          ks = [v * d for v in range(1, num_layers // d + 1)]
+          # Also 2 cells per device: the engine folds the one-cell-per-device
+          # order onto the D devices (actions.FoldOntoDevices). Not more: each
+          # V costs the enumeration a simulation of V * D stages per M.
+          ks = [v * d for v in (1, 2) if v * d <= num_layers]
         else:
           ks = [d]
         if name == 'recurrent':
