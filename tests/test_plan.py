@@ -589,3 +589,12 @@ def test_measure_candidates_add_the_twins():
   out = plan_tool.MeasureCandidates(ranked, 2)
   assert [p.Key() for p in out] == ['K2xR1 M4 unrolled+rc',
                                     'K1xR1 M1 unrolled', 'K2xR1 M4 unrolled']
+
+
+def test_probe_prices_handoffs_and_gradient_sums():
+  """The probe's hand-off chain is not folded away (Grappler would fold it
+  to less than the plain chain: 0), and a 1 MB add moves its 3 MB at a
+  memory rate, neither free nor slower than 100 MB/s."""
+  machine = planner.ProbeMachine()
+  assert machine.s_per_handoff > 2e-7, machine
+  assert 1e8 < machine.add_bytes_per_s < 1e13, machine
