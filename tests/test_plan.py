@@ -223,15 +223,15 @@ def test_bytes_between_devices():
 def test_calibrate_recovers_the_constants():
   profile = _Profile(linear_loss=False)
   truth = planner.Machine(flops_per_s=1e9, s_per_op=3e-5, step_s=4e-3,
-                          recurrent_op_factor=0.4, bytes_per_op=2048.,
-                          overhead_bytes=5e8, cores=2)
+                          recurrent_op_factor=0.4, recurrent_s_per_byte=2e-9,
+                          bytes_per_op=2048., overhead_bytes=5e8, cores=2)
   refs = planner.ReferencePlans(profile)
   times = [planner.Predict(profile, p, truth).step_s for p in refs]
   rss = [planner.Predict(profile, p, truth).process_bytes for p in refs]
   probed = planner.Machine(flops_per_s=1e9, s_per_op=1e-6, cores=2)
   fitted = planner.Calibrate(profile, probed, times, rss)
-  for field in ('s_per_op', 'step_s', 'recurrent_op_factor', 'bytes_per_op',
-                'overhead_bytes'):
+  for field in ('s_per_op', 'step_s', 'recurrent_op_factor',
+                'recurrent_s_per_byte', 'bytes_per_op', 'overhead_bytes'):
     assert getattr(fitted, field) == pytest.approx(getattr(truth, field)), (
         field)
 
@@ -472,14 +472,15 @@ def test_gated_kinds(schedule, recompute, kinds):
     ('1f1b', 2, 8, False, 3), ('1f1b', 4, 8, True, 1), ('1f1b', 4, 2, True, 0),
     ('1f1b', 3, 8, False, 2),
     ('zero_bubble', 2, 8, False, 7), ('zero_bubble', 4, 4, False, 3),
-    ('recurrent', 2, 8, True, 9), ('recurrent', 1, 4, True, 4)])
+    ('recurrent', 2, 8, True, 8), ('recurrent', 1, 4, True, 3),
+    ('recurrent', 1, 1, True, 0)])
 def test_gradient_sums_per_engine(schedule, k, m, recompute, sums):
   plan = _Plan(k, m, schedule, recompute,
                devices=2 if schedule == 'zero_bubble' and k == 4 else None)
   assert planner.Accumulations(plan) == sums
   # Priced: each sum reads two and writes one of the stage's weight bytes
-  # (on one core the step is all the work). 'recurrent' sums every loop
-  # step's gradients; the others once per sum.
+  # (on one core the step is all the work). 'recurrent' sums each loop
+  # step's gradients after the first.
   profile = _Profile(param_bytes=1000)
   one_core = dict(cores=1)
   base = planner.Predict(profile, plan, _Machine(**one_core)).step_s
@@ -598,3 +599,24 @@ def test_probe_prices_handoffs_and_gradient_sums():
   machine = planner.ProbeMachine()
   assert machine.s_per_handoff > 2e-7, machine
   assert 1e8 < machine.add_bytes_per_s < 1e13, machine
+
+
+def test_recurrent_pays_per_step_after_the_first():
+  """Lingvo's loop: each step after the first costs recurrent_s_per_byte
+  per byte of the cell's weights, on its device: M = 4 on one cell pays 3
+  steps of all 8 x 4096 B; K = 2, M = 1 pays one step of each cell's half,
+  the two cells side by side."""
+  profile = _Profile()
+  per_byte = dict(recurrent_s_per_byte=1e-6)
+  for k, m, paid in ((1, 4, 3 * 8 * 4096), (2, 1, 1 * 4 * 4096),
+                     (1, 1, 0)):
+    base = planner.Predict(profile, _Plan(k, m, 'recurrent', True),
+                           _Machine()).step_s
+    more = planner.Predict(profile, _Plan(k, m, 'recurrent', True),
+                           _Machine(**per_byte)).step_s
+    assert more - base == pytest.approx(paid * 1e-6), (k, m)
+  # Not for the other schedules.
+  plan = _Plan(2, 4)
+  assert planner.Predict(profile, plan, _Machine(**per_byte)).step_s == (
+      pytest.approx(planner.Predict(profile, dataclasses.replace(plan),
+                                    _Machine()).step_s))

@@ -176,6 +176,10 @@ class Machine:
     recurrent_op_factor: 'recurrent' only: the time of an op inside Lingvo's
       StackedRecurrent loop (a function the loop calls per micro-batch)
       over s_per_op.
+    recurrent_s_per_byte: 'recurrent' only: seconds per byte of a cell's
+      weights for each step of Lingvo's loop after its first (what the loop
+      does with the weights and their gradients per step beyond the ops;
+      none for one step).
     bytes_per_op: Process memory per op of the step's graph (graph,
       executor and kernel state, allocator slack).
     overhead_bytes: Process memory besides the model and its graph (TF
@@ -199,6 +203,7 @@ class Machine:
   step_s: float = 2e-3
   update_ops_per_var: int = 12
   recurrent_op_factor: float = 1.
+  recurrent_s_per_byte: float = 0.
   bytes_per_op: float = 0.
   overhead_bytes: float = 0.
   s_per_handoff: float = 0.
@@ -438,11 +443,11 @@ def Accumulations(plan: Plan) -> int:
   (of its window K - i with recompute; K is counted) and sums the groups:
   ceil(M / K) - 1. The list schedules sum one gradient per micro-batch:
   M - 1. Lingvo's StackedRecurrent loop adds each of its M + K - 1 backward
-  steps' gradients to its accumulator: M + K - 1.
+  steps' gradients to its accumulator: M + K - 2 after the first.
   """
   k, m = plan.num_cells, plan.num_micro_batches
   if plan.schedule == 'recurrent':
-    return m + k - 1
+    return m + k - 2
   if plan.schedule in LIST_SCHEDULES:
     return m - 1
   if plan.schedule == '1f1b' and k > 1:
@@ -523,25 +528,33 @@ def SummingActions(plan: Plan, spec: actions.StageSpec) -> frozenset:
 
 
 def _RecurrentCompute(stages: Sequence[_Stage], spec: actions.StageSpec,
-                      cost, summing: Sequence[float] = ()
-                      ) -> Tuple[float, float, float]:
+                      cost, summing: Sequence[float] = (),
+                      s_per_byte: float = 0.) -> Tuple[float, float, float]:
   """(makespan, busy, useful busy) of Lingvo's StackedRecurrent loop.
 
   The loop runs M + K - 1 steps forward and as many backward, and every step
   runs every cell (on its device), the bubble's steps on padding: so each
   step takes its slowest device's time, and every cell computes M + K - 1
-  times, not M. Backward steps recompute the cell's forward pass.
+  times, not M. Backward steps recompute the cell's forward pass; each step
+  after the first adds the cell's weight gradients to the loop's
+  accumulators (`summing`, seconds per cell) and costs `s_per_byte` per
+  byte of its weights (`Machine.recurrent_s_per_byte`).
   """
   steps = spec.num_micro_batches + spec.num_stages - 1
   fwd = [cost(actions.Action('F', s, 0)) for s in range(len(stages))]
-  bwd = [cost(actions.Action('R', s, 0)) + cost(actions.Action('B', s, 0)) +
-         (summing[s] if summing else 0.) for s in range(len(stages))]
-  per_device_f = [sum(fwd[s] for s in spec.Stages(d))
-                  for d in range(spec.num_devices)]
-  per_device_b = [sum(bwd[s] for s in spec.Stages(d))
-                  for d in range(spec.num_devices)]
-  busy = steps * (sum(fwd) + sum(bwd))
-  makespan = steps * (max(per_device_f) + max(per_device_b))
+  bwd = [cost(actions.Action('R', s, 0)) + cost(actions.Action('B', s, 0))
+         for s in range(len(stages))]
+  more = [(summing[s] if summing else 0.) + s_per_byte * st.param_bytes
+          for s, st in enumerate(stages)]
+
+  def Slowest(xs):
+    return max(sum(xs[s] for s in spec.Stages(d))
+               for d in range(spec.num_devices))
+
+  busy = steps * (sum(fwd) + sum(bwd)) + (steps - 1) * sum(more)
+  makespan = (steps * (Slowest(fwd) + Slowest(bwd)) +
+              (steps - 1) * Slowest(more))
+  # The bubble: the padded steps' share (M of the M + K - 1 are real).
   return makespan, busy, busy * spec.num_micro_batches / steps
 
 
@@ -573,7 +586,8 @@ def Predict(profile: ModelProfile, plan: Plan,
   if plan.schedule == 'recurrent':
     makespan, busy, useful = _RecurrentCompute(
         stages, spec, cost,
-        [AccumulateSeconds(st, machine, s_per_op) for st in stages])
+        [AccumulateSeconds(st, machine, s_per_op) for st in stages],
+        machine.recurrent_s_per_byte)
     plan.bubble = 1. - useful / (makespan * spec.num_devices)
   else:
     makespan = tl.makespan
@@ -1221,13 +1235,13 @@ def ReferencePlans(profile: ModelProfile,
                    global_batch: Optional[int] = None) -> List[Plan]:
   """The plans Calibrate measures: one cell, one replica, 'unrolled' at M=1
   and at a larger M (4, or the largest divisor of the batch below it), and
-  'recurrent' at that M."""
+  'recurrent' at that M and at M=1."""
   batch = global_batch or profile.batch
   m = max(_Divisors(batch, 4))
   n = len(profile.layers)
   out = []
   for schedule, mb, rc in (('unrolled', 1, False), ('unrolled', m, False),
-                           ('recurrent', m, True)):
+                           ('recurrent', m, True), ('recurrent', 1, True)):
     out.append(Plan(num_cells=1, sizes=(n,), devices_per_replica=1,
                     num_micro_batches=mb, schedule=schedule, recompute=rc,
                     replicas=1, gradient_sync='shared', global_batch=batch))
@@ -1247,8 +1261,11 @@ def Calibrate(profile: ModelProfile, machine: Machine,
   The probe's per-op time is that of a chain of tiny ops; a model's graph
   (allocation, several devices, Lingvo's bookkeeping) costs more per op. The
   two 'unrolled' references fix the per-op time (from how the step grows with
-  M) and the fixed time of a step; the 'recurrent' one the time of an op in
-  Lingvo's loop (`recurrent_op_factor`). With their peak RSS, the two
+  M) and the fixed time of a step; the 'recurrent' ones the time of an op in
+  Lingvo's loop (`recurrent_op_factor`, from its one-step M=1 run) and what
+  each further step costs per byte of weights (`recurrent_s_per_byte`, from
+  the larger M; given only that one, it fits the factor alone). With their
+  peak RSS, the two
   'unrolled' ones fix the bytes per graph op and the process overhead. Everything else (FLOP rate from the
   probe, schedules, cells, recompute, replicas) stays predicted.
 
@@ -1258,9 +1275,9 @@ def Calibrate(profile: ModelProfile, machine: Machine,
     step_s: Measured step seconds of ReferencePlans(profile), in order.
     rss_bytes: Their measured peak RSS (the first two are used), or None.
   """
-  a, b, c = ReferencePlans(profile)
+  a, b, c, d = ReferencePlans(profile)
   zero = dict(s_per_op=0., step_s=0., recurrent_op_factor=1.,
-              bytes_per_op=0., overhead_bytes=0.)
+              recurrent_s_per_byte=0., bytes_per_op=0., overhead_bytes=0.)
 
   def Time(plan, **fields):
     return _Fit(profile, plan, machine, **dict(zero, **fields)).step_s
@@ -1283,13 +1300,22 @@ def Calibrate(profile: ModelProfile, machine: Machine,
       out = dataclasses.replace(
           out, flops_per_s=machine.flops_per_s * flops_s / budget)
   if len(step_s) > 2:
-    p0 = _Fit(profile, c, out, recurrent_op_factor=0.).step_s
-    p1 = _Fit(profile, c, out, recurrent_op_factor=1.).step_s
+    # The factor from the one-step run if there is one, else from the
+    # larger M (then it carries the further steps' cost too).
+    ref, t = (d, step_s[3]) if len(step_s) > 3 else (c, step_s[2])
+    p0 = _Fit(profile, ref, out, recurrent_op_factor=0.).step_s
+    p1 = _Fit(profile, ref, out, recurrent_op_factor=1.).step_s
     if p1 > p0:
       # Bounded below only: where the fitted per-op time is tiny (a model
       # whose steps are FLOP-bound) the loop's per-step cost is many ops'.
       out = dataclasses.replace(out, recurrent_op_factor=min(
-          max((step_s[2] - p0) / (p1 - p0), 0.05), 1e6))
+          max((t - p0) / (p1 - p0), 0.05), 1e6))
+  if len(step_s) > 3:
+    q0 = _Fit(profile, c, out, recurrent_s_per_byte=0.).step_s
+    q1 = _Fit(profile, c, out, recurrent_s_per_byte=1e-9).step_s
+    if q1 > q0:
+      out = dataclasses.replace(out, recurrent_s_per_byte=max(
+          (step_s[2] - q0) / (q1 - q0) * 1e-9, 0.))
   if rss_bytes:
     ma = _Fit(profile, a, out, bytes_per_op=0., overhead_bytes=0.)
     mb = _Fit(profile, b, out, bytes_per_op=0., overhead_bytes=0.)
