@@ -22,9 +22,10 @@ it reports:
   by more than the rounds' noise).
 
 Calibration (once per model, not counted in the comparison): the machine
-probe (FLOP rate, per-op time, devices at once), then the three reference
-plans of planner.ReferencePlans, timed beside the sweep in their own sessions,
-and the peak RSS of two of them (planner.Calibrate).
+probe (FLOP rate, per-op time, devices at once, hand-off, gate, add rate),
+then the four reference plans of planner.ReferencePlans, timed beside the
+sweep in their own sessions, and the peak RSS of two of them
+(planner.Calibrate).
 
   .venv/bin/python bench/plan.py                    # JSON lines, default sweep
   .venv/bin/python bench/plan.py --markdown         # tables for docs

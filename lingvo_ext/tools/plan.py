@@ -258,7 +258,7 @@ def _ParseArgs(argv):
                       '(default %(default)s).')
   parser.add_argument(
       '--calibrate', action=argparse.BooleanOptionalAction, default=True,
-      help='Time the model\'s three reference plans (one cell, one '
+      help='Time the model\'s four reference plans (one cell, one '
       'replica) in this process first, to fit the per-op and per-step '
       'times (default); --no-calibrate uses the machine probe alone.')
   parser.add_argument('--json', action='store_true',
