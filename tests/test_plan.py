@@ -620,3 +620,20 @@ def test_recurrent_pays_per_step_after_the_first():
   assert planner.Predict(profile, plan, _Machine(**per_byte)).step_s == (
       pytest.approx(planner.Predict(profile, dataclasses.replace(plan),
                                     _Machine()).step_s))
+
+
+def test_calibrate_falls_back_when_more_steps_run_faster():
+  """If 'recurrent' at the larger M runs faster than its one step allows
+  (no cost per further step fits), the factor is fitted on the larger M
+  alone, as with three references."""
+  profile = _Profile(linear_loss=False)
+  truth = planner.Machine(flops_per_s=1e9, s_per_op=3e-5, step_s=4e-3,
+                          recurrent_op_factor=0.4, cores=2)
+  refs = planner.ReferencePlans(profile)
+  times = [planner.Predict(profile, p, truth).step_s for p in refs]
+  probed = planner.Machine(flops_per_s=1e9, s_per_op=1e-6, cores=2)
+  slow_one_step = times[:3] + [times[3] * 1.5]
+  fitted = planner.Calibrate(profile, probed, slow_one_step)
+  assert fitted.recurrent_s_per_byte == 0.
+  assert fitted == planner.Calibrate(profile, probed, times[:3])
+  assert fitted.recurrent_op_factor == pytest.approx(0.4)

@@ -1313,9 +1313,13 @@ def Calibrate(profile: ModelProfile, machine: Machine,
   if len(step_s) > 3:
     q0 = _Fit(profile, c, out, recurrent_s_per_byte=0.).step_s
     q1 = _Fit(profile, c, out, recurrent_s_per_byte=1e-9).step_s
-    if q1 > q0:
-      out = dataclasses.replace(out, recurrent_s_per_byte=max(
-          (step_s[2] - q0) / (q1 - q0) * 1e-9, 0.))
+    per_byte = (step_s[2] - q0) / (q1 - q0) * 1e-9 if q1 > q0 else 0.
+    if per_byte > 0:
+      out = dataclasses.replace(out, recurrent_s_per_byte=per_byte)
+    else:
+      # The larger M ran faster than the one step allows (the loop's fixed
+      # cost, or noise in the one step): fit the factor on it alone.
+      return Calibrate(profile, machine, step_s[:3], rss_bytes)
   if rss_bytes:
     ma = _Fit(profile, a, out, bytes_per_op=0., overhead_bytes=0.)
     mb = _Fit(profile, b, out, bytes_per_op=0., overhead_bytes=0.)
