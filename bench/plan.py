@@ -16,13 +16,16 @@ it reports:
   worst);
 - chosen vs best: the measured step time of the plan the planner ranks first
   without measuring, over the best measured step time in the sweep, and of
-  the plan ranked first after measuring its top --measure_top plans again
-  (as `--measure` does).
+  the plan `--measure` picks after timing its top --measure_top plans (and
+  their twins without recompute) again, round robin
+  (planner.MeasuredChoice: the fastest only if it beats the predicted best
+  by more than the rounds' noise).
 
 Calibration (once per model, not counted in the comparison): the machine
-probe (FLOP rate, per-op time, devices at once), then the three reference
-plans of planner.ReferencePlans, timed beside the sweep in their own sessions,
-and the peak RSS of two of them (planner.Calibrate).
+probe (FLOP rate, per-op time, devices at once, hand-off, gate, add rate),
+then the four reference plans of planner.ReferencePlans, timed beside the
+sweep in their own sessions, and the peak RSS of two of them
+(planner.Calibrate).
 
   .venv/bin/python bench/plan.py                    # JSON lines, default sweep
   .venv/bin/python bench/plan.py --markdown         # tables for docs
@@ -95,7 +98,8 @@ def BuildFcStep(plan: planner.Plan):
   """(session, train op) of the FC benchmark under `plan` (one replica).
 
   As bench/pipeline.py's Step: the cells of the exact FLOPs cut on the plan's
-  devices, the per-example losses summed, tf.gradients, SGD.
+  devices, the per-example losses summed, tf.gradients, SGD; the step runs
+  the updates and the loss.
   """
   import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
   from lingvo.core import cluster_factory  # pylint: disable=g-import-not-at-top
@@ -126,8 +130,12 @@ def BuildFcStep(plan: planner.Plan):
     loss = tf.reduce_sum(net.FPropDefaultTheta(x))
     variables = net.vars.Flatten()
     grads = tf.gradients(loss, variables, colocate_gradients_with_ops=True)
+    # The step computes the loss, as a trainer's does: with a loss linear in
+    # the outputs the gradients need no forward output, so a step that
+    # fetched only the updates would prune the forward pass and recompute
+    # would cost nothing.
     train = tf.group(*[tf.assign_sub(v, pipeline.LEARNING_RATE * g)
-                       for v, g in zip(variables, grads)])
+                       for v, g in zip(variables, grads)] + [loss])
     init = tf.global_variables_initializer()
   sess = tf.Session(graph=graph, config=FcSessionConfig(d))
   sess.run(init)
@@ -173,7 +181,7 @@ def SweepPlans(model: str, profile: planner.ModelProfile,
 
 
 def TimePlans(model: str, plans: Sequence[planner.Plan], rounds: int,
-              warmup: int) -> List[float]:
+              warmup: int, every_round: bool = False) -> List:
   """Step seconds of each plan, all built in this process and timed in
   turn, round robin (plan_tool.RoundRobin): the fastest of the rounds, the
   least disturbed by other processes' load."""
@@ -184,7 +192,7 @@ def TimePlans(model: str, plans: Sequence[planner.Plan], rounds: int,
       [lambda s=s: s[0].run(s[1]) for s in steps], rounds, warmup)
   for sess, _ in steps:
     sess.close()
-  return [min(t) for t in times]
+  return times if every_round else [min(t) for t in times]
 
 
 def Rss(model: str, plans: Sequence[planner.Plan], measurer) -> List:
@@ -205,6 +213,7 @@ def RunModel(model: str, devices: int, rounds: int, warmup: int,
   config = (FcSessionConfig(devices) if model == FC
             else planner.SessionConfig(devices))
   machine = planner.ProbeMachine(config)
+  probe = dataclasses.asdict(machine)
   refs = planner.ReferencePlans(profile)
   plans = SweepPlans(model, profile, devices)
   _Log('%s: %d plans; building and timing them (%d rounds)' %
@@ -215,9 +224,11 @@ def RunModel(model: str, devices: int, rounds: int, warmup: int,
   ref_rss = Rss(model, refs[:2], measurer)
   machine = planner.Calibrate(profile, machine, times[:len(refs)], ref_rss)
   _Log('%s: %.3g FLOP/s, %.2f devices at once, %.1f us per op (x %.2f in '
-       'recurrent), %.1f ms per step, %.0f KB per graph op, overhead %s' % (
+       'recurrent), %.1f us per hand-off, %.1f us per gate, %.1f ms per '
+       'step, %.0f KB per graph op, overhead %s' % (
            model, machine.flops_per_s, machine.cores, 1e6 * machine.s_per_op,
-           machine.recurrent_op_factor, 1e3 * machine.step_s,
+           machine.recurrent_op_factor, 1e6 * machine.s_per_handoff,
+           1e6 * machine.s_per_gate, 1e3 * machine.step_s,
            machine.bytes_per_op / 1024,
            planner.FormatSize(machine.overhead_bytes)))
   plans = planner.PredictAll(profile, plans, machine)
@@ -234,11 +245,16 @@ def RunModel(model: str, devices: int, rounds: int, warmup: int,
   best = min(p.measured_step_s for p in plans)
   ranked = planner.Rank(plans)
   chosen = ranked[0]
-  # --measure: the top plans timed again, in turn, and the fastest taken;
-  # its time below is the sweep's, so both choices compare on one run.
-  top = ranked[:measure_top]
-  again = TimePlans(model, top, rounds, warmup)
-  chosen_measured = top[again.index(min(again))]
+  # --measure: the top plans (and their twins without recompute) timed
+  # again, round robin, and chosen as the tool chooses
+  # (planner.MeasuredChoice); its time below is the sweep's, so both
+  # choices compare on one run.
+  top = plan_tool.MeasureCandidates(ranked, measure_top)
+  again = TimePlans(model, top, rounds, warmup, every_round=True)
+  copies = [dataclasses.replace(p, measured_times=t)
+            for p, t in zip(top, again)]
+  pick, noise = planner.MeasuredChoice(copies)
+  chosen_measured = top[[c is pick for c in copies].index(True)]
   with_rss = [p for p in plans if p.measured_rss_bytes]
   mem_err = [abs(p.process_bytes - p.measured_rss_bytes) / p.measured_rss_bytes
              for p in with_rss]
@@ -257,7 +273,9 @@ def RunModel(model: str, devices: int, rounds: int, warmup: int,
       chosen_measure_ms=round(1e3 * chosen_measured.measured_step_s, 2),
       chosen_measure_over_best=round(chosen_measured.measured_step_s / best,
                                      3),
-      machine=dataclasses.asdict(machine),
+      measure_noise=round(noise, 3),
+      measure_candidates=[p.Key() for p in top],
+      machine=dataclasses.asdict(machine), probe=probe,
       reference_ms=[round(1e3 * t, 3) for t in times[:len(refs)]],
       reference_rss_mb=[round(r / 2**20, 1) for r in ref_rss if r],
       seconds=round(time.time() - t0),

@@ -54,16 +54,17 @@ def test_enumeration_respects_devices(devices):
   assert plans
   for p in plans:
     assert p.devices_per_replica * p.replicas <= devices
-    if p.schedule != 'interleaved_1f1b':
+    if p.num_cells == p.devices_per_replica:
       assert p.num_cells * p.replicas <= devices
-    else:
+    else:  # Several cells per device: only these schedules fold them.
+      assert p.schedule in ('interleaved_1f1b', 'zero_bubble')
       assert p.num_cells % p.devices_per_replica == 0
       assert p.num_cells > p.devices_per_replica
     assert sum(p.sizes) == 8 and len(p.sizes) == p.num_cells
     assert (p.global_batch // p.replicas) % p.num_micro_batches == 0
   # Every K * R <= N is offered (K = D), and nothing more.
   kr = {(p.num_cells, p.replicas) for p in plans
-        if p.schedule != 'interleaved_1f1b'}
+        if p.num_cells == p.devices_per_replica}
   assert kr == {(k, r) for k in range(1, devices + 1)
                 for r in range(1, devices // k + 1) if 32 % r == 0}
 
@@ -222,15 +223,15 @@ def test_bytes_between_devices():
 def test_calibrate_recovers_the_constants():
   profile = _Profile(linear_loss=False)
   truth = planner.Machine(flops_per_s=1e9, s_per_op=3e-5, step_s=4e-3,
-                          recurrent_op_factor=0.4, bytes_per_op=2048.,
-                          overhead_bytes=5e8, cores=2)
+                          recurrent_op_factor=0.4, recurrent_s_per_byte=2e-9,
+                          bytes_per_op=2048., overhead_bytes=5e8, cores=2)
   refs = planner.ReferencePlans(profile)
   times = [planner.Predict(profile, p, truth).step_s for p in refs]
   rss = [planner.Predict(profile, p, truth).process_bytes for p in refs]
   probed = planner.Machine(flops_per_s=1e9, s_per_op=1e-6, cores=2)
   fitted = planner.Calibrate(profile, probed, times, rss)
-  for field in ('s_per_op', 'step_s', 'recurrent_op_factor', 'bytes_per_op',
-                'overhead_bytes'):
+  for field in ('s_per_op', 'step_s', 'recurrent_op_factor',
+                'recurrent_s_per_byte', 'bytes_per_op', 'overhead_bytes'):
     assert getattr(fitted, field) == pytest.approx(getattr(truth, field)), (
         field)
 
@@ -394,3 +395,245 @@ def test_schedule_names_match_the_engines():
   assert set(planner.SCHEDULE_NAMES) == set(schedules.SCHEDULES)
   assert set(planner.LIST_SCHEDULES) == set(schedules.LINEAR_LOSS_ONLY)
   assert set(planner.ALWAYS_RECOMPUTE) == set(schedules.ALWAYS_RECOMPUTE)
+
+
+# --- Engine overheads: hand-offs, gates, gradient sums, Lingvo's loop --------
+
+
+def _Machine(**kwargs):
+  fields = dict(flops_per_s=1e9, s_per_op=0., step_s=0., bytes_per_s=1e30,
+                update_ops_per_var=0, add_bytes_per_s=1e30)
+  fields.update(kwargs)
+  return planner.Machine(**fields)
+
+
+def test_handoff_bytes_only_across_devices():
+  profile = _Profile(out=100.)
+  stages = planner.Stages(profile, (2, 2, 2, 2))
+  folded = actions.StageSpec(4, 2, 4)  # Stage s on device s % 2.
+  one = actions.StageSpec(4, 1, 4)
+  a = actions.Action
+  # A forward pass receives its input (100 B per example, 8 examples), a
+  # backward pass its output's gradient; never the first cell's forward or
+  # the last cell's backward, nor anything on one device.
+  assert planner.HandoffBytes(stages, folded, a('F', 1, 0), 8) == 800.
+  assert planner.HandoffBytes(stages, folded, a('I', 0, 0), 8) == 800.
+  assert planner.HandoffBytes(stages, folded, a('B', 2, 3), 8) == 800.
+  assert planner.HandoffBytes(stages, folded, a('F', 0, 0), 8) is None
+  assert planner.HandoffBytes(stages, folded, a('B', 3, 0), 8) is None
+  assert planner.HandoffBytes(stages, folded, a('W', 1, 0), 8) is None
+  assert planner.HandoffBytes(stages, folded, a('R', 1, 0), 8) is None
+  assert all(planner.HandoffBytes(stages, one, a(k, s, 0), 8) is None
+             for k in 'FB' for s in range(4))
+
+
+def test_handoffs_priced_on_the_critical_path():
+  """K = 2, M = 1 runs F0 F1 B1 B0 in turn: F1 and B0 each wait for one
+  hand-off of 32 examples x 100 B."""
+  profile = _Profile(out=100.)
+  machine = _Machine(s_per_handoff=1e-3, bytes_per_s=3.2e6)
+  two = planner.Predict(profile, _Plan(2, 1, profile=profile), machine)
+  # One cell does the same work in the same order and hands nothing over.
+  one = planner.Predict(profile, _Plan(1, 1, profile=profile), machine)
+  assert two.step_s - one.step_s == pytest.approx(2 * (1e-3 + 1e-3))
+  free = planner.Predict(profile, _Plan(2, 1, profile=profile),
+                         dataclasses.replace(machine, s_per_handoff=0.,
+                                             bytes_per_s=1e30))
+  assert free.step_s == pytest.approx(planner.Predict(
+      profile, _Plan(1, 1, profile=profile),
+      dataclasses.replace(machine, bytes_per_s=1e30)).step_s)
+
+
+@pytest.mark.parametrize('schedule,recompute,kinds', [
+    ('unrolled', False, ()), ('unrolled', True, ()), ('recurrent', True, ()),
+    ('1f1b', False, ('F', 'B')), ('1f1b', True, ('F', 'B')),
+    ('zero_bubble', False, ('F', 'B', 'I', 'W')),
+    ('interleaved_1f1b', False, ('F', 'B', 'I', 'W'))])
+def test_gated_kinds(schedule, recompute, kinds):
+  k = 4 if schedule == 'interleaved_1f1b' else 2
+  plan = _Plan(k, 4, schedule, recompute, devices=2)
+  assert planner.GatedKinds(plan) == kinds
+  # A gate costs only where the engine gates: on one core (the step is all
+  # the work) each gated action adds one gate.
+  one_core = dict(cores=1)
+  base = planner.Predict(_Profile(), plan, _Machine(**one_core)).step_s
+  gated = planner.Predict(_Profile(), dataclasses.replace(plan),
+                          _Machine(s_per_gate=1e-3, **one_core)).step_s
+  spec, schedule_lists = planner.ActionSchedule(plan)
+  n = sum(a.kind in kinds for acts in schedule_lists for a in acts)
+  assert gated - base == pytest.approx(n * 1e-3)
+  # Per (cell, micro-batch): F and B, or F, I and W.
+  assert n == (0 if not kinds else
+               k * 4 * (3 if schedule == 'zero_bubble' else 2))
+
+
+@pytest.mark.parametrize('schedule,k,m,recompute,sums', [
+    ('unrolled', 2, 8, False, 0), ('unrolled', 2, 8, True, 0),
+    ('1f1b', 2, 8, False, 3), ('1f1b', 4, 8, True, 1), ('1f1b', 4, 2, True, 0),
+    ('1f1b', 3, 8, False, 2),
+    ('zero_bubble', 2, 8, False, 7), ('zero_bubble', 4, 4, False, 3),
+    ('recurrent', 2, 8, True, 8), ('recurrent', 1, 4, True, 3),
+    ('recurrent', 1, 1, True, 0)])
+def test_gradient_sums_per_engine(schedule, k, m, recompute, sums):
+  plan = _Plan(k, m, schedule, recompute,
+               devices=2 if schedule == 'zero_bubble' and k == 4 else None)
+  assert planner.Accumulations(plan) == sums
+  # Priced: each sum reads two and writes one of the stage's weight bytes
+  # (on one core the step is all the work). 'recurrent' sums each loop
+  # step's gradients after the first.
+  profile = _Profile(param_bytes=1000)
+  one_core = dict(cores=1)
+  base = planner.Predict(profile, plan, _Machine(**one_core)).step_s
+  priced = planner.Predict(profile, dataclasses.replace(plan), _Machine(
+      add_bytes_per_s=1e6, s_per_op=0., **one_core)).step_s
+  # 8 layers of 1000 B over the K cells, summed `sums` times each.
+  assert priced - base == pytest.approx(sums * 3 * 8000 / 1e6)
+
+
+def test_recurrent_runs_every_cell_at_every_loop_step():
+  """Lingvo's StackedRecurrent: M + K - 1 steps, each runs all cells (the
+  bubble's on padding) and each backward step recomputes: K = 2, M = 4 is 5
+  steps of one cell's F + R + B, and 5 x 2 cells' work on one core."""
+  profile = _Profile()
+  plan = planner.Predict(profile, _Plan(2, 4, 'recurrent', True),
+                         _Machine())
+  cell = 4 * 1e6 * 8 / 1e9  # 4 layers of 1e6 FLOPs, 8 examples.
+  assert plan.step_s == pytest.approx(5 * cell * (1 + 1 + 2))
+  assert plan.bubble == pytest.approx(1 / 5.)
+  one_core = planner.Predict(profile, _Plan(2, 4, 'recurrent', True),
+                             _Machine(cores=1))
+  assert one_core.step_s == pytest.approx(2 * 5 * cell * 4)
+  # GPipe's order with recompute skips the bubble's work: on one core it is
+  # 4 micro-batches' work, not 5.
+  unrolled = planner.Predict(profile, _Plan(2, 4, 'unrolled', True),
+                             _Machine(cores=1))
+  assert unrolled.step_s == pytest.approx(2 * 4 * cell * 4)
+
+
+def test_zero_bubble_folds_cells_onto_fewer_devices():
+  profile = _Profile()
+  plans = planner.Enumerate(profile, 2)
+  folded = [p for p in plans if p.schedule == 'zero_bubble' and
+            p.num_cells > p.devices_per_replica]
+  # Two cells per device (more would cost the enumeration more than the
+  # sweep is worth).
+  assert {(p.num_cells, p.devices_per_replica) for p in folded} == {(4, 2)}
+  assert {(p.num_cells, p.devices_per_replica) for p in planner.Enumerate(
+      profile, 3) if p.schedule == 'zero_bubble'} == {
+          (2, 2), (4, 2), (3, 3), (6, 3)}
+  plan = next(p for p in folded if p.num_cells == 4 and
+              p.num_micro_batches == 4)
+  assert plan.Key() == 'K4/D2xR1 M4 zero_bubble'
+  assert planner.TrainerFlags(plan) == ['--num_cpu_devices=2',
+                                        '--worker_split_size=2']
+  assert planner.Overrides(plan)['task.num_partitions'] == 4
+  # Simulated on 2 devices as the engine folds it (actions.FoldOntoDevices):
+  # less idle than one cell per device at the same M.
+  flat = planner.Predict(profile, _Plan(2, 4, 'zero_bubble'), _FLOPS_ONLY)
+  four = planner.Predict(profile, plan, _FLOPS_ONLY)
+  spec, lists = planner.ActionSchedule(plan)
+  assert spec.num_devices == 2 and len(lists) == 2
+  assert four.bubble < flat.bubble
+
+
+# --- The --measure choice -----------------------------------------------------
+
+
+def _Measured(plan, times):
+  return dataclasses.replace(plan, measured_times=list(times),
+                             measured_step_s=min(times))
+
+
+def test_measured_noise_is_the_median_spread_with_a_floor():
+  a = _Measured(_Plan(1, 1), [1.0, 1.1, 1.2])   # Median 10% over the least.
+  b = _Measured(_Plan(2, 1), [2.0, 2.6, 2.4])   # 20%.
+  c = _Measured(_Plan(2, 4), [1.0, 1.3, 1.01])  # 1%.
+  assert planner.MeasuredNoise([a, b, c]) == pytest.approx(0.1)
+  assert planner.MeasuredNoise([c]) == planner.MEASURE_NOISE_FLOOR
+  assert planner.MeasuredNoise([c], floor=0.) == pytest.approx(0.01)
+
+
+def test_measured_choice_needs_a_gap_beyond_the_noise():
+  predicted = _Measured(_Plan(1, 1), [1.00, 1.05, 1.04])  # 4% spread.
+  close = _Measured(_Plan(2, 1), [0.98, 1.02, 1.01])  # 3.06%.
+  far = _Measured(_Plan(2, 4), [0.80, 0.83, 0.84])  # 3.75%.
+  # 2% faster, within the noise (the lower median of the two spreads).
+  chosen, noise = planner.MeasuredChoice([predicted, close])
+  assert chosen is predicted and noise == pytest.approx(0.03 / 0.98)
+  chosen, _ = planner.MeasuredChoice([predicted, close, far])
+  assert chosen is far
+  # Candidates measured nowhere: a plain error.
+  with pytest.raises(ValueError):
+    planner.MeasuredChoice([_Plan(1, 1)])
+
+
+def test_measured_choice_never_picks_noise_for_recompute():
+  """A recomputing plan runs its twin's steps and more: a faster round of
+  it is noise, so the twin is taken (and it ranks as the slower of the
+  two)."""
+  twin = _Measured(_Plan(1, 1), [1.0, 1.3, 1.4])
+  rc = _Measured(_Plan(1, 1, recompute=True), [0.7, 1.2, 1.4])
+  other = _Measured(_Plan(2, 4), [0.95, 1.0, 1.0])
+  assert planner.Twin(rc, [twin, rc, other]) is twin
+  assert planner.Twin(twin, [twin, rc, other]) is None
+  chosen, _ = planner.MeasuredChoice([rc, other, twin], floor=0.)
+  assert chosen is twin
+  # Without the twin measured, rc's 0.7 stands against other's 0.95.
+  chosen, _ = planner.MeasuredChoice([other, rc], floor=0.)
+  assert chosen is rc
+
+
+def test_measure_candidates_add_the_twins():
+  from lingvo_ext.tools import plan as plan_tool  # pylint: disable=g-import-not-at-top
+  ranked = [_Plan(2, 4, recompute=True), _Plan(1, 1), _Plan(2, 1),
+            _Plan(2, 4)]
+  out = plan_tool.MeasureCandidates(ranked, 2)
+  assert [p.Key() for p in out] == ['K2xR1 M4 unrolled+rc',
+                                    'K1xR1 M1 unrolled', 'K2xR1 M4 unrolled']
+
+
+def test_probe_prices_handoffs_and_gradient_sums():
+  """The probe's hand-off chain is not folded away (Grappler would fold it
+  to less than the plain chain: 0), and a 1 MB add moves its 3 MB at a
+  memory rate, neither free nor slower than 100 MB/s."""
+  machine = planner.ProbeMachine()
+  assert machine.s_per_handoff > 2e-7, machine
+  assert 1e8 < machine.add_bytes_per_s < 1e13, machine
+
+
+def test_recurrent_pays_per_step_after_the_first():
+  """Lingvo's loop: each step after the first costs recurrent_s_per_byte
+  per byte of the cell's weights, on its device: M = 4 on one cell pays 3
+  steps of all 8 x 4096 B; K = 2, M = 1 pays one step of each cell's half,
+  the two cells side by side."""
+  profile = _Profile()
+  per_byte = dict(recurrent_s_per_byte=1e-6)
+  for k, m, paid in ((1, 4, 3 * 8 * 4096), (2, 1, 1 * 4 * 4096),
+                     (1, 1, 0)):
+    base = planner.Predict(profile, _Plan(k, m, 'recurrent', True),
+                           _Machine()).step_s
+    more = planner.Predict(profile, _Plan(k, m, 'recurrent', True),
+                           _Machine(**per_byte)).step_s
+    assert more - base == pytest.approx(paid * 1e-6), (k, m)
+  # Not for the other schedules.
+  plan = _Plan(2, 4)
+  assert planner.Predict(profile, plan, _Machine(**per_byte)).step_s == (
+      pytest.approx(planner.Predict(profile, dataclasses.replace(plan),
+                                    _Machine()).step_s))
+
+
+def test_calibrate_falls_back_when_more_steps_run_faster():
+  """If 'recurrent' at the larger M runs faster than its one step allows
+  (no cost per further step fits), the factor is fitted on the larger M
+  alone, as with three references."""
+  profile = _Profile(linear_loss=False)
+  truth = planner.Machine(flops_per_s=1e9, s_per_op=3e-5, step_s=4e-3,
+                          recurrent_op_factor=0.4, cores=2)
+  refs = planner.ReferencePlans(profile)
+  times = [planner.Predict(profile, p, truth).step_s for p in refs]
+  probed = planner.Machine(flops_per_s=1e9, s_per_op=1e-6, cores=2)
+  slow_one_step = times[:3] + [times[3] * 1.5]
+  fitted = planner.Calibrate(profile, probed, slow_one_step)
+  assert fitted.recurrent_s_per_byte == 0.
+  assert fitted == planner.Calibrate(profile, probed, times[:3])
+  assert fitted.recurrent_op_factor == pytest.approx(0.4)

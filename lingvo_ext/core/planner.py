@@ -5,7 +5,8 @@ parameter bytes and the activation bytes each layer keeps for its backward
 pass, per example) and N devices, `Enumerate` lists every plan
 
   K cells (cut by the exact min-max FLOPs cut, as `PartitionSequentialLayers`
-  cuts them), D devices per replica (D = K, or K / V for 'interleaved_1f1b'),
+  cuts them), D devices per replica (D = K, or K / V for 'interleaved_1f1b',
+  and K / 2 for 'zero_bubble' too),
   M micro-batches, a schedule of `schedules.SCHEDULES`, recompute, R
   data-parallel replicas with D * R <= N, and a gradient_sync strategy,
 
@@ -15,7 +16,13 @@ per-stage costs (`actions.Simulate`):
 
 - Action cost: ops x seconds per op + FLOPs / FLOP rate (`Machine`), for the
   stage's layers at the micro-batch size; a backward pass is 2x the forward
-  FLOPs and its own op count; 'R' is a forward pass again. Devices that share
+  FLOPs and its own op count; 'R' is a forward pass again. What the engines
+  add: a hand-off (`Machine.s_per_handoff` and the bytes) for each tensor an
+  action receives from another device, a gate (`Machine.s_per_gate`) per
+  action of the gated engines (`GatedKinds`), and the sums of the weight
+  gradients over micro-batches (`Accumulations`). Lingvo's 'recurrent' loop
+  runs M + K - 1 steps, each running every cell (`_RecurrentCompute`).
+  Devices that share
   fewer cores than they are (CPU devices of one host) cannot all compute at
   once: the step is at least the replicas' total work over the cores.
 - Memory per device: parameters, their gradients and optimizer slots (the
@@ -169,10 +176,25 @@ class Machine:
     recurrent_op_factor: 'recurrent' only: the time of an op inside Lingvo's
       StackedRecurrent loop (a function the loop calls per micro-batch)
       over s_per_op.
+    recurrent_s_per_byte: 'recurrent' only: seconds per byte of a cell's
+      weights for each step of Lingvo's loop after its first (what the loop
+      does with the weights and their gradients per step beyond the ops;
+      none for one step).
     bytes_per_op: Process memory per op of the step's graph (graph,
       executor and kernel state, allocator slack).
     overhead_bytes: Process memory besides the model and its graph (TF
       runtime, input data); counted in the process total, not per device.
+    s_per_handoff: Fixed time of one tensor handed from one device to
+      another (a Send/Recv pair and its rendezvous), on top of its bytes over
+      bytes_per_s: what a cell pays per micro-batch for its input (and its
+      output's gradient) coming from a cell on another device.
+    s_per_gate: Time an action of a gated engine pays for its gate and
+      completion (two NoOps and control edges that hold it behind the action
+      before it on its device): every action of 'interleaved_1f1b' and
+      'zero_bubble', the forward and backward actions of '1f1b'.
+    add_bytes_per_s: Bytes per second an add of layer-sized tensors moves
+      (two read, one written): the rate at which weight gradients are
+      summed over micro-batches (`Accumulations`).
   """
   flops_per_s: float = 2e10
   s_per_op: float = 2e-5
@@ -181,8 +203,12 @@ class Machine:
   step_s: float = 2e-3
   update_ops_per_var: int = 12
   recurrent_op_factor: float = 1.
+  recurrent_s_per_byte: float = 0.
   bytes_per_op: float = 0.
   overhead_bytes: float = 0.
+  s_per_handoff: float = 0.
+  s_per_gate: float = 0.
+  add_bytes_per_s: float = 5e10
 
   def Parallel(self, devices: int) -> float:
     return devices if self.cores is None else max(1., min(devices, self.cores))
@@ -211,6 +237,8 @@ class Plan:
       gradients between cells, gradient synchronisation among replicas).
     measured_step_s: Measured step seconds (--measure), or None.
     measured_rss_bytes: Measured peak resident set of the process, or None.
+    measured_times: The step seconds of each measured round (--measure), or
+      None; measured_step_s is their least.
   """
   num_cells: int
   sizes: Tuple[int, ...]
@@ -228,6 +256,7 @@ class Plan:
   comm_bytes: float = 0.
   measured_step_s: Optional[float] = None
   measured_rss_bytes: Optional[float] = None
+  measured_times: Optional[List[float]] = None
 
   @property
   def devices(self) -> int:
@@ -311,6 +340,11 @@ def Enumerate(profile: ModelProfile, devices: int,
           continue  # One stage: nothing to overlap; it is 'unrolled'.
         if name == 'interleaved_1f1b':
           ks = [v * d for v in range(2, num_layers // d + 1)] if d > 1 else []
+        elif name == 'zero_bubble':
+          # Also 2 cells per device: the engine folds the one-cell-per-device
+          # order onto the D devices (actions.FoldOntoDevices). Not more: each
+          # V costs the enumeration a simulation of V * D stages per M.
+          ks = [v * d for v in (1, 2) if v * d <= num_layers]
         else:
           ks = [d]
         if name == 'recurrent':
@@ -390,9 +424,66 @@ def ActionSchedule(plan: Plan, linear_loss: bool = True
   return spec, schedule
 
 
+def GatedKinds(plan: Plan) -> Tuple[str, ...]:
+  """Action kinds the plan's engine gates (holds behind a NoOp that waits
+  for the action before it): all of a list schedule's, the forward and
+  backward ones of '1f1b' (its window); none for 'unrolled' or 'recurrent'."""
+  if plan.schedule in LIST_SCHEDULES:
+    return ('F', 'B', 'I', 'W')
+  if plan.schedule == '1f1b' and plan.num_cells > 1:
+    return ('F', 'B')
+  return ()
+
+
+def Accumulations(plan: Plan) -> int:
+  """Times each weight's gradient is added to its running sum per step.
+
+  'unrolled' batches a weight's gradient over all micro-batches into one
+  MatMul (matmul_grad): none. '1f1b' batches groups of K micro-batches
+  (of its window K - i with recompute; K is counted) and sums the groups:
+  ceil(M / K) - 1. The list schedules sum one gradient per micro-batch:
+  M - 1. Lingvo's StackedRecurrent loop adds each of its M + K - 1 backward
+  steps' gradients to its accumulator: M + K - 2 after the first.
+  """
+  k, m = plan.num_cells, plan.num_micro_batches
+  if plan.schedule == 'recurrent':
+    return m + k - 2
+  if plan.schedule in LIST_SCHEDULES:
+    return m - 1
+  if plan.schedule == '1f1b' and k > 1:
+    return -(-m // k) - 1
+  return 0
+
+
+def AccumulateSeconds(stage: _Stage, machine: Machine,
+                      s_per_op: float) -> float:
+  """One sum of a stage's weight gradients into their running sums: an add
+  per variable, reading two and writing one of its bytes."""
+  return (stage.num_vars * s_per_op +
+          3. * stage.param_bytes / machine.add_bytes_per_s)
+
+
+def HandoffBytes(stages: Sequence[_Stage], spec: actions.StageSpec,
+                 a: actions.Action, micro_batch: int) -> Optional[float]:
+  """Bytes action `a` receives from another device, or None if it receives
+  nothing across devices: a forward pass its input from the stage before it,
+  a backward pass ('B' or 'I') its output's gradient from the stage after."""
+  s = a.stage
+  if a.kind == 'F' and s > 0 and spec.Device(s - 1) != spec.Device(s):
+    return stages[s].in_bytes * micro_batch
+  if (a.kind in ('B', 'I') and s + 1 < spec.num_stages and
+      spec.Device(s + 1) != spec.Device(s)):
+    return stages[s].out_bytes * micro_batch
+  return None
+
+
 def _Costs(stages: Sequence[_Stage], micro_batch: int, machine: Machine,
-           s_per_op: float):
-  """Action -> seconds for the stages at `micro_batch` examples."""
+           s_per_op: float, spec: Optional[actions.StageSpec] = None,
+           gated: Sequence[str] = (), summing=frozenset()):
+  """Action -> seconds for the stages at `micro_batch` examples: compute,
+  plus with `spec` the hand-off of what it receives from another device,
+  plus a gate if its kind is `gated`, plus a sum of the stage's weight
+  gradients if it is in `summing`."""
 
   def Cost(a: actions.Action) -> float:
     st = stages[a.stage]
@@ -401,12 +492,70 @@ def _Costs(stages: Sequence[_Stage], micro_batch: int, machine: Machine,
     bwd = st.bwd_ops * s_per_op + (
         2 * st.flops * micro_batch / machine.flops_per_s)
     if a.kind in ('F', 'R'):
-      return fwd
-    if a.kind == 'B':
-      return bwd
-    return bwd / 2  # 'I' or 'W'.
+      out = fwd
+    elif a.kind == 'B':
+      out = bwd
+    else:
+      out = bwd / 2  # 'I' or 'W'.
+    if spec is not None:
+      received = HandoffBytes(stages, spec, a, micro_batch)
+      if received is not None:
+        out += machine.s_per_handoff + received / machine.bytes_per_s
+    if a.kind in gated:
+      out += machine.s_per_gate
+    if a in summing:
+      out += AccumulateSeconds(st, machine, s_per_op)
+    return out
 
   return Cost
+
+
+def SummingActions(plan: Plan, spec: actions.StageSpec) -> frozenset:
+  """The actions after which a stage adds weight gradients to their sums
+  (`Accumulations` per stage; 'recurrent' prices its own per loop step)."""
+  n = Accumulations(plan)
+  if not n or plan.schedule == 'recurrent':
+    return frozenset()
+  m = spec.num_micro_batches
+  kind = 'W' if plan.schedule == 'zero_bubble' else 'B'
+  if plan.schedule in LIST_SCHEDULES:
+    ts = range(1, m)
+  else:  # '1f1b': the last micro-batch of each group after the first.
+    k = spec.num_stages
+    ts = [min(g * k + k, m) - 1 for g in range(1, n + 1)]
+  return frozenset(actions.Action(kind, s, t)
+                   for s in range(spec.num_stages) for t in ts)
+
+
+def _RecurrentCompute(stages: Sequence[_Stage], spec: actions.StageSpec,
+                      cost, summing: Sequence[float] = (),
+                      s_per_byte: float = 0.) -> Tuple[float, float, float]:
+  """(makespan, busy, useful busy) of Lingvo's StackedRecurrent loop.
+
+  The loop runs M + K - 1 steps forward and as many backward, and every step
+  runs every cell (on its device), the bubble's steps on padding: so each
+  step takes its slowest device's time, and every cell computes M + K - 1
+  times, not M. Backward steps recompute the cell's forward pass; each step
+  after the first adds the cell's weight gradients to the loop's
+  accumulators (`summing`, seconds per cell) and costs `s_per_byte` per
+  byte of its weights (`Machine.recurrent_s_per_byte`).
+  """
+  steps = spec.num_micro_batches + spec.num_stages - 1
+  fwd = [cost(actions.Action('F', s, 0)) for s in range(len(stages))]
+  bwd = [cost(actions.Action('R', s, 0)) + cost(actions.Action('B', s, 0))
+         for s in range(len(stages))]
+  more = [(summing[s] if summing else 0.) + s_per_byte * st.param_bytes
+          for s, st in enumerate(stages)]
+
+  def Slowest(xs):
+    return max(sum(xs[s] for s in spec.Stages(d))
+               for d in range(spec.num_devices))
+
+  busy = steps * (sum(fwd) + sum(bwd)) + (steps - 1) * sum(more)
+  makespan = (steps * (Slowest(fwd) + Slowest(bwd)) +
+              (steps - 1) * Slowest(more))
+  # The bubble: the padded steps' share (M of the M + K - 1 are real).
+  return makespan, busy, busy * spec.num_micro_batches / steps
 
 
 def _SyncBytes(plan: Plan, param_bytes: float) -> float:
@@ -430,12 +579,22 @@ def Predict(profile: ModelProfile, plan: Plan,
   s_per_op = machine.s_per_op
   if plan.schedule == 'recurrent':
     s_per_op *= machine.recurrent_op_factor
-  cost = _Costs(stages, mb, machine, s_per_op)
+  cost = _Costs(stages, mb, machine, s_per_op, spec, GatedKinds(plan),
+                SummingActions(plan, spec))
   tl = actions.Simulate(spec, schedule, cost)
-  busy = sum(tl.end[a] - tl.start[a] for a in tl.start)
   r = plan.replicas
+  if plan.schedule == 'recurrent':
+    makespan, busy, useful = _RecurrentCompute(
+        stages, spec, cost,
+        [AccumulateSeconds(st, machine, s_per_op) for st in stages],
+        machine.recurrent_s_per_byte)
+    plan.bubble = 1. - useful / (makespan * spec.num_devices)
+  else:
+    makespan = tl.makespan
+    busy = sum(tl.end[a] - tl.start[a] for a in tl.start)
+    plan.bubble = tl.IdleFraction()
   # The replicas' work over the compute that can run at once.
-  compute = max(tl.makespan, r * busy / machine.Parallel(plan.devices))
+  compute = max(makespan, r * busy / machine.Parallel(plan.devices))
   param_bytes = profile.param_bytes
   num_vars = sum(l.num_vars for l in profile.layers)
   update = (num_vars * machine.update_ops_per_var * machine.s_per_op +
@@ -449,7 +608,6 @@ def Predict(profile: ModelProfile, plan: Plan,
   split = 2 * plan.num_micro_batches * machine.s_per_op
   loss = profile.loss_ops * r * machine.s_per_op
   plan.step_s = compute + update + sync + split + loss + machine.step_s
-  plan.bubble = tl.IdleFraction()
 
   # Memory of each device of one replica.
   per_device = [0.] * spec.num_devices
@@ -532,6 +690,74 @@ def Rank(plans: Sequence[Plan],
       (0 if measured and p.measured_step_s is not None else 1),
       round(math.log(max(Time(p), 1e-12) / max(best, 1e-12)) / 0.005),
       p.devices, p.peak_bytes))
+
+
+# The least relative gap --measure takes as more than noise.
+MEASURE_NOISE_FLOOR = 0.03
+
+
+def Twin(plan: Plan, plans: Sequence[Plan]) -> Optional[Plan]:
+  """The same plan without recompute among `plans`, if `plan` recomputes
+  (by choice, not 'recurrent', which always does) and it is there."""
+  if not plan.recompute or plan.schedule in ALWAYS_RECOMPUTE:
+    return None
+  want = dataclasses.replace(plan, recompute=False).Key()
+  return next((p for p in plans if p.Key() == want), None)
+
+
+def MeasuredNoise(plans: Sequence[Plan],
+                  floor: float = MEASURE_NOISE_FLOOR) -> float:
+  """The relative noise of the measured rounds: the median over plans of
+  (median round - fastest round) / fastest round, at least `floor`."""
+  spreads = []
+  for p in plans:
+    if p.measured_times:
+      fastest = min(p.measured_times)
+      mid = sorted(p.measured_times)[(len(p.measured_times) - 1) // 2]
+      spreads.append((mid - fastest) / max(fastest, 1e-12))
+  spreads.sort()
+  mid = spreads[(len(spreads) - 1) // 2] if spreads else 0.
+  return max(floor, mid)
+
+
+def MeasuredChoice(candidates: Sequence[Plan],
+                   floor: float = MEASURE_NOISE_FLOOR) -> Tuple[Plan, float]:
+  """The plan --measure picks among measured candidates, and the noise.
+
+  Each candidate's time is its fastest round (`measured_times`; the round
+  least disturbed by other load). A recomputing plan is timed as no faster
+  than its twin without recompute when that was measured too: it runs the
+  same steps and more, so a faster round of it is noise. The fastest
+  candidate is taken only if it beats the predicted best (the first
+  candidate) by more than the noise (`MeasuredNoise`); else the predicted
+  best stays, and a recomputing pick gives way to its measured twin.
+
+  Args:
+    candidates: Measured plans, the predicted best first.
+    floor: The least relative gap taken as more than noise.
+
+  Returns:
+    (the chosen plan, the relative noise).
+  """
+  measured = [p for p in candidates if p.measured_times]
+  if not measured:
+    raise ValueError('MeasuredChoice: no candidate has measured_times.')
+  noise = MeasuredNoise(measured, floor)
+
+  def Time(p):
+    t = min(p.measured_times)
+    twin = Twin(p, measured)
+    return max(t, min(twin.measured_times)) if twin else t
+
+  predicted = measured[0]
+  fastest = min(measured, key=Time)
+  chosen = fastest
+  if Time(predicted) <= Time(fastest) * (1. + noise):
+    chosen = predicted
+  twin = Twin(chosen, measured)
+  if twin is not None:
+    chosen = twin
+  return chosen, noise
 
 
 def Choose(profile: ModelProfile, devices: int,
@@ -794,7 +1020,11 @@ def ProbeMachine(session_config=None, cores: Optional[float] = None,
   matmuls (the FLOP rate) in a throw-away session, and two such matmul
   chains on two devices at once: how much faster than one after the other
   they run is how many devices compute at once (CPU devices share the
-  host's cores, and other processes take their share). A few seconds.
+  host's cores, and other processes take their share). The small chain
+  again with each op on the other device than the op before it gives the
+  time of a hand-off between devices, and gated as the list engines gate
+  their actions the time of a gate; a chain of adds of 1 MB tensors the
+  rate of a gradient sum (`Machine.add_bytes_per_s`). A few seconds.
 
   Args:
     session_config: The tf.ConfigProto the model will run under.
@@ -829,6 +1059,45 @@ def ProbeMachine(session_config=None, cores: Optional[float] = None,
   def Median(sess, fetch):
     return statistics.median(TimeSteps(lambda: sess.run(fetch), 7, 1))
 
+  # Engine overheads, in a graph Grappler leaves as built (it would fold
+  # the hops and gates away, and turn the chain of adds into one AddN): the
+  # small chain again, each op on the other device than the one before it
+  # (a hand-off, Send/Recv, per op), and each op gated as the list engines
+  # gate an action (a NoOp gate waiting for the previous op's completion);
+  # and a chain of adds of layer-sized (1 MB) tensors, as gradients are
+  # accumulated over micro-batches: the rate of bytes an add moves.
+  n_add, add_dim = 20, 512
+  g2 = tf.Graph()
+  with g2.as_default():
+    x2 = tf.Variable(np.ones([8, 8], np.float32))
+    y = tf.identity(x2)
+    for _ in range(n_ops):
+      y = tf.tanh(y)
+    plain = tf.reduce_sum(y)
+    y = tf.identity(x2)
+    for i in range(n_ops):
+      with tf.device('/cpu:%d' % (i % 2)):
+        y = tf.tanh(y)
+    hops = tf.reduce_sum(y)
+    y = tf.identity(x2)
+    done = None
+    for _ in range(n_ops):
+      with tf.control_dependencies([done] if done is not None else []):
+        gate = tf.no_op()
+      with tf.control_dependencies([gate]):
+        y = tf.tanh(y)
+      done = tf.group(y)
+    with tf.control_dependencies([done]):
+      gated = tf.reduce_sum(y)
+    u = tf.Variable(np.ones([add_dim, add_dim], np.float32))
+    v = tf.Variable(np.ones([add_dim, add_dim], np.float32))
+    z = tf.identity(u)
+    for _ in range(n_add):
+      z = z + v
+    adds = z[0, 0]
+    one_add = (u + v)[0, 0]
+    init2 = tf.global_variables_initializer()
+
   config = tf.config_pb2.ConfigProto()
   if session_config is not None:
     config.CopyFrom(session_config)
@@ -840,12 +1109,25 @@ def ProbeMachine(session_config=None, cores: Optional[float] = None,
     s_per_op = max(Median(sess, small) - base, 1e-7) / n_ops
     one = Median(sess, big)
     two = Median(sess, both)
+  raw = tf.config_pb2.ConfigProto()
+  raw.CopyFrom(config)
+  raw.graph_options.rewrite_options.disable_meta_optimizer = True
+  with tf.Session(graph=g2, config=raw) as sess:
+    sess.run(init2)
+    chain = Median(sess, plain)
+    s_per_handoff = max(Median(sess, hops) - chain, 0.) / n_ops
+    s_per_gate = max(Median(sess, gated) - chain, 0.) / n_ops
+    add_s = max(Median(sess, adds) - Median(sess, one_add), 1e-9) / (
+        n_add - 1)
+  add_bytes_per_s = 3. * 4 * add_dim**2 / add_s  # Two read, one written.
   mm = max(one - base - n_mm * 2 * s_per_op, 1e-7)
   flops_per_s = n_mm * 2. * dim**3 / mm
   if cores is None:
     cores = min(max(2. * one / max(two, 1e-9), 1.), float(os.cpu_count() or 1))
   return Machine(flops_per_s=flops_per_s, s_per_op=s_per_op, cores=cores,
-                 step_s=base, overhead_bytes=overhead_bytes)
+                 step_s=base, overhead_bytes=overhead_bytes,
+                 add_bytes_per_s=add_bytes_per_s, s_per_handoff=s_per_handoff,
+                 s_per_gate=s_per_gate)
 
 
 def ExperimentParams(model: str, dataset: str = 'Train',
@@ -953,13 +1235,13 @@ def ReferencePlans(profile: ModelProfile,
                    global_batch: Optional[int] = None) -> List[Plan]:
   """The plans Calibrate measures: one cell, one replica, 'unrolled' at M=1
   and at a larger M (4, or the largest divisor of the batch below it), and
-  'recurrent' at that M."""
+  'recurrent' at that M and at M=1."""
   batch = global_batch or profile.batch
   m = max(_Divisors(batch, 4))
   n = len(profile.layers)
   out = []
   for schedule, mb, rc in (('unrolled', 1, False), ('unrolled', m, False),
-                           ('recurrent', m, True)):
+                           ('recurrent', m, True), ('recurrent', 1, True)):
     out.append(Plan(num_cells=1, sizes=(n,), devices_per_replica=1,
                     num_micro_batches=mb, schedule=schedule, recompute=rc,
                     replicas=1, gradient_sync='shared', global_batch=batch))
@@ -979,8 +1261,11 @@ def Calibrate(profile: ModelProfile, machine: Machine,
   The probe's per-op time is that of a chain of tiny ops; a model's graph
   (allocation, several devices, Lingvo's bookkeeping) costs more per op. The
   two 'unrolled' references fix the per-op time (from how the step grows with
-  M) and the fixed time of a step; the 'recurrent' one the time of an op in
-  Lingvo's loop (`recurrent_op_factor`). With their peak RSS, the two
+  M) and the fixed time of a step; the 'recurrent' ones the time of an op in
+  Lingvo's loop (`recurrent_op_factor`, from its one-step M=1 run) and what
+  each further step costs per byte of weights (`recurrent_s_per_byte`, from
+  the larger M; given only that one, it fits the factor alone). With their
+  peak RSS, the two
   'unrolled' ones fix the bytes per graph op and the process overhead. Everything else (FLOP rate from the
   probe, schedules, cells, recompute, replicas) stays predicted.
 
@@ -990,9 +1275,9 @@ def Calibrate(profile: ModelProfile, machine: Machine,
     step_s: Measured step seconds of ReferencePlans(profile), in order.
     rss_bytes: Their measured peak RSS (the first two are used), or None.
   """
-  a, b, c = ReferencePlans(profile)
+  a, b, c, d = ReferencePlans(profile)
   zero = dict(s_per_op=0., step_s=0., recurrent_op_factor=1.,
-              bytes_per_op=0., overhead_bytes=0.)
+              recurrent_s_per_byte=0., bytes_per_op=0., overhead_bytes=0.)
 
   def Time(plan, **fields):
     return _Fit(profile, plan, machine, **dict(zero, **fields)).step_s
@@ -1015,11 +1300,26 @@ def Calibrate(profile: ModelProfile, machine: Machine,
       out = dataclasses.replace(
           out, flops_per_s=machine.flops_per_s * flops_s / budget)
   if len(step_s) > 2:
-    p0 = _Fit(profile, c, out, recurrent_op_factor=0.).step_s
-    p1 = _Fit(profile, c, out, recurrent_op_factor=1.).step_s
+    # The factor from the one-step run if there is one, else from the
+    # larger M (then it carries the further steps' cost too).
+    ref, t = (d, step_s[3]) if len(step_s) > 3 else (c, step_s[2])
+    p0 = _Fit(profile, ref, out, recurrent_op_factor=0.).step_s
+    p1 = _Fit(profile, ref, out, recurrent_op_factor=1.).step_s
     if p1 > p0:
+      # Bounded below only: where the fitted per-op time is tiny (a model
+      # whose steps are FLOP-bound) the loop's per-step cost is many ops'.
       out = dataclasses.replace(out, recurrent_op_factor=min(
-          max((step_s[2] - p0) / (p1 - p0), 0.05), 20.))
+          max((t - p0) / (p1 - p0), 0.05), 1e6))
+  if len(step_s) > 3:
+    q0 = _Fit(profile, c, out, recurrent_s_per_byte=0.).step_s
+    q1 = _Fit(profile, c, out, recurrent_s_per_byte=1e-9).step_s
+    per_byte = (step_s[2] - q0) / (q1 - q0) * 1e-9 if q1 > q0 else 0.
+    if per_byte > 0:
+      out = dataclasses.replace(out, recurrent_s_per_byte=per_byte)
+    else:
+      # The larger M ran faster than the one step allows (the loop's fixed
+      # cost, or noise in the one step): fit the factor on it alone.
+      return Calibrate(profile, machine, step_s[:3], rss_bytes)
   if rss_bytes:
     ma = _Fit(profile, a, out, bytes_per_op=0., overhead_bytes=0.)
     mb = _Fit(profile, b, out, bytes_per_op=0., overhead_bytes=0.)

@@ -9,9 +9,11 @@ schedule, recompute, R data-parallel replicas with K * R <= N, gradient_sync),
 predicts each one's step time and peak memory per device
 (lingvo_ext/core/planner.py), drops those over --memory_per_device and prints
 them fastest first, with the trainer command that runs the best. --measure
-times the top --measure_top plans in turn in this process (the fastest of
---measure_steps rounds; each one's peak RSS in a fresh process) and ranks
-those by the measured step time.
+times the top --measure_top plans (and the twin without recompute of each
+that recomputes) round robin in this process, --measure_steps rounds (each
+one's peak RSS in a fresh process), and takes the fastest by its fastest
+round only if it beats the predicted best by more than the rounds' noise
+(planner.MeasuredChoice).
 """
 
 import argparse
@@ -107,6 +109,7 @@ def MeasurePlans(model: str, plans: List[planner.Plan],
                      warmup)
   for (sess, _), p, t in zip(built, plans, times):
     sess.close()
+    p.measured_times = list(t)
     p.measured_step_s = min(t)
   measurer = Measurer(planner.MeasureJob, ['lingvo_ext.core.planner'])
   for p in plans:
@@ -116,6 +119,19 @@ def MeasurePlans(model: str, plans: List[planner.Plan],
 
 
 # --- Choosing -----------------------------------------------------------------
+
+
+def MeasureCandidates(ranked: List[planner.Plan],
+                      top: int) -> List[planner.Plan]:
+  """The plans --measure times: the `top` predicted ones (the predicted
+  best first) and, for each that recomputes, its twin without recompute if
+  it fits (planner.MeasuredChoice prefers it within noise)."""
+  out = list(ranked[:top])
+  for p in list(out):
+    twin = planner.Twin(p, ranked)
+    if twin is not None and twin not in out:
+      out.append(twin)
+  return out
 
 
 def Machine(num_devices: int, model: Optional[str] = None,
@@ -231,15 +247,18 @@ def _ParseArgs(argv):
                       help="Examples per step over all replicas (default: "
                       "the experiment's input batch_size).")
   parser.add_argument('--measure', action='store_true',
-                      help='Time the top --measure_top plans and rank them '
-                      'by the measured step time.')
+                      help='Time the top --measure_top plans (and their '
+                      'twins without recompute) round robin and take the '
+                      'fastest if it beats the predicted best by more than '
+                      'the rounds\' noise.')
   parser.add_argument('--measure_top', type=int, default=3,
                       help='Plans --measure times (default %(default)s).')
   parser.add_argument('--measure_steps', type=int, default=MEASURE_STEPS,
-                      help='Timed steps per plan (default %(default)s).')
+                      help='Timed rounds (one step of each plan per round) '
+                      '(default %(default)s).')
   parser.add_argument(
       '--calibrate', action=argparse.BooleanOptionalAction, default=True,
-      help='Time the model\'s three reference plans (one cell, one '
+      help='Time the model\'s four reference plans (one cell, one '
       'replica) in this process first, to fit the per-op and per-step '
       'times (default); --no-calibrate uses the machine probe alone.')
   parser.add_argument('--json', action='store_true',
@@ -294,10 +313,14 @@ def main(argv=None) -> int:
                                 calibrate=args.calibrate)
   except ValueError as e:  # PlanError, or a bad param: one line.
     return _Fail(str(e).strip().split('\n')[0])
+  noise = None
   if args.measure:
-    top = plans[:args.measure_top]
+    top = MeasureCandidates(plans, args.measure_top)
     MeasurePlans(args.model, top, steps=args.measure_steps)
+    chosen, noise = planner.MeasuredChoice(top)
     plans = planner.Rank(plans, args.memory_bytes, measured=True)
+    plans.remove(chosen)
+    plans.insert(0, chosen)
   best = plans[0]
   if args.json:
     print(json.dumps(dict(
@@ -305,6 +328,7 @@ def main(argv=None) -> int:
         memory_per_device=args.memory_bytes,
         plans=[p.ToDict() for p in plans],
         best=best.ToDict(),
+        measure_noise=noise,
         model_params_override=planner.OverrideString(best),
         trainer_flags=planner.TrainerFlags(best),
         command=planner.Command(args.model, best))))
@@ -313,7 +337,9 @@ def main(argv=None) -> int:
       len(plans), args.model, args.devices,
       (' within %s each' % planner.FormatSize(args.memory_bytes)
        if args.memory_bytes else ''),
-      '; the top %d measured' % min(args.measure_top, len(plans))
+      '; the top %d measured, the first chosen by the measured times '
+      'where they differ by more than their noise, %.0f%%' % (
+          min(args.measure_top, len(plans)), 100 * noise)
       if args.measure else ''))
   print(planner.Table(plans, args.limit))
   print()
