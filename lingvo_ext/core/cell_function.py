@@ -43,8 +43,9 @@ _OPERANDS = weakref.WeakKeyDictionary()
 def ExportedOperands(op) -> List:
   """[(weight, x, zero)] of the cell-function call that made `op`'s outputs.
 
-  For each weight MatMul x @ weight inside the call, its left operand x (a
-  call output) and the zero added to its product (a call input): the
+  For each weight MatMul x @ weight inside the call, its left operand x as
+  [rows, in] (a call output) and the zero [rows, out] added to its product
+  (a call input): the
   gradient of a loss with respect to the zero is the product's gradient dy,
   so the weight's gradient through this call is x^T dy, which the call's own
   gradient leaves out. Empty for any other op.
@@ -185,14 +186,18 @@ class CellFunction:
       # not under the first call's name scope or control dependencies.
       with fg.outer_graph.as_default(), tf.control_dependencies(
           None), tf.name_scope(self._name + '_exported/'):
-        zero = tf.zeros(y.shape, y.dtype, name='weight_matmul_dy')
-      y_z = y + zero
+        # [rows, out]: a BatchMatMul's rows flattened here, inside the
+        # function, so its gradient (dy) comes out 2-D too.
+        zero = tf.zeros([y.shape.num_elements() // y.shape[-1], y.shape[-1]],
+                        y.dtype, name='weight_matmul_dy')
+      y_z = y + (zero if y.shape.rank == 2 else tf.reshape(zero, y.shape))
       for c, j in uses:
         internal_tf.UpdateInput(c, j, y_z)
       replaced[y.ref()] = y_z
       matmul_grad.MarkExported(op)
       self._exported.append((leaf_index[w.ref()], zero))
-      xs.append(op.inputs[0])
+      x = op.inputs[0]
+      xs.append(x if x.shape.rank == 2 else tf.reshape(x, [-1, x.shape[-1]]))
     swap = lambda t: t if t is None else replaced.get(t.ref(), t)
     out = tf.nest.map_structure(swap, out)
     return out, [swap(t) for t in new_accs], xs

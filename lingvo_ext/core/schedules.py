@@ -246,9 +246,6 @@ def _CellGradients(ys, flat_x, leaves, grad_ys):
   for (w, x, _), dy in zip(operands, exported_dys):
     if dy is None:
       continue
-    if x.shape.rank != 2:  # A BatchMatMul's [..., in] rows.
-      x = tf.reshape(x, [-1, x.shape[-1]])
-      dy = tf.reshape(dy, [-1, dy.shape[-1]])
     if batcher is not None and batcher.Collects(w):
       batcher.AddOperands(w, x, dy)
     else:
