@@ -86,6 +86,8 @@ class CellFunction:
     self._name = name
     self._jit_compile = jit_compile
     self._fn = None
+    self.traced = False  # Whether a call or GathersWeightRows traced it.
+    self._global_step = None
     self._theta_struct = None
     self._in_struct = None
     self._out_struct = None  # The cell's output structure, None kept.
@@ -202,6 +204,47 @@ class CellFunction:
     out = tf.nest.map_structure(swap, out)
     return out, [swap(t) for t in new_accs], xs
 
+  def _Args(self, theta, inputs, step):
+    """(the function's arguments, the cell's accumulator values)."""
+    if self._fn is None:
+      self._Trace(theta, inputs, step)
+    accs = _Flat(self._cell.GetAccumulatorValues())
+    args = _Flat(theta) + [x for x in _Flat(inputs) if x is not None]
+    args += [step]
+    if self._has_global_step:
+      if self._global_step is None:
+        # Read once for all calls, where the variable lives; not under the
+        # first call's name scope or control dependencies.
+        with tf.control_dependencies(None), tf.name_scope(
+            self._name + '_global_step/'):
+          self._global_step = tf.convert_to_tensor(py_utils.GetGlobalStep())
+      args.append(self._global_step)
+    return args + accs, accs
+
+  def GathersWeightRows(self, theta, inputs, step) -> bool:
+    """Whether the cell looks up rows of a weight (e.g. an embedding).
+
+    Traces the function for these inputs (once; calls reuse the trace). A
+    function returns such a weight's gradient dense, where inline cells keep
+    it sparse (IndexedSlices), which the gradient sync and sharded tables
+    rely on.
+    """
+    self.traced = True
+    args, accs = self._Args(theta, inputs, step)
+    graph = self._fn.get_concrete_function(*args).graph
+    if accs:  # The trace left the function's own tensors there.
+      self._cell.SetAccumulatorValues(
+          tf.nest.pack_sequence_as(self._acc_struct, accs))
+    leaves = {t.ref() for t in graph.inputs[:len(_Flat(theta))]}
+    for op in graph.get_operations():
+      if op.type in ('GatherV2', 'Gather', 'ResourceGather') and op.inputs:
+        w = op.inputs[0]
+        while w.ref() not in leaves and w.op.type == 'Identity':
+          w = w.op.inputs[0]
+        if w.ref() in leaves:
+          return True
+    return False
+
   def __call__(self, theta, inputs, step):
     """The cell on one micro-batch; updates the cell's accumulators.
 
@@ -213,14 +256,8 @@ class CellFunction:
     Returns:
       The cell's outputs, in the structure its FProp returns.
     """
-    if self._fn is None:
-      self._Trace(theta, inputs, step)
-    accs = _Flat(self._cell.GetAccumulatorValues())
-    args = _Flat(theta) + [x for x in _Flat(inputs) if x is not None]
-    args += [step]
-    if self._has_global_step:
-      args.append(tf.convert_to_tensor(py_utils.GetGlobalStep()))
-    args += accs
+    self.traced = True
+    args, accs = self._Args(theta, inputs, step)
     results = self._fn(*args)
     results = list(results) if isinstance(results, (list, tuple)) else [
         results]

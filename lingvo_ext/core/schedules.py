@@ -319,7 +319,14 @@ class _Engine:
     With `gate`, every op of the cell waits for a NoOp 'fwd_gate' (returned
     second), which the backward pass may hold back (see `_HoldForward`).
     """
-    _, cell = self.cells[i]
+    name, cell = self.cells[i]
+    fn = self.cell_fns[i]
+    if fn is not None and fn.traced is False and fn.GathersWeightRows(
+        self.thetas[i], ToTuple(x), step):
+      # Its lookups' gradients stay sparse inline.
+      tf.logging.info('%s: cell %s gathers rows of a weight; built inline.',
+                      self.p.name, name)
+      self.cell_fns[i] = None
     if self.cell_fns[i] is not None:
       # One traced function per cell; this is one call of it.
       with tf.name_scope(scope):
@@ -377,7 +384,8 @@ class _Engine:
             # A function call's inputs are Identities: tf.gradients stops
             # there, not at the previous cell's call op (for which it would
             # build a dead SymbolicGradient).
-            x = tuple(None if v is None else tf.identity(v) for v in x)
+            x = tf.nest.pack_sequence_as(
+                x, [None if v is None else tf.identity(v) for v in _Flat(x)])
           self.cell_in[i][t] = x
           x, self.gates[i][t] = self._CellFProp(
               i, x, steps[t], '%s_mb%d' % (name, t), gate=self.gated)
