@@ -346,7 +346,7 @@ def test_converter_without_a_model(tmp_path):
   y = _Built(_Pipeline(theirs, lingvo=True), x, 0).Run(save=src)
   # The real entry point: Lingvo's [3, 4, 4, 5] to the exact [4, 4, 4, 4].
   dst = str(tmp_path / 'exact' / 'ckpt')
-  proc = subprocess.run(
+  proc = zygote.run(
       [sys.executable, '-m', 'lingvo_ext.tools.convert_checkpoint',
        f'--from_checkpoint={src}', '--from_cut=3,4,4,5', '--to_cut=4,4,4,4',
        f'--to_checkpoint={dst}'],

@@ -1,5 +1,8 @@
 """`python -m lingvo_ext.<tool>` runs for tests, forked from a pre-imported server.
 
+MODULES lists what it serves: the trainer, the launcher, the tools, and
+bench/transformer.py's per-variant children (as `-m bench.transformer`).
+
 Importing TensorFlow and Lingvo costs ~5 of a small trainer run's ~13
 CPU-seconds; the end-to-end tests start dozens of such runs. run() is
 subprocess.run for a command `[sys.executable, '-m', module, ...]`: where it
