@@ -156,8 +156,12 @@ def Pairs(ks, ms):
 
 
 def Run(variants, num_layers, km_pairs, steps, timeout_s=1800,
-        dtypes=('float32',)):
-  """Each configuration in a fresh child; returns the records."""
+        dtypes=('float32',), runner=subprocess.run):
+  """Each configuration in a fresh child; returns the records.
+
+  `runner`: subprocess.run, or a stand-in with its signature (the tests fork
+  the children from a pre-imported server, tests/zygote.py).
+  """
   records = []
   for l, (k, m), v, dtype in itertools.product(num_layers, km_pairs, variants,
                                                dtypes):
@@ -167,8 +171,8 @@ def Run(variants, num_layers, km_pairs, steps, timeout_s=1800,
     print('[bench] %s %s L=%d K=%d M=%d' % (v, dtype, l, k, m),
           file=sys.stderr, flush=True)
     try:
-      res = subprocess.run(cmd, capture_output=True, text=True,
-                           timeout=timeout_s, check=False)
+      res = runner(cmd, capture_output=True, text=True, timeout=timeout_s,
+                   check=False)
     except subprocess.TimeoutExpired:
       records.append(dict(variant=v, dtype=dtype, L=l, K=k, M=m,
                           error='timeout %ds' % timeout_s))

@@ -1,7 +1,6 @@
 """`python -m lingvo_ext.tools.convert_checkpoint` between namings and K."""
 
 import os
-import subprocess
 import sys
 
 import lingvo_ext  # pylint: disable=unused-import
@@ -12,6 +11,7 @@ import numpy as np
 import pytest
 
 from lingvo_ext.tools import convert_checkpoint as cc
+from tests import zygote
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = 'lm.TransformerLmTinyGPipe'  # K=2.
@@ -77,7 +77,7 @@ def test_k2_lingvo_names_to_k4_kept_layer_names_same_loss(lingvo_k2, tmp_path):
   src, loss_k2 = lingvo_k2
   dst = str(tmp_path / 'k4' / 'ckpt-7')
   # The real entry point.
-  proc = subprocess.run(
+  proc = zygote.run(
       [sys.executable, '-m', 'lingvo_ext.tools.convert_checkpoint',
        f'--from_model={MODEL}', '--from_names=lingvo',
        f'--from_checkpoint={src}', '--to_num_partitions=4',

@@ -2,7 +2,6 @@
 
 import json
 import os
-import subprocess
 import sys
 
 from lingvo import model_registry
@@ -16,6 +15,7 @@ from lingvo_ext.core import cost
 from lingvo_ext.core import layers
 from lingvo_ext.core import partitioning
 from lingvo_ext.tools import cost_report
+from tests import zygote
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -141,7 +141,7 @@ def test_main_on_registered_model(capsys, tmp_path):
 @pytest.mark.e2e
 def test_cli_json_on_lm_model():
   # The real entry point, on a registered lingvo_ext experiment.
-  out = subprocess.run(
+  out = zygote.run(
       [sys.executable, '-m', 'lingvo_ext.tools.cost_report',
        '--model=lm.TransformerLmTiny', '--num_partitions=2', '--json'],
       cwd=_REPO, capture_output=True, text=True, timeout=300, check=True)

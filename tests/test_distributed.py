@@ -468,7 +468,7 @@ def testTrainerAndLaunchReportBadInputInOneLine():
   assert ("error: --cluster_spec has no 'worker' job, which --mode=sync "
           'needs') in out
   # The launcher checks the split against --workers before starting anything.
-  proc = subprocess.run(
+  proc = zygote.run(
       [sys.executable, '-m', 'lingvo_ext.launch', f'--model={MODEL}',
        '--logdir=/tmp/unused_lingvo_ext', '--workers=1',
        '--worker_split_size=2'], cwd=ROOT, stdout=subprocess.PIPE,

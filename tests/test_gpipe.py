@@ -71,7 +71,12 @@ def test_several_inputs_and_outputs():
   lib.AssertVariantsMatch(results, seq, names)
 
 
-@pytest.mark.parametrize('part', ['one_output', 'some_rows', 'some_rows_sin'])
+# The quick tier: a whole output left out (a linear loss: 1f1b without
+# recomputation) and some rows under sin (with it); the whole suite also runs
+# some rows under the linear loss (marked slow).
+@pytest.mark.parametrize('part', [
+    'one_output', pytest.param('some_rows', marks=pytest.mark.slow),
+    'some_rows_sin'])
 def test_differentiating_part_of_the_outputs(part):
   """Batched weight gradients stay right when the loss skips some outputs.
 

@@ -11,7 +11,6 @@ and each resumes the other's checkpoints.
 
 import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -25,6 +24,7 @@ import pytest
 
 from lingvo_ext.core import layers
 from lingvo_ext.core import sharding
+from tests import zygote
 
 VOCAB = 50
 DIM = 4
@@ -431,29 +431,17 @@ def test_checkpoint_repartitions(saved, restored, opt_name):
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _StartTrainer(model, logdir, *flags):
-  return subprocess.Popen(
-      # --alsologtostderr: Lingvo's step lines (log_pplx) in stdout.
+def _Trainer(model, logdir, *flags):
+  """Runs the trainer (forked from the tests' pre-imported server where it
+  can be, tests/zygote.py); its stdout and stderr."""
+  proc = zygote.run(
+      # --alsologtostderr: Lingvo's step lines (log_pplx) in the output.
       [sys.executable, '-m', 'lingvo_ext.trainer', '--alsologtostderr',
        f'--model={model}', f'--logdir={logdir}', *flags],
       cwd=_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-      start_new_session=True)
-
-
-def _Finish(procs, timeout=400):
-  """Waits for the trainers (killing their groups on failure); outputs."""
-  outs = []
-  try:
-    for proc in procs:
-      out, _ = proc.communicate(timeout=timeout)
-      assert proc.returncode == 0, out[-5000:]
-      outs.append(out)
-  finally:
-    for proc in procs:
-      if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-  return outs
+      timeout=400)
+  assert proc.returncode == 0, proc.stdout[-5000:]
+  return proc.stdout
 
 
 def _LogPplx(out):
@@ -469,10 +457,8 @@ def test_word_lm_sharded_trains_like_unsharded_and_checkpoints_cross(
     tmp_path):
   flags = ('--num_cpu_devices=4', '--worker_split_size=4')
   sharded, plain = str(tmp_path / 'sharded'), str(tmp_path / 'plain')
-  out_s, out_p = _Finish([
-      _StartTrainer('lm.WordLmShardedTiny', sharded, '--max_steps=2', *flags),
-      _StartTrainer('lm.WordLmTiny', plain, '--max_steps=2', *flags)
-  ])
+  out_s = _Trainer('lm.WordLmShardedTiny', sharded, '--max_steps=2', *flags)
+  out_p = _Trainer('lm.WordLmTiny', plain, '--max_steps=2', *flags)
   # Same names, same stateless initial values, same math.
   pplx_s, pplx_p = _LogPplx(out_s), _LogPplx(out_p)
   assert sorted(pplx_s) == [1, 2] and sorted(pplx_p) == [1, 2], (pplx_s,
@@ -482,5 +468,5 @@ def test_word_lm_sharded_trains_like_unsharded_and_checkpoints_cross(
   # TF's saved slices: the unpartitioned model resumes the sharded one.
   ckpt = tf.train.list_variables(os.path.join(sharded, 'train'))
   assert not [n for n, _ in ckpt if '/part_' in n], ckpt
-  (out,) = _Finish([_StartTrainer('lm.WordLmTiny', sharded, '--max_steps=3')])
+  out = _Trainer('lm.WordLmTiny', sharded, '--max_steps=3')
   assert sorted(_LogPplx(out)) == [3], out[-3000:]

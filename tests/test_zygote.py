@@ -24,7 +24,9 @@ def testOnlyRunsWithTheServersImportTimeEnvironmentAreForked():
   onednn = '0' if env.get('TF_ENABLE_ONEDNN_OPTS') == '1' else '1'
   assert not zygote._Usable(TRAINER, dict(env, TF_ENABLE_ONEDNN_OPTS=onednn))
   assert not zygote._Usable(TRAINER, dict(env, OMP_NUM_THREADS='7'))
-  assert not zygote._Usable([sys.executable, '-m', 'lingvo_ext.launch'], env)
+  # A module the server does not serve.
+  assert not zygote._Usable([sys.executable, '-m', 'lingvo_ext.tools.fix_x_ops'],
+                            env)
   assert not zygote._Usable([sys.executable, '-c', 'pass'], env)
 
 

@@ -1,5 +1,8 @@
 """`python -m lingvo_ext.<tool>` runs for tests, forked from a pre-imported server.
 
+MODULES lists what it serves: the trainer, the launcher, the tools, and
+bench/transformer.py's per-variant children (as `-m bench.transformer`).
+
 Importing TensorFlow and Lingvo costs ~5 of a small trainer run's ~13
 CPU-seconds; the end-to-end tests start dozens of such runs. run() is
 subprocess.run for a command `[sys.executable, '-m', module, ...]`: where it
@@ -49,7 +52,8 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Modules run from the server; the server imports what they import.
 MODULES = ('lingvo_ext.trainer', 'lingvo_ext.tools.cost_report',
            'lingvo_ext.tools.list_models',
-           'lingvo_ext.tools.convert_checkpoint')
+           'lingvo_ext.tools.convert_checkpoint', 'lingvo_ext.launch',
+           'bench.transformer')
 # Environment variables a library may read at import: a run whose value
 # differs from the server's gets a fresh interpreter.
 _IMPORT_ENV = ('TF_', 'OMP_', 'KMP_', 'MKL_', 'CUDA', 'XLA_', 'PYTHON', 'LD_',
