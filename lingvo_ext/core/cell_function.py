@@ -86,7 +86,6 @@ class CellFunction:
     self._name = name
     self._jit_compile = jit_compile
     self._fn = None
-    self.traced = False  # Whether a call or GathersWeightRows traced it.
     self._global_step = None
     self._theta_struct = None
     self._in_struct = None
@@ -176,11 +175,9 @@ class CellFunction:
         continue
       if adjoint or not op.outputs[0].dtype.is_floating:
         continue
-      w = op.inputs[1]
-      while w.ref() not in leaf_index and w.op.type == 'Identity':
-        w = w.op.inputs[0]
+      w = matmul_grad.ThroughIdentities(op.inputs[1], leaf_index)
       y = op.outputs[0]
-      if w.ref() not in leaf_index or not y.shape.is_fully_defined():
+      if w is None or not y.shape.is_fully_defined():
         continue
       uses = [(c, j) for c in y.consumers()
               for j, t in enumerate(c.inputs) if t.ref() == y.ref()]
@@ -203,6 +200,11 @@ class CellFunction:
     swap = lambda t: t if t is None else replaced.get(t.ref(), t)
     out = tf.nest.map_structure(swap, out)
     return out, [swap(t) for t in new_accs], xs
+
+  @property
+  def traced(self) -> bool:
+    """Whether a call or `GathersWeightRows` has traced the function."""
+    return self._fn is not None
 
   def _Args(self, theta, inputs, step):
     """(the function's arguments, the cell's accumulator values)."""
@@ -229,7 +231,6 @@ class CellFunction:
     it sparse (IndexedSlices), which the gradient sync and sharded tables
     rely on.
     """
-    self.traced = True
     args, accs = self._Args(theta, inputs, step)
     graph = self._fn.get_concrete_function(*args).graph
     if accs:  # The trace left the function's own tensors there.
@@ -237,12 +238,9 @@ class CellFunction:
           tf.nest.pack_sequence_as(self._acc_struct, accs))
     leaves = {t.ref() for t in graph.inputs[:len(_Flat(theta))]}
     for op in graph.get_operations():
-      if op.type in ('GatherV2', 'Gather', 'ResourceGather') and op.inputs:
-        w = op.inputs[0]
-        while w.ref() not in leaves and w.op.type == 'Identity':
-          w = w.op.inputs[0]
-        if w.ref() in leaves:
-          return True
+      if (op.type in ('GatherV2', 'Gather', 'ResourceGather') and op.inputs and
+          matmul_grad.ThroughIdentities(op.inputs[0], leaves) is not None):
+        return True
     return False
 
   def __call__(self, theta, inputs, step):
@@ -256,7 +254,6 @@ class CellFunction:
     Returns:
       The cell's outputs, in the structure its FProp returns.
     """
-    self.traced = True
     args, accs = self._Args(theta, inputs, step)
     results = self._fn(*args)
     results = list(results) if isinstance(results, (list, tuple)) else [

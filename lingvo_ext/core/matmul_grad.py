@@ -49,6 +49,16 @@ def _Batchers():
   return _LOCAL.batchers
 
 
+def ThroughIdentities(t, refs):
+  """The tensor in `refs` (tensor refs) that `t` is through Identities, or None.
+
+  Layers read each weight through an Identity per call.
+  """
+  while t.ref() not in refs and t.op.type == 'Identity':
+    t = t.op.inputs[0]
+  return t if t.ref() in refs else None
+
+
 def CurrentBatcher():
   """The innermost `WeightGradientBatcher` being built into, or None."""
   batchers = _Batchers()
@@ -80,14 +90,8 @@ class WeightGradientBatcher:
   def __exit__(self, *unused_exc):
     _Batchers().pop()
 
-  def _Weight(self, b):
-    """The weight `b` is, through Identity ops (layers add one per call)."""
-    while b.ref() not in self._weights and b.op.type == 'Identity':
-      b = b.op.inputs[0]
-    return b if b.ref() in self._weights else None
-
   def Collects(self, b) -> bool:
-    return self._Weight(b) is not None
+    return ThroughIdentities(b, self._weights) is not None
 
   def AddOperands(self, weight, a, dy):
     """Records x^T dy of `weight` (one of `weights`) from exported operands."""
@@ -97,7 +101,7 @@ class WeightGradientBatcher:
 
   def Add(self, b, a, dy):
     # Identity's gradient is the identity: x^T dy belongs to the weight.
-    self.AddOperands(self._Weight(b), a, dy)
+    self.AddOperands(ThroughIdentities(b, self._weights), a, dy)
 
   def Gradients(self, weights):
     """The batched gradients of `weights` (None where nothing was recorded)."""

@@ -319,14 +319,7 @@ class _Engine:
     With `gate`, every op of the cell waits for a NoOp 'fwd_gate' (returned
     second), which the backward pass may hold back (see `_HoldForward`).
     """
-    name, cell = self.cells[i]
-    fn = self.cell_fns[i]
-    if fn is not None and fn.traced is False and fn.GathersWeightRows(
-        self.thetas[i], ToTuple(x), step):
-      # Its lookups' gradients stay sparse inline.
-      tf.logging.info('%s: cell %s gathers rows of a weight; built inline.',
-                      self.p.name, name)
-      self.cell_fns[i] = None
+    _, cell = self.cells[i]
     if self.cell_fns[i] is not None:
       # One traced function per cell; this is one call of it.
       with tf.name_scope(scope):
@@ -380,6 +373,13 @@ class _Engine:
       x = ToTuple(x)
       for i, (name, _) in enumerate(self.cells):
         with tf.device(self.devices[i]):
+          fn = self.cell_fns[i]
+          if fn is not None and not fn.traced and fn.GathersWeightRows(
+              self.thetas[i], x, steps[t]):
+            # Its lookups' gradients stay sparse inline.
+            tf.logging.info('%s: cell %s gathers rows of a weight; built '
+                            'inline.', p.name, name)
+            self.cell_fns[i] = None
           if self.cell_fns[i] is not None:
             # A function call's inputs are Identities: tf.gradients stops
             # there, not at the previous cell's call op (for which it would
