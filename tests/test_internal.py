@@ -151,6 +151,21 @@ def testUpdateInput():
   _Check('Operation._update_input', Check)
 
 
+def testFunctionGraph():
+
+  def Check():
+    import tensorflow as tf2  # pylint: disable=g-import-not-at-top
+    with tf.Graph().as_default():
+      x = tf.constant([1.0, 2.0])
+      y = tf2.function(lambda a: tf.gather(a, [1]), autograph=False)(x)
+      body = internal_tf.FunctionGraph(y.op)
+      assert 'GatherV2' in [op.type for op in body.get_operations()]
+      assert len(body.inputs) == 1
+      assert internal_tf.FunctionGraph(x.op) is None
+
+  _Check('Graph._get_function', Check)
+
+
 def testLocalServerConfig():
 
   def Check():

@@ -416,6 +416,103 @@ def test_cell_functions_batch_broadcast_weight_gradients():
   lib.AssertVariantsMatch(results, seq, names)
 
 
+class _EmbedAndScore(base_layer.BaseLayer):
+  """ids [B, T] -> [B, T, D]: an embedding, and a table used three ways.
+
+  `emb` is only looked up: its gradient is sparse. `w` is looked up, then
+  multiplied as x w^T (an adjoint MatMul, differentiated in the function)
+  and as s w (exported): its gradient sums sparse rows and two dense parts.
+  """
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.Define('vocab_size', 7, 'Rows of both tables.')
+    p.Define('dim', 4, 'Columns of both tables.')
+    return p
+
+  def _CreateLayerVariables(self):
+    super()._CreateLayerVariables()
+    p = self.params
+    for name, seed in (('emb', 1), ('w', 2)):
+      self.CreateVariable(name, py_utils.WeightParams(
+          [p.vocab_size, p.dim], py_utils.WeightInit.Gaussian(0.5, seed=seed)))
+
+  def FProp(self, theta, ids):
+    p = self.params
+    ids = tf.cast(ids, tf.int32)
+    e = tf.gather(theta.w, ids)
+    s = tf.matmul(tf.reshape(e, [-1, p.dim]), theta.w, transpose_b=True)
+    scored = tf.reshape(tf.matmul(tf.tanh(s), theta.w), [-1, 3, p.dim])
+    return tf.nn.embedding_lookup(theta.emb, ids) + e + 0.1 * scored
+
+  @classmethod
+  def FPropMeta(cls, p, ids):
+    return py_utils.NestedMap(
+        flops=1, out_shapes=(lib.Shape(ids[0], ids[1], p.dim),))
+
+
+def _LookupCells():
+  """Cell 0 looks up rows of weights; cell 1 projects [B, 3, 4]."""
+  return [_EmbedAndScore.Params().Set(name='cell0'),
+          gpipe.FeatureExtractionLayer.Params().Set(
+              name='cell1', sub=[layers.ProjectionLayer.Params().Set(
+                  name='proj', input_dim=4, output_dim=4, activation='TANH',
+                  batch_norm=False, has_bias=True,
+                  params_init=py_utils.WeightInit.Gaussian(0.5, seed=5))])]
+
+
+@pytest.mark.parametrize('schedule,recompute,functions', [
+    ('unrolled', False, True), ('unrolled', True, True), ('1f1b', None, True),
+    ('1f1b', True, True), ('zero_bubble', None, True),
+    ('unrolled', False, False), ('recurrent', True, False)])
+def test_cell_functions_keep_lookup_gradients_sparse(schedule, recompute,
+                                                     functions):
+  # A cell that looks up rows of its weights is built once too: each lookup
+  # exports its ids and the gradient of its output, so the weight's gradient
+  # is built outside the function as IndexedSlices, as inline (a function
+  # would return it dense, vocabulary-sized per micro-batch), and summed
+  # with the weight's dense gradients where it has some.
+  g = tf.Graph()
+  with g.as_default(), lib.Cluster(2):
+    py_utils.GetOrCreateGlobalStepVar()
+    net = gpipe.PipeliningLayer.Params().Set(
+        name='pipe', cell_tpl=_LookupCells(), num_micro_batches=4,
+        schedule=schedule, recompute=recompute,
+        cell_functions=functions).Instantiate()
+    ids = tf.constant(np.random.RandomState(0).randint(0, 7, [8, 3]),
+                      tf.float32)
+    out = net.FPropDefaultTheta(ids)
+    seq_out = net.FPropSequential(net.theta, ids)
+    variables = net.vars.Flatten()
+    loss = lambda o: tf.reduce_sum(o * o)
+    grads = tf.gradients(loss(out), variables,
+                         colocate_gradients_with_ops=True)
+    seq_grads = tf.gradients(loss(seq_out), variables)
+  names = [v.op.name for v in variables]
+  sparse = dict(zip(names, [isinstance(x, tf.IndexedSlices) for x in grads]))
+  if schedule != 'recurrent':  # Lingvo's loop returns it dense.
+    assert sparse['cell0/emb/var'] and not sparse['cell0/w/var'], sparse
+  calls = [op.name for op in g.get_operations() if op.type in (
+      'PartitionedCall', 'StatefulPartitionedCall') and
+           op.name.startswith('cell0_mb')]
+  fn_cells = functions and schedule != 'recurrent'
+  assert bool(calls) == fn_cells, calls
+  if fn_cells:  # No vocabulary-sized gradient per micro-batch.
+    body = [n for f in g.as_graph_def().library.function for n in f.node_def]
+    assert not [n.name for n in body if n.op == 'UnsortedSegmentSum'], body
+  with g.as_default():
+    dense = [tf.convert_to_tensor(x) for x in grads + seq_grads]
+    init = tf.global_variables_initializer()
+  with lib.Session(g, 2) as sess:
+    sess.run(init)
+    res = sess.run([out, seq_out] + dense)
+  lib.AssertAllClose(res[0], res[1])
+  n = len(variables)
+  for name, a, b in zip(names, res[2:2 + n], res[2 + n:]):
+    np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5, err_msg=name)
+
+
 def test_jit_compiled_cells_match_sequential():
   cells = [gpipe.FeatureExtractionLayer.Params().Set(
       name='cell%d' % c,

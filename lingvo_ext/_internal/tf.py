@@ -79,6 +79,20 @@ def UpdateInput(op, index: int, tensor) -> None:
   op._update_input(index, tensor)  # pylint: disable=protected-access
 
 
+def FunctionGraph(op):
+  """The FuncGraph of the function a call op (PartitionedCall) runs, or None.
+
+  The gradient sync looks inside a cell function's call for how it uses a
+  weight; a v1 graph keeps its functions by name, with no public lookup.
+  """
+  try:
+    name = op.get_attr('f').name
+  except ValueError:  # Not a function call.
+    return None
+  fn = op.graph._get_function(name)  # pylint: disable=protected-access
+  return getattr(fn, 'graph', None)
+
+
 def AddControlInput(op, dependency) -> None:
   """Adds a control input to an op that is already built."""
   op._add_control_input(dependency)  # pylint: disable=protected-access

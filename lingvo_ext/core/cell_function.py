@@ -14,7 +14,10 @@ output and adds to its product a zero the call takes, whose gradient is then
 the product's gradient dy (`ExportedOperands`). The engine computes the
 weight's gradient x^T dy once over the micro-batches of a group
 (`matmul_grad.WeightGradientBatcher`), as it does for inline cells: one
-weight-sized MatMul instead of one per micro-batch summed at the end.
+weight-sized MatMul instead of one per micro-batch summed at the end. A
+lookup of a weight's rows (an embedding's gather) exports its ids the same
+way, so the weight's gradient stays sparse (IndexedSlices of dy's rows), as
+inline; a function would return it dense, vocabulary-sized per micro-batch.
 
 Random ops seed as in Lingvo's `StackedRecurrent` loop: the function body is a
 graph of its own, so an op's name scope inside it, and so its seed, is the one
@@ -22,6 +25,7 @@ it has in Lingvo's loop, and the micro-batch step (an input) replaces the
 global step (`lingvo.core.gpipe.SetOverWriteGlobalStep`).
 """
 
+import collections
 import contextlib
 import weakref
 from typing import List
@@ -35,20 +39,22 @@ import tensorflow as tf2
 from lingvo_ext._internal import tf as internal_tf
 from lingvo_ext.core import matmul_grad
 
-# Per graph (weakly): a call's op name -> its exported weight-MatMul
-# operands [(weight, x, zero)].
+# Per graph (weakly): a call's op name -> its exported operands [Exported].
 _OPERANDS = weakref.WeakKeyDictionary()
 
+# One weight use whose gradient a call leaves out. `zero` (a call input) is
+# added to the use's output, so a loss's gradient with respect to it is the
+# output's gradient dy. For a MatMul x @ weight: `operand` is x as [rows, in]
+# (a call output), `zero` is [rows, out] and the gradient is x^T dy. For a
+# lookup gather(weight, ids) (`rows`): `operand` is the ids as a vector,
+# `zero` is [ids, ...] and the gradient is IndexedSlices(dy, ids).
+Exported = collections.namedtuple('Exported', 'weight operand zero rows')
 
-def ExportedOperands(op) -> List:
-  """[(weight, x, zero)] of the cell-function call that made `op`'s outputs.
 
-  For each weight MatMul x @ weight inside the call, its left operand x as
-  [rows, in] (a call output) and the zero [rows, out] added to its product
-  (a call input): the
-  gradient of a loss with respect to the zero is the product's gradient dy,
-  so the weight's gradient through this call is x^T dy, which the call's own
-  gradient leaves out. Empty for any other op.
+def ExportedOperands(op) -> List[Exported]:
+  """The weight uses whose gradient the call that made `op` leaves out.
+
+  Empty for any op but a cell function's call.
   """
   return _OPERANDS.get(op.graph, {}).get(op.name, [])
 
@@ -91,7 +97,7 @@ class CellFunction:
     self._in_struct = None
     self._out_struct = None  # The cell's output structure, None kept.
     self._acc_struct = None
-    self._exported = []  # [(theta leaf index, zero)] per weight MatMul.
+    self._exported = []  # [(theta leaf index, zero, rows)] per weight use.
 
   def _Trace(self, theta, inputs, step):
     """Builds the tf.function for these input structures."""
@@ -137,7 +143,7 @@ class CellFunction:
         first_op = len(tf.get_default_graph().get_operations())
         out = cell.FProp(theta_b, *_ToTuple(x_b))
       new_accs = _Flat(cell.GetAccumulatorValues()) if n_acc else []
-      out, new_accs, xs = self._ExportWeightMatMuls(
+      out, new_accs, xs = self._ExportWeightUses(
           first_op, list(args[:n_theta]), out, new_accs)
       self._out_struct = out
       out_flat = [t for t in _Flat(out) if t is not None]
@@ -152,12 +158,13 @@ class CellFunction:
                             experimental_attributes={'_noinline': True})
     self._fn.__name__ = self._name
 
-  def _ExportWeightMatMuls(self, first_op, theta_args, out, new_accs):
-    """Routes each weight MatMul made since `first_op` through a zero input.
+  def _ExportWeightUses(self, first_op, theta_args, out, new_accs):
+    """Routes each weight MatMul or lookup since `first_op` through a zero.
 
     Returns:
-      (out, new_accs) with every such product replaced by product + zero, and
-      the MatMuls' left operands (function outputs).
+      (out, new_accs) with every such product or lookup replaced by it plus a
+      zero input, and the operands to export (function outputs): the MatMuls'
+      left operands, the lookups' ids.
     """
     fg = tf.get_default_graph()
     leaf_index = {t.ref(): k for k, t in enumerate(theta_args)}
@@ -165,38 +172,53 @@ class CellFunction:
     xs = []
     self._exported = []
     for op in fg.get_operations()[first_op:]:
+      rows = op.type == 'GatherV2'
       if op.type == 'MatMul':
-        adjoint = op.get_attr('transpose_a') or op.get_attr('transpose_b')
+        skip = op.get_attr('transpose_a') or op.get_attr('transpose_b')
       elif op.type == 'BatchMatMulV2':
         # x [..., in] @ w [in, out], w broadcast over x's leading dimensions.
-        adjoint = (op.get_attr('adj_x') or op.get_attr('adj_y') or
-                   op.inputs[1].shape.rank != 2)
+        skip = (op.get_attr('adj_x') or op.get_attr('adj_y') or
+                op.inputs[1].shape.rank != 2)
+      elif rows:
+        # gather(w, ids) along w's first axis: a lookup of w's rows.
+        skip = (op.get_attr('batch_dims') != 0 or
+                tf.get_static_value(op.inputs[2]) != 0)
       else:
         continue
-      if adjoint or not op.outputs[0].dtype.is_floating:
+      if skip or not op.outputs[0].dtype.is_floating:
         continue
-      w = matmul_grad.ThroughIdentities(op.inputs[1], leaf_index)
+      w = matmul_grad.ThroughIdentities(op.inputs[0 if rows else 1],
+                                        leaf_index)
       y = op.outputs[0]
       if w is None or not y.shape.is_fully_defined():
         continue
       uses = [(c, j) for c in y.consumers()
               for j, t in enumerate(c.inputs) if t.ref() == y.ref()]
+      if rows:  # [ids, ...]: IndexedSlices' values.
+        zero_shape = ([op.inputs[1].shape.num_elements()] +
+                      w.shape[1:].as_list())
+      else:  # [rows, out]: a BatchMatMul's rows flattened, so is dy.
+        zero_shape = [y.shape.num_elements() // y.shape[-1], y.shape[-1]]
       # Created in the calling graph: a captured input of every call, so
       # not under the first call's name scope or control dependencies.
       with fg.outer_graph.as_default(), tf.control_dependencies(
           None), tf.name_scope(self._name + '_exported/'):
-        # [rows, out]: a BatchMatMul's rows flattened here, inside the
-        # function, so its gradient (dy) comes out 2-D too.
-        zero = tf.zeros([y.shape.num_elements() // y.shape[-1], y.shape[-1]],
-                        y.dtype, name='weight_matmul_dy')
-      y_z = y + (zero if y.shape.rank == 2 else tf.reshape(zero, y.shape))
+        zero = tf.zeros(zero_shape, y.dtype,
+                        name='weight_lookup_dy' if rows else 'weight_matmul_dy')
+      y_z = y + (zero if y.shape == zero.shape else tf.reshape(zero, y.shape))
       for c, j in uses:
         internal_tf.UpdateInput(c, j, y_z)
       replaced[y.ref()] = y_z
-      matmul_grad.MarkExported(op)
-      self._exported.append((leaf_index[w.ref()], zero))
-      x = op.inputs[0]
-      xs.append(x if x.shape.rank == 2 else tf.reshape(x, [-1, x.shape[-1]]))
+      self._exported.append((leaf_index[w.ref()], zero, rows))
+      if rows:
+        # No gradient to w through the lookup in the function: the engine
+        # builds it from the exported ids and the zero's gradient.
+        internal_tf.UpdateInput(op, 0, tf.stop_gradient(op.inputs[0]))
+        xs.append(tf.reshape(op.inputs[1], [-1]))
+      else:
+        matmul_grad.MarkExported(op)
+        x = op.inputs[0]
+        xs.append(x if x.shape.rank == 2 else tf.reshape(x, [-1, x.shape[-1]]))
     swap = lambda t: t if t is None else replaced.get(t.ref(), t)
     out = tf.nest.map_structure(swap, out)
     return out, [swap(t) for t in new_accs], xs
@@ -224,12 +246,14 @@ class CellFunction:
     return args + accs, accs
 
   def GathersWeightRows(self, theta, inputs, step) -> bool:
-    """Whether the cell looks up rows of a weight (e.g. an embedding).
+    """Whether the cell looks up rows of a weight in a way not exported.
 
     Traces the function for these inputs (once; calls reuse the trace). A
     function returns such a weight's gradient dense, where inline cells keep
     it sparse (IndexedSlices), which the gradient sync and sharded tables
-    rely on.
+    rely on. A lookup along the weight's first axis is exported (its
+    gradient built sparse outside); any other (another axis, batch_dims, a
+    weight of unknown shape) is not.
     """
     args, accs = self._Args(theta, inputs, step)
     graph = self._fn.get_concrete_function(*args).graph
@@ -262,8 +286,8 @@ class CellFunction:
     if n_xs:
       xs = results[len(results) - n_xs:]
       results = results[:len(results) - n_xs]
-      operands = [(args[k], x, zero)
-                  for (k, zero), x in zip(self._exported, xs)]
+      operands = [Exported(args[k], x, zero, rows)
+                  for (k, zero, rows), x in zip(self._exported, xs)]
       calls = _OPERANDS.setdefault(tf.get_default_graph(), {})
       for t in results:
         calls[t.op.name] = operands

@@ -82,6 +82,7 @@ class WeightGradientBatcher:
   def __init__(self, weights):
     self._weights = {w.ref() for w in weights}
     self._groups = {}
+    self._rows = {}  # weight ref -> ([ids], [dy]) of exported lookups.
 
   def __enter__(self):
     _Batchers().append(self)
@@ -99,23 +100,64 @@ class WeightGradientBatcher:
     self._groups[weight.ref()][0].append(a)
     self._groups[weight.ref()][1].append(dy)
 
+  def AddRows(self, weight, ids, dy):
+    """Records a lookup of `weight`'s rows `ids` (a vector), dy [ids, ...]."""
+    self._rows.setdefault(weight.ref(), ([], []))
+    self._rows[weight.ref()][0].append(ids)
+    self._rows[weight.ref()][1].append(dy)
+
   def Add(self, b, a, dy):
     # Identity's gradient is the identity: x^T dy belongs to the weight.
     self.AddOperands(ThroughIdentities(b, self._weights), a, dy)
 
   def Gradients(self, weights):
-    """The batched gradients of `weights` (None where nothing was recorded)."""
+    """The batched gradients of `weights` (None where nothing was recorded).
+
+    A weight only looked up gets IndexedSlices of the group's rows.
+    """
     out = []
     for w in weights:
+      parts = []
       group = self._groups.get(w.ref())
-      if group is None:
-        out.append(None)
-        continue
-      a, dy = group
-      a = a[0] if len(a) == 1 else tf.concat(a, axis=0)
-      dy = dy[0] if len(dy) == 1 else tf.concat(dy, axis=0)
-      out.append(tf.matmul(a, dy, transpose_a=True))
+      if group is not None:
+        a, dy = group
+        a = a[0] if len(a) == 1 else tf.concat(a, axis=0)
+        dy = dy[0] if len(dy) == 1 else tf.concat(dy, axis=0)
+        parts.append(tf.matmul(a, dy, transpose_a=True))
+      if w.ref() in self._rows:
+        parts.append(RowsGradient(w, *self._rows[w.ref()]))
+      out.append(SumGradients(parts))
     return out
+
+
+def RowsGradient(weight, ids, dys):
+  """The gradient of lookups of `weight`'s rows: IndexedSlices, as inline.
+
+  Args:
+    weight: The looked-up weight.
+    ids: Per lookup, its row ids as a vector.
+    dys: Per lookup, its output's gradient as [len(ids), ...].
+  """
+  cat = lambda ts: ts[0] if len(ts) == 1 else tf.concat(ts, axis=0)
+  return tf.IndexedSlices(cat(dys), cat(ids), tf.shape(weight))
+
+
+def SumGradients(parts):
+  """The sum of gradients, None entries skipped (None if all are).
+
+  Sparse parts (IndexedSlices) stay sparse when all are, their rows
+  concatenated as tf.gradients' own aggregation keeps them; a sum with a
+  dense part is dense.
+  """
+  parts = [g for g in parts if g is not None]
+  if len(parts) <= 1:
+    return parts[0] if parts else None
+  sparse = [g for g in parts if isinstance(g, tf.IndexedSlices)]
+  if len(sparse) == len(parts):
+    return tf.IndexedSlices(
+        tf.concat([g.values for g in parts], axis=0),
+        tf.concat([g.indices for g in parts], axis=0), parts[0].dense_shape)
+  return tf.add_n([tf.convert_to_tensor(g) for g in parts])
 
 
 # Per graph (weakly): names of MatMuls whose weight gradient is computed

@@ -227,12 +227,12 @@ def _CellGradients(ys, flat_x, leaves, grad_ys):
       seen.add(v.ref())
       diff_x.append(v)
   xs = [v for v in diff_x if v is not None]
-  # A cell function's weight MatMuls leave their weight gradients out and
-  # export (weight, x, zero): the zero's gradient is the product's dy.
+  # A cell function's weight MatMuls and lookups leave their weight gradients
+  # out and export (weight, operand, zero): the zero's gradient is the dy.
   operands = []
   for op in {y.op.name: y.op for y in ys}.values():
     operands += cell_function.ExportedOperands(op)
-  zeros = [z for _, _, z in operands]
+  zeros = [e.zero for e in operands]
   # stop_gradients: an input that also reaches an output through an earlier
   # cell (a passed-through activation) must not count that path here; the
   # earlier cell's backward pass does.
@@ -243,15 +243,19 @@ def _CellGradients(ys, flat_x, leaves, grad_ys):
   batcher = matmul_grad.CurrentBatcher()
   position = {w.ref(): k for k, w in enumerate(leaves)}
   exported_dys = grads[len(xs) + len(leaves):]
-  for (w, x, _), dy in zip(operands, exported_dys):
+  for e, dy in zip(operands, exported_dys):
     if dy is None:
       continue
-    if batcher is not None and batcher.Collects(w):
-      batcher.AddOperands(w, x, dy)
+    if batcher is not None and batcher.Collects(e.weight):
+      if e.rows:
+        batcher.AddRows(e.weight, e.operand, dy)
+      else:
+        batcher.AddOperands(e.weight, e.operand, dy)
     else:
-      k = position[w.ref()]
-      g = tf.matmul(x, dy, transpose_a=True)
-      leaf_grads[k] = g if leaf_grads[k] is None else leaf_grads[k] + g
+      k = position[e.weight.ref()]
+      g = (matmul_grad.RowsGradient(e.weight, [e.operand], [dy]) if e.rows
+           else tf.matmul(e.operand, dy, transpose_a=True))
+      leaf_grads[k] = matmul_grad.SumGradients([leaf_grads[k], g])
   return ([None if v is None else next(it) for v in diff_x], leaf_grads,
           [dy for dy in exported_dys if dy is not None])
 
@@ -512,14 +516,6 @@ class _Engine:
               out.append(None)
             elif len(parts) == 1:
               out.append(parts[0])
-            elif all(isinstance(g, tf.IndexedSlices) for g in parts):
-              # Sparse (e.g. lookups in embedding shards): stay sparse, as
-              # tf.gradients' own aggregation keeps them.
-              out.append(
-                  tf.IndexedSlices(
-                      tf.concat([g.values for g in parts], axis=0),
-                      tf.concat([g.indices for g in parts], axis=0),
-                      parts[0].dense_shape))
             elif self.window and not any(
                 isinstance(g, tf.IndexedSlices) for g in parts):
               # A running sum, in backward order: each part is freed once
@@ -529,7 +525,8 @@ class _Engine:
                 acc = acc + part
               out.append(acc)
             else:
-              out.append(tf.add_n(parts))
+              # Sparse parts (lookups) stay sparse when all are.
+              out.append(matmul_grad.SumGradients(parts))
       return out
 
   def _CellBackward(self, i, dy, theta_grads, recompute):
@@ -615,7 +612,7 @@ class _Engine:
           else:
             # Summed group by group, and the next group's backward waits for
             # the sum: weight-sized parts never pile up with M.
-            acc = [b if a is None else a if b is None else a + b
+            acc = [matmul_grad.SumGradients([a, b])
                    for a, b in zip(acc, batched)]
             group_done.append(_Group(acc))
     if window is not None:
@@ -717,15 +714,7 @@ class _ListEngine(_Engine):
 
     def Add(parts):
       for k, g in enumerate(parts):
-        if g is None:
-          continue
-        if isinstance(g, tf.IndexedSlices) or isinstance(acc[k],
-                                                          tf.IndexedSlices):
-          acc[k] = g if acc[k] is None else tf.IndexedSlices(
-              tf.concat([acc[k].values, g.values], 0),
-              tf.concat([acc[k].indices, g.indices], 0), g.dense_shape)
-        else:
-          acc[k] = g if acc[k] is None else acc[k] + g
+        acc[k] = matmul_grad.SumGradients([acc[k], g])
 
     for t in range(m):
       b = actions.Action('I' if split else 'B', i, t)

@@ -45,6 +45,7 @@ from lingvo.core import learner as lingvo_learner
 from lingvo.core import py_utils
 import numpy as np
 
+from lingvo_ext._internal import tf as internal_tf
 from lingvo_ext.distributed import accumulation
 from lingvo_ext.distributed import collectives
 
@@ -551,17 +552,25 @@ class _RecordNewVariables:
 
 
 def _ReadOnlyByGathers(read):
-  """Whether every use of `read` (through identities) is a gather's params."""
+  """Whether every use of `read` (through identities) is a gather's params.
+
+  Followed into function calls (a pipeline cell built once): a gather there
+  exports its rows' gradient, which stays sparse.
+  """
   frontier = [read]
   seen = False
   while frontier:
     t = frontier.pop()
     for op in t.consumers():
-      if op.type == 'Identity':
+      body = internal_tf.FunctionGraph(op)
+      if op.type in ('Identity', 'StopGradient'):
         frontier.extend(op.outputs)
       elif op.type == 'IdentityN':  # E.g. a tf.custom_gradient's inputs.
         frontier.extend(
             out for inp, out in zip(op.inputs, op.outputs) if inp is t)
+      elif body is not None:
+        frontier.extend(arg for inp, arg in zip(op.inputs, body.inputs)
+                        if inp is t)
       elif op.type in ('GatherV2', 'Gather', 'ResourceGather') and (
           op.inputs[0] is t):
         seen = True
