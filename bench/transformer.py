@@ -7,7 +7,12 @@ Params and seed, and reports per configuration the graph's op count, the time
 to the first step (graph building plus the first Session.run: placement and
 Grappler), the median step time (forward, tf.gradients, SGD) and the peak
 RSS. Each configuration runs in a fresh child process, on `K` logical CPU
-devices with 2 inter-op and 1 intra-op threads.
+devices with 2 inter-op threads and `--intra_op_threads` intra-op threads (1
+by default; 0 is TensorFlow's default, one per core, which the trainer's
+session uses). The intra-op pool is one for all devices: with oneDNN on and
+1 thread, every oneDNN kernel of every device hands its work to that one
+thread and waits, so cells built as functions (oneDNN kernels) serialize where
+Lingvo's loop body (Eigen kernels) does not.
 
   .venv/bin/python bench/transformer.py --L 8 --K 2 --M 4
   .venv/bin/python bench/transformer.py --L 8 32 --K 2 4 --M 4 16 --markdown
@@ -15,6 +20,9 @@ devices with 2 inter-op and 1 intra-op threads.
   .venv/bin/python bench/pipeline.py --models transformer   # the same sweep
   .venv/bin/python bench/transformer.py --K 2 --M 4 --variants unrolled 1f1b \
       --dtype float32,bfloat16 --markdown   # bf16 beside float32
+  .venv/bin/python bench/transformer.py --L 32 --K 4 --M 16 \
+      --variants lingvo unrolled --intra_op_threads 0 --markdown
+      # the trainer's thread pools
 
 Variants: 'lingvo' (lingvo.core.gpipe), and lingvo_ext '<schedule>' with
 optional '+inline' (`cell_functions=False`: each (cell, micro-batch) its own
@@ -41,7 +49,7 @@ T, B, D, HIDDEN, HEADS, VOCAB = 16, 32, 64, 128, 2, 32
 
 
 def _Child(variant: str, num_layers: int, k: int, m: int, steps: int,
-           dtype: str = 'float32') -> dict:
+           dtype: str = 'float32', intra_op_threads: int = 1) -> dict:
   """Builds and times one configuration in this process.
 
   `dtype` 'bfloat16': the stack's fprop_dtype (Lingvo's mixed precision:
@@ -101,7 +109,7 @@ def _Child(variant: str, num_layers: int, k: int, m: int, steps: int,
   t_build = time.time() - t0
   config = tf.config_pb2.ConfigProto(
       device_count={'CPU': k}, inter_op_parallelism_threads=2,
-      intra_op_parallelism_threads=1)
+      intra_op_parallelism_threads=intra_op_threads)
   with tf.Session(graph=g, config=config) as sess:
     sess.run(init)
     loss0, _ = sess.run([loss, train])
@@ -111,6 +119,10 @@ def _Child(variant: str, num_layers: int, k: int, m: int, steps: int,
       t1 = time.time()
       sess.run(train)
       times.append(time.time() - t1)
+    # Before the traced step: its trace (a record per op run, tens of
+    # thousands inside cell functions) is the benchmark's, not training's.
+    peak_rss_mb = round(
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     md = tf.RunMetadata()  # One traced step: where the time goes.
     sess.run(train, options=tf.RunOptions(
         trace_level=tf.RunOptions.FULL_TRACE), run_metadata=md)
@@ -118,12 +130,12 @@ def _Child(variant: str, num_layers: int, k: int, m: int, steps: int,
   from tensorflow.python.util import _pywrap_util_port  # pylint: disable=g-import-not-at-top,g-direct-tensorflow-import
   return dict(
       variant=variant, dtype=dtype, L=num_layers, K=k, M=m, ops=ops,
+      intra_op_threads=intra_op_threads,
       bytes_between_cells=cross_bytes,
       import_s=round(t_import, 2), build_s=round(t_build, 2),
       first_step_s=round(t_first, 2),
       step_ms=round(1e3 * float(np.median(times)), 1),
-      peak_rss_mb=round(
-          resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+      peak_rss_mb=peak_rss_mb,
       loss0=float(loss0), onednn=bool(_pywrap_util_port.IsMklEnabled()),
       busy_ms=round(sum(op_ms.values()), 1),
       matmul_ms=round(sum(v for o, v in op_ms.items() if 'MatMul' in o), 1),
@@ -156,7 +168,7 @@ def Pairs(ks, ms):
 
 
 def Run(variants, num_layers, km_pairs, steps, timeout_s=1800,
-        dtypes=('float32',), runner=subprocess.run):
+        dtypes=('float32',), runner=subprocess.run, intra_op_threads=1):
   """Each configuration in a fresh child; returns the records.
 
   `runner`: subprocess.run, or a stand-in with its signature (the tests fork
@@ -167,7 +179,8 @@ def Run(variants, num_layers, km_pairs, steps, timeout_s=1800,
                                                dtypes):
     cmd = [sys.executable, os.path.abspath(__file__), '--_child', v,
            '--L', str(l), '--K', str(k), '--M', str(m), '--steps',
-           str(steps), '--dtype', dtype]
+           str(steps), '--dtype', dtype, '--intra_op_threads',
+           str(intra_op_threads)]
     print('[bench] %s %s L=%d K=%d M=%d' % (v, dtype, l, k, m),
           file=sys.stderr, flush=True)
     try:
@@ -273,8 +286,15 @@ def main(argv=None) -> int:
       '--dtype', default='float32', type=ParseDtypes,
       help="'float32' (default), 'bfloat16' (fprop_dtype: float32 variables, "
       "bfloat16 cells) or both, 'float32,bfloat16', side by side.")
+  parser.add_argument(
+      '--intra_op_threads', type=int, default=1,
+      help='Intra-op threads of the session (one pool for all devices); 0: '
+      "TensorFlow's default, one per core, as the trainer's session.")
   parser.add_argument('--_child', help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
+  if args.intra_op_threads < 0:
+    parser.error('--intra_op_threads=%d: give 0 (one per core) or more.' %
+                 args.intra_op_threads)
   sys.path.insert(0, _REPO)
   from bench import torch_baselines  # pylint: disable=g-import-not-at-top
   if torch_baselines.BadTorchPython(args.torch_python):
@@ -287,10 +307,11 @@ def main(argv=None) -> int:
                    "'<unrolled|1f1b|recurrent>[+inline|+functions][+jit]'" % v)
   if args._child:  # pylint: disable=protected-access
     print(json.dumps(_Child(args._child, args.L[0], args.K[0], args.M[0],  # pylint: disable=protected-access
-                            args.steps, args.dtype[0])))
+                            args.steps, args.dtype[0],
+                            args.intra_op_threads)))
     return 0
   records = Run(args.variants, args.L, Pairs(args.K, args.M), args.steps,
-                dtypes=args.dtype)
+                dtypes=args.dtype, intra_op_threads=args.intra_op_threads)
   torch_python, note = torch_baselines.TorchPython(args.torch_python)
   print('[bench] ' + note, file=sys.stderr, flush=True)
   records = torch_baselines.WithTransformerRecords(

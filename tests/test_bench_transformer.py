@@ -33,6 +33,12 @@ def test_bad_variant_is_one_line_exit_2():
       check=False)
   assert res.returncode == 2
   assert "--variants: 'gpipe' is not" in res.stderr
+  res = subprocess.run(
+      [sys.executable, os.path.join(_REPO, 'bench', 'transformer.py'),
+       '--intra_op_threads', '-1'], capture_output=True, text=True,
+      timeout=120, check=False)
+  assert res.returncode == 2
+  assert '--intra_op_threads=-1: give 0' in res.stderr
 
 
 def _Forked(cmd, **kwargs):
@@ -52,8 +58,9 @@ def test_same_first_loss_in_both_libraries():
   records = transformer.Run(['lingvo', 'unrolled+inline', 'unrolled',
                              'unrolled+jit'],
                             [2], [(2, 2)], steps=1, timeout_s=600,
-                            runner=_Forked)
+                            runner=_Forked, intra_op_threads=2)
   assert all('error' not in r for r in records), records
+  assert {r['intra_op_threads'] for r in records} == {2}
   losses = [r['loss0'] for r in records]
   assert losses[0] == pytest.approx(losses[1], rel=1e-5)
   assert losses[0] == pytest.approx(losses[2], rel=1e-5)
