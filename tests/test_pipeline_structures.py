@@ -513,6 +513,45 @@ def test_cell_functions_keep_lookup_gradients_sparse(schedule, recompute,
     np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5, err_msg=name)
 
 
+class _ColumnLookup(base_layer.BaseLayer):
+  """x [B, 4] -> x + columns of w [4, 7] picked by ids: not a row lookup."""
+
+  def _CreateLayerVariables(self):
+    super()._CreateLayerVariables()
+    self.CreateVariable('w', py_utils.WeightParams(
+        [4, 7], py_utils.WeightInit.Gaussian(0.5, seed=4)))
+
+  def FProp(self, theta, x):
+    return x + tf.reduce_sum(tf.gather(theta.w, [1, 3, 3, 6], axis=1), 1)
+
+  @classmethod
+  def FPropMeta(cls, p, x):
+    return py_utils.NestedMap(flops=1, out_shapes=(x,))
+
+
+def test_cell_gathering_other_than_rows_is_built_inline():
+  # A gather along another axis is not exported: its cell is built inline
+  # (its gradient stays TensorFlow's own), the other cell once.
+  cells = [_ColumnLookup.Params().Set(name='cell0'),
+           gpipe.FeatureExtractionLayer.Params().Set(
+               name='cell1', sub=[lib.Fc('fc1', 4, 4, seed=2)])]
+  inputs = lambda: (tf.constant(
+      np.random.RandomState(0).randn(8, 4).astype(np.float32)),)
+  g = tf.Graph()
+  with g.as_default(), lib.Cluster(2):
+    py_utils.GetOrCreateGlobalStepVar()
+    net = gpipe.PipeliningLayer.Params().Set(
+        name='pipe', cell_tpl=cells, num_micro_batches=4).Instantiate()
+    net.FPropDefaultTheta(*inputs())
+  calls = {op.name.split('_mb')[0] for op in g.get_operations()
+           if op.type in ('PartitionedCall', 'StatefulPartitionedCall')}
+  assert calls == {'cell1'}, calls
+  results, seq, names = lib.RunVariants(
+      cells, 2, inputs, num_micro_batches=4,
+      variants=(('unrolled', False), ('1f1b', None), ('zero_bubble', None)))
+  lib.AssertVariantsMatch(results, seq, names)
+
+
 def test_jit_compiled_cells_match_sequential():
   cells = [gpipe.FeatureExtractionLayer.Params().Set(
       name='cell%d' % c,

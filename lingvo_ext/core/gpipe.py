@@ -547,7 +547,9 @@ class PipeliningLayer(SeqLayer):
         "if True, each cell's forward pass is one TF function traced once "
         'and called once per micro-batch on the cell\'s device (its backward '
         "pass is the function's gradient, also built once, less the weight "
-        'gradients, which are one MatMul per weight over the micro-batches), '
+        'gradients, which are one MatMul per weight over the micro-batches, '
+        'and a lookup\'s, which stays sparse: IndexedSlices of the '
+        'micro-batches\' rows), '
         'so the graph grows with layers + cells x micro-batches instead of '
         'layers x micro-batches. False: every (cell, micro-batch) pair is '
         'its own copy of the cell\'s ops. A cell holding shards of a '

@@ -380,9 +380,10 @@ class _Engine:
           fn = self.cell_fns[i]
           if fn is not None and not fn.traced and fn.GathersWeightRows(
               self.thetas[i], x, steps[t]):
-            # Its lookups' gradients stay sparse inline.
-            tf.logging.info('%s: cell %s gathers rows of a weight; built '
-                            'inline.', p.name, name)
+            # A lookup the function does not export (another axis,
+            # batch_dims): its gradient stays sparse inline.
+            tf.logging.info('%s: cell %s gathers from a weight other than '
+                            'by rows; built inline.', p.name, name)
             self.cell_fns[i] = None
           if self.cell_fns[i] is not None:
             # A function call's inputs are Identities: tf.gradients stops
