@@ -14,7 +14,9 @@ Two kinds of cases:
   the sequential model's outputs and gradients.
 """
 
+import gc
 import re
+import weakref
 
 import lingvo_ext  # pylint: disable=unused-import
 import lingvo.compat as tf
@@ -550,6 +552,32 @@ def test_cell_gathering_other_than_rows_is_built_inline():
       cells, 2, inputs, num_micro_batches=4,
       variants=(('unrolled', False), ('1f1b', None), ('zero_bubble', None)))
   lib.AssertVariantsMatch(results, seq, names)
+
+
+@pytest.mark.parametrize('schedule,functions', [
+    ('unrolled', True), ('unrolled', False), ('1f1b', True),
+    ('zero_bubble', True)])
+def test_a_dropped_graph_is_freed(schedule, functions):
+  # The engine's per-graph state (backward functions, exported operands)
+  # lives on the graph: a registry holding the graph's tensors kept every
+  # graph a process built alive.
+  def Build():
+    g = tf.Graph()
+    cells = [gpipe.FeatureExtractionLayer.Params().Set(
+        name='cell%d' % c, sub=[lib.Fc('fc%d' % c, 6, 6, seed=c + 1)])
+             for c in range(2)]
+    with g.as_default(), lib.Cluster(2):
+      py_utils.GetOrCreateGlobalStepVar()
+      net = gpipe.PipeliningLayer.Params().Set(
+          name='pipe', cell_tpl=cells, num_micro_batches=4,
+          schedule=schedule, cell_functions=functions).Instantiate()
+      out = net.FPropDefaultTheta(tf.ones([8, 6]))
+      tf.gradients(tf.reduce_sum(out * out), net.vars.Flatten())
+    return weakref.ref(g)
+
+  ref = Build()
+  gc.collect()
+  assert ref() is None
 
 
 def test_jit_compiled_cells_match_sequential():

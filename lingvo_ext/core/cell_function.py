@@ -27,7 +27,6 @@ global step (`lingvo.core.gpipe.SetOverWriteGlobalStep`).
 
 import collections
 import contextlib
-import weakref
 from typing import List
 
 import lingvo.compat as tf
@@ -37,10 +36,11 @@ from lingvo.core import py_utils
 import tensorflow as tf2
 
 from lingvo_ext._internal import tf as internal_tf
+from lingvo_ext.core import graph_state
 from lingvo_ext.core import matmul_grad
 
-# Per graph (weakly): a call's op name -> its exported operands [Exported].
-_OPERANDS = weakref.WeakKeyDictionary()
+# Graph state (graph_state): a call's op name -> its exported operands.
+_OPERANDS = 'cell_function_operands'
 
 # One weight use whose gradient a call leaves out. `zero` (a call input) is
 # added to the use's output, so a loss's gradient with respect to it is the
@@ -56,7 +56,7 @@ def ExportedOperands(op) -> List[Exported]:
 
   Empty for any op but a cell function's call.
   """
-  return _OPERANDS.get(op.graph, {}).get(op.name, [])
+  return graph_state.Peek(op.graph, _OPERANDS, {}).get(op.name, [])
 
 
 def _Flat(structure) -> List:
@@ -288,7 +288,7 @@ class CellFunction:
       results = results[:len(results) - n_xs]
       operands = [Exported(args[k], x, zero, rows)
                   for (k, zero, rows), x in zip(self._exported, xs)]
-      calls = _OPERANDS.setdefault(tf.get_default_graph(), {})
+      calls = graph_state.Get(tf.get_default_graph(), _OPERANDS, dict)
       for t in results:
         calls[t.op.name] = operands
     n_out = len(results) - len(accs)

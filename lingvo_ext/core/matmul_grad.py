@@ -15,11 +15,11 @@ gradient is used (`TransposedInputGradPays`).
 import contextlib
 import functools
 import threading
-import weakref
 
 import lingvo.compat as tf
 
 from lingvo_ext._internal import tf as internal_tf
+from lingvo_ext.core import graph_state
 
 
 @functools.lru_cache(maxsize=None)
@@ -160,9 +160,9 @@ def SumGradients(parts):
   return tf.add_n([tf.convert_to_tensor(g) for g in parts])
 
 
-# Per graph (weakly): names of MatMuls whose weight gradient is computed
-# outside their graph, from operands it exports (`MarkExported`).
-_EXPORTED = weakref.WeakKeyDictionary()
+# Graph state (graph_state): names of MatMuls whose weight gradient is
+# computed outside their graph, from operands it exports (`MarkExported`).
+_EXPORTED = 'matmul_grad_exported'
 
 
 def MarkExported(op) -> None:
@@ -174,11 +174,11 @@ def MarkExported(op) -> None:
   across micro-batches outside the function, so its backward function
   computes none.
   """
-  _EXPORTED.setdefault(op.graph, set()).add(op.name)
+  graph_state.Get(op.graph, _EXPORTED, set).add(op.name)
 
 
 def _IsExported(op) -> bool:
-  return op.name in _EXPORTED.get(op.graph, ())
+  return op.name in graph_state.Peek(op.graph, _EXPORTED, ())
 
 
 @tf.RegisterGradient(PIPELINE_GRADIENT_NAME)

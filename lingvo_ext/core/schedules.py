@@ -33,7 +33,6 @@ schedule is one new entry there.
 """
 
 import contextlib
-import weakref
 from typing import Callable, List, Optional
 
 import lingvo.compat as tf
@@ -45,6 +44,7 @@ from lingvo_ext._internal import lingvo as internal_lingvo
 from lingvo_ext._internal import tf as internal_tf
 from lingvo_ext.core import actions
 from lingvo_ext.core import cell_function
+from lingvo_ext.core import graph_state
 from lingvo_ext.core import matmul_grad
 from lingvo_ext.core import sharding
 
@@ -52,8 +52,8 @@ _MICRO_BATCH_STATE_NAME = 'micro_batch_state'
 # Gradient of the IdentityN that closes each engine-built pipeline; the
 # backward function of every such op is looked up by the op's name.
 _PIPELINE_GRAD_NAME = 'LingvoExtPipelineBackward'
-# Per graph (weakly, so a dropped graph frees its closures): op name -> fn.
-_BACKWARD_FNS = weakref.WeakKeyDictionary()
+# Graph state (graph_state, freed with the graph): op name -> fn.
+_BACKWARD_FNS = 'pipeline_backward_fns'
 
 
 def ToTuple(x):
@@ -138,7 +138,7 @@ def CellRandomness(micro_batch_step, scope):
 
 @tf.RegisterGradient(_PIPELINE_GRAD_NAME)
 def _PipelineBackward(op, *grads):
-  fn = _BACKWARD_FNS[op.graph][op.name]
+  fn = graph_state.Peek(op.graph, _BACKWARD_FNS)[op.name]
   return fn(list(grads))
 
 
@@ -164,7 +164,7 @@ def _WithBackward(inputs: List, outputs: List, backward_fn: Callable) -> List:
     in_grads = backward_fn(grads[n:])
     return list(in_grads) + [None] * len(outputs)
 
-  _BACKWARD_FNS.setdefault(graph, {})[ids[0].op.name] = _Backward
+  graph_state.Get(graph, _BACKWARD_FNS, dict)[ids[0].op.name] = _Backward
   return ids[n:]
 
 

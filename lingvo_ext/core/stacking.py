@@ -23,7 +23,6 @@ graph.
 
 import collections
 import contextlib
-import weakref
 from typing import List, Optional
 
 import lingvo.compat as tf
@@ -33,6 +32,7 @@ import numpy as np
 
 from lingvo_ext._internal import lingvo as internal_lingvo
 from lingvo_ext._internal import tf as internal_tf
+from lingvo_ext.core import graph_state
 
 # Collection of the stacked variables of a graph (they are not in
 # GLOBAL_VARIABLES; their views are).
@@ -43,14 +43,12 @@ DEFAULT_MAX_COMBINED_VARIABLE_SIZE = 2**29
 _RECORDING = py_utils.ThreadLocalStack()
 # Per graph: {'views': {stacked op name: (variable, [master names])},
 # 'init' and 'unstacked': {id(variable): ops}, 'slots_done': bool}.
-_GRAPH_STATE = weakref.WeakKeyDictionary()
+# Kept on the graph (graph_state): freed with it.
 
 
 def _State(graph):
-  if graph not in _GRAPH_STATE:
-    _GRAPH_STATE[graph] = {
-        'views': {}, 'init': {}, 'unstacked': {}, 'slots_done': False}
-  return _GRAPH_STATE[graph]
+  return graph_state.Get(graph, 'stacking', lambda: {
+      'views': {}, 'init': {}, 'unstacked': {}, 'slots_done': False})
 
 
 class _PendingVariable:
