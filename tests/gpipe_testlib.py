@@ -94,10 +94,19 @@ def BuildTrainTask(task_params):
       tf.global_variables_initializer(), tf.local_variables_initializer()]
 
 
-def Session(graph, num_devices):
+def Session(graph, num_devices, optimize=True):
+  """A session on num_devices CPUs.
+
+  optimize=False turns Grappler off, for tests whose assertions are about
+  variable values and checkpoints rather than the computation: optimizing a
+  small pipeline's graph and cell functions is about a third of the CPU time
+  of its first runs.
+  """
   config = tf.config_pb2.ConfigProto(
       device_count={'CPU': num_devices}, inter_op_parallelism_threads=2,
       intra_op_parallelism_threads=1)
+  if not optimize:
+    config.graph_options.rewrite_options.disable_meta_optimizer = True
   return tf.Session(graph=graph, config=config)
 
 

@@ -135,7 +135,7 @@ def _SaveAndRead(p, path, num_devices, use_lingvo_saver, steps=1):
       saver = lingvo_saver.Saver(path, variables=variables)
     else:
       saver = tf.train.Saver(sharded=True)
-  with gpipe_testlib.Session(g, num_devices) as sess:
+  with gpipe_testlib.Session(g, num_devices, optimize=False) as sess:
     sess.run(init)
     for _ in range(steps):
       sess.run(task.train_op)
@@ -160,7 +160,7 @@ def _RestoreAndRead(p, prefix, num_devices, use_lingvo_saver):
       saver = tf.train.Saver(sharded=True)
     uninitialized = tf.report_uninitialized_variables()
     values = [v.read_value() for v in variables]
-  with gpipe_testlib.Session(g, num_devices) as sess:
+  with gpipe_testlib.Session(g, num_devices, optimize=False) as sess:
     if use_lingvo_saver:
       saver.Restore(sess, path=prefix)
     else:
