@@ -9,10 +9,7 @@ Grappler), the median step time (forward, tf.gradients, SGD) and the peak
 RSS. Each configuration runs in a fresh child process, on `K` logical CPU
 devices with 2 inter-op threads and `--intra_op_threads` intra-op threads (1
 by default; 0 is TensorFlow's default, one per core, which the trainer's
-session uses). The intra-op pool is one for all devices: with oneDNN on and
-1 thread, every oneDNN kernel of every device hands its work to that one
-thread and waits, so cells built as functions (oneDNN kernels) serialize where
-Lingvo's loop body (Eigen kernels) does not.
+session uses; the pool is one for all devices).
 
   .venv/bin/python bench/transformer.py --L 8 --K 2 --M 4
   .venv/bin/python bench/transformer.py --L 8 32 --K 2 4 --M 4 16 --markdown
