@@ -225,7 +225,7 @@ class CellFunction:
 
   @property
   def traced(self) -> bool:
-    """Whether a call or `GathersWeightRows` has traced the function."""
+    """Whether a call or `HasUnexportedLookups` has traced the function."""
     return self._fn is not None
 
   def _Args(self, theta, inputs, step):
@@ -245,8 +245,8 @@ class CellFunction:
       args.append(self._global_step)
     return args + accs, accs
 
-  def GathersWeightRows(self, theta, inputs, step) -> bool:
-    """Whether the cell looks up rows of a weight in a way not exported.
+  def HasUnexportedLookups(self, theta, inputs, step) -> bool:
+    """Whether the cell gathers from a weight in a way it does not export.
 
     Traces the function for these inputs (once; calls reuse the trace). A
     function returns such a weight's gradient dense, where inline cells keep

@@ -81,8 +81,9 @@ class WeightGradientBatcher:
 
   def __init__(self, weights):
     self._weights = {w.ref() for w in weights}
+    # (weight ref, rows) -> ([operand], [dy]): MatMuls' left operands, or
+    # with `rows` lookups' ids.
     self._groups = {}
-    self._rows = {}  # weight ref -> ([ids], [dy]) of exported lookups.
 
   def __enter__(self):
     _Batchers().append(self)
@@ -94,17 +95,19 @@ class WeightGradientBatcher:
   def Collects(self, b) -> bool:
     return ThroughIdentities(b, self._weights) is not None
 
-  def AddOperands(self, weight, a, dy):
-    """Records x^T dy of `weight` (one of `weights`) from exported operands."""
-    self._groups.setdefault(weight.ref(), ([], []))
-    self._groups[weight.ref()][0].append(a)
-    self._groups[weight.ref()][1].append(dy)
+  def AddOperands(self, weight, operand, dy, rows=False):
+    """Records a use of `weight` (one of `weights`) from exported operands.
 
-  def AddRows(self, weight, ids, dy):
-    """Records a lookup of `weight`'s rows `ids` (a vector), dy [ids, ...]."""
-    self._rows.setdefault(weight.ref(), ([], []))
-    self._rows[weight.ref()][0].append(ids)
-    self._rows[weight.ref()][1].append(dy)
+    Args:
+      weight: The weight.
+      operand: A MatMul's left operand x [rows, in] (gradient x^T dy); with
+        `rows`, a lookup's row ids as a vector (gradient: dy's rows).
+      dy: The use's output gradient, [rows, out] or [ids, ...].
+      rows: Whether the use is a lookup of the weight's rows.
+    """
+    operands, dys = self._groups.setdefault((weight.ref(), rows), ([], []))
+    operands.append(operand)
+    dys.append(dy)
 
   def Add(self, b, a, dy):
     # Identity's gradient is the identity: x^T dy belongs to the weight.
@@ -118,28 +121,20 @@ class WeightGradientBatcher:
     out = []
     for w in weights:
       parts = []
-      group = self._groups.get(w.ref())
+      group = self._groups.get((w.ref(), False))
       if group is not None:
-        a, dy = group
-        a = a[0] if len(a) == 1 else tf.concat(a, axis=0)
-        dy = dy[0] if len(dy) == 1 else tf.concat(dy, axis=0)
-        parts.append(tf.matmul(a, dy, transpose_a=True))
-      if w.ref() in self._rows:
-        parts.append(RowsGradient(w, *self._rows[w.ref()]))
+        parts.append(tf.matmul(_Concat(group[0]), _Concat(group[1]),
+                               transpose_a=True))
+      group = self._groups.get((w.ref(), True))
+      if group is not None:  # As inline: sparse, the rows looked up.
+        parts.append(tf.IndexedSlices(_Concat(group[1]), _Concat(group[0]),
+                                      tf.shape(w)))
       out.append(SumGradients(parts))
     return out
 
 
-def RowsGradient(weight, ids, dys):
-  """The gradient of lookups of `weight`'s rows: IndexedSlices, as inline.
-
-  Args:
-    weight: The looked-up weight.
-    ids: Per lookup, its row ids as a vector.
-    dys: Per lookup, its output's gradient as [len(ids), ...].
-  """
-  cat = lambda ts: ts[0] if len(ts) == 1 else tf.concat(ts, axis=0)
-  return tf.IndexedSlices(cat(dys), cat(ids), tf.shape(weight))
+def _Concat(tensors):
+  return tensors[0] if len(tensors) == 1 else tf.concat(tensors, axis=0)
 
 
 def SumGradients(parts):

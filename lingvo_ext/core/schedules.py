@@ -209,6 +209,9 @@ def _CellGradients(ys, flat_x, leaves, grad_ys):
     leaves: The cell's theta leaves.
     grad_ys: The gradients of `ys`.
 
+  Called inside a `matmul_grad.WeightGradientBatcher` of `leaves`: the
+  weight gradients of a cell function's exported uses go to it.
+
   Returns:
     (gradients of flat_x, aligned with it; gradients of leaves; the output
     gradients of the cell function's exported weight MatMuls, which the
@@ -240,22 +243,13 @@ def _CellGradients(ys, flat_x, leaves, grad_ys):
                        stop_gradients=xs + leaves)
   it = iter(grads[:len(xs)])
   leaf_grads = grads[len(xs):len(xs) + len(leaves)]
+  # Every caller builds this inside a batcher of `leaves`, whose weights the
+  # exported operands' are (the call's theta arguments).
   batcher = matmul_grad.CurrentBatcher()
-  position = {w.ref(): k for k, w in enumerate(leaves)}
   exported_dys = grads[len(xs) + len(leaves):]
   for e, dy in zip(operands, exported_dys):
-    if dy is None:
-      continue
-    if batcher is not None and batcher.Collects(e.weight):
-      if e.rows:
-        batcher.AddRows(e.weight, e.operand, dy)
-      else:
-        batcher.AddOperands(e.weight, e.operand, dy)
-    else:
-      k = position[e.weight.ref()]
-      g = (matmul_grad.RowsGradient(e.weight, [e.operand], [dy]) if e.rows
-           else tf.matmul(e.operand, dy, transpose_a=True))
-      leaf_grads[k] = matmul_grad.SumGradients([leaf_grads[k], g])
+    if dy is not None:
+      batcher.AddOperands(e.weight, e.operand, dy, e.rows)
   return ([None if v is None else next(it) for v in diff_x], leaf_grads,
           [dy for dy in exported_dys if dy is not None])
 
@@ -378,7 +372,7 @@ class _Engine:
       for i, (name, _) in enumerate(self.cells):
         with tf.device(self.devices[i]):
           fn = self.cell_fns[i]
-          if fn is not None and not fn.traced and fn.GathersWeightRows(
+          if fn is not None and not fn.traced and fn.HasUnexportedLookups(
               self.thetas[i], x, steps[t]):
             # A lookup the function does not export (another axis,
             # batch_dims): its gradient stays sparse inline.

@@ -562,13 +562,15 @@ def _ReadOnlyByGathers(read):
   while frontier:
     t = frontier.pop()
     for op in t.consumers():
-      body = internal_tf.FunctionGraph(op)
       if op.type in ('Identity', 'StopGradient'):
         frontier.extend(op.outputs)
       elif op.type == 'IdentityN':  # E.g. a tf.custom_gradient's inputs.
         frontier.extend(
             out for inp, out in zip(op.inputs, op.outputs) if inp is t)
-      elif body is not None:
+      elif op.type in ('PartitionedCall', 'StatefulPartitionedCall'):
+        body = internal_tf.FunctionGraph(op)
+        if body is None:
+          return False
         frontier.extend(arg for inp, arg in zip(op.inputs, body.inputs)
                         if inp is t)
       elif op.type in ('GatherV2', 'Gather', 'ResourceGather') and (
