@@ -170,10 +170,31 @@ def IdealMs(plain_ms: float, num_cells: int, num_micro: int) -> float:
           4.0 / 3.0)
 
 
+INTER_OP_THREADS, INTRA_OP_THREADS = 2, 1
+
+
 def SessionConfig():
   return tf.config_pb2.ConfigProto(
-      device_count={'CPU': NUM_DEVICES}, inter_op_parallelism_threads=2,
-      intra_op_parallelism_threads=1)
+      device_count={'CPU': NUM_DEVICES},
+      inter_op_parallelism_threads=INTER_OP_THREADS,
+      intra_op_parallelism_threads=INTRA_OP_THREADS)
+
+
+def PinThreadPools() -> None:
+  """Gives TensorFlow's process-wide pools SessionConfig's thread counts.
+
+  Call before building any graph. lingvo_ext's cell functions are
+  tf.functions, and defining one starts TensorFlow's eager context, whose
+  pools (TensorFlow's defaults: a thread per core) every later session then
+  shares, whatever its config says; Lingvo's pipeline defines none. Without
+  this, which pools a session got depended on which implementation a
+  process built first.
+  """
+  try:
+    tf.config.threading.set_inter_op_parallelism_threads(INTER_OP_THREADS)
+    tf.config.threading.set_intra_op_parallelism_threads(INTRA_OP_THREADS)
+  except RuntimeError as e:  # The eager context already started.
+    _Log('WARNING thread pools not pinned: %s' % e)
 
 
 def _BuildPipeline(gpipe_module, cells: Sequence, num_micro_batches: int,
@@ -336,6 +357,7 @@ def ChildPeakRss(job: Dict) -> Dict:
     peak_rss_mb (the process's peak resident set, VmHWM or ru_maxrss) and
     base_rss_mb (resident set before the graph was built).
   """
+  PinThreadPools()
   base = _RssMb('VmRSS')
   s = Step(job['impl'], job['model'], job['width'], job['batch'], job['K'],
            job['M'], job.get('colocate', False),
@@ -980,6 +1002,7 @@ def main(argv=None) -> int:
   if child:
     print(json.dumps(ChildPeakRss(json.loads(child))))
     return 0
+  PinThreadPools()
   if args.from_jsonl:
     with open(args.from_jsonl) as f:
       records = [json.loads(l) for l in f if l.strip()]

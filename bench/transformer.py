@@ -9,7 +9,10 @@ Grappler), the median step time (forward, tf.gradients, SGD) and the peak
 RSS. Each configuration runs in a fresh child process, on `K` logical CPU
 devices with 2 inter-op threads and `--intra_op_threads` intra-op threads (1
 by default; 0 is TensorFlow's default, one per core, which the trainer's
-session uses; the pool is one for all devices).
+session uses; the pool is one for all devices). The pools are set before
+the graph is built: a tf.function (lingvo_ext's cell functions, and Lingvo's
+loop) starts TensorFlow's eager context, whose pools every later session
+shares whatever its config says.
 
   .venv/bin/python bench/transformer.py --L 8 --K 2 --M 4
   .venv/bin/python bench/transformer.py --L 8 32 --K 2 4 --M 4 16 --markdown
@@ -62,6 +65,13 @@ def _Child(variant: str, num_layers: int, k: int, m: int, steps: int,
   import numpy as np  # pylint: disable=g-import-not-at-top
   from lingvo_ext.core import layers_with_gpipe as ext_stacks  # pylint: disable=g-import-not-at-top
   py_utils.SetEagerMode(False)
+  if intra_op_threads:
+    # lingvo_ext's cell functions are tf.functions: defining one starts
+    # TensorFlow's eager context, whose thread pools (made first, with
+    # TensorFlow's defaults) the session then uses, whatever its config
+    # says. Set them here so every variant runs on the same pools.
+    tf.config.threading.set_intra_op_parallelism_threads(intra_op_threads)
+    tf.config.threading.set_inter_op_parallelism_threads(2)
   t_import = time.time() - t0
   t0 = time.time()
   schedule, *extras = variant.split('+')
@@ -127,7 +137,8 @@ def _Child(variant: str, num_layers: int, k: int, m: int, steps: int,
   from tensorflow.python.util import _pywrap_util_port  # pylint: disable=g-import-not-at-top,g-direct-tensorflow-import
   return dict(
       variant=variant, dtype=dtype, L=num_layers, K=k, M=m, ops=ops,
-      intra_op_threads=intra_op_threads,
+      # The pools the session ran on (0: TensorFlow's default).
+      intra_op_threads=tf.config.threading.get_intra_op_parallelism_threads(),
       bytes_between_cells=cross_bytes,
       import_s=round(t_import, 2), build_s=round(t_build, 2),
       first_step_s=round(t_first, 2),
