@@ -476,6 +476,7 @@ class RunnerManager(trainer_lib.DistributedRunnerManagerMixin,
       return
     config = py_utils.SessionConfig()
     config.device_count['CPU'] = self._options.num_cpu_devices
+    config.intra_op_parallelism_threads = self._options.IntraOpThreads()
     with internal_tf.LocalServerConfig(config):
       super().MaybeConfigRunLocally()
 

@@ -14,7 +14,9 @@ changes:
 - --num_cpu_devices=N gives each local replica N logical CPU devices (the
   local server, the sessions and the cluster's job specs all get N), so
   --worker_split_size=N pipelines a model's cells across them. Stock
-  lingvo.trainer always has one CPU device.
+  lingvo.trainer always has one CPU device. The devices share one intra-op
+  pool of cores / N threads (--intra_op_threads), so N ops at once do not
+  oversubscribe the cores.
 - --max_steps overrides the experiment's train.max_steps. Training resumes
   from the last checkpoint in DIR/train.
 - Variables are initialized with stateless RNGs seeded by their names
@@ -209,6 +211,9 @@ def _CheckFlags(o):
     return '--logdir is required, e.g. --logdir=/tmp/lingvo_ext/lm'
   if o.num_cpu_devices < 1:
     return f'--num_cpu_devices={o.num_cpu_devices} must be >= 1.'
+  if o.intra_op_threads is not None and o.intra_op_threads < 0:
+    return (f'--intra_op_threads={o.intra_op_threads} must be >= 0 (0: '
+            "TensorFlow's default, a thread per core).")
   if o.max_steps is not None and o.max_steps < 0:
     return f'--max_steps={o.max_steps} must be >= 0.'
   if o.distributed:
@@ -220,6 +225,19 @@ def _CheckFlags(o):
               f'--num_cpu_devices={n}; to pipeline over {split} CPU devices '
               f'pass --num_cpu_devices={split}.')
   return None
+
+
+def _SetThreadPools(o):
+  """TensorFlow's intra-op pool for this process (--intra_op_threads).
+
+  Set before anything builds a graph or a server (--plan=auto's probe does):
+  the first tf.function (lingvo_ext's cell functions, Lingvo's loop) or
+  server makes the process-wide pool that every later session shares,
+  whatever its config says.
+  """
+  n = o.IntraOpThreads()
+  if n:
+    tf.config.threading.set_intra_op_parallelism_threads(n)
 
 
 def _HasPartitioner(p):
@@ -286,6 +304,9 @@ def main(unused_argv, options=None):
           f'the full log is in {log_file} (--alsologtostderr to print it '
           'here too).', flush=True)
     progress.RouteLogToFile(log_file)
+  if o.IntraOpThreads():
+    tf.logging.info('intra-op threads: %d (--intra_op_threads)',
+                    o.IntraOpThreads())
   try:
     RunnerManager(o.model, o, run_state).Start()
   except ValueError as e:  # Bad params, found while building the model.
@@ -302,8 +323,8 @@ def main(unused_argv, options=None):
 
 # The flags --help describes; --helpfull lists all of Lingvo's and TF's.
 _HELP_FLAGS = ('model', 'logdir', 'max_steps', 'num_cpu_devices',
-               'worker_split_size', 'job', 'model_params_override', 'plan',
-               'devices', 'memory_per_device',
+               'worker_split_size', 'intra_op_threads', 'job',
+               'model_params_override', 'plan', 'devices', 'memory_per_device',
                'max_nonfinite_steps')
 
 
@@ -342,6 +363,8 @@ def Run(argv=None):
   o = Options.FromFlags()  # The flags, read once.
   # Everything checked before anything is written to the logdir.
   error = _CheckFlags(o)
+  if not error:
+    _SetThreadPools(o)
   if not error and o.plan:
     error, o, argv = _AutoPlan(o, argv)
   if not error:

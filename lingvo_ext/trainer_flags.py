@@ -8,6 +8,7 @@ the runners and lingvo_ext.distributed get those values, not FLAGS.
 """
 
 import dataclasses
+import os
 
 import lingvo.compat as tf
 
@@ -19,6 +20,13 @@ tf.flags.DEFINE_integer(
     'num_cpu_devices', 1,
     'Logical CPU devices per replica (local runs). Use with '
     '--worker_split_size=N to pipeline a model over N CPU devices.')
+tf.flags.DEFINE_integer(
+    'intra_op_threads', None,
+    'Threads of TensorFlow\'s intra-op pool, one pool that every CPU device '
+    'of the process shares. Default: with --num_cpu_devices=N > 1 in a local '
+    'run, the cores this process may use divided by N (at least 1), so the '
+    'N devices\' ops running at once do not oversubscribe the cores; '
+    'otherwise 0. 0: TensorFlow\'s default, a thread per core.')
 tf.flags.DEFINE_integer(
     'max_steps', None, 'If set, overrides the experiment\'s train.max_steps.')
 tf.flags.DEFINE_integer(
@@ -97,6 +105,7 @@ class Options:
   run_locally: str = ''
   cluster_spec: str = ''
   num_cpu_devices: int = 1
+  intra_op_threads: int = None
   worker_gpus: int = 0
   worker_split_size: int = 1
   max_steps: int = None
@@ -119,6 +128,23 @@ class Options:
       values[name] = values[name] or ''
     values['worker_gpus'] = values['worker_gpus'] or 0
     return cls(**values)
+
+  def IntraOpThreads(self, cores: int = None) -> int:
+    """The intra-op pool's threads (0: TensorFlow's default).
+
+    Args:
+      cores: The cores this process may use (default: its CPU affinity).
+    """
+    if self.intra_op_threads is not None:
+      return self.intra_op_threads
+    # --plan=auto plans for --devices and then runs on as many.
+    devices = (self.devices if self.plan and self.devices else
+               self.num_cpu_devices)
+    if self.run_locally != 'cpu' or devices <= 1:
+      return 0
+    if cores is None:
+      cores = len(os.sched_getaffinity(0))
+    return max(1, cores // devices)
 
   @property
   def distributed(self):

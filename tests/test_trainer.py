@@ -166,6 +166,9 @@ def testLmTwoPartitionsOnTwoCpusMatchOnePartition(lm_run, tiny_gpipe_run):
   _, loss_k1 = lm_run
   logdir = tiny_gpipe_run.logdir
   assert 'device:CPU:1' in _Log(logdir)
+  # The 2 devices share one intra-op pool of cores / 2 threads.
+  threads = max(1, len(os.sched_getaffinity(0)) // 2)
+  assert f'intra-op threads: {threads} (--intra_op_threads)' in _Log(logdir)
   loss_k2 = _Scalars(os.path.join(logdir, 'train'), 'loss')
   print(f'first-step loss: K=1 {loss_k1[1]:.7f}, K=2 {loss_k2[1]:.7f}')
   assert abs(loss_k1[1] - loss_k2[1]) < 1e-4
@@ -260,3 +263,33 @@ def testBadSplitSizeIsAClearError(tmp_path):
   assert rc == 2
   assert '--num_cpu_devices=2' in out
   assert 'Traceback' not in out
+
+
+def testIntraOpThreadsDefaultToCoresPerDevice():
+  from lingvo_ext import trainer_flags  # pylint: disable=g-import-not-at-top
+  o = trainer_flags.Options
+  local = dict(run_locally='cpu')
+  assert o(num_cpu_devices=2, **local).IntraOpThreads(cores=2) == 1
+  assert o(num_cpu_devices=2, **local).IntraOpThreads(cores=8) == 4
+  assert o(num_cpu_devices=4, **local).IntraOpThreads(cores=2) == 1
+  # One device, or not a local run: TensorFlow's default.
+  assert o(num_cpu_devices=1, **local).IntraOpThreads(cores=8) == 0
+  assert o(num_cpu_devices=2).IntraOpThreads(cores=8) == 0
+  # --plan=auto runs on --devices.
+  assert o(num_cpu_devices=1, plan='auto', devices=4,
+           **local).IntraOpThreads(cores=8) == 2
+  # The flag wins, 0 included.
+  assert o(num_cpu_devices=2, intra_op_threads=0,
+           **local).IntraOpThreads(cores=8) == 0
+  assert o(num_cpu_devices=1, intra_op_threads=3,
+           **local).IntraOpThreads(cores=8) == 3
+
+
+@pytest.mark.e2e
+def testNegativeIntraOpThreadsIsAClearError(tmp_path):
+  rc, out = _Run('lingvo_ext.trainer', '--model=lm.TransformerLmTiny',
+                 f'--logdir={tmp_path}', '--intra_op_threads=-1')
+  assert rc == 2
+  assert '--intra_op_threads=-1 must be >= 0' in out
+  assert 'Traceback' not in out
+  assert not os.listdir(str(tmp_path))
