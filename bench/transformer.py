@@ -155,7 +155,8 @@ def _Child(variant: str, num_layers: int, k: int, m: int, steps: int,
 def OpTimes(step_stats) -> dict:
   """{op type: ms} summed over a traced step's ops on every device.
 
-  Ops inside TF functions (cell_functions) count as their call op.
+  A function call's time (cell_functions) spans the ops it runs, which the
+  trace also records under their own types: those count twice in the sum.
   """
   out = {}
   for dev in step_stats.dev_stats:
