@@ -283,6 +283,13 @@ def testIntraOpThreadsDefaultToCoresPerDevice():
            **local).IntraOpThreads(cores=8) == 0
   assert o(num_cpu_devices=1, intra_op_threads=3,
            **local).IntraOpThreads(cores=8) == 3
+  # A cluster task's server and sessions get it too.
+  from lingvo_ext.distributed import server  # pylint: disable=g-import-not-at-top
+  task = o(intra_op_threads=3, cluster_spec='worker=127.0.0.1:1',
+           job='worker')
+  assert server.SessionConfig(task).intra_op_parallelism_threads == 3
+  assert server.SessionConfig(
+      task, client=False).intra_op_parallelism_threads == 3
 
 
 @pytest.mark.e2e

@@ -31,6 +31,8 @@ def SessionConfig(options, client=True, **kwargs):
   """
   config = py_utils.SessionConfig(**kwargs)
   config.device_count['CPU'] = options.num_cpu_devices
+  # A server made before any tf.function makes the process's pool.
+  config.intra_op_parallelism_threads = options.IntraOpThreads()
   if options.distributed:
     config.operation_timeout_in_ms = int(options.worker_timeout_secs * 1000)
     # Collective ops across tasks (task.gradient_sync 'all_reduce'/'hybrid')
