@@ -304,9 +304,9 @@ def main(unused_argv, options=None):
           f'the full log is in {log_file} (--alsologtostderr to print it '
           'here too).', flush=True)
     progress.RouteLogToFile(log_file)
-  if o.IntraOpThreads():
-    tf.logging.info('intra-op threads: %d (--intra_op_threads)',
-                    o.IntraOpThreads())
+  threads = o.IntraOpThreads()
+  if threads:
+    tf.logging.info('intra-op threads: %d (--intra_op_threads)', threads)
   try:
     RunnerManager(o.model, o, run_state).Start()
   except ValueError as e:  # Bad params, found while building the model.
