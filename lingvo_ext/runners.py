@@ -8,7 +8,9 @@ classes it names (its Controller/Trainer/Evaler/Decoder attributes):
 
 - `LocalController` checkpoints through checkpoints.TrainingCheckpointer
   (returned from Lingvo's `_CreateCheckpointer`): finite saves only, the
-  step kept when a task of a live cluster restarts;
+  step kept when a task of a live cluster restarts; it saves the last
+  checkpoint as soon as the trainer in its process stops, not up to 10 s
+  later;
 - `LocalTrainer` retries a non-finite step at once, at most
   --max_nonfinite_steps times; polls for the controller instead of sleeping
   30 s; its session (`_TrainerSession`) reports each step to the progress
@@ -29,6 +31,7 @@ from lingvo import runners as lingvo_runners
 from lingvo import trainer as lingvo_trainer
 import lingvo.compat as tf
 from lingvo.core import py_utils
+import numpy as np
 
 from lingvo_ext import checkpoints
 from lingvo_ext import progress
@@ -55,12 +58,17 @@ class RunState:
   controller_here: a controller runs in this process. In a new run its
     trainer waits for `first_save_done`, so that the first checkpoint holds
     the initial weights rather than whatever step the trainer reached.
+  trainer_done: this process's trainer loop has ended (max_steps, Ctrl-C,
+    early stop): the controller, which looks at the step every 10 s, looks
+    at once and saves the last checkpoint.
   """
   interrupted: threading.Event = dataclasses.field(
       default_factory=threading.Event)
   controller_here: threading.Event = dataclasses.field(
       default_factory=threading.Event)
   first_save_done: threading.Event = dataclasses.field(
+      default_factory=threading.Event)
+  trainer_done: threading.Event = dataclasses.field(
       default_factory=threading.Event)
 
 
@@ -127,6 +135,7 @@ class LocalController(_RunnerMixin, lingvo_runners.Controller):
 
   def __init__(self, *args, **kwargs):
     super().__init__(*args, **kwargs)
+    self._woken = False
     if self._checkpointer is not None:
       self._run_state.controller_here.set()
 
@@ -149,6 +158,64 @@ class LocalController(_RunnerMixin, lingvo_runners.Controller):
     if stop and step is not None and step >= self.params.train.max_steps:
       self._finished_step = int(step)  # Its checkpoint is saved next.
     return stop
+
+  def _Loop(self):
+    """Lingvo's Controller._Loop, waking when the trainer here finishes.
+
+    Lingvo's loop sleeps until 10 s after each look at the step, so a local
+    run ended up to 10 s after its last step; here that wait ends as soon as
+    this process's trainer stops (RunState.trainer_done).
+    """
+    with tf.container(self._container_id), self._GetSession() as sess:
+      if lingvo_runners.FLAGS.interactive:
+        lingvo_runners.StartShell(locals())
+        return
+      sess.run(self._initialize_tables)
+      sess.run(self._initialize_local_vars)
+      for task in self._model.tasks:
+        task.input.Initialize(sess)
+      tp = self.params.train
+      next_summary_step = 1
+      if not self._checkpoint_in_controller:
+        global_step = self._WaitUntilInit(sess)
+      while True:
+        next_look = time.time() + min(10, tp.save_interval_seconds)
+        if self._checkpoint_in_controller:
+          self._checkpointer.RestoreIfNeeded(sess)
+        global_step = sess.run(self._model.global_step)
+        if self._ShouldStop(sess, global_step):
+          tf.logging.info('Training finished.')
+          if self._checkpoint_in_controller:
+            self._checkpointer.Save(sess, global_step)
+          sess.close()
+          self._DequeueThreadComplete()
+          return
+        if self._checkpoint_in_controller:
+          self._checkpointer.MaybeSave(sess, global_step)
+        if self._summary_op is not None and global_step >= next_summary_step:
+          global_step, summary_str = sess.run(
+              [self._model.global_step, self._summary_op])
+          next_summary_step = global_step + tp.summary_interval_steps
+          if isinstance(summary_str, np.ndarray) and summary_str.size == 0:
+            tf.logging.info('Skipping summary: %s', summary_str)
+          else:
+            self._summary_writer.add_summary(summary_str, global_step)
+          tf.logging.info('Write summary @%s', global_step)
+          self._SummarizeValue(global_step, 'total_num_params',
+                               self._total_num_params)
+        self.WaitForNextLook(next_look)
+
+  def WaitForNextLook(self, deadline):
+    """Sleeps until `deadline` (time.time()) or until the trainer stops.
+
+    Only the first wait after the trainer stopped is cut short: should the
+    controller go on (its own stop rule not met), it looks every 10 s again.
+    """
+    if self._woken:
+      time.sleep(max(0.0, deadline - time.time()))
+    else:
+      self._woken = self._run_state.trainer_done.wait(
+          max(0.0, deadline - time.time()))
 
   def _DequeueThreadComplete(self):
     super()._DequeueThreadComplete()
@@ -257,6 +324,10 @@ class LocalTrainer(_RunnerMixin, lingvo_runners.Trainer):
       self._DequeueThreadComplete()
       return True
     return super()._ShouldStop(sess, step, check_early_stop)
+
+  def _DequeueThreadComplete(self):
+    super()._DequeueThreadComplete()
+    self._run_state.trainer_done.set()
 
   def _RunLoop(self, job_name, loop_func, loop_args=(), cleanup_func=None):
     if job_name != 'trainer':

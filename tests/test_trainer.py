@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 
 import lingvo.compat as tf
@@ -300,3 +301,23 @@ def testNegativeIntraOpThreadsIsAClearError(tmp_path):
   assert '--intra_op_threads=-1 must be >= 0' in out
   assert 'Traceback' not in out
   assert not os.listdir(str(tmp_path))
+
+
+def testControllerLooksAtOnceWhenItsTrainerStops():
+  # Lingvo's controller looks at the step every 10 s, so a local run ended
+  # up to 10 s after its last step; it now wakes when its trainer stops.
+  from lingvo_ext import runners  # pylint: disable=g-import-not-at-top
+  state = runners.RunState()
+  trainer = object.__new__(runners.LocalTrainer)
+  trainer._run_state = state  # pylint: disable=protected-access
+  controller = object.__new__(runners.LocalController)
+  controller._run_state, controller._woken = state, False  # pylint: disable=protected-access
+  threading.Timer(0.2, trainer._DequeueThreadComplete).start()  # pylint: disable=protected-access
+  start = time.monotonic()
+  controller.WaitForNextLook(time.time() + 120)
+  assert time.monotonic() - start < 60
+  assert trainer.stopped and state.trainer_done.is_set()
+  # Once: should the controller go on, it waits out its interval again.
+  start = time.monotonic()
+  controller.WaitForNextLook(time.time() + 0.5)
+  assert time.monotonic() - start >= 0.45
