@@ -312,6 +312,54 @@ def test_choose_and_apply():
                              memory_per_device=1024, machine=machine)
 
 
+def _BuiltOps(model, plan, overrides=''):
+  """Ops of the plan's training graph: counted ops of the graph (as GraphOps
+  counts them) and the nodes of its functions' bodies that compute."""
+  import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
+  from lingvo.core import cluster_factory  # pylint: disable=g-import-not-at-top
+  from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
+  cfg = planner.ApplyPlan(planner.ExperimentParams(model, overrides=overrides),
+                          plan)
+  task_p = cfg.task.Copy()
+  task_p.input = cfg.input.Copy()
+  g = tf.Graph()
+  with g.as_default(), cluster_factory.ForTestingWorker(
+      mode='sync', job='trainer_client', cpus=plan.devices,
+      split_size=plan.devices_per_replica):
+    py_utils.GetOrCreateGlobalStepVar()
+    task = task_p.Instantiate()
+    task.FPropDefaultTheta()
+    task.BProp()
+  bodies = sum(n.op not in planner._FREE_OPS  # pylint: disable=protected-access
+               for f in g.as_graph_def().library.function for n in f.node_def)
+  return sum(map(planner._IsCounted, g.get_operations())) + bodies  # pylint: disable=protected-access
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('schedule,cell_functions', [
+    ('unrolled', True), ('zero_bubble', True), ('recurrent', True),
+    ('unrolled', False)])
+def test_graph_ops_grow_with_micro_batches_as_built(schedule, cell_functions):
+  # What the graph gains from M = 1 to M = 8 (2 cells): a call per (cell,
+  # micro-batch) where cells are built once, nothing in Lingvo's loop, a
+  # copy of every cell per micro-batch inline.
+  overrides = '' if cell_functions else 'task.cell_functions:False'
+  cfg = planner.ExperimentParams(TINY, overrides=overrides)
+  profile = planner.ProfileExperiment(cfg, TINY)
+  assert profile.cell_functions == cell_functions
+  plans = {p.num_micro_batches: p for p in planner.Enumerate(profile, 2)
+           if p.num_cells == 2 and p.replicas == 1 and p.schedule == schedule
+           and not (p.recompute and schedule != 'recurrent')}
+  built = [_BuiltOps(TINY, plans[m], overrides) for m in (1, 8)]
+  predicted = [planner.GraphOps(profile, plans[m]) for m in (1, 8)]
+  grown, predicted_growth = built[1] - built[0], predicted[1] - predicted[0]
+  if schedule == 'recurrent':
+    assert predicted_growth == 0
+    assert abs(grown) < 0.02 * built[0], built
+  else:
+    assert 0.5 < predicted_growth / grown < 2., (built, predicted)
+
+
 # --- The command line ---------------------------------------------------------
 
 
@@ -637,3 +685,18 @@ def test_calibrate_falls_back_when_more_steps_run_faster():
   assert fitted.recurrent_s_per_byte == 0.
   assert fitted == planner.Calibrate(profile, probed, times[:3])
   assert fitted.recurrent_op_factor == pytest.approx(0.4)
+
+
+def test_bench_sweep_takes_every_plan_the_planner_offers():
+  sys.path.insert(0, ROOT)
+  from bench import plan as bench_plan  # pylint: disable=g-import-not-at-top
+  profile = _Profile(num_layers=6, batch=16)
+  offered = [p.Key() for p in planner.Enumerate(profile, 2)]
+  assert [p.Key() for p in bench_plan.SweepPlans(TINY, profile, 2)] == offered
+  # The FC benchmark runs one replica; --micro_batches narrows the sweep.
+  fc = bench_plan.SweepPlans(bench_plan.FC, profile, 2)
+  assert [p.Key() for p in fc] == [
+      p.Key() for p in planner.Enumerate(profile, 2) if p.replicas == 1]
+  some = bench_plan.SweepPlans(TINY, profile, 2, micro_batches=[1, 4])
+  assert {p.num_micro_batches for p in some} == {1, 4}
+  assert len(some) < len(offered)

@@ -146,6 +146,9 @@ class ModelProfile:
       example losses summed in the last cell), which '1f1b' without
       recompute, 'interleaved_1f1b' and 'zero_bubble' need.
     loss_ops: Ops of the loss and its gradient outside the pipeline.
+    cell_functions: Whether the pipeline builds each cell once, as a function
+      called per micro-batch (PipeliningLayer.cell_functions, the default),
+      rather than a copy per micro-batch (see GraphOps).
   """
   name: str
   layers: Tuple[LayerProfile, ...]
@@ -154,6 +157,7 @@ class ModelProfile:
   optimizer_slots: int = 2
   linear_loss: bool = False
   loss_ops: int = 20
+  cell_functions: bool = True
 
   @property
   def param_bytes(self) -> int:
@@ -642,14 +646,38 @@ def Predict(profile: ModelProfile, plan: Plan,
   return plan
 
 
+# Ops per (cell, micro-batch) call of a cell built once: the forward and
+# gradient calls, their inputs' and outputs' plumbing and the exported
+# operands' rows; the window and list engines add their gates and held
+# outputs. Measured on lm.TransformerLmTiny's training graph at K = 1, 2
+# and M = 1, 4, 8: 10-18 ops for 'unrolled', 22-28 for '1f1b' and
+# 'zero_bubble' (tests/test_plan.py checks GraphOps against built graphs).
+CALL_OPS = {'unrolled': 14}
+CALL_OPS_GATED = 26
+
+
 def GraphOps(profile: ModelProfile, plan: Plan) -> int:
-  """Ops of one training step's graph (counted as in ProfileLayers)."""
+  """Ops of one training step's graph (counted as in ProfileLayers).
+
+  Each cell's forward and backward ops are in the graph once where the
+  pipeline builds cells once: Lingvo's 'recurrent' loop, and every other
+  schedule with cell functions (`ModelProfile.cell_functions`), which adds
+  a call per (cell, micro-batch) (CALL_OPS; recompute calls the same
+  forward function again). Cells built inline are copied per micro-batch,
+  their forward pass twice with recompute.
+  """
   fwd = sum(l.fwd_ops for l in profile.layers)
   bwd = sum(l.bwd_ops for l in profile.layers)
-  per_replica = plan.num_micro_batches * (
-      fwd * (2 if plan.recompute else 1) + bwd) + profile.loss_ops
+  m = plan.num_micro_batches
+  if plan.schedule == 'recurrent':
+    per_replica = 2 * fwd + bwd
+  elif profile.cell_functions:
+    calls = CALL_OPS.get(plan.schedule, CALL_OPS_GATED)
+    per_replica = fwd + bwd + plan.num_cells * m * calls
+  else:
+    per_replica = m * (fwd * (2 if plan.recompute else 1) + bwd)
   num_vars = sum(l.num_vars for l in profile.layers)
-  return plan.replicas * per_replica + num_vars * 12
+  return plan.replicas * (per_replica + profile.loss_ops) + num_vars * 12
 
 
 def PredictAll(profile: ModelProfile, plans: Sequence[Plan],
@@ -1009,7 +1037,9 @@ def ProfileExperiment(model_params, name: str = '') -> ModelProfile:
   return ModelProfile(
       name=name or task.name, layers=tuple(ProfileLayers(stack, *shapes)),
       batch=batch, in_bytes=in_bytes, optimizer_slots=OptimizerSlots(task),
-      linear_loss=False)
+      linear_loss=False,
+      cell_functions=bool(task.Get('cell_functions')
+                          if 'cell_functions' in task else True))
 
 
 def ProbeMachine(session_config=None, cores: Optional[float] = None,
