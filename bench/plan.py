@@ -3,8 +3,9 @@
 For shipped experiments (lingvo_ext/tools/plan.py's models) and the FC
 benchmark of bench/pipeline.py (8 FC layers, a per-example loss in the last
 cell: a loss linear in the pipeline's outputs, so every schedule applies),
-enumerates the plans on --devices CPU devices (lingvo_ext/core/planner.py),
-predicts each, then times them all in turn in one process (round robin,
+enumerates every plan the planner offers on --devices CPU devices
+(lingvo_ext/core/planner.py; the FC benchmark runs one replica), or those
+with M in --micro_batches, predicts each, then times them all in turn in one process (round robin,
 the fastest of --rounds) and reads each one's peak RSS in a fresh process
 (forked from a server that has imported TensorFlow). Per model
 it reports:
@@ -30,6 +31,7 @@ sweep in their own sessions, and the peak RSS of two of them
   .venv/bin/python bench/plan.py                    # JSON lines, default sweep
   .venv/bin/python bench/plan.py --markdown         # tables for docs
   .venv/bin/python bench/plan.py --models fc --devices 2 --markdown
+  .venv/bin/python bench/plan.py --micro_batches 1 4   # a shorter sweep
 """
 
 import argparse
@@ -57,8 +59,6 @@ FC_WIDTH = 512
 FC_BATCH = 64
 FC_MODEL = 'homogeneous'
 # What the sweep enumerates (every plan of planner.Enumerate within these).
-SWEEP_MICRO_BATCHES = (1, 4)
-SWEEP_SYNC = ('all_reduce',)
 
 
 def _Log(msg: str) -> None:
@@ -168,13 +168,11 @@ def Profile(model: str) -> planner.ModelProfile:
   return planner.ProfileExperiment(planner.ExperimentParams(model), model)
 
 
-def SweepPlans(model: str, profile: planner.ModelProfile,
-               devices: int) -> List[planner.Plan]:
-  """planner.Enumerate within the sweep's bounds (see the constants)."""
-  plans = planner.Enumerate(profile, devices,
-                            micro_batches=SWEEP_MICRO_BATCHES,
-                            sync_choices=SWEEP_SYNC)
-  plans = [p for p in plans if p.num_cells <= 2 * p.devices_per_replica]
+def SweepPlans(model: str, profile: planner.ModelProfile, devices: int,
+               micro_batches=None) -> List[planner.Plan]:
+  """Every plan planner.Enumerate offers on `devices` (the FC benchmark: one
+  replica), or only those with M in `micro_batches` if given."""
+  plans = planner.Enumerate(profile, devices, micro_batches=micro_batches)
   if model == FC:
     plans = [p for p in plans if p.replicas == 1]
   return plans
@@ -206,7 +204,7 @@ def Rss(model: str, plans: Sequence[planner.Plan], measurer) -> List:
 
 
 def RunModel(model: str, devices: int, rounds: int, warmup: int,
-             measure_top: int, measurer) -> Dict:
+             measure_top: int, measurer, micro_batches=None) -> Dict:
   """Predicts and measures every plan of one model; its summary record."""
   t0 = time.time()
   profile = Profile(model)
@@ -215,7 +213,7 @@ def RunModel(model: str, devices: int, rounds: int, warmup: int,
   machine = planner.ProbeMachine(config)
   probe = dataclasses.asdict(machine)
   refs = planner.ReferencePlans(profile)
-  plans = SweepPlans(model, profile, devices)
+  plans = SweepPlans(model, profile, devices, micro_batches)
   _Log('%s: %d plans; building and timing them (%d rounds)' %
        (model, len(plans), rounds))
   # The references are timed beside the sweep's plans (the same load), as
@@ -338,6 +336,9 @@ def main(argv=None) -> int:
   parser.add_argument('--measure_top', type=int, default=3,
                       help='Plans the --measure choice re-times (default '
                       '%(default)s).')
+  parser.add_argument('--micro_batches', type=int, nargs='+',
+                      help='Only plans with these M (default: every M the '
+                      'planner offers).')
   parser.add_argument('--markdown', action='store_true',
                       help='Print markdown tables instead of JSON lines.')
   parser.add_argument('--jsonl', help='Also append each model\'s record '
@@ -358,7 +359,7 @@ def main(argv=None) -> int:
   t = time.time()
   for model in args.models:
     records.append(RunModel(model, args.devices, args.rounds, args.warmup,
-                            args.measure_top, measurer))
+                            args.measure_top, measurer, args.micro_batches))
     if args.jsonl:
       with open(args.jsonl, 'a') as f:
         f.write(json.dumps(records[-1]) + '\n')
