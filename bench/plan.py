@@ -240,9 +240,7 @@ def RunModel(model: str, devices: int, rounds: int, warmup: int,
         1e3 * p.measured_step_s,
         '-' if p.measured_rss_bytes is None else
         planner.FormatSize(p.measured_rss_bytes)))
-  best = min(p.measured_step_s for p in plans)
   ranked = planner.Rank(plans)
-  chosen = ranked[0]
   # --measure: the top plans (and their twins without recompute) timed
   # again, round robin, and chosen as the tool chooses
   # (planner.MeasuredChoice); its time below is the sweep's, so both
@@ -253,10 +251,36 @@ def RunModel(model: str, devices: int, rounds: int, warmup: int,
             for p, t in zip(top, again)]
   pick, noise = planner.MeasuredChoice(copies)
   chosen_measured = top[[c is pick for c in copies].index(True)]
+  return Summary(
+      model, devices, plans, machine,
+      dict(chosen_measure_key=chosen_measured.Key(),
+           measure_noise=round(noise, 3),
+           measure_candidates=[p.Key() for p in top]),
+      probe=probe, reference_ms=[round(1e3 * t, 3) for t in times[:len(refs)]],
+      reference_rss_mb=[round(r / 2**20, 1) for r in ref_rss if r],
+      seconds=round(time.time() - t0))
+
+
+def Summary(model: str, devices: int, plans: Sequence[planner.Plan],
+            machine: planner.Machine, measure: Dict, **fields) -> Dict:
+  """The summary record of a model's predicted and measured plans.
+
+  Args:
+    model: The model's name.
+    devices: N.
+    plans: Predicted plans with their measured_step_s and measured_rss_bytes.
+    machine: The calibrated machine they were predicted with.
+    measure: chosen_measure_key (the --measure pick), measure_noise and
+      measure_candidates; or {} where there was no re-timing.
+    **fields: Recorded as they are (probe, reference_ms, ...).
+  """
+  best = min(p.measured_step_s for p in plans)
+  chosen = planner.Rank(plans)[0]
+  by_key = {p.Key(): p for p in plans}
   with_rss = [p for p in plans if p.measured_rss_bytes]
   mem_err = [abs(p.process_bytes - p.measured_rss_bytes) / p.measured_rss_bytes
              for p in with_rss]
-  return dict(
+  out = dict(
       model=model, devices=devices, plans=len(plans),
       spearman=round(planner.Spearman([p.step_s for p in plans],
                                       [p.measured_step_s for p in plans]), 3),
@@ -266,27 +290,61 @@ def RunModel(model: str, devices: int, rounds: int, warmup: int,
       best_ms=round(1e3 * best, 2),
       chosen_key=chosen.Key(),
       chosen_ms=round(1e3 * chosen.measured_step_s, 2),
-      chosen_over_best=round(chosen.measured_step_s / best, 3),
-      chosen_measure_key=chosen_measured.Key(),
-      chosen_measure_ms=round(1e3 * chosen_measured.measured_step_s, 2),
-      chosen_measure_over_best=round(chosen_measured.measured_step_s / best,
-                                     3),
-      measure_noise=round(noise, 3),
-      measure_candidates=[p.Key() for p in top],
-      machine=dataclasses.asdict(machine), probe=probe,
-      reference_ms=[round(1e3 * t, 3) for t in times[:len(refs)]],
-      reference_rss_mb=[round(r / 2**20, 1) for r in ref_rss if r],
-      seconds=round(time.time() - t0),
-      rows=[dict(key=p.Key(), sizes=list(p.sizes),
-                 predicted_ms=round(1e3 * p.step_s, 2),
-                 measured_ms=round(1e3 * p.measured_step_s, 2),
-                 bubble=round(p.bubble, 3),
-                 predicted_peak_mb=round(p.peak_bytes / 2**20, 2),
-                 predicted_process_mb=round(p.process_bytes / 2**20, 1),
-                 measured_rss_mb=(round(p.measured_rss_bytes / 2**20, 1)
-                                  if p.measured_rss_bytes else None),
-                 comm_kb=round(p.comm_bytes / 1024, 1))
-             for p in sorted(plans, key=lambda p: p.measured_step_s)])
+      chosen_over_best=round(chosen.measured_step_s / best, 3))
+  if measure:
+    picked = by_key[measure['chosen_measure_key']]
+    out.update(measure,
+               chosen_measure_ms=round(1e3 * picked.measured_step_s, 2),
+               chosen_measure_over_best=round(picked.measured_step_s / best,
+                                              3))
+  out.update(fields, machine=dataclasses.asdict(machine))
+  out['rows'] = [dict(key=p.Key(), sizes=list(p.sizes),
+                      predicted_ms=round(1e3 * p.step_s, 2),
+                      measured_ms=round(1e3 * p.measured_step_s, 2),
+                      bubble=round(p.bubble, 3),
+                      predicted_peak_mb=round(p.peak_bytes / 2**20, 2),
+                      predicted_process_mb=round(p.process_bytes / 2**20, 1),
+                      measured_rss_mb=(round(p.measured_rss_bytes / 2**20, 1)
+                                       if p.measured_rss_bytes else None),
+                      comm_kb=round(p.comm_bytes / 1024, 1))
+                 for p in sorted(plans, key=lambda p: p.measured_step_s)]
+  return out
+
+
+def Repredict(record: Dict) -> Dict:
+  """A saved summary record predicted again by this checkout's planner.
+
+  The model's profile, and the run's own probe and reference measurements
+  calibrated again (planner.Calibrate), predict every plan of the run; the
+  measured figures are the run's. The --measure pick needs a re-timing: it
+  is kept where this planner ranks the same candidates first, else dropped.
+  """
+  profile = Profile(record['model'])
+  machine = planner.Calibrate(
+      profile, planner.Machine(**record['probe']),
+      [t / 1e3 for t in record['reference_ms']],
+      [m * 2**20 for m in record['reference_rss_mb']] or None)
+  offered = {p.Key(): p for p in planner.Enumerate(profile,
+                                                   record['devices'])}
+  plans = []
+  for row in record['rows']:
+    p = planner.Predict(profile, dataclasses.replace(offered[row['key']]),
+                        machine)
+    p.measured_step_s = row['measured_ms'] / 1e3
+    if row['measured_rss_mb']:
+      p.measured_rss_bytes = row['measured_rss_mb'] * 2**20
+    plans.append(p)
+  measure = {}
+  retimed = record.get('measure_candidates', [])
+  ranked = planner.Rank(plans)
+  if 'chosen_measure_key' in record and any(
+      [p.Key() for p in plan_tool.MeasureCandidates(ranked, n)] == retimed
+      for n in range(1, len(retimed) + 1)):
+    measure = {k: record[k] for k in ('chosen_measure_key', 'measure_noise',
+                                      'measure_candidates')}
+  keep = ('probe', 'reference_ms', 'reference_rss_mb', 'seconds')
+  return Summary(record['model'], record['devices'], plans, machine, measure,
+                 **{k: record[k] for k in keep if k in record})
 
 
 def Markdown(records: Sequence[Dict]) -> str:
@@ -297,14 +355,17 @@ def Markdown(records: Sequence[Dict]) -> str:
       '|' + '---|' * 9,
   ]
   for r in records:
+    measured = '- | -'  # No re-timing (a re-prediction that ranks others).
+    if 'chosen_measure_key' in r:
+      measured = '%s, %.1f ms | %.2f' % (r['chosen_measure_key'],
+                                         r['chosen_measure_ms'],
+                                         r['chosen_measure_over_best'])
     lines.append('| %s | %d | %.2f | %.1f%% / %.1f%% | %s, %.1f ms | %.2f '
-                 '| %s, %.1f ms | %.2f | %s, %.1f ms |' % (
+                 '| %s | %s, %.1f ms |' % (
                      r['model'], r['plans'], r['spearman'],
                      100 * r['mem_err_mean'], 100 * r['mem_err_max'],
                      r['chosen_key'], r['chosen_ms'], r['chosen_over_best'],
-                     r['chosen_measure_key'], r['chosen_measure_ms'],
-                     r['chosen_measure_over_best'], r['best_key'],
-                     r['best_ms']))
+                     measured, r['best_key'], r['best_ms']))
   for r in records:
     lines += ['', '%s (N=%d): per plan, fastest measured first' %
               (r['model'], r['devices']), '',
@@ -345,10 +406,24 @@ def main(argv=None) -> int:
                       'to this file as it is done.')
   parser.add_argument('--from_jsonl',
                       help='Only render --markdown from a saved --jsonl.')
+  parser.add_argument('--repredict', action='store_true',
+                      help='With --from_jsonl: predict the saved run again '
+                      'with this checkout\'s planner (its own probe and '
+                      'reference measurements calibrated again; see '
+                      'Repredict).')
   args = parser.parse_args(argv)
+  if args.repredict and not args.from_jsonl:
+    parser.error('--repredict needs --from_jsonl.')
   if args.from_jsonl:
     with open(args.from_jsonl) as f:
-      print(Markdown([json.loads(l) for l in f if l.strip()]))
+      records = [json.loads(l) for l in f if l.strip()]
+    if args.repredict:
+      records = [Repredict(r) for r in records]
+    if args.markdown:
+      print(Markdown(records))
+    else:
+      for r in records:
+        print(json.dumps(r))
     return 0
   if args.devices < 1:
     parser.error('--devices must be >= 1.')

@@ -1278,6 +1278,17 @@ def ReferencePlans(profile: ModelProfile,
   return out
 
 
+# Calibrate fits the memory per graph op from its two 'unrolled' references
+# only where the larger M adds this share of the smaller one's ops (cells
+# copied per micro-batch); with cells built once the graphs differ by a few
+# calls, and the RSS difference is the activations' and the allocator's,
+# not the graph's. Then it takes DEFAULT_BYTES_PER_OP: what that fit found
+# where graphs grew with M (7 KB for lm.TransformerLmTiny, 17 KB for
+# image.ConvClassifierTiny, 2026-11-23).
+MIN_FITTED_OP_GROWTH = 0.25
+DEFAULT_BYTES_PER_OP = 12 * 1024.
+
+
 def _Fit(profile: ModelProfile, plan: Plan, machine: Machine, **fields):
   return Predict(profile, dataclasses.replace(plan),
                  dataclasses.replace(machine, **fields))
@@ -1296,7 +1307,9 @@ def Calibrate(profile: ModelProfile, machine: Machine,
   each further step costs per byte of weights (`recurrent_s_per_byte`, from
   the larger M; given only that one, it fits the factor alone). With their
   peak RSS, the two
-  'unrolled' ones fix the bytes per graph op and the process overhead. Everything else (FLOP rate from the
+  'unrolled' ones fix the bytes per graph op (where the larger M's graph is
+  larger, cells copied per micro-batch; else DEFAULT_BYTES_PER_OP) and the
+  process overhead. Everything else (FLOP rate from the
   probe, schedules, cells, recompute, replicas) stays predicted.
 
   Args:
@@ -1354,8 +1367,8 @@ def Calibrate(profile: ModelProfile, machine: Machine,
     ma = _Fit(profile, a, out, bytes_per_op=0., overhead_bytes=0.)
     mb = _Fit(profile, b, out, bytes_per_op=0., overhead_bytes=0.)
     ga, gb = GraphOps(profile, a), GraphOps(profile, b)
-    per_op = 0.
-    if gb > ga:
+    per_op = machine.bytes_per_op or DEFAULT_BYTES_PER_OP
+    if gb - ga > MIN_FITTED_OP_GROWTH * ga:
       per_op = max(((rss_bytes[1] - mb.process_bytes) -
                     (rss_bytes[0] - ma.process_bytes)) / (gb - ga), 0.)
     out = dataclasses.replace(
