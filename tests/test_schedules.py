@@ -220,3 +220,31 @@ def test_1f1b_recomputes_for_a_nonlinear_loss(num_cells, functions):
 def test_1f1b_recompute_false_with_a_nonlinear_loss_is_an_error():
   with pytest.raises(ValueError, match="recompute=False needs output grad"):
     _BackwardGraph(2, 4, '1f1b', False)
+
+
+@pytest.mark.parametrize('schedule,num_cells', [('zero_bubble', 2),
+                                                ('interleaved_1f1b', 4)])
+def test_list_schedules_sum_weight_gradients_as_they_go(schedule, num_cells):
+  # Each action's weight gradient is added to the running sum as the action
+  # completes, and the sum stays a chain of 2-input adds in the graph that
+  # runs: Grappler folds a chain of plain adds into one AddN of all M parts,
+  # every micro-batch's weight-sized gradient alive until the last.
+  m = 8
+  g = tf.Graph()
+  with g.as_default(), lib.Cluster(2):
+    py_utils.GetOrCreateGlobalStepVar()
+    net = gpipe.PipeliningLayer.Params().Set(
+        name='pipe', cell_tpl=test_gpipe._FcCells(num_cells, 2),  # pylint: disable=protected-access
+        num_micro_batches=m, schedule=schedule).Instantiate()
+    out = net.FPropDefaultTheta(test_gpipe._Input(B, D))  # pylint: disable=protected-access
+    grads = tf.gradients(tf.reduce_sum(out), net.vars.Flatten())
+    init = tf.global_variables_initializer()
+  with lib.Session(g, 2) as sess:
+    sess.run(init)
+    meta = tf.RunMetadata()
+    sess.run(grads, options=tf.RunOptions(output_partition_graphs=True),
+             run_metadata=meta)
+  widest = max((len([i for i in n.input if not i.startswith('^')]), n.name)
+               for pg in meta.partition_graphs for n in pg.node
+               if n.op == 'AddN')
+  assert widest[0] <= 2, widest

@@ -708,8 +708,21 @@ class _ListEngine(_Engine):
     acc = [None] * len(leaves)
 
     def Add(parts):
+      """Adds parts to the running sums; returns the sums it changed.
+
+      An action's completion includes its sums, so the next action on the
+      device waits for them and each micro-batch's weight-sized part is freed
+      once added. Grappler also leaves an add that drives a control edge as it
+      is; a chain of plain adds it folds into one AddN of all M parts, every
+      part alive until the last (FC 8 x 512, 2 cells, M = 32: 1149 MB against
+      'unrolled''s 878 MB).
+      """
+      changed = []
       for k, g in enumerate(parts):
-        acc[k] = matmul_grad.SumGradients([acc[k], g])
+        if g is not None:
+          acc[k] = matmul_grad.SumGradients([acc[k], g])
+          changed.append(acc[k])
+      return changed
 
     for t in range(m):
       b = actions.Action('I' if split else 'B', i, t)
@@ -730,19 +743,18 @@ class _ListEngine(_Engine):
             dx[t], tg, dys = _CellGradients([outs[k] for k in idx], flat_x,
                                             leaves, grad_ys)
         if split:
-          completions[b] = _Group((dx[t] or []) + tg + dys) or gate
+          completions[b] = _Group((dx[t] or []) + tg + dys + Add(tg)) or gate
           w = actions.Action('W', i, t)
           with tf.name_scope('weight_grad'):
             w_gate = tf.no_op(name='w_gate')
             gates[w] = w_gate
             with tf.control_dependencies([w_gate]):
               batched = batcher.Gradients(leaves)
-            completions[w] = _Group(batched) or w_gate
+              completions[w] = _Group(batched + Add(batched)) or w_gate
         else:
           batched = batcher.Gradients(leaves)
-          completions[b] = _Group((dx[t] or []) + tg + dys + batched) or gate
-        Add(tg)
-        Add(batched)
+          completions[b] = _Group((dx[t] or []) + tg + dys + batched +
+                                  Add(tg) + Add(batched)) or gate
     dx = [[None] * len(_Flat(self.cell_in[i][t])) if dx[t] is None else dx[t]
           for t in range(m)]
     return dx, acc
