@@ -270,7 +270,9 @@ def test_parse_size_rejects(text):
 # --- Applying a plan to an experiment (TF, no subprocess) ---------------------
 
 
-def _BuildTask(cfg, devices, split):
+def _BuildTask(cfg, devices, split, train=False):
+  """The experiment's task on a worker of `devices` CPUs split by `split`;
+  with `train`, its training step built too (task.train_op)."""
   import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
   from lingvo.core import cluster_factory  # pylint: disable=g-import-not-at-top
   from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
@@ -279,7 +281,11 @@ def _BuildTask(cfg, devices, split):
   with tf.Graph().as_default(), cluster_factory.ForTestingWorker(
       mode='sync', job='trainer_client', cpus=devices, split_size=split):
     py_utils.GetOrCreateGlobalStepVar()
-    return task_p.Instantiate()
+    task = task_p.Instantiate()
+    if train:
+      task.FPropDefaultTheta()
+      task.BProp()
+    return task
 
 
 @pytest.mark.parametrize('index', [0, 1])
@@ -327,21 +333,10 @@ def test_choose_and_apply():
 def _BuiltOps(model, plan, overrides=''):
   """Ops of the plan's training graph: counted ops of the graph (as GraphOps
   counts them) and the nodes of its functions' bodies that compute."""
-  import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
-  from lingvo.core import cluster_factory  # pylint: disable=g-import-not-at-top
-  from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
   cfg = planner.ApplyPlan(planner.ExperimentParams(model, overrides=overrides),
                           plan)
-  task_p = cfg.task.Copy()
-  task_p.input = cfg.input.Copy()
-  g = tf.Graph()
-  with g.as_default(), cluster_factory.ForTestingWorker(
-      mode='sync', job='trainer_client', cpus=plan.devices,
-      split_size=plan.devices_per_replica):
-    py_utils.GetOrCreateGlobalStepVar()
-    task = task_p.Instantiate()
-    task.FPropDefaultTheta()
-    task.BProp()
+  g = _BuildTask(cfg, plan.devices, plan.devices_per_replica,
+                 train=True).train_op.graph
   bodies = sum(n.op not in planner._FREE_OPS  # pylint: disable=protected-access
                for f in g.as_graph_def().library.function for n in f.node_def)
   return sum(map(planner._IsCounted, g.get_operations())) + bodies  # pylint: disable=protected-access
