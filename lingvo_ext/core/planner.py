@@ -1283,8 +1283,10 @@ def ReferencePlans(profile: ModelProfile,
 # copied per micro-batch); with cells built once the graphs differ by a few
 # calls, and the RSS difference is the activations' and the allocator's,
 # not the graph's. Then it takes DEFAULT_BYTES_PER_OP: what that fit found
-# where graphs grew with M (7 KB for lm.TransformerLmTiny, 17 KB for
-# image.ConvClassifierTiny, 2026-11-23).
+# with a copy of each cell per micro-batch counted (`bench/plan.py --rounds 5`
+# at 7857fbe, whose sweep was M in {1, 4}, 2026-11-24: 7 KB for
+# lm.TransformerLmTiny, 17 KB for image.ConvClassifierTiny, 11 KB for the FC
+# benchmark).
 MIN_FITTED_OP_GROWTH = 0.25
 DEFAULT_BYTES_PER_OP = 12 * 1024.
 
