@@ -13,15 +13,39 @@ def _Str(schedule):
 
 def test_gpipe_exact_lists():
   spec = A.StageSpec(num_stages=2, num_devices=2, num_micro_batches=3)
+  # Input gradients first, then one run of weight gradients per stage.
   assert _Str(A.GPipe(spec)) == [
-      'F0.0 F0.1 F0.2 B0.0 B0.1 B0.2',
-      'F1.0 F1.1 F1.2 B1.0 B1.1 B1.2',
+      'F0.0 F0.1 F0.2 I0.0 I0.1 I0.2 W0.0 W0.1 W0.2',
+      'F1.0 F1.1 F1.2 I1.0 I1.1 I1.2 W1.0 W1.1 W1.2',
   ]
+  # Recomputing, whole backward passes: no 'W' keeps a recomputed pass.
   spec = A.StageSpec(2, 2, 2, recompute=True)
   assert _Str(A.GPipe(spec)) == [
       'F0.0 F0.1 R0.0 B0.0 R0.1 B0.1',
       'F1.0 F1.1 R1.0 B1.0 R1.1 B1.1',
   ]
+  # Two stages per device: the later stage's backward first.
+  spec = A.StageSpec(4, 2, 2)
+  assert _Str(A.GPipe(spec)) == [
+      'F0.0 F2.0 F0.1 F2.1 I2.0 I0.0 I2.1 I0.1 W2.0 W2.1 W0.0 W0.1',
+      'F1.0 F3.0 F1.1 F3.1 I3.0 I1.0 I3.1 I1.1 W3.0 W3.1 W1.0 W1.1',
+  ]
+
+
+def test_weight_gradient_runs():
+  spec = A.StageSpec(4, 2, 2)
+  assert [' '.join(map(str, r)) for r in A.WeightGradientRuns(
+      A.GPipe(spec))] == ['W2.0 W2.1', 'W0.0 W0.1', 'W3.0 W3.1', 'W1.0 W1.1']
+  # Interleaved with other actions: every 'W' its own run.
+  spec = A.StageSpec(2, 2, 4)
+  runs = A.WeightGradientRuns(A.ZeroBubble(spec))
+  assert all(len(r) == 1 for r in runs) and len(runs) == 8
+  assert A.WeightGradientRuns(A.OneFOneB(spec)) == []
+  # Adjacent 'W's of two stages are two runs.
+  f = lambda *a: A.Action(*a)
+  assert A.WeightGradientRuns([[f('W', 0, 0), f('W', 2, 0), f('W', 2, 1),
+                                f('I', 0, 1), f('W', 0, 1)]]) == [
+      [f('W', 0, 0)], [f('W', 2, 0), f('W', 2, 1)], [f('W', 0, 1)]]
 
 
 def test_1f1b_exact_lists():
@@ -97,11 +121,12 @@ def test_check_schedule_finds_what_is_wrong():
 
 
 def test_bubbles_and_memory():
-  # 1F1B's bubble equals GPipe's; it holds K - d micro-batches, not M.
+  # 1F1B holds K - d micro-batches, not M. GPipe's weight gradients, all
+  # after its input gradients, fill part of its drain: less idle than 1F1B.
   spec = A.StageSpec(4, 4, 8)
   gpipe = A.Simulate(spec, A.GPipe(spec))
   one = A.Simulate(spec, A.OneFOneB(spec))
-  assert one.IdleFraction() == pytest.approx(gpipe.IdleFraction())
+  assert gpipe.IdleFraction() < one.IdleFraction()
   assert [one.PeakInFlight(d) for d in range(4)] == [4, 3, 2, 1]
   assert [gpipe.PeakInFlight(d) for d in range(4)] == [8] * 4
   # (K - 1)(F + B) of idle per device over M(F + B) + (K - 1)(F + B).
@@ -174,3 +199,63 @@ def test_zero_bubble_folds_onto_fewer_devices(k, d, m):
     # Each stage keeps its own order from the one-stage-per-device schedule.
     for s in spec.Stages(dev):
       assert [a for a in acts if a.stage == s] == one_each[s]
+
+
+def test_1f1b_weight_gradients_in_runs_of_k():
+  spec = A.StageSpec(num_stages=2, num_devices=2, num_micro_batches=5)
+  assert _Str(A.Build('1f1b', spec)) == [
+      'F0.0 F0.1 I0.0 F0.2 I0.1 W0.0 W0.1 F0.3 I0.2 F0.4 I0.3 W0.2 W0.3 '
+      'I0.4 W0.4',
+      'F1.0 I1.0 F1.1 I1.1 W1.0 W1.1 F1.2 I1.2 F1.3 I1.3 W1.2 W1.3 F1.4 '
+      'I1.4 W1.4',
+  ]
+  # Group 1 is 1F1B with each backward split in place; recomputing, '1f1b'
+  # keeps whole backward passes.
+  assert _Str(A.GroupWeightGradients(A.OneFOneB(spec), 1))[1].startswith(
+      'F1.0 I1.0 W1.0 F1.1 I1.1 W1.1')
+  rc = A.StageSpec(2, 2, 5, recompute=True)
+  assert A.Build('1f1b', rc) == A.OneFOneB(rc)
+  with pytest.raises(ValueError, match='group=0 must be >= 1'):
+    A.GroupWeightGradients(A.OneFOneB(spec), 0)
+  # A stage's activations live until its run: K - s + K - 1 at most.
+  tl = A.Simulate(A.StageSpec(4, 4, 8), A.Build('1f1b', A.StageSpec(4, 4, 8)))
+  assert [tl.PeakInFlight(d) for d in range(4)] == [7, 6, 5, 4]
+
+
+def test_1f1b_with_more_stages_than_devices_folds():
+  # 4 stages on 2 devices: the one-stage-per-device order, folded; each
+  # stage keeps its K - s bound (not interleaved's constraints: M = 3).
+  spec = A.StageSpec(num_stages=4, num_devices=2, num_micro_batches=3)
+  schedule = A.OneFOneB(spec)
+  A.CheckSchedule(spec, schedule)
+  virtual = A.StageSpec(4, 4, 3)
+  assert sorted(map(str, schedule[0])) == sorted(
+      map(str, A.OneFOneB(virtual)[0] + A.OneFOneB(virtual)[2]))
+  tl = A.Simulate(spec, schedule)
+  for s in range(4):
+    acts = schedule[s % 2]
+    fwd = [a for a in acts if a.stage == s and a.kind == 'F']
+    bwd = [a for a in acts if a.stage == s and a.kind == 'B']
+    # At most 4 - s forward passes of stage s before its first backward.
+    assert sum(tl.start[f] < tl.end[bwd[0]] for f in fwd) <= min(4 - s, 3)
+
+
+def test_waits_cover_every_earlier_action():
+  spec = A.StageSpec(2, 2, 4)
+  schedule = A.Build('1f1b', spec)
+  # '1f1b' enforces its forward passes: F0.2 waits for F0.1 and I0.0; F0.3
+  # for everything since F0.2, the run W0.0-W0.1 included.
+  waits = A.Waits(schedule, A.ORDERED_KINDS['1f1b'])
+  assert ' '.join(map(str, waits[A.Action('F', 0, 2)])) == 'F0.1 I0.0'
+  assert ' '.join(map(str, waits[A.Action('F', 0, 3)])) == (
+      'F0.2 I0.1 W0.0 W0.1')
+  assert set(waits) == {A.Action('F', s, t) for s in (0, 1) for t in range(4)}
+  # Everything enforced: each waits for the one before it; within a run
+  # of 'W's only the first waits.
+  gpipe = A.Build('unrolled', spec)
+  waits = A.Waits(gpipe, A.KINDS)
+  assert waits[A.Action('W', 0, 0)] == [A.Action('I', 0, 3)]
+  assert A.Action('W', 0, 1) not in waits
+  assert waits[A.Action('F', 1, 0)] == []
+  # 'unrolled' enforces none of its actions without recompute.
+  assert A.Waits(gpipe, A.ORDERED_KINDS['unrolled']) == {}

@@ -137,15 +137,24 @@ def test_rank_is_fastest_first():
 
 
 @pytest.mark.parametrize('k,m', [(2, 1), (2, 4), (4, 4), (4, 8), (3, 16)])
-def test_gpipe_bubble_is_k_minus_1_over_m_plus_k_minus_1(k, m):
+def test_gpipe_bubble(k, m):
+  # Whole backward passes: GPipe's (K - 1) / (M + K - 1).
+  spec = actions.StageSpec(k, k, m, recompute=True)
+  no_r = lambda a: 0. if a.kind == 'R' else actions.UnitCost(a)
+  tl = actions.Simulate(spec, actions.Build('unrolled', spec), no_r)
+  assert tl.IdleFraction() == pytest.approx((k - 1) / (m + k - 1))
+  # 'unrolled' runs the input gradients first and the weight gradients
+  # after them (F = I = W = 1): the weight gradients fill part of the
+  # drain, (K - 1)(F + I) idle per device over M(F + I + W) + (K - 1)(F + I).
   spec = actions.StageSpec(k, k, m)
   tl = actions.Simulate(spec, actions.Build('unrolled', spec),
                         actions.UnitCost)
-  assert tl.IdleFraction() == pytest.approx((k - 1) / (m + k - 1))
+  split = 2 * (k - 1) / (3 * m + 2 * (k - 1))
+  assert tl.IdleFraction() == pytest.approx(split)
   # The planner's own simulation (equal stages, compute only) agrees.
   profile = _Profile(num_layers=k * 2, batch=16 * 3)
   plan = planner.Predict(profile, _Plan(k, m, profile=profile), _FLOPS_ONLY)
-  assert plan.bubble == pytest.approx((k - 1) / (m + k - 1))
+  assert plan.bubble == pytest.approx(split)
 
 
 @pytest.mark.parametrize('schedule', ['unrolled', '1f1b', 'zero_bubble'])
@@ -161,10 +170,10 @@ def test_more_micro_batches_faster_when_compute_bound():
   times = [planner.Predict(profile, _Plan(4, m), _FLOPS_ONLY).step_s
            for m in (1, 2, 4, 8)]
   assert all(b < a for a, b in zip(times, times[1:])), times
-  # Step = (M + K - 1) (F + B) of one micro-batch stage: 3 * 2e6 FLOPs per
-  # example per stage.
+  # Step = M (F + B) + (K - 1)(F + I) of one micro-batch stage (F = 2e6
+  # FLOPs per example per stage, B = 2F, I = F): see test_gpipe_bubble.
   mb = 32 // 8
-  assert times[-1] == pytest.approx((8 + 3) * 3 * 2e6 * mb / 1e9)
+  assert times[-1] == pytest.approx((8 * 3 + 3 * 2) * 2e6 * mb / 1e9)
 
 
 @pytest.mark.parametrize('schedule,m', [('unrolled', 8), ('1f1b', 8),
@@ -483,27 +492,28 @@ def test_handoff_bytes_only_across_devices():
 
 
 def test_handoffs_priced_on_the_critical_path():
-  """K = 2, M = 1 runs F0 F1 B1 B0 in turn: F1 and B0 each wait for one
-  hand-off of 32 examples x 100 B."""
+  """K = 2, M = 1 with whole backward passes (recompute) runs F0 F1 R1 B1 R0
+  B0 in turn: F1 and B0 each wait for one hand-off of 32 examples x 100 B."""
   profile = _Profile(out=100.)
   machine = _Machine(s_per_handoff=1e-3, bytes_per_s=3.2e6)
-  two = planner.Predict(profile, _Plan(2, 1, profile=profile), machine)
+  plan = lambda k: _Plan(k, 1, 'unrolled', True, profile=profile)
+  two = planner.Predict(profile, plan(2), machine)
   # One cell does the same work in the same order and hands nothing over.
-  one = planner.Predict(profile, _Plan(1, 1, profile=profile), machine)
+  one = planner.Predict(profile, plan(1), machine)
   assert two.step_s - one.step_s == pytest.approx(2 * (1e-3 + 1e-3))
-  free = planner.Predict(profile, _Plan(2, 1, profile=profile),
+  free = planner.Predict(profile, plan(2),
                          dataclasses.replace(machine, s_per_handoff=0.,
                                              bytes_per_s=1e30))
   assert free.step_s == pytest.approx(planner.Predict(
-      profile, _Plan(1, 1, profile=profile),
-      dataclasses.replace(machine, bytes_per_s=1e30)).step_s)
+      profile, plan(1), dataclasses.replace(machine, bytes_per_s=1e30)).step_s)
 
 
 @pytest.mark.parametrize('schedule,recompute,kinds', [
-    ('unrolled', False, ()), ('unrolled', True, ()), ('recurrent', True, ()),
-    ('1f1b', False, ('F', 'B')), ('1f1b', True, ('F', 'B')),
-    ('zero_bubble', False, ('F', 'B', 'I', 'W')),
-    ('interleaved_1f1b', False, ('F', 'B', 'I', 'W'))])
+    ('unrolled', False, ('R',)), ('unrolled', True, ('R',)),
+    ('recurrent', True, ()),
+    ('1f1b', False, ('F', 'R')), ('1f1b', True, ('F', 'R')),
+    ('zero_bubble', False, actions.KINDS),
+    ('interleaved_1f1b', False, actions.KINDS)])
 def test_gated_kinds(schedule, recompute, kinds):
   k = 4 if schedule == 'interleaved_1f1b' else 2
   plan = _Plan(k, 4, schedule, recompute, devices=2)
@@ -517,15 +527,16 @@ def test_gated_kinds(schedule, recompute, kinds):
   spec, schedule_lists = planner.ActionSchedule(plan)
   n = sum(a.kind in kinds for acts in schedule_lists for a in acts)
   assert gated - base == pytest.approx(n * 1e-3)
-  # Per (cell, micro-batch): F and B, or F, I and W.
-  assert n == (0 if not kinds else
-               k * 4 * (3 if schedule == 'zero_bubble' else 2))
+  # Per (cell, micro-batch): F and B, or F, I and W; '1f1b' F (and R).
+  per = {'zero_bubble': 3, 'interleaved_1f1b': 2, '1f1b': 1 + recompute,
+         'unrolled': int(recompute)}.get(schedule, 0)
+  assert n == k * 4 * per
 
 
 @pytest.mark.parametrize('schedule,k,m,recompute,sums', [
-    ('unrolled', 2, 8, False, 0), ('unrolled', 2, 8, True, 0),
-    ('1f1b', 2, 8, False, 3), ('1f1b', 4, 8, True, 1), ('1f1b', 4, 2, True, 0),
-    ('1f1b', 3, 8, False, 2),
+    ('unrolled', 2, 8, False, 0), ('unrolled', 2, 8, True, 7),
+    ('1f1b', 2, 8, False, 3), ('1f1b', 4, 8, True, 7), ('1f1b', 4, 2, True, 1),
+    ('1f1b', 3, 8, False, 2), ('1f1b', 4, 2, False, 0),
     ('zero_bubble', 2, 8, False, 7), ('zero_bubble', 4, 4, False, 3),
     ('recurrent', 2, 8, True, 8), ('recurrent', 1, 4, True, 3),
     ('recurrent', 1, 1, True, 0)])

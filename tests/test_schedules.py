@@ -17,6 +17,7 @@ import lingvo.compat as tf
 from lingvo.core import py_utils
 import pytest
 
+from lingvo_ext.core import actions
 from lingvo_ext.core import gpipe
 from lingvo_ext.core import schedules
 import gpipe_testlib as lib
@@ -37,7 +38,7 @@ def test_every_schedule_is_one_registry_entry():
 
 
 def _BackwardGraph(num_cells, num_micro, schedule, recompute, loss_fn=None,
-                   functions=False):
+                   functions=False, devices=None):
   """The graph and gradient ops; the default loss is nonlinear (recomputes).
 
   Inline cells unless `functions`: the liveness measure below reads each
@@ -45,7 +46,7 @@ def _BackwardGraph(num_cells, num_micro, schedule, recompute, loss_fn=None,
   """
   loss_fn = loss_fn or (lambda out: tf.reduce_sum(out * out))
   g = tf.Graph()
-  with g.as_default(), lib.Cluster(num_cells):
+  with g.as_default(), lib.Cluster(devices or num_cells):
     py_utils.GetOrCreateGlobalStepVar()
     net = gpipe.PipeliningLayer.Params().Set(
         name='pipe', cell_tpl=test_gpipe._FcCells(num_cells, 3),  # pylint: disable=protected-access
@@ -174,7 +175,7 @@ def test_1f1b_keeps_at_most_k_micro_batches_alive(num_cells, functions):
   ]
   assert counts == [num_cells - c for c in range(num_cells)], counts
   # ... and, for a few more, the weight-matmul inputs (its own, and its
-  # outputs as the next cell's) that a group of G = K micro-batches' one
+  # outputs as the next cell's) that a run of G = K micro-batches' one
   # weight-gradient MatMul reads: at most G + 2 W_i - 1, whatever M.
   if num_cells == 2:  # Where that bound is below M = 8.
     counts = [
@@ -188,7 +189,7 @@ def test_1f1b_keeps_at_most_k_micro_batches_alive(num_cells, functions):
 def test_1f1b_without_its_control_edges_keeps_all_m(monkeypatch):
   """The measure is not bounded by construction: without the edges, M."""
   num_micro = 8
-  monkeypatch.setattr(schedules._Engine, '_HoldForward',  # pylint: disable=protected-access
+  monkeypatch.setattr(schedules._Engine, '_Wire',  # pylint: disable=protected-access
                       lambda *unused_args: None)
   g, fetches = _BackwardGraph(2, num_micro, '1f1b', None, lib._Loss)  # pylint: disable=protected-access
   assert MaxLiveMicroBatches(
@@ -210,11 +211,24 @@ def test_1f1b_recomputes_for_a_nonlinear_loss(num_cells, functions):
   counts = [
       MaxLiveMicroBatches(g, fetches, c, num_micro) for c in range(num_cells)
   ]
-  # Cell i holds at most K - i micro-batches: the 1F1B window.
-  assert counts == [num_cells - c for c in range(num_cells)], counts
-  # The same measure on the schedule without a window sees all M.
+  # Every forward pass first, then each device alternates one recomputed
+  # forward and one backward pass in its list's order: one micro-batch's
+  # recomputed activations alive at a time in every cell (within 1F1B's
+  # window of K - i).
+  assert counts == [1] * num_cells, counts
+  # 'unrolled' recomputes one micro-batch at a time too.
   g, fetches = _BackwardGraph(num_cells, num_micro, 'unrolled', True)
-  assert MaxLiveMicroBatches(g, fetches, 0, num_micro) == num_micro
+  assert MaxLiveMicroBatches(g, fetches, 0, num_micro) == 1
+
+
+def test_recomputation_without_its_control_edges_keeps_all_m(monkeypatch):
+  """The measure is not bounded by construction: without the edges, M."""
+  num_micro = 8
+  monkeypatch.setattr(schedules._Engine, '_Wire',  # pylint: disable=protected-access
+                      lambda *unused_args: None)
+  for schedule in ('1f1b', 'unrolled'):
+    g, fetches = _BackwardGraph(2, num_micro, schedule, True)
+    assert MaxLiveMicroBatches(g, fetches, 0, num_micro) == num_micro
 
 
 def test_1f1b_recompute_false_with_a_nonlinear_loss_is_an_error():
@@ -248,3 +262,34 @@ def test_list_schedules_sum_weight_gradients_as_they_go(schedule, num_cells):
                for pg in meta.partition_graphs for n in pg.node
                if n.op == 'AddN')
   assert widest[0] <= 2, widest
+
+
+@pytest.mark.parametrize('schedule,recompute,num_cells', [
+    ('unrolled', False, 2), ('unrolled', True, 2), ('1f1b', None, 2),
+    ('1f1b', True, 2), ('1f1b', None, 3), ('zero_bubble', None, 2),
+    ('interleaved_1f1b', None, 4)])
+def test_the_engine_builds_the_lists_weight_gradients(schedule, recompute,
+                                                      num_cells):
+  # Each run of 'W' actions of a cell (actions.WeightGradientRuns), and each
+  # 'B', is one weight-gradient scope in the graph, and nothing else is.
+  m = 4
+  devices = 2 if schedule == 'interleaved_1f1b' else num_cells
+  g, _ = _BackwardGraph(num_cells, m, schedule, recompute, lib._Loss,  # pylint: disable=protected-access
+                        devices=devices)
+  built = {re.search(r'(cell\d+_mb[\d-]+)/weight_grad/', op.name).group(1)
+           for op in g.get_operations()
+           if op.type == 'MatMul' and '/weight_grad/' in op.name}
+  spec = actions.StageSpec(num_cells, devices, m, bool(recompute))
+  lists = actions.Build(schedule, spec)
+  want = {'cell%d_mb%d' % (a.stage, a.micro_batch)
+          for acts in lists for a in acts if a.kind == 'B'}
+  for run in actions.WeightGradientRuns(lists):
+    first, last = run[0].micro_batch, run[-1].micro_batch
+    want.add('cell%d_mb%s' % (run[0].stage, first if first == last else
+                              '%d-%d' % (first, last)))
+  assert built == want
+  # 'unrolled' batches all M; '1f1b' runs of K; the others one per action.
+  per_cell = {'unrolled': 1, '1f1b': -(-m // num_cells)}.get(schedule, m)
+  if recompute:
+    per_cell = m
+  assert len(built) == num_cells * per_cell, sorted(built)

@@ -86,7 +86,13 @@ def GPipe(spec: StageSpec) -> ScheduleLists:
   """All forward passes, then all backward passes (GPipe; 'unrolled').
 
   Each device runs its stages' forward passes micro-batch by micro-batch,
-  then the backward passes in the same micro-batch order, last stage first.
+  then their input gradients ('I', each after its 'R' with recompute) in the
+  same micro-batch order, last stage first, then each stage's weight
+  gradients ('W') of every micro-batch: one run of 'W' actions per stage,
+  which the engine computes as one MatMul per weight over all M
+  micro-batches' rows (`WeightGradientRuns`). With recompute, each 'R' and
+  its whole backward pass ('B'): a run of 'W's would keep every micro-batch's
+  recomputed activations (the MatMuls' inputs) alive until it ran.
   """
   m = spec.num_micro_batches
   out = []
@@ -95,7 +101,13 @@ def GPipe(spec: StageSpec) -> ScheduleLists:
     actions = [Action('F', s, t) for t in range(m) for s in stages]
     for t in range(m):
       for s in reversed(stages):
-        actions += _Backward(spec, s, t)
+        if spec.recompute:
+          actions += [Action('R', s, t), Action('B', s, t)]
+        else:
+          actions.append(Action('I', s, t))
+    if not spec.recompute:
+      for s in reversed(stages):
+        actions += [Action('W', s, t) for t in range(m)]
     out.append(actions)
   return out
 
@@ -104,10 +116,12 @@ def OneFOneB(spec: StageSpec) -> ScheduleLists:
   """1F1B: after K - d - 1 warm-up forwards, one forward, one backward.
 
   Device d has at most K - d micro-batches' activations alive. With more
-  stages than devices this is `Interleaved1F1B`.
+  stages than devices, the one-stage-per-device schedule folded onto the
+  devices (`FoldOntoDevices`): stage s keeps its K - s bound.
   """
   if spec.num_stages != spec.num_devices:
-    return Interleaved1F1B(spec)
+    virtual = dataclasses.replace(spec, num_devices=spec.num_stages)
+    return FoldOntoDevices(virtual, OneFOneB(virtual), spec)
   k, m = spec.num_stages, spec.num_micro_batches
   out = []
   for d in range(k):
@@ -246,12 +260,85 @@ def ZeroBubble(spec: StageSpec) -> ScheduleLists:
   return out
 
 
+def GroupWeightGradients(schedule: ScheduleLists,
+                         group: int) -> ScheduleLists:
+  """`schedule` with each 'B' split into 'I' and a deferred 'W', the 'W's of
+  each stage in runs of `group` micro-batches.
+
+  A stage's run of `group` 'W's comes right after the 'I' that completes it
+  (the last group may be shorter), so the engine computes a weight's gradient
+  as one MatMul per group rather than one weight-sized gradient per
+  micro-batch added to a running sum; a group's weight-gradient operands stay
+  alive until its run. group=1 splits each 'B' in place.
+
+  Args:
+    schedule: Per device, its ordered actions.
+    group: Micro-batches per run of 'W's, >= 1.
+
+  Returns:
+    Per device, its ordered actions.
+  """
+  if group < 1:
+    raise ValueError('group=%r must be >= 1.' % (group,))
+  out = []
+  for acts in schedule:
+    pending = collections.defaultdict(list)
+    new = []
+    for a in acts:
+      if a.kind != 'B':
+        new.append(a)
+        continue
+      new.append(Action('I', a.stage, a.micro_batch))
+      pending[a.stage].append(a.micro_batch)
+      if len(pending[a.stage]) == group:
+        new += [Action('W', a.stage, t) for t in pending.pop(a.stage)]
+    for stage, ts in pending.items():
+      new += [Action('W', stage, t) for t in ts]
+    out.append(new)
+  return out
+
+
+def OneFOneBGroupedWeights(spec: StageSpec) -> ScheduleLists:
+  """1F1B ('1f1b'), its weight gradients in runs of K micro-batches.
+
+  `OneFOneB`'s order with each backward pass split into its input gradients
+  and a deferred weight gradient (`GroupWeightGradients`, group K): one
+  weight-gradient MatMul per K micro-batches instead of a weight-sized
+  gradient per micro-batch summed at the end. Stage s's activations stay
+  alive until their group's run: at most K - s + K - 1 micro-batches. With
+  recompute, `OneFOneB` itself: one micro-batch's recomputed activations at a
+  time, freed by its 'B'.
+  """
+  if spec.recompute:
+    return OneFOneB(spec)
+  return GroupWeightGradients(OneFOneB(spec), spec.num_stages)
+
+
 # Schedules by the name PipeliningLayer's `schedule` param gives them.
 ACTION_SCHEDULES = {
     'unrolled': GPipe,
-    '1f1b': OneFOneB,
+    '1f1b': OneFOneBGroupedWeights,
     'interleaved_1f1b': Interleaved1F1B,
     'zero_bubble': ZeroBubble,
+}
+
+
+# The action kinds whose place in its device's list an engine enforces, per
+# schedule: such an action waits for the action before it on its device. The
+# others run as soon as their data is there, in whatever order TensorFlow's
+# executor picks; where devices share cores (CPU devices of one process) a
+# core a device leaves idle then runs another's work. GPipe ('unrolled')
+# enforces only its recomputations (one micro-batch's recomputed activations
+# at a time); its other actions are one order the dataflow allows. 1F1B
+# enforces its forward passes and recomputations: forward t waits for the
+# action before it in the list, which bounds the micro-batches in flight; its
+# backward passes run as their gradients arrive. The list schedules enforce
+# every action.
+ORDERED_KINDS = {
+    'unrolled': ('R',),
+    '1f1b': ('F', 'R'),
+    'interleaved_1f1b': KINDS,
+    'zero_bubble': KINDS,
 }
 
 
@@ -511,6 +598,65 @@ def ForwardsFirst(schedule: ScheduleLists) -> ScheduleLists:
   """
   return [[a for a in acts if a.kind == 'F'] +
           [a for a in acts if a.kind != 'F'] for acts in schedule]
+
+
+def WeightGradientRuns(schedule: ScheduleLists) -> List[List[Action]]:
+  """The maximal runs of consecutive 'W' actions of one stage on a device.
+
+  An engine computes each run as one batched weight gradient: one MatMul per
+  weight over the rows of all the run's micro-batches, rather than one
+  weight-sized gradient per micro-batch summed afterwards.
+
+  Args:
+    schedule: Per device, its ordered actions.
+
+  Returns:
+    The runs, each in its device's order, devices in order.
+  """
+  runs = []
+  for acts in schedule:
+    run = []
+    for a in acts:
+      if a.kind == 'W' and run and run[-1].stage == a.stage:
+        run.append(a)
+        continue
+      if run:
+        runs.append(run)
+      run = [a] if a.kind == 'W' else []
+    if run:
+      runs.append(run)
+  return runs
+
+
+def Waits(schedule: ScheduleLists,
+          kinds: Sequence[str]) -> Dict[Action, List[Action]]:
+  """What each action of `kinds` waits for: every action on its device since
+  the previous action of `kinds` (that one included).
+
+  So an action of `kinds` runs after every action before it on its device
+  has, even where those are not held in order themselves. The 'W's of a
+  run (`WeightGradientRuns`) are one action: only its first waits.
+
+  Args:
+    schedule: Per device, its ordered actions.
+    kinds: The kinds whose place is enforced (`ORDERED_KINDS`).
+
+  Returns:
+    Action of `kinds` -> the actions it waits for, in order.
+  """
+  run_of = {a: tuple(run) for run in WeightGradientRuns(schedule)
+            for a in run}
+  waits = {}
+  for acts in schedule:
+    since = []
+    for a in acts:
+      in_run = bool(since) and a in run_of and run_of.get(since[-1]) == run_of[a]
+      if a.kind in kinds and not in_run:
+        waits[a] = since
+        since = [a]
+      else:
+        since.append(a)
+  return waits
 
 
 def PreviousOnDevice(schedule: ScheduleLists,

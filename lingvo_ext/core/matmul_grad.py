@@ -113,6 +113,21 @@ class WeightGradientBatcher:
     # Identity's gradient is the identity: x^T dy belongs to the weight.
     self.AddOperands(ThroughIdentities(b, self._weights), a, dy)
 
+  @classmethod
+  def Merged(cls, weights, batchers):
+    """One batcher of `weights` holding what `batchers` recorded, in order.
+
+    Its `Gradients` are one MatMul per weight over all their micro-batches'
+    rows (a run of 'W' actions computed at once).
+    """
+    merged = cls(weights)
+    for b in batchers:
+      for key, (operands, dys) in b._groups.items():  # pylint: disable=protected-access
+        group = merged._groups.setdefault(key, ([], []))  # pylint: disable=protected-access
+        group[0].extend(operands)
+        group[1].extend(dys)
+    return merged
+
   def Gradients(self, weights):
     """The batched gradients of `weights` (None where nothing was recorded).
 

@@ -35,10 +35,10 @@ per-stage costs (`actions.Simulate`):
 
 'unrolled' and 'recurrent' run GPipe's order (all forward passes, then the
 backward passes; 'recurrent' is Lingvo's StackedRecurrent loop, which always
-recomputes). With a loss that is not linear in the pipeline's outputs no backward pass
-can start before every forward pass ends (schedules.py): '1f1b' then runs
-GPipe's order with recompute, so the planner offers it only with recompute
-there, and 'interleaved_1f1b' and 'zero_bubble' run each device's forward
+recomputes). With a loss that is not linear in the pipeline's outputs no
+backward pass can start before every forward pass ends (schedules.py):
+'1f1b' then recomputes, so the planner offers it only with recompute there,
+and '1f1b', 'interleaved_1f1b' and 'zero_bubble' run each device's forward
 actions first (`actions.ForwardsFirst`), which is what is simulated.
 
 Everything here is pure Python. The TensorFlow half (profiling a registered
@@ -194,8 +194,9 @@ class Machine:
       output's gradient) coming from a cell on another device.
     s_per_gate: Time an action of a gated engine pays for its gate and
       completion (two NoOps and control edges that hold it behind the action
-      before it on its device): every action of 'interleaved_1f1b' and
-      'zero_bubble', the forward and backward actions of '1f1b'.
+      before it on its device): the kinds of `actions.ORDERED_KINDS`, every
+      action of 'interleaved_1f1b' and 'zero_bubble', the forward passes
+      (and recomputations) of '1f1b'.
     add_bytes_per_s: Bytes per second an add of layer-sized tensors moves
       (two read, one written): the rate at which weight gradients are
       summed over micro-batches (`Accumulations`).
@@ -413,50 +414,42 @@ def Stages(profile: ModelProfile, sizes: Sequence[int]) -> List[_Stage]:
 
 def ActionSchedule(plan: Plan, linear_loss: bool = True
                   ) -> Tuple[actions.StageSpec, List]:
-  """The plan's action lists: the schedule's own, or GPipe's order for the
-  engine schedules whose order it is ('unrolled', 'recurrent', and '1f1b'
-  with recompute, whose backward passes wait for every forward pass); for a
+  """The plan's action lists, as its engine runs them: the schedule's own
+  (GPipe's for 'recurrent', whose loop runs all forward passes first); for a
   loss not linear in the outputs, forward actions first."""
   spec = actions.StageSpec(plan.num_cells, plan.devices_per_replica,
                            plan.num_micro_batches, recompute=plan.recompute)
-  name = plan.schedule
-  if name == 'recurrent' or (name == '1f1b' and plan.recompute):
-    name = 'unrolled'
+  name = 'unrolled' if plan.schedule == 'recurrent' else plan.schedule
   schedule = actions.Build(name, spec)
-  if not linear_loss and name in LIST_SCHEDULES:
+  if not linear_loss and name != 'unrolled':
     schedule = actions.ForwardsFirst(schedule)
   return spec, schedule
 
 
 def GatedKinds(plan: Plan) -> Tuple[str, ...]:
   """Action kinds the plan's engine gates (holds behind a NoOp that waits
-  for the action before it): all of a list schedule's, the forward and
-  backward ones of '1f1b' (its window); none for 'unrolled' or 'recurrent'."""
-  if plan.schedule in LIST_SCHEDULES:
-    return ('F', 'B', 'I', 'W')
-  if plan.schedule == '1f1b' and plan.num_cells > 1:
-    return ('F', 'B')
-  return ()
+  for the action before it): `actions.ORDERED_KINDS`, none for
+  'recurrent'."""
+  return tuple(actions.ORDERED_KINDS.get(plan.schedule, ()))
 
 
 def Accumulations(plan: Plan) -> int:
   """Times each weight's gradient is added to its running sum per step.
 
   'unrolled' batches a weight's gradient over all micro-batches into one
-  MatMul (matmul_grad): none. '1f1b' batches groups of K micro-batches
-  (of its window K - i with recompute; K is counted) and sums the groups:
-  ceil(M / K) - 1. The list schedules sum one gradient per micro-batch:
-  M - 1. Lingvo's StackedRecurrent loop adds each of its M + K - 1 backward
-  steps' gradients to its accumulator: M + K - 2 after the first.
+  MatMul (its run of 'W' actions, matmul_grad): none. '1f1b' batches runs of
+  K micro-batches and sums the runs: ceil(M / K) - 1. With recompute both
+  take whole backward passes ('B'), as the list schedules do ('B' or 'W'):
+  one gradient per micro-batch, M - 1. Lingvo's StackedRecurrent loop adds
+  each of its M + K - 2 backward steps' gradients to its accumulator:
+  M + K - 2 after the first.
   """
   k, m = plan.num_cells, plan.num_micro_batches
   if plan.schedule == 'recurrent':
     return m + k - 2
-  if plan.schedule in LIST_SCHEDULES:
-    return m - 1
-  if plan.schedule == '1f1b' and k > 1:
-    return -(-m // k) - 1
-  return 0
+  if plan.schedule in ('unrolled', '1f1b') and not plan.recompute:
+    return 0 if plan.schedule == 'unrolled' else -(-m // k) - 1
+  return m - 1
 
 
 def AccumulateSeconds(stage: _Stage, machine: Machine,
@@ -521,14 +514,14 @@ def SummingActions(plan: Plan, spec: actions.StageSpec) -> frozenset:
   if not n or plan.schedule == 'recurrent':
     return frozenset()
   m = spec.num_micro_batches
-  kind = 'W' if plan.schedule == 'zero_bubble' else 'B'
-  if plan.schedule in LIST_SCHEDULES:
-    ts = range(1, m)
-  else:  # '1f1b': the last micro-batch of each group after the first.
+  if plan.schedule == '1f1b' and not plan.recompute:
+    # The last 'W' of each run of K after the first.
     k = spec.num_stages
-    ts = [min(g * k + k, m) - 1 for g in range(1, n + 1)]
+    return frozenset(actions.Action('W', s, min(g * k + k, m) - 1)
+                     for s in range(spec.num_stages) for g in range(1, n + 1))
+  kind = 'W' if plan.schedule == 'zero_bubble' else 'B'
   return frozenset(actions.Action(kind, s, t)
-                   for s in range(spec.num_stages) for t in ts)
+                   for s in range(spec.num_stages) for t in range(1, m))
 
 
 def _RecurrentCompute(stages: Sequence[_Stage], spec: actions.StageSpec,

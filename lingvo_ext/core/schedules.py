@@ -10,26 +10,33 @@ where `layer` is the `gpipe.PipeliningLayer` (its cells, devices and params),
 `PipeliningLayer` picks one from `SCHEDULES` by its `schedule` param; a new
 schedule is one new entry there.
 
-- 'unrolled': every (micro-batch, cell) pair is its own subgraph on the cell's
-  device, so TensorFlow's executor overlaps cells as data arrives. The
-  backward pass is built here (see `_Engine`), which lets it batch weight
-  gradients across micro-batches and, with `recompute=True`, re-materialise
-  each cell's forward pass in its backward pass.
-- '1f1b': the same subgraphs, and control dependencies hold cell i to at most
-  K - i micro-batches in flight, so activation memory is bounded by K, not M.
-  When the caller's output gradients do not need the forward pass (a loss
-  linear in the outputs, e.g. per-example losses from the last cell, summed),
-  cell i's forward pass of micro-batch t waits for its backward pass of
-  t - (K - i) and nothing is recomputed (weight gradients: one MatMul per
-  group of K micro-batches, whose operands stay alive until it runs).
-  Otherwise no backward pass can start before every forward pass ends: the
-  forward pass keeps only cell-boundary activations and each cell alternates
-  one recomputed forward and one backward micro-batch in the backward pass.
-  Checked when tf.gradients builds the backward pass (`recompute=None`).
+Every schedule but 'recurrent' is data: `actions.ACTION_SCHEDULES[name]`
+gives each device's ordered list of actions, and `_Engine` builds them (a
+forward pass per cell and micro-batch on the cell's device; the backward
+pass, inside the pipeline's custom gradient, per action):
+
+- 'unrolled': GPipe's lists (`actions.GPipe`): all forward passes, then the
+  input gradients, then one run of weight gradients per cell, which is one
+  MatMul per weight over all micro-batches' rows. No action waits for the
+  one before it on its device (`actions.ORDERED_KINDS`) but a
+  recomputation, so TensorFlow's executor overlaps cells as data arrives.
+  With `recompute=True`, each cell's forward pass is re-materialised in its
+  backward pass, one micro-batch at a time.
+- '1f1b': 1F1B's lists (`actions.OneFOneBGroupedWeights`), weight gradients
+  in runs of K micro-batches; each forward pass waits for the action before
+  it, so cell i has at most K - i micro-batches in flight and activation
+  memory is bounded by K, not M. When the caller's output gradients do not
+  need the forward pass (a loss linear in the outputs, e.g. per-example
+  losses from the last cell, summed), a micro-batch's backward pass starts
+  as soon as its forward pass leaves the last cell and nothing is
+  recomputed. Otherwise no backward pass can start before every forward pass
+  ends: the forward pass keeps only cell-boundary activations and each cell
+  alternates one recomputed forward and one backward micro-batch. Checked
+  when tf.gradients builds the backward pass (`recompute=None`).
 - 'recurrent': Lingvo's `StackedRecurrent` loop, which always recomputes.
-- 'interleaved_1f1b', 'zero_bubble': each device runs its action list from
-  `actions.py` in order (`_ListEngine`); for a loss not linear in the
-  outputs, its forward actions first (`actions.ForwardsFirst`).
+- 'interleaved_1f1b', 'zero_bubble': each device runs its list strictly in
+  order; for a loss not linear in the outputs, its forward actions first
+  (`actions.ForwardsFirst`).
 """
 
 import contextlib
@@ -255,48 +262,59 @@ def _CellGradients(ys, flat_x, leaves, grad_ys):
 
 
 class _Engine:
-  """Builds a pipeline's forward pass and its hand-built backward pass.
+  """Runs a schedule's per-device action lists (`actions.py`) as a graph.
 
-  Forward: for each micro-batch t and cell i, the cell runs on its device
-  (scope '<cell>_mb<t>') with its own random seeds; under a window, behind a
-  NoOp 'fwd_gate'. Only the cells' inputs are kept for the backward pass when
-  recomputing; otherwise the backward pass differentiates the forward
-  subgraphs themselves.
+  Forward ('F'): for each micro-batch t and cell i, the cell runs on its
+  device (scope '<cell>_mb<t>') with its own random seeds: one call of the
+  cell's function (built once), or the cell's ops inline.
 
-  Backward (one `tf.gradients` call per cell and micro-batch, inside the
-  pipeline's custom gradient):
+  Backward (inside the pipeline's custom gradient, one `tf.gradients` call
+  per cell and micro-batch):
 
-  - `recompute`: the cell's forward pass is rebuilt from its stored input,
-    gated by a control dependency on the incoming gradient (so it runs in the
-    backward pass, not beside the forward), with the same random seeds.
-  - `window`: with a window W_i, cell i's recompute of micro-batch t also
-    waits for its backward pass of micro-batch t - W_i and for the weight
-    gradient of that micro-batch's group (groups of W_i micro-batches): the
-    1F1B order, with at most W_i micro-batches' activations alive in cell i.
-    Without recomputation its forward pass waits instead (`_HoldForward`),
-    with weight gradients in groups of K.
-  - `recompute` None (under a window): decided per tf.gradients call by
-    `_DyDependsOnForward`.
-  - Weight gradients: each MatMul's x^T dy is collected across a group of
-    micro-batches (all M, or W_i under a window) and computed as one MatMul of
-    the concatenated rows, instead of one materialised weight gradient per
-    micro-batch summed at the end (`matmul_grad.WeightGradientBatcher`).
+  - 'R': the cell's forward pass rebuilt from its stored input, with the
+    same random seeds (re-materialisation); its 'I' or 'B' differentiates
+    the rebuilt pass, so the forward pass keeps only cell inputs.
+  - 'I': the gradients of the cell's inputs (and of weights used other than
+    by a MatMul or a lookup of rows); its weight MatMuls' operands (x, dy)
+    are kept for the 'W'.
+  - 'W': the weight gradients x^T dy. A run of consecutive 'W' actions of
+    one stage (`actions.WeightGradientRuns`) is one MatMul per weight over
+    all its micro-batches' rows (`matmul_grad.WeightGradientBatcher`),
+    instead of a weight-sized gradient per micro-batch summed at the end.
+  - 'B': 'I' and 'W' of one micro-batch as one action.
+
+  Every action has a gate (a NoOp its ops wait for) and a completion (an op
+  that runs once its ops have, its running weight-gradient sums included):
+  each action's gate waits for the completion of the action before it on its
+  device, so each device runs its list in order, while TensorFlow's executor
+  runs the devices side by side. The lists are checked for completeness and
+  deadlock under the same dependencies before any graph is built
+  (`actions.CheckSchedule`). They are made when tf.gradients builds the
+  backward pass: whether the caller's loss lets a backward action start
+  before the last forward one (`_DyDependsOnForward`) decides `recompute`
+  where it is None and, for a loss that does not, puts each device's forward
+  actions first (`actions.ForwardsFirst`).
   """
 
-  def __init__(self, layer, theta, inputs, num_micro: int, recompute: bool,
-               window: Optional[Callable[[int], int]] = None):
+  def __init__(self, layer, theta, inputs, num_micro: int,
+               schedule_name: str, recompute: Optional[bool]):
     self.layer = layer
     self.p = layer.params
     self.cells = layer.Cells()
     self.devices = layer.Devices()
     self.num_micro = num_micro
+    self.schedule_name = schedule_name
+    # None: recompute only for a loss not linear in the outputs.
     self.recompute = recompute
-    self.window = window
     self.inputs = inputs
     self.theta = theta
-    # Every forward (cell, micro-batch) behind a 'fwd_gate' NoOp that the
-    # backward pass may hold back.
-    self.gated = bool(window)
+    # Every forward (cell, micro-batch) behind a 'fwd_gate' NoOp where the
+    # schedule enforces its place: the action before it on its device holds
+    # it back.
+    self.gated = 'F' in actions.ORDERED_KINDS[schedule_name]
+    self.num_devices = len(set(self.devices))
+    # Checked now, so a bad (K, M) fails at FProp, not in tf.gradients.
+    actions.Build(schedule_name, self._Spec(bool(recompute)))
     # Per cell, its function (None: built inline).
     self.cell_fns = [None] * len(self.cells)
     jit = getattr(self.p, 'jit_compile', False)
@@ -311,11 +329,15 @@ class _Engine:
         self.cell_fns[i] = cell_function.CellFunction(
             cell, '%s_fprop' % name, jit)
 
+  def _Spec(self, recompute: bool) -> actions.StageSpec:
+    return actions.StageSpec(len(self.cells), self.num_devices,
+                             self.num_micro, recompute)
+
   def _CellFProp(self, i, x, step, scope, gate=False):
     """Cell i on micro-batch input x, in a fresh name scope `scope`.
 
     With `gate`, every op of the cell waits for a NoOp 'fwd_gate' (returned
-    second), which the backward pass may hold back (see `_HoldForward`).
+    second), which the action before it on its device holds back.
     """
     _, cell = self.cells[i]
     if self.cell_fns[i] is not None:
@@ -477,210 +499,46 @@ class _Engine:
         in_grads.append(tf.concat(parts, axis=p.batch_dim))
     return in_grads
 
-  def _Backward(self, out_grads):
-    """Gradients of (present inputs, theta leaves) from those of outputs."""
+  def _Schedule(self, out_grads):
+    """(recompute, the action lists) for these output gradients."""
     p = self.p
-    num_cells = len(self.cells)
-    out_grads = self._DropZeroGrads(out_grads)
+    depends = self._DyDependsOnForward(out_grads)
     recompute = self.recompute
     if recompute is None:
       # '1f1b' by default: recompute only when the forward passes of all
       # micro-batches must end before any backward pass starts.
-      recompute = self._DyDependsOnForward(out_grads)
-    elif recompute is False and self.window and self._DyDependsOnForward(
-        out_grads):
+      recompute = depends if self.schedule_name == '1f1b' else False
+    elif recompute is False and depends and self.schedule_name == '1f1b':
       raise ValueError(
           "%s: schedule='1f1b' with recompute=False needs output gradients "
           "that do not depend on the pipeline's outputs (a loss linear in "
           'them, e.g. per-example losses from the last cell, summed); this '
           'loss is not: set recompute=None (recompute when needed) or True.'
           % p.name)
-    with tf.get_default_graph().colocate_with(None, ignore_existing=True):
-      dy = self._MicroBatchOutputGrads(out_grads)
-      theta_grads = [[] for _ in range(num_cells)]
-      for i in reversed(range(num_cells)):
-        dy = self._CellBackward(i, dy, theta_grads[i], recompute)
-      out = self._InputGrads(dy)
-      for i in range(num_cells):
-        with tf.device(self.devices[i]), tf.name_scope(
-            '%s_theta/grad_sum' % self.cells[i][0]):
-          leaves = self.thetas[i].Flatten()
-          for k, leaf in enumerate(leaves):
-            parts = [g[k] for g in theta_grads[i] if g[k] is not None]
-            if not parts:
-              out.append(None)
-            elif len(parts) == 1:
-              out.append(parts[0])
-            elif self.window and not any(
-                isinstance(g, tf.IndexedSlices) for g in parts):
-              # A running sum, in backward order: each part is freed once
-              # added, so weight-sized parts do not pile up with M.
-              acc = parts[0]
-              for part in parts[1:]:
-                acc = acc + part
-              out.append(acc)
-            else:
-              # Sparse parts (lookups) stay sparse when all are.
-              out.append(matmul_grad.SumGradients(parts))
-      return out
-
-  def _CellBackward(self, i, dy, theta_grads, recompute):
-    """Backward pass of cell i for every micro-batch; returns its input grads.
-
-    Args:
-      i: The cell.
-      dy: Per micro-batch, the flat list of gradients of the cell's outputs
-        (None entries where there is none).
-      theta_grads: Appended with one flat list of theta-leaf gradients per
-        group of micro-batches.
-      recompute: Whether to rebuild the cell's forward pass here; if not, the
-        forward subgraphs are differentiated (and, under a window, held back
-        by `_HoldForward`).
-
-    Returns:
-      Per micro-batch, the gradients of the cell's inputs, in the structure
-      of its inputs (None for the whole micro-batch if none has any).
-    """
-    m = self.num_micro
-    name = self.cells[i][0]
-    leaves = self.thetas[i].Flatten()
-    dx = [None] * m  # Flat, per micro-batch.
-    done = [None] * m
-    window = self.window(i) if self.window else None
-    # Weight gradients: one MatMul per group of micro-batches. Recomputing,
-    # groups of W_i (the recompute of t waits for the group of t - W_i);
-    # else groups of K, held only until complete (see `_HoldForward`).
-    if window is None:
-      group_size = m
-    else:
-      group_size = window if recompute else len(self.cells)
-    group_done = []
-    acc = [None] * len(leaves)  # Running sums of the batched weight grads.
-    batcher = None
-    for t in range(m):
-      if t % group_size == 0:
-        batcher = matmul_grad.WeightGradientBatcher(leaves)
-      with tf.device(self.devices[i]), tf.name_scope('%s_mb%d' % (name, t)):
-        outs = _Flat(self.cell_out[i][t])
-        idx = [k for k, (o, g) in enumerate(zip(outs, dy[t]))
-               if g is not None and _IsFloat(o)]
-        x = self.cell_in[i][t]
-        flat_x = _Flat(x)
-        if idx:
-          if recompute:
-            gates = [dy[t][k] for k in idx]
-            if window is not None and t >= window:
-              gates += [g for g in (done[t - window],
-                                    group_done[(t - window) // group_size])
-                        if g is not None]
-            with tf.control_dependencies(gates):
-              x_r = [
-                  None if v is None else tf.identity(v, name='recompute_gate')
-                  for v in flat_x
-              ]
-            # The same step and the same names under a fresh scope: the
-            # same random seeds as the forward pass (see CellRandomness).
-            # A recomputation is no further micro-batch: the cell's
-            # accumulators keep what its forward passes made of them.
-            cell = self.cells[i][1]
-            saved_accs = cell.GetAccumulatorValues()
-            y_r = _Flat(self._CellFProp(
-                i, tf.nest.pack_sequence_as(x, x_r), self.steps[t],
-                'recompute')[0])
-            cell.SetAccumulatorValues(saved_accs)
-            ys = [y_r[k] for k in idx]
-          else:
-            x_r = flat_x
-            ys = [outs[k] for k in idx]
-          with batcher:
-            dx[t], tg, dys = _CellGradients(ys, x_r, leaves,
-                                            [dy[t][k] for k in idx])
-          theta_grads.append(tg)
-          done[t] = _Group(dx[t] + tg + dys)
-      if (t + 1) % group_size == 0 or t == m - 1:
-        with tf.device(self.devices[i]), tf.name_scope(
-            '%s_mb%d/weight_grad' % (name, t)):
-          batched = batcher.Gradients(leaves)
-          if window is None:
-            theta_grads.append(batched)
-            group_done.append(_Group(batched))
-          else:
-            # Summed group by group, and the next group's backward waits for
-            # the sum: weight-sized parts never pile up with M.
-            acc = [matmul_grad.SumGradients([a, b])
-                   for a, b in zip(acc, batched)]
-            group_done.append(_Group(acc))
-    if window is not None:
-      theta_grads.append(acc)
-    if window is not None and not recompute:
-      self._HoldForward(i, window, group_size, done, group_done)
-    # Flat dy of the previous cell's outputs = flat dx of this cell's inputs.
-    return [[None] * len(_Flat(self.cell_in[i][t])) if dx[t] is None else
-            dx[t] for t in range(m)]
-
-  def _HoldForward(self, i, window, group_size, done, group_done):
-    """Cell i's forward of micro-batch t waits for its backward of t - W.
-
-    And for the batched weight gradient of every group of micro-batches
-    complete by then (those MatMuls read the groups' weight-matmul inputs and
-    output gradients). So at most W micro-batches' activations are alive in
-    cell i, plus, for at most group_size - 1 more, the operands of their
-    group's one weight-gradient MatMul; nothing is recomputed. No cycle:
-    backward(i, t) needs only forward ops of micro-batches <= t (and the
-    caller's dy, which needs none, see `_DyDependsOnForward`), and every edge
-    added here goes from micro-batches <= t - W to the forward of t. Graph
-    mode: the edges must be added before the graph first runs, as
-    tf.gradients is.
-    """
-    gates = self.gates[i]
-    for t in range(1, self.num_micro):
-      # In order: what held back t - 1 holds back t.
-      deps = [gates[t - 1]]
-      if t >= window:
-        complete = (t - window + 1) // group_size
-        deps += [done[t - window], group_done[complete - 1] if complete else None]
-      for d in deps:
-        if d is not None:
-          internal_tf.AddControlInput(gates[t], d)
-
-
-class _ListEngine(_Engine):
-  """Runs a schedule's per-device action lists (`actions.py`).
-
-  Every action has a gate (a NoOp its ops wait for) and a completion (an op
-  that runs once its ops have): each action's gate waits for the completion
-  of the action before it on its device, so each device runs its list in
-  order, while TensorFlow's executor still runs devices side by side. The
-  lists are checked for deadlock under the same dependencies before any
-  graph is built (`actions.CheckSchedule`). Nothing is recomputed: each
-  (cell, micro-batch) forward subgraph is differentiated as built, and a
-  'W' action is the batched weight-gradient MatMul of its micro-batch
-  (`matmul_grad.WeightGradientBatcher`), split from its 'I'.
-  """
-
-  def __init__(self, layer, theta, inputs, num_micro, schedule_name):
-    super().__init__(layer, theta, inputs, num_micro, recompute=False)
-    self.gated = True
-    self.schedule_name = schedule_name
-    num_devices = len(set(self.devices))
-    self.spec = actions.StageSpec(len(self.cells), num_devices, num_micro)
-    self.schedule = actions.Build(schedule_name, self.spec)
-
-  def _Backward(self, out_grads):
-    p = self.p
-    m = self.num_micro
-    num_cells = len(self.cells)
-    out_grads = self._DropZeroGrads(out_grads)
-    if self._DyDependsOnForward(out_grads):
+    spec = self._Spec(recompute)
+    schedule = actions.Build(self.schedule_name, spec)
+    if depends and self.schedule_name != 'unrolled':
       # No output gradient before every forward pass has run: each device
       # runs its forward actions first, then the schedule's backward order.
       tf.logging.info(
           '%s: the loss is not linear in the pipeline\'s outputs; schedule '
           '%r runs every forward pass before its backward actions.', p.name,
           self.schedule_name)
-      self.schedule = actions.ForwardsFirst(self.schedule)
-      actions.CheckSchedule(self.spec, self.schedule)
+      schedule = actions.ForwardsFirst(schedule)
+      actions.CheckSchedule(spec, schedule)
+    return recompute, schedule
+
+  def _Backward(self, out_grads):
+    """Gradients of (present inputs, theta leaves) from those of outputs."""
+    m = self.num_micro
+    num_cells = len(self.cells)
+    out_grads = self._DropZeroGrads(out_grads)
+    recompute, self.schedule = self._Schedule(out_grads)
     gates, completions = {}, {}
+    # What each enforced action waits for, and the actions awaited.
+    self.waits = actions.Waits(self.schedule,
+                               actions.ORDERED_KINDS[self.schedule_name])
+    self.awaited = {a for acts in self.waits.values() for a in acts}
     for i in range(num_cells):
       for t in range(m):
         gates[actions.Action('F', i, t)] = self.gates[i][t]
@@ -688,82 +546,178 @@ class _ListEngine(_Engine):
       dy = self._MicroBatchOutputGrads(out_grads)
       sums = [None] * num_cells
       for i in reversed(range(num_cells)):
-        dy, sums[i] = self._ListCellBackward(i, dy, gates, completions)
+        dy, sums[i] = self._CellBackward(i, dy, recompute, gates,
+                                         completions)
       for i in range(num_cells):
         for t in range(m):
-          with tf.device(self.devices[i]):
-            completions[actions.Action('F', i, t)] = _Group(
-                _Flat(self.cell_out[i][t]))
+          f = actions.Action('F', i, t)
+          if f in self.awaited:
+            with tf.device(self.devices[i]):
+              completions[f] = _Group(_Flat(self.cell_out[i][t]))
       self._Wire(gates, completions)
       return (self._InputGrads(dy) +
               [g for cell_sums in sums for g in cell_sums])
 
-  def _ListCellBackward(self, i, dy, gates, completions):
-    """Cell i's 'B' (or 'I' and 'W') actions; returns (dx, theta grads)."""
+  def _Recompute(self, i, t, gates):
+    """Cell i's forward pass of micro-batch t rebuilt behind `gates` ('R').
+
+    `gates` include the incoming gradient, so the rebuilt pass runs in the
+    backward pass, not beside the forward one.
+
+    The same step and the same names under a fresh scope: the same random
+    seeds as the forward pass (see CellRandomness). A recomputation is no
+    further micro-batch: the cell's accumulators keep what its forward
+    passes made of them.
+
+    Returns:
+      (the rebuilt pass's flat inputs, its flat outputs).
+    """
+    x = self.cell_in[i][t]
+    with tf.control_dependencies(gates):
+      x_r = [None if v is None else tf.identity(v, name='recompute_gate')
+             for v in _Flat(x)]
+    cell = self.cells[i][1]
+    saved_accs = cell.GetAccumulatorValues()
+    y_r = _Flat(self._CellFProp(i, tf.nest.pack_sequence_as(x, x_r),
+                                self.steps[t], 'recompute')[0])
+    cell.SetAccumulatorValues(saved_accs)
+    return x_r, y_r
+
+  def _CellBackward(self, i, dy, recompute, gates, completions):
+    """Cell i's backward actions; returns (its input grads, theta grads).
+
+    Args:
+      i: The cell.
+      dy: Per micro-batch, the flat list of gradients of the cell's outputs
+        (None entries where there is none).
+      recompute: Whether the schedule has 'R' actions.
+      gates: Action -> its gate, filled in for cell i's actions.
+      completions: Action -> its completion, likewise.
+
+    Returns:
+      (per micro-batch, the flat gradients of the cell's inputs; the
+      gradients of the cell's theta leaves).
+    """
     m = self.num_micro
     name = self.cells[i][0]
     leaves = self.thetas[i].Flatten()
-    split = self.schedule_name == 'zero_bubble'
+    device_actions = self.schedule[self._Spec(recompute).Device(i)]
+    split = actions.Action('I', i, 0) in device_actions
+    ordered = actions.ORDERED_KINDS[self.schedule_name]
+
+    def Gate(kind, gate_name):
+      """A NoOp the action's ops wait for, where its place is enforced."""
+      return tf.no_op(name=gate_name) if kind in ordered else None
+
     dx = [None] * m
-    acc = [None] * len(leaves)
-
-    def Add(parts):
-      """Adds parts to the running sums; returns the sums it changed.
-
-      An action's completion includes its sums, so the next action on the
-      device waits for them and each micro-batch's weight-sized part is freed
-      once added. Grappler also leaves an add that drives a control edge as it
-      is; a chain of plain adds it folds into one AddN of all M parts, every
-      part alive until the last (FC 8 x 512, 2 cells, M = 32: 1149 MB against
-      'unrolled''s 878 MB).
-      """
-      changed = []
-      for k, g in enumerate(parts):
-        if g is not None:
-          acc[k] = matmul_grad.SumGradients([acc[k], g])
-          changed.append(acc[k])
-      return changed
-
+    batchers = [matmul_grad.WeightGradientBatcher(leaves) for _ in range(m)]
+    # Per backward action: the tensors its completion includes, and the
+    # weight gradients it adds to the running sums.
+    own, parts = {}, {}
     for t in range(m):
       b = actions.Action('I' if split else 'B', i, t)
       with tf.device(self.devices[i]), tf.name_scope('%s_mb%d' % (name, t)):
-        gate = tf.no_op(name='bwd_gate')
-        gates[b] = gate
         outs = _Flat(self.cell_out[i][t])
         idx = [k for k, (o, g) in enumerate(zip(outs, dy[t]))
                if g is not None and _IsFloat(o)]
         flat_x = _Flat(self.cell_in[i][t])
-        batcher = matmul_grad.WeightGradientBatcher(leaves)
-        tg, batched = [None] * len(leaves), [None] * len(leaves)
-        dys = []
+        if recompute:
+          r = actions.Action('R', i, t)
+          gates[r] = Gate('R', 'r_gate')
+          if idx:
+            flat_x, outs = self._Recompute(
+                i, t, [dy[t][k] for k in idx] +
+                ([gates[r]] if gates[r] is not None else []))
+          if r in self.awaited:
+            completions[r] = (_Group(outs if idx else []) or gates[r] or
+                              tf.no_op())
+        gate = Gate(b.kind, 'bwd_gate')
+        gates[b] = gate
+        tg, dys = [None] * len(leaves), []
         if idx:
-          with tf.control_dependencies([gate]):
-            grad_ys = [tf.identity(dy[t][k]) for k in idx]
-          with batcher:
+          grad_ys = [dy[t][k] for k in idx]
+          if gate is not None:
+            with tf.control_dependencies([gate]):
+              grad_ys = [tf.identity(g) for g in grad_ys]
+          with batchers[t]:
             dx[t], tg, dys = _CellGradients([outs[k] for k in idx], flat_x,
                                             leaves, grad_ys)
-        if split:
-          completions[b] = _Group((dx[t] or []) + tg + dys + Add(tg)) or gate
-          w = actions.Action('W', i, t)
+        own[b] = (dx[t] or []) + tg + dys
+        parts[b] = [(tg, False)]
+        if not split:
           with tf.name_scope('weight_grad'):
-            w_gate = tf.no_op(name='w_gate')
-            gates[w] = w_gate
-            with tf.control_dependencies([w_gate]):
-              batched = batcher.Gradients(leaves)
-              completions[w] = _Group(batched + Add(batched)) or w_gate
-        else:
-          batched = batcher.Gradients(leaves)
-          completions[b] = _Group((dx[t] or []) + tg + dys + batched +
-                                  Add(tg) + Add(batched)) or gate
+            batched = batchers[t].Gradients(leaves)
+          own[b] += batched
+          parts[b].append((batched, True))
+    if split:
+      for run in actions.WeightGradientRuns(self.schedule):
+        if run[0].stage != i:
+          continue
+        first, last = run[0].micro_batch, run[-1].micro_batch
+        scope = ('%s_mb%d/weight_grad' % (name, first) if first == last else
+                 '%s_mb%d-%d/weight_grad' % (name, first, last))
+        with tf.device(self.devices[i]), tf.name_scope(scope):
+          w_gate = Gate('W', 'w_gate')
+          with tf.control_dependencies([w_gate] if w_gate is not None else []):
+            batched = matmul_grad.WeightGradientBatcher.Merged(
+                leaves, [batchers[a.micro_batch] for a in run]).Gradients(
+                    leaves)
+        for a in run:
+          gates[a] = w_gate
+        own[run[0]] = list(batched)
+        parts[run[0]] = [(batched, True)]
+    # Running sums: each weight-gradient MatMul's result (a run's or a
+    # 'B''s), and every part of an enforced action, is added as its action
+    # completes, in the device's order (so no sum waits for an action that
+    # comes later there), and the completion includes the sum: the next
+    # action on the device waits for it, and each weight-sized part is freed
+    # once added. (Grappler also leaves an add that drives a control edge as
+    # it is; a chain of plain adds it folds into one AddN of all parts, every
+    # part alive until the last: FC 8 x 512, 2 cells, M = 32: 1149 MB against
+    # 878 MB.) The other parts (an unenforced action's gradients of weights
+    # used other than by MatMuls: biases, scales) go into one AddN at the
+    # end, one op rather than one per micro-batch.
+    acc = [None] * len(leaves)
+    rest = [[] for _ in leaves]
+    for a in device_actions:
+      if a not in own:
+        continue
+      changed = []
+      for grads, batched in parts[a]:
+        for k, g in enumerate(grads):
+          if g is None:
+            continue
+          if not batched and a.kind not in ordered:
+            rest[k].append(g)
+            continue
+          with tf.device(self.devices[i]), tf.name_scope(
+              '%s_theta/grad_sum' % name):
+            acc[k] = matmul_grad.SumGradients([acc[k], g])
+          changed.append(acc[k])
+      run = [a]
+      if a.kind == 'W':
+        run = next(r for r in actions.WeightGradientRuns(self.schedule)
+                   if r[0] == a)
+      if any(w in self.awaited for w in run):
+        done = _Group(own[a] + changed) or gates[a] or tf.no_op()
+        for w in run:
+          completions[w] = done
+    with tf.device(self.devices[i]), tf.name_scope('%s_theta/grad_sum' % name):
+      acc = [matmul_grad.SumGradients([a] + r) if r else a
+             for a, r in zip(acc, rest)]
     dx = [[None] * len(_Flat(self.cell_in[i][t])) if dx[t] is None else dx[t]
           for t in range(m)]
     return dx, acc
 
   def _Wire(self, gates, completions):
-    """Each action's gate waits for the previous action on its device."""
-    for device_actions in self.schedule:
-      for prev, a in zip(device_actions, device_actions[1:]):
-        internal_tf.AddControlInput(gates[a], completions[prev])
+    """Each enforced action's gate (`actions.ORDERED_KINDS`) waits for the
+    actions before it on its device (`actions.Waits`)."""
+    for a, awaited in self.waits.items():
+      done = []
+      for prev in awaited:
+        if all(completions[prev] is not d for d in done):
+          done.append(completions[prev])
+          internal_tf.AddControlInput(gates[a], completions[prev])
 
 
 def ListSchedule(name):
@@ -775,7 +729,7 @@ def ListSchedule(name):
           '%s: schedule=%r does not recompute; set recompute=None or False, '
           "or use '1f1b' or 'unrolled' with recompute=True." %
           (layer.params.name, name))
-    return _ListEngine(layer, theta, inputs, num_micro, name).Build()
+    return _Engine(layer, theta, inputs, num_micro, name, False).Build()
 
   Schedule.__name__ = name
   Schedule.__doc__ = actions.ACTION_SCHEDULES[name].__doc__
@@ -783,17 +737,15 @@ def ListSchedule(name):
 
 
 def Unrolled(layer, theta, inputs, num_micro):
-  """One subgraph per (micro-batch, cell); see the module docstring."""
-  return _Engine(layer, theta, inputs, num_micro,
-                 recompute=bool(layer.params.recompute)).Build()
+  """GPipe: all forward actions, then all backward ones (`actions.GPipe`)."""
+  return _Engine(layer, theta, inputs, num_micro, 'unrolled',
+                 bool(layer.params.recompute)).Build()
 
 
 def OneFOneB(layer, theta, inputs, num_micro):
-  """1F1B: at most K - i micro-batches in flight in cell i's backward pass."""
-  num_cells = len(layer.Cells())
-  return _Engine(layer, theta, inputs, num_micro,
-                 recompute=layer.params.recompute,
-                 window=lambda i: num_cells - i).Build()
+  """1F1B (`actions.OneFOneB`): at most K - i micro-batches in cell i."""
+  return _Engine(layer, theta, inputs, num_micro, '1f1b',
+                 layer.params.recompute).Build()
 
 
 def Recurrent(layer, theta, inputs, num_micro):
