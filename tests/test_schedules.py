@@ -267,7 +267,8 @@ def test_list_schedules_sum_weight_gradients_as_they_go(schedule, num_cells):
 @pytest.mark.parametrize('schedule,recompute,num_cells', [
     ('unrolled', False, 2), ('unrolled', True, 2), ('1f1b', None, 2),
     ('1f1b', True, 2), ('1f1b', None, 3), ('zero_bubble', None, 2),
-    ('interleaved_1f1b', None, 4)])
+    ('zero_bubble', True, 2), ('interleaved_1f1b', None, 4),
+    ('interleaved_1f1b', True, 4)])
 def test_the_engine_builds_the_lists_weight_gradients(schedule, recompute,
                                                       num_cells):
   # Each run of 'W' actions of a cell (actions.WeightGradientRuns), and each
@@ -288,6 +289,7 @@ def test_the_engine_builds_the_lists_weight_gradients(schedule, recompute,
     want.add('cell%d_mb%s' % (run[0].stage, first if first == last else
                               '%d-%d' % (first, last)))
   assert built == want
+  assert _HasRecomputation(g) == bool(recompute)
   # 'unrolled' batches all M; '1f1b' runs of K; the others one per action.
   per_cell = {'unrolled': 1, '1f1b': -(-m // num_cells)}.get(schedule, m)
   if recompute:

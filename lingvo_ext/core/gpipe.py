@@ -537,7 +537,8 @@ class PipeliningLayer(SeqLayer):
         "StackedRecurrent loop, which recomputes each cell's forward pass "
         "in the backward pass, keeping only cell boundary activations "
         "(less memory, more time). 'interleaved_1f1b' and 'zero_bubble' "
-        "run each device's list strictly in order, without recomputation; "
+        "run each device's list strictly in order (recompute=True: each "
+        "backward action after its recomputation; the default, none); "
         "for a loss that is not linear in the outputs each device runs its "
         "forward actions first, then its backward actions in the "
         "schedule's order: "
@@ -577,7 +578,8 @@ class PipeliningLayer(SeqLayer):
         'activations between the two. Random ops that seed from '
         'py_utils.GenerateStepSeedPair (e.g. DeterministicDropoutLayer) '
         'draw the same values in the recomputation. None: the schedule\'s '
-        "own: False for 'unrolled'; for '1f1b', only when the loss's "
+        "own: False for 'unrolled', 'interleaved_1f1b' and 'zero_bubble'; "
+        "for '1f1b', only when the loss's "
         "gradient depends on the pipeline's outputs (checked when "
         "tf.gradients builds the backward pass); 'recurrent' always "
         "recomputes (recompute=False is an error there). recompute=False "

@@ -35,7 +35,8 @@ pass, inside the pipeline's custom gradient, per action):
   when tf.gradients builds the backward pass (`recompute=None`).
 - 'recurrent': Lingvo's `StackedRecurrent` loop, which always recomputes.
 - 'interleaved_1f1b', 'zero_bubble': each device runs its list strictly in
-  order; for a loss not linear in the outputs, its forward actions first
+  order (with `recompute=True`, each backward action after its 'R'); for a
+  loss not linear in the outputs, its forward actions first
   (`actions.ForwardsFirst`).
 """
 
@@ -721,15 +722,15 @@ class _Engine:
 
 
 def ListSchedule(name):
-  """The schedule function that runs `actions.ACTION_SCHEDULES[name]`."""
+  """The schedule function that runs `actions.ACTION_SCHEDULES[name]`.
+
+  recompute=True adds each backward action's recomputation ('R') to the
+  lists; None or False recomputes nothing.
+  """
 
   def Schedule(layer, theta, inputs, num_micro):
-    if layer.params.recompute:
-      raise ValueError(
-          '%s: schedule=%r does not recompute; set recompute=None or False, '
-          "or use '1f1b' or 'unrolled' with recompute=True." %
-          (layer.params.name, name))
-    return _Engine(layer, theta, inputs, num_micro, name, False).Build()
+    return _Engine(layer, theta, inputs, num_micro, name,
+                   bool(layer.params.recompute)).Build()
 
   Schedule.__name__ = name
   Schedule.__doc__ = actions.ACTION_SCHEDULES[name].__doc__
