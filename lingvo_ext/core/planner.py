@@ -19,8 +19,8 @@ per-stage costs (`actions.Simulate`):
   FLOPs and its own op count; 'R' is a forward pass again. What the engines
   add: a hand-off (`Machine.s_per_handoff` and the bytes) for each tensor an
   action receives from another device, a gate (`Machine.s_per_gate`) per
-  action of the gated engines (`GatedKinds`), and the sums of the weight
-  gradients over micro-batches (`Accumulations`). Lingvo's 'recurrent' loop
+  enforced action (`GatedKinds`, `actions.ORDERED_KINDS`), and the sums of
+  the weight gradients over micro-batches (`Accumulations`). Lingvo's 'recurrent' loop
   runs M + K - 1 steps, each running every cell (`_RecurrentCompute`).
   Devices that share
   fewer cores than they are (CPU devices of one host) cannot all compute at
@@ -192,7 +192,7 @@ class Machine:
       another (a Send/Recv pair and its rendezvous), on top of its bytes over
       bytes_per_s: what a cell pays per micro-batch for its input (and its
       output's gradient) coming from a cell on another device.
-    s_per_gate: Time an action of a gated engine pays for its gate and
+    s_per_gate: Time an enforced action pays for its gate and
       completion (two NoOps and control edges that hold it behind the action
       before it on its device): the kinds of `actions.ORDERED_KINDS`, every
       action of 'interleaved_1f1b' and 'zero_bubble', the forward passes
@@ -641,10 +641,12 @@ def Predict(profile: ModelProfile, plan: Plan,
 
 # Ops per (cell, micro-batch) call of a cell built once: the forward and
 # gradient calls, their inputs' and outputs' plumbing and the exported
-# operands' rows; the window and list engines add their gates and held
-# outputs. Measured on lm.TransformerLmTiny's training graph at K = 1, 2
-# and M = 1, 4, 8: 10-18 ops for 'unrolled', 22-28 for '1f1b' and
-# 'zero_bubble' (tests/test_plan.py checks GraphOps against built graphs).
+# operands' rows; enforced actions add their gates and held outputs.
+# Measured on lm.TransformerLmTiny's training graph at K = 1, 2 and M = 1,
+# 4, 8: 10-18 ops for 'unrolled', 22-28 for '1f1b' and 'zero_bubble' (before
+# '1f1b' ran from its lists, which made its graph smaller: L=32 Transformer
+# 16585 ops against 21205; tests/test_plan.py checks GraphOps against built
+# graphs).
 CALL_OPS = {'unrolled': 14}
 CALL_OPS_GATED = 26
 
@@ -1045,8 +1047,8 @@ def ProbeMachine(session_config=None, cores: Optional[float] = None,
   they run is how many devices compute at once (CPU devices share the
   host's cores, and other processes take their share). The small chain
   again with each op on the other device than the op before it gives the
-  time of a hand-off between devices, and gated as the list engines gate
-  their actions the time of a gate; a chain of adds of 1 MB tensors the
+  time of a hand-off between devices, and gated as the engine gates
+  enforced actions the time of a gate; a chain of adds of 1 MB tensors the
   rate of a gradient sum (`Machine.add_bytes_per_s`). A few seconds.
 
   Args:
