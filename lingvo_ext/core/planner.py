@@ -20,8 +20,9 @@ per-stage costs (`actions.Simulate`):
   add: a hand-off (`Machine.s_per_handoff` and the bytes) for each tensor an
   action receives from another device, a gate (`Machine.s_per_gate`) per
   enforced action (`GatedKinds`, `actions.ORDERED_KINDS`), and the sums of
-  the weight gradients over micro-batches (`Accumulations`). Lingvo's 'recurrent' loop
-  runs M + K - 1 steps, each running every cell (`_RecurrentCompute`).
+  the weight gradients over micro-batches (`Accumulations`). Lingvo's
+  'recurrent' loop runs M + K - 1 steps, each running every cell
+  (`_RecurrentCompute`).
   Devices that share
   fewer cores than they are (CPU devices of one host) cannot all compute at
   once: the step is at least the replicas' total work over the cores.
@@ -421,7 +422,7 @@ def ActionSchedule(plan: Plan, linear_loss: bool = True
                            plan.num_micro_batches, recompute=plan.recompute)
   name = 'unrolled' if plan.schedule == 'recurrent' else plan.schedule
   schedule = actions.Build(name, spec)
-  if not linear_loss and name != 'unrolled':
+  if not linear_loss:  # GPipe's lists are in that order already.
     schedule = actions.ForwardsFirst(schedule)
   return spec, schedule
 
@@ -441,7 +442,7 @@ def Accumulations(plan: Plan) -> int:
   K micro-batches and sums the runs: ceil(M / K) - 1. With recompute both
   take whole backward passes ('B'), as the list schedules do ('B' or 'W'):
   one gradient per micro-batch, M - 1. Lingvo's StackedRecurrent loop adds
-  each of its M + K - 2 backward steps' gradients to its accumulator:
+  each of its M + K - 1 backward steps' gradients to its accumulator:
   M + K - 2 after the first.
   """
   k, m = plan.num_cells, plan.num_micro_batches

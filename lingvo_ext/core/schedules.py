@@ -501,7 +501,8 @@ class _Engine:
     return in_grads
 
   def _Schedule(self, out_grads):
-    """(recompute, the action lists) for these output gradients."""
+    """(the StageSpec, recompute decided; the action lists) for these
+    output gradients."""
     p = self.p
     depends = self._DyDependsOnForward(out_grads)
     recompute = self.recompute
@@ -518,23 +519,27 @@ class _Engine:
           % p.name)
     spec = self._Spec(recompute)
     schedule = actions.Build(self.schedule_name, spec)
-    if depends and self.schedule_name != 'unrolled':
+    forwards_first = actions.ForwardsFirst(schedule)
+    if depends and forwards_first != schedule:
       # No output gradient before every forward pass has run: each device
       # runs its forward actions first, then the schedule's backward order.
       tf.logging.info(
           '%s: the loss is not linear in the pipeline\'s outputs; schedule '
           '%r runs every forward pass before its backward actions.', p.name,
           self.schedule_name)
-      schedule = actions.ForwardsFirst(schedule)
+      schedule = forwards_first
       actions.CheckSchedule(spec, schedule)
-    return recompute, schedule
+    return spec, schedule
 
   def _Backward(self, out_grads):
     """Gradients of (present inputs, theta leaves) from those of outputs."""
     m = self.num_micro
     num_cells = len(self.cells)
     out_grads = self._DropZeroGrads(out_grads)
-    recompute, self.schedule = self._Schedule(out_grads)
+    self.spec, self.schedule = self._Schedule(out_grads)
+    # Each run of 'W's by its first action.
+    self.runs = {run[0]: run
+                 for run in actions.WeightGradientRuns(self.schedule)}
     gates, completions = {}, {}
     # What each enforced action waits for, and the actions awaited.
     self.waits = actions.Waits(self.schedule,
@@ -547,8 +552,7 @@ class _Engine:
       dy = self._MicroBatchOutputGrads(out_grads)
       sums = [None] * num_cells
       for i in reversed(range(num_cells)):
-        dy, sums[i] = self._CellBackward(i, dy, recompute, gates,
-                                         completions)
+        dy, sums[i] = self._CellBackward(i, dy, gates, completions)
       for i in range(num_cells):
         for t in range(m):
           f = actions.Action('F', i, t)
@@ -584,14 +588,13 @@ class _Engine:
     cell.SetAccumulatorValues(saved_accs)
     return x_r, y_r
 
-  def _CellBackward(self, i, dy, recompute, gates, completions):
+  def _CellBackward(self, i, dy, gates, completions):
     """Cell i's backward actions; returns (its input grads, theta grads).
 
     Args:
       i: The cell.
       dy: Per micro-batch, the flat list of gradients of the cell's outputs
         (None entries where there is none).
-      recompute: Whether the schedule has 'R' actions.
       gates: Action -> its gate, filled in for cell i's actions.
       completions: Action -> its completion, likewise.
 
@@ -602,7 +605,8 @@ class _Engine:
     m = self.num_micro
     name = self.cells[i][0]
     leaves = self.thetas[i].Flatten()
-    device_actions = self.schedule[self._Spec(recompute).Device(i)]
+    recompute = self.spec.recompute
+    device_actions = self.schedule[self.spec.Device(i)]
     split = actions.Action('I', i, 0) in device_actions
     ordered = actions.ORDERED_KINDS[self.schedule_name]
 
@@ -651,7 +655,7 @@ class _Engine:
           own[b] += batched
           parts[b].append((batched, True))
     if split:
-      for run in actions.WeightGradientRuns(self.schedule):
+      for run in self.runs.values():
         if run[0].stage != i:
           continue
         first, last = run[0].micro_batch, run[-1].micro_batch
@@ -695,10 +699,7 @@ class _Engine:
               '%s_theta/grad_sum' % name):
             acc[k] = matmul_grad.SumGradients([acc[k], g])
           changed.append(acc[k])
-      run = [a]
-      if a.kind == 'W':
-        run = next(r for r in actions.WeightGradientRuns(self.schedule)
-                   if r[0] == a)
+      run = self.runs.get(a, [a])
       if any(w in self.awaited for w in run):
         done = _Group(own[a] + changed) or gates[a] or tf.no_op()
         for w in run:
@@ -724,29 +725,19 @@ class _Engine:
 def ListSchedule(name):
   """The schedule function that runs `actions.ACTION_SCHEDULES[name]`.
 
-  recompute=True adds each backward action's recomputation ('R') to the
-  lists; None or False recomputes nothing.
+  The layer's `recompute` goes to the engine as it is: None lets '1f1b'
+  recompute only for a loss not linear in the outputs, and the other
+  schedules not at all; True adds each backward action's recomputation
+  ('R') to the lists.
   """
 
   def Schedule(layer, theta, inputs, num_micro):
     return _Engine(layer, theta, inputs, num_micro, name,
-                   bool(layer.params.recompute)).Build()
+                   layer.params.recompute).Build()
 
   Schedule.__name__ = name
   Schedule.__doc__ = actions.ACTION_SCHEDULES[name].__doc__
   return Schedule
-
-
-def Unrolled(layer, theta, inputs, num_micro):
-  """GPipe: all forward actions, then all backward ones (`actions.GPipe`)."""
-  return _Engine(layer, theta, inputs, num_micro, 'unrolled',
-                 bool(layer.params.recompute)).Build()
-
-
-def OneFOneB(layer, theta, inputs, num_micro):
-  """1F1B (`actions.OneFOneB`): at most K - i micro-batches in cell i."""
-  return _Engine(layer, theta, inputs, num_micro, '1f1b',
-                 layer.params.recompute).Build()
 
 
 def Recurrent(layer, theta, inputs, num_micro):
@@ -870,8 +861,8 @@ def Recurrent(layer, theta, inputs, num_micro):
 
 # Schedules by name: PipeliningLayer's `schedule` param picks one.
 SCHEDULES = {
-    'unrolled': Unrolled,
-    '1f1b': OneFOneB,
+    'unrolled': ListSchedule('unrolled'),
+    '1f1b': ListSchedule('1f1b'),
     'recurrent': Recurrent,
     'interleaved_1f1b': ListSchedule('interleaved_1f1b'),
     'zero_bubble': ListSchedule('zero_bubble'),
