@@ -24,6 +24,16 @@ def test_gpipe_exact_lists():
       'F0.0 F0.1 R0.0 B0.0 R0.1 B0.1',
       'F1.0 F1.1 R1.0 B1.0 R1.1 B1.1',
   ]
+  # Runs of 3 micro-batches' weight gradients, each after their 'R' and 'I'.
+  spec = A.StageSpec(2, 1, 4, recompute=True, weight_gradient_run=3)
+  assert _Str(A.GPipe(spec)) == [
+      'F0.0 F1.0 F0.1 F1.1 F0.2 F1.2 F0.3 F1.3 '
+      'R1.0 I1.0 R0.0 I0.0 R1.1 I1.1 R0.1 I0.1 R1.2 I1.2 R0.2 I0.2 '
+      'W1.0 W1.1 W1.2 W0.0 W0.1 W0.2 R1.3 I1.3 R0.3 I0.3 W1.3 W0.3']
+  timeline = A.Simulate(spec, A.GPipe(spec))
+  assert timeline.PeakInFlight(0) == 6  # 2 stages x 3 micro-batches.
+  with pytest.raises(ValueError, match='weight_gradient_run=0 must be >= 1'):
+    A.StageSpec(2, 1, 4, recompute=True, weight_gradient_run=0)
   # Two stages per device: the later stage's backward first.
   spec = A.StageSpec(4, 2, 2)
   assert _Str(A.GPipe(spec)) == [
@@ -80,10 +90,11 @@ def test_zero_bubble_exact_lists():
   ]
 
 
-_SPECS = [A.StageSpec(k, d, m, r)
+_SPECS = [A.StageSpec(k, d, m, r) if r != 'runs' else
+          A.StageSpec(k, d, m, True, weight_gradient_run=3)
           for k, d, m, r in itertools.product((1, 2, 3, 4, 6), (1, 2, 3),
                                               (1, 2, 3, 4, 8, 12),
-                                              (False, True))
+                                              (False, True, 'runs'))
           if d <= k]
 
 

@@ -38,7 +38,7 @@ def test_every_schedule_is_one_registry_entry():
 
 
 def _BackwardGraph(num_cells, num_micro, schedule, recompute, loss_fn=None,
-                   functions=False, devices=None):
+                   functions=False, devices=None, batch=B):
   """The graph and gradient ops; the default loss is nonlinear (recomputes).
 
   Inline cells unless `functions`: the liveness measure below reads each
@@ -52,7 +52,7 @@ def _BackwardGraph(num_cells, num_micro, schedule, recompute, loss_fn=None,
         name='pipe', cell_tpl=test_gpipe._FcCells(num_cells, 3),  # pylint: disable=protected-access
         num_micro_batches=num_micro, schedule=schedule,
         recompute=recompute, cell_functions=functions).Instantiate()
-    out = net.FPropDefaultTheta(test_gpipe._Input(B, D))  # pylint: disable=protected-access
+    out = net.FPropDefaultTheta(test_gpipe._Input(batch, D))  # pylint: disable=protected-access
     grads = tf.gradients(loss_fn(out), net.vars.Flatten())
   return g, [t.op for t in grads]
 
@@ -219,6 +219,41 @@ def test_1f1b_recomputes_for_a_nonlinear_loss(num_cells, functions):
   # 'unrolled' recomputes one micro-batch at a time too.
   g, fetches = _BackwardGraph(num_cells, num_micro, 'unrolled', True)
   assert MaxLiveMicroBatches(g, fetches, 0, num_micro) == 1
+
+
+@pytest.mark.parametrize('batch', [4, 8, 64])
+def test_unrolled_recomputes_with_weight_gradients_in_runs(batch):
+  # 2 cells of 3 FC D x D, M = 4: each micro-batch's MatMul operands are
+  # rows x (D + D) per layer against D x D weights. A run of r micro-batches'
+  # weight gradients keeps r - 1 more micro-batches' operands: as many as
+  # stay within one copy of the weights.
+  m, rows = 4, batch // 4
+  weights, operands = 2 * 3 * D * D, 2 * 3 * rows * 2 * D
+  run = min(m, 1 + weights // operands)
+  assert run == {4: 4, 8: 2, 64: 1}[batch]
+  g, fetches = _BackwardGraph(2, m, 'unrolled', True, functions=True,
+                              batch=batch)
+  assert _HasRecomputation(g)
+  spec = actions.StageSpec(2, 2, m, True, weight_gradient_run=run)
+  lists = actions.Build('unrolled', spec)
+  want = {'cell%d_mb%d' % (a.stage, a.micro_batch)
+          for acts in lists for a in acts if a.kind == 'B'}
+  for r in actions.WeightGradientRuns(lists):
+    first, last = r[0].micro_batch, r[-1].micro_batch
+    want.add('cell%d_mb%s' % (r[0].stage, first if first == last else
+                              '%d-%d' % (first, last)))
+  built = {re.search(r'(cell\d+_mb[\d-]+)/weight_grad/', op.name).group(1)
+           for op in g.get_operations()
+           if op.type == 'MatMul' and '/weight_grad/' in op.name}
+  assert built == want and len(built) == 2 * -(-m // run), sorted(built)
+  # A run's micro-batches' recomputations are alive together, no more.
+  for cell in range(2):
+    assert MaxLiveMicroBatches(g, fetches, cell, m) == run
+  # And the runs give the sequential model's outputs and gradients.
+  results, seq, names = lib.RunVariants(
+      test_gpipe._FcCells(2, 3), 2, lambda: [test_gpipe._Input(batch, D)],  # pylint: disable=protected-access
+      variants=[('unrolled', True)], num_micro_batches=m)
+  lib.AssertVariantsMatch(results, seq, names)
 
 
 def test_recomputation_without_its_control_edges_keeps_all_m(monkeypatch):

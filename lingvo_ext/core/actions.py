@@ -49,14 +49,20 @@ class StageSpec:
     num_micro_batches: Micro-batches, M.
     recompute: Whether each stage's forward pass is recomputed ('R') before
       its backward pass.
+    weight_gradient_run: With recompute, how many micro-batches' weight
+      gradients GPipe ('unrolled') computes at once: one run of 'W's after
+      every that many micro-batches' 'R' and 'I', their recomputed
+      activations alive until it (1: 'R' and 'B' per micro-batch).
   """
   num_stages: int
   num_devices: int
   num_micro_batches: int
   recompute: bool = False
+  weight_gradient_run: int = 1
 
   def __post_init__(self):
-    for name in ('num_stages', 'num_devices', 'num_micro_batches'):
+    for name in ('num_stages', 'num_devices', 'num_micro_batches',
+                 'weight_gradient_run'):
       if getattr(self, name) < 1:
         raise ValueError('StageSpec: %s=%r must be >= 1.' %
                          (name, getattr(self, name)))
@@ -86,26 +92,35 @@ def GPipe(spec: StageSpec) -> ScheduleLists:
   """All forward passes, then all backward passes (GPipe; 'unrolled').
 
   Each device runs its stages' forward passes micro-batch by micro-batch,
-  then their input gradients ('I', each after its 'R' with recompute) in the
-  same micro-batch order, last stage first, then each stage's weight
-  gradients ('W') of every micro-batch: one run of 'W' actions per stage,
-  which the engine computes as one MatMul per weight over all M
-  micro-batches' rows (`WeightGradientRuns`). With recompute, each 'R' and
-  its whole backward pass ('B'): a run of 'W's would keep every micro-batch's
-  recomputed activations (the MatMuls' inputs) alive until it ran.
+  then their input gradients ('I') in the same micro-batch order, last stage
+  first, then each stage's weight gradients ('W') of every micro-batch: one
+  run of 'W' actions per stage, which the engine computes as one MatMul per
+  weight over all M micro-batches' rows (`WeightGradientRuns`). With
+  recompute, 'R' before each 'I', and a run of 'W's per stage after every
+  `spec.weight_gradient_run` micro-batches: a run keeps its micro-batches'
+  recomputed activations (the MatMuls' inputs) alive until it runs. A run of
+  1 is 'R' and 'B' per micro-batch.
   """
-  m = spec.num_micro_batches
+  m, run = spec.num_micro_batches, spec.weight_gradient_run
   out = []
   for d in range(spec.num_devices):
     stages = spec.Stages(d)
     actions = [Action('F', s, t) for t in range(m) for s in stages]
-    for t in range(m):
-      for s in reversed(stages):
-        if spec.recompute:
+    if spec.recompute and run == 1:
+      for t in range(m):
+        for s in reversed(stages):
           actions += [Action('R', s, t), Action('B', s, t)]
-        else:
-          actions.append(Action('I', s, t))
-    if not spec.recompute:
+    elif spec.recompute:
+      for first in range(0, m, run):
+        group = range(first, min(first + run, m))
+        for t in group:
+          for s in reversed(stages):
+            actions += [Action('R', s, t), Action('I', s, t)]
+        for s in reversed(stages):
+          actions += [Action('W', s, t) for t in group]
+    else:
+      for t in range(m):
+        actions += [Action('I', s, t) for s in reversed(stages)]
       for s in reversed(stages):
         actions += [Action('W', s, t) for t in range(m)]
     out.append(actions)

@@ -21,7 +21,9 @@ pass, inside the pipeline's custom gradient, per action):
   one before it on its device (`actions.ORDERED_KINDS`) but a
   recomputation, so TensorFlow's executor overlaps cells as data arrives.
   With `recompute=True`, each cell's forward pass is re-materialised in its
-  backward pass, one micro-batch at a time.
+  backward pass, micro-batch by micro-batch, and the weight gradients come
+  in runs whose recomputed activations stay within a copy of the weights
+  (`_Engine._WeightGradientRun`).
 - '1f1b': 1F1B's lists (`actions.OneFOneBGroupedWeights`), weight gradients
   in runs of K micro-batches; each forward pass waits for the action before
   it, so cell i has at most K - i micro-batches in flight and activation
@@ -330,9 +332,36 @@ class _Engine:
         self.cell_fns[i] = cell_function.CellFunction(
             cell, '%s_fprop' % name, jit)
 
-  def _Spec(self, recompute: bool) -> actions.StageSpec:
+  def _Spec(self, recompute: bool, run: int = 1) -> actions.StageSpec:
     return actions.StageSpec(len(self.cells), self.num_devices,
-                             self.num_micro, recompute)
+                             self.num_micro, recompute, run)
+
+  def _WeightGradientRun(self) -> int:
+    """With recompute, how many micro-batches 'unrolled' gives a run of
+    'W's (`actions.StageSpec.weight_gradient_run`).
+
+    A run of r keeps r - 1 more micro-batches' MatMul operands (x and dy)
+    alive, and saves r - 1 weight-sized gradients and their adds: runs are
+    as long as the operands they keep stay within one copy of the weights,
+    1 + weights // operands per micro-batch, over the MatMuls the cell
+    functions export (1 where none does: cells built inline).
+    """
+    weights, operands = {}, 0
+    for i in range(len(self.cells)):
+      outs = [o for o in _Flat(self.cell_out[i][0]) if o is not None]
+      for use in (cell_function.ExportedOperands(outs[0].op) if outs else []):
+        if use.rows:  # A lookup: its gradient is sparse, not weight-sized.
+          continue
+        sizes = [use.weight.shape.num_elements(),
+                 use.operand.shape.num_elements(),
+                 use.zero.shape.num_elements()]
+        if None in sizes:
+          return 1
+        weights[use.weight.ref()] = sizes[0]
+        operands += sizes[1] + sizes[2]
+    if not operands:
+      return 1
+    return min(self.num_micro, 1 + sum(weights.values()) // operands)
 
   def _CellFProp(self, i, x, step, scope, gate=False):
     """Cell i on micro-batch input x, in a fresh name scope `scope`.
@@ -517,7 +546,9 @@ class _Engine:
           'them, e.g. per-example losses from the last cell, summed); this '
           'loss is not: set recompute=None (recompute when needed) or True.'
           % p.name)
-    spec = self._Spec(recompute)
+    run = (self._WeightGradientRun()
+           if recompute and self.schedule_name == 'unrolled' else 1)
+    spec = self._Spec(recompute, run)
     schedule = actions.Build(self.schedule_name, spec)
     forwards_first = actions.ForwardsFirst(schedule)
     if depends and forwards_first != schedule:
