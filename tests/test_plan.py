@@ -556,6 +556,32 @@ def test_gradient_sums_per_engine(schedule, k, m, recompute, sums):
   assert priced - base == pytest.approx(sums * 3 * 8000 / 1e6)
 
 
+@pytest.mark.parametrize('param_bytes,run', [(1000, 1), (4096, 3),
+                                             (100000, 8)])
+def test_unrolled_recompute_sums_its_weight_gradient_runs(param_bytes, run):
+  # The engine's runs (schedules._Engine._WeightGradientRun): 1 + weights //
+  # operands per micro-batch, at most M. 8 layers, batch 32, M = 8: kept
+  # activations (the operands' stand-in) 8 x 512 B x 4 examples = 16384 B.
+  profile = _Profile(param_bytes=param_bytes)
+  plan = _Plan(2, 8, 'unrolled', True, profile=profile)
+  assert planner.WeightGradientRun(
+      plan, planner.Stages(profile, plan.sizes)) == run
+  sums = -(-8 // run) - 1
+  assert planner.Accumulations(plan, run) == sums
+  one_core = dict(cores=1)
+  base = planner.Predict(profile, plan, _Machine(**one_core))
+  priced = planner.Predict(profile, dataclasses.replace(plan), _Machine(
+      add_bytes_per_s=1e6, s_per_op=0., **one_core))
+  assert priced.step_s - base.step_s == pytest.approx(
+      sums * 3 * 8 * param_bytes / 1e6)
+  # A run's recomputed activations are alive together, as memory counts
+  # them (PeakInFlight): r micro-batches per device.
+  spec, lists = planner.ActionSchedule(plan, True, run)
+  assert spec.weight_gradient_run == run
+  timeline = actions.Simulate(spec, lists)
+  assert [timeline.PeakInFlight(d) for d in range(2)] == [run, run]
+
+
 def test_recurrent_runs_every_cell_at_every_loop_step():
   """Lingvo's StackedRecurrent: M + K - 1 steps, each runs all cells (the
   bubble's on padding) and each backward step recomputes: K = 2, M = 4 is 5

@@ -413,13 +413,34 @@ def Stages(profile: ModelProfile, sizes: Sequence[int]) -> List[_Stage]:
   return out
 
 
-def ActionSchedule(plan: Plan, linear_loss: bool = True
+def WeightGradientRun(plan: Plan, stages: Sequence[_Stage]) -> int:
+  """'unrolled' with recompute: how many micro-batches' weight gradients
+  its engine computes at once (`actions.StageSpec.weight_gradient_run`).
+
+  The engine keeps a run's recomputed MatMul operands within one copy of the
+  weights: 1 + weights // operands per micro-batch, at most M. The stages'
+  kept activations stand in for the operands here. 1 for other plans.
+  """
+  if plan.schedule != 'unrolled' or not plan.recompute:
+    return 1
+  mb = plan.replica_batch // plan.num_micro_batches
+  operands = sum(st.kept_bytes for st in stages) * mb
+  if not operands:
+    return plan.num_micro_batches
+  weights = sum(st.param_bytes for st in stages)
+  return min(plan.num_micro_batches, 1 + int(weights // operands))
+
+
+def ActionSchedule(plan: Plan, linear_loss: bool = True,
+                   weight_gradient_run: int = 1
                   ) -> Tuple[actions.StageSpec, List]:
   """The plan's action lists, as its engine runs them: the schedule's own
   (GPipe's for 'recurrent', whose loop runs all forward passes first); for a
-  loss not linear in the outputs, forward actions first."""
+  loss not linear in the outputs, forward actions first. `weight_gradient_run`
+  is `WeightGradientRun`'s."""
   spec = actions.StageSpec(plan.num_cells, plan.devices_per_replica,
-                           plan.num_micro_batches, recompute=plan.recompute)
+                           plan.num_micro_batches, recompute=plan.recompute,
+                           weight_gradient_run=weight_gradient_run)
   name = 'unrolled' if plan.schedule == 'recurrent' else plan.schedule
   schedule = actions.Build(name, spec)
   if not linear_loss:  # GPipe's lists are in that order already.
@@ -434,22 +455,25 @@ def GatedKinds(plan: Plan) -> Tuple[str, ...]:
   return tuple(actions.ORDERED_KINDS.get(plan.schedule, ()))
 
 
-def Accumulations(plan: Plan) -> int:
+def Accumulations(plan: Plan, weight_gradient_run: int = 1) -> int:
   """Times each weight's gradient is added to its running sum per step.
 
   'unrolled' batches a weight's gradient over all micro-batches into one
-  MatMul (its run of 'W' actions, matmul_grad): none. '1f1b' batches runs of
-  K micro-batches and sums the runs: ceil(M / K) - 1. With recompute both
-  take whole backward passes ('B'), as the list schedules do ('B' or 'W'):
-  one gradient per micro-batch, M - 1. Lingvo's StackedRecurrent loop adds
-  each of its M + K - 1 backward steps' gradients to its accumulator:
-  M + K - 2 after the first.
+  MatMul (its run of 'W' actions, matmul_grad): none; with recompute, runs
+  of `weight_gradient_run` (`WeightGradientRun`): ceil(M / run) - 1. '1f1b'
+  batches runs of K micro-batches and sums the runs: ceil(M / K) - 1; with
+  recompute it takes whole backward passes ('B'), as the list schedules do
+  ('B' or 'W'): one gradient per micro-batch, M - 1. Lingvo's
+  StackedRecurrent loop adds each of its M + K - 1 backward steps' gradients
+  to its accumulator: M + K - 2 after the first.
   """
   k, m = plan.num_cells, plan.num_micro_batches
   if plan.schedule == 'recurrent':
     return m + k - 2
-  if plan.schedule in ('unrolled', '1f1b') and not plan.recompute:
-    return 0 if plan.schedule == 'unrolled' else -(-m // k) - 1
+  if plan.schedule == 'unrolled':
+    return -(-m // weight_gradient_run) - 1 if plan.recompute else 0
+  if plan.schedule == '1f1b' and not plan.recompute:
+    return -(-m // k) - 1
   return m - 1
 
 
@@ -508,21 +532,24 @@ def _Costs(stages: Sequence[_Stage], micro_batch: int, machine: Machine,
   return Cost
 
 
-def SummingActions(plan: Plan, spec: actions.StageSpec) -> frozenset:
+def SummingActions(plan: Plan, schedule: List) -> frozenset:
   """The actions after which a stage adds weight gradients to their sums
-  (`Accumulations` per stage; 'recurrent' prices its own per loop step)."""
-  n = Accumulations(plan)
-  if not n or plan.schedule == 'recurrent':
+  (`Accumulations` per stage; 'recurrent' prices its own per loop step):
+  each 'B' and the last 'W' of each run of 'W's
+  (`actions.WeightGradientRuns`), but a stage's first, in its device's
+  order."""
+  if plan.schedule == 'recurrent':
     return frozenset()
-  m = spec.num_micro_batches
-  if plan.schedule == '1f1b' and not plan.recompute:
-    # The last 'W' of each run of K after the first.
-    k = spec.num_stages
-    return frozenset(actions.Action('W', s, min(g * k + k, m) - 1)
-                     for s in range(spec.num_stages) for g in range(1, n + 1))
-  kind = 'W' if plan.schedule == 'zero_bubble' else 'B'
-  return frozenset(actions.Action(kind, s, t)
-                   for s in range(spec.num_stages) for t in range(1, m))
+  runs = {run[0]: run for run in actions.WeightGradientRuns(schedule)}
+  out, seen = set(), set()
+  for acts in schedule:
+    for a in acts:
+      if a.kind == 'B' or a in runs:
+        last = runs[a][-1] if a in runs else a
+        if a.stage in seen:
+          out.add(last)
+        seen.add(a.stage)
+  return frozenset(out)
 
 
 def _RecurrentCompute(stages: Sequence[_Stage], spec: actions.StageSpec,
@@ -573,12 +600,13 @@ def Predict(profile: ModelProfile, plan: Plan,
   """Fills in the plan's predicted step time, bubble, memory and bytes."""
   stages = Stages(profile, plan.sizes)
   mb = plan.replica_batch // plan.num_micro_batches
-  spec, schedule = ActionSchedule(plan, profile.linear_loss)
+  spec, schedule = ActionSchedule(plan, profile.linear_loss,
+                                  WeightGradientRun(plan, stages))
   s_per_op = machine.s_per_op
   if plan.schedule == 'recurrent':
     s_per_op *= machine.recurrent_op_factor
   cost = _Costs(stages, mb, machine, s_per_op, spec, GatedKinds(plan),
-                SummingActions(plan, spec))
+                SummingActions(plan, schedule))
   tl = actions.Simulate(spec, schedule, cost)
   r = plan.replicas
   if plan.schedule == 'recurrent':
