@@ -1,11 +1,11 @@
 """The README's GPipe example: 3 cells on 2 logical CPUs match sequential."""
 
-import subprocess
 import sys
 
 import pytest
 
 from lingvo_ext.examples import gpipe_example
+from tests import zygote
 
 
 def test_example_matches_sequential():
@@ -18,7 +18,7 @@ def test_example_matches_sequential():
 
 @pytest.mark.e2e
 def test_example_prints_cells_and_difference():
-  out = subprocess.run(
+  out = zygote.run(
       [sys.executable, '-m', 'lingvo_ext.examples.gpipe_example'],
       capture_output=True, text=True, check=True).stdout
   assert out.count('FLOPs') == 3

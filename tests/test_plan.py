@@ -3,7 +3,6 @@
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -11,6 +10,7 @@ import pytest
 from lingvo_ext.core import actions
 from lingvo_ext.core import partitioning
 from lingvo_ext.core import planner
+from tests import zygote
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = 'lm.TransformerLmTiny'
@@ -408,7 +408,7 @@ def test_budget_too_small_exits_2_naming_the_least(capsys):
 @pytest.mark.e2e
 def test_cli_json_parses_and_runs_the_best():
   env = dict(os.environ, PYTHONPATH=ROOT)
-  proc = subprocess.run(
+  proc = zygote.run(
       [sys.executable, '-m', 'lingvo_ext.tools.plan', '--model=%s' % TINY,
        '--devices=2', '--memory_per_device=64MB', '--json',
        '--no-calibrate'], cwd=ROOT, env=env, capture_output=True, text=True,
@@ -422,7 +422,7 @@ def test_cli_json_parses_and_runs_the_best():
   assert out['model_params_override'] == planner.OverrideString(
       planner.PlanFromDict(out['best']))
   assert '--num_cpu_devices=%d' % out['best']['devices'] in out['command']
-  proc = subprocess.run(
+  proc = zygote.run(
       [sys.executable, '-m', 'lingvo_ext.tools.plan', '--model=%s' % TINY,
        '--devices=-1'], cwd=ROOT, env=env, capture_output=True, text=True,
       timeout=300, check=False)
@@ -442,7 +442,7 @@ def test_trainer_auto_plan_bad_flags(devices, memory, flag):
 @pytest.mark.e2e
 def test_trainer_plan_auto_bad_budget_exits_2(tmp_path):
   env = dict(os.environ, PYTHONPATH=ROOT)
-  proc = subprocess.run(
+  proc = zygote.run(
       [sys.executable, '-m', 'lingvo_ext.trainer', '--model=%s' % TINY,
        '--plan=auto', '--devices=2', '--memory_per_device=2XB',
        '--logdir=%s' % tmp_path], cwd=ROOT, env=env, capture_output=True,

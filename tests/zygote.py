@@ -52,7 +52,8 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Modules run from the server; the server imports what they import.
 MODULES = ('lingvo_ext.trainer', 'lingvo_ext.tools.cost_report',
            'lingvo_ext.tools.list_models',
-           'lingvo_ext.tools.convert_checkpoint', 'lingvo_ext.launch',
+           'lingvo_ext.tools.convert_checkpoint', 'lingvo_ext.tools.plan',
+           'lingvo_ext.examples.gpipe_example', 'lingvo_ext.launch',
            'bench.transformer')
 # Environment variables a library may read at import: a run whose value
 # differs from the server's gets a fresh interpreter.
