@@ -235,17 +235,9 @@ def test_unrolled_recomputes_with_weight_gradients_in_runs(batch):
                               batch=batch)
   assert _HasRecomputation(g)
   spec = actions.StageSpec(2, 2, m, True, weight_gradient_run=run)
-  lists = actions.Build('unrolled', spec)
-  want = {'cell%d_mb%d' % (a.stage, a.micro_batch)
-          for acts in lists for a in acts if a.kind == 'B'}
-  for r in actions.WeightGradientRuns(lists):
-    first, last = r[0].micro_batch, r[-1].micro_batch
-    want.add('cell%d_mb%s' % (r[0].stage, first if first == last else
-                              '%d-%d' % (first, last)))
-  built = {re.search(r'(cell\d+_mb[\d-]+)/weight_grad/', op.name).group(1)
-           for op in g.get_operations()
-           if op.type == 'MatMul' and '/weight_grad/' in op.name}
-  assert built == want and len(built) == 2 * -(-m // run), sorted(built)
+  built = _WeightGradientScopes(g)
+  assert built == _ListedWeightGradientScopes(actions.Build('unrolled', spec))
+  assert len(built) == 2 * -(-m // run), sorted(built)
   # A run's micro-batches' recomputations are alive together, no more.
   for cell in range(2):
     assert MaxLiveMicroBatches(g, fetches, cell, m) == run
@@ -299,6 +291,25 @@ def test_list_schedules_sum_weight_gradients_as_they_go(schedule, num_cells):
   assert widest[0] <= 2, widest
 
 
+def _WeightGradientScopes(graph):
+  """The '<cell>_mb<t>' or '<cell>_mb<first>-<last>' scopes of the graph's
+  weight-gradient MatMuls."""
+  return {re.search(r'(cell\d+_mb[\d-]+)/weight_grad/', op.name).group(1)
+          for op in graph.get_operations()
+          if op.type == 'MatMul' and '/weight_grad/' in op.name}
+
+
+def _ListedWeightGradientScopes(lists):
+  """The scopes the engine gives the lists' 'B's and runs of 'W's."""
+  want = {'cell%d_mb%d' % (a.stage, a.micro_batch)
+          for acts in lists for a in acts if a.kind == 'B'}
+  for run in actions.WeightGradientRuns(lists):
+    first, last = run[0].micro_batch, run[-1].micro_batch
+    want.add('cell%d_mb%s' % (run[0].stage, first if first == last else
+                              '%d-%d' % (first, last)))
+  return want
+
+
 @pytest.mark.parametrize('schedule,recompute,num_cells', [
     ('unrolled', False, 2), ('unrolled', True, 2), ('1f1b', None, 2),
     ('1f1b', True, 2), ('1f1b', None, 3), ('zero_bubble', None, 2),
@@ -312,18 +323,9 @@ def test_the_engine_builds_the_lists_weight_gradients(schedule, recompute,
   devices = 2 if schedule == 'interleaved_1f1b' else num_cells
   g, _ = _BackwardGraph(num_cells, m, schedule, recompute, lib._Loss,  # pylint: disable=protected-access
                         devices=devices)
-  built = {re.search(r'(cell\d+_mb[\d-]+)/weight_grad/', op.name).group(1)
-           for op in g.get_operations()
-           if op.type == 'MatMul' and '/weight_grad/' in op.name}
+  built = _WeightGradientScopes(g)
   spec = actions.StageSpec(num_cells, devices, m, bool(recompute))
-  lists = actions.Build(schedule, spec)
-  want = {'cell%d_mb%d' % (a.stage, a.micro_batch)
-          for acts in lists for a in acts if a.kind == 'B'}
-  for run in actions.WeightGradientRuns(lists):
-    first, last = run[0].micro_batch, run[-1].micro_batch
-    want.add('cell%d_mb%s' % (run[0].stage, first if first == last else
-                              '%d-%d' % (first, last)))
-  assert built == want
+  assert built == _ListedWeightGradientScopes(actions.Build(schedule, spec))
   assert _HasRecomputation(g) == bool(recompute)
   # 'unrolled' batches all M; '1f1b' runs of K; the others one per action.
   per_cell = {'unrolled': 1, '1f1b': -(-m // num_cells)}.get(schedule, m)
