@@ -221,7 +221,9 @@ def test_1f1b_recomputes_for_a_nonlinear_loss(num_cells, functions):
   assert MaxLiveMicroBatches(g, fetches, 0, num_micro) == 1
 
 
-@pytest.mark.parametrize('batch', [4, 8, 64])
+@pytest.mark.parametrize('batch', [
+    pytest.param(4, marks=pytest.mark.slow), 8,
+    pytest.param(64, marks=pytest.mark.slow)])
 def test_unrolled_recomputes_with_weight_gradients_in_runs(batch):
   # 2 cells of 3 FC D x D, M = 4: each micro-batch's MatMul operands are
   # rows x (D + D) per layer against D x D weights. A run of r micro-batches'
