@@ -42,6 +42,15 @@ def test_gpipe_exact_lists():
   ]
 
 
+def test_weight_gradient_run_length():
+  # Operands within one copy of the weights: 1 + weights // operands, <= M.
+  assert A.WeightGradientRunLength(100, 40, 8) == 3
+  assert A.WeightGradientRunLength(100, 200, 8) == 1
+  assert A.WeightGradientRunLength(10**6, 1, 8) == 8
+  assert A.WeightGradientRunLength(100, 0, 8) == 8  # Operands cost nothing.
+  assert A.WeightGradientRunLength(0, 0, 8) == 1  # Nothing to batch.
+
+
 def test_weight_gradient_runs():
   spec = A.StageSpec(4, 2, 2)
   assert [' '.join(map(str, r)) for r in A.WeightGradientRuns(

@@ -615,6 +615,25 @@ def ForwardsFirst(schedule: ScheduleLists) -> ScheduleLists:
           [a for a in acts if a.kind != 'F'] for acts in schedule]
 
 
+def WeightGradientRunLength(weights: float, operands: float,
+                            num_micro_batches: int) -> int:
+  """GPipe's run of weight gradients with recompute
+  (`StageSpec.weight_gradient_run`), from the weights' size and the MatMul
+  operands (x and dy) one micro-batch keeps for them.
+
+  A run of r keeps r - 1 more micro-batches' operands alive and saves r - 1
+  weight-sized gradients and their adds: runs are as long as the operands
+  they keep stay within one copy of the weights, 1 + weights // operands,
+  at most M (M where operands cost nothing; 1 where there are no weights to
+  batch).
+  """
+  if not weights:
+    return 1
+  if not operands:
+    return num_micro_batches
+  return min(num_micro_batches, 1 + int(weights // operands))
+
+
 def WeightGradientRuns(schedule: ScheduleLists) -> List[List[Action]]:
   """The maximal runs of consecutive 'W' actions of one stage on a device.
 

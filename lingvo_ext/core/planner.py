@@ -417,18 +417,15 @@ def WeightGradientRun(plan: Plan, stages: Sequence[_Stage]) -> int:
   """'unrolled' with recompute: how many micro-batches' weight gradients
   its engine computes at once (`actions.StageSpec.weight_gradient_run`).
 
-  The engine keeps a run's recomputed MatMul operands within one copy of the
-  weights: 1 + weights // operands per micro-batch, at most M. The stages'
-  kept activations stand in for the operands here. 1 for other plans.
+  `actions.WeightGradientRunLength`, as the engine, with the stages' kept
+  activations standing in for the MatMul operands. 1 for other plans.
   """
   if plan.schedule != 'unrolled' or not plan.recompute:
     return 1
   mb = plan.replica_batch // plan.num_micro_batches
-  operands = sum(st.kept_bytes for st in stages) * mb
-  if not operands:
-    return plan.num_micro_batches
-  weights = sum(st.param_bytes for st in stages)
-  return min(plan.num_micro_batches, 1 + int(weights // operands))
+  return actions.WeightGradientRunLength(
+      sum(st.param_bytes for st in stages),
+      sum(st.kept_bytes for st in stages) * mb, plan.num_micro_batches)
 
 
 def ActionSchedule(plan: Plan, linear_loss: bool = True,

@@ -338,12 +338,7 @@ class _Engine:
 
   def _WeightGradientRun(self) -> int:
     """With recompute, how many micro-batches 'unrolled' gives a run of
-    'W's (`actions.StageSpec.weight_gradient_run`).
-
-    A run of r keeps r - 1 more micro-batches' MatMul operands (x and dy)
-    alive, and saves r - 1 weight-sized gradients and their adds: runs are
-    as long as the operands they keep stay within one copy of the weights,
-    1 + weights // operands per micro-batch, over the MatMuls the cell
+    'W's: `actions.WeightGradientRunLength` over the MatMuls the cell
     functions export (1 where none does: cells built inline).
     """
     weights, operands = {}, 0
@@ -359,9 +354,8 @@ class _Engine:
           return 1
         weights[use.weight.ref()] = sizes[0]
         operands += sizes[1] + sizes[2]
-    if not operands:
-      return 1
-    return min(self.num_micro, 1 + sum(weights.values()) // operands)
+    return actions.WeightGradientRunLength(sum(weights.values()), operands,
+                                           self.num_micro)
 
   def _CellFProp(self, i, x, step, scope, gate=False):
     """Cell i on micro-batch input x, in a fresh name scope `scope`.
