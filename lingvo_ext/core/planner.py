@@ -462,16 +462,14 @@ def Accumulations(plan: Plan, weight_gradient_run: int = 1) -> int:
   recompute it takes whole backward passes ('B'), as the list schedules do
   ('B' or 'W'): one gradient per micro-batch, M - 1. Lingvo's
   StackedRecurrent loop adds each of its M + K - 1 backward steps' gradients
-  to its accumulator: M + K - 2 after the first.
+  to its accumulator: M + K - 2 after the first. Read off the plan's action
+  lists (`SummingActions`), as the step's price is, but for 'recurrent'.
   """
   k, m = plan.num_cells, plan.num_micro_batches
   if plan.schedule == 'recurrent':
     return m + k - 2
-  if plan.schedule == 'unrolled':
-    return -(-m // weight_gradient_run) - 1 if plan.recompute else 0
-  if plan.schedule == '1f1b' and not plan.recompute:
-    return -(-m // k) - 1
-  return m - 1
+  _, schedule = ActionSchedule(plan, weight_gradient_run=weight_gradient_run)
+  return len(SummingActions(plan, schedule)) // k
 
 
 def AccumulateSeconds(stage: _Stage, machine: Machine,
