@@ -99,11 +99,11 @@ def test_zero_bubble_exact_lists():
   ]
 
 
-_SPECS = [A.StageSpec(k, d, m, r) if r != 'runs' else
-          A.StageSpec(k, d, m, True, weight_gradient_run=3)
-          for k, d, m, r in itertools.product((1, 2, 3, 4, 6), (1, 2, 3),
-                                              (1, 2, 3, 4, 8, 12),
-                                              (False, True, 'runs'))
+# (recompute, weight_gradient_run): none, whole backward passes, runs of 3.
+_SPECS = [A.StageSpec(k, d, m, r, w)
+          for k, d, m, (r, w) in itertools.product(
+              (1, 2, 3, 4, 6), (1, 2, 3), (1, 2, 3, 4, 8, 12),
+              ((False, 1), (True, 1), (True, 3)))
           if d <= k]
 
 
