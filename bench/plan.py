@@ -17,10 +17,14 @@ it reports:
   worst);
 - chosen vs best: the measured step time of the plan the planner ranks first
   without measuring, over the best measured step time in the sweep, and of
-  the plan `--measure` picks after timing its top --measure_top plans (and
-  their twins without recompute) again, round robin
-  (planner.MeasuredChoice: the fastest only if it beats the predicted best
-  by more than the rounds' noise).
+  the plan `--measure` picks after timing its candidates again, round robin
+  (plan_tool.MeasureCandidates: those predicted within --measure_within of
+  the best, at most --measure_top, and their twins without recompute;
+  planner.MeasuredChoice: the fastest only if it beats the predicted best
+  by more than the rounds' noise);
+- the same two ratios side by side: the sweep's CONFIRM_FASTEST fastest
+  plans and the two choices timed again in one round robin (the sweep's
+  fastest is partly the luck of its least disturbed rounds).
 
 Calibration (once per model, not counted in the comparison): the machine
 probe (FLOP rate, per-op time, devices at once, hand-off, gate, add rate),
@@ -203,8 +207,16 @@ def Rss(model: str, plans: Sequence[planner.Plan], measurer) -> List:
   return out
 
 
+# Side by side after the sweep: its fastest few plans timed again beside the
+# two choices. The fastest of many plans timed once each is partly luck (the
+# least disturbed rounds of plans within a few percent); timed again in one
+# round robin with the choices, the ratios compare like with like.
+CONFIRM_FASTEST = 5
+
+
 def RunModel(model: str, devices: int, rounds: int, warmup: int,
-             measure_top: int, measurer, micro_batches=None) -> Dict:
+             measure_top: int, measurer, micro_batches=None,
+             measure_within: float = plan_tool.MEASURE_WITHIN) -> Dict:
   """Predicts and measures every plan of one model; its summary record."""
   t0 = time.time()
   profile = Profile(model)
@@ -245,17 +257,25 @@ def RunModel(model: str, devices: int, rounds: int, warmup: int,
   # again, round robin, and chosen as the tool chooses
   # (planner.MeasuredChoice); its time below is the sweep's, so both
   # choices compare on one run.
-  top = plan_tool.MeasureCandidates(ranked, measure_top)
+  top = plan_tool.MeasureCandidates(ranked, measure_top, measure_within)
   again = TimePlans(model, top, rounds, warmup, every_round=True)
   copies = [dataclasses.replace(p, measured_times=t)
             for p, t in zip(top, again)]
   pick, noise = planner.MeasuredChoice(copies)
   chosen_measured = top[[c is pick for c in copies].index(True)]
+  side = [ranked[0], chosen_measured] + sorted(
+      plans, key=lambda p: p.measured_step_s)[:CONFIRM_FASTEST]
+  side = list({p.Key(): p for p in side}.values())
+  _Log('%s: side by side: %s' % (model, ', '.join(p.Key() for p in side)))
+  side_times = TimePlans(model, side, rounds, warmup)
   return Summary(
       model, devices, plans, machine,
       dict(chosen_measure_key=chosen_measured.Key(),
-           measure_noise=round(noise, 3),
+           measure_noise=round(noise, 3), measure_top=measure_top,
+           measure_within=measure_within,
            measure_candidates=[p.Key() for p in top]),
+      side_by_side_ms={p.Key(): round(1e3 * t, 3)
+                       for p, t in zip(side, side_times)},
       probe=probe, reference_ms=[round(1e3 * t, 3) for t in times[:len(refs)]],
       reference_rss_mb=[round(r / 2**20, 1) for r in ref_rss if r],
       seconds=round(time.time() - t0))
@@ -297,6 +317,16 @@ def Summary(model: str, devices: int, plans: Sequence[planner.Plan],
                chosen_measure_ms=round(1e3 * picked.measured_step_s, 2),
                chosen_measure_over_best=round(picked.measured_step_s / best,
                                               3))
+  # The same ratios from the side-by-side timing (RunModel), where it has
+  # the plan.
+  side = fields.get('side_by_side_ms') or {}
+  if side:
+    fastest = min(side.values())
+    out['side_best_key'] = min(side, key=side.get)
+    for name, key in (('chosen', out['chosen_key']),
+                      ('chosen_measure', out.get('chosen_measure_key'))):
+      if key in side:
+        out[name + '_side_over_best'] = round(side[key] / fastest, 3)
   out.update(fields, machine=dataclasses.asdict(machine))
   out['rows'] = [dict(key=p.Key(), sizes=list(p.sizes),
                       predicted_ms=round(1e3 * p.step_s, 2),
@@ -337,12 +367,18 @@ def Repredict(record: Dict) -> Dict:
   measure = {}
   retimed = record.get('measure_candidates', [])
   ranked = planner.Rank(plans)
+  # Runs before measure_within was recorded re-timed the top n.
+  within = record.get('measure_within', float('inf'))
+  tops = ([record['measure_top']] if 'measure_top' in record else
+          range(1, len(retimed) + 1))
   if 'chosen_measure_key' in record and any(
-      [p.Key() for p in plan_tool.MeasureCandidates(ranked, n)] == retimed
-      for n in range(1, len(retimed) + 1)):
+      [p.Key() for p in plan_tool.MeasureCandidates(ranked, n, within)] ==
+      retimed for n in tops):
     measure = {k: record[k] for k in ('chosen_measure_key', 'measure_noise',
-                                      'measure_candidates')}
-  keep = ('probe', 'reference_ms', 'reference_rss_mb', 'seconds')
+                                      'measure_candidates', 'measure_top',
+                                      'measure_within') if k in record}
+  keep = ('probe', 'reference_ms', 'reference_rss_mb', 'seconds',
+          'side_by_side_ms')
   return Summary(record['model'], record['devices'], plans, machine, measure,
                  **{k: record[k] for k in keep if k in record})
 
@@ -350,22 +386,29 @@ def Repredict(record: Dict) -> Dict:
 def Markdown(records: Sequence[Dict]) -> str:
   lines = [
       '| model | plans | Spearman (step time) | peak RSS error mean / max '
-      '| chosen (predicted) | x best | chosen (--measure) | x best '
-      '| best measured |',
+      '| chosen (predicted) | x best: sweep / side by side '
+      '| chosen (--measure) | x best: sweep / side by side '
+      '| best: sweep / side by side |',
       '|' + '---|' * 9,
   ]
+
+  def Side(r, name):
+    value = r.get(name + '_side_over_best')
+    return '-' if value is None else '%.2f' % value
+
   for r in records:
     measured = '- | -'  # No re-timing (a re-prediction that ranks others).
     if 'chosen_measure_key' in r:
-      measured = '%s, %.1f ms | %.2f' % (r['chosen_measure_key'],
-                                         r['chosen_measure_ms'],
-                                         r['chosen_measure_over_best'])
-    lines.append('| %s | %d | %.2f | %.1f%% / %.1f%% | %s, %.1f ms | %.2f '
-                 '| %s | %s, %.1f ms |' % (
+      measured = '%s, %.1f ms | %.2f / %s' % (
+          r['chosen_measure_key'], r['chosen_measure_ms'],
+          r['chosen_measure_over_best'], Side(r, 'chosen_measure'))
+    lines.append('| %s | %d | %.2f | %.1f%% / %.1f%% | %s, %.1f ms '
+                 '| %.2f / %s | %s | %s, %.1f ms / %s |' % (
                      r['model'], r['plans'], r['spearman'],
                      100 * r['mem_err_mean'], 100 * r['mem_err_max'],
                      r['chosen_key'], r['chosen_ms'], r['chosen_over_best'],
-                     measured, r['best_key'], r['best_ms']))
+                     Side(r, 'chosen'), measured, r['best_key'],
+                     r['best_ms'], r.get('side_best_key', '-')))
   for r in records:
     lines += ['', '%s (N=%d): per plan, fastest measured first' %
               (r['model'], r['devices']), '',
@@ -394,8 +437,14 @@ def main(argv=None) -> int:
                       'in turn; median; default %(default)s).')
   parser.add_argument('--warmup', type=int, default=2,
                       help='Untimed steps first (default %(default)s).')
-  parser.add_argument('--measure_top', type=int, default=3,
-                      help='Plans the --measure choice re-times (default '
+  parser.add_argument('--measure_top', type=int,
+                      default=plan_tool.MEASURE_TOP,
+                      help='At most this many plans the --measure choice '
+                      're-times (default %(default)s).')
+  parser.add_argument('--measure_within', type=float,
+                      default=plan_tool.MEASURE_WITHIN,
+                      help='The --measure choice re-times the plans '
+                      'predicted within this fraction of the best (default '
                       '%(default)s).')
   parser.add_argument('--micro_batches', type=int, nargs='+',
                       help='Only plans with these M (default: every M the '
@@ -434,7 +483,8 @@ def main(argv=None) -> int:
   t = time.time()
   for model in args.models:
     records.append(RunModel(model, args.devices, args.rounds, args.warmup,
-                            args.measure_top, measurer, args.micro_batches))
+                            args.measure_top, measurer, args.micro_batches,
+                            args.measure_within))
     if args.jsonl:
       with open(args.jsonl, 'a') as f:
         f.write(json.dumps(records[-1]) + '\n')

@@ -386,6 +386,8 @@ def test_graph_ops_grow_with_micro_batches_as_built(schedule, cell_functions):
      '--memory_per_device'),
     (['--model=%s' % TINY, '--devices=2', '--global_batch=0'],
      '--global_batch'),
+    (['--model=%s' % TINY, '--devices=2', '--measure_within=-0.1'],
+     '--measure_within'),
 ])
 def test_bad_flags_exit_2_with_one_line(flags, names, capsys):
   from lingvo_ext.tools import plan as plan_tool  # pylint: disable=g-import-not-at-top
@@ -679,9 +681,30 @@ def test_measure_candidates_add_the_twins():
   from lingvo_ext.tools import plan as plan_tool  # pylint: disable=g-import-not-at-top
   ranked = [_Plan(2, 4, recompute=True), _Plan(1, 1), _Plan(2, 1),
             _Plan(2, 4)]
-  out = plan_tool.MeasureCandidates(ranked, 2)
+  for p, t in zip(ranked, (1.0, 1.1, 1.2, 1.3)):
+    p.step_s = t
+  out = plan_tool.MeasureCandidates(ranked, 2, within=1.)
   assert [p.Key() for p in out] == ['K2xR1 M4 unrolled+rc',
                                     'K1xR1 M1 unrolled', 'K2xR1 M4 unrolled']
+
+
+def test_measure_candidates_are_those_predicted_close_to_the_best():
+  """--measure times the plans predicted within --measure_within of the
+  best (at most --measure_top): the predictions cannot tell them apart."""
+  from lingvo_ext.tools import plan as plan_tool  # pylint: disable=g-import-not-at-top
+  ranked = [_Plan(1, 1), _Plan(2, 1), _Plan(2, 2), _Plan(1, 2), _Plan(1, 4)]
+  for p, t in zip(ranked, (1.0, 1.05, 1.14, 1.16, 1.5)):
+    p.step_s = t
+  keys = lambda plans: [p.Key() for p in plans]
+  assert keys(plan_tool.MeasureCandidates(ranked, 8, within=0.15)) == keys(
+      ranked[:3])
+  assert keys(plan_tool.MeasureCandidates(ranked, 2, within=0.15)) == keys(
+      ranked[:2])
+  # The predicted best always, alone where nothing is close.
+  assert keys(plan_tool.MeasureCandidates(ranked, 8, within=0.)) == keys(
+      ranked[:1])
+  assert keys(plan_tool.MeasureCandidates(ranked, 8, within=1.)) == keys(
+      ranked)
 
 
 def test_probe_prices_handoffs_and_gradient_sums():

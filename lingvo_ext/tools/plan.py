@@ -9,8 +9,9 @@ schedule, recompute, R data-parallel replicas with K * R <= N, gradient_sync),
 predicts each one's step time and peak memory per device
 (lingvo_ext/core/planner.py), drops those over --memory_per_device and prints
 them fastest first, with the trainer command that runs the best. --measure
-times the top --measure_top plans (and the twin without recompute of each
-that recomputes) round robin in this process, --measure_steps rounds (each
+times the plans predicted within --measure_within of the best, at most
+--measure_top of them (and the twin without recompute of each that
+recomputes), round robin in this process, --measure_steps rounds (each
 one's peak RSS in a fresh process), and takes the fastest by its fastest
 round only if it beats the predicted best by more than the rounds' noise
 (planner.MeasuredChoice).
@@ -34,6 +35,12 @@ from lingvo_ext.core import planner
 # docs/benchmarks.md, "Planner").
 PROCESS_OVERHEAD_BYTES = 730 * 2**20
 MEASURE_STEPS = 5
+# --measure's defaults: it times the plans predicted within MEASURE_WITHIN of
+# the predicted best, at most MEASURE_TOP of them: on tiny models the
+# predictions do not tell plans this close apart (docs/benchmarks.md,
+# "Planner").
+MEASURE_WITHIN = 0.15
+MEASURE_TOP = 8
 MEASURE_WARMUP = 2
 
 
@@ -121,12 +128,18 @@ def MeasurePlans(model: str, plans: List[planner.Plan],
 # --- Choosing -----------------------------------------------------------------
 
 
-def MeasureCandidates(ranked: List[planner.Plan],
-                      top: int) -> List[planner.Plan]:
-  """The plans --measure times: the `top` predicted ones (the predicted
-  best first) and, for each that recomputes, its twin without recompute if
-  it fits (planner.MeasuredChoice prefers it within noise)."""
-  out = list(ranked[:top])
+def MeasureCandidates(ranked: List[planner.Plan], top: int,
+                      within: float = MEASURE_WITHIN) -> List[planner.Plan]:
+  """The plans --measure times, the predicted best first.
+
+  The predicted best and every plan predicted within `within` of its step
+  time (the predictions' own error: one of them may well be the fastest),
+  at most `top` in predicted order; and for each that recomputes, its twin
+  without recompute if it fits (planner.MeasuredChoice prefers it within
+  noise).
+  """
+  bound = ranked[0].step_s * (1. + within) if ranked else 0.
+  out = [p for p in ranked[:top] if p is ranked[0] or p.step_s <= bound]
   for p in list(out):
     twin = planner.Twin(p, ranked)
     if twin is not None and twin not in out:
@@ -247,12 +260,18 @@ def _ParseArgs(argv):
                       help="Examples per step over all replicas (default: "
                       "the experiment's input batch_size).")
   parser.add_argument('--measure', action='store_true',
-                      help='Time the top --measure_top plans (and their '
-                      'twins without recompute) round robin and take the '
-                      'fastest if it beats the predicted best by more than '
-                      'the rounds\' noise.')
-  parser.add_argument('--measure_top', type=int, default=3,
-                      help='Plans --measure times (default %(default)s).')
+                      help='Time the plans predicted within '
+                      '--measure_within of the best, at most --measure_top '
+                      '(and their twins without recompute), round robin, '
+                      'and take the fastest if it beats the predicted best '
+                      'by more than the rounds\' noise.')
+  parser.add_argument('--measure_top', type=int, default=MEASURE_TOP,
+                      help='At most this many plans --measure times '
+                      '(default %(default)s).')
+  parser.add_argument('--measure_within', type=float, default=MEASURE_WITHIN,
+                      help='--measure times the plans predicted within this '
+                      'fraction of the best\'s step time (default '
+                      '%(default)s: 15%%).')
   parser.add_argument('--measure_steps', type=int, default=MEASURE_STEPS,
                       help='Timed rounds (one step of each plan per round) '
                       '(default %(default)s).')
@@ -286,7 +305,11 @@ def _CheckArgs(args) -> Optional[str]:
     args.memory_bytes = None
   if args.measure_top < 1 or args.measure_steps < 1:
     return ('--measure_top and --measure_steps must be >= 1, e.g. '
-            '--measure_top=3 --measure_steps=5.')
+            '--measure_top=8 --measure_steps=5.')
+  if not args.measure_within >= 0:
+    return ('--measure_within=%s must be >= 0 (a fraction of the predicted '
+            'best\'s step time), e.g. --measure_within=0.15.' %
+            args.measure_within)
   return None
 
 
@@ -315,7 +338,7 @@ def main(argv=None) -> int:
     return _Fail(str(e).strip().split('\n')[0])
   noise = None
   if args.measure:
-    top = MeasureCandidates(plans, args.measure_top)
+    top = MeasureCandidates(plans, args.measure_top, args.measure_within)
     MeasurePlans(args.model, top, steps=args.measure_steps)
     chosen, noise = planner.MeasuredChoice(top)
     plans = planner.Rank(plans, args.memory_bytes, measured=True)
@@ -337,9 +360,8 @@ def main(argv=None) -> int:
       len(plans), args.model, args.devices,
       (' within %s each' % planner.FormatSize(args.memory_bytes)
        if args.memory_bytes else ''),
-      '; the top %d measured, the first chosen by the measured times '
-      'where they differ by more than their noise, %.0f%%' % (
-          min(args.measure_top, len(plans)), 100 * noise)
+      '; %d measured, the first chosen by the measured times where they '
+      'differ by more than their noise, %.0f%%' % (len(top), 100 * noise)
       if args.measure else ''))
   print(planner.Table(plans, args.limit))
   print()
