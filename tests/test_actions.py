@@ -242,6 +242,30 @@ def test_1f1b_weight_gradients_in_runs_of_k():
   assert [tl.PeakInFlight(d) for d in range(4)] == [7, 6, 5, 4]
 
 
+def test_1f1b_takes_longer_weight_gradient_runs_than_k():
+  # Where the engine asks for runs longer than K (weights outweigh the
+  # operands a run keeps), '1f1b' takes them: runs of 4 here, K = 2.
+  spec = A.StageSpec(2, 2, 5, weight_gradient_run=4)
+  assert _Str(A.Build('1f1b', spec)) == [
+      'F0.0 F0.1 I0.0 F0.2 I0.1 F0.3 I0.2 F0.4 I0.3 W0.0 W0.1 W0.2 W0.3 '
+      'I0.4 W0.4',
+      'F1.0 I1.0 F1.1 I1.1 F1.2 I1.2 F1.3 I1.3 W1.0 W1.1 W1.2 W1.3 F1.4 '
+      'I1.4 W1.4',
+  ]
+  # Shorter than K: runs of K still.
+  assert A.Build('1f1b', A.StageSpec(2, 2, 5, weight_gradient_run=1)) == (
+      A.Build('1f1b', A.StageSpec(2, 2, 5)))
+  # Runs of M: one per stage; operands of every micro-batch alive until it.
+  spec = A.StageSpec(4, 4, 8, weight_gradient_run=8)
+  schedule = A.Build('1f1b', spec)
+  assert [len(r) for r in A.WeightGradientRuns(schedule)] == [8] * 4
+  tl = A.Simulate(spec, schedule)
+  assert [tl.PeakInFlight(d) for d in range(4)] == [8] * 4
+  # Recomputing, '1f1b' takes whole backward passes whatever the run.
+  rc = A.StageSpec(2, 2, 5, recompute=True, weight_gradient_run=4)
+  assert A.Build('1f1b', rc) == A.OneFOneB(rc)
+
+
 def test_1f1b_with_more_stages_than_devices_folds():
   # 4 stages on 2 devices: the one-stage-per-device order, folded; each
   # stage keeps its K - s bound (not interleaved's constraints: M = 3).

@@ -584,6 +584,30 @@ def test_unrolled_recompute_sums_its_weight_gradient_runs(param_bytes, run):
   assert [timeline.PeakInFlight(d) for d in range(2)] == [run, run]
 
 
+@pytest.mark.parametrize('param_bytes,run,group', [(1000, 1, 2), (4096, 3, 3),
+                                                   (100000, 8, 8)])
+def test_1f1b_sums_runs_of_k_or_longer(param_bytes, run, group):
+  # '1f1b' without recompute takes the engine's run where it is longer than
+  # K (schedules._Engine._WeightGradientRun): K = 2, M = 8, the operands of
+  # test_unrolled_recompute_sums_its_weight_gradient_runs.
+  profile = _Profile(param_bytes=param_bytes)
+  plan = _Plan(2, 8, '1f1b', False, profile=profile)
+  assert planner.WeightGradientRun(
+      plan, planner.Stages(profile, plan.sizes)) == run
+  sums = -(-8 // group) - 1
+  assert planner.Accumulations(plan, run) == sums
+  one_core = dict(cores=1)
+  base = planner.Predict(profile, plan, _Machine(**one_core))
+  priced = planner.Predict(profile, dataclasses.replace(plan), _Machine(
+      add_bytes_per_s=1e6, s_per_op=0., **one_core))
+  assert priced.step_s - base.step_s == pytest.approx(
+      sums * 3 * 8 * param_bytes / 1e6)
+  if group == 8:  # One run per stage: every micro-batch alive until it.
+    spec, lists = planner.ActionSchedule(plan, True, run)
+    timeline = actions.Simulate(spec, lists)
+    assert [timeline.PeakInFlight(d) for d in range(2)] == [8, 8]
+
+
 def test_recurrent_runs_every_cell_at_every_loop_step():
   """Lingvo's StackedRecurrent: M + K - 1 steps, each runs all cells (the
   bubble's on padding) and each backward step recomputes: K = 2, M = 4 is 5

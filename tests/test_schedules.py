@@ -250,6 +250,36 @@ def test_unrolled_recomputes_with_weight_gradients_in_runs(batch):
   lib.AssertVariantsMatch(results, seq, names)
 
 
+@pytest.mark.parametrize('batch', [4, pytest.param(64, marks=pytest.mark.slow)])
+def test_1f1b_takes_weight_gradient_runs_longer_than_k(batch):
+  # The cells of test_unrolled_recomputes_with_weight_gradients_in_runs, a
+  # loss linear in the outputs (no recompute), K = 2, M = 4: where a run of
+  # r > K micro-batches' operands stays within one copy of the weights,
+  # '1f1b' takes runs of r instead of summing runs of K.
+  m, rows = 4, batch // 4
+  weights, operands = 2 * 3 * D * D, 2 * 3 * rows * 2 * D
+  run = min(m, 1 + weights // operands)
+  assert run == {4: 4, 64: 1}[batch]
+  g, fetches = _BackwardGraph(2, m, '1f1b', None, lib._Loss, functions=True,  # pylint: disable=protected-access
+                              batch=batch)
+  assert not _HasRecomputation(g)
+  spec = actions.StageSpec(2, 2, m, weight_gradient_run=run)
+  schedule = actions.Build('1f1b', spec)
+  built = _WeightGradientScopes(g)
+  assert built == _ListedWeightGradientScopes(schedule)
+  assert len(built) == 2 * -(-m // max(2, run)), sorted(built)
+  # Each cell keeps its micro-batches' operands until their run, as the
+  # lists' simulation says: all M for runs of M, K - i + K - 1 for runs of K.
+  tl = actions.Simulate(spec, schedule)
+  for cell in range(2):
+    assert MaxLiveMicroBatches(g, fetches, cell, m, recomputed=False) == (
+        tl.PeakInFlight(cell)), cell
+  results, seq, names = lib.RunVariants(
+      test_gpipe._FcCells(2, 3), 2, lambda: [test_gpipe._Input(batch, D)],  # pylint: disable=protected-access
+      variants=[('1f1b', None)], num_micro_batches=m)
+  lib.AssertVariantsMatch(results, seq, names)
+
+
 def test_recomputation_without_its_control_edges_keeps_all_m(monkeypatch):
   """The measure is not bounded by construction: without the edges, M."""
   num_micro = 8

@@ -49,10 +49,13 @@ class StageSpec:
     num_micro_batches: Micro-batches, M.
     recompute: Whether each stage's forward pass is recomputed ('R') before
       its backward pass.
-    weight_gradient_run: With recompute, how many micro-batches' weight
-      gradients GPipe ('unrolled') computes at once: one run of 'W's after
-      every that many micro-batches' 'R' and 'I', their recomputed
-      activations alive until it (1: 'R' and 'B' per micro-batch).
+    weight_gradient_run: How many micro-batches' weight gradients a run
+      computes at once, where the engine picks it
+      (`WeightGradientRunLength`): GPipe ('unrolled') with recompute, one run
+      of 'W's after every that many micro-batches' 'R' and 'I', their
+      recomputed activations alive until it (1: 'R' and 'B' per
+      micro-batch); 1F1B ('1f1b') without recompute, runs of that many
+      micro-batches where it is more than K.
   """
   num_stages: int
   num_devices: int
@@ -314,19 +317,24 @@ def GroupWeightGradients(schedule: ScheduleLists,
 
 
 def OneFOneBGroupedWeights(spec: StageSpec) -> ScheduleLists:
-  """1F1B ('1f1b'), its weight gradients in runs of K micro-batches.
+  """1F1B ('1f1b'), its weight gradients in runs of K micro-batches or more.
 
   `OneFOneB`'s order with each backward pass split into its input gradients
-  and a deferred weight gradient (`GroupWeightGradients`, group K): one
-  weight-gradient MatMul per K micro-batches instead of a weight-sized
-  gradient per micro-batch summed at the end. Stage s's activations stay
-  alive until their group's run: at most K - s + K - 1 micro-batches. With
-  recompute, `OneFOneB` itself: one micro-batch's recomputed activations at a
-  time, freed by its 'B'.
+  and a deferred weight gradient (`GroupWeightGradients`): one
+  weight-gradient MatMul per run instead of a weight-sized gradient per
+  micro-batch summed at the end. A run is K micro-batches, or
+  `spec.weight_gradient_run` where that is more (where the weights outweigh
+  the MatMul operands a micro-batch keeps for them, longer runs keep a few
+  more micro-batches' operands instead of summing weight-sized gradients:
+  `WeightGradientRunLength`). Stage s's MatMul operands stay alive until
+  their run: at most K - s + run - 1 micro-batches' (K - s + K - 1 for runs
+  of K). With recompute, `OneFOneB` itself: one micro-batch's recomputed
+  activations at a time, freed by its 'B'.
   """
   if spec.recompute:
     return OneFOneB(spec)
-  return GroupWeightGradients(OneFOneB(spec), spec.num_stages)
+  return GroupWeightGradients(OneFOneB(spec),
+                              max(spec.num_stages, spec.weight_gradient_run))
 
 
 # Schedules by the name PipeliningLayer's `schedule` param gives them.
@@ -617,9 +625,9 @@ def ForwardsFirst(schedule: ScheduleLists) -> ScheduleLists:
 
 def WeightGradientRunLength(weights: float, operands: float,
                             num_micro_batches: int) -> int:
-  """GPipe's run of weight gradients with recompute
-  (`StageSpec.weight_gradient_run`), from the weights' size and the MatMul
-  operands (x and dy) one micro-batch keeps for them.
+  """A run of weight gradients (`StageSpec.weight_gradient_run`: GPipe's
+  with recompute, 1F1B's), from the weights' size and the MatMul operands (x
+  and dy) one micro-batch keeps for them.
 
   A run of r keeps r - 1 more micro-batches' operands alive and saves r - 1
   weight-sized gradients and their adds: runs are as long as the operands

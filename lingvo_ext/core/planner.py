@@ -414,13 +414,15 @@ def Stages(profile: ModelProfile, sizes: Sequence[int]) -> List[_Stage]:
 
 
 def WeightGradientRun(plan: Plan, stages: Sequence[_Stage]) -> int:
-  """'unrolled' with recompute: how many micro-batches' weight gradients
-  its engine computes at once (`actions.StageSpec.weight_gradient_run`).
+  """'unrolled' with recompute, '1f1b' without: how many micro-batches'
+  weight gradients its engine computes at once
+  (`actions.StageSpec.weight_gradient_run`).
 
   `actions.WeightGradientRunLength`, as the engine, with the stages' kept
   activations standing in for the MatMul operands. 1 for other plans.
   """
-  if plan.schedule != 'unrolled' or not plan.recompute:
+  if (plan.schedule, plan.recompute) not in (('unrolled', True),
+                                             ('1f1b', False)):
     return 1
   mb = plan.replica_batch // plan.num_micro_batches
   return actions.WeightGradientRunLength(
@@ -458,7 +460,7 @@ def Accumulations(plan: Plan, weight_gradient_run: int = 1) -> int:
   'unrolled' batches a weight's gradient over all micro-batches into one
   MatMul (its run of 'W' actions, matmul_grad): none; with recompute, runs
   of `weight_gradient_run` (`WeightGradientRun`): ceil(M / run) - 1. '1f1b'
-  batches runs of K micro-batches and sums the runs: ceil(M / K) - 1; with
+  batches runs of max(K, run) micro-batches and sums the runs; with
   recompute it takes whole backward passes ('B'), as the list schedules do
   ('B' or 'W'): one gradient per micro-batch, M - 1. Lingvo's
   StackedRecurrent loop adds each of its M + K - 1 backward steps' gradients

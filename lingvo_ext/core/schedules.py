@@ -25,9 +25,10 @@ pass, inside the pipeline's custom gradient, per action):
   in runs whose recomputed activations stay within a copy of the weights
   (`_Engine._WeightGradientRun`).
 - '1f1b': 1F1B's lists (`actions.OneFOneBGroupedWeights`), weight gradients
-  in runs of K micro-batches; each forward pass waits for the action before
-  it, so cell i has at most K - i micro-batches in flight and activation
-  memory is bounded by K, not M. When the caller's output gradients do not
+  in runs of K micro-batches, longer where the weights outweigh the MatMul
+  operands the runs keep (`_Engine._WeightGradientRun`); each forward pass
+  waits for the action before it, so cell i has at most K - i micro-batches
+  in flight and activation memory is bounded by K and the runs, not M. When the caller's output gradients do not
   need the forward pass (a loss linear in the outputs, e.g. per-example
   losses from the last cell, summed), a micro-batch's backward pass starts
   as soon as its forward pass leaves the last cell and nothing is
@@ -337,9 +338,10 @@ class _Engine:
                              self.num_micro, recompute, run)
 
   def _WeightGradientRun(self) -> int:
-    """With recompute, how many micro-batches 'unrolled' gives a run of
-    'W's: `actions.WeightGradientRunLength` over the MatMuls the cell
-    functions export (1 where none does: cells built inline).
+    """How many micro-batches a run of 'W's takes ('unrolled' with
+    recompute, '1f1b' without): `actions.WeightGradientRunLength` over the
+    MatMuls the cell functions export (1 where none does: cells built
+    inline).
     """
     weights, operands = {}, 0
     for i in range(len(self.cells)):
@@ -541,7 +543,9 @@ class _Engine:
           'loss is not: set recompute=None (recompute when needed) or True.'
           % p.name)
     run = (self._WeightGradientRun()
-           if recompute and self.schedule_name == 'unrolled' else 1)
+           if (self.schedule_name, bool(recompute)) in (('unrolled', True),
+                                                        ('1f1b', False))
+           else 1)
     spec = self._Spec(recompute, run)
     schedule = actions.Build(self.schedule_name, spec)
     forwards_first = actions.ForwardsFirst(schedule)
