@@ -558,40 +558,18 @@ def test_gradient_sums_per_engine(schedule, k, m, recompute, sums):
   assert priced - base == pytest.approx(sums * 3 * 8000 / 1e6)
 
 
-@pytest.mark.parametrize('param_bytes,run', [(1000, 1), (4096, 3),
-                                             (100000, 8)])
-def test_unrolled_recompute_sums_its_weight_gradient_runs(param_bytes, run):
-  # The engine's runs (schedules._Engine._WeightGradientRun): 1 + weights //
-  # operands per micro-batch, at most M. 8 layers, batch 32, M = 8: kept
-  # activations (the operands' stand-in) 8 x 512 B x 4 examples = 16384 B.
+# 'unrolled' with recompute runs the engine's r (1 + weights // operands per
+# micro-batch, at most M: schedules._Engine._WeightGradientRun); '1f1b'
+# without, r where it is longer than K. 8 layers, batch 32, K = 2, M = 8:
+# kept activations (the operands' stand-in) 8 x 512 B x 4 examples = 16384 B.
+@pytest.mark.parametrize('schedule,param_bytes,run,group', [
+    ('unrolled', 1000, 1, 1), ('unrolled', 4096, 3, 3),
+    ('unrolled', 100000, 8, 8), ('1f1b', 1000, 1, 2), ('1f1b', 4096, 3, 3),
+    ('1f1b', 100000, 8, 8)])
+def test_weight_gradient_runs_and_their_sums(schedule, param_bytes, run,
+                                             group):
   profile = _Profile(param_bytes=param_bytes)
-  plan = _Plan(2, 8, 'unrolled', True, profile=profile)
-  assert planner.WeightGradientRun(
-      plan, planner.Stages(profile, plan.sizes)) == run
-  sums = -(-8 // run) - 1
-  assert planner.Accumulations(plan, run) == sums
-  one_core = dict(cores=1)
-  base = planner.Predict(profile, plan, _Machine(**one_core))
-  priced = planner.Predict(profile, dataclasses.replace(plan), _Machine(
-      add_bytes_per_s=1e6, s_per_op=0., **one_core))
-  assert priced.step_s - base.step_s == pytest.approx(
-      sums * 3 * 8 * param_bytes / 1e6)
-  # A run's recomputed activations are alive together, as memory counts
-  # them (PeakInFlight): r micro-batches per device.
-  spec, lists = planner.ActionSchedule(plan, True, run)
-  assert spec.weight_gradient_run == run
-  timeline = actions.Simulate(spec, lists)
-  assert [timeline.PeakInFlight(d) for d in range(2)] == [run, run]
-
-
-@pytest.mark.parametrize('param_bytes,run,group', [(1000, 1, 2), (4096, 3, 3),
-                                                   (100000, 8, 8)])
-def test_1f1b_sums_runs_of_k_or_longer(param_bytes, run, group):
-  # '1f1b' without recompute takes the engine's run where it is longer than
-  # K (schedules._Engine._WeightGradientRun): K = 2, M = 8, the operands of
-  # test_unrolled_recompute_sums_its_weight_gradient_runs.
-  profile = _Profile(param_bytes=param_bytes)
-  plan = _Plan(2, 8, '1f1b', False, profile=profile)
+  plan = _Plan(2, 8, schedule, schedule == 'unrolled', profile=profile)
   assert planner.WeightGradientRun(
       plan, planner.Stages(profile, plan.sizes)) == run
   sums = -(-8 // group) - 1
@@ -602,10 +580,15 @@ def test_1f1b_sums_runs_of_k_or_longer(param_bytes, run, group):
       add_bytes_per_s=1e6, s_per_op=0., **one_core))
   assert priced.step_s - base.step_s == pytest.approx(
       sums * 3 * 8 * param_bytes / 1e6)
-  if group == 8:  # One run per stage: every micro-batch alive until it.
-    spec, lists = planner.ActionSchedule(plan, True, run)
-    timeline = actions.Simulate(spec, lists)
-    assert [timeline.PeakInFlight(d) for d in range(2)] == [8, 8]
+  # A run's micro-batches are alive together until it, as memory counts
+  # them (PeakInFlight): r recomputed micro-batches per device for
+  # 'unrolled'; 1F1B's K - d in flight and a run's group - 1 before it.
+  spec, lists = planner.ActionSchedule(plan, True, run)
+  assert spec.weight_gradient_run == run
+  timeline = actions.Simulate(spec, lists)
+  want = ([run, run] if schedule == 'unrolled' else
+          [min(8, 2 - d + group - 1) for d in range(2)])
+  assert [timeline.PeakInFlight(d) for d in range(2)] == want
 
 
 def test_recurrent_runs_every_cell_at_every_loop_step():
