@@ -623,6 +623,13 @@ def ForwardsFirst(schedule: ScheduleLists) -> ScheduleLists:
           [a for a in acts if a.kind != 'F'] for acts in schedule]
 
 
+# The (schedule, recompute) pairs whose weight-gradient runs the engine
+# sizes with WeightGradientRunLength (`StageSpec.weight_gradient_run`);
+# every other pair takes 1.
+SIZED_WEIGHT_GRADIENT_RUNS = frozenset({('unrolled', True),
+                                        ('1f1b', False)})
+
+
 def WeightGradientRunLength(weights: float, operands: float,
                             num_micro_batches: int) -> int:
   """A run of weight gradients (`StageSpec.weight_gradient_run`: GPipe's

@@ -421,8 +421,8 @@ def WeightGradientRun(plan: Plan, stages: Sequence[_Stage]) -> int:
   `actions.WeightGradientRunLength`, as the engine, with the stages' kept
   activations standing in for the MatMul operands. 1 for other plans.
   """
-  if (plan.schedule, plan.recompute) not in (('unrolled', True),
-                                             ('1f1b', False)):
+  if (plan.schedule,
+      bool(plan.recompute)) not in actions.SIZED_WEIGHT_GRADIENT_RUNS:
     return 1
   mb = plan.replica_batch // plan.num_micro_batches
   return actions.WeightGradientRunLength(

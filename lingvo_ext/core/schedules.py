@@ -28,14 +28,15 @@ pass, inside the pipeline's custom gradient, per action):
   in runs of K micro-batches, longer where the weights outweigh the MatMul
   operands the runs keep (`_Engine._WeightGradientRun`); each forward pass
   waits for the action before it, so cell i has at most K - i micro-batches
-  in flight and activation memory is bounded by K and the runs, not M. When the caller's output gradients do not
-  need the forward pass (a loss linear in the outputs, e.g. per-example
-  losses from the last cell, summed), a micro-batch's backward pass starts
-  as soon as its forward pass leaves the last cell and nothing is
-  recomputed. Otherwise no backward pass can start before every forward pass
-  ends: the forward pass keeps only cell-boundary activations and each cell
-  alternates one recomputed forward and one backward micro-batch. Checked
-  when tf.gradients builds the backward pass (`recompute=None`).
+  in flight and activation memory is bounded by K and the runs, not M. When
+  the caller's output gradients do not need the forward pass (a loss linear
+  in the outputs, e.g. per-example losses from the last cell, summed), a
+  micro-batch's backward pass starts as soon as its forward pass leaves the
+  last cell and nothing is recomputed. Otherwise no backward pass can start
+  before every forward pass ends: the forward pass keeps only cell-boundary
+  activations and each cell alternates one recomputed forward and one
+  backward micro-batch. Checked when tf.gradients builds the backward pass
+  (`recompute=None`).
 - 'recurrent': Lingvo's `StackedRecurrent` loop, which always recomputes.
 - 'interleaved_1f1b', 'zero_bubble': each device runs its list strictly in
   order (with `recompute=True`, each backward action after its 'R'); for a
@@ -543,9 +544,8 @@ class _Engine:
           'loss is not: set recompute=None (recompute when needed) or True.'
           % p.name)
     run = (self._WeightGradientRun()
-           if (self.schedule_name, bool(recompute)) in (('unrolled', True),
-                                                        ('1f1b', False))
-           else 1)
+           if (self.schedule_name, bool(recompute)) in
+           actions.SIZED_WEIGHT_GRADIENT_RUNS else 1)
     spec = self._Spec(recompute, run)
     schedule = actions.Build(self.schedule_name, spec)
     forwards_first = actions.ForwardsFirst(schedule)
