@@ -221,17 +221,24 @@ def test_1f1b_recomputes_for_a_nonlinear_loss(num_cells, functions):
   assert MaxLiveMicroBatches(g, fetches, 0, num_micro) == 1
 
 
+def _FcRun(batch, m):
+  """The weight-gradient run of 2 cells of 3 FC D x D over m micro-batches.
+
+  Each micro-batch's MatMul operands are rows x (D + D) per layer against
+  D x D weights. A run of r micro-batches' weight gradients keeps r - 1 more
+  micro-batches' operands: as many as stay within one copy of the weights.
+  """
+  weights, operands = 2 * 3 * D * D, 2 * 3 * (batch // m) * 2 * D
+  return min(m, 1 + weights // operands)
+
+
 @pytest.mark.parametrize('batch', [
     pytest.param(4, marks=pytest.mark.slow), 8,
     pytest.param(64, marks=pytest.mark.slow)])
 def test_unrolled_recomputes_with_weight_gradients_in_runs(batch):
-  # 2 cells of 3 FC D x D, M = 4: each micro-batch's MatMul operands are
-  # rows x (D + D) per layer against D x D weights. A run of r micro-batches'
-  # weight gradients keeps r - 1 more micro-batches' operands: as many as
-  # stay within one copy of the weights.
-  m, rows = 4, batch // 4
-  weights, operands = 2 * 3 * D * D, 2 * 3 * rows * 2 * D
-  run = min(m, 1 + weights // operands)
+  # 2 cells of 3 FC D x D, M = 4, the runs of _FcRun.
+  m = 4
+  run = _FcRun(batch, m)
   assert run == {4: 4, 8: 2, 64: 1}[batch]
   g, fetches = _BackwardGraph(2, m, 'unrolled', True, functions=True,
                               batch=batch)
@@ -256,9 +263,8 @@ def test_1f1b_takes_weight_gradient_runs_longer_than_k(batch):
   # loss linear in the outputs (no recompute), K = 2, M = 4: where a run of
   # r > K micro-batches' operands stays within one copy of the weights,
   # '1f1b' takes runs of r instead of summing runs of K.
-  m, rows = 4, batch // 4
-  weights, operands = 2 * 3 * D * D, 2 * 3 * rows * 2 * D
-  run = min(m, 1 + weights // operands)
+  m = 4
+  run = _FcRun(batch, m)
   assert run == {4: 4, 64: 1}[batch]
   g, fetches = _BackwardGraph(2, m, '1f1b', None, lib._Loss, functions=True,  # pylint: disable=protected-access
                               batch=batch)
