@@ -1,6 +1,7 @@
 """Schedules as data: exact action lists, checks and simulation, without TF."""
 
 import itertools
+import random
 
 import pytest
 
@@ -65,6 +66,32 @@ def test_weight_gradient_runs():
   assert A.WeightGradientRuns([[f('W', 0, 0), f('W', 2, 0), f('W', 2, 1),
                                 f('I', 0, 1), f('W', 0, 1)]]) == [
       [f('W', 0, 0)], [f('W', 2, 0), f('W', 2, 1)], [f('W', 0, 1)]]
+
+
+@pytest.mark.parametrize('k,m', [(1, 1), (2, 1), (2, 4), (3, 4), (4, 8)])
+def test_critical_path_is_a_micro_batch_and_the_last_weight_run(k, m):
+  # Unit costs, GPipe's lists (one run of M weight gradients per stage): the
+  # longest chain is one micro-batch's K forward and K input-gradient
+  # passes, then the first stage's run, which waits for all its micro-batches.
+  spec = A.StageSpec(k, k, m)
+  schedule = A.GPipe(spec)
+  assert A.CriticalPath(spec, schedule) == 2 * k + m
+
+
+@pytest.mark.parametrize('name', sorted(A.ACTION_SCHEDULES))
+def test_critical_path_never_exceeds_the_lists(name):
+  # Dropping the lists' order can only start actions earlier: over random
+  # costs, the chain of data dependencies ends no later than the lists.
+  rng = random.Random(name)
+  for k, d, m, rc in ((2, 2, 4, False), (4, 2, 4, True), (4, 4, 8, False)):
+    spec = A.StageSpec(k, d, m, recompute=rc)
+    schedule = A.Build(name, spec)
+    costs = {a: rng.uniform(0.1, 3.) for acts in schedule for a in acts}
+    assert A.CriticalPath(spec, schedule, costs.get) <= (
+        A.Simulate(spec, schedule, costs.get).makespan + 1e-9)
+  # An action whose input no list holds is an error, not a hang.
+  with pytest.raises(ValueError, match='without their inputs: I0.0'):
+    A.CriticalPath(A.StageSpec(2, 2, 1), [[A.Action('I', 0, 0)], []])
 
 
 def test_1f1b_exact_lists():

@@ -176,6 +176,30 @@ def test_more_micro_batches_faster_when_compute_bound():
   assert times[-1] == pytest.approx((8 * 3 + 3 * 2) * 2e6 * mb / 1e9)
 
 
+def test_ungated_actions_share_the_host_cores():
+  """'unrolled' holds no action to its list: on a host of 2 cores one cell
+  computes its two micro-batches at once (bench/plan.py, FC model: one cell
+  at M=2 stepped 1.41x faster than at M=1, and the plan with one cell
+  predicted flat in M was chosen at 1.40x the best). One core, devices that
+  are processors of their own (cores=None), or a schedule that gates its
+  actions, leave a device one action at a time."""
+  profile = _Profile()
+
+  def Step(m, schedule='unrolled', cores=2.):
+    return planner.Predict(profile, _Plan(1, m, schedule),
+                           _Machine(cores=cores)).step_s
+
+  one = Step(1)
+  # M=2 of 16 examples: F and I of one micro-batch, then the run of both
+  # W's (4 units of 16) against F, I and W of 32 (3 units of 32).
+  assert Step(2) == pytest.approx(one * 2 / 3)
+  assert Step(2, cores=1.) == pytest.approx(one)
+  assert Step(2, cores=None) == pytest.approx(one)
+  assert Step(2, '1f1b') == pytest.approx(Step(1, '1f1b'))
+  # More micro-batches: the 2 cores' share of the work bounds it.
+  assert Step(8) == pytest.approx(one / 2)
+
+
 @pytest.mark.parametrize('schedule,m', [('unrolled', 8), ('1f1b', 8),
                                         ('unrolled', 2), ('unrolled', 1)])
 def test_recompute_uses_less_memory_and_more_time(schedule, m):

@@ -527,6 +527,48 @@ def Simulate(spec: StageSpec, schedule: ScheduleLists,
   return Timeline(spec, schedule, start, end, max(end.values(), default=0.))
 
 
+def CriticalPath(spec: StageSpec, schedule: ScheduleLists,
+                 cost: Optional[Callable[[Action], float]] = None) -> float:
+  """The longest chain of data dependencies over action costs.
+
+  How long the schedule takes where nothing enforces its lists: an action
+  starts once its inputs are ready, beside any other on its device
+  (TensorFlow's executor on ungated actions, with a thread for each). A run
+  of 'W' actions (`WeightGradientRuns`) is one MatMul over its micro-batches:
+  it starts once all of the run's input gradients have ended.
+
+  Args:
+    spec: The pipeline.
+    schedule: Per device, its actions.
+    cost: Action -> duration (default `UnitCost`).
+
+  Raises:
+    ValueError: an action depends on one the lists do not hold.
+  """
+  cost = cost or UnitCost
+  split = any(a.kind in ('I', 'W') for acts in schedule for a in acts)
+  deps = {}
+  for run in WeightGradientRuns(schedule):
+    inputs = [d for w in run for d in _Deps(spec, w, split)]
+    for i, w in enumerate(run):
+      deps[w] = inputs + run[i - 1:i]
+  pending = [a for acts in schedule for a in acts]
+  end = {}
+  while pending:
+    rest = []
+    for a in pending:
+      needs = deps[a] if a in deps else _Deps(spec, a, split)
+      if all(d in end for d in needs):
+        end[a] = max([end[d] for d in needs], default=0.) + cost(a)
+      else:
+        rest.append(a)
+    if len(rest) == len(pending):
+      raise ValueError('actions without their inputs: %s' %
+                       ', '.join(str(a) for a in rest[:4]))
+    pending = rest
+  return max(end.values(), default=0.)
+
+
 def FormatSchedule(spec: StageSpec, schedule: ScheduleLists,
                    cost: Optional[Callable[[Action], float]] = None) -> str:
   """The simulated timeline as text: a row per device, a column per time unit.

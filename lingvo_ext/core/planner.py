@@ -175,7 +175,10 @@ class Machine:
     bytes_per_s: Rate of moving bytes between devices (and of updates).
     cores: How many devices can compute at once (CPU devices of one host
       share its cores, and other processes' load takes its share); None: all
-      of them. May be fractional.
+      of them. May be fractional. Where it is set, a device whose actions
+      are not held to their lists (`GatedKinds`) runs several at once, up to
+      the cores (TensorFlow's executor over the host's threads); else each
+      device runs one action at a time.
     step_s: Fixed time of a training step (session run, input, summaries).
     update_ops_per_var: Ops of one variable's optimizer update.
     recurrent_op_factor: 'recurrent' only: the time of an op inside Lingvo's
@@ -602,7 +605,8 @@ def Predict(profile: ModelProfile, plan: Plan,
   s_per_op = machine.s_per_op
   if plan.schedule == 'recurrent':
     s_per_op *= machine.recurrent_op_factor
-  cost = _Costs(stages, mb, machine, s_per_op, spec, GatedKinds(plan),
+  gated = GatedKinds(plan)
+  cost = _Costs(stages, mb, machine, s_per_op, spec, gated,
                 SummingActions(plan, schedule))
   tl = actions.Simulate(spec, schedule, cost)
   r = plan.replicas
@@ -616,8 +620,17 @@ def Predict(profile: ModelProfile, plan: Plan,
     makespan = tl.makespan
     busy = sum(tl.end[a] - tl.start[a] for a in tl.start)
     plan.bubble = tl.IdleFraction()
+  parallel = machine.Parallel(plan.devices)
+  if machine.cores is not None and plan.schedule != 'recurrent' and not any(
+      a.kind in gated for acts in schedule for a in acts):
+    # Nothing holds the actions to their lists, and the devices share the
+    # host's cores: TensorFlow's executor runs whatever is ready, several
+    # actions of one device at once (one cell over two micro-batches keeps
+    # two cores busy).
+    makespan = actions.CriticalPath(spec, schedule, cost)
+    parallel = max(1., machine.cores)
   # The replicas' work over the compute that can run at once.
-  compute = max(makespan, r * busy / machine.Parallel(plan.devices))
+  compute = max(makespan, r * busy / parallel)
   param_bytes = profile.param_bytes
   num_vars = sum(l.num_vars for l in profile.layers)
   update = (num_vars * machine.update_ops_per_var * machine.s_per_op +
