@@ -747,6 +747,22 @@ def test_probe_prices_handoffs_and_gradient_sums():
   assert 1e8 < machine.add_bytes_per_s < 1e13, machine
 
 
+def test_all_reduce_pays_its_collectives_per_variable_and_replica():
+  """Bytes free: 'shared' adds no op per variable (tf.gradients sums the
+  replicas' gradients in the backward pass), 'all_reduce' its collectives'
+  SYNC_OPS_PER_VAR per variable and replica."""
+  profile = _Profile()
+  num_vars = sum(l.num_vars for l in profile.layers)
+  machine = _Machine(s_per_op=1e-6)
+  shared = _Plan(1, 1, replicas=2)
+  shared.gradient_sync = 'shared'
+  reduce = dataclasses.replace(shared, gradient_sync='all_reduce')
+  gap = (planner.Predict(profile, reduce, machine).step_s -
+         planner.Predict(profile, shared, machine).step_s)
+  assert planner.SYNC_OPS_PER_VAR == {'shared': 0, 'all_reduce': 6}
+  assert gap == pytest.approx(6 * num_vars * 2 * 1e-6)
+
+
 def test_recurrent_pays_per_step_after_the_first():
   """Lingvo's loop: each step after the first costs recurrent_s_per_byte
   per byte of the cell's weights, on its device: M = 4 on one cell pays 3

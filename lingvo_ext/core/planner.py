@@ -66,6 +66,15 @@ LIST_SCHEDULES = ('interleaved_1f1b', 'zero_bubble')
 # gradient_sync strategies the planner offers for R > 1 (the ps strategies
 # need a ps job; see gradient_sync.py).
 SYNC_CHOICES = ('shared', 'all_reduce')
+# Op times per variable per replica that a step spends synchronising
+# gradients, beyond the bytes: none for 'shared' (the replicas read one copy
+# and tf.gradients sums their gradients in the backward pass it builds
+# anyway); a collective's rendezvous and its plumbing for 'all_reduce'
+# (measured 1.4-1.9x 'shared' on this project's models). The values that
+# ranked the bench/plan.py sweeps of 2026-11-24 best (the LM's Spearman
+# 0.86-0.90 -> 0.90-0.95 against 3 for both, the image model's 0.92-0.94 ->
+# 0.93-0.95).
+SYNC_OPS_PER_VAR = {'shared': 0, 'all_reduce': 6}
 # Optimizer slots per parameter, by Lingvo optimizer class name.
 OPTIMIZER_SLOTS = {'Adam': 2, 'AdamW': 2, 'Adagrad': 1, 'Momentum': 1,
                    'RMSProp': 2, 'SGD': 0, 'Adafactor': 1}
@@ -638,8 +647,8 @@ def Predict(profile: ModelProfile, plan: Plan,
   sync_bytes = _SyncBytes(plan, param_bytes)
   sync = sync_bytes / machine.bytes_per_s
   if r > 1:
-    # Collectives or shared reads: a few ops per variable per replica.
-    sync += 3 * num_vars * r * machine.s_per_op
+    sync += SYNC_OPS_PER_VAR[plan.gradient_sync] * num_vars * r * (
+        machine.s_per_op)
   # Splitting the batch into micro-batches and concatenating the outputs.
   split = 2 * plan.num_micro_batches * machine.s_per_op
   loss = profile.loss_ops * r * machine.s_per_op
