@@ -754,9 +754,9 @@ def test_all_reduce_pays_its_collectives_per_variable_and_replica():
   profile = _Profile()
   num_vars = sum(l.num_vars for l in profile.layers)
   machine = _Machine(s_per_op=1e-6)
-  shared = _Plan(1, 1, replicas=2)
-  shared.gradient_sync = 'shared'
-  reduce = dataclasses.replace(shared, gradient_sync='all_reduce')
+  reduce = _Plan(1, 1, replicas=2)
+  assert reduce.gradient_sync == 'all_reduce'
+  shared = dataclasses.replace(reduce, gradient_sync='shared')
   gap = (planner.Predict(profile, reduce, machine).step_s -
          planner.Predict(profile, shared, machine).step_s)
   assert planner.SYNC_OPS_PER_VAR == {'shared': 0, 'all_reduce': 6}

@@ -531,11 +531,12 @@ def CriticalPath(spec: StageSpec, schedule: ScheduleLists,
                  cost: Optional[Callable[[Action], float]] = None) -> float:
   """The longest chain of data dependencies over action costs.
 
-  How long the schedule takes where nothing enforces its lists: an action
-  starts once its inputs are ready, beside any other on its device
-  (TensorFlow's executor on ungated actions, with a thread for each). A run
-  of 'W' actions (`WeightGradientRuns`) is one MatMul over its micro-batches:
-  it starts once all of the run's input gradients have ended.
+  How long the schedule takes where nothing enforces its lists' order
+  (TensorFlow's executor on actions no gate holds): an action starts once its
+  inputs are ready, whatever else its device runs; how many run at once is
+  the caller's to bound. A run of 'W' actions (`WeightGradientRuns`) is one
+  MatMul over its micro-batches: it starts once all of the run's input
+  gradients have ended.
 
   Args:
     spec: The pipeline.
