@@ -392,6 +392,51 @@ def test_cell_functions_graph_grows_with_call_sites_not_cell_copies(schedule):
   assert len(fwd) == 2 * 8, [op.name for op in calls]
 
 
+def test_a_pipeline_called_twice_calls_each_cell_function_traced_once():
+  # FProps of one pipeline in one graph ('unrolled' and '1f1b' on the same
+  # cells and input, then a batch of another shape) call one traced function
+  # per cell and input shape, and each equals the sequential model.
+  cells = [gpipe.FeatureExtractionLayer.Params().Set(
+      name='cell%d' % c,
+      sub=[lib.Fc('fc%d_%d' % (c, j), 6, 6, seed=c * 10 + j)
+           for j in range(3)]) for c in range(2)]
+  rng = np.random.RandomState(0)
+  g = tf.Graph()
+  with g.as_default(), lib.Cluster(2):
+    py_utils.GetOrCreateGlobalStepVar()
+    net = gpipe.PipeliningLayer.Params().Set(
+        name='pipe', cell_tpl=cells, num_micro_batches=2).Instantiate()
+    x = tf.constant(rng.uniform(-1, 1, [8, 6]).astype(np.float32))
+    y = tf.constant(rng.uniform(-1, 1, [4, 6]).astype(np.float32))
+    calls = [('x0', net, x), ('x1', lib.Variant(net, '1f1b', None), x),
+             ('y0', net, y)]
+    variables = net.vars.Flatten()
+    pipe, seq = [], []
+    for name, layer, inp in calls:
+      with tf.name_scope(name):
+        w = tf.constant(rng.uniform(-1, 1, [int(inp.shape[0]), 6]).astype(
+            np.float32))
+        for model, out in ((pipe, layer.FProp(net.theta, inp)),
+                           (seq, net.FPropSequential(net.theta, inp))):
+          model.append([out] + tf.gradients(tf.reduce_sum(out * w), variables))
+    init = tf.global_variables_initializer()
+  fns = {}  # (call, cell) -> the functions its forward calls call.
+  for op in g.get_operations():
+    m = re.match(r'(\w\d)/(cell\d)_mb\d/', op.name)
+    if m and op.type in ('PartitionedCall', 'StatefulPartitionedCall'):
+      fns.setdefault(m.groups(), set()).add(op.get_attr('f').name)
+  assert sorted(fns) == [(n, c) for n in ('x0', 'x1', 'y0')
+                         for c in ('cell0', 'cell1')], fns
+  for c in ('cell0', 'cell1'):
+    assert len(fns['x0', c]) == 1 and fns['x0', c] == fns['x1', c], fns
+    assert len(fns['y0', c]) == 1 and fns['y0', c] != fns['x0', c], fns
+  with lib.Session(g, 2) as sess:
+    sess.run(init)
+    pipe, seq = sess.run([pipe, seq])
+  for p_out, s_out in zip(pipe, seq):
+    lib.AssertAllClose(p_out, s_out)
+
+
 def test_cell_functions_batch_weight_gradients_across_micro_batches():
   # A cell function's backward pass computes no weight gradient: each weight
   # MatMul exports its operands, and the engine computes x^T dy once over all

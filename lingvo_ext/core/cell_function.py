@@ -41,6 +41,8 @@ from lingvo_ext.core import matmul_grad
 
 # Graph state (graph_state): a call's op name -> its exported operands.
 _OPERANDS = 'cell_function_operands'
+# Graph state: (cell, jit_compile, input signature) -> its CellFunction.
+_FUNCTIONS = 'cell_functions'
 
 # One weight use whose gradient a call leaves out. `zero` (a call input) is
 # added to the use's output, so a loss's gradient with respect to it is the
@@ -61,6 +63,32 @@ def ExportedOperands(op) -> List[Exported]:
 
 def _Flat(structure) -> List:
   return tf.nest.flatten(structure)
+
+
+def _Signature(theta, inputs):
+  """What a trace depends on: the structures, dtypes and shapes."""
+  def Leaf(t):
+    if t is None:
+      return None
+    return t.dtype.name, (None if t.shape.rank is None else
+                          tuple(t.shape.as_list()))
+  return (repr(tf.nest.map_structure(lambda _: 0, (theta, inputs))),
+          tuple(Leaf(t) for t in _Flat((theta, inputs))))
+
+
+def ForCell(cell, name: str, jit_compile: bool, theta, inputs):
+  """The graph's CellFunction of `cell` for inputs like these.
+
+  Each FProp of a pipeline in one graph (a pipeline called twice, or the
+  same cells under several schedules) calls the same traced function and
+  its gradient, instead of tracing both again.
+  """
+  cache = graph_state.Get(tf.get_default_graph(), _FUNCTIONS, dict)
+  # The CellFunction holds `cell`, so its id stays its own while cached.
+  key = (id(cell), bool(jit_compile), _Signature(theta, inputs))
+  if key not in cache:
+    cache[key] = CellFunction(cell, name, jit_compile)
+  return cache[key]
 
 
 def _ToTuple(x):
@@ -98,6 +126,7 @@ class CellFunction:
     self._out_struct = None  # The cell's output structure, None kept.
     self._acc_struct = None
     self._exported = []  # [(theta leaf index, zero, rows)] per weight use.
+    self._unexported_lookups = None  # HasUnexportedLookups, once traced.
 
   def _Trace(self, theta, inputs, step):
     """Builds the tf.function for these input structures."""
@@ -223,10 +252,6 @@ class CellFunction:
     out = tf.nest.map_structure(swap, out)
     return out, [swap(t) for t in new_accs], xs
 
-  @property
-  def traced(self) -> bool:
-    """Whether a call or `HasUnexportedLookups` has traced the function."""
-    return self._fn is not None
 
   def _Args(self, theta, inputs, step):
     """(the function's arguments, the cell's accumulator values)."""
@@ -255,17 +280,18 @@ class CellFunction:
     gradient built sparse outside); any other (another axis, batch_dims, a
     weight of unknown shape) is not.
     """
-    args, accs = self._Args(theta, inputs, step)
-    graph = self._fn.get_concrete_function(*args).graph
-    if accs:  # The trace left the function's own tensors there.
-      self._cell.SetAccumulatorValues(
-          tf.nest.pack_sequence_as(self._acc_struct, accs))
-    leaves = {t.ref() for t in graph.inputs[:len(_Flat(theta))]}
-    for op in graph.get_operations():
-      if (op.type in ('GatherV2', 'Gather', 'ResourceGather') and op.inputs and
-          matmul_grad.ThroughIdentities(op.inputs[0], leaves) is not None):
-        return True
-    return False
+    if self._unexported_lookups is None:
+      args, accs = self._Args(theta, inputs, step)
+      graph = self._fn.get_concrete_function(*args).graph
+      if accs:  # The trace left the function's own tensors there.
+        self._cell.SetAccumulatorValues(
+            tf.nest.pack_sequence_as(self._acc_struct, accs))
+      leaves = {t.ref() for t in graph.inputs[:len(_Flat(theta))]}
+      self._unexported_lookups = any(
+          op.type in ('GatherV2', 'Gather', 'ResourceGather') and op.inputs and
+          matmul_grad.ThroughIdentities(op.inputs[0], leaves) is not None
+          for op in graph.get_operations())
+    return self._unexported_lookups
 
   def __call__(self, theta, inputs, step):
     """The cell on one micro-batch; updates the cell's accumulators.

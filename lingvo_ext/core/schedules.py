@@ -320,19 +320,20 @@ class _Engine:
     self.num_devices = len(set(self.devices))
     # Checked now, so a bad (K, M) fails at FProp, not in tf.gradients.
     actions.Build(schedule_name, self._Spec(bool(recompute)))
-    # Per cell, its function (None: built inline).
+    # Per cell, its function (None: built inline), found or made when the
+    # first micro-batch's inputs are known (cell_function.ForCell).
     self.cell_fns = [None] * len(self.cells)
+    self.fn_jit = [None] * len(self.cells)  # None: no function wanted.
     jit = getattr(self.p, 'jit_compile', False)
     if getattr(self.p, 'cell_functions', False) or jit:
-      for i, (name, cell) in enumerate(self.cells):
+      for i, (name, _) in enumerate(self.cells):
         if any(sharding.IsShard(v) for v in theta[name].Flatten()):
           # A partitioned variable's shards are read where they live (see
           # Build); a function would read each one onto the cell's device.
           tf.logging.info('%s: cell %s holds variable shards; built inline.',
                           self.p.name, name)
           continue
-        self.cell_fns[i] = cell_function.CellFunction(
-            cell, '%s_fprop' % name, jit)
+        self.fn_jit[i] = jit
 
   def _Spec(self, recompute: bool, run: int = 1) -> actions.StageSpec:
     return actions.StageSpec(len(self.cells), self.num_devices,
@@ -418,10 +419,13 @@ class _Engine:
       x = tf.nest.pack_sequence_as(
           self.inputs, [None if s is None else s[t] for s in pieces])
       x = ToTuple(x)
-      for i, (name, _) in enumerate(self.cells):
+      for i, (name, cell) in enumerate(self.cells):
         with tf.device(self.devices[i]):
+          if t == 0 and self.fn_jit[i] is not None:
+            self.cell_fns[i] = cell_function.ForCell(
+                cell, '%s_fprop' % name, self.fn_jit[i], self.thetas[i], x)
           fn = self.cell_fns[i]
-          if fn is not None and not fn.traced and fn.HasUnexportedLookups(
+          if t == 0 and fn is not None and fn.HasUnexportedLookups(
               self.thetas[i], x, steps[t]):
             # A lookup the function does not export (another axis,
             # batch_dims): its gradient stays sparse inline.
