@@ -393,9 +393,10 @@ def test_cell_functions_graph_grows_with_call_sites_not_cell_copies(schedule):
 
 
 def test_a_pipeline_called_twice_calls_each_cell_function_traced_once():
-  # FProps of one pipeline in one graph ('unrolled' and '1f1b' on the same
-  # cells and input, then a batch of another shape) call one traced function
-  # per cell and input shape, and each equals the sequential model.
+  # FProps of one pipeline in one graph ('unrolled', a float64 micro-batch
+  # step, '1f1b' on the same cells and input, then a batch of another shape)
+  # call one traced function per cell and signature, and each equals the
+  # sequential model.
   cells = [gpipe.FeatureExtractionLayer.Params().Set(
       name='cell%d' % c,
       sub=[lib.Fc('fc%d_%d' % (c, j), 6, 6, seed=c * 10 + j)
@@ -408,8 +409,9 @@ def test_a_pipeline_called_twice_calls_each_cell_function_traced_once():
         name='pipe', cell_tpl=cells, num_micro_batches=2).Instantiate()
     x = tf.constant(rng.uniform(-1, 1, [8, 6]).astype(np.float32))
     y = tf.constant(rng.uniform(-1, 1, [4, 6]).astype(np.float32))
-    calls = [('x0', net, x), ('x1', lib.Variant(net, '1f1b', None), x),
-             ('y0', net, y)]
+    calls = [('x0', net, x), ('z0', lib.Variant(net, 'unrolled', None, (
+        ('state_dtype', tf.float64),)), x),
+             ('x1', lib.Variant(net, '1f1b', None), x), ('y0', net, y)]
     variables = net.vars.Flatten()
     pipe, seq = [], []
     for name, layer, inp in calls:
@@ -425,11 +427,13 @@ def test_a_pipeline_called_twice_calls_each_cell_function_traced_once():
     m = re.match(r'(\w\d)/(cell\d)_mb\d/', op.name)
     if m and op.type in ('PartitionedCall', 'StatefulPartitionedCall'):
       fns.setdefault(m.groups(), set()).add(op.get_attr('f').name)
-  assert sorted(fns) == [(n, c) for n in ('x0', 'x1', 'y0')
+  assert sorted(fns) == [(n, c) for n in ('x0', 'x1', 'y0', 'z0')
                          for c in ('cell0', 'cell1')], fns
   for c in ('cell0', 'cell1'):
     assert len(fns['x0', c]) == 1 and fns['x0', c] == fns['x1', c], fns
-    assert len(fns['y0', c]) == 1 and fns['y0', c] != fns['x0', c], fns
+    # Another batch shape, another micro-batch step dtype: other traces.
+    for other in ('y0', 'z0'):
+      assert len(fns[other, c]) == 1 and fns[other, c] != fns['x0', c], fns
   with lib.Session(g, 2) as sess:
     sess.run(init)
     pipe, seq = sess.run([pipe, seq])

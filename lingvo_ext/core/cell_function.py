@@ -65,18 +65,18 @@ def _Flat(structure) -> List:
   return tf.nest.flatten(structure)
 
 
-def _Signature(theta, inputs):
-  """What a trace depends on: the structures, dtypes and shapes."""
+def _Signature(theta, inputs, step):
+  """What a trace depends on: the arguments' structures, dtypes, shapes."""
   def Leaf(t):
     if t is None:
       return None
     return t.dtype.name, (None if t.shape.rank is None else
                           tuple(t.shape.as_list()))
   return (repr(tf.nest.map_structure(lambda _: 0, (theta, inputs))),
-          tuple(Leaf(t) for t in _Flat((theta, inputs))))
+          tuple(Leaf(t) for t in _Flat((theta, inputs, step))))
 
 
-def ForCell(cell, name: str, jit_compile: bool, theta, inputs):
+def ForCell(cell, name: str, jit_compile: bool, theta, inputs, step):
   """The graph's CellFunction of `cell` for inputs like these.
 
   Each FProp of a pipeline in one graph (a pipeline called twice, or the
@@ -85,7 +85,7 @@ def ForCell(cell, name: str, jit_compile: bool, theta, inputs):
   """
   cache = graph_state.Get(tf.get_default_graph(), _FUNCTIONS, dict)
   # The CellFunction holds `cell`, so its id stays its own while cached.
-  key = (id(cell), bool(jit_compile), _Signature(theta, inputs))
+  key = (id(cell), bool(jit_compile), _Signature(theta, inputs, step))
   if key not in cache:
     cache[key] = CellFunction(cell, name, jit_compile)
   return cache[key]
@@ -251,7 +251,6 @@ class CellFunction:
     swap = lambda t: t if t is None else replaced.get(t.ref(), t)
     out = tf.nest.map_structure(swap, out)
     return out, [swap(t) for t in new_accs], xs
-
 
   def _Args(self, theta, inputs, step):
     """(the function's arguments, the cell's accumulator values)."""

@@ -423,7 +423,8 @@ class _Engine:
         with tf.device(self.devices[i]):
           if t == 0 and self.fn_jit[i] is not None:
             self.cell_fns[i] = cell_function.ForCell(
-                cell, '%s_fprop' % name, self.fn_jit[i], self.thetas[i], x)
+                cell, '%s_fprop' % name, self.fn_jit[i], self.thetas[i], x,
+                steps[t])
           fn = self.cell_fns[i]
           if t == 0 and fn is not None and fn.HasUnexportedLookups(
               self.thetas[i], x, steps[t]):
