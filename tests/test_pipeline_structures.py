@@ -30,6 +30,7 @@ from lingvo_ext.core import actions
 from lingvo_ext.core import gpipe
 from lingvo_ext.core import schedules
 import gpipe_testlib as lib
+import test_gpipe
 import test_schedules
 
 
@@ -358,10 +359,7 @@ def test_random_cases_cover_the_structures():
 
 def _GraphSize(num_micro, functions, schedule='unrolled', jit=False):
   """(ops in the graph, per-cell forward call ops) of a 2-cell FC pipeline."""
-  cells = [gpipe.FeatureExtractionLayer.Params().Set(
-      name='cell%d' % c,
-      sub=[lib.Fc('fc%d_%d' % (c, j), 6, 6, seed=c * 10 + j)
-           for j in range(3)]) for c in range(2)]
+  cells = test_gpipe._FcCells(2, 3)  # pylint: disable=protected-access
   g = tf.Graph()
   with g.as_default(), lib.Cluster(2):
     py_utils.GetOrCreateGlobalStepVar()
@@ -397,10 +395,7 @@ def test_a_pipeline_called_twice_calls_each_cell_function_traced_once():
   # step, '1f1b' on the same cells and input, then a batch of another shape)
   # call one traced function per cell and signature, and each equals the
   # sequential model.
-  cells = [gpipe.FeatureExtractionLayer.Params().Set(
-      name='cell%d' % c,
-      sub=[lib.Fc('fc%d_%d' % (c, j), 6, 6, seed=c * 10 + j)
-           for j in range(3)]) for c in range(2)]
+  cells = test_gpipe._FcCells(2, 3)  # pylint: disable=protected-access
   rng = np.random.RandomState(0)
   g = tf.Graph()
   with g.as_default(), lib.Cluster(2):
