@@ -24,5 +24,8 @@ for a in "$@"; do
   fi
 done
 jobs="${TEST_JOBS:-$(( $(nproc) + spare ))}"
-exec "$root/.venv/bin/python" -m pytest -n "$jobs" \
+# worksteal: a worker that runs out of tests takes pending ones from a busy
+# worker's queue (with the default, 'load', one worker can be left running
+# its share of long tests for minutes after the others are done).
+exec "$root/.venv/bin/python" -m pytest -n "$jobs" --dist worksteal \
   ${args[@]+"${args[@]}"}
