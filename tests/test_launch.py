@@ -201,19 +201,28 @@ def testSlurmEnvironmentRunIsNotSlowedByASlowReader(tmp_path):
     assert f'Slurm: this process is worker task {i} of the cluster ' in log
 
 
+# Forked tasks (the default) die with their fork server, which dies with
+# the launcher; fresh interpreters die with the launcher.
 @pytest.mark.e2e
-def testKilledLauncherLeavesNoTaskAndFreesItsPorts(tmp_path):
+@pytest.mark.parametrize('fork_tasks', ['true', 'false'])
+def testKilledLauncherLeavesNoTaskAndFreesItsPorts(tmp_path, fork_tasks):
   """kill -9 of the launcher mid-run: within 10 s every task is gone."""
   logdir = str(tmp_path / 'kill')
   # --network=host: the ports are this host's, to check that they are free.
   run = _Launch(logdir, '--network=host', '--workers=2',
-                '--worker_split_size=2', '--max_steps=100000')
+                '--worker_split_size=2', '--max_steps=100000',
+                f'--fork_tasks={fork_tasks}')
   try:
     m = run.WaitFor(r'launch: all 4 tasks are serving: (\S+)', 240)
     addresses = sum(cluster.ParseClusterSpec(m.group(1)).values(), [])
     run.WaitFor(r'^\[trainer_client\] step \d+/100000 ', 240)  # Mid-run.
     pids = run.Pids()
     assert len(pids) == 4 and all(_Alive(p) for p in pids.values()), pids
+    server = re.search(r'launch: forking the tasks from pid (\d+)', run.Text())
+    assert bool(server) == (fork_tasks == 'true'), run.Text()
+    if server:
+      pids['fork server'] = int(server.group(1))
+    assert all(_Alive(p) for p in pids.values()), pids
     assert not any(_PortFree(a) for a in addresses), addresses
     os.kill(run.proc.pid, signal.SIGKILL)
     killed = time.monotonic()

@@ -13,28 +13,14 @@ sys.path, stdin /dev/null, stdout/stderr captured, in its own process group
 (a timeout kills the group). Otherwise (another program, another oneDNN
 setting, ...) it is subprocess.run itself.
 
-Why forking there is safe:
-* TensorFlow starts no thread at import (no op has run in the server; the
-  eager context and its thread pools are made by the child). The only threads
-  an import starts are OpenBLAS's (numpy, scipy); the server runs with
-  OPENBLAS_NUM_THREADS=1 (the child's environment is the test's own) and
-  checks, before each fork, that it is a single-threaded process, else it
-  refuses and run() falls back to a fresh interpreter.
-* Environment variables read at import (TF_*, OMP_*, KMP_*, MKL_*, CUDA*,
-  XLA_*, PYTHON* other than PYTHONPATH, LD_*, OPENBLAS_*) must equal the
-  server's, else run() uses a fresh interpreter (e.g. TF_ENABLE_ONEDNN_OPTS,
-  which TensorFlow reads once, when it loads).
-* `module` itself is not imported in the server (its imports are), so it runs
-  fresh as __main__ like under `python -m`; Python's `random` reseeds itself
-  after a fork and the child reseeds numpy's global generator.
-* The child ends like an interpreter: non-daemon threads joined, atexit
-  handlers run, streams flushed, exit code as SystemExit gives it, 1 after an
-  uncaught exception (traceback on stderr).
+Why forking there is safe: see lingvo_ext/distributed/fork_server.py, whose
+pieces this uses (lingvo_ext.launch forks its tasks the same way); a run
+whose import-time environment differs from the server's gets a fresh
+interpreter (e.g. TF_ENABLE_ONEDNN_OPTS, which TensorFlow reads once).
 Tests that signal a trainer by pid or need a fresh interpreter call
 subprocess themselves.
 """
 
-import ast
 import atexit
 import json
 import os
@@ -46,7 +32,8 @@ import subprocess
 import sys
 import tempfile
 import threading
-import traceback
+
+from lingvo_ext.distributed import fork_server
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Modules run from the server; the server imports what they import.
@@ -55,19 +42,9 @@ MODULES = ('lingvo_ext.trainer', 'lingvo_ext.tools.cost_report',
            'lingvo_ext.tools.convert_checkpoint', 'lingvo_ext.tools.plan',
            'lingvo_ext.examples.gpipe_example', 'lingvo_ext.launch',
            'bench.transformer')
-# Environment variables a library may read at import: a run whose value
-# differs from the server's gets a fresh interpreter.
-_IMPORT_ENV = ('TF_', 'OMP_', 'KMP_', 'MKL_', 'CUDA', 'XLA_', 'PYTHON', 'LD_',
-               'OPENBLAS_', 'GOTO', 'NPY_', 'JAX_', 'ABSL_')
-_SERVER_ENV = {'OPENBLAS_NUM_THREADS': '1'}
 # Off with LINGVO_EXT_TEST_ZYGOTE=0 (every run a fresh interpreter).
 ENABLED = os.environ.get('LINGVO_EXT_TEST_ZYGOTE', '1') != '0'
 forks = 0  # Runs forked from the server in this process (tests/test_zygote.py).
-
-
-def _ImportEnv(env):
-  return {k: v for k, v in env.items()
-          if k.startswith(_IMPORT_ENV) and k != 'PYTHONPATH'}
 
 
 # --- Client (in the pytest process) -------------------------------------------
@@ -85,7 +62,7 @@ class _Client:
   def _Start(self):
     self._path = tempfile.mkdtemp(prefix='zygote-')
     sock = os.path.join(self._path, 'sock')
-    self.env = dict(os.environ, **_SERVER_ENV)
+    self.env = dict(os.environ, **fork_server.SERVER_ENV)
     self.env['PYTHONPATH'] = _ROOT
     # stdin: the server exits when this process closes it (or dies).
     self._proc = subprocess.Popen(
@@ -130,14 +107,8 @@ def _Usable(cmd, env):
     return False
   if cmd[1] != '-m' or cmd[2] not in MODULES:
     return False
-  server_env = _CLIENT.env or dict(os.environ, **_SERVER_ENV)
-  mine = _ImportEnv(server_env)
-  for k in _SERVER_ENV:  # The child gets the test's own value.
-    mine.pop(k, None)
-  theirs = _ImportEnv(env)
-  for k in _SERVER_ENV:
-    theirs.pop(k, None)
-  return mine == theirs
+  server_env = _CLIENT.env or os.environ
+  return fork_server.ImportEnv(server_env) == fork_server.ImportEnv(env)
 
 
 class _Lines:
@@ -226,102 +197,26 @@ def run(cmd, cwd=None, env=None, stdout=None, stderr=None,
 # --- Server --------------------------------------------------------------------
 
 
-def _Preload():
-  """Imports TF, Lingvo and what each of MODULES imports (not MODULES)."""
-  import tensorflow  # pylint: disable=g-import-not-at-top,unused-import
-  import numpy  # pylint: disable=g-import-not-at-top,unused-import
-  import importlib  # pylint: disable=g-import-not-at-top
-  import importlib.util  # pylint: disable=g-import-not-at-top
-  for module in MODULES:
-    path = importlib.util.find_spec(module).origin
-    with open(path) as f:
-      tree = ast.parse(f.read())
-    for node in tree.body:
-      if isinstance(node, ast.Import):
-        for alias in node.names:
-          importlib.import_module(alias.name)
-      elif isinstance(node, ast.ImportFrom) and node.level == 0:
-        base = importlib.import_module(node.module)
-        for alias in node.names:
-          if not hasattr(base, alias.name):  # A submodule.
-            importlib.import_module(node.module + '.' + alias.name)
-
-
-def _Threads():
-  return len(os.listdir('/proc/self/task'))
-
-
-def _Child(request, base_path):
-  """In the forked child: runs the module as __main__; never returns."""
-  code = 1
-  try:
-    os.setsid()  # Its own process group: a timeout or a test kills it all.
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)
-    out = os.open(request['stdout'], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-    os.dup2(out, 1)
-    if request['stderr'] == request['stdout']:
-      os.dup2(out, 2)
-    else:
-      os.dup2(os.open(request['stderr'], os.O_WRONLY | os.O_CREAT |
-                      os.O_TRUNC), 2)
-    os.chdir(request['cwd'])
-    os.environ.clear()
-    os.environ.update(request['env'])
-    pythonpath = [p for p in request['env'].get('PYTHONPATH', '').split(
-        os.pathsep) if p]
-    # As under `python -m`: the cwd, then PYTHONPATH, then the site paths.
-    sys.path[:] = [request['cwd']] + pythonpath + base_path
-    import numpy  # pylint: disable=g-import-not-at-top
-    numpy.random.seed()
-    import runpy  # pylint: disable=g-import-not-at-top
-    sys.argv = ['-m'] + request['argv']
-    try:
-      runpy.run_module(request['module'], run_name='__main__', alter_sys=True)
-      code = 0
-    except SystemExit as e:
-      if e.code is None:
-        code = 0
-      elif isinstance(e.code, int):
-        code = e.code
-      else:
-        print(e.code, file=sys.stderr)
-        code = 1
-    except BaseException:  # pylint: disable=broad-except
-      traceback.print_exc()
-      code = 1
-    threading._shutdown()  # pylint: disable=protected-access
-    atexit._run_exitfuncs()  # pylint: disable=protected-access
-  except BaseException:  # pylint: disable=broad-except
-    traceback.print_exc()
-  finally:
-    for stream in (sys.stdout, sys.stderr):
-      try:
-        stream.flush()
-      except Exception:  # pylint: disable=broad-except
-        pass
-    os._exit(code)  # pylint: disable=protected-access
-
-
 def _Serve(sock_path):
-  """Forks a child per request; sends its pid, then its exit code."""
-  # sys.path as under `python script`: this file's folder, PYTHONPATH, site.
-  n = 1 + len([p for p in os.environ.get('PYTHONPATH', '').split(os.pathsep)
-               if p])
-  base_path = sys.path[n:]
-  _Preload()
+  """Forks a child per request; sends its pid, then its exit code.
+
+  Returns None in the server (the pytest process is gone), and
+  (request, site_path) in a child.
+  """
+  site_path = fork_server.SitePath()
+  fork_server.Preload(MODULES)
   server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
   server.bind(sock_path)
   server.listen(16)
   sys.stdout.write('ready\n')
   sys.stdout.flush()
   children = {}  # pid: connection
+  pid = os.getpid()
   try:
     while True:
       ready, _, _ = select.select([server, sys.stdin], [], [], 0.2)
       if sys.stdin in ready and not os.read(sys.stdin.fileno(), 1):
-        return  # The pytest process is gone.
+        return None  # The pytest process is gone.
       if server in ready:
         conn, _ = server.accept()
         conn.settimeout(60)
@@ -332,38 +227,51 @@ def _Serve(sock_path):
             break
           data += chunk
         request = json.loads(data)
-        if _Threads() != 1:
+        if fork_server.Threads() != 1:
           conn.sendall(b'{"refused": "threads"}\n')
           conn.close()
           continue
-        pid = os.fork()
-        if pid == 0:
+        child = os.fork()
+        if not child:
           for c in [server, conn, *children.values()]:
             c.close()
-          _Child(request, base_path)
-        children[pid] = conn
-        conn.sendall(json.dumps({'pid': pid}).encode() + b'\n')
+          return request, site_path
+        children[child] = conn
+        conn.sendall(json.dumps({'pid': child}).encode() + b'\n')
       while children:
-        pid, status = os.waitpid(-1, os.WNOHANG)
-        if not pid:
+        child, status = os.waitpid(-1, os.WNOHANG)
+        if not child:
           break
-        conn = children.pop(pid, None)
+        conn = children.pop(child, None)
         if conn:
-          code = (-os.WTERMSIG(status) if os.WIFSIGNALED(status)
-                  else os.WEXITSTATUS(status))
+          code = fork_server.ReturnCode(status)
           try:
             conn.sendall(json.dumps({'returncode': code}).encode() + b'\n')
           except OSError:
             pass
           conn.close()
   finally:
-    for pid in children:
-      try:
-        os.killpg(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-      except OSError:
-        pass
+    if os.getpid() == pid:  # Not in a child.
+      for child in children:
+        try:
+          os.killpg(child, signal.SIGKILL)
+          os.waitpid(child, 0)
+        except OSError:
+          pass
+
+
+def _RunChild(request, site_path):
+  """In a forked child: the run, in its own process group (a timeout or a
+  test kills it all); the interpreter's exit ends it (RunAsMain)."""
+  os.setsid()
+  out = os.open(request['stdout'], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+  err = out if request['stderr'] == request['stdout'] else os.open(
+      request['stderr'], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+  fork_server.RunAsMain(request['module'], request['argv'], request['cwd'],
+                        request['env'], out, err, site_path)
 
 
 if __name__ == '__main__':
-  _Serve(sys.argv[1])
+  _child = _Serve(sys.argv[1])
+  if _child:
+    _RunChild(*_child)

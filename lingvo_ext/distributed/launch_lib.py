@@ -11,7 +11,9 @@
    --nodes nodes, 127.0.0.1, 127.0.0.2, ..., and --cluster_resolver=slurm);
    --ps adds ps tasks, which then hold the variables;
 2. runs each as `python -m lingvo_ext.trainer ...` plus the user's trainer
-   flags, in its own process group, writing its whole output to
+   flags (forked from a server that has imported TensorFlow and Lingvo once,
+   `fork_server`; with fork_tasks=False, or where it cannot, a fresh
+   interpreter), in its own process group, writing its whole output to
    LOGDIR/launch/JOB.TASK.log (a file: a slow reader of the launcher's
    output never blocks a task). Each task gets PR_SET_PDEATHSIG=SIGKILL, so
    it dies with the launcher however the launcher dies (kill -9 included);
@@ -55,14 +57,13 @@ import threading
 import time
 from typing import Dict, List, Optional, Sequence
 
-from lingvo_ext._internal import process
 from lingvo_ext.distributed import cluster
+from lingvo_ext.distributed import fork_server
 from lingvo_ext.distributed import resolvers
 
 CLUSTER_FROM = ('flags', 'tf_config', 'slurm')
 # Jobs whose exit 0 means training is done.
 CLIENT_JOBS = ('controller', 'trainer_client', 'chief')
-_PR_SET_PDEATHSIG = 1
 
 _CLONE_NEWUSER = 0x10000000
 _CLONE_NEWNET = 0x40000000
@@ -176,6 +177,7 @@ class Task:
   address: str
   argv: List[str]
   env: Dict[str, str] = dataclasses.field(default_factory=dict)
+  # subprocess.Popen, or fork_server.ForkedProcess.
   proc: Optional[subprocess.Popen] = None
   done: bool = False  # Exited 0 at the end of training.
   ready: bool = False
@@ -317,24 +319,15 @@ class _Output:
         self._cv.wait(left)
 
 
-def _DieWithParent(parent_pid: int):
-  """A preexec_fn: the child gets SIGKILL when the launcher's thread exits."""
-  prctl = ctypes.CDLL(None, use_errno=True).prctl  # Looked up before fork.
-
-  def Preexec():
-    prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-    if os.getppid() != parent_pid:  # The launcher died before prctl.
-      process.ExitNow(1)
-
-  return Preexec
-
-
 class Launcher:
   """Runs the tasks of one local cluster; see the module docstring."""
 
   def __init__(self, tasks: List[Task], logdir: str, ready_timeout_s: float,
-               max_restarts: int, out=None, stream_logs: bool = False):
+               max_restarts: int, out=None, stream_logs: bool = False,
+               fork_tasks: bool = True):
     self._logdir = os.path.join(logdir, 'launch')
+    self._fork_tasks = fork_tasks
+    self._fork_server = None
     os.makedirs(self._logdir, exist_ok=True)
     self._output = _Output(out or sys.stdout, self._logdir)
     self._stream_logs = stream_logs
@@ -385,27 +378,45 @@ class Launcher:
   def Start(self, task: Task) -> None:
     """Starts `task`; call from the main thread only (PR_SET_PDEATHSIG is
     tied to the thread that forks)."""
+    env = dict(os.environ, **task.env)
     with self._tail_lock:
       with open(task.log_path, 'ab') as log:
-        env = ' '.join(f'{k}={shlex.quote(v)}' for k, v in task.env.items())
+        shown = ' '.join(f'{k}={shlex.quote(v)}' for k, v in task.env.items())
         log.write(f'=== launch: starting {task.what} at '
-                  f'{time.strftime("%H:%M:%S")}: {env} '
+                  f'{time.strftime("%H:%M:%S")}: {shown} '
                   f'{shlex.join(task.argv)}\n'.encode())
         task.log_pos, task.partial = log.tell(), b''
-        task.proc = subprocess.Popen(
-            task.argv,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=dict(os.environ, **task.env),
-            preexec_fn=_DieWithParent(os.getpid()),
-            start_new_session=True)  # Its own process group, to stop it whole.
+        task.proc = None
+        if self._fork_server:
+          log.flush()
+          task.proc = self._fork_server.Spawn(task.argv, env, task.log_path)
+        if task.proc is None:
+          task.proc = subprocess.Popen(
+              task.argv,
+              stdout=log,
+              stderr=subprocess.STDOUT,
+              stdin=subprocess.DEVNULL,
+              env=env,
+              preexec_fn=fork_server.DieWithParent(os.getpid()),
+              start_new_session=True)  # Its own process group.
     task.started_at = time.monotonic()
     task.ready = False
     self.Print(f'launch: started {task.what} as pid {task.proc.pid}; log: '
                f'{task.log_path}')
 
   def StartAll(self) -> None:
+    """Starts the fork server (if asked) and every task."""
+    if self._fork_tasks:
+      server = fork_server.ForkServer(
+          'lingvo_ext.trainer', os.path.join(self._logdir, 'fork_server.stderr'))
+      why = server.Start(self._ready_timeout_s)
+      if why:
+        self.Print(f'launch: starting each task as a fresh interpreter: {why}')
+      else:
+        self._fork_server = server
+        self.Print(f'launch: forking the tasks from pid {server.pid}, which '
+                   'has imported TensorFlow and Lingvo (--fork_tasks=false: '
+                   'a fresh interpreter each)')
     for task in self.tasks:
       self.Start(task)
 
@@ -539,12 +550,14 @@ class Launcher:
       if t.proc:
         # The group may hold children of a task that already exited.
         _KillGroup(t.proc, signal.SIGKILL)
+    if self._fork_server:
+      self._fork_server.Close()
     self._stop_tail.set()
     self._tail.join(5)
     self._TailOnce()
 
 
-def _KillGroup(proc: subprocess.Popen, sig: int) -> None:
+def _KillGroup(proc, sig: int) -> None:
   try:
     os.killpg(proc.pid, sig)
   except ProcessLookupError:
@@ -557,7 +570,8 @@ def Launch(num_workers: int, trainer_flags: Sequence[str], logdir: str,
            network: str = 'private', ready_timeout_s: float = 120,
            max_restarts: int = 3, out=None, stream_logs: bool = False,
            cluster_from: str = 'flags', num_ps: int = 0, nodes: int = 1,
-           layout: Optional[cluster.WorkerLayout] = None) -> int:
+           layout: Optional[cluster.WorkerLayout] = None,
+           fork_tasks: bool = True) -> int:
   """Runs a local cluster until training ends; returns the exit code."""
   out = out or sys.stdout
 
@@ -589,7 +603,7 @@ def Launch(num_workers: int, trainer_flags: Sequence[str], logdir: str,
             for i in range(layout.split_size))))
   tasks = ClusterTasks(num_workers, trainer_flags, cluster_from, num_ps, nodes)
   launcher = Launcher(tasks, logdir, ready_timeout_s, max_restarts, out,
-                      stream_logs)
+                      stream_logs, fork_tasks)
   interrupted = []
 
   def OnSignal(signum, frame):

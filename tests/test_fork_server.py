@@ -1,0 +1,113 @@
+"""lingvo_ext.distributed.fork_server: runs forked as `python -m` runs them."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from lingvo_ext.distributed import fork_server
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROBE = [sys.executable, '-m', 'tests.fork_probe']
+
+
+def _Lines(path):
+  with open(path) as f:
+    return f.read().splitlines()
+
+
+def _Gone(pid, timeout_s=10):
+  deadline = time.monotonic() + timeout_s
+  while time.monotonic() < deadline:
+    try:
+      os.kill(pid, 0)
+    except ProcessLookupError:
+      return True
+    time.sleep(0.05)
+  return False
+
+
+@pytest.mark.e2e
+def testForkedRunsEndAsAFreshInterpretersAndDieWithTheServer(
+    tmp_path, monkeypatch):
+  monkeypatch.chdir(ROOT)
+  server = fork_server.ForkServer('tests.fork_probe',
+                                  str(tmp_path / 'server.stderr'))
+  assert server.Start(120) is None
+  started = []
+  try:
+    env = dict(os.environ, PROBE='x', TF_CONFIG='{"task": {}}')
+    # A fresh interpreter and a forked run see the same, end the same way.
+    for i, what in enumerate(['3', 'signal', 'raise']):
+      fresh_log, forked_log = tmp_path / f'fresh{i}', tmp_path / f'forked{i}'
+      with open(fresh_log, 'wb') as log:
+        fresh = subprocess.run(PROBE + [what, 'a b'], stdout=log,
+                               stderr=subprocess.STDOUT,
+                               stdin=subprocess.DEVNULL, env=env, timeout=120,
+                               start_new_session=True)
+      forked = server.Spawn(PROBE + [what, 'a b'], env, str(forked_log))
+      assert forked is not None
+      started.append(forked.pid)
+      assert forked.wait(60) == fresh.returncode
+      assert forked.poll() == forked.returncode
+      a, b = _Lines(fresh_log), _Lines(forked_log)
+      assert json.loads(a[0])['numpy'] != json.loads(b[0])['numpy']
+      a[0], b[0] = (json.loads(a[0]), json.loads(b[0]))
+      a[0].pop('numpy')
+      b[0].pop('numpy')
+      assert a[0] == b[0] == dict(
+          argv=[what, 'a b'], cwd=ROOT, path0=ROOT, probe='x',
+          tf_config='{"task": {}}', stdin='', pgid_is_pid=True)
+      # The interpreter's shutdown ran: the finalizer's line (and after an
+      # uncaught exception, its traceback) is in the log.
+      assert ('finalized' in a) == ('finalized' in b), (a, b)
+      assert ('ValueError: probe raised' in a) == (
+          'ValueError: probe raised' in b) == (what == 'raise')
+    assert [fork_server.ReturnCode(s) for s in (3 << 8, signal.SIGTERM)] == [
+        3, -signal.SIGTERM]
+    # A variable read at import that differs from the server's: not forked.
+    assert server.Spawn(PROBE + ['0'], dict(
+        env, TF_ENABLE_ONEDNN_OPTS='2'), str(tmp_path / 'other')) is None
+    assert server.Spawn([sys.executable, '-m', 'other'], env,
+                        str(tmp_path / 'other')) is None
+    # A sleeping run dies with the server, and is reported killed.
+    sleeper = server.Spawn(PROBE + ['sleep'], env, str(tmp_path / 'sleep'))
+    started.append(sleeper.pid)
+    with pytest.raises(subprocess.TimeoutExpired):
+      sleeper.wait(0.5)
+    os.kill(server._proc.pid, signal.SIGKILL)  # pylint: disable=protected-access
+    assert sleeper.wait(30) == -signal.SIGKILL
+    assert _Gone(sleeper.pid)
+    assert server.Spawn(PROBE + ['0'], env, str(tmp_path / 'late')) is None
+  finally:
+    for pid in started:
+      try:
+        os.killpg(pid, signal.SIGKILL)
+      except OSError:
+        pass
+    server.Close()
+
+
+@pytest.mark.e2e
+def testClosingTheServerKillsItsRuns(tmp_path, monkeypatch):
+  monkeypatch.chdir(ROOT)
+  server = fork_server.ForkServer('tests.fork_probe',
+                                  str(tmp_path / 'server.stderr'))
+  assert server.Start(120) is None
+  sleeper = None
+  try:
+    sleeper = server.Spawn(PROBE + ['sleep'], dict(os.environ),
+                           str(tmp_path / 'sleep'))
+    server.Close()
+    assert _Gone(sleeper.pid)
+  finally:
+    if sleeper:
+      try:
+        os.killpg(sleeper.pid, signal.SIGKILL)
+      except OSError:
+        pass
+    server.Close()
