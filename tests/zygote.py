@@ -214,7 +214,7 @@ def _Serve(sock_path):
   pid = os.getpid()
   try:
     while True:
-      ready, _, _ = select.select([server, sys.stdin], [], [], 0.2)
+      ready, _, _ = select.select([server, sys.stdin], [], [], 0.05)
       if sys.stdin in ready and not os.read(sys.stdin.fileno(), 1):
         return None  # The pytest process is gone.
       if server in ready:
@@ -231,7 +231,7 @@ def _Serve(sock_path):
           conn.sendall(b'{"refused": "threads"}\n')
           conn.close()
           continue
-        child = os.fork()
+        child = fork_server.Fork()
         if not child:
           for c in [server, conn, *children.values()]:
             c.close()
