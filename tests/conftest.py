@@ -6,6 +6,7 @@ the other workers waiting on a file lock and reusing its result.
 """
 
 import fcntl
+import gc
 import json
 import os
 import shutil
@@ -104,3 +105,11 @@ def pytest_collection_modifyitems(items):
   # The end-to-end tests are the long ones: started first, they do not leave
   # one pytest-xdist worker busy at the end while the others wait.
   items.sort(key=lambda item: item.get_closest_marker('e2e') is None)
+
+
+def pytest_collection_finish(session):
+  # What is imported by now (TensorFlow, Lingvo, the test modules) stays for
+  # the whole run: frozen (gc.freeze), it is no longer walked by every full
+  # collection that building a test's graph sets off.
+  del session
+  gc.freeze()
