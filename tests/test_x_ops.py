@@ -26,9 +26,25 @@ def test_x_ops_op_runs():
 
 @pytest.mark.e2e  # The fixer's command line, in a subprocess.
 def test_fix_is_a_no_op_where_it_loads():
-  r = subprocess.run([sys.executable, '-m', 'lingvo_ext.tools.fix_x_ops'],
-                     capture_output=True, text=True, check=True)
-  assert 'nothing to do' in r.stdout
+  tool = [sys.executable, '-m', 'lingvo_ext.tools.fix_x_ops']
+  r = subprocess.run(tool + ['--force'], capture_output=True, text=True,
+                     check=True)
+  assert 'loads; nothing to do' in r.stdout, r.stdout
+  # Recorded: the next run does not load it again.
+  r = subprocess.run(tool, capture_output=True, text=True, check=True)
+  assert 'loaded when last checked and is unchanged' in r.stdout, r.stdout
+
+
+def test_a_recorded_load_holds_for_those_bytes_only(tmp_path, capsys):
+  lib = tmp_path / 'x_ops.so'
+  lib.write_bytes(b'not a library')
+  (tmp_path / 'x_ops.so.loads').write_text(fix_x_ops.LoadsKey(str(lib)))
+  # Recorded and unchanged: not loaded (this file would not load).
+  assert fix_x_ops.main(['--lib', str(lib)]) == 0
+  assert 'unchanged; nothing to do' in capsys.readouterr().out
+  key = fix_x_ops.LoadsKey(str(lib))
+  lib.write_bytes(b'not a library either')
+  assert fix_x_ops.LoadsKey(str(lib)) != key
 
 
 def test_patched_library_needs_no_new_symbol_versions():

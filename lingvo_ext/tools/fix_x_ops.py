@@ -15,10 +15,18 @@ marks the version requirements weak: `--clear-symbol-version` alone leaves the
 test-loaded in a fresh process before it replaces the original, which is kept
 as `x_ops.so.orig`. Where the library already loads, nothing is touched.
 
-Usage: .venv/bin/python -m lingvo_ext.tools.fix_x_ops [--lib PATH]
+A library that loads is recorded in `x_ops.so.loads` (its SHA-256, with
+TensorFlow's and glibc's versions): while those are unchanged, a later run
+skips the test-load (a fresh process that imports TensorFlow, about 4 s;
+scripts/venv.sh runs this tool before every test and training command).
+--force test-loads anyway.
+
+Usage: .venv/bin/python -m lingvo_ext.tools.fix_x_ops [--lib PATH] [--force]
 """
 
 import argparse
+import hashlib
+import importlib.metadata
 import importlib.util
 import os
 import shutil
@@ -45,6 +53,23 @@ def DefaultLibPath() -> str:
     raise SystemExit('fix_x_ops: lingvo is not installed in %s' % sys.prefix)
   return os.path.join(list(spec.submodule_search_locations)[0], 'core', 'ops',
                       'x_ops.so')
+
+
+def LoadsKey(path: str) -> str:
+  """What a recorded successful load of `path` holds for: the library's
+  bytes, and the TensorFlow and glibc it loaded into."""
+  with open(path, 'rb') as f:
+    digest = hashlib.sha256(f.read()).hexdigest()
+  return '%s tensorflow=%s %s\n' % (
+      digest, importlib.metadata.version('tensorflow'),
+      os.confstr('CS_GNU_LIBC_VERSION'))
+
+
+def _RecordLoads(path: str) -> None:
+  staged = path + '.loads.new'
+  with open(staged, 'w') as f:
+    f.write(LoadsKey(path))
+  os.replace(staged, path + '.loads')
 
 
 def LoadError(path: str) -> str:
@@ -149,10 +174,23 @@ def Patch(src: str, dst: str) -> None:
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--lib', default=None, help='Path to x_ops.so.')
+  parser.add_argument('--force', action='store_true',
+                      help='Test-load the library even where it loaded when '
+                      'last checked and nothing has changed since.')
   args = parser.parse_args(argv)
   lib = args.lib or DefaultLibPath()
+  try:
+    with open(lib + '.loads') as f:
+      recorded = f.read()
+  except OSError:
+    recorded = ''
+  if not args.force and recorded == LoadsKey(lib):
+    print('fix_x_ops: %s loaded when last checked and is unchanged; nothing '
+          'to do (--force checks again).' % lib)
+    return 0
   err = LoadError(lib)
   if not err:
+    _RecordLoads(lib)
     print('fix_x_ops: %s loads; nothing to do.' % lib)
     return 0
   print('fix_x_ops: %s does not load (%s); patching.' % (lib, err))
@@ -170,6 +208,7 @@ def main(argv=None) -> int:
     staged = lib + '.new'
     shutil.copy2(patched, staged)
     os.replace(staged, lib)  # Atomic: the library is never half-written.
+  _RecordLoads(lib)
   print('fix_x_ops: patched %s (original kept as %s).' % (lib, backup))
   return 0
 
