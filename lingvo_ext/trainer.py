@@ -53,6 +53,7 @@ changes:
 
 import dataclasses
 import fcntl
+import gc
 import os
 import signal
 import socket
@@ -307,6 +308,10 @@ def main(unused_argv, options=None):
   threads = o.IntraOpThreads()
   if threads:
     tf.logging.info('intra-op threads: %d (--intra_op_threads)', threads)
+  # TensorFlow's and Lingvo's imported objects live as long as the process:
+  # frozen, the collections that building the graphs sets off, and the one
+  # at exit, no longer walk them (docs/benchmarks.md, "gc.freeze").
+  gc.freeze()
   try:
     RunnerManager(o.model, o, run_state).Start()
   except ValueError as e:  # Bad params, found while building the model.
