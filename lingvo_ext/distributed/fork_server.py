@@ -226,7 +226,7 @@ class ForkServer:
     self._replies = []  # Answers to requests, in order.
     self._exits = {}  # pid: return code.
     self._alive = set()  # Forked pids not reported yet.
-    self._lost = False  # The server's output ended.
+    self._lost = False  # The server's output ended, or it stopped answering.
     self._reader = None
 
   def Start(self, timeout_s: float) -> Optional[str]:
@@ -255,12 +255,17 @@ class ForkServer:
 
   def _Read(self) -> None:
     for line in self._proc.stdout:
-      msg = json.loads(line)
+      try:
+        msg = json.loads(line)
+      except ValueError:
+        continue
       with self._cv:
         if 'exited' in msg:
           self._exits[msg['exited']] = msg['returncode']
           self._alive.discard(msg['exited'])
         else:
+          if 'pid' in msg:  # Before its exit can be reported.
+            self._alive.add(msg['pid'])
           self._replies.append(msg)
         self._cv.notify_all()
     with self._cv:
@@ -295,11 +300,10 @@ class ForkServer:
     except OSError:
       return None
     reply = self._NextReply(60)
+    if reply is None:  # A late reply would answer the next request.
+      self._lost = True
     if not reply or 'pid' not in reply:
       return None
-    with self._cv:
-      if reply['pid'] not in self._exits:
-        self._alive.add(reply['pid'])
     return ForkedProcess(self, reply['pid'], argv)
 
   def ExitCode(self, pid: int) -> Optional[int]:
