@@ -5,6 +5,7 @@ per worker; SharedOnce builds an expensive one (a trainer run) once in all,
 the other workers waiting on a file lock and reusing its result.
 """
 
+import collections
 import fcntl
 import gc
 import json
@@ -101,10 +102,33 @@ def tiny_gpipe_run(shared_once):
   return TrainedRun(logdir, model, flags, output)
 
 
-def pytest_collection_modifyitems(items):
+# Seconds each test file took in the runs before (pytest's cache, .pytest_cache).
+_FILE_SECONDS = 'lingvo_ext/file_seconds'
+_seconds_now = collections.defaultdict(float)
+
+
+def pytest_collection_modifyitems(config, items):
   # The end-to-end tests are the long ones: started first, they do not leave
-  # one pytest-xdist worker busy at the end while the others wait.
-  items.sort(key=lambda item: item.get_closest_marker('e2e') is None)
+  # one pytest-xdist worker busy at the end while the others wait. Then the
+  # files by the time they took last time, longest first (a file's tests
+  # stay together, for its module fixtures): a worker's last queued tests
+  # cannot be taken by an idle worker (--dist worksteal), so they had better
+  # be short.
+  before = config.cache.get(_FILE_SECONDS, {}) if config.cache else {}
+  items.sort(key=lambda item: (item.get_closest_marker('e2e') is None,
+                               -before.get(item.location[0], 0.0)))
+
+
+def pytest_runtest_logreport(report):
+  _seconds_now[report.location[0]] += report.duration
+
+
+def pytest_sessionfinish(session):
+  config = session.config
+  if config.cache and not hasattr(config, 'workerinput') and _seconds_now:
+    seconds = config.cache.get(_FILE_SECONDS, {})
+    seconds.update(_seconds_now)
+    config.cache.set(_FILE_SECONDS, seconds)
 
 
 def pytest_collection_finish(session):
@@ -112,4 +136,13 @@ def pytest_collection_finish(session):
   # the whole run: frozen (gc.freeze), it is no longer walked by every full
   # collection that building a test's graph sets off.
   del session
+  gc.freeze()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+  # The process is about to exit: the interpreter's last collection would
+  # walk every object the tests left behind (seconds, after hundreds of
+  # graphs; pytest's own collections for unraisable exceptions ran before).
+  del config
   gc.freeze()
