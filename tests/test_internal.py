@@ -166,6 +166,30 @@ def testFunctionGraph():
   _Check('Graph._get_function', Check)
 
 
+def testOpGradients():
+
+  def Check():
+    import tensorflow as tf2  # pylint: disable=g-import-not-at-top
+    with tf.Graph().as_default():
+      x, w = tf.constant([[1.0, 2.0]]), tf.constant([[3.0], [4.0]])
+      # A function call with a float output the loss does not use: its
+      # gradient is zeros, as tf.gradients gives.
+      f = tf2.function(lambda a, b: (tf.matmul(a, b), a * 2.0),
+                       autograph=False)
+      y, unused = f(x, w)
+      assert y.op is unused.op
+      dy = tf.constant([[5.0]])
+      got = internal_tf.OpGradients(y.op, [dy, None])
+      want = tf.gradients(y, [x, w], grad_ys=dy)
+      assert len(got) == len(y.op.inputs)
+      assert got[0].shape == x.shape and got[1].shape == w.shape
+      with tf.Session() as sess:
+        for a, b in zip(sess.run(got), sess.run(want)):
+          np.testing.assert_allclose(a, b)
+
+  _Check('ops.get_gradient_function', Check)
+
+
 def testLocalServerConfig():
 
   def Check():

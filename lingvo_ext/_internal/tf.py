@@ -11,6 +11,7 @@ import contextlib
 
 import tensorflow as tf
 # pylint: disable=g-direct-tensorflow-import
+from tensorflow.python.framework import ops as tf_ops
 from tensorflow.python.ops import control_flow_util
 from tensorflow.python.ops import math_grad
 from tensorflow.python.training import checkpoint_state_pb2
@@ -91,6 +92,41 @@ def FunctionGraph(op):
     return None
   fn = op.graph._get_function(name)  # pylint: disable=protected-access
   return getattr(fn, 'graph', None)
+
+
+def OpGradients(op, out_grads):
+  """The gradients of one op's inputs from those of its outputs.
+
+  What tf.gradients computes for a single op (its gradient function, given
+  zeros for float outputs without a gradient), without tf.gradients' first
+  step, which marks every op reachable forwards from the inputs: in a
+  pipeline that is the rest of the forward pass and all the backward pass
+  built so far, so differentiating one cell call per (cell, micro-batch)
+  that way made building the backward pass quadratic in the pipeline's size.
+  No public API differentiates one op.
+
+  Args:
+    op: The op (one with a gradient function).
+    out_grads: One per output of `op`: its gradient, or None.
+
+  Returns:
+    One per input of `op`: its gradient, or None.
+  """
+  grad_fn = tf_ops.get_gradient_function(op)
+  # One ZerosLike op each, as tf.gradients makes (tf.zeros_like would make a
+  # Fill and two constants of a known shape).
+  out_grads = [
+      tf.raw_ops.ZerosLike(x=y) if g is None and y.dtype.is_floating else g
+      for y, g in zip(op.outputs, out_grads)
+  ]
+  with tf.name_scope(op.name.split('/')[-1] + '_grad'):
+    in_grads = grad_fn(op, *out_grads)
+  in_grads = (list(in_grads) if isinstance(in_grads, (list, tuple))
+              else [in_grads])
+  for x, g in zip(op.inputs, in_grads):
+    if isinstance(g, tf.Tensor) and x.dtype != tf.resource:
+      g.set_shape(x.shape)
+  return in_grads
 
 
 def AddControlInput(op, dependency) -> None:

@@ -212,6 +212,30 @@ def _Group(tensors):
   return tf.group(*tensors) if tensors else None
 
 
+def _OneOpGradients(ys, xs, grad_ys):
+  """tf.gradients(ys, xs, grad_ys, stop_gradients=xs) where that is one op's.
+
+  Where every y is an output of one op (a cell function's call) and every x
+  one of its inputs, the op's own gradient (`internal_tf.OpGradients`), in
+  time independent of the graph's size; else None.
+  """
+  op = ys[0].op
+  inputs = {t.ref() for t in op.inputs}
+  if (any(y.op is not op for y in ys) or
+      any(x.ref() not in inputs for x in xs)):
+    return None
+  out_grads = [[] for _ in op.outputs]
+  for y, g in zip(ys, grad_ys):
+    out_grads[y.value_index].append(g)
+  in_grads = internal_tf.OpGradients(
+      op, [matmul_grad.SumGradients(g) for g in out_grads])
+  # An input the op takes several times gets the sum, as tf.gradients sums.
+  by_input = {}
+  for x, g in zip(op.inputs, in_grads):
+    by_input.setdefault(x.ref(), []).append(g)
+  return [matmul_grad.SumGradients(by_input[x.ref()]) for x in xs]
+
+
 def _CellGradients(ys, flat_x, leaves, grad_ys):
   """One cell's backward pass on one micro-batch.
 
@@ -251,8 +275,10 @@ def _CellGradients(ys, flat_x, leaves, grad_ys):
   # stop_gradients: an input that also reaches an output through an earlier
   # cell (a passed-through activation) must not count that path here; the
   # earlier cell's backward pass does.
-  grads = tf.gradients(ys, xs + leaves + zeros, grad_ys=grad_ys,
-                       stop_gradients=xs + leaves)
+  grads = _OneOpGradients(ys, xs + leaves + zeros, grad_ys)
+  if grads is None:
+    grads = tf.gradients(ys, xs + leaves + zeros, grad_ys=grad_ys,
+                         stop_gradients=xs + leaves)
   it = iter(grads[:len(xs)])
   leaf_grads = grads[len(xs):len(xs) + len(leaves)]
   # Every caller builds this inside a batcher of `leaves`, whose weights the
