@@ -190,6 +190,25 @@ def testOpGradients():
   _Check('ops.get_gradient_function', Check)
 
 
+def testCallsOptimizedOnce():
+
+  def Check():
+    import tensorflow as tf2  # pylint: disable=g-import-not-at-top
+    f = tf2.function(lambda a: a * 2.0, autograph=False)
+    with tf.Graph().as_default():
+      x = tf.constant(1.0)
+      with internal_tf.CallsOptimizedOnce():
+        inside = f(x)
+      outside = f(x)
+      off = lambda t: tf.config_pb2.ConfigProto.FromString(t.op.get_attr(
+          'config_proto')).graph_options.rewrite_options.disable_meta_optimizer
+      assert off(inside) and not off(outside)
+      with tf.Session() as sess:
+        assert sess.run(inside) == 2.0
+
+  _Check('eager context.function_call_options', Check)
+
+
 def testLocalServerConfig():
 
   def Check():

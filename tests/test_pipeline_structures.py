@@ -388,6 +388,12 @@ def test_cell_functions_graph_grows_with_call_sites_not_cell_copies(schedule):
   fwd = [op for op in calls if re.search(r'cell\d_mb\d+/', op.name) and
          not op.name.startswith('gradients')]
   assert len(fwd) == 2 * 8, [op.name for op in calls]
+  # Every call, forward and backward, carries a config under which the
+  # runtime does not optimize the function again per call site.
+  assert len(calls) == 2 * 2 * 8
+  for op in calls:
+    config = tf.config_pb2.ConfigProto.FromString(op.get_attr('config_proto'))
+    assert config.graph_options.rewrite_options.disable_meta_optimizer, op.name
 
 
 def test_a_pipeline_called_twice_calls_each_cell_function_traced_once():

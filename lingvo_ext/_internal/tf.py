@@ -11,6 +11,8 @@ import contextlib
 
 import tensorflow as tf
 # pylint: disable=g-direct-tensorflow-import
+from tensorflow.core.protobuf import config_pb2
+from tensorflow.python.eager import context as tf_context
 from tensorflow.python.framework import ops as tf_ops
 from tensorflow.python.ops import control_flow_util
 from tensorflow.python.ops import math_grad
@@ -127,6 +129,30 @@ def OpGradients(op, out_grads):
     if isinstance(g, tf.Tensor) and x.dtype != tf.resource:
       g.set_shape(x.shape)
   return in_grads
+
+
+@contextlib.contextmanager
+def CallsOptimizedOnce():
+  """Function calls built inside are not optimized again per call site.
+
+  A session's Grappler optimizes the graph's function library once. A call
+  op also carries a config (the eager context's, by default with Grappler
+  on) under which the runtime optimizes the function's body again each time
+  it instantiates the call: once per call site, so a pipeline's K x M calls
+  of its cells' functions and their gradients (Transformer, L=32, K=4, M=16:
+  first step 53.7 s against 44.8 s). Inside, calls carry the context's
+  config with the meta optimizer off. Thread-local, as the options are.
+  """
+  ctx = tf_context.context()
+  saved = ctx.function_call_options
+  config = config_pb2.ConfigProto.FromString(saved.config_proto_serialized)
+  config.graph_options.rewrite_options.disable_meta_optimizer = True
+  ctx.function_call_options = tf_context.FunctionCallOptions(
+      executor_type=saved.executor_type, config_proto=config)
+  try:
+    yield
+  finally:
+    ctx.function_call_options = saved
 
 
 def AddControlInput(op, dependency) -> None:

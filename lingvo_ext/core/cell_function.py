@@ -304,7 +304,8 @@ class CellFunction:
       The cell's outputs, in the structure its FProp returns.
     """
     args, accs = self._Args(theta, inputs, step)
-    results = self._fn(*args)
+    with internal_tf.CallsOptimizedOnce():
+      results = self._fn(*args)
     results = list(results) if isinstance(results, (list, tuple)) else [
         results]
     n_xs = len(self._exported)

@@ -275,10 +275,12 @@ def _CellGradients(ys, flat_x, leaves, grad_ys):
   # stop_gradients: an input that also reaches an output through an earlier
   # cell (a passed-through activation) must not count that path here; the
   # earlier cell's backward pass does.
-  grads = _OneOpGradients(ys, xs + leaves + zeros, grad_ys)
-  if grads is None:
-    grads = tf.gradients(ys, xs + leaves + zeros, grad_ys=grad_ys,
-                         stop_gradients=xs + leaves)
+  # A cell function's gradient is a function call too.
+  with internal_tf.CallsOptimizedOnce():
+    grads = _OneOpGradients(ys, xs + leaves + zeros, grad_ys)
+    if grads is None:
+      grads = tf.gradients(ys, xs + leaves + zeros, grad_ys=grad_ys,
+                           stop_gradients=xs + leaves)
   it = iter(grads[:len(xs)])
   leaf_grads = grads[len(xs):len(xs) + len(leaves)]
   # Every caller builds this inside a batcher of `leaves`, whose weights the
