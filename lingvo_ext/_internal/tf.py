@@ -121,7 +121,8 @@ def OpGradients(op, out_grads):
       tf.raw_ops.ZerosLike(x=y) if g is None and y.dtype.is_floating else g
       for y, g in zip(op.outputs, out_grads)
   ]
-  with tf.name_scope(op.name.split('/')[-1] + '_grad'):
+  # Named as tf.gradients names them.
+  with tf.name_scope(op.name + '_grad'):
     in_grads = grad_fn(op, *out_grads)
   in_grads = (list(in_grads) if isinstance(in_grads, (list, tuple))
               else [in_grads])

@@ -227,8 +227,9 @@ def _OneOpGradients(ys, xs, grad_ys):
   out_grads = [[] for _ in op.outputs]
   for y, g in zip(ys, grad_ys):
     out_grads[y.value_index].append(g)
-  in_grads = internal_tf.OpGradients(
-      op, [matmul_grad.SumGradients(g) for g in out_grads])
+  with tf.name_scope('gradients'):
+    in_grads = internal_tf.OpGradients(
+        op, [matmul_grad.SumGradients(g) for g in out_grads])
   # An input the op takes several times gets the sum, as tf.gradients sums.
   by_input = {}
   for x, g in zip(op.inputs, in_grads):
