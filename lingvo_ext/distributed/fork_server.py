@@ -4,11 +4,13 @@ A `python -m lingvo_ext.trainer` task spends about 4 CPU-seconds importing
 TensorFlow and Lingvo before it does anything else, and a local cluster
 starts several at once (and again on every restart). `lingvo_ext.launch`
 instead starts one server process (`python -m
-lingvo_ext.distributed.fork_server MODULE`) that imports what MODULE imports
-(not MODULE itself: the trainer defines its absl flags at import, and
-`python -m` runs it afresh as __main__), then forks each task from it. The
-task runs MODULE as __main__ with its own argv, environment, working folder
-and log, in its own process group, as `python -m` would.
+lingvo_ext.distributed.fork_server MODULE...`) that imports what the MODULEs
+import (not the modules themselves: the trainer defines its absl flags at
+import, and `python -m` runs it afresh as __main__), then forks each task
+from it. The task runs its MODULE as __main__ with its own argv,
+environment, working folder and output files, in its own process group, as
+`python -m` would. The tests' runs of the trainer and tools
+(tests/zygote.py) are forked by such a server too.
 
 Why forking there is safe:
 * TensorFlow starts no thread at import (no op has run in the server; each
@@ -33,7 +35,9 @@ Why forking there is safe:
 
 The protocol, one JSON object per line: the server writes {"ready": ...}
 after its imports; to each request on its stdin ({"module", "argv", "cwd",
-"env", "log"}) it answers {"pid": N} or {"refused": WHY}, and writes
+"env", "stdout", "stderr", "collect_at_exit"}; stdout and stderr are paths
+the task appends to, the same path for one log) it answers {"pid": N} or
+{"refused": WHY}, and writes
 {"exited": N, "returncode": RC} when task N ends (RC < 0: killed by signal
 -RC, as subprocess reports it).
 """
@@ -211,17 +215,27 @@ class ForkedProcess:
 
 
 class ForkServer:
-  """The launcher's handle on a fork server for `module`'s runs.
+  """A handle on a fork server for runs of `modules`.
 
   Start and Spawn must be called from one thread, the one whose exit the
   server and its tasks must not outlive (PR_SET_PDEATHSIG).
   """
 
-  def __init__(self, module: str, log_path: str):
-    self.module = module
+  def __init__(self, modules: Sequence[str], log_path: str,
+               extra_env: Optional[Mapping[str, str]] = None):
+    """Constructor.
+
+    Args:
+      modules: The modules it runs (`python -m MODULE`), or one module.
+      log_path: The server's own output (appended).
+      extra_env: Set in the server's environment, over this process's as
+        it is at Start (importing TensorFlow sets variables of its own).
+    """
+    self.modules = (modules,) if isinstance(modules, str) else tuple(modules)
     self._log_path = log_path
+    self._extra_env = dict(extra_env or {})
     self._proc = None
-    self._env = None
+    self._env = None  # The server's, from Start.
     self._cv = threading.Condition()
     self._replies = []  # Answers to requests, in order.
     self._exits = {}  # pid: return code.
@@ -231,10 +245,10 @@ class ForkServer:
 
   def Start(self, timeout_s: float) -> Optional[str]:
     """Starts the server; None once it has imported, else why it cannot."""
-    self._env = dict(os.environ, **SERVER_ENV)
+    self._env = dict(os.environ, **self._extra_env, **SERVER_ENV)
     with open(self._log_path, 'ab') as log:
       self._proc = subprocess.Popen(
-          [sys.executable, '-m', __name__, self.module],
+          [sys.executable, '-m', __name__, *self.modules],
           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
           env=self._env, preexec_fn=DieWithParent(os.getpid()),
           start_new_session=True)
@@ -282,18 +296,33 @@ class ForkServer:
       return self._replies.pop(0) if self._replies else None
 
   def Usable(self, argv: Sequence[str], env: Mapping[str, str]) -> bool:
-    """Whether a run of `argv` with `env` can be forked from this server."""
-    return (self._proc is not None and not self._lost and
-            list(argv[:3]) == [sys.executable, '-m', self.module] and
-            ImportEnv(env) == ImportEnv(self._env))
+    """Whether a run of `argv` with `env` can be forked from this server
+    (from this process's environment, if not started yet)."""
+    return (not self._lost and len(argv) > 2 and
+            list(argv[:2]) == [sys.executable, '-m'] and
+            argv[2] in self.modules and
+            ImportEnv(env) == ImportEnv(self._env or os.environ))
 
   def Spawn(self, argv: Sequence[str], env: Mapping[str, str],
-            log_path: str) -> Optional[ForkedProcess]:
-    """Forks a run of `argv` appending to log_path; None if it cannot."""
-    if not self.Usable(argv, env):
+            log_path: str, stderr_path: Optional[str] = None,
+            cwd: Optional[str] = None,
+            collect_at_exit: bool = True) -> Optional[ForkedProcess]:
+    """Forks a run of `argv`; None if it cannot.
+
+    Args:
+      argv: `[sys.executable, '-m', module, args...]`.
+      env: Its whole environment.
+      log_path: Its stdout, appended to (and its stderr, by default).
+      stderr_path: Its stderr, appended to, if not log_path.
+      cwd: Its working folder (default: this process's).
+      collect_at_exit: See RunAsMain.
+    """
+    if self._proc is None or not self.Usable(argv, env):
       return None
-    request = dict(module=self.module, argv=list(argv[3:]), cwd=os.getcwd(),
-                   env=dict(env), log=log_path)
+    request = dict(module=argv[2], argv=list(argv[3:]),
+                   cwd=cwd or os.getcwd(), env=dict(env), stdout=log_path,
+                   stderr=stderr_path or log_path,
+                   collect_at_exit=collect_at_exit)
     try:
       self._proc.stdin.write(json.dumps(request).encode() + b'\n')
       self._proc.stdin.flush()
@@ -344,8 +373,8 @@ def _Write(msg: dict) -> None:
   os.write(_PROTOCOL_FD, json.dumps(msg).encode() + b'\n')
 
 
-def Serve(module: str) -> Optional[dict]:
-  """The server: imports for `module`, then forks a task per request.
+def Serve(modules: Sequence[str]) -> Optional[dict]:
+  """The server: imports for `modules`, then forks a task per request.
 
   Returns None in the server (its stdin closed: the launcher is done or
   gone), and a request in the task forked for it.
@@ -355,7 +384,7 @@ def Serve(module: str) -> Optional[dict]:
   _PROTOCOL_FD = os.dup(1)
   os.dup2(2, 1)
   _SITE_PATH[:] = SitePath()
-  Preload([module])
+  Preload(modules)
   _Write({'ready': Threads()})
   _SERVER_PID = os.getpid()
   children = set()
@@ -420,12 +449,17 @@ def _Detach(started_fd: int) -> None:
 
 def _RunTask(request: dict) -> None:
   """In the task forked for `request`: runs its module (see RunAsMain)."""
-  log = os.open(request['log'], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+  Open = lambda path: os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT,
+                              0o644)
+  out = Open(request['stdout'])
+  err = out if request['stderr'] == request['stdout'] else Open(
+      request['stderr'])
   RunAsMain(request['module'], request['argv'], request['cwd'],
-            request['env'], log, log, _SITE_PATH)
+            request['env'], out, err, _SITE_PATH,
+            collect_at_exit=request['collect_at_exit'])
 
 
 if __name__ == '__main__':
-  _request = Serve(sys.argv[1])
+  _request = Serve(sys.argv[1:])
   if _request is not None:
     _RunTask(_request)
