@@ -24,8 +24,10 @@ for a in "$@"; do
   fi
 done
 jobs="${TEST_JOBS:-$(( $(nproc) + spare ))}"
-# worksteal: a worker that runs out of tests takes pending ones from a busy
-# worker's queue (with the default, 'load', one worker can be left running
-# its share of long tests for minutes after the others are done).
-exec "$root/.venv/bin/python" -m pytest -n "$jobs" --dist worksteal \
-  ${args[@]+"${args[@]}"}
+# One test at a time to whichever worker is free, in the order conftest.py
+# sorts them (longest first, by last run's times): a long test does not wait
+# in one worker's queue while the others run out of work (pytest-xdist's
+# 'load' and 'worksteal' first hand each worker a contiguous share of the
+# list, so the long tests sorted first all landed on one worker).
+exec "$root/.venv/bin/python" -m pytest -n "$jobs" --dist load \
+  --maxschedchunk 1 ${args[@]+"${args[@]}"}

@@ -102,33 +102,42 @@ def tiny_gpipe_run(shared_once):
   return TrainedRun(logdir, model, flags, output)
 
 
-# Seconds each test file took in the runs before (pytest's cache, .pytest_cache).
-_FILE_SECONDS = 'lingvo_ext/file_seconds'
+# Seconds each test took in the runs before (pytest's cache, .pytest_cache),
+# by node id: setup, call and teardown.
+_TEST_SECONDS = 'lingvo_ext/test_seconds'
 _seconds_now = collections.defaultdict(float)
+# Without a time from before: an end-to-end test ~10 s, another ~1 s.
+_DEFAULT_SECONDS = {True: 10.0, False: 1.0}
 
 
 def pytest_collection_modifyitems(config, items):
-  # The end-to-end tests are the long ones: started first, they do not leave
-  # one pytest-xdist worker busy at the end while the others wait. Then the
-  # files by the time they took last time, longest first (a file's tests
-  # stay together, for its module fixtures): a worker's last queued tests
-  # cannot be taken by an idle worker (--dist worksteal), so they had better
-  # be short.
-  before = config.cache.get(_FILE_SECONDS, {}) if config.cache else {}
-  items.sort(key=lambda item: (item.get_closest_marker('e2e') is None,
-                               -before.get(item.location[0], 0.0)))
+  # Longest first, by the time each test took last time (else end-to-end
+  # tests first): scripts/test.sh hands the workers one test at a time in
+  # this order (--dist load --maxschedchunk 1), so the long tests start
+  # early on whichever worker is free and the run ends with short ones on
+  # every worker, not one worker still running a long queue. Every worker
+  # sorts alike: they read the same cache.
+  cache = getattr(config, 'cache', None)  # None with -p no:cacheprovider.
+  before = cache.get(_TEST_SECONDS, {}) if cache else {}
+
+  def Seconds(item):
+    e2e = item.get_closest_marker('e2e') is not None
+    return before.get(item.nodeid, _DEFAULT_SECONDS[e2e])
+
+  items.sort(key=lambda item: -Seconds(item))
 
 
 def pytest_runtest_logreport(report):
-  _seconds_now[report.location[0]] += report.duration
+  _seconds_now[report.nodeid] += report.duration
 
 
 def pytest_sessionfinish(session):
   config = session.config
-  if config.cache and not hasattr(config, 'workerinput') and _seconds_now:
-    seconds = config.cache.get(_FILE_SECONDS, {})
+  if (getattr(config, 'cache', None) and not hasattr(config, 'workerinput')
+      and _seconds_now):
+    seconds = config.cache.get(_TEST_SECONDS, {})
     seconds.update(_seconds_now)
-    config.cache.set(_FILE_SECONDS, seconds)
+    config.cache.set(_TEST_SECONDS, seconds)
 
 
 def pytest_collection_finish(session):

@@ -48,18 +48,24 @@ def _Build(override):
 
 
 @pytest.fixture(scope='module')
-def lingvo_k2(tmp_path_factory):
-  """A K=2, Lingvo-named checkpoint after one Adam step; (path, loss)."""
-  path = str(tmp_path_factory.mktemp('k2') / 'ckpt-7')
-  m = _Build(LINGVO_NAMES)
-  assert 'lm/d1/cell_003/logits/w/var/Adam' in m.names, m.names
-  with tf.Session(graph=m.g) as sess:
-    sess.run(m.init)
-    sess.run(m.train)
-    sess.run(m.set_gs)
-    m.saver.save(sess, path)
-    loss = sess.run(m.loss)
-  return path, loss
+def lingvo_k2(shared_once):
+  """A K=2, Lingvo-named checkpoint after one Adam step; (path, loss).
+
+  Built once for all test workers (conftest.py).
+  """
+  def Build(folder):
+    os.makedirs(folder)
+    path = os.path.join(folder, 'ckpt-7')
+    m = _Build(LINGVO_NAMES)
+    assert 'lm/d1/cell_003/logits/w/var/Adam' in m.names, m.names
+    with tf.Session(graph=m.g) as sess:
+      sess.run(m.init)
+      sess.run(m.train)
+      sess.run(m.set_gs)
+      m.saver.save(sess, path)
+      return [path, float(sess.run(m.loss))]
+
+  return tuple(shared_once('convert_checkpoint_lingvo_k2', Build))
 
 
 def _RestoredLoss(override, path):

@@ -1,7 +1,6 @@
 """Data-parallel replicas: every gradient_sync equals one large batch."""
 
 import collections
-import zlib
 
 import lingvo.compat as tf
 from lingvo.core import cluster_factory
@@ -68,19 +67,19 @@ def _Run(model, replicas, batch, steps=3, k=1, m=1, adam=False, save=None,
       if restore:
         saver.restore(sess, restore)
       else:
-        for v in task.vars.Flatten():  # The same start for every layout.
-          rng = np.random.RandomState(zlib.crc32(v.op.name.encode()))
-          v.load((rng.randn(*v.shape.as_list()) * 0.1).astype(np.float32),
-                 sess)
+        # The same start for every layout.
+        lib.LoadSeededWeights(sess, task.vars.Flatten())
       losses = [sess.run([loss, task.train_op])[0] for _ in range(steps)]
       if save:
         saver.save(sess, save)
-      weights = {v.op.name: sess.run(v) for v in task.vars.Flatten()}
+      # One run each: a run per variable costs an executor per variable.
+      weights = sess.run({v.op.name: v for v in task.vars.Flatten()})
       copies = {}
       sync = task.gradient_sync
       if sync is not None:
-        for (r, path), var in sync.MirrorVariables().items():
-          copies[(r, task.vars.GetItem(path).op.name)] = sess.run(var)
+        copies = sess.run({(r, task.vars.GetItem(path).op.name): var
+                           for (r, path), var in
+                           sync.MirrorVariables().items()})
   return collections.namedtuple('Run', 'losses weights copies task graph')(
       losses, weights, copies, task, graph)
 

@@ -20,7 +20,6 @@ gradients under 'unrolled' puts the curve 1.9e-4 off at step 1 (Adam
 normalises the step size, so not more) and 8.2e-3 off at worst.
 """
 
-import zlib
 
 import lingvo_ext  # pylint: disable=unused-import
 import lingvo.compat as tf
@@ -41,11 +40,18 @@ VARIANTS = [(s, ()) for s in sorted(schedules.SCHEDULES)] + [
     ('unrolled', (('cell_functions', False),)),
     ('1f1b', (('cell_functions', False),))]
 EARLY_STEPS, EARLY_ATOL, ENVELOPE = 30, 1e-5, 3.0
+# The shipped full-size GPipe experiments: 2 steps each (below).
+FULL_EXPERIMENTS = {'lm.TransformerLmGPipe': lm.TransformerLmGPipe,
+                    'image.ConvClassifierGPipe': image.ConvClassifierGPipe}
+FULL_VARIANTS = [('1f1b', ()), ('recurrent', ()),
+                 ('unrolled', (('cell_functions', False),))]
+FULL_STEPS, FULL_ATOL = 2, 1e-5
 
 
-def _Train(name, schedule, extra, pipelined=True, scale=1.0):
-  p = EXPERIMENTS[name]().Task()
-  p.input = EXPERIMENTS[name]().Train()
+def _Train(name, schedule, extra, pipelined=True, scale=1.0, steps=STEPS):
+  experiment = EXPERIMENTS.get(name) or FULL_EXPERIMENTS[name]
+  p = experiment().Task()
+  p.input = experiment().Train()
   if not pipelined:
     p.num_partitions = 1
     p.num_micro_batches = 1
@@ -64,12 +70,10 @@ def _Train(name, schedule, extra, pipelined=True, scale=1.0):
         intra_op_parallelism_threads=1)
     with tf.Session(graph=graph, config=config) as sess:
       sess.run(init)
-      for v in task.vars.Flatten():  # The same start for every variant.
-        rng = np.random.RandomState(zlib.crc32(v.op.name.encode()))
-        v.load((rng.randn(*v.shape.as_list()) * 0.1 * scale).astype(
-            np.float32), sess)
+      # The same start for every variant.
+      lib.LoadSeededWeights(sess, task.vars.Flatten(), scale)
       return np.array([sess.run([loss, task.train_op])[0]
-                       for _ in range(STEPS)])
+                       for _ in range(steps)])
 
 
 def _Reference(name):
@@ -100,4 +104,27 @@ def test_tiny_gpipe_experiment_trains_like_the_unpipelined_model(
   np.testing.assert_allclose(curve[:EARLY_STEPS], ref[:EARLY_STEPS],
                              rtol=0, atol=EARLY_ATOL, err_msg=str(variant))
   np.testing.assert_allclose(curve, ref, rtol=0, atol=envelope,
+                             err_msg=str(variant))
+
+
+# The full-size GPipe experiments as users run them (the Tiny ones above
+# train 200 steps): under each schedule that trains any loss, and with cells
+# built inline, the same first loss (the same weights and batch) and the same
+# loss after one update (the same gradients) as 'unrolled' with cells built
+# once. tests/test_user_path.py runs the Tiny ones' schedules through the
+# trainer and its overrides.
+@pytest.mark.e2e
+@pytest.mark.parametrize('name,variant', [
+    (n, v) for n in sorted(FULL_EXPERIMENTS) for v in FULL_VARIANTS],
+                         ids=lambda x: x if isinstance(x, str) else '%s%s' % (
+                             x[0], '+inline' if x[1] else ''))
+def test_full_gpipe_experiment_steps_alike_under_every_schedule(
+    shared_once, name, variant):
+  reference = np.array(shared_once(
+      'full_schedules_reference_' + name,
+      lambda unused_path: _Train(name, 'unrolled', (),
+                                 steps=FULL_STEPS).tolist()), np.float32)
+  assert reference.shape == (FULL_STEPS,) and np.isfinite(reference).all()
+  curve = _Train(name, *variant, steps=FULL_STEPS)
+  np.testing.assert_allclose(curve, reference, rtol=0, atol=FULL_ATOL,
                              err_msg=str(variant))
