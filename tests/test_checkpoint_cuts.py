@@ -187,8 +187,16 @@ class _Built:
       self.names = sorted(v.op.name for v in tf.global_variables())
 
   def Run(self, restore=None, save=None):
-    """Initializes or restores (a path: CheckpointVarMap), runs, saves."""
-    with self.graph.as_default(), tf.Session(graph=self.graph) as sess:
+    """Initializes or restores (a path: CheckpointVarMap), runs, saves.
+
+    Grappler off: what is compared is which values land in which variable,
+    every graph computing alike; each run here is a new set of fetches,
+    which Grappler would optimize anew.
+    """
+    config = tf.config_pb2.ConfigProto()
+    config.graph_options.rewrite_options.disable_meta_optimizer = True
+    with self.graph.as_default(), tf.Session(graph=self.graph,
+                                             config=config) as sess:
       if restore:
         var_map = gpipe.CheckpointVarMap(self.layer, restore,
                                          tf.global_variables())

@@ -328,10 +328,15 @@ def testKilledHungAndRestartedTasksKeepTheStepCounter(tmp_path):
   steps only increase.
   """
   logdir = str(tmp_path / 'log')
-  max_steps, timeout_s = 1000, 20
+  # A checkpoint every second: the first kill comes after ~50 steps, not
+  # the ~500 of the experiment's 5 s; the trainer hardly steps between the
+  # kills (it waits on the lost tasks), and 400 steps leave it far from the
+  # end when the last kill comes.
+  max_steps, timeout_s = 400, 20
   run = _Launch(logdir, '--workers=2', '--worker_split_size=2',
                 f'--max_steps={max_steps}', f'--worker_timeout_secs={timeout_s}',
-                '--max_restarts=8')
+                '--max_restarts=8',
+                '--model_params_override=train.save_interval_seconds:1')
   try:
     run.WaitFor(r'launch: all 4 tasks are serving', 300)
     _WaitForCheckpoint(logdir, 0, run, 120)
