@@ -53,7 +53,7 @@ def testForkedRunEqualsAFreshInterpreterAndATimeoutKillsIt(tmp_path):
   with pytest.raises(subprocess.TimeoutExpired):
     zygote.run(TRAINER + ['--model=lm.TransformerLmTiny',
                           '--max_steps=1000000', f'--logdir={logdir}'],
-               cwd=ROOT, capture_output=True, text=True, timeout=10)
+               cwd=ROOT, capture_output=True, text=True, timeout=5)
   assert time.monotonic() - start < 60
   assert zygote.forks == forks + 2
   # It had taken the logdir's trainer lock, which is free again: it is gone.
