@@ -140,13 +140,27 @@ def DropLatestIfNonFinite(train_dir: str) -> Optional[Tuple[str, str]]:
 
 
 def FiniteChecks(variables):
-  """[(name, scalar bool tensor: all finite)] for float `variables`."""
-  checks = []
+  """[(name, scalar bool tensor: all finite)] for float `variables`.
+
+  Built at every trainer start: three ops per variable (its read, IsFinite
+  and All over an axes constant shared by the variables of one device and
+  rank), where tf.reduce_all(tf.math.is_finite(v.read_value())) adds six.
+  """
+  checks, axes = [], {}
   for v in variables:
-    if v.dtype.base_dtype.is_floating:
-      with tf.device(v.device):
-        checks.append(
-            (v.op.name, tf.reduce_all(tf.math.is_finite(v.read_value()))))
+    if not v.dtype.base_dtype.is_floating:
+      continue
+    with tf.device(v.device):
+      x = tf.raw_ops.IsFinite(x=tf.convert_to_tensor(v))
+      rank = v.shape.rank
+      if rank is None:
+        checks.append((v.op.name, tf.reduce_all(x)))
+        continue
+      key = (v.device, rank)
+      if key not in axes:
+        with tf.control_dependencies(None), tf.name_scope('finite_checks'):
+          axes[key] = tf.constant(list(range(rank)), tf.int32)
+      checks.append((v.op.name, tf.raw_ops.All(input=x, axis=axes[key])))
   return checks
 
 
@@ -249,9 +263,14 @@ class TrainingCheckpointer(CrossCutCheckpointer):
                step_keeper=None, **kwargs):
     super().__init__(train_dir, models, *args, **kwargs)
     self._on_save_attempt = on_save_attempt
+    # What the checkpoint holds (not, e.g., Lingvo's async-save copies,
+    # refilled from these at each save).
+    saved = list(self._SavedVariables().values())
+    if not all(isinstance(v, tf.compat.v2.Variable) for v in saved):
+      saved = tf.global_variables()
     # Outside the runner's placer: each check runs on its variable's device.
     with tf.device(None):
-      self._finite_checks = FiniteChecks(tf.global_variables())
+      self._finite_checks = FiniteChecks(saved)
       self._keeper = step_keeper(self._models) if step_keeper else None
 
   def Save(self, sess=None, gsteps=None, sync=True):

@@ -39,6 +39,37 @@ def _Latest(logdir):
   return tf.train.latest_checkpoint(os.path.join(logdir, 'train'))
 
 
+def testFiniteChecksNameExactlyTheNonFiniteFloatVariables():
+  # Random ranks (0-3, and one of unknown shape), shapes and dtypes; NaN, Inf
+  # or -Inf at a random element of a random subset of the float variables.
+  from lingvo_ext import checkpoints  # pylint: disable=g-import-not-at-top
+  rng = np.random.RandomState(0)
+  with tf.Graph().as_default():
+    variables, values = [], {}
+    for i in range(40):
+      shape = list(rng.randint(1, 4, size=rng.randint(0, 4)))
+      dtype = [tf.float32, tf.float64, tf.bfloat16, tf.int32][i % 4]
+      v = tf.Variable(tf.zeros(shape, dtype), name='v%d' % i,
+                      shape=tf.TensorShape(None) if i == 5 else shape)
+      variables.append(v)
+      if dtype.is_floating and rng.rand() < 0.4:
+        value = np.zeros(shape, np.float64)
+        value.flat[rng.randint(value.size)] = rng.choice(
+            [np.nan, np.inf, -np.inf])
+        values[v.op.name] = (v, value)
+    checks = checkpoints.FiniteChecks(variables)
+    assert [n for n, _ in checks] == [
+        v.op.name for v in variables if v.dtype.base_dtype.is_floating]
+    with tf.Session() as sess:
+      sess.run(tf.global_variables_initializer())
+      assert checkpoints.NonFiniteVariables(sess, checks) == []
+      for v, value in values.values():
+        v.load(value.astype(v.dtype.base_dtype.as_numpy_dtype), sess)
+      bad = checkpoints.NonFiniteVariables(sess, checks)
+  assert len(values) > 5
+  assert bad == [v.op.name for v in variables if v.op.name in values]
+
+
 @pytest.mark.e2e
 def testNonFiniteLossStopsWithoutANonFiniteCheckpoint(tmp_path):
   # A float32-infinite learning rate makes the first update Inf; the next
