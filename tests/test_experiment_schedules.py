@@ -18,8 +18,11 @@ steps, and within 1e-5 over the first 30 steps, where rounding has not
 grown yet but a wrong gradient shows: on lm, doubling cell 0's weight
 gradients under 'unrolled' puts the curve 1.9e-4 off at step 1 (Adam
 normalises the step size, so not more) and 8.2e-3 off at worst.
-"""
 
+The full-size GPipe experiments (`lm.TransformerLmGPipe`,
+`image.ConvClassifierGPipe`) take two steps under each schedule that trains
+any loss, against 'unrolled', to 1e-5.
+"""
 
 import lingvo_ext  # pylint: disable=unused-import
 import lingvo.compat as tf
@@ -84,14 +87,18 @@ def _Reference(name):
   return {'ref': ref.tolist(), 'envelope': float(envelope)}
 
 
-# One test per experiment and variant, so that test workers share the
-# variants' runs; each experiment's reference is trained once for all of them
+def _PerVariant(experiments, variants):
+  """One test per experiment and variant, so that test workers share them."""
+  return pytest.mark.parametrize(
+      'name,variant', [(n, v) for n in sorted(experiments) for v in variants],
+      ids=lambda x: x if isinstance(x, str) else '%s%s' % (
+          x[0], '+inline' if x[1] else ''))
+
+
+# Each experiment's reference is trained once for all of its variants
 # (shared_once; JSON keeps the float32 losses exactly).
 @pytest.mark.e2e
-@pytest.mark.parametrize('name,variant', [
-    (n, v) for n in sorted(EXPERIMENTS) for v in VARIANTS],
-                         ids=lambda x: x if isinstance(x, str) else '%s%s' % (
-                             x[0], '+inline' if x[1] else ''))
+@_PerVariant(EXPERIMENTS, VARIANTS)
 def test_tiny_gpipe_experiment_trains_like_the_unpipelined_model(
     shared_once, name, variant):
   reference = shared_once('schedules_reference_' + name,
@@ -114,10 +121,7 @@ def test_tiny_gpipe_experiment_trains_like_the_unpipelined_model(
 # once. tests/test_user_path.py runs the Tiny ones' schedules through the
 # trainer and its overrides.
 @pytest.mark.e2e
-@pytest.mark.parametrize('name,variant', [
-    (n, v) for n in sorted(FULL_EXPERIMENTS) for v in FULL_VARIANTS],
-                         ids=lambda x: x if isinstance(x, str) else '%s%s' % (
-                             x[0], '+inline' if x[1] else ''))
+@_PerVariant(FULL_EXPERIMENTS, FULL_VARIANTS)
 def test_full_gpipe_experiment_steps_alike_under_every_schedule(
     shared_once, name, variant):
   reference = np.array(shared_once(

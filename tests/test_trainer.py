@@ -194,7 +194,7 @@ def testImageTrainsResumesAndSurvivesAKill(tmp_path):
     proc = subprocess.Popen([
         sys.executable, '-m', 'lingvo_ext.trainer', f'--model={model}',
         f'--logdir={logdir}', '--max_steps=1000000',
-        '--model_params_override=task.train.save_interval_seconds:1'
+        '--model_params_override=train.save_interval_seconds:1'
     ], cwd=ROOT, stdout=out, stderr=subprocess.DEVNULL)
   try:
     deadline = time.time() + TIMEOUT

@@ -131,7 +131,7 @@ def testCtrlCSavesACheckpoint(tmp_path):
     proc = subprocess.Popen([
         sys.executable, '-m', 'lingvo_ext.trainer', MODEL,
         f'--logdir={logdir}', '--max_steps=1000000',
-        '--model_params_override=task.train.save_interval_seconds:3600'
+        '--model_params_override=train.save_interval_seconds:3600'
     ], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
   try:
     deadline = time.time() + TIMEOUT
