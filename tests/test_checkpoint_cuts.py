@@ -186,17 +186,21 @@ class _Built:
       self.init = tf.global_variables_initializer()
       self.names = sorted(v.op.name for v in tf.global_variables())
 
-  def Run(self, restore=None, save=None):
-    """Initializes or restores (a path: CheckpointVarMap), runs, saves.
+  def Session(self):
+    """A session on the graph, Grappler off.
 
-    Grappler off: what is compared is which values land in which variable,
-    every graph computing alike; each run here is a new set of fetches,
-    which Grappler would optimize anew.
+    What the tests compare is which values land in which variable, every
+    graph's outputs computed alike (none optimized, so no fusion can round
+    one of them differently); each run here is a new set of fetches, which
+    Grappler would optimize anew.
     """
     config = tf.config_pb2.ConfigProto()
     config.graph_options.rewrite_options.disable_meta_optimizer = True
-    with self.graph.as_default(), tf.Session(graph=self.graph,
-                                             config=config) as sess:
+    return tf.Session(graph=self.graph, config=config)
+
+  def Run(self, restore=None, save=None):
+    """Initializes or restores (a path: CheckpointVarMap), runs, saves."""
+    with self.graph.as_default(), self.Session() as sess:
       if restore:
         var_map = gpipe.CheckpointVarMap(self.layer, restore,
                                          tf.global_variables())
@@ -370,7 +374,7 @@ def test_converter_without_a_model(tmp_path):
   assert 'wrote 33 variables (6 renamed)' in proc.stdout, proc.stdout
   ours = _Built(_Pipeline(gpipe.PartitionSequentialLayers(
       _Copies(stack), 4, shape)), x, 1)
-  with tf.Session(graph=ours.graph) as sess, ours.graph.as_default():
+  with ours.Session() as sess, ours.graph.as_default():
     tf.train.Saver().restore(sess, dst)  # Strict: every key as the model's.
     np.testing.assert_array_equal(sess.run(ours.y), y)
 
@@ -385,7 +389,7 @@ def test_converter_without_a_model(tmp_path):
       _Copies(stack), 4, shape, keep_layer_names=True),
                           partition_independent_names=True), x, 2)
   assert 'fc15/w/var' in ours.names
-  with tf.Session(graph=ours.graph) as sess, ours.graph.as_default():
+  with ours.Session() as sess, ours.graph.as_default():
     tf.train.Saver().restore(sess, kept)
     np.testing.assert_array_equal(sess.run(ours.y), y)
   back = str(tmp_path / 'back' / 'ckpt')
