@@ -602,6 +602,20 @@ def Applying(sync):
     _Stack().pop()
 
 
+def _SumDuplicateRows(var_grad):
+  """var_grad with a tf.IndexedSlices gradient's repeated rows summed."""
+  var, grad = var_grad.var, var_grad.grad
+  if not isinstance(grad, tf.IndexedSlices):
+    return var_grad
+  with tf.device(grad.values.device), tf.name_scope('sum_duplicate_rows'):
+    rows, position = tf.unique(grad.indices)
+    values = tf.math.unsorted_segment_sum(grad.values, position,
+                                          tf.size(rows))
+  return py_utils.VarGrad(var, tf.IndexedSlices(values, rows,
+                                                grad.dense_shape),
+                          var_grad.scale)
+
+
 class SyncLearnerMixin:
   """A Learner whose Apply is the active GradientSync's (see Applying).
 
@@ -616,6 +630,19 @@ class SyncLearnerMixin:
                            gradient_adjuster=gradient_adjuster)
     return stack[-1].Apply(self, metrics, vmap, gradient_mask,
                            gradient_adjuster)
+
+  def ScaleGradients(self, var_grads, gradient_adjuster=None):
+    """Lingvo's clipping, by the global norm of the gradients themselves.
+
+    Lingvo's norm sums the squares of a tf.IndexedSlices' rows, so a row
+    looked up twice in a batch counts twice; 'recurrent' hands over a
+    lookup's gradient dense, the other schedules sparse, and their norms
+    (so their clipping) differed by about 1% on lm.TransformerLmTinyGPipe.
+    Duplicate rows are summed first (as the optimizer would), so every
+    schedule, replica layout and the unpipelined model clip alike.
+    """
+    return super().ScaleGradients(var_grads.Transform(_SumDuplicateRows),
+                                  gradient_adjuster=gradient_adjuster)
 
   def ApplyOptimizer(self, lr, var_grads):
     """The optimizer's update of var_grads, in the learner's variable scope."""

@@ -205,10 +205,10 @@ class PipelinedTask(base_model.BaseTask):
                                                         'hybrid'))
 
   def __init__(self, params):
-    if params.gradient_sync != 'shared' or (isinstance(
-        params.accumulate_steps, int) and params.accumulate_steps > 1):
-      # Its learners apply through the GradientSync made below.
-      params = gradient_sync.WithSyncLearners(params)
+    # Its learners apply through the GradientSync made below, if any, and
+    # clip by the norm of the gradients with duplicate rows summed, so that
+    # every schedule clips alike (SyncLearnerMixin.ScaleGradients).
+    params = gradient_sync.WithSyncLearners(params)
     # An override gives the dtype as text ('bfloat16'); Lingvo's layers take
     # a tf.DType, which the children then copy (BaseLayer.CopyBaseParams).
     params = params.Copy()
