@@ -176,6 +176,22 @@ def testQuickJson():
   assert all(r['cell_cost_max_over_mean'] > 1.0 for r in hetero)
 
 
+def testMatmulBenchReportsBothDtypesAndTheCpu():
+  from bench import matmul  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.core import precision  # pylint: disable=g-import-not-at-top
+  records = matmul.Measure(width=32, batch=8, steps=2)
+  assert [r['dtype'] for r in records] == ['float32', 'bfloat16']
+  assert all(r['gflops'] > 0 for r in records)
+  assert records[0]['vs_float32'] == 1.0
+  assert all(r['onednn'] == precision.OneDnnEnabled() and
+             r['cpu_bf16_units'] == precision.CpuHasBf16Units()
+             for r in records)
+  table = matmul.Markdown(records).splitlines()
+  assert len(table) == 4 and '| bfloat16 |' in table[3]
+  with pytest.raises(SystemExit):
+    matmul.main(['--steps', '0'])
+
+
 # --- torch baselines: only what runs without torch ----------------------------
 
 

@@ -11,7 +11,9 @@ float32 run and back. A task turns it on with `task.fprop_dtype`, e.g.
 
 On a CPU, TensorFlow's bfloat16 matmuls are fast only through oneDNN
 (TF_ENABLE_ONEDNN_OPTS=1, TensorFlow's default on CPUs that have bfloat16
-units); Eigen's bfloat16 kernels are slower than its float32 ones.
+units); Eigen's bfloat16 kernels are slower than its float32 ones, and so
+are oneDNN's on a CPU without bfloat16 units (bench/matmul.py: 0.91x
+float32's GFLOP/s with oneDNN on an AVX2 AMD EPYC).
 
 The trainer calls `StartUp(task.fprop_dtype)` once: it says when bfloat16
 will be slow here, and works round a TensorFlow 2.21 bug: with oneDNN on,
@@ -78,10 +80,47 @@ def OneDnnEnabled() -> bool:
   return internal_tf.IsMklEnabled()
 
 
-def SlowBf16Warning(dtype, onednn=None):
-  """The warning for bfloat16 without oneDNN, or None where there is none."""
+# CPU feature flags of bfloat16 matmul units: x86's AVX512-BF16 and AMX-BF16,
+# Arm's BF16 (in /proc/cpuinfo's 'flags' or 'Features' lines).
+BF16_CPU_FLAGS = ('avx512_bf16', 'amx_bf16', 'bf16')
+
+
+def CpuHasBf16Units(cpuinfo='/proc/cpuinfo'):
+  """Whether the CPU has bfloat16 units; None where `cpuinfo` cannot tell."""
+  try:
+    with open(cpuinfo) as f:
+      lines = f.read().splitlines()
+  except OSError:
+    return None
+  flags = set()
+  for line in lines:
+    key, _, value = line.partition(':')
+    if key.strip().lower() in ('flags', 'features'):
+      flags.update(value.split())
+  if not flags:
+    return None
+  return bool(flags.intersection(BF16_CPU_FLAGS))
+
+
+def SlowBf16Warning(dtype, onednn=None, cpu_bf16=None):
+  """The warning where bfloat16 is slow here, or None where it is not.
+
+  Args:
+    dtype: The task's fprop_dtype (anything ParseDtype takes).
+    onednn: Whether oneDNN is on (default: this process's).
+    cpu_bf16: Whether the CPU has bfloat16 units (default: CpuHasBf16Units;
+      None, unknown, is taken as yes).
+  """
   if not IsLowPrecision(dtype):
     return None
+  if cpu_bf16 is None:
+    cpu_bf16 = CpuHasBf16Units()
+  if cpu_bf16 is False:
+    return ('warning: task.fprop_dtype=bfloat16 on a CPU without bfloat16 '
+            'units (no %s among its flags): bfloat16 matmuls are slower than '
+            'float32 here, with oneDNN or without; train in float32 '
+            "(--model_params_override='task.fprop_dtype:float32')."
+            % '/'.join(BF16_CPU_FLAGS))
   if onednn is None:
     onednn = OneDnnEnabled()
   if onednn:
@@ -114,8 +153,9 @@ def _SessionConfigWithoutRemapper(fn):
 def StartUp(dtype):
   """Once at start-up, for a task computing in `dtype`: see the docstring.
 
-  Warns where bfloat16 is slow (oneDNN off); with oneDNN on, turns Grappler's
-  remapper off in Lingvo's session configs (`py_utils.SessionConfig`).
+  Warns where bfloat16 is slow (oneDNN off, or a CPU without bfloat16
+  units); with oneDNN on, turns Grappler's remapper off in Lingvo's session
+  configs (`py_utils.SessionConfig`).
 
   Returns:
     The warning printed, or None.
