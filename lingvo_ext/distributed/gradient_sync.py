@@ -620,7 +620,9 @@ class SyncLearnerMixin:
   """A Learner whose Apply is the active GradientSync's (see Applying).
 
   Outside `Applying` (evalers, the controller of a cluster, a task without
-  a sync) it is the Learner's own Apply.
+  a sync) it is the Learner's own Apply. Either way it clips by the norm of
+  the gradients with a sparse gradient's repeated rows summed
+  (ScaleGradients); every PipelinedTask's learners are of this kind.
   """
 
   def Apply(self, metrics, vmap, gradient_mask=None, gradient_adjuster=None):
