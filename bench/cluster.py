@@ -95,6 +95,7 @@ def main(argv=None):
   import numpy as np
   from bench import pipeline
   from lingvo_ext.core import gpipe
+  from lingvo_ext.core import precision
   from lingvo_ext.distributed import cluster
   # pylint: enable=g-import-not-at-top
   py_utils.SetEagerMode(False)
@@ -226,7 +227,8 @@ def main(argv=None):
           activation_bytes_per_step_fwd_plus_bwd=2 * act,
           activation_bytes_per_micro_batch=act // m,
           first_loss=first[('local', dtype)],
-          onednn=bool(pipeline.OneDnnEnabled()))
+          onednn=bool(pipeline.OneDnnEnabled()),
+          cpu_bf16_units=precision.CpuHasBf16Units())
     if 'float32' in records and 'bfloat16' in records:
       f, b = records['float32'], records['bfloat16']
       for key in ('local_ms', 'cluster_ms', 'least_loaded_cluster_ms',

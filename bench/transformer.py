@@ -64,6 +64,7 @@ def _Child(variant: str, num_layers: int, k: int, m: int, steps: int,
   from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   from lingvo_ext.core import layers_with_gpipe as ext_stacks  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.core import precision  # pylint: disable=g-import-not-at-top
   py_utils.SetEagerMode(False)
   if intra_op_threads:
     # lingvo_ext's cell functions are tf.functions: defining one starts
@@ -145,6 +146,7 @@ def _Child(variant: str, num_layers: int, k: int, m: int, steps: int,
       step_ms=round(1e3 * float(np.median(times)), 1),
       peak_rss_mb=peak_rss_mb,
       loss0=float(loss0), onednn=bool(_pywrap_util_port.IsMklEnabled()),
+      cpu_bf16_units=precision.CpuHasBf16Units(),
       busy_ms=round(sum(op_ms.values()), 1),
       matmul_ms=round(sum(v for o, v in op_ms.items() if 'MatMul' in o), 1),
       cast_ms=round(op_ms.get('Cast', 0.0), 1),
@@ -241,7 +243,9 @@ def MarkdownDtypes(records) -> str:
                    b['step_ms'] / f['step_ms'], f['bytes_between_cells'],
                    b['bytes_between_cells'], f['matmul_ms'], b['matmul_ms'],
                    b['cast_ms'], f['busy_ms'], b['busy_ms'],
-                   'on' if b['onednn'] else 'off'))
+                   ('on' if b['onednn'] else 'off') +
+                   (', CPU without bf16 units'
+                    if b.get('cpu_bf16_units') is False else '')))
   return '\n'.join(rows)
 
 

@@ -448,3 +448,13 @@ def test_bench_dtype_tables():
            cast_ms=3.0)]).splitlines()
   assert rows[2] == ('| 8, 2, 4 | unrolled | 50.0 | 40.0 | 0.80x | 8 / 4 | '
                      '10.0 / 10.0 | 3.0 | 20.0 / 20.0 | off |')
+  # A CPU without bfloat16 units says so beside oneDNN's state.
+  rows = bench_transformer.MarkdownDtypes([
+      dict(rec, dtype='float32', cpu_bf16_units=False),
+      dict(rec, dtype='bfloat16', cpu_bf16_units=False)]).splitlines()
+  assert rows[2].endswith('| off, CPU without bf16 units |'), rows[2]
+  rows = bench_pipeline.MarkdownDtypes([
+      dict(common, dtype='float32', step_ms=100.0, bytes_between_cells=8),
+      dict(common, dtype='bfloat16', step_ms=62.0, bytes_between_cells=4,
+           cpu_bf16_units=False)]).splitlines()
+  assert rows[2].endswith('| on, CPU without bf16 units |'), rows[2]
