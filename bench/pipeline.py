@@ -811,15 +811,8 @@ def MarkdownDtypes(records: Sequence[Dict]) -> str:
         model, k, m, impl, _Fmt(f['step_ms']), _Fmt(b['step_ms']),
         _Fmt(b.get('vs_float32'), '%.2fx'), f['bytes_between_cells'],
         b['bytes_between_cells'], _Fmt(b.get('first_loss_rel_diff'), '%.2g'),
-        OneDnnCell(b)))
+        transformer.OneDnnCell(b)))
   return '\n'.join(lines)
-
-
-def OneDnnCell(record: Dict) -> str:
-  """A bf16 table's oneDNN column: on or off, and a CPU without bf16 units."""
-  units = record.get('cpu_bf16_units')
-  return ('on' if record['onednn'] else 'off') + (
-      ', CPU without bf16 units' if units is False else '')
 
 
 def Markdown(records: Sequence[Dict]) -> str:

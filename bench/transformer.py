@@ -242,11 +242,18 @@ def MarkdownDtypes(records) -> str:
                   (l, k, m, v, f['step_ms'], b['step_ms'],
                    b['step_ms'] / f['step_ms'], f['bytes_between_cells'],
                    b['bytes_between_cells'], f['matmul_ms'], b['matmul_ms'],
-                   b['cast_ms'], f['busy_ms'], b['busy_ms'],
-                   ('on' if b['onednn'] else 'off') +
-                   (', CPU without bf16 units'
-                    if b.get('cpu_bf16_units') is False else '')))
+                   b['cast_ms'], f['busy_ms'], b['busy_ms'], OneDnnCell(b)))
   return '\n'.join(rows)
+
+
+def OneDnnCell(record) -> str:
+  """A bf16 table's oneDNN column: on or off, and a CPU without bf16 units.
+
+  (bench/pipeline.py's bf16 table too.)
+  """
+  return ('on' if record['onednn'] else 'off') + (
+      ', CPU without bf16 units' if record.get('cpu_bf16_units') is False
+      else '')
 
 
 def Markdown(records) -> str:
