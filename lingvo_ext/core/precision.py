@@ -12,7 +12,7 @@ float32 run and back. A task turns it on with `task.fprop_dtype`, e.g.
 On a CPU, TensorFlow's bfloat16 matmuls are fast only through oneDNN
 (TF_ENABLE_ONEDNN_OPTS=1, TensorFlow's default on CPUs that have bfloat16
 units); Eigen's bfloat16 kernels are slower than its float32 ones, and so
-are oneDNN's on a CPU without bfloat16 units (bench/matmul.py: 0.91x
+are oneDNN's on a CPU without bfloat16 units (bench/matmul.py: 0.9x
 float32's GFLOP/s with oneDNN on an AVX2 AMD EPYC).
 
 The trainer calls `StartUp(task.fprop_dtype)` once: it says when bfloat16
