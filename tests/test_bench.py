@@ -13,6 +13,7 @@ from tensorflow.core.framework import step_stats_pb2
 from tensorflow.tsl.profiler.protobuf import trace_events_pb2
 
 from bench import timeline
+from tests import zygote
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -149,8 +150,8 @@ def testQuickJson():
                                       'lingvo_ext/1f1b']
   # Run at M=4 only (M=1 takes no path of its own in the bench): every model, K
   # (K=1 is a path of its own) and implementation, half the configurations.
-  out = subprocess.run(
-      [sys.executable, os.path.join(_REPO, 'bench', 'pipeline.py'), '--quick',
+  out = zygote.run(
+      [sys.executable, '-m', 'bench.pipeline', '--quick',
        '--M', '4', '--width', '16', '--batch', '8', '--check',
        '--torch_python', 'none'],
       capture_output=True, text=True, timeout=600, cwd=_REPO)

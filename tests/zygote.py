@@ -1,7 +1,8 @@
 """`python -m lingvo_ext.<tool>` runs for tests, forked from a pre-imported server.
 
-MODULES lists what it serves: the trainer, the launcher, the tools, and
-bench/transformer.py's per-variant children (as `-m bench.transformer`).
+MODULES lists what it serves: the trainer, the launcher, the tools,
+bench/transformer.py's per-variant children (as `-m bench.transformer`) and
+bench/pipeline.py (as `-m bench.pipeline`).
 
 Importing TensorFlow and Lingvo costs ~5 of a small trainer run's ~13
 CPU-seconds; the end-to-end tests start dozens of such runs. run() is
@@ -40,7 +41,7 @@ MODULES = ('lingvo_ext.trainer', 'lingvo_ext.tools.cost_report',
            'lingvo_ext.tools.list_models',
            'lingvo_ext.tools.convert_checkpoint', 'lingvo_ext.tools.plan',
            'lingvo_ext.examples.gpipe_example', 'lingvo_ext.launch',
-           'bench.transformer')
+           'bench.transformer', 'bench.pipeline')
 # Off with LINGVO_EXT_TEST_ZYGOTE=0 (every run a fresh interpreter).
 ENABLED = os.environ.get('LINGVO_EXT_TEST_ZYGOTE', '1') != '0'
 forks = 0  # Runs forked from the server in this process (tests/test_zygote.py).
