@@ -545,9 +545,7 @@ class RunnerManager(trainer_lib.DistributedRunnerManagerMixin,
     """Lingvo's local set-up, with a local server of N CPU devices."""
     if not self._options.run_locally:
       return
-    config = py_utils.SessionConfig()
-    config.device_count['CPU'] = self._options.num_cpu_devices
-    config.intra_op_parallelism_threads = self._options.IntraOpThreads()
+    config = trainer_lib.SessionConfig(self._options, client=False)
     with internal_tf.LocalServerConfig(config):
       super().MaybeConfigRunLocally()
 

@@ -124,7 +124,11 @@ def _Params(o):
 
 
 def _CheckParams(o):
-  """Applies the overrides to the experiment's params; an error or None."""
+  """Applies the overrides to the experiment's params.
+
+  Returns:
+    (an error or None, the options with what the params decide).
+  """
   from lingvo_ext.tasks import pipelined_task  # pylint: disable=g-import-not-at-top
   try:
     cfg = _Params(o)
@@ -132,7 +136,9 @@ def _CheckParams(o):
     if task is not None and issubclass(task.cls, pipelined_task.PipelinedTask):
       task.cls.CheckParams(task)
       from lingvo_ext.core import precision  # pylint: disable=g-import-not-at-top
-      precision.StartUp(task.fprop_dtype)  # bf16: oneDNN warning, TF bug.
+      precision.WarnIfSlow(task.fprop_dtype)
+      if precision.RemapperOff(task.fprop_dtype):  # A TF bug with bf16.
+        o = dataclasses.replace(o, grappler_remapping=False)
       batch = (cfg.input.batch_size if 'input' in cfg and cfg.input is not None
                and 'batch_size' in cfg.input else None)
       if batch and o.run_locally == 'cpu' and _TrainsHere(o):
@@ -142,8 +148,8 @@ def _CheckParams(o):
                                     max(1, o.num_cpu_devices // split),
                                     split, batch, task.num_micro_batches)
   except (ValueError, AttributeError, LookupError) as e:
-    return runners.FirstLine(e)
-  return None
+    return runners.FirstLine(e), o
+  return None, o
 
 
 def _AutoPlan(o, argv):
@@ -373,7 +379,7 @@ def Run(argv=None):
   if not error and o.plan:
     error, o, argv = _AutoPlan(o, argv)
   if not error:
-    error = _CheckParams(o)
+    error, o = _CheckParams(o)
   if not error:
     _UseSlicedCheckpoints(o)
   if not error and o.logdir:

@@ -118,10 +118,15 @@ class Options:
   plan: str = ''
   devices: int = None
   memory_per_device: str = ''
+  # Not a flag: set from the task's params at the entry point. False turns
+  # Grappler's remapper off in every session config (precision.RemapperOff).
+  grappler_remapping: bool = dataclasses.field(default=True,
+                                               metadata={'flag': False})
 
   @classmethod
   def FromFlags(cls):
-    values = {f.name: FLAGS[f.name].value for f in dataclasses.fields(cls)}
+    values = {f.name: FLAGS[f.name].value for f in dataclasses.fields(cls)
+              if f.metadata.get('flag', True)}
     for name in ('model', 'logdir', 'job', 'run_locally', 'cluster_spec',
                  'model_params_override', 'model_params_file_override',
                  'plan', 'memory_per_device'):

@@ -241,26 +241,38 @@ def test_cpu_bf16_units_from_cpuinfo(tmp_path, text, units):
 
 
 @pytest.mark.parametrize('onednn', [False, True])
-def test_start_up_warns_or_turns_the_remapper_off(onednn, monkeypatch, capsys):
+def test_bf16_warns_or_turns_the_remapper_off(onednn, monkeypatch, capsys):
+  from lingvo_ext import trainer_flags  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.distributed import server  # pylint: disable=g-import-not-at-top
   monkeypatch.setattr(precision, '_warned', [])
   monkeypatch.setattr(precision, 'OneDnnEnabled', lambda: onednn)
   monkeypatch.setattr(precision, 'CpuHasBf16Units', lambda: True)
-  monkeypatch.setattr(py_utils, 'SessionConfig', py_utils.SessionConfig)
-  remapping = py_utils.SessionConfig().graph_options.rewrite_options.remapping
-  assert precision.StartUp(None) is None
-  assert precision.StartUp('float32') is None
+  for dtype in (None, 'float32'):
+    assert precision.WarnIfSlow(dtype) is None
+    assert precision.RemapperOff(dtype) is False
   assert capsys.readouterr().err == ''
   for _ in range(2):  # Said once.
-    precision.StartUp('bfloat16')
+    precision.WarnIfSlow('bfloat16')
   err = capsys.readouterr().err
-  off = rewriter_config_pb2.RewriterConfig.OFF
-  after = py_utils.SessionConfig().graph_options.rewrite_options.remapping
+  assert precision.RemapperOff('bfloat16') is onednn
   if onednn:
     assert err == ''
-    assert after == off
   else:
     assert err.count('TF_ENABLE_ONEDNN_OPTS=1') == 1, err
-    assert after == remapping != off
+  # The trainer's session configs: the remapper off only where the options
+  # say so; Lingvo's own config is left as it is.
+  off = rewriter_config_pb2.RewriterConfig.OFF
+  lingvo_default = py_utils.SessionConfig().graph_options.rewrite_options
+  assert lingvo_default.remapping != off
+  for remapping in (True, False):
+    o = trainer_flags.Options(num_cpu_devices=2, grappler_remapping=remapping)
+    for client in (True, False):
+      config = server.SessionConfig(o, client=client)
+      assert config.device_count['CPU'] == 2
+      assert (config.graph_options.rewrite_options.remapping == off) is (
+          not remapping)
+  assert py_utils.SessionConfig().graph_options.rewrite_options == (
+      lingvo_default)
 
 
 def test_task_param_is_documented_and_passed_through():
@@ -403,7 +415,7 @@ def test_trainer_and_evaler_in_bf16(tmp_path):
   """The override on the command line: trainer, then evaler, in bfloat16.
 
   Conv2D + BiasAdd in bfloat16 through Lingvo's gRPC sessions (see
-  precision.StartUp), with oneDNN as this machine has it.
+  precision.RemapperOff), with oneDNN as this machine has it.
   """
   flags = ['--model=image.ConvClassifierTinyGPipe', f'--logdir={tmp_path}',
            '--num_cpu_devices=2', '--worker_split_size=2',

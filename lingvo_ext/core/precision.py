@@ -15,19 +15,20 @@ units); Eigen's bfloat16 kernels are slower than its float32 ones, and so
 are oneDNN's on a CPU without bfloat16 units (bench/matmul.py: 0.9x
 float32's GFLOP/s with oneDNN on an AVX2 AMD EPYC).
 
-The trainer calls `StartUp(task.fprop_dtype)` once: it says when bfloat16
-will be slow here, and works round a TensorFlow 2.21 bug: with oneDNN on,
-Grappler's remapper fuses a bfloat16 Conv2D + BiasAdd into `_FusedConv2D`,
-which only oneDNN's rewrite can run, and a session over gRPC (Lingvo's
-trainer, evaler and clusters) rejects the graph ("Value for attr 'T' of
-bfloat16 is not in the list of allowed values"); so bfloat16 runs there
-with the remapper off.
+The trainer calls `WarnIfSlow(task.fprop_dtype)` once: it says when
+bfloat16 will be slow here. It also works round a TensorFlow 2.21 bug: with
+oneDNN on, Grappler's remapper fuses a bfloat16 Conv2D + BiasAdd into
+`_FusedConv2D`, which only oneDNN's rewrite can run, and a session over gRPC
+(Lingvo's trainer, evaler and clusters) rejects the graph ("Value for attr
+'T' of bfloat16 is not in the list of allowed values"). Where
+`RemapperOff(task.fprop_dtype)`, the trainer's options say so
+(`Options.grappler_remapping`) and every session config it makes has the
+remapper off (`WithoutRemapper`).
 """
 
 import sys
 
 import lingvo.compat as tf
-from lingvo.core import py_utils
 from tensorflow.core.protobuf import rewriter_config_pb2  # pylint: disable=g-direct-tensorflow-import
 
 from lingvo_ext._internal import tf as internal_tf
@@ -139,33 +140,24 @@ def WarnIfSlow(dtype):
   return message
 
 
-def _SessionConfigWithoutRemapper(fn):
-  def SessionConfig(*args, **kwargs):
-    config = fn(*args, **kwargs)
-    config.graph_options.rewrite_options.remapping = (
-        rewriter_config_pb2.RewriterConfig.OFF)
-    return config
+def RemapperOff(dtype, onednn=None) -> bool:
+  """Whether sessions computing in `dtype` need Grappler's remapper off
+  (bfloat16 with oneDNN on: see the module docstring).
 
-  SessionConfig.lingvo_ext_bf16 = True
-  return SessionConfig
-
-
-def StartUp(dtype):
-  """Once at start-up, for a task computing in `dtype`: see the docstring.
-
-  Warns where bfloat16 is slow (oneDNN off, or a CPU without bfloat16
-  units); with oneDNN on, turns Grappler's remapper off in Lingvo's session
-  configs (`py_utils.SessionConfig`).
-
-  Returns:
-    The warning printed, or None.
+  Args:
+    dtype: The task's fprop_dtype (anything ParseDtype takes).
+    onednn: Whether oneDNN is on (default: this process's).
   """
-  message = WarnIfSlow(dtype)
-  if (IsLowPrecision(dtype) and OneDnnEnabled() and
-      not getattr(py_utils.SessionConfig, 'lingvo_ext_bf16', False)):
-    py_utils.SessionConfig = _SessionConfigWithoutRemapper(
-        py_utils.SessionConfig)
-  return message
+  if not IsLowPrecision(dtype):
+    return False
+  return bool(OneDnnEnabled() if onednn is None else onednn)
+
+
+def WithoutRemapper(config):
+  """`config` (a tf.ConfigProto) with Grappler's remapper off; returned."""
+  config.graph_options.rewrite_options.remapping = (
+      rewriter_config_pb2.RewriterConfig.OFF)
+  return config
 
 
 def CrossDeviceTensors(graph, scalars=False):

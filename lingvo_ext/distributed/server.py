@@ -15,11 +15,13 @@ from lingvo.core import py_utils
 from tensorflow.core.protobuf import config_pb2
 
 from lingvo_ext._internal import process
+from lingvo_ext.core import precision
 from lingvo_ext.distributed import cluster
 
 
 def SessionConfig(options, client=True, **kwargs):
-  """Lingvo's session config with this run's devices and step deadline.
+  """Lingvo's session config with this run's devices and step deadline
+  (and Grappler's remapper off where `options.grappler_remapping` says so).
 
   Args:
     options: The trainer's trainer_flags.Options.
@@ -30,6 +32,8 @@ def SessionConfig(options, client=True, **kwargs):
     **kwargs: Passed to `py_utils.SessionConfig`.
   """
   config = py_utils.SessionConfig(**kwargs)
+  if not options.grappler_remapping:
+    precision.WithoutRemapper(config)
   config.device_count['CPU'] = options.num_cpu_devices
   # A server made before any tf.function makes the process's pool.
   config.intra_op_parallelism_threads = options.IntraOpThreads()
