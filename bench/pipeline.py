@@ -747,6 +747,9 @@ def RunDtypes(args) -> List[Dict]:
   """
   records = []
   impls = ['lingvo_ext'] + ['lingvo_ext/' + v for v in args.schedules]
+  # The machine's, the same for every record: read once.
+  machine = dict(onednn=OneDnnEnabled(),
+                 cpu_bf16_units=precision.CpuHasBf16Units())
   for model in args.models:
     for k in args.K:
       for m in args.M:
@@ -770,9 +773,8 @@ def RunDtypes(args) -> List[Dict]:
               bytes_between_cells=s.cross_bytes,
               bytes_by_dtype=s.cross_bytes_by_dtype,
               first_loss=losses[(impl, dtype)], width=args.width,
-              batch=args.batch, steps=len(ms), onednn=OneDnnEnabled(),
-              cpu_bf16_units=precision.CpuHasBf16Units(),
-              colocate_gradients=args.colocate)
+              batch=args.batch, steps=len(ms),
+              colocate_gradients=args.colocate, **machine)
           s.Close()
         for (impl, dtype), r in recs.items():
           base = recs.get((impl, 'float32'))
