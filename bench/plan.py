@@ -20,8 +20,8 @@ it reports:
   the plan `--measure` picks after timing its candidates again, round robin
   (plan_tool.MeasureCandidates: those predicted within --measure_within of
   the best, at most --measure_top, and their twins without recompute;
-  planner.MeasuredChoice: the fastest only if it beats the predicted best
-  by more than the rounds' noise);
+  planner.MeasuredChoice: the fastest of those that beat the predicted best
+  in enough of the paired rounds, a sign test);
 - the same two ratios side by side: the sweep's CONFIRM_FASTEST fastest
   plans and the two choices timed again in one round robin (the sweep's
   fastest is partly the luck of its least disturbed rounds).
@@ -273,7 +273,8 @@ def RunModel(model: str, devices: int, rounds: int, warmup: int,
       dict(chosen_measure_key=chosen_measured.Key(),
            measure_noise=round(noise, 3), measure_top=measure_top,
            measure_within=measure_within,
-           measure_candidates=[p.Key() for p in top]),
+           measure_candidates=[p.Key() for p in top],
+           measure_rounds_ms=[[round(1e3 * x, 3) for x in t] for t in again]),
       side_by_side_ms={p.Key(): round(1e3 * t, 3)
                        for p, t in zip(side, side_times)},
       probe=probe, reference_ms=[round(1e3 * t, 3) for t in times[:len(refs)]],
@@ -290,8 +291,9 @@ def Summary(model: str, devices: int, plans: Sequence[planner.Plan],
     devices: N.
     plans: Predicted plans with their measured_step_s and measured_rss_bytes.
     machine: The calibrated machine they were predicted with.
-    measure: chosen_measure_key (the --measure pick), measure_noise and
-      measure_candidates; or {} where there was no re-timing.
+    measure: chosen_measure_key (the --measure pick), measure_noise,
+      measure_candidates and their measure_rounds_ms; or {} where there was
+      no re-timing.
     **fields: Recorded as they are (probe, reference_ms, ...).
   """
   best = min(p.measured_step_s for p in plans)
@@ -376,7 +378,8 @@ def Repredict(record: Dict) -> Dict:
       retimed for n in tops):
     measure = {k: record[k] for k in ('chosen_measure_key', 'measure_noise',
                                       'measure_candidates', 'measure_top',
-                                      'measure_within') if k in record}
+                                      'measure_within', 'measure_rounds_ms')
+               if k in record}
   keep = ('probe', 'reference_ms', 'reference_rss_mb', 'seconds',
           'side_by_side_ms')
   return Summary(record['model'], record['devices'], plans, machine, measure,
@@ -432,9 +435,9 @@ def main(argv=None) -> int:
                       '%(default)s).')
   parser.add_argument('--devices', type=int, default=2,
                       help='CPU devices N (default %(default)s).')
-  parser.add_argument('--rounds', type=int, default=7,
+  parser.add_argument('--rounds', type=int, default=plan_tool.MEASURE_STEPS,
                       help='Timed rounds (one step of each plan per round, '
-                      'in turn; median; default %(default)s).')
+                      'in turn; the fastest; default %(default)s).')
   parser.add_argument('--warmup', type=int, default=2,
                       help='Untimed steps first (default %(default)s).')
   parser.add_argument('--measure_top', type=int,
@@ -476,6 +479,11 @@ def main(argv=None) -> int:
     return 0
   if args.devices < 1:
     parser.error('--devices must be >= 1.')
+  least = planner.MinRounds(2 * args.measure_top)
+  if args.rounds < least:
+    parser.error('--rounds=%d: with --measure_top=%d the --measure choice '
+                 'needs at least %d rounds; pass --rounds=%d or more.' % (
+                     args.rounds, args.measure_top, least, least))
   # By module path, so the fork server's children find it.
   measurer = plan_tool.Measurer(
       importlib.import_module('bench.plan').MeasureJob, ['bench.plan'])

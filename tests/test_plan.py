@@ -412,6 +412,8 @@ def test_graph_ops_grow_with_micro_batches_as_built(schedule, cell_functions):
      '--global_batch'),
     (['--model=%s' % TINY, '--devices=2', '--measure_within=-0.1'],
      '--measure_within'),
+    (['--model=%s' % TINY, '--devices=2', '--measure', '--measure_steps=5'],
+     '--measure_steps'),
 ])
 def test_bad_flags_exit_2_with_one_line(flags, names, capsys):
   from lingvo_ext.tools import plan as plan_tool  # pylint: disable=g-import-not-at-top
@@ -669,43 +671,86 @@ def _Measured(plan, times):
                              measured_step_s=min(times))
 
 
-def test_measured_noise_is_the_median_spread_with_a_floor():
+def test_measured_noise_is_the_median_spread():
   a = _Measured(_Plan(1, 1), [1.0, 1.1, 1.2])   # Median 10% over the least.
   b = _Measured(_Plan(2, 1), [2.0, 2.6, 2.4])   # 20%.
   c = _Measured(_Plan(2, 4), [1.0, 1.3, 1.01])  # 1%.
   assert planner.MeasuredNoise([a, b, c]) == pytest.approx(0.1)
-  assert planner.MeasuredNoise([c]) == planner.MEASURE_NOISE_FLOOR
-  assert planner.MeasuredNoise([c], floor=0.) == pytest.approx(0.01)
+  assert planner.MeasuredNoise([c]) == pytest.approx(0.01)
+  assert planner.MeasuredNoise([_Plan(1, 1)]) == 0.
 
 
-def test_measured_choice_needs_a_gap_beyond_the_noise():
-  predicted = _Measured(_Plan(1, 1), [1.00, 1.05, 1.04])  # 4% spread.
-  close = _Measured(_Plan(2, 1), [0.98, 1.02, 1.01])  # 3.06%.
-  far = _Measured(_Plan(2, 4), [0.80, 0.83, 0.84])  # 3.75%.
-  # 2% faster, within the noise (the lower median of the two spreads).
-  chosen, noise = planner.MeasuredChoice([predicted, close])
-  assert chosen is predicted and noise == pytest.approx(0.03 / 0.98)
-  chosen, _ = planner.MeasuredChoice([predicted, close, far])
-  assert chosen is far
-  # Candidates measured nowhere: a plain error.
+def test_measured_choice_takes_a_plan_that_wins_round_after_round():
+  rounds = [1.00, 1.05, 1.04, 1.20, 1.02, 1.10, 1.01, 1.30, 1.03, 1.06]
+  predicted = _Measured(_Plan(1, 1), rounds)  # Spread 4-30%.
+  # 2% faster in every round, under the rounds' spread: a real gain.
+  steady = _Measured(_Plan(2, 1), [0.98 * t for t in rounds])
+  chosen, noise = planner.MeasuredChoice([predicted, steady])
+  assert chosen is steady
+  assert noise == pytest.approx(0.04)
+  # One lucky round, slower in the rest: its fastest round is no reason.
+  lucky = _Measured(_Plan(2, 4), [0.5] + [1.4] * 9)
+  assert planner.MeasuredChoice([predicted, lucky])[0] is predicted
+  # Of two that win every round, the one with the faster rounds.
+  fast = _Measured(_Plan(2, 4), [0.8 * t for t in rounds])
+  assert planner.MeasuredChoice([predicted, steady, fast])[0] is fast
+  # Candidates measured nowhere, or in different rounds: plain errors.
   with pytest.raises(ValueError):
     planner.MeasuredChoice([_Plan(1, 1)])
+  with pytest.raises(ValueError):
+    planner.MeasuredChoice([predicted, _Measured(_Plan(2, 1), [1.0])])
+
+
+@pytest.mark.parametrize('num_candidates', [2, 3, 8, 16])
+def test_measured_choice_needs_more_wins_among_more_candidates(
+    num_candidates):
+  """A sign test over all candidates: the bound tightens with their number
+  (Bonferroni), so that the best of many noisy candidates is not taken for
+  a faster one."""
+  least = planner.MinRounds(num_candidates)
+  for n, wins, chosen in ((least, least, True), (least - 1, least - 1, False),
+                          (least + 4, least + 4, True)):
+    predicted = _Measured(_Plan(1, 1), [1.0] * n)
+    # Faster by half in `wins` rounds, slower in the others.
+    other = _Measured(_Plan(2, 1), [0.5] * wins + [1.5] * (n - wins))
+    slow = [_Measured(_Plan(2, 4, replicas=1 + i), [2.0] * n)
+            for i in range(num_candidates - 2)]
+    pick, _ = planner.MeasuredChoice([predicted, other] + slow)
+    assert (pick is other) == chosen, (n, wins)
+  # One round lost of least + 4: still chosen where the test allows it.
+  n = least + 4
+  p = planner.SignTestP(n - 1, n)
+  other = _Measured(_Plan(2, 1), [0.5] * (n - 1) + [1.5])
+  predicted = _Measured(_Plan(1, 1), [1.0] * n)
+  slow = [_Measured(_Plan(2, 4, replicas=1 + i), [2.0] * n)
+          for i in range(num_candidates - 2)]
+  pick, _ = planner.MeasuredChoice([predicted, other] + slow)
+  assert (pick is other) == (
+      p <= planner.MEASURE_ALPHA / (num_candidates - 1))
+
+
+def test_sign_test_p():
+  assert planner.SignTestP(0, 5) == 1.
+  assert planner.SignTestP(5, 5) == pytest.approx(1 / 32)
+  assert planner.SignTestP(8, 10) == pytest.approx(56 / 1024)
+  assert planner.MinRounds(2) == 5   # 1/32 <= 0.05 < 1/16.
+  assert planner.MinRounds(16) == 9  # 1/512 <= 0.05 / 15 < 1/256.
 
 
 def test_measured_choice_never_picks_noise_for_recompute():
-  """A recomputing plan runs its twin's steps and more: a faster round of
-  it is noise, so the twin is taken (and it ranks as the slower of the
-  two)."""
-  twin = _Measured(_Plan(1, 1), [1.0, 1.3, 1.4])
-  rc = _Measured(_Plan(1, 1, recompute=True), [0.7, 1.2, 1.4])
-  other = _Measured(_Plan(2, 4), [0.95, 1.0, 1.0])
+  """A recomputing plan runs its twin's steps and more: its faster rounds
+  are noise, so each counts as no faster than its twin's, and the twin is
+  taken."""
+  twin = _Measured(_Plan(1, 1), [1.0, 1.3, 1.4, 1.0, 1.1] * 2)
+  rc = _Measured(_Plan(1, 1, recompute=True), [0.7, 1.2, 1.4, 0.9, 1.0] * 2)
+  other = _Measured(_Plan(2, 4), [1.05, 1.35, 1.45, 1.05, 1.15] * 2)
   assert planner.Twin(rc, [twin, rc, other]) is twin
   assert planner.Twin(twin, [twin, rc, other]) is None
-  chosen, _ = planner.MeasuredChoice([rc, other, twin], floor=0.)
-  assert chosen is twin
-  # Without the twin measured, rc's 0.7 stands against other's 0.95.
-  chosen, _ = planner.MeasuredChoice([other, rc], floor=0.)
-  assert chosen is rc
+  # The predicted best: rc; as fast as its twin round by round, so its twin.
+  assert planner.MeasuredChoice([rc, other, twin])[0] is twin
+  # Without the twin measured, rc's rounds stand: they beat other's in every
+  # round.
+  assert planner.MeasuredChoice([other, rc])[0] is rc
 
 
 def test_measure_candidates_add_the_twins():

@@ -763,8 +763,11 @@ def Rank(plans: Sequence[Plan],
       p.devices, p.peak_bytes))
 
 
-# The least relative gap --measure takes as more than noise.
-MEASURE_NOISE_FLOOR = 0.03
+# --measure's significance: a candidate replaces the predicted best only if
+# a fair coin would beat it in as many paired rounds with probability at most
+# this, over the number of candidates compared (a sign test with Bonferroni's
+# correction).
+MEASURE_ALPHA = 0.05
 
 
 def Twin(plan: Plan, plans: Sequence[Plan]) -> Optional[Plan]:
@@ -776,10 +779,9 @@ def Twin(plan: Plan, plans: Sequence[Plan]) -> Optional[Plan]:
   return next((p for p in plans if p.Key() == want), None)
 
 
-def MeasuredNoise(plans: Sequence[Plan],
-                  floor: float = MEASURE_NOISE_FLOOR) -> float:
+def MeasuredNoise(plans: Sequence[Plan]) -> float:
   """The relative noise of the measured rounds: the median over plans of
-  (median round - fastest round) / fastest round, at least `floor`."""
+  (median round - fastest round) / fastest round."""
   spreads = []
   for p in plans:
     if p.measured_times:
@@ -787,48 +789,72 @@ def MeasuredNoise(plans: Sequence[Plan],
       mid = sorted(p.measured_times)[(len(p.measured_times) - 1) // 2]
       spreads.append((mid - fastest) / max(fastest, 1e-12))
   spreads.sort()
-  mid = spreads[(len(spreads) - 1) // 2] if spreads else 0.
-  return max(floor, mid)
+  return spreads[(len(spreads) - 1) // 2] if spreads else 0.
+
+
+def SignTestP(wins: int, rounds: int) -> float:
+  """P(a fair coin comes up heads in at least `wins` of `rounds` tosses)."""
+  return sum(math.comb(rounds, k) for k in range(wins, rounds + 1)) / 2.**rounds
+
+
+def MinRounds(num_candidates: int, alpha: float = MEASURE_ALPHA) -> int:
+  """The fewest paired rounds in which a candidate that wins every round
+  beats the predicted best among `num_candidates` (MeasuredChoice)."""
+  others = max(num_candidates - 1, 1)
+  return max(1, math.ceil(math.log2(others / alpha)))
 
 
 def MeasuredChoice(candidates: Sequence[Plan],
-                   floor: float = MEASURE_NOISE_FLOOR) -> Tuple[Plan, float]:
+                   alpha: float = MEASURE_ALPHA) -> Tuple[Plan, float]:
   """The plan --measure picks among measured candidates, and the noise.
 
-  Each candidate's time is its fastest round (`measured_times`; the round
-  least disturbed by other load). A recomputing plan is timed as no faster
-  than its twin without recompute when that was measured too: it runs the
-  same steps and more, so a faster round of it is noise. The fastest
-  candidate is taken only if it beats the predicted best (the first
-  candidate) by more than the noise (`MeasuredNoise`); else the predicted
-  best stays, and a recomputing pick gives way to its measured twin.
+  The candidates' `measured_times` are paired rounds: RoundRobin times each
+  candidate once per round, so round r of one and of another ran under the
+  same load. A candidate is faster than the predicted best (the first
+  candidate) if it beat it in so many rounds that a fair coin would with
+  probability at most alpha over the number of other candidates (a one-sided
+  sign test, Bonferroni-corrected: a gap smaller than the rounds' spread
+  counts once it holds round after round, and one lucky round does not).
+  Of the predicted best and the candidates faster than it, the one with the
+  least fastest round is taken. A recomputing plan runs its twin's steps and
+  more: where its twin without recompute was measured, each of its rounds
+  counts as no faster than the twin's, and a recomputing pick gives way to
+  its twin.
 
   Args:
-    candidates: Measured plans, the predicted best first.
-    floor: The least relative gap taken as more than noise.
+    candidates: Measured plans, the predicted best first, each with as many
+      rounds.
+    alpha: The test's significance over all candidates.
 
   Returns:
-    (the chosen plan, the relative noise).
+    (the chosen plan, the rounds' relative noise, MeasuredNoise).
   """
   measured = [p for p in candidates if p.measured_times]
   if not measured:
     raise ValueError('MeasuredChoice: no candidate has measured_times.')
-  noise = MeasuredNoise(measured, floor)
+  if len({len(p.measured_times) for p in measured}) != 1:
+    raise ValueError('MeasuredChoice: the candidates have different numbers '
+                     'of rounds; they must be timed in the same rounds.')
 
-  def Time(p):
-    t = min(p.measured_times)
+  def Rounds(p):
     twin = Twin(p, measured)
-    return max(t, min(twin.measured_times)) if twin else t
+    if twin is None:
+      return list(p.measured_times)
+    return [max(a, b) for a, b in zip(p.measured_times, twin.measured_times)]
 
   predicted = measured[0]
-  fastest = min(measured, key=Time)
-  chosen = fastest
-  if Time(predicted) <= Time(fastest) * (1. + noise):
-    chosen = predicted
+  base = Rounds(predicted)
+  bound = alpha / max(len(measured) - 1, 1)
+  faster = [predicted]
+  for p in measured[1:]:
+    wins = sum(a < b for a, b in zip(Rounds(p), base))
+    if SignTestP(wins, len(base)) <= bound:
+      faster.append(p)
+  chosen = min(faster, key=lambda p: min(Rounds(p)))
   twin = Twin(chosen, measured)
   if twin is not None:
     chosen = twin
-  return chosen, noise
+  return chosen, MeasuredNoise(measured)
 
 
 def Choose(profile: ModelProfile, devices: int,

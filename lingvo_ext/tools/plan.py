@@ -13,8 +13,8 @@ times the plans predicted within --measure_within of the best, at most
 --measure_top of them (and the twin without recompute of each that
 recomputes), round robin in this process, --measure_steps rounds (each
 one's peak RSS in a fresh process), and takes the fastest by its fastest
-round only if it beats the predicted best by more than the rounds' noise
-(planner.MeasuredChoice).
+round of those that beat the predicted best in enough of the rounds (a sign
+test over the paired rounds: planner.MeasuredChoice).
 """
 
 import argparse
@@ -34,7 +34,11 @@ from lingvo_ext.core import planner
 # reference's peak RSS less the predicted model and graph bytes; see
 # docs/benchmarks.md, "Planner").
 PROCESS_OVERHEAD_BYTES = 730 * 2**20
-MEASURE_STEPS = 5
+# Timed rounds of --measure and of the calibration's reference plans: a
+# round is one step of each plan, milliseconds on small models, so rounds are
+# cheap beside building the plans, and a candidate needs several
+# (planner.MinRounds) to show that it beats the predicted best.
+MEASURE_STEPS = 20
 # --measure's defaults: it times the plans predicted within MEASURE_WITHIN of
 # the predicted best, at most MEASURE_TOP of them: on tiny models the
 # predictions do not tell plans this close apart (docs/benchmarks.md,
@@ -160,7 +164,8 @@ def Machine(num_devices: int, model: Optional[str] = None,
   if model and profile:
     refs = planner.ReferencePlans(profile)
     steps = [planner.BuildExperimentStep(model, ref) for ref in refs]
-    times = RoundRobin([lambda s=s: s[0].run(s[1]) for s in steps], 5, 1)
+    times = RoundRobin([lambda s=s: s[0].run(s[1]) for s in steps],
+                       MEASURE_STEPS, 1)
     for sess, _ in steps:
       sess.close()
     machine = planner.Calibrate(profile, machine, [min(t) for t in times])
@@ -263,8 +268,9 @@ def _ParseArgs(argv):
                       help='Time the plans predicted within '
                       '--measure_within of the best, at most --measure_top '
                       '(and their twins without recompute), round robin, '
-                      'and take the fastest if it beats the predicted best '
-                      'by more than the rounds\' noise.')
+                      'and take the fastest of those that beat the '
+                      'predicted best in enough of the paired rounds (a '
+                      'sign test).')
   parser.add_argument('--measure_top', type=int, default=MEASURE_TOP,
                       help='At most this many plans --measure times '
                       '(default %(default)s).')
@@ -303,9 +309,17 @@ def _CheckArgs(args) -> Optional[str]:
       return '--memory_per_device=%s: %s' % (args.memory_per_device, e)
   else:
     args.memory_bytes = None
-  if args.measure_top < 1 or args.measure_steps < 1:
-    return ('--measure_top and --measure_steps must be >= 1, e.g. '
-            '--measure_top=8 --measure_steps=5.')
+  if args.measure_top < 1:
+    return ('--measure_top=%d must be >= 1, e.g. --measure_top=%d.' %
+            (args.measure_top, MEASURE_TOP))
+  # Each candidate may bring its twin without recompute.
+  least = planner.MinRounds(2 * args.measure_top)
+  if args.measure_steps < least:
+    return ('--measure_steps=%d: with --measure_top=%d a candidate needs at '
+            'least %d rounds to beat the predicted best; pass '
+            '--measure_steps=%d or more (default %d).' % (
+                args.measure_steps, args.measure_top, least, least,
+                MEASURE_STEPS))
   if not args.measure_within >= 0:
     return ('--measure_within=%s must be >= 0 (a fraction of the predicted '
             'best\'s step time), e.g. --measure_within=0.15.' %
@@ -360,8 +374,9 @@ def main(argv=None) -> int:
       len(plans), args.model, args.devices,
       (' within %s each' % planner.FormatSize(args.memory_bytes)
        if args.memory_bytes else ''),
-      '; %d measured, the first chosen by the measured times where they '
-      'differ by more than their noise, %.0f%%' % (len(top), 100 * noise)
+      '; %d measured over %d rounds (spread %.0f%%), the first chosen '
+      'where it beat the predicted best round after round' % (
+          len(top), args.measure_steps, 100 * noise)
       if args.measure else ''))
   print(planner.Table(plans, args.limit))
   print()
