@@ -28,7 +28,7 @@ it reports:
 
 Calibration (once per model, not counted in the comparison): the machine
 probe (FLOP rate, per-op time, devices at once, hand-off, gate, add rate),
-then the four reference plans of planner.ReferencePlans, timed beside the
+then the reference plans of planner.ReferencePlans, timed beside the
 sweep in their own sessions, and the peak RSS of two of them
 (planner.Calibrate).
 
@@ -224,7 +224,9 @@ def RunModel(model: str, devices: int, rounds: int, warmup: int,
             else planner.SessionConfig(devices))
   machine = planner.ProbeMachine(config)
   probe = dataclasses.asdict(machine)
-  refs = planner.ReferencePlans(profile)
+  # The FC benchmark runs one replica: no 'all_reduce' reference.
+  refs = planner.ReferencePlans(profile,
+                                devices=1 if model == FC else devices)
   plans = SweepPlans(model, profile, devices, micro_batches)
   _Log('%s: %d plans; building and timing them (%d rounds)' %
        (model, len(plans), rounds))

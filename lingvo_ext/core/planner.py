@@ -213,6 +213,10 @@ class Machine:
     add_bytes_per_s: Bytes per second an add of layer-sized tensors moves
       (two read, one written): the rate at which weight gradients are
       summed over micro-batches (`Accumulations`).
+    s_per_reduced_var: Time per variable and replica that 'all_reduce'
+      spends synchronising gradients beyond their bytes (a collective per
+      variable and its rendezvous across the replicas' devices); None:
+      SYNC_OPS_PER_VAR ops of s_per_op. Calibrate fits it.
   """
   flops_per_s: float = 2e10
   s_per_op: float = 2e-5
@@ -227,6 +231,7 @@ class Machine:
   s_per_handoff: float = 0.
   s_per_gate: float = 0.
   add_bytes_per_s: float = 5e10
+  s_per_reduced_var: Optional[float] = None
 
   def Parallel(self, devices: int) -> float:
     return devices if self.cores is None else max(1., min(devices, self.cores))
@@ -647,8 +652,11 @@ def Predict(profile: ModelProfile, plan: Plan,
   sync_bytes = _SyncBytes(plan, param_bytes)
   sync = sync_bytes / machine.bytes_per_s
   if r > 1:
-    sync += SYNC_OPS_PER_VAR[plan.gradient_sync] * num_vars * r * (
-        machine.s_per_op)
+    per_var = SYNC_OPS_PER_VAR[plan.gradient_sync] * machine.s_per_op
+    if (plan.gradient_sync == 'all_reduce' and
+        machine.s_per_reduced_var is not None):
+      per_var = machine.s_per_reduced_var
+    sync += per_var * num_vars * r
   # Splitting the batch into micro-batches and concatenating the outputs.
   split = 2 * plan.num_micro_batches * machine.s_per_op
   loss = profile.loss_ops * r * machine.s_per_op
@@ -1331,10 +1339,12 @@ def MeasureJob(job: Dict) -> Dict:
 
 
 def ReferencePlans(profile: ModelProfile,
-                   global_batch: Optional[int] = None) -> List[Plan]:
+                   global_batch: Optional[int] = None,
+                   devices: int = 1) -> List[Plan]:
   """The plans Calibrate measures: one cell, one replica, 'unrolled' at M=1
   and at a larger M (4, or the largest divisor of the batch below it), and
-  'recurrent' at that M and at M=1."""
+  'recurrent' at that M and at M=1; with 2 or more devices and an even
+  batch, a fifth: 'unrolled' at M=1 over 2 replicas with 'all_reduce'."""
   batch = global_batch or profile.batch
   m = max(_Divisors(batch, 4))
   n = len(profile.layers)
@@ -1344,6 +1354,9 @@ def ReferencePlans(profile: ModelProfile,
     out.append(Plan(num_cells=1, sizes=(n,), devices_per_replica=1,
                     num_micro_batches=mb, schedule=schedule, recompute=rc,
                     replicas=1, gradient_sync='shared', global_batch=batch))
+  if devices >= 2 and batch % 2 == 0:
+    out.append(dataclasses.replace(out[0], replicas=2,
+                                   gradient_sync='all_reduce'))
   return out
 
 
@@ -1370,6 +1383,33 @@ def Calibrate(profile: ModelProfile, machine: Machine,
               rss_bytes: Optional[Sequence[float]] = None) -> Machine:
   """`machine` fitted to measurements of the ReferencePlans.
 
+  See _CalibrateOneReplica for the first four references. The fifth, over
+  two replicas with 'all_reduce', fixes the time per variable and replica
+  of its gradients' collectives (`Machine.s_per_reduced_var`): the step's
+  time beyond what the other fitted constants predict for it.
+
+  Args:
+    profile: The model.
+    machine: The probed machine.
+    step_s: Measured step seconds of ReferencePlans(profile), in order.
+    rss_bytes: Their measured peak RSS (the first two are used), or None.
+  """
+  out = _CalibrateOneReplica(profile, machine, step_s[:4], rss_bytes)
+  if len(step_s) > 4:
+    ref = ReferencePlans(profile, devices=2)[4]
+    base = _Fit(profile, ref, out, s_per_reduced_var=0.).step_s
+    num_vars = sum(l.num_vars for l in profile.layers)
+    out = dataclasses.replace(out, s_per_reduced_var=max(
+        step_s[4] - base, 0.) / max(num_vars * ref.replicas, 1))
+  return out
+
+
+def _CalibrateOneReplica(profile: ModelProfile, machine: Machine,
+                         step_s: Sequence[float],
+                         rss_bytes: Optional[Sequence[float]] = None
+                        ) -> Machine:
+  """`machine` fitted to the first four ReferencePlans' measurements.
+
   The probe's per-op time is that of a chain of tiny ops; a model's graph
   (allocation, several devices, Lingvo's bookkeeping) costs more per op. The
   two 'unrolled' references fix the per-op time (from how the step grows with
@@ -1386,10 +1426,10 @@ def Calibrate(profile: ModelProfile, machine: Machine,
   Args:
     profile: The model.
     machine: The probed machine.
-    step_s: Measured step seconds of ReferencePlans(profile), in order.
+    step_s: Measured step seconds of the first 2-4 ReferencePlans, in order.
     rss_bytes: Their measured peak RSS (the first two are used), or None.
   """
-  a, b, c, d = ReferencePlans(profile)
+  a, b, c, d = ReferencePlans(profile)[:4]
   zero = dict(s_per_op=0., step_s=0., recurrent_op_factor=1.,
               recurrent_s_per_byte=0., bytes_per_op=0., overhead_bytes=0.)
 
@@ -1433,7 +1473,8 @@ def Calibrate(profile: ModelProfile, machine: Machine,
     else:
       # The larger M ran faster than the one step allows (the loop's fixed
       # cost, or noise in the one step): fit the factor on it alone.
-      return Calibrate(profile, machine, step_s[:3], rss_bytes)
+      return _CalibrateOneReplica(profile, machine, step_s[:3],
+                                  rss_bytes)
   if rss_bytes:
     ma = _Fit(profile, a, out, bytes_per_op=0., overhead_bytes=0.)
     mb = _Fit(profile, b, out, bytes_per_op=0., overhead_bytes=0.)

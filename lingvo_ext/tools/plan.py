@@ -162,7 +162,7 @@ def Machine(num_devices: int, model: Optional[str] = None,
   machine = planner.ProbeMachine(planner.SessionConfig(num_devices),
                                  overhead_bytes=overhead_bytes)
   if model and profile:
-    refs = planner.ReferencePlans(profile)
+    refs = planner.ReferencePlans(profile, devices=num_devices)
     steps = [planner.BuildExperimentStep(model, ref) for ref in refs]
     times = RoundRobin([lambda s=s: s[0].run(s[1]) for s in steps],
                        MEASURE_STEPS, 1)
@@ -283,9 +283,10 @@ def _ParseArgs(argv):
                       '(default %(default)s).')
   parser.add_argument(
       '--calibrate', action=argparse.BooleanOptionalAction, default=True,
-      help='Time the model\'s four reference plans (one cell, one '
-      'replica) in this process first, to fit the per-op and per-step '
-      'times (default); --no-calibrate uses the machine probe alone.')
+      help='Time the model\'s reference plans (one cell; one replica, '
+      'and two with all_reduce where --devices >= 2) in this process first, '
+      'to fit the per-op, per-step and all_reduce times (default); '
+      '--no-calibrate uses the machine probe alone.')
   parser.add_argument('--json', action='store_true',
                       help='Print one JSON object: the ranked plans and the '
                       'best one\'s override and flags.')
