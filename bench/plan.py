@@ -237,12 +237,15 @@ def RunModel(model: str, devices: int, rounds: int, warmup: int,
   machine = planner.Calibrate(profile, machine, times[:len(refs)], ref_rss)
   _Log('%s: %.3g FLOP/s, %.2f devices at once, %.1f us per op (x %.2f in '
        'recurrent), %.1f us per hand-off, %.1f us per gate, %.1f ms per '
-       'step, %.0f KB per graph op, overhead %s' % (
+       'step, %.0f KB per graph op, overhead %s%s' % (
            model, machine.flops_per_s, machine.cores, 1e6 * machine.s_per_op,
            machine.recurrent_op_factor, 1e6 * machine.s_per_handoff,
            1e6 * machine.s_per_gate, 1e3 * machine.step_s,
            machine.bytes_per_op / 1024,
-           planner.FormatSize(machine.overhead_bytes)))
+           planner.FormatSize(machine.overhead_bytes),
+           '' if machine.s_per_reduced_var is None else
+           ', %.1f us per all_reduce variable' % (
+               1e6 * machine.s_per_reduced_var)))
   plans = planner.PredictAll(profile, plans, machine)
   for p, t in zip(plans, times[len(refs):]):
     p.measured_step_s = t
