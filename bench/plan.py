@@ -282,7 +282,8 @@ def RunModel(model: str, devices: int, rounds: int, warmup: int,
            measure_rounds_ms=[[round(1e3 * x, 3) for x in t] for t in again]),
       side_by_side_ms={p.Key(): round(1e3 * t, 3)
                        for p, t in zip(side, side_times)},
-      probe=probe, reference_ms=[round(1e3 * t, 3) for t in times[:len(refs)]],
+      probe=probe, reference_keys=[p.Key() for p in refs],
+      reference_ms=[round(1e3 * t, 3) for t in times[:len(refs)]],
       reference_rss_mb=[round(r / 2**20, 1) for r in ref_rss if r],
       seconds=round(time.time() - t0))
 
@@ -357,10 +358,21 @@ def Repredict(record: Dict) -> Dict:
   is kept where this planner ranks the same candidates first, else dropped.
   """
   profile = Profile(record['model'])
+  refs = planner.ReferencePlans(profile, devices=record['devices'])
+  if 'reference_keys' not in record:
+    # Runs before reference_keys were recorded timed 'unrolled' at the
+    # 'recurrent' reference's M.
+    refs[1] = dataclasses.replace(
+        refs[1], num_micro_batches=refs[2].num_micro_batches)
+  elif record['reference_keys'] != [p.Key() for p in refs][
+      :len(record['reference_keys'])]:
+    raise ValueError('--repredict: the run measured the references %s; '
+                     'this checkout\'s are %s.' % (
+                         record['reference_keys'], [p.Key() for p in refs]))
   machine = planner.Calibrate(
       profile, planner.Machine(**record['probe']),
       [t / 1e3 for t in record['reference_ms']],
-      [m * 2**20 for m in record['reference_rss_mb']] or None)
+      [m * 2**20 for m in record['reference_rss_mb']] or None, refs)
   offered = {p.Key(): p for p in planner.Enumerate(profile,
                                                    record['devices'])}
   plans = []
@@ -385,8 +397,8 @@ def Repredict(record: Dict) -> Dict:
                                       'measure_candidates', 'measure_top',
                                       'measure_within', 'measure_rounds_ms')
                if k in record}
-  keep = ('probe', 'reference_ms', 'reference_rss_mb', 'seconds',
-          'side_by_side_ms')
+  keep = ('probe', 'reference_keys', 'reference_ms', 'reference_rss_mb',
+          'seconds', 'side_by_side_ms')
   return Summary(record['model'], record['devices'], plans, machine, measure,
                  **{k: record[k] for k in keep if k in record})
 

@@ -1342,14 +1342,23 @@ def ReferencePlans(profile: ModelProfile,
                    global_batch: Optional[int] = None,
                    devices: int = 1) -> List[Plan]:
   """The plans Calibrate measures: one cell, one replica, 'unrolled' at M=1
-  and at a larger M (4, or the largest divisor of the batch below it), and
-  'recurrent' at that M and at M=1; with 2 or more devices and an even
-  batch, a fifth: 'unrolled' at M=1 over 2 replicas with 'all_reduce'."""
+  and at M=8 (or the largest divisor of the batch below it), 'recurrent' at
+  M=4 (likewise) and at M=1; with 2 or more devices and an even batch, a
+  fifth: 'unrolled' at M=1 over 2 replicas with 'all_reduce'.
+
+  'unrolled''s larger M is 8, not 4: on a host whose devices share its
+  cores, two of its micro-batches run at once from M=2 on, so the growth
+  from M=1 to 4 mixes that parallelism (predicted only roughly) with the
+  cost per micro-batch the fit is after. The longer lever fits the time per
+  op where M=4 alone fitted none (bench/plan.py's FC sweep, 2026-11-25:
+  its references ran 13.5 ms at M=1 and 9.1 ms at M=4).
+  """
   batch = global_batch or profile.batch
-  m = max(_Divisors(batch, 4))
+  m, m_unrolled = max(_Divisors(batch, 4)), max(_Divisors(batch, 8))
   n = len(profile.layers)
   out = []
-  for schedule, mb, rc in (('unrolled', 1, False), ('unrolled', m, False),
+  for schedule, mb, rc in (('unrolled', 1, False),
+                           ('unrolled', m_unrolled, False),
                            ('recurrent', m, True), ('recurrent', 1, True)):
     out.append(Plan(num_cells=1, sizes=(n,), devices_per_replica=1,
                     num_micro_batches=mb, schedule=schedule, recompute=rc,
@@ -1361,10 +1370,12 @@ def ReferencePlans(profile: ModelProfile,
 
 
 # Calibrate fits the memory per graph op from its two 'unrolled' references
-# only where the larger M adds this share of the smaller one's ops (cells
-# copied per micro-batch); with cells built once the graphs differ by a few
-# calls, and the RSS difference is the activations' and the allocator's,
-# not the graph's. Then it takes DEFAULT_BYTES_PER_OP: what that fit found
+# only where cells are copied per micro-batch (not `cell_functions`) and the
+# larger M adds this share of the smaller one's ops. With cells built once
+# the graphs differ by a call per micro-batch (13-55% more ops at M=8 on the
+# shipped tiny models, whose cells are a few ops), and the RSS difference is
+# the activations' and the allocator's, not the graph's. Then it takes
+# DEFAULT_BYTES_PER_OP: what that fit found
 # with a copy of each cell per micro-batch counted (`bench/plan.py --rounds 5`
 # at 7857fbe, whose sweep was M in {1, 4}, 2026-11-24: 7 KB for
 # lm.TransformerLmTiny, 17 KB for image.ConvClassifierTiny, 11 KB for the FC
@@ -1380,7 +1391,8 @@ def _Fit(profile: ModelProfile, plan: Plan, machine: Machine, **fields):
 
 def Calibrate(profile: ModelProfile, machine: Machine,
               step_s: Sequence[float],
-              rss_bytes: Optional[Sequence[float]] = None) -> Machine:
+              rss_bytes: Optional[Sequence[float]] = None,
+              refs: Optional[Sequence[Plan]] = None) -> Machine:
   """`machine` fitted to measurements of the ReferencePlans.
 
   See _CalibrateOneReplica for the first four references. The fifth, over
@@ -1393,10 +1405,14 @@ def Calibrate(profile: ModelProfile, machine: Machine,
     machine: The probed machine.
     step_s: Measured step seconds of ReferencePlans(profile), in order.
     rss_bytes: Their measured peak RSS (the first two are used), or None.
+    refs: The plans measured, if not ReferencePlans(profile) (a saved run's,
+      for one).
   """
-  out = _CalibrateOneReplica(profile, machine, step_s[:4], rss_bytes)
+  refs = list(refs or ReferencePlans(profile, devices=2))
+  out = _CalibrateOneReplica(profile, machine, step_s[:4], rss_bytes,
+                             refs[:4])
   if len(step_s) > 4:
-    ref = ReferencePlans(profile, devices=2)[4]
+    ref = refs[4]
     base = _Fit(profile, ref, out, s_per_reduced_var=0.).step_s
     num_vars = sum(l.num_vars for l in profile.layers)
     out = dataclasses.replace(out, s_per_reduced_var=max(
@@ -1406,8 +1422,8 @@ def Calibrate(profile: ModelProfile, machine: Machine,
 
 def _CalibrateOneReplica(profile: ModelProfile, machine: Machine,
                          step_s: Sequence[float],
-                         rss_bytes: Optional[Sequence[float]] = None
-                        ) -> Machine:
+                         rss_bytes: Optional[Sequence[float]],
+                         refs: Sequence[Plan]) -> Machine:
   """`machine` fitted to the first four ReferencePlans' measurements.
 
   The probe's per-op time is that of a chain of tiny ops; a model's graph
@@ -1429,7 +1445,7 @@ def _CalibrateOneReplica(profile: ModelProfile, machine: Machine,
     step_s: Measured step seconds of the first 2-4 ReferencePlans, in order.
     rss_bytes: Their measured peak RSS (the first two are used), or None.
   """
-  a, b, c, d = ReferencePlans(profile)[:4]
+  a, b, c, d = refs[:4]
   zero = dict(s_per_op=0., step_s=0., recurrent_op_factor=1.,
               recurrent_s_per_byte=0., bytes_per_op=0., overhead_bytes=0.)
 
@@ -1474,13 +1490,13 @@ def _CalibrateOneReplica(profile: ModelProfile, machine: Machine,
       # The larger M ran faster than the one step allows (the loop's fixed
       # cost, or noise in the one step): fit the factor on it alone.
       return _CalibrateOneReplica(profile, machine, step_s[:3],
-                                  rss_bytes)
+                                  rss_bytes, refs)
   if rss_bytes:
     ma = _Fit(profile, a, out, bytes_per_op=0., overhead_bytes=0.)
     mb = _Fit(profile, b, out, bytes_per_op=0., overhead_bytes=0.)
     ga, gb = GraphOps(profile, a), GraphOps(profile, b)
     per_op = machine.bytes_per_op or DEFAULT_BYTES_PER_OP
-    if gb - ga > MIN_FITTED_OP_GROWTH * ga:
+    if not profile.cell_functions and gb - ga > MIN_FITTED_OP_GROWTH * ga:
       per_op = max(((rss_bytes[1] - mb.process_bytes) -
                     (rss_bytes[0] - ma.process_bytes)) / (gb - ga), 0.)
     out = dataclasses.replace(
