@@ -835,7 +835,7 @@ def MeasuredChoice(candidates: Sequence[Plan],
     alpha: The test's significance over all candidates.
 
   Returns:
-    (the chosen plan, the rounds' relative noise, MeasuredNoise).
+    (the chosen plan, the rounds' relative noise: MeasuredNoise).
   """
   measured = [p for p in candidates if p.measured_times]
   if not measured:
