@@ -496,11 +496,9 @@ def main(argv=None) -> int:
     return 0
   if args.devices < 1:
     parser.error('--devices must be >= 1.')
-  least = planner.MinRounds(2 * args.measure_top)
-  if args.rounds < least:
-    parser.error('--rounds=%d: with --measure_top=%d the --measure choice '
-                 'needs at least %d rounds; pass --rounds=%d or more.' % (
-                     args.rounds, args.measure_top, least, least))
+  error = plan_tool.TooFewRounds('--rounds', args.rounds, args.measure_top)
+  if error:
+    parser.error(error)
   # By module path, so the fork server's children find it.
   measurer = plan_tool.Measurer(
       importlib.import_module('bench.plan').MeasureJob, ['bench.plan'])

@@ -173,6 +173,10 @@ class ModelProfile:
   def param_bytes(self) -> int:
     return sum(l.param_bytes for l in self.layers)
 
+  @property
+  def num_vars(self) -> int:
+    return sum(l.num_vars for l in self.layers)
+
 
 @dataclasses.dataclass(frozen=True)
 class Machine:
@@ -646,7 +650,7 @@ def Predict(profile: ModelProfile, plan: Plan,
   # The replicas' work over the compute that can run at once.
   compute = max(makespan, r * busy / parallel)
   param_bytes = profile.param_bytes
-  num_vars = sum(l.num_vars for l in profile.layers)
+  num_vars = profile.num_vars
   update = (num_vars * machine.update_ops_per_var * machine.s_per_op +
             (2 + profile.optimizer_slots) * param_bytes / machine.bytes_per_s)
   sync_bytes = _SyncBytes(plan, param_bytes)
@@ -727,7 +731,7 @@ def GraphOps(profile: ModelProfile, plan: Plan) -> int:
     per_replica = fwd + bwd + plan.num_cells * m * calls
   else:
     per_replica = m * (fwd * (2 if plan.recompute else 1) + bwd)
-  num_vars = sum(l.num_vars for l in profile.layers)
+  num_vars = profile.num_vars
   return plan.replicas * (per_replica + profile.loss_ops) + num_vars * 12
 
 
@@ -850,15 +854,14 @@ def MeasuredChoice(candidates: Sequence[Plan],
       return list(p.measured_times)
     return [max(a, b) for a, b in zip(p.measured_times, twin.measured_times)]
 
-  predicted = measured[0]
-  base = Rounds(predicted)
+  rounds = [Rounds(p) for p in measured]
+  base = rounds[0]  # The predicted best's.
   bound = alpha / max(len(measured) - 1, 1)
-  faster = [predicted]
-  for p in measured[1:]:
-    wins = sum(a < b for a, b in zip(Rounds(p), base))
-    if SignTestP(wins, len(base)) <= bound:
-      faster.append(p)
-  chosen = min(faster, key=lambda p: min(Rounds(p)))
+  faster = [0] + [
+      i for i in range(1, len(measured))
+      if SignTestP(sum(a < b for a, b in zip(rounds[i], base)),
+                   len(base)) <= bound]
+  chosen = measured[min(faster, key=lambda i: min(rounds[i]))]
   twin = Twin(chosen, measured)
   if twin is not None:
     chosen = twin
@@ -1414,9 +1417,8 @@ def Calibrate(profile: ModelProfile, machine: Machine,
   if len(step_s) > 4:
     ref = refs[4]
     base = _Fit(profile, ref, out, s_per_reduced_var=0.).step_s
-    num_vars = sum(l.num_vars for l in profile.layers)
     out = dataclasses.replace(out, s_per_reduced_var=max(
-        step_s[4] - base, 0.) / max(num_vars * ref.replicas, 1))
+        step_s[4] - base, 0.) / max(profile.num_vars * ref.replicas, 1))
   return out
 
 

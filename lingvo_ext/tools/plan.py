@@ -295,6 +295,18 @@ def _ParseArgs(argv):
   return parser.parse_args(argv)
 
 
+def TooFewRounds(flag: str, rounds: int, measure_top: int) -> Optional[str]:
+  """A one-line message if `rounds` timed rounds (flag `flag`) are too few
+  for the --measure choice among measure_top candidates, else None."""
+  # Each candidate may bring its twin without recompute.
+  least = planner.MinRounds(2 * measure_top)
+  if rounds >= least:
+    return None
+  return ('%s=%d: with --measure_top=%d a candidate needs at least %d rounds '
+          'to beat the predicted best; pass %s=%d or more (default %d).' % (
+              flag, rounds, measure_top, least, flag, least, MEASURE_STEPS))
+
+
 def _CheckArgs(args) -> Optional[str]:
   """One-line message for a bad flag, or None."""
   if args.devices < 1:
@@ -313,14 +325,10 @@ def _CheckArgs(args) -> Optional[str]:
   if args.measure_top < 1:
     return ('--measure_top=%d must be >= 1, e.g. --measure_top=%d.' %
             (args.measure_top, MEASURE_TOP))
-  # Each candidate may bring its twin without recompute.
-  least = planner.MinRounds(2 * args.measure_top)
-  if args.measure_steps < least:
-    return ('--measure_steps=%d: with --measure_top=%d a candidate needs at '
-            'least %d rounds to beat the predicted best; pass '
-            '--measure_steps=%d or more (default %d).' % (
-                args.measure_steps, args.measure_top, least, least,
-                MEASURE_STEPS))
+  error = TooFewRounds('--measure_steps', args.measure_steps,
+                       args.measure_top)
+  if error:
+    return error
   if not args.measure_within >= 0:
     return ('--measure_within=%s must be >= 0 (a fraction of the predicted '
             'best\'s step time), e.g. --measure_within=0.15.' %
