@@ -135,6 +135,7 @@ def _Child(variant: str, num_layers: int, k: int, m: int, steps: int,
     sess.run(train, options=tf.RunOptions(
         trace_level=tf.RunOptions.FULL_TRACE), run_metadata=md)
   op_ms = OpTimes(md.step_stats)
+  calls_ms = sum(v for o, v in op_ms.items() if o in CALL_OPS)
   from tensorflow.python.util import _pywrap_util_port  # pylint: disable=g-import-not-at-top,g-direct-tensorflow-import
   return dict(
       variant=variant, dtype=dtype, L=num_layers, K=k, M=m, ops=ops,
@@ -148,10 +149,31 @@ def _Child(variant: str, num_layers: int, k: int, m: int, steps: int,
       loss0=float(loss0), onednn=bool(_pywrap_util_port.IsMklEnabled()),
       cpu_bf16_units=precision.CpuHasBf16Units(),
       busy_ms=round(sum(op_ms.values()), 1),
+      # Op time without the call ops' spans (their body ops count anyway),
+      # and how many ops ran in the traced step (calls excluded).
+      op_ms=round(sum(op_ms.values()) - calls_ms, 1),
+      ops_run=OpsRun(md.step_stats),
       matmul_ms=round(sum(v for o, v in op_ms.items() if 'MatMul' in o), 1),
       cast_ms=round(op_ms.get('Cast', 0.0), 1),
       top_ops_ms={o: round(v, 1) for o, v in sorted(
           op_ms.items(), key=lambda x: -x[1])[:10]})
+
+
+# Ops whose traced time spans the body ops they run (recorded too).
+CALL_OPS = frozenset(['PartitionedCall', 'StatefulPartitionedCall'])
+
+
+def _OpType(node):
+  label = node.timeline_label
+  if ' = ' not in label:
+    return None
+  return label.split(' = ', 1)[1].split('(', 1)[0].strip()
+
+
+def OpsRun(step_stats) -> int:
+  """How many ops a traced step ran on every device, call ops excluded."""
+  return sum(1 for dev in step_stats.dev_stats for node in dev.node_stats
+             if _OpType(node) not in (None, *CALL_OPS))
 
 
 def OpTimes(step_stats) -> dict:
@@ -163,11 +185,9 @@ def OpTimes(step_stats) -> dict:
   out = {}
   for dev in step_stats.dev_stats:
     for node in dev.node_stats:
-      label = node.timeline_label
-      if ' = ' not in label:
-        continue
-      op = label.split(' = ', 1)[1].split('(', 1)[0].strip()
-      out[op] = out.get(op, 0.0) + node.all_end_rel_micros / 1e3
+      op = _OpType(node)
+      if op is not None:
+        out[op] = out.get(op, 0.0) + node.all_end_rel_micros / 1e3
   return out
 
 
@@ -232,17 +252,21 @@ def MarkdownDtypes(records) -> str:
                     {})[r.get('dtype', 'float32')] = r
   rows = ['| L, K, M | variant | float32 ms | bf16 ms | bf16 / float32 | '
           'bytes between cells float32 / bf16 | op time: MatMul ms float32 / '
-          'bf16 | Cast ms bf16 | all ops ms float32 / bf16 | oneDNN |',
-          '|---|---|---|---|---|---|---|---|---|---|']
+          'bf16 | Cast ms bf16 | all ops ms float32 / bf16, calls excluded | '
+          'MatMul share float32 | ops run float32 / bf16 | oneDNN |',
+          '|---|---|---|---|---|---|---|---|---|---|---|---|']
   for (l, k, m, v), d in by.items():
     if set(DTYPES) <= set(d):
       f, b = d['float32'], d['bfloat16']
       rows.append('| %d, %d, %d | %s | %.1f | %.1f | %.2fx | %d / %d | '
-                  '%.1f / %.1f | %.1f | %.1f / %.1f | %s |' %
+                  '%.1f / %.1f | %.1f | %.1f / %.1f | %s | %s / %s | %s |' %
                   (l, k, m, v, f['step_ms'], b['step_ms'],
                    b['step_ms'] / f['step_ms'], f['bytes_between_cells'],
                    b['bytes_between_cells'], f['matmul_ms'], b['matmul_ms'],
-                   b['cast_ms'], f['busy_ms'], b['busy_ms'], OneDnnCell(b)))
+                   b['cast_ms'], f['op_ms'], b['op_ms'],
+                   '%.0f%%' % (100 * f['matmul_ms'] / f['op_ms'])
+                   if f['op_ms'] else '-', f['ops_run'], b['ops_run'],
+                   OneDnnCell(b)))
   return '\n'.join(rows)
 
 

@@ -452,14 +452,15 @@ def test_bench_dtype_tables():
   assert len(rows) == 3
   assert '| 100.0 | 62.0 | 0.62x | 8 / 4 |' in rows[2]
   rec = dict(variant='unrolled', L=8, K=2, M=4, bytes_between_cells=8,
-             matmul_ms=10.0, cast_ms=0.0, busy_ms=20.0, onednn=False,
-             step_ms=50.0)
+             matmul_ms=10.0, cast_ms=0.0, op_ms=40.0, ops_run=1000,
+             onednn=False, step_ms=50.0)
   rows = bench_transformer.MarkdownDtypes([
       dict(rec, dtype='float32'),
       dict(rec, dtype='bfloat16', step_ms=40.0, bytes_between_cells=4,
-           cast_ms=3.0)]).splitlines()
+           cast_ms=3.0, op_ms=30.0, ops_run=1200)]).splitlines()
   assert rows[2] == ('| 8, 2, 4 | unrolled | 50.0 | 40.0 | 0.80x | 8 / 4 | '
-                     '10.0 / 10.0 | 3.0 | 20.0 / 20.0 | off |')
+                     '10.0 / 10.0 | 3.0 | 40.0 / 30.0 | 25% | 1000 / 1200 | '
+                     'off |')
   # A CPU without bfloat16 units says so beside oneDNN's state.
   rows = bench_transformer.MarkdownDtypes([
       dict(rec, dtype='float32', cpu_bf16_units=False),
