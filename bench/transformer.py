@@ -163,17 +163,19 @@ def _Child(variant: str, num_layers: int, k: int, m: int, steps: int,
 CALL_OPS = frozenset(['PartitionedCall', 'StatefulPartitionedCall'])
 
 
-def _OpType(node):
-  label = node.timeline_label
-  if ' = ' not in label:
-    return None
-  return label.split(' = ', 1)[1].split('(', 1)[0].strip()
+def _OpTypes(step_stats):
+  """(op type, ms) of each op a traced step ran, on every device."""
+  from bench import timeline  # pylint: disable=g-import-not-at-top
+  for dev in step_stats.dev_stats:
+    for node in dev.node_stats:
+      op = timeline.OpType(node.timeline_label)
+      if op:
+        yield op, node.all_end_rel_micros / 1e3
 
 
 def OpsRun(step_stats) -> int:
   """How many ops a traced step ran on every device, call ops excluded."""
-  return sum(1 for dev in step_stats.dev_stats for node in dev.node_stats
-             if _OpType(node) not in (None, *CALL_OPS))
+  return sum(1 for op, _ in _OpTypes(step_stats) if op not in CALL_OPS)
 
 
 def OpTimes(step_stats) -> dict:
@@ -183,11 +185,8 @@ def OpTimes(step_stats) -> dict:
   trace also records under their own types: those count twice in the sum.
   """
   out = {}
-  for dev in step_stats.dev_stats:
-    for node in dev.node_stats:
-      op = _OpType(node)
-      if op is not None:
-        out[op] = out.get(op, 0.0) + node.all_end_rel_micros / 1e3
+  for op, ms in _OpTypes(step_stats):
+    out[op] = out.get(op, 0.0) + ms
   return out
 
 
