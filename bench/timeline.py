@@ -31,12 +31,13 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 # ':mb<t>' appended when the micro-batch is known.
 Interval = Tuple[float, float, str]
 
+# Function calls: their traced time spans their body ops, recorded too.
+CALL_OPS = frozenset(['PartitionedCall', 'StatefulPartitionedCall'])
 # Nodes that are not work on the device: containers whose body ops are
 # recorded separately, and receives whose duration is mostly waiting.
-_NOT_BUSY_OPS = frozenset([
-    'PartitionedCall', 'StatefulPartitionedCall', '_Recv', '_HostRecv',
-    'Recv', '_SOURCE', 'NoOp', '_Arg', '_Retval', '_DeviceArg',
-    '_DeviceRetval'
+_NOT_BUSY_OPS = CALL_OPS | frozenset([
+    '_Recv', '_HostRecv', 'Recv', '_SOURCE', 'NoOp', '_Arg', '_Retval',
+    '_DeviceArg', '_DeviceRetval'
 ])
 _UPDATE_OP = re.compile(r'^(Resource)?(Apply|AssignSub|AssignAdd|Assign)')
 _MICRO_BATCH = re.compile(r'_mb(\d+)(?:/|$|_)')

@@ -134,8 +134,9 @@ def _Child(variant: str, num_layers: int, k: int, m: int, steps: int,
     md = tf.RunMetadata()  # One traced step: where the time goes.
     sess.run(train, options=tf.RunOptions(
         trace_level=tf.RunOptions.FULL_TRACE), run_metadata=md)
-  op_ms = OpTimes(md.step_stats)
-  calls_ms = sum(v for o, v in op_ms.items() if o in CALL_OPS)
+  from bench import timeline  # pylint: disable=g-import-not-at-top
+  ms_by_op = OpTimes(md.step_stats)
+  calls_ms = sum(v for o, v in ms_by_op.items() if o in timeline.CALL_OPS)
   from tensorflow.python.util import _pywrap_util_port  # pylint: disable=g-import-not-at-top,g-direct-tensorflow-import
   return dict(
       variant=variant, dtype=dtype, L=num_layers, K=k, M=m, ops=ops,
@@ -148,19 +149,16 @@ def _Child(variant: str, num_layers: int, k: int, m: int, steps: int,
       peak_rss_mb=peak_rss_mb,
       loss0=float(loss0), onednn=bool(_pywrap_util_port.IsMklEnabled()),
       cpu_bf16_units=precision.CpuHasBf16Units(),
-      busy_ms=round(sum(op_ms.values()), 1),
+      busy_ms=round(sum(ms_by_op.values()), 1),
       # Op time without the call ops' spans (their body ops count anyway),
       # and how many ops ran in the traced step (calls excluded).
-      op_ms=round(sum(op_ms.values()) - calls_ms, 1),
+      op_ms=round(sum(ms_by_op.values()) - calls_ms, 1),
       ops_run=OpsRun(md.step_stats),
-      matmul_ms=round(sum(v for o, v in op_ms.items() if 'MatMul' in o), 1),
-      cast_ms=round(op_ms.get('Cast', 0.0), 1),
+      matmul_ms=round(
+          sum(v for o, v in ms_by_op.items() if 'MatMul' in o), 1),
+      cast_ms=round(ms_by_op.get('Cast', 0.0), 1),
       top_ops_ms={o: round(v, 1) for o, v in sorted(
-          op_ms.items(), key=lambda x: -x[1])[:10]})
-
-
-# Ops whose traced time spans the body ops they run (recorded too).
-CALL_OPS = frozenset(['PartitionedCall', 'StatefulPartitionedCall'])
+          ms_by_op.items(), key=lambda x: -x[1])[:10]})
 
 
 def _OpTypes(step_stats):
@@ -175,7 +173,9 @@ def _OpTypes(step_stats):
 
 def OpsRun(step_stats) -> int:
   """How many ops a traced step ran on every device, call ops excluded."""
-  return sum(1 for op, _ in _OpTypes(step_stats) if op not in CALL_OPS)
+  from bench import timeline  # pylint: disable=g-import-not-at-top
+  return sum(1 for op, _ in _OpTypes(step_stats)
+             if op not in timeline.CALL_OPS)
 
 
 def OpTimes(step_stats) -> dict:
