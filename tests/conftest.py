@@ -149,6 +149,18 @@ def pytest_collection_finish(session):
 
 
 @pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+  # After the test's fixtures are torn down: its garbage is collected, and
+  # what outlives it (module fixtures, TF's caches) is frozen, so the next
+  # tests' collections do not walk it again and again. A worker's oldest
+  # generation otherwise holds every earlier test's survivors: gc took 8% of
+  # the quick tier in one process (17.2 s of 205.8), 2.9 s with this.
+  del item, nextitem
+  gc.collect()
+  gc.freeze()
+
+
+@pytest.hookimpl(trylast=True)
 def pytest_unconfigure(config):
   # The process is about to exit: the interpreter's last collection would
   # walk every object the tests left behind (seconds, after hundreds of
