@@ -16,13 +16,14 @@ def test_pairs_and_markdown():
   assert transformer.Pairs([2, 4], [4, 16]) == [(2, 4), (4, 16)]
   assert transformer.Pairs([2], [4, 8]) == [(2, 4), (2, 8)]
   base = dict(L=8, K=2, M=4, ops=100, first_step_s=1., step_ms=80.,
-              peak_rss_mb=500)
+              cpu_ms=150., peak_rss_mb=500)
   text = transformer.Markdown([
       dict(base, variant='lingvo'),
       dict(base, variant='unrolled+functions', step_ms=40.),
       dict(variant='1f1b', L=8, K=2, M=4, error='timeout 1800s')])
   lines = text.splitlines()
-  assert lines[3] == '| 8, 2, 4 | unrolled+functions | 100 | 1.0 | 40.0 | 500 | 0.50x |'
+  assert lines[3] == ('| 8, 2, 4 | unrolled+functions | 100 | 1.0 | 40.0 | '
+                      '150 | 500 | 0.50x |')
   assert 'timeout 1800s' in lines[4]
 
 
@@ -72,4 +73,5 @@ def test_same_first_loss_in_both_libraries():
   run = {r['variant']: r for r in records}
   assert all(0 < r['op_ms'] <= r['busy_ms'] and r['ops_run'] > 0
              for r in records), records
+  assert all(r['cpu_ms'] > 0 for r in records), records
   assert run['unrolled']['op_ms'] < run['unrolled']['busy_ms']
