@@ -117,6 +117,9 @@ def _PerVariant(experiments, variants):
           x[0], '+inline' if x[1] else ''))
 
 
+# Trains the registered lm task (three builds): end-to-end by pytest.ini's
+# definition, so the whole suite runs it, not the quick tier.
+@pytest.mark.e2e
 def test_every_schedule_clips_by_the_same_gradient_norm():
   # lm's embedding gets a sparse gradient whose rows repeat (a character
   # looked up several times in a batch), but a dense one under 'recurrent';
