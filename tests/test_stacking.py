@@ -170,8 +170,9 @@ def _RestoreAndRead(p, prefix, num_devices, use_lingvo_saver):
   return {v.name[:-2]: x for v, x in zip(variables, got)}
 
 
-# Trains the registered lm task and saves and restores it four times:
-# end-to-end by pytest.ini's definition (the whole suite runs it).
+# Builds the registered lm task four times, training and saving it twice and
+# restoring it twice: end-to-end by pytest.ini's definition (the whole suite
+# runs it, and CI's numerics pass).
 @pytest.mark.e2e
 def testCheckpointRoundTripsBothWays(tmp_path):
   # Unstacked at K=2 (two devices) into stacked at K=1, with Lingvo's saver
