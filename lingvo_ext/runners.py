@@ -42,6 +42,7 @@ from lingvo_ext._internal import tf as internal_tf
 from lingvo_ext.core import cuts
 from lingvo_ext.distributed import step_keeping
 from lingvo_ext.distributed import trainer_lib
+from lingvo_ext.tools import timeline
 
 # Jobs whose devices are listed from the session (cluster.ListDevices); each
 # must expect as many CPUs as the session has.
@@ -270,6 +271,10 @@ class _TrainerSession(tf.Session):
         f.write(run_metadata.SerializeToString())
       tf.logging.info('Wrote the RunMetadata of training step %d to %s',
                       self._trace_step, self._trace_path)
+      # Its picture, Chrome trace and TensorBoard image (docs/schedules.md).
+      timeline.WriteTrainerTimeline(run_metadata,
+                                    os.path.dirname(self._trace_path),
+                                    self._trace_step)
     else:
       out = super().run(fetches, feed_dict, options, run_metadata)
     if self._on_step and len(fetches) > 1:
