@@ -1,6 +1,6 @@
 r"""Trains on a local multi-process TensorFlow cluster on 127.0.0.1.
 
-  python -m lingvo_ext.launch --model=lm.TransformerLmTinyGPipe \
+  .venv/bin/python -m lingvo_ext.launch --model=lm.TransformerLmTinyGPipe \
       --logdir=/tmp/lm_cluster --workers=2 --worker_split_size=2
 
 starts a controller, a trainer client and --workers worker processes of
@@ -19,7 +19,7 @@ replicas of a 2-cell pipeline.
 or Slurm would: each task learns its place from TF_CONFIG or SLURM_*
 variables (--cluster_resolver), with one chief process running the
 controller and the trainer client. See lingvo_ext/distributed/launch_lib.py
-and README "Running on several machines".
+and docs/clusters.md.
 """
 
 import argparse
@@ -31,7 +31,7 @@ from lingvo_ext.distributed import launch_lib
 
 def _Parser():
   p = argparse.ArgumentParser(
-      prog='python -m lingvo_ext.launch',
+      prog='.venv/bin/python -m lingvo_ext.launch',
       description='Local multi-process training cluster; other flags go to '
       'every lingvo_ext.trainer process.')
   p.add_argument('--workers', type=int, required=True,
@@ -100,13 +100,13 @@ def Main(argv=None):
     if name in ('cluster_spec', 'job', 'task', 'mode', 'run_locally',
                 'cluster_resolver', 'slurm_port_base'):
       print(f'error: --{name} is set by lingvo_ext.launch for each process; '
-            'drop it (to run tasks by hand, see README "Running on several '
-            'machines").', file=sys.stderr)
+            'drop it (to run tasks by hand: docs/clusters.md).',
+            file=sys.stderr)
       return 2
   logdir = _FlagValue(trainer_flags, 'logdir')
   if not logdir or not _FlagValue(trainer_flags, 'model'):
     print('error: --model and --logdir are required, e.g. '
-          'python -m lingvo_ext.launch --model=lm.TransformerLmTinyGPipe '
+          '.venv/bin/python -m lingvo_ext.launch --model=lm.TransformerLmTinyGPipe '
           '--logdir=/tmp/lm_cluster --workers=2 --worker_split_size=2',
           file=sys.stderr)
     return 2

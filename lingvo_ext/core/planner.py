@@ -916,7 +916,7 @@ def TrainerFlags(plan: Plan) -> List[str]:
 
 def Command(model: str, plan: Plan) -> str:
   """The trainer command line that runs the plan."""
-  return ("python -m lingvo_ext.trainer --model=%s %s "
+  return (".venv/bin/python -m lingvo_ext.trainer --model=%s %s "
           "--model_params_override='%s' --logdir=LOGDIR" %
           (model, ' '.join(TrainerFlags(plan)), OverrideString(plan)))
 

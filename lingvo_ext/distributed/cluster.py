@@ -291,7 +291,7 @@ def WaitForAddresses(addresses: Dict[str, str], timeout_s: float,
   if not PollUntil(AllAnswered, timeout_s, poll_s):
     raise TimeoutError(
         'no answer within --cluster_wait_secs=%g s from %s; start those '
-        'processes (python -m lingvo_ext.trainer --cluster_spec=... '
+        'processes (.venv/bin/python -m lingvo_ext.trainer --cluster_spec=... '
         '--job=JOB --task=N), or fix their addresses in --cluster_spec.' %
         (timeout_s, ', '.join(f'{w} at {a}' for w, a in pending.items())))
 

@@ -11,7 +11,7 @@ with the target model's by its name without cell scopes, checks shapes, and
 writes the checkpoint under the target's names: variables, optimizer slots
 (`.../var/Adam`) and the global step.
 
-  python -m lingvo_ext.tools.convert_checkpoint \\
+  .venv/bin/python -m lingvo_ext.tools.convert_checkpoint \\
       --from_model=lm.TransformerLmTinyGPipe \\
       --from_model_params_override='task.partition_independent_names:False' \\
       --from_checkpoint=/tmp/lm/train/ckpt-00000020 \\
@@ -29,7 +29,7 @@ A model that is not registered (e.g. a stack cut by lingvo.core.gpipe's
 PartitionSequentialLayers in one's own graph) is converted from the two
 layouts alone: the leaves per cell of each cut, and the naming:
 
-  python -m lingvo_ext.tools.convert_checkpoint \\
+  .venv/bin/python -m lingvo_ext.tools.convert_checkpoint \\
       --from_checkpoint=/tmp/mine/ckpt --from_cut=3,4,4,5 \\
       --to_cut=4,4,4,4 --to_checkpoint=/tmp/mine4/ckpt
 

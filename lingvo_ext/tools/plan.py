@@ -1,7 +1,7 @@
 r"""Chooses how to pipeline a registered experiment on N devices.
 
-  python -m lingvo_ext.tools.plan --model=lm.TransformerLm --devices=2
-  python -m lingvo_ext.tools.plan --model=lm.TransformerLm --devices=4 \
+  .venv/bin/python -m lingvo_ext.tools.plan --model=lm.TransformerLm --devices=2
+  .venv/bin/python -m lingvo_ext.tools.plan --model=lm.TransformerLm --devices=4 \
       --memory_per_device=64MB --global_batch=32 --measure --json
 
 Enumerates the plans (K cells and their exact min-max cut, M micro-batches,
@@ -59,7 +59,7 @@ def _UnknownModel(model: str) -> str:
   close = difflib.get_close_matches(model, names, n=3, cutoff=0.5)
   hint = ('did you mean %s? ' % ', '.join(close)) if close else ''
   return ('--model=%s is not a registered experiment; %spass one of '
-          '`python -m lingvo_ext.tools.list_models`.' % (model, hint))
+          '`.venv/bin/python -m lingvo_ext.tools.list_models`.' % (model, hint))
 
 
 # --- Measuring plans in child processes -------------------------------------
@@ -251,7 +251,7 @@ def TrainerAutoPlan(model: str, devices: int,
 
 def _ParseArgs(argv):
   parser = argparse.ArgumentParser(
-      prog='python -m lingvo_ext.tools.plan',
+      prog=".venv/bin/python -m lingvo_ext.tools.plan",
       description=__doc__.splitlines()[0],
       formatter_class=argparse.RawDescriptionHelpFormatter,
       epilog='\n'.join(__doc__.splitlines()[1:]))
