@@ -17,7 +17,7 @@ as `x_ops.so.orig`. Where the library already loads, nothing is touched.
 
 A library that loads is recorded in `x_ops.so.loads` (its SHA-256, with
 TensorFlow's and glibc's versions): while those are unchanged, a later run
-skips the test-load (a fresh process that imports TensorFlow, about 4 s;
+skips the test-load (a fresh process that imports TensorFlow;
 scripts/venv.sh runs this tool before every test and training command).
 --force test-loads anyway.
 

@@ -265,12 +265,8 @@ def _ParseArgs(argv):
                       help="Examples per step over all replicas (default: "
                       "the experiment's input batch_size).")
   parser.add_argument('--measure', action='store_true',
-                      help='Time the plans predicted within '
-                      '--measure_within of the best, at most --measure_top '
-                      '(and their twins without recompute), round robin, '
-                      'and take the fastest of those that beat the '
-                      'predicted best in enough of the paired rounds (a '
-                      'sign test).')
+                      help='Time the best predicted plans and take the '
+                      'fastest measured (docs/performance.md).')
   parser.add_argument('--measure_top', type=int, default=MEASURE_TOP,
                       help='At most this many plans --measure times '
                       '(default %(default)s).')
@@ -283,10 +279,8 @@ def _ParseArgs(argv):
                       '(default %(default)s).')
   parser.add_argument(
       '--calibrate', action=argparse.BooleanOptionalAction, default=True,
-      help='Time the model\'s reference plans (one cell; one replica, '
-      'and two with all_reduce where --devices >= 2) in this process first, '
-      'to fit the per-op, per-step and all_reduce times (default); '
-      '--no-calibrate uses the machine probe alone.')
+      help='Time the model\'s reference plans first to fit the cost model '
+      '(default); --no-calibrate uses the machine probe alone.')
   parser.add_argument('--json', action='store_true',
                       help='Print one JSON object: the ranked plans and the '
                       'best one\'s override and flags.')
