@@ -140,9 +140,9 @@ def CallsOptimizedOnce():
   op also carries a config (the eager context's, by default with Grappler
   on) under which the runtime optimizes the function's body again each time
   it instantiates the call: once per call site, so a pipeline's K x M calls
-  of its cells' functions and their gradients (docs/benchmarks.md, "Building
-  the backward pass and the first step"). Inside, calls carry the context's
-  config with the meta optimizer off. Thread-local, as the options are.
+  of its cells' functions and their gradients, which lengthens the first
+  step. Inside, calls carry the context's config with the meta optimizer
+  off. Thread-local, as the options are.
   """
   ctx = tf_context.context()
   saved = ctx.function_call_options
