@@ -12,10 +12,11 @@ float32 run and back. A task turns it on with `task.fprop_dtype`, e.g.
 On a CPU, TensorFlow's bfloat16 matmuls are fast only through oneDNN
 (TF_ENABLE_ONEDNN_OPTS=1, TensorFlow's default on CPUs that have bfloat16
 units); Eigen's bfloat16 kernels are slower than its float32 ones, and so
-are oneDNN's on a CPU without bfloat16 units (bench/matmul.py: 0.9x
-float32's GFLOP/s with oneDNN on an AVX2 AMD EPYC).
+are oneDNN's on a CPU without bfloat16 units (bench/matmul.py tells which
+case a CPU is; figures in docs/benchmarks.md).
 
-The trainer calls `WarnIfSlow(task.fprop_dtype)` once: it says when
+The trainer calls `WarnIfSlow(task.fprop_dtype)` once for a PipelinedTask
+experiment: it says when
 bfloat16 will be slow here. It also works round a TensorFlow 2.21 bug: with
 oneDNN on, Grappler's remapper fuses a bfloat16 Conv2D + BiasAdd into
 `_FusedConv2D`, which only oneDNN's rewrite can run, and a session over gRPC
