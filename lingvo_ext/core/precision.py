@@ -16,8 +16,7 @@ are oneDNN's on a CPU without bfloat16 units (bench/matmul.py tells which
 case a CPU is; figures in docs/benchmarks.md).
 
 The trainer calls `WarnIfSlow(task.fprop_dtype)` once for a PipelinedTask
-experiment: it says when
-bfloat16 will be slow here. It also works round a TensorFlow 2.21 bug: with
+experiment: it says when bfloat16 will be slow here. It also works round a TensorFlow 2.21 bug: with
 oneDNN on, Grappler's remapper fuses a bfloat16 Conv2D + BiasAdd into
 `_FusedConv2D`, which only oneDNN's rewrite can run, and a session over gRPC
 (Lingvo's trainer, evaler and clusters) rejects the graph ("Value for attr
