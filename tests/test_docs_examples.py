@@ -1,7 +1,7 @@
 """Every runnable example of README.md and docs/ runs; every error is documented.
 
 A code block is runnable when an HTML comment `<!-- runnable -->` is on the
-line before its fence (options: tests/docs_lib.py). Each runs as written,
+line before its fence (options: tests/docs_testlib.py). Each runs as written,
 from a fresh temporary directory that has a `.venv` link to this checkout's
 venv (so `.venv/bin/python -m ...` works there) and that venv's bin first on
 PATH (so the console scripts do); `/tmp/lx/` in the block becomes a
@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from tests import docs_lib
+from tests import docs_testlib as docs_lib
 
 ROOT = docs_lib.ROOT
 TIMEOUT = 600
