@@ -11,8 +11,9 @@
   Options combine, e.g. `<!-- runnable: e2e cwd=repo -->`.
 - `ErrorTemplates`: the `error:` lines the tools print, read from the code:
   what is printed after 'error: ', what the flag and model checks return
-  (printed as `error: <message>`), and what the tools' Fail helpers print;
-  each as its literal text with '{}' where a value goes.
+  (printed as `error: <message>`), what the tools' Fail helpers print, and
+  the ValueErrors that name a flag (the entry points print them); each as
+  its literal text with '{}' where a value goes.
 """
 
 import ast
@@ -87,7 +88,7 @@ _ERROR_MODULES = ['lingvo_ext/trainer.py', 'lingvo_ext/launch.py',
                   'lingvo_ext/registry.py', 'lingvo_ext/runners.py',
                   'lingvo_ext/distributed/*.py', 'lingvo_ext/tools/*.py']
 # Functions whose returned strings the entry points print as `error: ...`.
-_CHECKERS = re.compile(r'^_?(Check|Resolve|Lock|UnknownModel)')
+_CHECKERS = re.compile(r'^_?(Check|Resolve|Lock|UnknownModel|AutoPlan)')
 # Calls whose first argument is printed as `error: ...`.
 _FAILS = ('Fail', '_Fail', '_Exit')
 
@@ -133,8 +134,18 @@ def ErrorTemplates() -> List[Tuple[str, int, str]]:
             text = lead[len('error: '):]
           elif lead and _CallName(n) in _FAILS:
             text = lead
+        elif (isinstance(n, ast.Raise) and isinstance(n.exc, ast.Call) and
+              n.exc.args and _CallName(n.exc) == 'ValueError'):
+          # A ValueError naming a flag: the entry points print it as an
+          # `error:` line.
+          lead = _Lead(n.exc.args[0])
+          if lead and lead.startswith('--'):
+            text = lead
         elif checker and isinstance(n, ast.Return) and n.value is not None:
-          text = _Lead(n.value)
+          value = n.value
+          if isinstance(value, ast.Tuple) and value.elts:  # (error, ...).
+            value = value.elts[0]
+          text = _Lead(value)
         # A message made elsewhere, passed on: its maker is checked there.
         if text and re.search(r'[A-Za-z]{3}', text.replace(
             '(--help lists the flags)', '')):
