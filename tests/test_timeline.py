@@ -139,3 +139,25 @@ def testTracedTrainerRunGivesTheMeasuredPicture(tmp_path):
   out = str(tmp_path / 'step.svg')
   assert timeline.main(['--logdir=' + logdir, '--out=' + out]) == 0
   assert os.path.getsize(out) > 0
+
+
+def testDevicesOfSeveralTasksKeepTheirTask():
+  from tensorflow.core.framework import step_stats_pb2  # pylint: disable=g-direct-tensorflow-import,g-import-not-at-top
+  from lingvo_ext.tools import step_trace  # pylint: disable=g-import-not-at-top
+  stats = step_stats_pb2.StepStats()
+  for task in (0, 1):
+    dev = stats.dev_stats.add()
+    dev.device = '/job:worker/replica:0/task:%d/device:CPU:0' % task
+    node = dev.node_stats.add()
+    node.node_name = 'cell%d/MatMul' % task
+    node.timeline_label = 'cell%d/MatMul = MatMul(a, b)' % task
+    node.all_start_micros = 100 + 10 * task
+    node.op_end_rel_micros = 5
+  intervals = step_trace.BusyIntervals(stats)
+  assert sorted(intervals) == ['worker:0/CPU:0', 'worker:1/CPU:0']
+  chrome = step_trace.StepStatsToChrome(stats)
+  threads = [e['args']['name'] for e in chrome['traceEvents']
+             if e['name'] == 'thread_name']
+  assert threads == ['worker:0/CPU:0', 'worker:1/CPU:0']
+  starts = [e['ts'] for e in chrome['traceEvents'] if e['ph'] == 'X']
+  assert starts == [0.0, 10.0]
