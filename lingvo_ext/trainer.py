@@ -77,15 +77,6 @@ from lingvo_ext.distributed import trainer_lib
 
 FLAGS = tf.flags.FLAGS
 
-# The runner classes, state and manager (lingvo_ext/runners.py).
-RunnerManager = runners.RunnerManager
-RunState = runners.RunState
-LocalController = runners.LocalController
-LocalTrainer = runners.LocalTrainer
-LocalEvaler = runners.LocalEvaler
-LocalDecoder = runners.LocalDecoder
-Options = trainer_flags.Options
-
 
 # The lock a training process holds on its logdir for its whole life (the
 # kernel drops it when the process ends, however it ends).
@@ -291,9 +282,9 @@ def _OnSigint(run_state):
 
 def main(unused_argv, options=None):
   """Runs Lingvo's runners (Run has checked and read the flags)."""
-  o = options or Options.FromFlags()
+  o = options or trainer_flags.Options.FromFlags()
   internal_lingvo.InitTpuEmbeddingManager()  # As lingvo.trainer.main.
-  run_state = RunState()
+  run_state = runners.RunState()
   signal.signal(signal.SIGINT, _OnSigint(run_state))
   if o.run_locally == 'cpu' and o.num_cpu_devices > 1:
     splits = o.num_cpu_devices // o.worker_split_size
@@ -319,7 +310,7 @@ def main(unused_argv, options=None):
   # at exit, no longer walk them (docs/benchmarks.md, "gc.freeze").
   gc.freeze()
   try:
-    RunnerManager(o.model, o, run_state).Start()
+    runners.RunnerManager(o.model, o, run_state).Start()
   except ValueError as e:  # Bad params, found while building the model.
     tf.logging.vlog(1, '%s', traceback.format_exc())
     print(f'error: {e}', file=sys.stderr, flush=True)
@@ -371,7 +362,7 @@ def Run(argv=None):
     return 2
   if FLAGS.cluster_spec:  # One task of a cluster (lingvo_ext.distributed).
     FLAGS.set_default('run_locally', '')
-  o = Options.FromFlags()  # The flags, read once.
+  o = trainer_flags.Options.FromFlags()  # The flags, read once.
   # Everything checked before anything is written to the logdir.
   error = _CheckFlags(o)
   if not error:

@@ -29,25 +29,10 @@ import sys
 import lingvo.compat as tf
 
 from lingvo_ext.distributed import cluster
-from lingvo_ext.distributed import faults
 from lingvo_ext.distributed import resolvers
 from lingvo_ext.distributed import server
-from lingvo_ext.distributed import step_keeping
 
 FLAGS = tf.flags.FLAGS
-
-# Kept where callers found them (server.py, faults.py, step_keeping.py).
-SessionConfig = server.SessionConfig
-COLLECTIVE_GROUP_LEADER = server.COLLECTIVE_GROUP_LEADER
-ClusterWatch = server.ClusterWatch
-ServeUntilDone = server.ServeUntilDone
-SignalDone = server.SignalDone
-SilentTasks = faults.SilentTasks
-LostTaskReportMixin = faults.LostTaskReportMixin
-LostTaskLine = faults.LostTaskLine
-RestoredLine = step_keeping.RestoredLine
-TrainerStepLine = step_keeping.TrainerStepLine
-_SERVER_JOBS = server.SERVER_JOBS
 
 
 def ResolveCluster(argv):
@@ -182,7 +167,7 @@ class DistributedRunnerManagerMixin:
           tf.train.ClusterSpec(jobs),
           job_name=job,
           task_index=o.task,
-          config=SessionConfig(o, client=False))
+          config=server.SessionConfig(o, client=False))
     except ValueError as e:
       _Exit(str(e))
     except tf.errors.OpError as e:
@@ -191,13 +176,14 @@ class DistributedRunnerManagerMixin:
     print(f'{me} serving on {address}', file=sys.stderr, flush=True)
     if not FLAGS.tf_master:
       FLAGS.tf_master = self._tf_server.target
-    ClusterWatch(jobs, o.jobs, o.task, o.cluster_wait_secs).Start()
+    server.ClusterWatch(jobs, o.jobs, o.task, o.cluster_wait_secs).Start()
     if job in ('worker', 'ps', 'input'):
       return  # Servers only; the clients drive them.
     # Clients need the servers that hold the variables and run the ops, not
     # each other (a restarted controller may find training already done).
     others = {
-        f'{j} task {t}': a for j, addrs in jobs.items() if j in _SERVER_JOBS
+        f'{j} task {t}': a for j, addrs in jobs.items()
+        if j in server.SERVER_JOBS
         for t, a in enumerate(addrs) if a != address
     }
     try:
@@ -209,8 +195,9 @@ class DistributedRunnerManagerMixin:
   def _CreateRunner(self, job, model_task_name, logdir, tf_master, trial):
     o = self._options
     if o.distributed and job in ('worker', 'ps'):
-      ServeUntilDone(self._tf_server,  # Does not return.
-                     cluster.ParseClusterSpec(o.cluster_spec), job, o.task)
+      server.ServeUntilDone(  # Does not return.
+          self._tf_server, cluster.ParseClusterSpec(o.cluster_spec), job,
+          o.task)
     return super()._CreateRunner(job, model_task_name, logdir, tf_master,
                                  trial)
 
@@ -227,7 +214,7 @@ class DistributedRunnerManagerMixin:
     path = tf.train.latest_checkpoint(os.path.join(o.logdir, 'train'))
     step = int(path.rsplit('-', 1)[1]) if path else -1
     if max_steps and step >= max(max_steps):
-      SignalDone(cluster.ParseClusterSpec(o.cluster_spec), o.job,
-                 FLAGS.tf_master, SessionConfig(o))
+      server.SignalDone(cluster.ParseClusterSpec(o.cluster_spec), o.job,
+                        FLAGS.tf_master, server.SessionConfig(o))
 
 
