@@ -72,17 +72,16 @@ def _CheckLastDim(p, shape, dim, param_name):
 
 
 def _Meta(num_flops, out, **extra) -> py_utils.NestedMap:
-  """What every FPropMeta returns: its FLOPs (an int where the shapes are
-  known) and its one output shape `out`, plus `extra` fields."""
+  """FPropMeta's result: FLOPs (an int where known), out_shapes=(out,)."""
   return py_utils.NestedMap(flops=flops.ToInt(num_flops), out_shapes=(out,),
                             **extra)
 
 
-def _UnprofiledActivation(p, num_outputs):
-  """UnprofiledFlops of a layer whose only such FLOPs are its activation's
-  (p.activation) over `num_outputs` elements."""
-  return flops.ToInt(flops.ActivationUnprofiledFlops(p.activation,
-                                                     num_outputs))
+def _UnprofiledActivation(activated):
+  """An UnprofiledFlops(p, inputs) classmethod: p.activation's FLOPs that TF's
+  profiler does not count, over activated(cls, p, inputs) elements."""
+  return classmethod(lambda cls, p, inputs: flops.ToInt(
+      flops.ActivationUnprofiledFlops(p.activation, activated(cls, p, inputs))))
 
 
 def Activate(x, activation):
@@ -98,6 +97,13 @@ def Activate(x, activation):
     return tf.nn.gelu(x, approximate=True)
   raise ValueError('activation=%r is not supported; choose one of %s.' %
                    (activation, ', '.join(ACTIVATIONS)))
+
+
+def _CreateWeight(layer, name, shape, init=None):
+  """layer's variable `name` of `shape`, in its dtype; init: params_init."""
+  p = layer.params
+  layer.CreateVariable(name, py_utils.WeightParams(
+      shape=shape, init=init or p.params_init, dtype=p.dtype))
 
 
 def _Shape(x):
@@ -127,19 +133,10 @@ class FCLayer(base_layer.BaseLayer):
   def _CreateLayerVariables(self):
     super()._CreateLayerVariables()
     p = self.params
-    self.CreateVariable(
-        'w',
-        py_utils.WeightParams(
-            shape=[p.input_dim, p.output_dim],
-            init=p.params_init,
-            dtype=p.dtype))
+    _CreateWeight(self, 'w', [p.input_dim, p.output_dim])
     if p.has_bias:
-      self.CreateVariable(
-          'b',
-          py_utils.WeightParams(
-              shape=[p.output_dim],
-              init=py_utils.WeightInit.Constant(0.0),
-              dtype=p.dtype))
+      _CreateWeight(self, 'b', [p.output_dim],
+                    py_utils.WeightInit.Constant(0.0))
 
   def FProp(self, theta, inputs):
     """Projects inputs [..., input_dim] to [..., output_dim]."""
@@ -164,11 +161,9 @@ class FCLayer(base_layer.BaseLayer):
     out = tshape.Shape(inputs[:-1] + [p.output_dim])
     return _Meta(num_flops, out)
 
-  @classmethod
-  def UnprofiledFlops(cls, p, inputs):
-    """FLOPs FPropMeta counts that TF's profiler does not (the activation)."""
-    rows = inputs.num_elements() // p.input_dim
-    return _UnprofiledActivation(p, rows * p.output_dim)
+  # FLOPs FPropMeta counts that TF's profiler does not: the activation's.
+  UnprofiledFlops = _UnprofiledActivation(
+      lambda cls, p, x: x.num_elements() // p.input_dim * p.output_dim)
 
 
 class LayerNormLayer(base_layer.BaseLayer):
@@ -192,18 +187,10 @@ class LayerNormLayer(base_layer.BaseLayer):
   def _CreateLayerVariables(self):
     super()._CreateLayerVariables()
     p = self.params
-    self.CreateVariable(
-        'scale',
-        py_utils.WeightParams(
-            shape=[p.input_dim],
-            init=py_utils.WeightInit.Constant(1.0),
-            dtype=p.dtype))
-    self.CreateVariable(
-        'bias',
-        py_utils.WeightParams(
-            shape=[p.input_dim],
-            init=py_utils.WeightInit.Constant(0.0),
-            dtype=p.dtype))
+    _CreateWeight(self, 'scale', [p.input_dim],
+                  py_utils.WeightInit.Constant(1.0))
+    _CreateWeight(self, 'bias', [p.input_dim],
+                  py_utils.WeightInit.Constant(0.0))
 
   def FProp(self, theta, inputs):
     """Normalizes inputs [..., input_dim]."""
@@ -313,12 +300,7 @@ class EmbeddingLayer(base_layer.BaseLayer):
             init=p.params_init,
             dtype=p.dtype))
     if p.position_embedding == 'LEARNED':
-      self.CreateVariable(
-          'pos_emb',
-          py_utils.WeightParams(
-              shape=[p.max_seq_len, p.embedding_dim],
-              init=p.params_init,
-              dtype=p.dtype))
+      _CreateWeight(self, 'pos_emb', [p.max_seq_len, p.embedding_dim])
 
   def FProp(self, theta, ids):
     """Embeds ids [B, T] into [B, T, embedding_dim]."""
@@ -493,11 +475,9 @@ class TransformerLayer(base_layer.BaseLayer):
     num_flops += 2 * inputs.num_elements()  # The two residual adds.
     return _Meta(num_flops, inputs)
 
-  @classmethod
-  def UnprofiledFlops(cls, p, inputs):
-    """FLOPs FPropMeta counts that TF's profiler does not (FFN activation)."""
-    rows = inputs.num_elements() // p.model_dim
-    return _UnprofiledActivation(p, rows * p.hidden_dim)
+  # FLOPs FPropMeta counts that TF's profiler does not: the FFN activation's.
+  UnprofiledFlops = _UnprofiledActivation(
+      lambda cls, p, x: x.num_elements() // p.model_dim * p.hidden_dim)
 
 
 class SoftmaxLayer(base_layer.BaseLayer):
@@ -675,17 +655,10 @@ class Conv2DLayer(base_layer.BaseLayer):
   def _CreateLayerVariables(self):
     super()._CreateLayerVariables()
     p = self.params
-    self.CreateVariable(
-        'w',
-        py_utils.WeightParams(
-            shape=list(p.filter_shape), init=p.params_init, dtype=p.dtype))
+    _CreateWeight(self, 'w', list(p.filter_shape))
     if p.has_bias:
-      self.CreateVariable(
-          'b',
-          py_utils.WeightParams(
-              shape=[p.filter_shape[-1]],
-              init=py_utils.WeightInit.Constant(0.0),
-              dtype=p.dtype))
+      _CreateWeight(self, 'b', [p.filter_shape[-1]],
+                    py_utils.WeightInit.Constant(0.0))
 
   def FProp(self, theta, inputs):
     """Convolves inputs [B, H, W, in] into [B, H', W', out]."""
@@ -715,11 +688,9 @@ class Conv2DLayer(base_layer.BaseLayer):
     num_flops += flops.ActivationFlops(p.activation, n)
     return _Meta(num_flops, out)
 
-  @classmethod
-  def UnprofiledFlops(cls, p, inputs):
-    """FLOPs FPropMeta counts that TF's profiler does not (the activation)."""
-    out = cls.FPropMeta(p, inputs).out_shapes[0]
-    return _UnprofiledActivation(p, out.num_elements())
+  # FLOPs FPropMeta counts that TF's profiler does not: the activation's.
+  UnprofiledFlops = _UnprofiledActivation(
+      lambda cls, p, x: cls.FPropMeta(p, x).out_shapes[0].num_elements())
 
 
 class PoolingLayer(base_layer.BaseLayer):
