@@ -4,7 +4,7 @@ For shipped experiments (lingvo_ext/tools/plan.py's models) and the FC
 benchmark of bench/pipeline.py (8 FC layers, a per-example loss in the last
 cell: a loss linear in the pipeline's outputs, so every schedule applies),
 enumerates every plan the planner offers on --devices CPU devices
-(lingvo_ext/core/planner.py; the FC benchmark runs one replica), or those
+(lingvo_ext/core/planner/; the FC benchmark runs one replica), or those
 with M in --micro_batches, predicts each, then times them all in turn in one process (round robin,
 the fastest of --rounds) and reads each one's peak RSS in a fresh process
 (forked from a server that has imported TensorFlow). Per model
@@ -42,6 +42,7 @@ import argparse
 import dataclasses
 import importlib
 import json
+import math
 import os
 import statistics
 import sys
@@ -80,6 +81,32 @@ def FcLayers():
   layers.append(pipeline.PerExampleLoss.Params().Set(name='loss'))
   shape = tshape.Shape([FC_BATCH, pipeline.Widths(FC_MODEL, FC_WIDTH)[0]])
   return layers, shape
+
+
+def _Ranks(xs: Sequence[float]) -> List[float]:
+  order = sorted(range(len(xs)), key=lambda i: xs[i])
+  ranks = [0.] * len(xs)
+  i = 0
+  while i < len(order):
+    j = i
+    while j + 1 < len(order) and xs[order[j + 1]] == xs[order[i]]:
+      j += 1
+    for k in range(i, j + 1):
+      ranks[order[k]] = (i + j) / 2.
+    i = j + 1
+  return ranks
+
+
+def Spearman(xs: Sequence[float], ys: Sequence[float]) -> float:
+  """Spearman's rank correlation (average ranks for ties)."""
+  if len(xs) != len(ys) or len(xs) < 2:
+    raise ValueError('Spearman needs two equal-length lists of >= 2 values.')
+  rx, ry = _Ranks(xs), _Ranks(ys)
+  mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
+  cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+  vx = math.sqrt(sum((a - mx) ** 2 for a in rx))
+  vy = math.sqrt(sum((b - my) ** 2 for b in ry))
+  return cov / (vx * vy) if vx and vy else 0.
 
 
 def FcProfile() -> planner.ModelProfile:
@@ -247,10 +274,8 @@ def RunModel(model: str, devices: int, rounds: int, warmup: int,
            ', %.1f us per all_reduce variable' % (
                1e6 * machine.s_per_reduced_var)))
   plans = planner.PredictAll(profile, plans, machine)
-  for p, t in zip(plans, times[len(refs):]):
-    p.measured_step_s = t
-  for p, r in zip(plans, Rss(model, plans, measurer)):
-    p.measured_rss_bytes = r
+  plans = [p.Measured(step_s=t, rss_bytes=r) for p, t, r in zip(
+      plans, times[len(refs):], Rss(model, plans, measurer))]
   for p in plans:
     _Log('  %-36s predicted %7.1f ms %s, measured %7.1f ms %s' % (
         p.Key(), 1e3 * p.step_s, planner.FormatSize(p.process_bytes),
@@ -264,8 +289,7 @@ def RunModel(model: str, devices: int, rounds: int, warmup: int,
   # choices compare on one run.
   top = plan_tool.MeasureCandidates(ranked, measure_top, measure_within)
   again = TimePlans(model, top, rounds, warmup, every_round=True)
-  copies = [dataclasses.replace(p, measured_times=t)
-            for p, t in zip(top, again)]
+  copies = [p.Measured(times=t) for p, t in zip(top, again)]
   pick, noise = planner.MeasuredChoice(copies)
   chosen_measured = top[[c is pick for c in copies].index(True)]
   side = [ranked[0], chosen_measured] + sorted(
@@ -310,7 +334,7 @@ def Summary(model: str, devices: int, plans: Sequence[planner.Plan],
              for p in with_rss]
   out = dict(
       model=model, devices=devices, plans=len(plans),
-      spearman=round(planner.Spearman([p.step_s for p in plans],
+      spearman=round(Spearman([p.step_s for p in plans],
                                       [p.measured_step_s for p in plans]), 3),
       mem_err_mean=round(statistics.mean(mem_err), 4),
       mem_err_max=round(max(mem_err), 4),
@@ -377,12 +401,12 @@ def Repredict(record: Dict) -> Dict:
                                                    record['devices'])}
   plans = []
   for row in record['rows']:
-    p = planner.Predict(profile, dataclasses.replace(offered[row['key']]),
-                        machine)
-    p.measured_step_s = row['measured_ms'] / 1e3
-    if row['measured_rss_mb']:
-      p.measured_rss_bytes = row['measured_rss_mb'] * 2**20
-    plans.append(p)
+    plan = offered[row['key']]
+    plans.append(planner.Candidate(
+        plan, planner.Predict(profile, plan, machine), planner.Measurement(
+            step_s=row['measured_ms'] / 1e3,
+            rss_bytes=(row['measured_rss_mb'] * 2**20
+                       if row['measured_rss_mb'] else None))))
   measure = {}
   retimed = record.get('measure_candidates', [])
   ranked = planner.Rank(plans)

@@ -31,10 +31,22 @@ import lingvo_ext  # pylint: disable=unused-import,g-bad-import-order
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# The package whose modules register the experiments: the repository's
+# params/, which imports this module (to point Lingvo's lookup here). The
+# registry takes it by name, as its callers set it (`SetExperimentsPackage`),
+# so that it does not import the package that imports it.
+_EXPERIMENTS = {'package': 'params'}
+
+
+def SetExperimentsPackage(package: str):
+  """Registers experiments from `package` (a module path on sys.path)."""
+  _EXPERIMENTS['package'] = package
+
+
 def _ImportRepoParams():
   if _ROOT not in sys.path:
     sys.path.append(_ROOT)
-  import params  # pylint: disable=g-import-not-at-top,unused-import
+  importlib.import_module(_EXPERIMENTS['package'])
 
 
 def _Registered():

@@ -40,6 +40,8 @@ from lingvo_ext import trainer_flags
 from lingvo_ext._internal import process
 from lingvo_ext._internal import tf as internal_tf
 from lingvo_ext.core import cuts
+from lingvo_ext.distributed import faults
+from lingvo_ext.distributed import server
 from lingvo_ext.distributed import step_keeping
 from lingvo_ext.distributed import trainer_lib
 from lingvo_ext.tools import timeline
@@ -104,7 +106,7 @@ class Waiting:
       tf.logging.info('%s', message)
 
 
-class _RunnerMixin(trainer_lib.LostTaskReportMixin):
+class _RunnerMixin(faults.LostTaskReportMixin):
   """Takes the manager's state and options; N CPU devices per session."""
 
   def __init__(self, *args, run_state, options, **kwargs):
@@ -120,7 +122,7 @@ class _RunnerMixin(trainer_lib.LostTaskReportMixin):
   def _GetSession(self, **kwargs):
     # BaseRunner._GetSession with device_count; it matters for in-process
     # sessions (tf_master=''), e.g. an evaler running beside the trainer.
-    config = trainer_lib.SessionConfig(self._options, **kwargs)
+    config = server.SessionConfig(self._options, **kwargs)
     return tf.Session(self._tf_master, graph=self._graph, config=config)
 
   def _CreateCheckpointer(self, train_dir, model, *args, **kwargs):
@@ -310,7 +312,7 @@ class LocalTrainer(_RunnerMixin, lingvo_runners.Trainer):
     model = getattr(self, '_model', None)
     if model is None:  # Lingvo's BaseRunner lists devices before the model.
       return super()._GetSession(**kwargs)
-    config = trainer_lib.SessionConfig(self._options, **kwargs)
+    config = server.SessionConfig(self._options, **kwargs)
     o = self._options
     return _TrainerSession(
         self._tf_master, graph=self._graph, config=config, model=model,
@@ -550,7 +552,7 @@ class RunnerManager(trainer_lib.DistributedRunnerManagerMixin,
     """Lingvo's local set-up, with a local server of N CPU devices."""
     if not self._options.run_locally:
       return
-    config = trainer_lib.SessionConfig(self._options, client=False)
+    config = server.SessionConfig(self._options, client=False)
     with internal_tf.LocalServerConfig(config):
       super().MaybeConfigRunLocally()
 

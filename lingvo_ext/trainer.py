@@ -61,6 +61,7 @@ import sys
 import traceback
 
 import lingvo_ext  # pylint: disable=unused-import,g-bad-import-order
+from absl import app
 import lingvo.compat as tf
 from lingvo.core import hyperparams
 from lingvo.core import py_utils
@@ -76,15 +77,6 @@ from lingvo_ext.distributed import gradient_sync
 from lingvo_ext.distributed import trainer_lib
 
 FLAGS = tf.flags.FLAGS
-
-# The runner classes, state and manager (lingvo_ext/runners.py).
-RunnerManager = runners.RunnerManager
-RunState = runners.RunState
-LocalController = runners.LocalController
-LocalTrainer = runners.LocalTrainer
-LocalEvaler = runners.LocalEvaler
-LocalDecoder = runners.LocalDecoder
-Options = trainer_flags.Options
 
 
 # The lock a training process holds on its logdir for its whole life (the
@@ -166,8 +158,8 @@ def _AutoPlan(o, argv):
     return runners.FirstLine(e), o, argv
   print(line, flush=True)
   flags['model_params_override'] = text
-  # tf.app.run parses argv again for Lingvo's runners.
-  argv = list(argv) + [f'--{k}={v}' for k, v in flags.items()]
+  for k, v in flags.items():  # Lingvo's RunnerManager reads them from FLAGS.
+    FLAGS[k].value = v
   return None, dataclasses.replace(o, **flags), argv
 
 
@@ -224,7 +216,9 @@ def _CheckFlags(o):
   if o.max_steps is not None and o.max_steps < 0:
     return f'--max_steps={o.max_steps} must be >= 0.'
   if o.distributed:
-    return trainer_lib.CheckFlags(o)
+    return trainer_lib.CheckFlags(o, (FLAGS.worker_replicas if
+                                      FLAGS['worker_replicas'].present
+                                      else None))
   if o.run_locally == 'cpu':
     n, split = o.num_cpu_devices, o.worker_split_size
     if split < 1 or n % split:
@@ -271,7 +265,7 @@ def _UseSlicedCheckpoints(o):
   if FLAGS['use_custom_saver'].present:
     return
   if _HasPartitioner(_Params(o)):
-    FLAGS.set_default('use_custom_saver', False)  # Survives the re-parse.
+    FLAGS.use_custom_saver = False  # Lingvo's Checkpointer reads it.
 
 
 def _OnSigint(run_state):
@@ -291,9 +285,9 @@ def _OnSigint(run_state):
 
 def main(unused_argv, options=None):
   """Runs Lingvo's runners (Run has checked and read the flags)."""
-  o = options or Options.FromFlags()
+  o = options or trainer_flags.Options.FromFlags()
   internal_lingvo.InitTpuEmbeddingManager()  # As lingvo.trainer.main.
-  run_state = RunState()
+  run_state = runners.RunState()
   signal.signal(signal.SIGINT, _OnSigint(run_state))
   if o.run_locally == 'cpu' and o.num_cpu_devices > 1:
     splits = o.num_cpu_devices // o.worker_split_size
@@ -319,7 +313,7 @@ def main(unused_argv, options=None):
   # at exit, no longer walk them (docs/benchmarks.md, "gc.freeze").
   gc.freeze()
   try:
-    RunnerManager(o.model, o, run_state).Start()
+    runners.RunnerManager(o.model, o, run_state).Start()
   except ValueError as e:  # Bad params, found while building the model.
     tf.logging.vlog(1, '%s', traceback.format_exc())
     print(f'error: {e}', file=sys.stderr, flush=True)
@@ -365,13 +359,19 @@ def Run(argv=None):
     message = ' '.join(str(e).split())
     print(f'error: {message} (--help lists the flags)', file=sys.stderr)
     return 2
-  argv, error = trainer_lib.ResolveCluster(argv)  # --cluster_resolver
+  resolved, error = trainer_lib.ResolveCluster(  # --cluster_resolver
+      FLAGS.cluster_resolver, FLAGS.mode, FLAGS.slurm_port_base,
+      [f'--{n}' for n in ('cluster_spec', 'job', 'task') if FLAGS[n].present])
   if error:
     print(f'error: {error}', file=sys.stderr)
     return 2
+  if resolved:  # Lingvo's RunnerManager reads them from FLAGS.
+    FLAGS.cluster_spec = resolved.cluster_spec
+    FLAGS.job = resolved.job
+    FLAGS.task = resolved.task
   if FLAGS.cluster_spec:  # One task of a cluster (lingvo_ext.distributed).
     FLAGS.set_default('run_locally', '')
-  o = Options.FromFlags()  # The flags, read once.
+  o = trainer_flags.Options.FromFlags()  # The flags, read once.
   # Everything checked before anything is written to the logdir.
   error = _CheckFlags(o)
   if not error:
@@ -398,8 +398,9 @@ def Run(argv=None):
   if FLAGS.disable_tf2:
     tf.disable_v2_behavior()
   py_utils.SetEagerMode(FLAGS.use_eager)
-  FLAGS.unparse_flags()
-  tf.app.run(lambda unused_argv: main(unused_argv, o), argv=argv)
+  # The flags were parsed once, above: absl's app.run keeps them as they are.
+  app.run(lambda unused_argv: main(unused_argv, o), argv=argv,
+          flags_parser=lambda args: args)
   return 0
 
 

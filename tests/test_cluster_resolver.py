@@ -360,7 +360,7 @@ def testAWorkerWhoseChiefNeverAnswersExitsOnItsOwn():
 
 def testEachTaskWatchesThePeersItNeeds():
   """Servers watch the clients; clients the servers and the other client."""
-  from lingvo_ext.distributed import trainer_lib  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.distributed import server  # pylint: disable=g-import-not-at-top
   jobs = {'controller': ['h:1'], 'trainer_client': ['h:2'],
           'worker': ['w:1', 'w:2'], 'ps': ['p:1']}
   servers = {'worker task 0', 'worker task 1', 'ps task 0'}
@@ -373,5 +373,5 @@ def testEachTaskWatchesThePeersItNeeds():
       (['controller', 'trainer_client'], 0, servers),
   ]
   for process_jobs, task, want in cases:
-    watch = trainer_lib.ClusterWatch(jobs, process_jobs, task, wait_s=1)
+    watch = server.ClusterWatch(jobs, process_jobs, task, wait_s=1)
     assert set(watch._peers) == want, process_jobs  # pylint: disable=protected-access

@@ -10,6 +10,7 @@ from lingvo.core import tshape
 import pytest
 
 from lingvo_ext.core import cost
+from lingvo_ext.core import flops
 from lingvo_ext.core import gpipe
 from lingvo_ext.core import layers
 from lingvo_ext.core import partitioning
@@ -58,23 +59,23 @@ def _LmStack(vocab=40, d=16, seq=8):
 
 
 def test_formulas():
-  assert cost.MatMulFlops(3, 4, 5) == 120
-  assert cost.FCFlops(10, 8, 4, 'RELU') == 2 * 10 * 8 * 4 + 40 + 40
-  assert cost.FCFlops(10, 8, 4, 'GELU', has_bias=False) == 640 + 8 * 40
-  assert cost.LayerNormFlops(6 * 8, 8) == 8 * 48 + 3 * 6
-  assert cost.SoftmaxFlops(7) == 35
+  assert flops.MatMulFlops(3, 4, 5) == 120
+  assert flops.FCFlops(10, 8, 4, 'RELU') == 2 * 10 * 8 * 4 + 40 + 40
+  assert flops.FCFlops(10, 8, 4, 'GELU', has_bias=False) == 640 + 8 * 40
+  assert flops.LayerNormFlops(6 * 8, 8) == 8 * 48 + 3 * 6
+  assert flops.SoftmaxFlops(7) == 35
   # B=2, T=4, D=8, N=2: scale 64, QK^T + AV 2*2*(2*8*8*4)=1024... per formula.
-  assert cost.AttentionFlops(2, 4, 4, 8, 2) == 64 + 2 * 2 * 8 * 8 * 4 + 5 * 64
-  assert cost.AttentionFlops(2, 4, 4, 8, 2, causal=True) == (
-      cost.AttentionFlops(2, 4, 4, 8, 2) + 64)
-  assert cost.Conv2DOutputSize(9, 3, 2, 'SAME') == 5
-  assert cost.Conv2DOutputSize(9, 3, 2, 'VALID') == 4
-  assert cost.Conv2DFlops(1, 2, 2, 3, 3, 4, 5) == 2 * 20 * 36
-  assert cost.PoolFlops(10, 2, 3) == 60
+  assert flops.AttentionFlops(2, 4, 4, 8, 2) == 64 + 2 * 2 * 8 * 8 * 4 + 5 * 64
+  assert flops.AttentionFlops(2, 4, 4, 8, 2, causal=True) == (
+      flops.AttentionFlops(2, 4, 4, 8, 2) + 64)
+  assert flops.Conv2DOutputSize(9, 3, 2, 'SAME') == 5
+  assert flops.Conv2DOutputSize(9, 3, 2, 'VALID') == 4
+  assert flops.Conv2DFlops(1, 2, 2, 3, 3, 4, 5) == 2 * 20 * 36
+  assert flops.PoolFlops(10, 2, 3) == 60
   with pytest.raises(ValueError, match='activation'):
-    cost.ActivationFlops('SWISH', 3)
+    flops.ActivationFlops('SWISH', 3)
   with pytest.raises(ValueError, match='padding'):
-    cost.Conv2DOutputSize(3, 3, 1, 'FULL')
+    flops.Conv2DOutputSize(3, 3, 1, 'FULL')
 
 
 def test_flops_costs_thread_shapes():
@@ -86,7 +87,7 @@ def test_flops_costs_thread_shapes():
   assert all(isinstance(c, float) for c in costs)
   assert metas[1].in_shapes[0].ToTensorShape().as_list() == [2, 8, 16]
   assert metas[2].out_shapes[0].ToTensorShape().as_list() == [2, 8, 40]
-  assert costs[1] == cost.TransformerFlops(2, 8, 16, 2, 64, causal=True)
+  assert costs[1] == flops.TransformerFlops(2, 8, 16, 2, 64, causal=True)
 
 
 def test_params_costs_are_bytes():

@@ -25,6 +25,7 @@ import pytest
 import sympy
 
 from lingvo_ext.core import cost
+from lingvo_ext.core import flops
 from lingvo_ext.core import layers
 
 
@@ -179,7 +180,7 @@ def test_fc_hand_computed():
   meta = p.cls.FPropMeta(p, tshape.Shape([4, 10, 64]))
   assert meta.flops == 655360 + 5120 + 5120 == 665600
   assert meta.out_shapes[0].ToTensorShape().as_list() == [4, 10, 128]
-  assert cost.FCFlops(40, 64, 128, 'RELU') == 665600
+  assert flops.FCFlops(40, 64, 128, 'RELU') == 665600
 
 
 def test_transformer_hand_computed():
@@ -202,7 +203,7 @@ def test_transformer_hand_computed():
   p = _Transformer(model_dim=64, num_heads=4, hidden_dim=256,
                    mask_self_atten=True)
   assert p.cls.FPropMeta(p, tshape.Shape([2, 16, 64])).flops == expected
-  assert cost.TransformerFlops(2, 16, 64, 4, 256, causal=True) == expected
+  assert flops.TransformerFlops(2, 16, 64, 4, 256, causal=True) == expected
   # Not causal: no mask add.
   p.mask_self_atten = False
   assert p.cls.FPropMeta(p, tshape.Shape([2, 16, 64])).flops == expected - 2048

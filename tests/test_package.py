@@ -50,3 +50,33 @@ def test_importing_after_tensorflow_is_quiet(setting):
   assert r.stdout.splitlines() == [_MARK]
   assert r.stderr.splitlines().count(_MARK) == 1
   assert r.stderr.split(_MARK + '\n', 1)[1] == ''
+
+
+# --- The house: no import cycle, no import from a lower floor up ------------
+
+
+def test_no_import_cycle():
+  from tests import import_graph  # pylint: disable=g-import-not-at-top
+  assert import_graph.Cycles(import_graph.Edges()) == []
+
+
+def test_no_upward_import():
+  """docs/architecture.md's floors: each file imports its floor and below."""
+  from tests import import_graph  # pylint: disable=g-import-not-at-top
+  assert import_graph.Violations(import_graph.Edges()) == []
+
+
+def test_the_graph_sees_cycles_and_upward_imports():
+  from tests import import_graph  # pylint: disable=g-import-not-at-top
+  edges = {'lingvo_ext/core/a.py': {'lingvo_ext/core/b.py'},
+           'lingvo_ext/core/b.py': {'lingvo_ext/core/a.py',
+                                    'lingvo_ext/runners.py'},
+           'lingvo_ext/runners.py': set()}
+  assert import_graph.Cycles(edges) == [['lingvo_ext/core/a.py',
+                                         'lingvo_ext/core/b.py']]
+  assert import_graph.Violations(edges) == [('lingvo_ext/core/b.py',
+                                             'lingvo_ext/runners.py')]
+  # The real graph has the imports it should: the planner reads the registry.
+  real = import_graph.Edges()
+  assert 'lingvo_ext/registry.py' in real[
+      'lingvo_ext/core/planner/tf_profiling.py']

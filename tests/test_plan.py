@@ -1,4 +1,4 @@
-"""The automatic plan (issue 24): lingvo_ext/core/planner.py, tools/plan.py."""
+"""The automatic plan (issue 24): lingvo_ext/core/planner/, tools/plan.py."""
 
 import dataclasses
 import json
@@ -289,9 +289,11 @@ def test_calibrate_recovers_the_constants(cell_functions):
 
 
 def test_spearman():
-  assert planner.Spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1)
-  assert planner.Spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1)
-  assert planner.Spearman([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(0.8)
+  sys.path.insert(0, ROOT)
+  from bench import plan as bench_plan  # pylint: disable=g-import-not-at-top
+  assert bench_plan.Spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1)
+  assert bench_plan.Spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1)
+  assert bench_plan.Spearman([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(0.8)
 
 
 @pytest.mark.parametrize('text,size', [('512MB', 512 * 2**20), ('2G', 2**31),
@@ -377,9 +379,9 @@ def _BuiltOps(model, plan, overrides=''):
                           plan)
   g = _BuildTask(cfg, plan.devices, plan.devices_per_replica,
                  train=True).train_op.graph
-  bodies = sum(n.op not in planner._FREE_OPS  # pylint: disable=protected-access
+  bodies = sum(n.op not in planner.tf_profiling._FREE_OPS  # pylint: disable=protected-access
                for f in g.as_graph_def().library.function for n in f.node_def)
-  return sum(map(planner._IsCounted, g.get_operations())) + bodies  # pylint: disable=protected-access
+  return sum(map(planner.tf_profiling._IsCounted, g.get_operations())) + bodies  # pylint: disable=protected-access
 
 
 @pytest.mark.slow
@@ -673,9 +675,14 @@ def test_zero_bubble_folds_cells_onto_fewer_devices():
 # --- The --measure choice -----------------------------------------------------
 
 
+def _Predicted(plan, step_s=0.):
+  return planner.Candidate(plan, planner.Prediction(
+      step_s=step_s, bubble=0., peak_bytes=0., process_bytes=0.,
+      comm_bytes=0.))
+
+
 def _Measured(plan, times):
-  return dataclasses.replace(plan, measured_times=list(times),
-                             measured_step_s=min(times))
+  return _Predicted(plan).Measured(times=times, step_s=min(times))
 
 
 def test_measured_noise_is_the_median_spread():
@@ -762,10 +769,9 @@ def test_measured_choice_never_picks_noise_for_recompute():
 
 def test_measure_candidates_add_the_twins():
   from lingvo_ext.tools import plan as plan_tool  # pylint: disable=g-import-not-at-top
-  ranked = [_Plan(2, 4, recompute=True), _Plan(1, 1), _Plan(2, 1),
-            _Plan(2, 4)]
-  for p, t in zip(ranked, (1.0, 1.1, 1.2, 1.3)):
-    p.step_s = t
+  ranked = [_Predicted(p, t) for p, t in zip(
+      [_Plan(2, 4, recompute=True), _Plan(1, 1), _Plan(2, 1), _Plan(2, 4)],
+      (1.0, 1.1, 1.2, 1.3))]
   out = plan_tool.MeasureCandidates(ranked, 2, within=1.)
   assert [p.Key() for p in out] == ['K2xR1 M4 unrolled+rc',
                                     'K1xR1 M1 unrolled', 'K2xR1 M4 unrolled']
@@ -775,9 +781,9 @@ def test_measure_candidates_are_those_predicted_close_to_the_best():
   """--measure times the plans predicted within --measure_within of the
   best (at most --measure_top): the predictions cannot tell them apart."""
   from lingvo_ext.tools import plan as plan_tool  # pylint: disable=g-import-not-at-top
-  ranked = [_Plan(1, 1), _Plan(2, 1), _Plan(2, 2), _Plan(1, 2), _Plan(1, 4)]
-  for p, t in zip(ranked, (1.0, 1.05, 1.14, 1.16, 1.5)):
-    p.step_s = t
+  ranked = [_Predicted(p, t) for p, t in zip(
+      [_Plan(1, 1), _Plan(2, 1), _Plan(2, 2), _Plan(1, 2), _Plan(1, 4)],
+      (1.0, 1.05, 1.14, 1.16, 1.5))]
   keys = lambda plans: [p.Key() for p in plans]
   assert keys(plan_tool.MeasureCandidates(ranked, 8, within=0.15)) == keys(
       ranked[:3])
@@ -884,9 +890,9 @@ def test_bench_repredict_gives_a_saved_run_the_same_predictions():
   machine = planner.Calibrate(profile, probe, ref_s, ref_rss)
   plans = planner.PredictAll(
       profile, bench_plan.SweepPlans(bench_plan.FC, profile, 2), machine)
-  for i, p in enumerate(plans):
-    p.measured_step_s = p.step_s * (1. + 0.1 * (i % 3))
-    p.measured_rss_bytes = p.process_bytes * (1. + 0.01 * (i % 2))
+  plans = [p.Measured(step_s=p.step_s * (1. + 0.1 * (i % 3)),
+                      rss_bytes=p.process_bytes * (1. + 0.01 * (i % 2)))
+           for i, p in enumerate(plans)]
   record = json.loads(json.dumps(bench_plan.Summary(
       bench_plan.FC, 2, plans, machine, {}, probe=dataclasses.asdict(probe),
       reference_keys=[p.Key() for p in refs],
@@ -915,9 +921,8 @@ def test_bench_repredict_reads_runs_before_the_reference_keys():
   plans = planner.PredictAll(
       profile, bench_plan.SweepPlans(bench_plan.FC, profile, 2),
       planner.Calibrate(profile, probe, ref_s, refs=old))
-  for p in plans:
-    p.measured_step_s = p.step_s
-    p.measured_rss_bytes = p.process_bytes
+  plans = [p.Measured(step_s=p.step_s, rss_bytes=p.process_bytes)
+           for p in plans]
   record = json.loads(json.dumps(bench_plan.Summary(
       bench_plan.FC, 2, plans, truth, {}, probe=dataclasses.asdict(probe),
       reference_ms=[1e3 * t for t in ref_s], reference_rss_mb=[])))

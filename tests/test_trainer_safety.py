@@ -218,7 +218,7 @@ def testEvalerAndDecoderUseTheTrainersSplits():
   # evaler and decoder must too, not two 1-device splits of a full batch
   # each (twice the training batch).
   from lingvo.core import cluster_factory  # pylint: disable=g-import-not-at-top
-  from lingvo_ext import trainer  # pylint: disable=g-import-not-at-top
+  from lingvo_ext import runners  # pylint: disable=g-import-not-at-top
   flags = tf.flags.FLAGS
   if not flags.is_parsed():
     flags.mark_as_parsed()
@@ -229,7 +229,7 @@ def testEvalerAndDecoderUseTheTrainersSplits():
     # The trainer's flags (its defaults: --run_locally=cpu --mode=sync).
     for n, v in zip(names, (2, 2, 1, 1, 'cpu', 'sync')):
       setattr(flags, n, v)
-    manager = trainer.RunnerManager('lm.TransformerLmTinyGPipe')
+    manager = runners.RunnerManager('lm.TransformerLmTinyGPipe')
     splits = {}
     for job in ('trainer_client', 'evaler', 'decoder'):
       params = cluster_factory.Cluster.Params()

@@ -26,7 +26,7 @@ from lingvo_ext import checkpoints
 from lingvo_ext import registry
 from lingvo_ext.core import gpipe
 from lingvo_ext.core import schedules
-from lingvo_ext.distributed import trainer_lib
+from lingvo_ext.distributed import step_keeping
 from lingvo_ext.tasks import pipelined_task
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -488,21 +488,21 @@ def _Ranges(text):
 @pytest.mark.parametrize('saved,controller_step,trainer_last', [
     (849, 849, 991), (849, 900, 991), (0, 0, 12), (100, 150, 150)])
 def testLostWorkerLinesAgree(saved, controller_step, trainer_last):
-  controller = trainer_lib.RestoredLine(3, 'pipeline/x/w', 'ckpt-x', saved,
+  controller = step_keeping.RestoredLine(3, 'pipeline/x/w', 'ckpt-x', saved,
                                         controller_step)
   assert f'the updates of the steps after {saved} are lost' in controller
   assert f'goes on from {controller_step}' in controller
   for a, b in _Ranges(controller):
     assert a <= b, controller
   if trainer_last > controller_step:
-    trainer = trainer_lib.TrainerStepLine(controller_step, trainer_last)
+    trainer = step_keeping.TrainerStepLine(controller_step, trainer_last)
     assert f'set it back to {trainer_last}' in trainer
     assert _Ranges(trainer) == [(controller_step + 1, trainer_last)]
 
 
 def testTheControllerSeesTheTrainersReplicas():
   from lingvo.core import cluster_factory  # pylint: disable=g-import-not-at-top
-  from lingvo_ext import trainer  # pylint: disable=g-import-not-at-top
+  from lingvo_ext import runners  # pylint: disable=g-import-not-at-top
   flags = _Flags()
   names = ('num_cpu_devices', 'worker_split_size', 'run_locally', 'mode')
   saved = {n: flags[n].value for n in names}
@@ -510,7 +510,7 @@ def testTheControllerSeesTheTrainersReplicas():
     for devices, split in ((2, 2), (4, 2), (4, 4), (2, 1)):
       for n, v in zip(names, (devices, split, 'cpu', 'sync')):
         setattr(flags, n, v)
-      manager = trainer.RunnerManager(TINY)
+      manager = runners.RunnerManager(TINY)
       splits = {}
       for job in ('controller', 'trainer_client'):
         params = cluster_factory.Cluster.Params()
@@ -527,7 +527,7 @@ def testTheControllerSeesTheTrainersReplicas():
 
 def testCostReportPlacesVariablesWhereTheTrainerDoes(capsys):
   from lingvo.core import cluster_factory  # pylint: disable=g-import-not-at-top
-  from lingvo_ext import trainer  # pylint: disable=g-import-not-at-top
+  from lingvo_ext import runners  # pylint: disable=g-import-not-at-top
   from lingvo_ext.tools import cost_report  # pylint: disable=g-import-not-at-top
   flags = _Flags()
   assert cost_report.main([f'--model={TINY}', '--json']) == 0
@@ -547,7 +547,7 @@ def testCostReportPlacesVariablesWhereTheTrainerDoes(capsys):
   try:
     for n, v in local.items():
       setattr(flags, n, v)
-    manager = trainer.RunnerManager(TINY)
+    manager = runners.RunnerManager(TINY)
     params = cluster_factory.Cluster.Params()
     manager.UpdateClusterParamsFromFlags(params, 'trainer_client')
     params.mode, params.job = 'sync', 'trainer_client'

@@ -1,8 +1,7 @@
 """Layer costs measured in TensorFlow: metadata, parameter bytes, time.
 
-The FLOP formulas are flops.py's (pure arithmetic; re-exported here, so
-`cost.FCFlops` etc. keep working). This module builds layers in a sandbox
-graph: `LayerMetas` (FPropMeta through a stack), `ParamBytes`,
+The FLOP formulas are flops.py's (pure arithmetic). This module builds layers
+in a sandbox graph: `LayerMetas` (FPropMeta through a stack), `ParamBytes`,
 `ActivationBytes`, the profiler's FLOPs and `MeasureLayerTime`.
 
 `LayerCosts` threads shapes through a flat list of layer params and returns
@@ -22,39 +21,13 @@ import sympy
 
 from lingvo_ext._internal import lingvo as internal_lingvo
 from lingvo_ext.core import flops
+from lingvo_ext.core import nest_util
 
 COST_CHOICES = ('flops', 'params', 'time')
-
-# The formulas (flops.py), where callers of cost.X found them.
-ACTIVATION_FLOPS = flops.ACTIVATION_FLOPS
-ACTIVATION_UNPROFILED_FLOPS = flops.ACTIVATION_UNPROFILED_FLOPS
-SOFTMAX_FLOPS_PER_ELEMENT = flops.SOFTMAX_FLOPS_PER_ELEMENT
-ToInt = flops.ToInt
-CeilDiv = flops.CeilDiv
-NumElements = flops.NumElements
-MatMulFlops = flops.MatMulFlops
-ElementwiseFlops = flops.ElementwiseFlops
-ActivationFlops = flops.ActivationFlops
-ActivationUnprofiledFlops = flops.ActivationUnprofiledFlops
-LayerNormFlops = flops.LayerNormFlops
-SoftmaxFlops = flops.SoftmaxFlops
-FCFlops = flops.FCFlops
-AttentionFlops = flops.AttentionFlops
-Conv2DOutputSize = flops.Conv2DOutputSize
-Conv2DFlops = flops.Conv2DFlops
-PoolFlops = flops.PoolFlops
-TransformerFlops = flops.TransformerFlops
-
 
 ################################################################################
 # Per-layer metadata and costs over a flat layer stack.
 ################################################################################
-
-
-def _ToTuple(x):
-  if isinstance(x, list):
-    return tuple(x)
-  return x if isinstance(x, tuple) else (x,)
 
 
 def _CheckNumeric(value, what):
@@ -87,10 +60,10 @@ def LayerMetas(layer_params: Sequence[Any],
                        'of a partitioned stack needs one.' %
                        (i, p.cls.__name__))
     meta = p.cls.FPropMeta(p, *shapes)
-    out_shapes = _ToTuple(meta.out_shapes)
+    out_shapes = nest_util.ToTuple(meta.out_shapes)
     metas.append(
         py_utils.NestedMap(
-            flops=ToInt(meta.flops),
+            flops=flops.ToInt(meta.flops),
             in_shapes=shapes,
             out_shapes=out_shapes,
             param_shards=list(meta.get('param_shards', None) or [])))
@@ -167,10 +140,10 @@ def ParamBytes(p) -> int:
 def ActivationBytes(out_shapes, dtype=tf.float32) -> int:
   """Bytes of a layer's outputs, the activations a pipeline cell keeps."""
   total = 0
-  for s in _ToTuple(out_shapes):
+  for s in nest_util.ToTuple(out_shapes):
     if s is None:
       continue
-    total += int(_CheckNumeric(NumElements(s), 'An output shape'))
+    total += int(_CheckNumeric(flops.NumElements(s), 'An output shape'))
   return total * tf.as_dtype(dtype).size
 
 
@@ -191,7 +164,7 @@ def FakeInputs(p, shapes):
   while not hasattr(probe.cls, 'FakeInputs') and getattr(probe, 'sub', None):
     probe = probe.sub[0]
   if hasattr(probe.cls, 'FakeInputs'):
-    return _ToTuple(probe.cls.FakeInputs(probe, *shapes))
+    return nest_util.ToTuple(probe.cls.FakeInputs(probe, *shapes))
   dtype = p.dtype if hasattr(p, 'dtype') else tf.float32
   return tuple(
       tf.random.stateless_normal(
@@ -222,7 +195,7 @@ def TfProfilerFlops(p, *shapes) -> int:
   """
   for s in shapes:
     if s is not None:
-      _CheckNumeric(NumElements(s), 'An input shape')
+      _CheckNumeric(flops.NumElements(s), 'An input shape')
   specs = _InputSpecs(p, shapes)
   with Sandbox():
     layer = InstantiateLayer(NamedCopy(p, 'layer'))
@@ -270,7 +243,7 @@ def MeasureLayerTime(p,
     raise ValueError('num_warmup=%r must be in [0, 10].' % (num_warmup,))
   for s in shapes:
     if s is not None:
-      _CheckNumeric(NumElements(s), 'An input shape')
+      _CheckNumeric(flops.NumElements(s), 'An input shape')
   with Sandbox() as g, tf.device(device):
     tf.random.set_seed(1234)
     layer = InstantiateLayer(NamedCopy(p, 'layer'))
@@ -280,7 +253,7 @@ def MeasureLayerTime(p,
     for i, t in enumerate(fake):
       v = tf.Variable(t, trainable=False, name='fake_input_%d' % i)
       inputs.append(tf.identity(v))
-    outputs = _ToTuple(layer.FProp(layer.theta, *inputs))
+    outputs = nest_util.ToTuple(layer.FProp(layer.theta, *inputs))
     float_outputs = [
         o for o in outputs if o is not None and o.dtype.is_floating
     ]

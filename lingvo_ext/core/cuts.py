@@ -229,15 +229,26 @@ def _Key(v) -> str:
   return name[:-2] if name.endswith(':0') else name
 
 
+# What makes a layer a pipeline's sequence of cells, or a cell, here: the
+# params that Lingvo's gpipe.SeqLayer and FeatureExtractionLayer define and
+# lingvo_ext's (core/gpipe.py, its subclasses) define alike. By params, not
+# by class, so that this module does not import gpipe.py, which imports it.
+_SEQ_PARAMS = ('before_tpl', 'cell_tpl')
+_CELL_PARAMS = ('sub', 'num_act_inputs', 'num_act_outputs',
+                'act_fetch_layers')
+
+
+def _Defines(layer, names) -> bool:
+  p = getattr(layer, 'params', None)
+  return p is not None and all(n in p for n in names)
+
+
 def _IsSeqLayer(layer) -> bool:
-  from lingvo_ext.core import gpipe  # pylint: disable=g-import-not-at-top
-  return isinstance(layer, (gpipe.SeqLayer, lingvo_gpipe.SeqLayer))
+  return _Defines(layer, _SEQ_PARAMS)
 
 
 def _IsCell(layer) -> bool:
-  from lingvo_ext.core import gpipe  # pylint: disable=g-import-not-at-top
-  return isinstance(layer, (gpipe.FeatureExtractionLayer,
-                            lingvo_gpipe.FeatureExtractionLayer))
+  return _Defines(layer, _CELL_PARAMS)
 
 
 def _Layers(layer) -> Iterable:

@@ -9,7 +9,7 @@ FLOPs are forward FLOPs with a multiply-add counted as 2, the same count
 TensorFlow's profiler gives for the layer's FProp graph. The layers are
 written with ops the profiler has FLOP statistics for where there is a
 choice (e.g. a causal mask is an Add of a bias, not a Select); the few ops it
-has none for (Relu, Tanh, Max) are named in cost.py and in the FPropMeta
+has none for (Relu, Tanh, Max) are named in flops.py and in the FPropMeta
 that counts them. Gathers, reshapes, transposes, slices and casts cost 0.
 
 No layer keeps batch statistics: a micro-batched pipeline run must equal the
@@ -24,7 +24,7 @@ from lingvo.core import py_utils
 from lingvo.core import tshape
 import numpy as np
 
-from lingvo_ext.core import cost
+from lingvo_ext.core import flops
 from lingvo_ext.core import sharding
 
 ACTIVATIONS = ('NONE', 'RELU', 'TANH', 'GELU')
@@ -71,6 +71,19 @@ def _CheckLastDim(p, shape, dim, param_name):
                           param_name))
 
 
+def _Meta(num_flops, out, **extra) -> py_utils.NestedMap:
+  """FPropMeta's result: FLOPs (an int where known), out_shapes=(out,)."""
+  return py_utils.NestedMap(flops=flops.ToInt(num_flops), out_shapes=(out,),
+                            **extra)
+
+
+def _UnprofiledActivation(activated):
+  """An UnprofiledFlops(p, inputs) classmethod: p.activation's FLOPs that TF's
+  profiler does not count, over activated(cls, p, inputs) elements."""
+  return classmethod(lambda cls, p, inputs: flops.ToInt(
+      flops.ActivationUnprofiledFlops(p.activation, activated(cls, p, inputs))))
+
+
 def Activate(x, activation):
   """Applies activation ('NONE', 'RELU', 'TANH', 'GELU') to x."""
   if activation == 'NONE':
@@ -80,10 +93,17 @@ def Activate(x, activation):
   if activation == 'TANH':
     return tf.tanh(x)
   if activation == 'GELU':
-    # The tanh form: 7 profiled ops and a Tanh (see cost.ACTIVATION_FLOPS).
+    # The tanh form: 7 profiled ops and a Tanh (see flops.ACTIVATION_FLOPS).
     return tf.nn.gelu(x, approximate=True)
   raise ValueError('activation=%r is not supported; choose one of %s.' %
                    (activation, ', '.join(ACTIVATIONS)))
+
+
+def _CreateWeight(layer, name, shape, init=None):
+  """layer's variable `name` of `shape`, in its dtype; init: params_init."""
+  p = layer.params
+  layer.CreateVariable(name, py_utils.WeightParams(
+      shape=shape, init=init or p.params_init, dtype=p.dtype))
 
 
 def _Shape(x):
@@ -113,19 +133,10 @@ class FCLayer(base_layer.BaseLayer):
   def _CreateLayerVariables(self):
     super()._CreateLayerVariables()
     p = self.params
-    self.CreateVariable(
-        'w',
-        py_utils.WeightParams(
-            shape=[p.input_dim, p.output_dim],
-            init=p.params_init,
-            dtype=p.dtype))
+    _CreateWeight(self, 'w', [p.input_dim, p.output_dim])
     if p.has_bias:
-      self.CreateVariable(
-          'b',
-          py_utils.WeightParams(
-              shape=[p.output_dim],
-              init=py_utils.WeightInit.Constant(0.0),
-              dtype=p.dtype))
+      _CreateWeight(self, 'b', [p.output_dim],
+                    py_utils.WeightInit.Constant(0.0))
 
   def FProp(self, theta, inputs):
     """Projects inputs [..., input_dim] to [..., output_dim]."""
@@ -145,17 +156,14 @@ class FCLayer(base_layer.BaseLayer):
     py_utils.CheckShapes((inputs,))
     _CheckLastDim(p, inputs, p.input_dim, 'input_dim')
     rows = inputs.num_elements() // p.input_dim
-    flops = cost.FCFlops(rows, p.input_dim, p.output_dim, p.activation,
-                         p.has_bias)
+    num_flops = flops.FCFlops(rows, p.input_dim, p.output_dim, p.activation,
+                              p.has_bias)
     out = tshape.Shape(inputs[:-1] + [p.output_dim])
-    return py_utils.NestedMap(flops=cost.ToInt(flops), out_shapes=(out,))
+    return _Meta(num_flops, out)
 
-  @classmethod
-  def UnprofiledFlops(cls, p, inputs):
-    """FLOPs FPropMeta counts that TF's profiler does not (the activation)."""
-    rows = inputs.num_elements() // p.input_dim
-    return cost.ToInt(
-        cost.ActivationUnprofiledFlops(p.activation, rows * p.output_dim))
+  # FLOPs FPropMeta counts that TF's profiler does not: the activation's.
+  UnprofiledFlops = _UnprofiledActivation(
+      lambda cls, p, x: x.num_elements() // p.input_dim * p.output_dim)
 
 
 class LayerNormLayer(base_layer.BaseLayer):
@@ -179,18 +187,10 @@ class LayerNormLayer(base_layer.BaseLayer):
   def _CreateLayerVariables(self):
     super()._CreateLayerVariables()
     p = self.params
-    self.CreateVariable(
-        'scale',
-        py_utils.WeightParams(
-            shape=[p.input_dim],
-            init=py_utils.WeightInit.Constant(1.0),
-            dtype=p.dtype))
-    self.CreateVariable(
-        'bias',
-        py_utils.WeightParams(
-            shape=[p.input_dim],
-            init=py_utils.WeightInit.Constant(0.0),
-            dtype=p.dtype))
+    _CreateWeight(self, 'scale', [p.input_dim],
+                  py_utils.WeightInit.Constant(1.0))
+    _CreateWeight(self, 'bias', [p.input_dim],
+                  py_utils.WeightInit.Constant(0.0))
 
   def FProp(self, theta, inputs):
     """Normalizes inputs [..., input_dim]."""
@@ -205,8 +205,8 @@ class LayerNormLayer(base_layer.BaseLayer):
   def FPropMeta(cls, p, inputs):
     py_utils.CheckShapes((inputs,))
     _CheckLastDim(p, inputs, p.input_dim, 'input_dim')
-    flops = cost.LayerNormFlops(inputs.num_elements(), p.input_dim)
-    return py_utils.NestedMap(flops=cost.ToInt(flops), out_shapes=(inputs,))
+    num_flops = flops.LayerNormFlops(inputs.num_elements(), p.input_dim)
+    return _Meta(num_flops, inputs)
 
 
 def SinusoidalPositionTable(length: int, dim: int) -> np.ndarray:
@@ -300,12 +300,7 @@ class EmbeddingLayer(base_layer.BaseLayer):
             init=p.params_init,
             dtype=p.dtype))
     if p.position_embedding == 'LEARNED':
-      self.CreateVariable(
-          'pos_emb',
-          py_utils.WeightParams(
-              shape=[p.max_seq_len, p.embedding_dim],
-              init=p.params_init,
-              dtype=p.dtype))
+      _CreateWeight(self, 'pos_emb', [p.max_seq_len, p.embedding_dim])
 
   def FProp(self, theta, ids):
     """Embeds ids [B, T] into [B, T, embedding_dim]."""
@@ -339,22 +334,19 @@ class EmbeddingLayer(base_layer.BaseLayer):
     py_utils.CheckShapes((ids,))
     cls._CheckParams(p)
     _CheckRank(p, ids, 2, 'ids')
-    seq_len = cost.ToInt(ids[1])
+    seq_len = flops.ToInt(ids[1])
     if isinstance(seq_len, int) and seq_len > p.max_seq_len:
       raise ValueError('%s: sequence length %d > max_seq_len=%d; raise '
                        'max_seq_len.' % (p.name, seq_len, p.max_seq_len))
     out = tshape.Shape(ids[:] + [p.embedding_dim])
     n = out.num_elements()
-    flops = 0
+    num_flops = 0
     if p.scale_sqrt_depth:
-      flops += n
+      num_flops += n
     if p.position_embedding != 'NONE':
-      flops += n
-    return py_utils.NestedMap(
-        flops=cost.ToInt(flops),
-        out_shapes=(out,),
-        param_shards=_PartitionMeta(
-            p, [('emb', [p.vocab_size, p.embedding_dim], 0)]))
+      num_flops += n
+    return _Meta(num_flops, out, param_shards=_PartitionMeta(
+        p, [('emb', [p.vocab_size, p.embedding_dim], 0)]))
 
   @classmethod
   def FakeInputs(cls, p, ids):
@@ -472,23 +464,20 @@ class TransformerLayer(base_layer.BaseLayer):
     _CheckRank(p, inputs, 3, 'inputs')
     _CheckLastDim(p, inputs, p.model_dim, 'model_dim')
     batch, seq_len, _ = inputs
-    flops = 0
+    num_flops = 0
     for _, child in cls._ChildParams(p):
       child_in = inputs
       if child.cls is FCLayer:
         child_in = tshape.Shape(inputs[:-1] + [child.input_dim])
-      flops += child.cls.FPropMeta(child, child_in).flops
-    flops += cost.AttentionFlops(batch, seq_len, seq_len, p.model_dim,
-                                 p.num_heads, p.mask_self_atten)
-    flops += 2 * inputs.num_elements()  # The two residual adds.
-    return py_utils.NestedMap(flops=cost.ToInt(flops), out_shapes=(inputs,))
+      num_flops += child.cls.FPropMeta(child, child_in).flops
+    num_flops += flops.AttentionFlops(batch, seq_len, seq_len, p.model_dim,
+                                      p.num_heads, p.mask_self_atten)
+    num_flops += 2 * inputs.num_elements()  # The two residual adds.
+    return _Meta(num_flops, inputs)
 
-  @classmethod
-  def UnprofiledFlops(cls, p, inputs):
-    """FLOPs FPropMeta counts that TF's profiler does not (FFN activation)."""
-    rows = inputs.num_elements() // p.model_dim
-    return cost.ToInt(
-        cost.ActivationUnprofiledFlops(p.activation, rows * p.hidden_dim))
+  # FLOPs FPropMeta counts that TF's profiler does not: the FFN activation's.
+  UnprofiledFlops = _UnprofiledActivation(
+      lambda cls, p, x: x.num_elements() // p.model_dim * p.hidden_dim)
 
 
 class SoftmaxLayer(base_layer.BaseLayer):
@@ -622,11 +611,11 @@ class SoftmaxLayer(base_layer.BaseLayer):
     py_utils.CheckShapes((inputs,))
     n = cls._CheckParams(p)
     _CheckLastDim(p, inputs, p.input_dim, 'input_dim')
-    flops = 0
+    num_flops = 0
     shape = inputs
     for _, child in cls._ChildParams(p):
       meta = child.cls.FPropMeta(child, shape)
-      flops += meta.flops
+      num_flops += meta.flops
       shape = meta.out_shapes[0]
     shards = _PartitionMeta(p, [('logits.w', [p.input_dim, p.num_classes], 1)])
     if p.has_bias:
@@ -634,8 +623,7 @@ class SoftmaxLayer(base_layer.BaseLayer):
           p.Copy().Set(partitioner=None if p.partitioner is None else
                        ('fixed_size', dict(num_shards=n))),
           [('logits.b', [p.num_classes], 0)])
-    return py_utils.NestedMap(
-        flops=cost.ToInt(flops), out_shapes=(shape,), param_shards=shards)
+    return _Meta(num_flops, shape, param_shards=shards)
 
 
 class Conv2DLayer(base_layer.BaseLayer):
@@ -667,17 +655,10 @@ class Conv2DLayer(base_layer.BaseLayer):
   def _CreateLayerVariables(self):
     super()._CreateLayerVariables()
     p = self.params
-    self.CreateVariable(
-        'w',
-        py_utils.WeightParams(
-            shape=list(p.filter_shape), init=p.params_init, dtype=p.dtype))
+    _CreateWeight(self, 'w', list(p.filter_shape))
     if p.has_bias:
-      self.CreateVariable(
-          'b',
-          py_utils.WeightParams(
-              shape=[p.filter_shape[-1]],
-              init=py_utils.WeightInit.Constant(0.0),
-              dtype=p.dtype))
+      _CreateWeight(self, 'b', [p.filter_shape[-1]],
+                    py_utils.WeightInit.Constant(0.0))
 
   def FProp(self, theta, inputs):
     """Convolves inputs [B, H, W, in] into [B, H', W', out]."""
@@ -697,22 +678,19 @@ class Conv2DLayer(base_layer.BaseLayer):
     _CheckLastDim(p, inputs, ic, 'filter_shape[2]')
     b, h, w, _ = inputs
     sh, sw = p.filter_stride
-    oh = cost.Conv2DOutputSize(h, fh, sh, p.padding)
-    ow = cost.Conv2DOutputSize(w, fw, sw, p.padding)
+    oh = flops.Conv2DOutputSize(h, fh, sh, p.padding)
+    ow = flops.Conv2DOutputSize(w, fw, sw, p.padding)
     out = tshape.Shape([b, oh, ow, oc])
     n = out.num_elements()
-    flops = cost.Conv2DFlops(b, oh, ow, fh, fw, ic, oc)
+    num_flops = flops.Conv2DFlops(b, oh, ow, fh, fw, ic, oc)
     if p.has_bias:
-      flops += n
-    flops += cost.ActivationFlops(p.activation, n)
-    return py_utils.NestedMap(flops=cost.ToInt(flops), out_shapes=(out,))
+      num_flops += n
+    num_flops += flops.ActivationFlops(p.activation, n)
+    return _Meta(num_flops, out)
 
-  @classmethod
-  def UnprofiledFlops(cls, p, inputs):
-    """FLOPs FPropMeta counts that TF's profiler does not (the activation)."""
-    out = cls.FPropMeta(p, inputs).out_shapes[0]
-    return cost.ToInt(
-        cost.ActivationUnprofiledFlops(p.activation, out.num_elements()))
+  # FLOPs FPropMeta counts that TF's profiler does not: the activation's.
+  UnprofiledFlops = _UnprofiledActivation(
+      lambda cls, p, x: cls.FPropMeta(p, x).out_shapes[0].num_elements())
 
 
 class PoolingLayer(base_layer.BaseLayer):
@@ -755,11 +733,11 @@ class PoolingLayer(base_layer.BaseLayer):
     cls._CheckParams(p)
     _CheckRank(p, inputs, 4, 'NHWC inputs')
     b, h, w, c = inputs
-    oh = cost.Conv2DOutputSize(h, p.window[0], p.stride[0], p.padding)
-    ow = cost.Conv2DOutputSize(w, p.window[1], p.stride[1], p.padding)
+    oh = flops.Conv2DOutputSize(h, p.window[0], p.stride[0], p.padding)
+    ow = flops.Conv2DOutputSize(w, p.window[1], p.stride[1], p.padding)
     out = tshape.Shape([b, oh, ow, c])
-    flops = cost.PoolFlops(out.num_elements(), *p.window)
-    return py_utils.NestedMap(flops=cost.ToInt(flops), out_shapes=(out,))
+    num_flops = flops.PoolFlops(out.num_elements(), *p.window)
+    return _Meta(num_flops, out)
 
 
 class GlobalPoolingLayer(base_layer.BaseLayer):
@@ -788,15 +766,15 @@ class GlobalPoolingLayer(base_layer.BaseLayer):
     _CheckRank(p, inputs, 4, 'NHWC inputs')
     # One add (AVG; the divide per output is folded into Mean's count) or one
     # compare (MAX) per input element.
-    flops = inputs.num_elements()
+    num_flops = inputs.num_elements()
     out = tshape.Shape([inputs[0], inputs[3]])
-    return py_utils.NestedMap(flops=cost.ToInt(flops), out_shapes=(out,))
+    return _Meta(num_flops, out)
 
   @classmethod
   def UnprofiledFlops(cls, p, inputs):
     """TF's profiler has no FLOP statistics for Max (the MAX reduction)."""
     if p.pooling_type == 'MAX':
-      return cost.ToInt(inputs.num_elements())
+      return flops.ToInt(inputs.num_elements())
     return 0
 
 
@@ -816,4 +794,4 @@ class FlattenLayer(base_layer.BaseLayer):
     for d in inputs[1:]:
       rest *= d
     out = tshape.Shape([inputs[0], rest])
-    return py_utils.NestedMap(flops=0, out_shapes=(out,))
+    return _Meta(0, out)

@@ -23,13 +23,12 @@ oneDNN on, Grappler's remapper fuses a bfloat16 Conv2D + BiasAdd into
 'T' of bfloat16 is not in the list of allowed values"). Where
 `RemapperOff(task.fprop_dtype)`, the trainer's options say so
 (`Options.grappler_remapping`) and every session config it makes has the
-remapper off (`WithoutRemapper`).
+remapper off (`distributed.server.WithoutRemapper`).
 """
 
 import sys
 
 import lingvo.compat as tf
-from tensorflow.core.protobuf import rewriter_config_pb2  # pylint: disable=g-direct-tensorflow-import
 
 from lingvo_ext._internal import tf as internal_tf
 
@@ -151,13 +150,6 @@ def RemapperOff(dtype, onednn=None) -> bool:
   if not IsLowPrecision(dtype):
     return False
   return bool(OneDnnEnabled() if onednn is None else onednn)
-
-
-def WithoutRemapper(config):
-  """`config` (a tf.ConfigProto) with Grappler's remapper off; returned."""
-  config.graph_options.rewrite_options.remapping = (
-      rewriter_config_pb2.RewriterConfig.OFF)
-  return config
 
 
 def CrossDeviceTensors(graph, scalars=False):

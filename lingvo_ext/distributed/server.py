@@ -13,10 +13,20 @@ import time
 import lingvo.compat as tf
 from lingvo.core import py_utils
 from tensorflow.core.protobuf import config_pb2
+from tensorflow.core.protobuf import rewriter_config_pb2  # pylint: disable=g-direct-tensorflow-import
 
 from lingvo_ext._internal import process
-from lingvo_ext.core import precision
 from lingvo_ext.distributed import cluster
+
+
+def WithoutRemapper(config):
+  """`config` (a tf.ConfigProto) with Grappler's remapper off; returned.
+
+  For bfloat16 where oneDNN is on (core/precision.py, `RemapperOff`).
+  """
+  config.graph_options.rewrite_options.remapping = (
+      rewriter_config_pb2.RewriterConfig.OFF)
+  return config
 
 
 def SessionConfig(options, client=True, **kwargs):
@@ -33,7 +43,7 @@ def SessionConfig(options, client=True, **kwargs):
   """
   config = py_utils.SessionConfig(**kwargs)
   if not options.grappler_remapping:
-    precision.WithoutRemapper(config)
+    WithoutRemapper(config)
   config.device_count['CPU'] = options.num_cpu_devices
   # A server made before any tf.function makes the process's pool.
   config.intra_op_parallelism_threads = options.IntraOpThreads()

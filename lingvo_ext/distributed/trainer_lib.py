@@ -25,71 +25,75 @@ gRPC servers and its sessions do the rest. On top of Lingvo this adds:
 
 import os
 import sys
+from typing import Optional, Sequence
 
 import lingvo.compat as tf
 
 from lingvo_ext.distributed import cluster
-from lingvo_ext.distributed import faults
 from lingvo_ext.distributed import resolvers
 from lingvo_ext.distributed import server
-from lingvo_ext.distributed import step_keeping
 
 FLAGS = tf.flags.FLAGS
 
-# Kept where callers found them (server.py, faults.py, step_keeping.py).
-SessionConfig = server.SessionConfig
-COLLECTIVE_GROUP_LEADER = server.COLLECTIVE_GROUP_LEADER
-ClusterWatch = server.ClusterWatch
-ServeUntilDone = server.ServeUntilDone
-SignalDone = server.SignalDone
-SilentTasks = faults.SilentTasks
-LostTaskReportMixin = faults.LostTaskReportMixin
-LostTaskLine = faults.LostTaskLine
-RestoredLine = step_keeping.RestoredLine
-TrainerStepLine = step_keeping.TrainerStepLine
-_SERVER_JOBS = server.SERVER_JOBS
 
+def ResolveCluster(cluster_resolver: str, mode: str, slurm_port_base: int,
+                   given: Sequence[str] = ()):
+  """(resolved, error) of --cluster_resolver: the environment read once.
 
-def ResolveCluster(argv):
-  """argv with the --cluster_spec, --job and --task of --cluster_resolver.
-
-  Reads the environment once, at the entry point (the trainer re-parses its
-  flags from argv), and sets the flags: the one place outside Lingvo that
-  writes them.
+  The entry point reads the flags and writes the resolved --cluster_spec,
+  --job and --task back for Lingvo's runners.
 
   Args:
-    argv: The trainer's argv, its flags already parsed.
+    cluster_resolver: --cluster_resolver ('' for none).
+    mode: --mode.
+    slurm_port_base: --slurm_port_base.
+    given: The flags among --cluster_spec, --job, --task given too.
 
   Returns:
-    (argv, error): the argv to run with, or a one-line error for exit 2.
+    (resolvers.Resolved or None, a one-line error for exit 2 or None).
   """
-  if not FLAGS.cluster_resolver:
-    return argv, None
-  given = [f'--{n}' for n in ('cluster_spec', 'job', 'task')
-           if FLAGS[n].present]
+  if not cluster_resolver:
+    return None, None
   if given:
-    return argv, (f'--cluster_resolver={FLAGS.cluster_resolver} sets '
+    return None, (f'--cluster_resolver={cluster_resolver} sets '
                   '--cluster_spec, --job and --task from the environment; '
                   f'drop {", ".join(given)}.')
-  if FLAGS.mode != 'sync':
-    return argv, (f'--cluster_resolver needs --mode=sync (got --mode='
-                  f'{FLAGS.mode}): the chief runs the controller and trainer '
+  if mode != 'sync':
+    return None, (f'--cluster_resolver needs --mode=sync (got --mode='
+                  f'{mode}): the chief runs the controller and trainer '
                   'client of a synchronous run.')
   try:
-    resolved = resolvers.Resolve(FLAGS.cluster_resolver, FLAGS.slurm_port_base)
+    resolved = resolvers.Resolve(cluster_resolver, slurm_port_base)
   except resolvers.ResolveError as e:
-    return argv, str(e)
-  FLAGS.cluster_spec = resolved.cluster_spec
-  FLAGS.job = resolved.job
-  FLAGS.task = resolved.task
+    return None, str(e)
   print(f'{resolved.source}: this process is {resolved.job} task '
         f'{resolved.task} of the cluster {resolved.cluster_spec}',
         file=sys.stderr, flush=True)
-  return list(argv) + resolved.Flags(), None
+  return resolved, None
 
 
-def CheckFlags(options):
-  """Returns an error message for bad multi-process flags, or None."""
+# Lingvo's trainer reads these from FLAGS, not from its params: its
+# RunnerManager.UpdateClusterParamsFromFlags reads --worker_job, --ps_job,
+# --ps_replicas and --worker_replicas, and its CreateRunners hands --tf_master
+# to every runner (lingvo/trainer.py). Its MaybeConfigRunDistributed and
+# MaybeLaunchTensorFlow write them; the manager's overrides below write them
+# again at start-up, after Lingvo's, through these two functions only.
+def _SetLingvoFlags(**values):
+  for name, value in values.items():
+    setattr(FLAGS, name, value)
+
+
+def _LingvoMaster() -> str:
+  return FLAGS.tf_master
+
+
+def CheckFlags(options, worker_replicas: Optional[int] = None):
+  """Returns an error message for bad multi-process flags, or None.
+
+  Args:
+    options: The trainer's trainer_flags.Options.
+    worker_replicas: --worker_replicas where given, else None.
+  """
   if not options.distributed:
     return None
   try:
@@ -102,9 +106,9 @@ def CheckFlags(options):
       layout = cluster.MakeWorkerLayout(
           len(jobs['worker']), options.devices_per_task,
           options.worker_split_size)
-      if (FLAGS['worker_replicas'].present and
-          FLAGS.worker_replicas != layout.num_replicas):
-        return (f'--worker_replicas={FLAGS.worker_replicas} disagrees with '
+      if (worker_replicas is not None and
+          worker_replicas != layout.num_replicas):
+        return (f'--worker_replicas={worker_replicas} disagrees with '
                 f'--cluster_spec: {len(jobs["worker"])} worker task(s) x '
                 f'{options.devices_per_task} device(s) / --worker_split_size='
                 f'{options.worker_split_size} make {layout.num_replicas} '
@@ -143,13 +147,14 @@ class DistributedRunnerManagerMixin:
     if not self._options.distributed or self._options.mode != 'sync':
       return
     jobs, layout = self._Layout()
-    # Lingvo sets these only for a process of one job; a chief runs two.
-    FLAGS.worker_job = '/job:worker'
-    # A ps job holds the variables; without one the workers do.
-    FLAGS.ps_job = '/job:ps' if 'ps' in jobs else '/job:worker'
-    FLAGS.ps_replicas = len(jobs['ps' if 'ps' in jobs else 'worker'])
-    # Lingvo made each worker task a replica; replicas are splits instead.
-    FLAGS.worker_replicas = layout.num_replicas
+    _SetLingvoFlags(
+        # Lingvo sets these only for a process of one job; a chief runs two.
+        worker_job='/job:worker',
+        # A ps job holds the variables; without one the workers do.
+        ps_job='/job:ps' if 'ps' in jobs else '/job:worker',
+        ps_replicas=len(jobs['ps' if 'ps' in jobs else 'worker']),
+        # Lingvo made each worker task a replica; replicas are splits instead.
+        worker_replicas=layout.num_replicas)
     tf.logging.info(
         'Cluster layout: %d worker task(s) x %d device(s), %d replica(s) of '
         '%d cell device(s): %s', layout.num_tasks, layout.devices_per_task,
@@ -182,22 +187,23 @@ class DistributedRunnerManagerMixin:
           tf.train.ClusterSpec(jobs),
           job_name=job,
           task_index=o.task,
-          config=SessionConfig(o, client=False))
+          config=server.SessionConfig(o, client=False))
     except ValueError as e:
       _Exit(str(e))
     except tf.errors.OpError as e:
       _Exit(f'{me} could not serve {address} (--cluster_spec): {e.message}; '
             'is the port in use, or the host not this machine?')
     print(f'{me} serving on {address}', file=sys.stderr, flush=True)
-    if not FLAGS.tf_master:
-      FLAGS.tf_master = self._tf_server.target
-    ClusterWatch(jobs, o.jobs, o.task, o.cluster_wait_secs).Start()
+    if not _LingvoMaster():
+      _SetLingvoFlags(tf_master=self._tf_server.target)
+    server.ClusterWatch(jobs, o.jobs, o.task, o.cluster_wait_secs).Start()
     if job in ('worker', 'ps', 'input'):
       return  # Servers only; the clients drive them.
     # Clients need the servers that hold the variables and run the ops, not
     # each other (a restarted controller may find training already done).
     others = {
-        f'{j} task {t}': a for j, addrs in jobs.items() if j in _SERVER_JOBS
+        f'{j} task {t}': a for j, addrs in jobs.items()
+        if j in server.SERVER_JOBS
         for t, a in enumerate(addrs) if a != address
     }
     try:
@@ -209,8 +215,9 @@ class DistributedRunnerManagerMixin:
   def _CreateRunner(self, job, model_task_name, logdir, tf_master, trial):
     o = self._options
     if o.distributed and job in ('worker', 'ps'):
-      ServeUntilDone(self._tf_server,  # Does not return.
-                     cluster.ParseClusterSpec(o.cluster_spec), job, o.task)
+      server.ServeUntilDone(  # Does not return.
+          self._tf_server, cluster.ParseClusterSpec(o.cluster_spec), job,
+          o.task)
     return super()._CreateRunner(job, model_task_name, logdir, tf_master,
                                  trial)
 
@@ -227,7 +234,7 @@ class DistributedRunnerManagerMixin:
     path = tf.train.latest_checkpoint(os.path.join(o.logdir, 'train'))
     step = int(path.rsplit('-', 1)[1]) if path else -1
     if max_steps and step >= max(max_steps):
-      SignalDone(cluster.ParseClusterSpec(o.cluster_spec), o.job,
-                 FLAGS.tf_master, SessionConfig(o))
+      server.SignalDone(cluster.ParseClusterSpec(o.cluster_spec), o.job,
+                        _LingvoMaster(), server.SessionConfig(o))
 
 

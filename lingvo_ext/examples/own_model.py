@@ -44,7 +44,7 @@ from lingvo.core import base_layer
 from lingvo.core import py_utils
 from lingvo.core import tshape
 
-from lingvo_ext.core import cost
+from lingvo_ext.core import flops
 from lingvo_ext.core import layers
 from lingvo_ext.tasks import pipelined_task
 from lingvo_ext.tasks.image import input_generator
@@ -93,10 +93,10 @@ class ResidualMlpLayer(base_layer.BaseLayer):
     """FLOPs and output shape of FProp on an input of tshape.Shape `x`."""
     py_utils.CheckShapes((x,))
     rows = x.num_elements() // p.dim
-    flops = (cost.FCFlops(rows, p.dim, p.hidden_dim, 'RELU') +
-             cost.FCFlops(rows, p.hidden_dim, p.dim) +
-             cost.ElementwiseFlops(rows * p.dim))
-    return py_utils.NestedMap(flops=cost.ToInt(flops), out_shapes=(x,))
+    num_flops = (flops.FCFlops(rows, p.dim, p.hidden_dim, 'RELU') +
+                 flops.FCFlops(rows, p.hidden_dim, p.dim) +
+                 flops.ElementwiseFlops(rows * p.dim))
+    return py_utils.NestedMap(flops=flops.ToInt(num_flops), out_shapes=(x,))
 
 
 # --- 2. The task ------------------------------------------------------------------

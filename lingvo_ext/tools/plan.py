@@ -7,7 +7,7 @@ r"""Chooses how to pipeline a registered experiment on N devices.
 Enumerates the plans (K cells and their exact min-max cut, M micro-batches,
 schedule, recompute, R data-parallel replicas with K * R <= N, gradient_sync),
 predicts each one's step time and peak memory per device
-(lingvo_ext/core/planner.py), drops those over --memory_per_device and prints
+(lingvo_ext/core/planner/), drops those over --memory_per_device and prints
 them fastest first, with the trainer command that runs the best. --measure
 times the plans predicted within --measure_within of the best, at most
 --measure_top of them (and the twin without recompute of each that
@@ -106,10 +106,10 @@ class Measurer:
       return dict(step_s=None, rss_bytes=None, error=repr(e))
 
 
-def MeasurePlans(model: str, plans: List[planner.Plan],
+def MeasurePlans(model: str, plans: List[planner.Candidate],
                  steps: int = MEASURE_STEPS,
-                 warmup: int = MEASURE_WARMUP) -> None:
-  """Sets measured_step_s and measured_rss_bytes of each plan.
+                 warmup: int = MEASURE_WARMUP) -> List[planner.Candidate]:
+  """The candidates with their Measurement: step times and peak RSS.
 
   Step times: all plans built in this process and timed in turn, `steps`
   rounds (RoundRobin), the fastest round (the least disturbed by other
@@ -118,22 +118,23 @@ def MeasurePlans(model: str, plans: List[planner.Plan],
   built = [planner.BuildExperimentStep(model, p) for p in plans]
   times = RoundRobin([lambda s=s: s[0].run(s[1]) for s in built], steps,
                      warmup)
-  for (sess, _), p, t in zip(built, plans, times):
+  for sess, _ in built:
     sess.close()
-    p.measured_times = list(t)
-    p.measured_step_s = min(t)
   measurer = Measurer(planner.MeasureJob, ['lingvo_ext.core.planner'])
-  for p in plans:
-    out = measurer.Measure(dict(model=model, plan=p.ToDict(), steps=2,
-                                warmup=0))
-    p.measured_rss_bytes = out.get('rss_bytes')
+  out = []
+  for p, t in zip(plans, times):
+    rss = measurer.Measure(dict(model=model, plan=p.plan.ToDict(), steps=2,
+                                warmup=0)).get('rss_bytes')
+    out.append(p.Measured(step_s=min(t), times=t, rss_bytes=rss))
+  return out
 
 
 # --- Choosing -----------------------------------------------------------------
 
 
-def MeasureCandidates(ranked: List[planner.Plan], top: int,
-                      within: float = MEASURE_WITHIN) -> List[planner.Plan]:
+def MeasureCandidates(ranked: List[planner.Candidate], top: int,
+                      within: float = MEASURE_WITHIN
+                     ) -> List[planner.Candidate]:
   """The plans --measure times, the predicted best first.
 
   The predicted best and every plan predicted within `within` of its step
@@ -176,7 +177,7 @@ def ChooseForExperiment(model_params, name: str, devices: int,
                         memory_per_device: Optional[float] = None,
                         global_batch: Optional[int] = None,
                         machine: Optional[planner.Machine] = None,
-                        calibrate: bool = True) -> List[planner.Plan]:
+                        calibrate: bool = True) -> List[planner.Candidate]:
   """Ranked predicted plans of an experiment's params (PlanError if none).
 
   Without `machine`, this host's, probed, and with `calibrate` calibrated on
@@ -356,7 +357,9 @@ def main(argv=None) -> int:
   noise = None
   if args.measure:
     top = MeasureCandidates(plans, args.measure_top, args.measure_within)
-    MeasurePlans(args.model, top, steps=args.measure_steps)
+    top = MeasurePlans(args.model, top, steps=args.measure_steps)
+    measured = {p.Key(): p for p in top}
+    plans = [measured.get(p.Key(), p) for p in plans]
     chosen, noise = planner.MeasuredChoice(top)
     plans = planner.Rank(plans, args.memory_bytes, measured=True)
     plans.remove(chosen)

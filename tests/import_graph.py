@@ -1,0 +1,144 @@
+"""The import graph of lingvo_ext/ and params/, read from the source (ast).
+
+Nodes are files; an edge A -> B says A imports B (at module level or inside a
+function: both tie the files together). `Cycles` lists the strongly connected
+groups of files; `Violations` the imports that run from a lower floor of the
+house to a higher one (`FLOORS`, docs/architecture.md).
+
+  .venv/bin/python -m tests.import_graph      # the floors, cycles, violations
+"""
+
+import ast
+import collections
+import os
+import sys
+from typing import Dict, List, Set, Tuple
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGES = ('lingvo_ext', 'params')
+
+# The floors of the house, bottom up: a file may import files of its own floor
+# or of a floor below, never above. A part is a path prefix; the longest that
+# matches a file names its floor.
+FLOORS = (
+    ('lingvo_ext/__init__.py', 'lingvo_ext/_internal/'),
+    ('lingvo_ext/distributed/',),
+    ('lingvo_ext/core/',),
+    ('lingvo_ext/tasks/', 'lingvo_ext/trainer_flags.py',
+     'lingvo_ext/progress.py', 'lingvo_ext/checkpoints.py'),
+    ('lingvo_ext/registry.py',),
+    ('params/',),
+    ('lingvo_ext/core/planner/',),
+    ('lingvo_ext/runners.py',),
+    ('lingvo_ext/trainer.py', 'lingvo_ext/launch.py', 'lingvo_ext/tools/',
+     'lingvo_ext/examples/'),
+)
+
+
+def Files() -> List[str]:
+  out = []
+  for pkg in PACKAGES:
+    for d, _, names in os.walk(os.path.join(ROOT, pkg)):
+      out += [os.path.relpath(os.path.join(d, n), ROOT).replace(os.sep, '/')
+              for n in names if n.endswith('.py')]
+  return sorted(out)
+
+
+def _ModuleFile(module: str, files: Set[str]):
+  path = module.replace('.', '/')
+  for f in (path + '.py', path + '/__init__.py'):
+    if f in files:
+      return f
+  return None
+
+
+def Edges() -> Dict[str, Set[str]]:
+  """{file: the files of lingvo_ext/ and params/ it imports}."""
+  files = Files()
+  known = set(files)
+  out = {}
+  for f in files:
+    tree = ast.parse(open(os.path.join(ROOT, f)).read(), f)
+    deps = set()
+    for node in ast.walk(tree):
+      names = []
+      if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+      elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+        # `from a.b import c`: c is a module of a.b or a name in a.b.
+        names = [node.module + '.' + a.name for a in node.names]
+        names = [n if _ModuleFile(n, known) else node.module for n in names]
+      for n in names:
+        target = _ModuleFile(n, known)
+        if target and target != f:
+          deps.add(target)
+    out[f] = deps
+  return out
+
+
+def Floor(f: str) -> int:
+  best, floor = -1, None
+  for i, parts in enumerate(FLOORS):
+    for part in parts:
+      if f.startswith(part) and len(part) > best:
+        best, floor = len(part), i
+  if floor is None:
+    raise ValueError(f'{f} is on no floor; add it to FLOORS.')
+  return floor
+
+
+def Cycles(edges: Dict[str, Set[str]]) -> List[List[str]]:
+  """The groups of files that import each other, round and round (Tarjan)."""
+  index, low, stack, on, out = {}, {}, [], set(), []
+
+  def Visit(v):
+    index[v] = low[v] = len(index)
+    stack.append(v)
+    on.add(v)
+    for w in edges.get(v, ()):
+      if w not in index:
+        Visit(w)
+        low[v] = min(low[v], low[w])
+      elif w in on:
+        low[v] = min(low[v], index[w])
+    if low[v] == index[v]:
+      group = []
+      while True:
+        w = stack.pop()
+        on.discard(w)
+        group.append(w)
+        if w == v:
+          break
+      if len(group) > 1:
+        out.append(sorted(group))
+
+  sys.setrecursionlimit(max(sys.getrecursionlimit(), 10000))
+  for v in sorted(edges):
+    if v not in index:
+      Visit(v)
+  return out
+
+
+def Violations(edges: Dict[str, Set[str]]) -> List[Tuple[str, str]]:
+  """(importer, imported) where the imported file is on a higher floor."""
+  return sorted((a, b) for a, bs in edges.items() for b in bs
+                if Floor(b) > Floor(a))
+
+
+def main() -> int:
+  edges = Edges()
+  parts = collections.Counter()
+  for f in edges:
+    parts[Floor(f)] += sum(1 for _ in open(os.path.join(ROOT, f)))
+  for i, floor in enumerate(FLOORS):
+    print(f'floor {i}: {", ".join(floor)} ({parts[i]} lines)')
+  print(f'{len(edges)} files, {sum(map(len, edges.values()))} imports')
+  for group in Cycles(edges):
+    print('cycle: ' + ' <-> '.join(group))
+  for a, b in Violations(edges):
+    print(f'upward: {a} (floor {Floor(a)}) -> {b} (floor {Floor(b)})')
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())
