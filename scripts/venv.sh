@@ -20,6 +20,14 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "$venv/bin/python" -m pip install -q --no-deps -r "$root/requirements-nodeps.txt"
   echo "$want" > "$stamp"
 fi
+# Every console script pyproject.toml names is in the venv's bin/.
+_HasScripts() {
+  local name
+  for name in $(sed -n '/^\[project.scripts\]/,/^\[/s/^\([a-z-]*\) *=.*/\1/p' \
+                "$root/pyproject.toml"); do
+    [ -x "$venv/bin/$name" ] || return 1
+  done
+}
 # This checkout, installed editable (pyproject.toml): `import lingvo_ext`,
 # `python -m lingvo_ext.trainer` and the lingvo-ext-* commands work from any
 # directory. Skipped when the venv already imports this checkout's package.
@@ -31,7 +39,7 @@ def Here(name):  # Where the package would be imported from (not importing it).
   spec = find_spec(name)
   return spec and os.path.dirname(os.path.dirname(os.path.realpath(spec.origin)))
 sys.exit(0 if Here("lingvo_ext") == Here("params") == root else 1)' "$root" \
-    2>/dev/null && [ -x "$venv/bin/lingvo-ext-train" ]); then
+    2>/dev/null && _HasScripts); then
   echo "venv: installing $root (editable)" >&2
   "$venv/bin/python" -m pip install -q --no-deps -e "$root"
 fi

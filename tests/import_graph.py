@@ -24,8 +24,11 @@ FLOORS = (
     ('lingvo_ext/__init__.py', 'lingvo_ext/_internal/'),
     ('lingvo_ext/distributed/',),
     ('lingvo_ext/core/',),
+    # The timeline tool's library half: the trainer's runners draw a traced
+    # step with it, below the tool's command line.
     ('lingvo_ext/tasks/', 'lingvo_ext/trainer_flags.py',
-     'lingvo_ext/progress.py', 'lingvo_ext/checkpoints.py'),
+     'lingvo_ext/progress.py', 'lingvo_ext/checkpoints.py',
+     'lingvo_ext/tools/timeline.py', 'lingvo_ext/tools/step_trace.py'),
     ('lingvo_ext/registry.py',),
     ('params/',),
     ('lingvo_ext/core/planner/',),
