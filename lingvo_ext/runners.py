@@ -469,7 +469,7 @@ class _WaitsForCheckpointsMixin:
     return done is not None and step is not None and step >= done[0]
 
   def _TrainerFinished(self, sess=None):
-    if self._EvalOnce():
+    if self._OnceOnly():
       return False  # Evaluates the checkpoint, processed or not.
     train_dir = self._checkpointer.checkpoint_dir
     path = checkpoints.LatestCheckpoint(train_dir)
@@ -489,7 +489,7 @@ class _WaitsForCheckpointsMixin:
     finally:
       self._DequeueThreadComplete()  # `stopped`: the manager waits for it.
 
-  def _EvalOnce(self):
+  def _OnceOnly(self):
     o = self._options
     return o.eval_once or bool(o.eval_checkpoint)
 
@@ -499,7 +499,7 @@ class _WaitsForCheckpointsMixin:
       self._waiting = Waiting()
     processed = processed_ckpts or ()
     train_dir = self._checkpointer.checkpoint_dir
-    if self._EvalOnce():
+    if self._OnceOnly():
       if getattr(self, '_evaluated_once', False):
         return None
       self._evaluated_once = True

@@ -308,18 +308,19 @@ def _StopOnSignals(o, run_state):
 
   on_stop = None
   if o.distributed and o.jobs[0] in server.SERVER_JOBS:
-    jobs = cluster.ParseClusterSpec(o.cluster_spec)
     on_stop = lambda: threading.Thread(
-        target=_ServeUntilClientsExit, args=(jobs,), daemon=True).start()
+        target=_ServeUntilClientsExit, args=(o.cluster_spec,),
+        daemon=True).start()
   return shutdown.StopOnSignals(run_state, o.shutdown_grace_secs,
                                 NothingToSave, Latest, owns, on_stop)
 
 
-def _ServeUntilClientsExit(jobs):
+def _ServeUntilClientsExit(cluster_spec):
   """A worker or ps after a stop signal: serves until the clients exit.
 
   The controller's last save reads the variables this task holds.
   """
+  jobs = cluster.ParseClusterSpec(cluster_spec)
   clients = [a for j in ('controller', 'trainer_client')
              for a in jobs.get(j, ())]
   while any(cluster.Answers(a) for a in clients):
