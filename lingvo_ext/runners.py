@@ -503,8 +503,12 @@ class _WaitsForCheckpointsMixin:
       if getattr(self, '_evaluated_once', False):
         return None
       self._evaluated_once = True
-      return (self._options.eval_checkpoint or
+      path = (self._options.eval_checkpoint or
               checkpoints.LatestCheckpoint(train_dir))
+      if not path:
+        print(f'{self._job_name}: --eval_once: no checkpoint in {train_dir}: '
+              'nothing to evaluate.', file=sys.stderr, flush=True)
+      return path
     while True:
       if self._run_state.interrupted.is_set():
         return None  # SIGTERM / Ctrl-C: between two checkpoints.
