@@ -271,6 +271,16 @@ def testEvalOnceEvaluatesTheNewestCheckpointOfAStoppedRunAndExits(
     assert rc == 0, out[-3000:]
     assert re.search(rf'^evaler_dev: step {step}  .*log_pplx', out,
                      re.M), out[-3000:]
+  empty = str(tmp_path / 'empty')
+  run = _Trainer(f'--model={tiny_gpipe_run.model}', *tiny_gpipe_run.flags,
+                 f'--logdir={empty}', '--job=evaler_dev', '--eval_once')
+  try:
+    rc = run.Wait()
+  finally:
+    run.Kill()
+  assert rc == 0, run.Text()[-3000:]
+  assert (f'evaler_dev: --eval_once: no checkpoint in {empty}/train: nothing '
+          'to evaluate.') in run.Text(), run.Text()[-3000:]
   run = _Trainer(*flags, f'--eval_checkpoint={logdir}/train/ckpt-7')
   try:
     rc = run.Wait()
