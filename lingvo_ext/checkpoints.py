@@ -436,3 +436,69 @@ def CheckpointStep(path: Optional[str]) -> Optional[int]:
     return None
   step = _Step(path)
   return None if step < 0 else step
+
+
+# --- A logdir that moved ----------------------------------------------------------
+
+
+def _OwnCopy(train_dir: str, path: str) -> Optional[str]:
+  """`train_dir`'s checkpoint named as `path` when `path` is elsewhere."""
+  if not os.path.isabs(path) or os.path.dirname(
+      os.path.normpath(path)) == os.path.normpath(train_dir):
+    return None  # Relative, or already in train_dir.
+  return os.path.join(train_dir, os.path.basename(path))
+
+
+def LatestCheckpoint(train_dir: str) -> Optional[str]:
+  """tf.train.latest_checkpoint, read as if the logdir never moved.
+
+  The `checkpoint` state file names checkpoints by absolute path: in a copied
+  or moved logdir it names the original's files. Those become this logdir's
+  files of the same names when they are here.
+  """
+  state = tf.train.get_checkpoint_state(train_dir)
+  own = state and state.model_checkpoint_path and _OwnCopy(
+      train_dir, state.model_checkpoint_path)
+  if own and tf.io.gfile.exists(own + '.index'):
+    return own
+  return tf.train.latest_checkpoint(train_dir)
+
+
+def LocalizeStateFile(train_dir: str) -> Optional[str]:
+  """Points a moved logdir's state file at its own checkpoints.
+
+  Paths outside `train_dir` are replaced by `train_dir`'s files of the same
+  names when all of those are here (the state file is rewritten
+  atomically).
+
+  Returns:
+    None when every path was inside `train_dir`; else a one-line note of
+    what was done, or of where the paths point when the files are not here.
+  """
+  state_file = os.path.join(train_dir, 'checkpoint')
+  if not tf.io.gfile.exists(state_file):
+    return None
+  state = internal_tf.CheckpointState()
+  try:
+    with tf.io.gfile.GFile(state_file, 'rb') as f:
+      text_format.Parse(f.read(), state)
+  except Exception:  # pylint: disable=broad-except
+    return None  # RebuildStateFile repairs it.
+  paths = [state.model_checkpoint_path, *state.all_model_checkpoint_paths]
+  moved = [p for p in paths if p and _OwnCopy(train_dir, p)]
+  if not moved:
+    return None
+  elsewhere = os.path.dirname(moved[0])
+  missing = [p for p in moved
+             if not tf.io.gfile.exists(_OwnCopy(train_dir, p) + '.index')]
+  if missing:
+    return (f'{state_file} names checkpoints in {elsewhere}, outside this '
+            f'logdir, and {os.path.basename(missing[0])} is not in '
+            f'{train_dir}; using the paths as written.')
+  own = lambda p: _OwnCopy(train_dir, p) or p
+  state.model_checkpoint_path = own(state.model_checkpoint_path)
+  state.all_model_checkpoint_paths[:] = [
+      own(p) for p in state.all_model_checkpoint_paths]
+  _AtomicWrite(state_file, text_format.MessageToString(state))
+  return (f'{state_file} named checkpoints in {elsewhere} (a copied or moved '
+          'logdir); using this logdir\'s own files of the same names.')

@@ -9,7 +9,10 @@ changes and the trainer's progress (each task's whole log goes to
 LOGDIR/launch/JOB.TASK.log; --stream_logs prints it all), restarts a task
 that dies (training resumes from the last checkpoint), and stops them all
 when training ends, on Ctrl-C, or when the launcher itself is killed (even
-with kill -9). Every flag other than the launcher's own (below) goes to
+with kill -9). SIGTERM or SIGHUP (a cluster stopping the job) is forwarded to
+every task: the controller saves the current step within
+--shutdown_grace_secs, then everything exits; the exit code says whether
+that save happened (0) or not (143); see docs/preemption.md. Every flag other than the launcher's own (below) goes to
 every trainer process, e.g. --max_steps=100. With one CPU device per worker
 (--num_cpu_devices=1), replica r's cell i runs on worker task r*K+i
 (K = --worker_split_size), so --workers=4 --worker_split_size=2 trains 2
@@ -23,8 +26,10 @@ and docs/clusters.md.
 """
 
 import argparse
+import os
 import sys
 
+from lingvo_ext import shutdown
 from lingvo_ext.distributed import cluster
 from lingvo_ext.distributed import launch_lib
 
@@ -130,12 +135,22 @@ def Main(argv=None):
     print(f'error: {e}'.replace('--cluster_spec', '--workers'),
           file=sys.stderr)
     return 2
+  try:
+    grace_s = float(_FlagValue(trainer_flags, 'shutdown_grace_secs', '20'))
+  except ValueError:
+    grace_s = 0
+  if grace_s <= 0:
+    print('error: --shutdown_grace_secs must be a number of seconds > 0, '
+          'e.g. 20.', file=sys.stderr)
+    return 2
+  shutdown.SetTitle(f'lingvo_ext launch {os.path.abspath(logdir)}')
   return launch_lib.Launch(
       args.workers, trainer_flags, logdir, args.network,
       args.ready_timeout_secs, args.max_restarts,
       stream_logs=args.stream_logs, cluster_from=args.cluster_from,
       num_ps=args.ps, nodes=args.nodes, layout=layout,
-      fork_tasks=args.fork_tasks)
+      fork_tasks=args.fork_tasks,
+      shutdown_grace_s=grace_s)
 
 
 if __name__ == '__main__':

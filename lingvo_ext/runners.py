@@ -20,6 +20,7 @@ classes it names (its Controller/Trainer/Evaler/Decoder attributes):
 """
 
 import dataclasses
+import fcntl
 import functools
 import os
 import re
@@ -56,8 +57,11 @@ _JOB_SPECS = ('controller', 'train_summaries', 'worker', 'ps', 'evaler',
 class RunState:
   """What the runner threads of one trainer process tell each other.
 
-  interrupted: set by the first Ctrl-C: the trainer stops after its step,
-    the controller saves a checkpoint and stops.
+  interrupted: set by the first SIGTERM, SIGHUP or Ctrl-C (shutdown.py): the
+    trainer stops after its step, the controller saves a checkpoint and
+    stops, evalers and decoders stop after the checkpoint they are on.
+  stop_signal: the signal that set `interrupted`.
+  final_save: the controller saved the step it stopped at.
   controller_here: a controller runs in this process. In a new run its
     trainer waits for `first_save_done`, so that the first checkpoint holds
     the initial weights rather than whatever step the trainer reached.
@@ -73,6 +77,9 @@ class RunState:
       default_factory=threading.Event)
   trainer_done: threading.Event = dataclasses.field(
       default_factory=threading.Event)
+  final_save: threading.Event = dataclasses.field(
+      default_factory=threading.Event)
+  stop_signal: int = 0
 
 
 def Fail(message, code):
@@ -88,6 +95,28 @@ def FirstLine(e):
   return str(getattr(e, 'message', e)).strip().split('\n')[0]
 
 
+# The lock a training process holds on its logdir for its whole life (the
+# kernel drops it when the process ends, however it ends).
+TRAINER_LOCK = 'trainer.lock'
+
+
+def TrainerRuns(logdir):
+  """Whether a live process holds `logdir`'s trainer lock."""
+  path = os.path.join(logdir, TRAINER_LOCK)
+  try:
+    fd = os.open(path, os.O_RDONLY)
+  except OSError:
+    return False
+  try:
+    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return False
+  except OSError:
+    return True
+  finally:
+    os.close(fd)
+
+
 # Seconds between two "waiting for ..." lines of a job that waits.
 WAIT_MESSAGE_INTERVAL_S = 30.0
 
@@ -98,8 +127,10 @@ class Waiting:
   def __init__(self):
     self._last = {}
 
-  def Say(self, key, message):
+  def Say(self, key, message, once=False):
     now = time.time()
+    if once and key in self._last:
+      return
     if now - self._last.get(key, -1e9) >= WAIT_MESSAGE_INTERVAL_S:
       self._last[key] = now
       print(message, file=sys.stderr, flush=True)
@@ -190,6 +221,9 @@ class LocalController(_RunnerMixin, lingvo_runners.Controller):
           tf.logging.info('Training finished.')
           if self._checkpoint_in_controller:
             self._checkpointer.Save(sess, global_step)
+            if checkpoints.CheckpointStep(tf.train.latest_checkpoint(
+                self._train_dir)) == int(global_step):
+              self._run_state.final_save.set()
           sess.close()
           self._DequeueThreadComplete()
           return
@@ -442,8 +476,10 @@ class _WaitsForCheckpointsMixin:
     return done is not None and step is not None and step >= done[0]
 
   def _TrainerFinished(self, sess=None):
+    if self._OnceOnly():
+      return False  # Evaluates the checkpoint, processed or not.
     train_dir = self._checkpointer.checkpoint_dir
-    path = tf.train.latest_checkpoint(train_dir)
+    path = checkpoints.LatestCheckpoint(train_dir)
     if self._Finished(path):
       runner_dir = getattr(self, '_eval_dir', None) or getattr(
           self, '_decoder_dir', None)
@@ -454,16 +490,38 @@ class _WaitsForCheckpointsMixin:
       return True
     return super()._TrainerFinished(sess)
 
+  def _Loop(self):
+    try:
+      super()._Loop()
+    finally:
+      self._DequeueThreadComplete()  # `stopped`: the manager waits for it.
+
+  def _OnceOnly(self):
+    o = self._options
+    return o.eval_once or bool(o.eval_checkpoint)
+
   def _FindNewCheckpoint(self, sess=None, processed_ckpts=None):
     """The next checkpoint to process; None once training has finished."""
     if not hasattr(self, '_waiting'):
       self._waiting = Waiting()
     processed = processed_ckpts or ()
     train_dir = self._checkpointer.checkpoint_dir
+    if self._OnceOnly():
+      if getattr(self, '_evaluated_once', False):
+        return None
+      self._evaluated_once = True
+      path = (self._options.eval_checkpoint or
+              checkpoints.LatestCheckpoint(train_dir))
+      if not path:
+        print(f'{self._job_name}: --eval_once: no checkpoint in {train_dir}: '
+              'nothing to evaluate.', file=sys.stderr, flush=True)
+      return path
     while True:
+      if self._run_state.interrupted.is_set():
+        return None  # SIGTERM / Ctrl-C: between two checkpoints.
       if self._ShouldStop(sess, step=0):  # Lingvo's early stop.
         return None
-      path = tf.train.latest_checkpoint(train_dir)
+      path = checkpoints.LatestCheckpoint(train_dir)
       if path and path not in processed:
         return path
       if self._Finished(path):
@@ -475,6 +533,12 @@ class _WaitsForCheckpointsMixin:
             'none', f'{self._job_name}: waiting for a first checkpoint in '
             f'{train_dir}: train with the same --logdir (or add '
             f'{self._job_name} to the trainer\'s --job).')
+      elif not TrainerRuns(os.path.dirname(train_dir)):
+        self._waiting.Say(
+            'gone', f'{self._job_name}: done with {path}; no trainer runs on '
+            f'this logdir (nothing holds its {TRAINER_LOCK}): waiting for new '
+            'checkpoints (--eval_once evaluates the newest and exits).',
+            once=True)
       else:
         self._waiting.Say(
             path, f'{self._job_name}: done with {path}; waiting for a newer '
@@ -484,8 +548,13 @@ class _WaitsForCheckpointsMixin:
 
   def _WriteSummaries(self, summary_writer, job_name, global_step, summaries,
                       text_filename=None):
+    # The text file is written whole or not at all (a stop at the deadline
+    # leaves no partial file under its final name).
+    temp = text_filename and f'{text_filename}.tmp{os.getpid()}'
     super()._WriteSummaries(summary_writer, job_name, global_step, summaries,
-                            text_filename)
+                            temp)
+    if temp and tf.io.gfile.exists(temp):
+      tf.io.gfile.rename(temp, text_filename, overwrite=True)
     values = []
     for unused_name, summary in sorted(summaries.items()):
       for value in getattr(summary, 'value', ()):
@@ -573,8 +642,9 @@ class RunnerManager(trainer_lib.DistributedRunnerManagerMixin,
   def StartRunners(self, all_runners):
     """Lingvo's StartRunners, after skipping damaged checkpoints.
 
-    Returns once the runners finish, or, after Ctrl-C, once the controller
-    and trainer have (an evaler would wait for checkpoints forever).
+    Returns once the runners finish, or, after a stop signal, once the
+    controller has saved and the others stopped (an evaler or decoder after
+    the checkpoint it is on).
     """
     o = self._options
     if o.logdir and ('controller' in o.jobs or 'trainer_client' in o.jobs):
@@ -582,15 +652,13 @@ class RunnerManager(trainer_lib.DistributedRunnerManagerMixin,
     runner = threading.Thread(
         target=super().StartRunners, args=(all_runners,), daemon=True)
     runner.start()
-    training = [
-        r for r in all_runners if isinstance(r, (LocalController, LocalTrainer))
-    ]
+    waited = [r for r in all_runners if isinstance(r, _RunnerMixin)]
     while runner.is_alive():
       runner.join(0.5)
-      # Both call _DequeueThreadComplete when they stop (the controller
-      # after its last checkpoint).
+      # Each calls _DequeueThreadComplete when it stops (the controller
+      # after its last checkpoint, an evaler after its checkpoint).
       if self.run_state.interrupted.is_set() and all(
-          r.stopped for r in training):
+          r.stopped for r in waited):
         break
 
   def GetParamsForDataset(self, job_name, dataset_name):
@@ -615,6 +683,9 @@ def RepairCheckpoints(train_dir):
   """
   if train_dir in _REPAIRED:
     return _REPAIRED[train_dir]
+  moved = checkpoints.LocalizeStateFile(train_dir)
+  if moved:
+    print(f'note: {moved}', file=sys.stderr, flush=True)
   problem = checkpoints.RebuildStateFile(train_dir)
   if problem:
     latest = tf.train.latest_checkpoint(train_dir)

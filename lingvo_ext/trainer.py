@@ -42,8 +42,13 @@ changes:
   non-finite tensor and the last good checkpoint; no checkpoint holding
   NaN/Inf is written. A damaged latest checkpoint is skipped for the newest
   intact one, and a damaged `checkpoint` state file is rebuilt from the
-  checkpoints on disk (lingvo_ext/checkpoints.py). Ctrl-C saves a checkpoint, then
-  exits with 130 (a second Ctrl-C exits at once).
+  checkpoints on disk (lingvo_ext/checkpoints.py). SIGTERM or SIGHUP (a
+  cluster stopping the job) saves the current step and exits 0, Ctrl-C the
+  same with 130; a second signal, or --shutdown_grace_secs, exits at once
+  (143) with the last complete checkpoint as the latest
+  (lingvo_ext/shutdown.py, docs/preemption.md).
+- --eval_once (or --eval_checkpoint=PATH): evalers and decoders evaluate
+  the newest (or that) checkpoint, print the metrics line and exit 0.
 - A model with partitioned variables (a layer's `partitioner` set, e.g.
   lm.WordLmSharded) saves checkpoints with tf.train.Saver
   (--use_custom_saver=false unless given), whose saved slices restore into
@@ -55,9 +60,10 @@ import dataclasses
 import fcntl
 import gc
 import os
-import signal
 import socket
 import sys
+import threading
+import time
 import traceback
 
 import lingvo_ext  # pylint: disable=unused-import,g-bad-import-order
@@ -70,10 +76,13 @@ from lingvo_ext import checkpoints
 from lingvo_ext import progress
 from lingvo_ext import registry
 from lingvo_ext import runners
+from lingvo_ext import shutdown
 from lingvo_ext import trainer_flags
 from lingvo_ext._internal import lingvo as internal_lingvo
 from lingvo_ext._internal import process
+from lingvo_ext.distributed import cluster
 from lingvo_ext.distributed import gradient_sync
+from lingvo_ext.distributed import server
 from lingvo_ext.distributed import trainer_lib
 
 FLAGS = tf.flags.FLAGS
@@ -81,7 +90,7 @@ FLAGS = tf.flags.FLAGS
 
 # The lock a training process holds on its logdir for its whole life (the
 # kernel drops it when the process ends, however it ends).
-LOCK_FILE = 'trainer.lock'
+LOCK_FILE = runners.TRAINER_LOCK
 _LOCK = {}
 
 
@@ -215,6 +224,14 @@ def _CheckFlags(o):
             "TensorFlow's default, a thread per core).")
   if o.max_steps is not None and o.max_steps < 0:
     return f'--max_steps={o.max_steps} must be >= 0.'
+  if o.shutdown_grace_secs <= 0:
+    return (f'--shutdown_grace_secs={o.shutdown_grace_secs:g} must be > 0, '
+            'e.g. 20 (below the cluster\'s grace period).')
+  if o.eval_checkpoint and not tf.io.gfile.exists(o.eval_checkpoint +
+                                                  '.index'):
+    return (f'--eval_checkpoint={o.eval_checkpoint}: no such checkpoint (no '
+            f'{o.eval_checkpoint}.index); pass a prefix such as '
+            'LOGDIR/train/ckpt-00000100.')
   if o.distributed:
     return trainer_lib.CheckFlags(o, (FLAGS.worker_replicas if
                                       FLAGS['worker_replicas'].present
@@ -268,27 +285,51 @@ def _UseSlicedCheckpoints(o):
     FLAGS.use_custom_saver = False  # Lingvo's Checkpointer reads it.
 
 
-def _OnSigint(run_state):
-  """The SIGINT handler: a checkpoint, then exit 130; twice: exit at once."""
+def _StopOnSignals(o, run_state):
+  """SIGTERM, SIGHUP and Ctrl-C: stop safely (lingvo_ext/shutdown.py)."""
+  train_dir = os.path.join(o.logdir, 'train') if o.logdir else ''
+  owns = _TrainsHere(o)
 
-  def Handle(unused_signum, unused_frame):
-    if run_state.interrupted.is_set():
-      print('\ninterrupted again: exiting without a checkpoint.',
-            file=sys.stderr, flush=True)
-      process.ExitNow(130)
-    run_state.interrupted.set()
-    print('\ninterrupted: saving a checkpoint, then exiting (Ctrl-C again to '
-          'exit at once).', file=sys.stderr, flush=True)
+  def Latest():
+    return (tf.train.latest_checkpoint(train_dir) if train_dir else None) or (
+        'none')
 
-  return Handle
+  def NothingToSave():
+    if not owns or run_state.first_save_done.is_set() or (
+        train_dir and tf.train.latest_checkpoint(train_dir)):
+      return None
+    return 'no checkpoint yet (training had not started): nothing to save'
+
+  on_stop = None
+  if o.distributed and o.jobs[0] in server.SERVER_JOBS:
+    on_stop = lambda: threading.Thread(
+        target=_ServeUntilClientsExit, args=(o.cluster_spec,),
+        daemon=True).start()
+  return shutdown.StopOnSignals(run_state, o.shutdown_grace_secs,
+                                NothingToSave, Latest, owns, on_stop)
 
 
-def main(unused_argv, options=None):
+def _ServeUntilClientsExit(cluster_spec):
+  """A worker or ps after a stop signal: serves until the clients exit.
+
+  The controller's last save reads the variables this task holds.
+  """
+  jobs = cluster.ParseClusterSpec(cluster_spec)
+  clients = [a for j in ('controller', 'trainer_client')
+             for a in jobs.get(j, ())]
+  while any(cluster.Answers(a) for a in clients):
+    time.sleep(0.2)
+  print('the clients have exited: exiting.', file=sys.stderr, flush=True)
+  process.ExitNow(0)
+
+
+def main(unused_argv, options=None, run_state=None):
   """Runs Lingvo's runners (Run has checked and read the flags)."""
   o = options or trainer_flags.Options.FromFlags()
   internal_lingvo.InitTpuEmbeddingManager()  # As lingvo.trainer.main.
-  run_state = runners.RunState()
-  signal.signal(signal.SIGINT, _OnSigint(run_state))
+  if run_state is None:
+    run_state = runners.RunState()
+    _StopOnSignals(o, run_state).Install()
   if o.run_locally == 'cpu' and o.num_cpu_devices > 1:
     splits = o.num_cpu_devices // o.worker_split_size
     if splits > 1:
@@ -319,10 +360,13 @@ def main(unused_argv, options=None):
     print(f'error: {e}', file=sys.stderr, flush=True)
     return 2
   if run_state.interrupted.is_set():
-    last = tf.train.latest_checkpoint(os.path.join(o.logdir, 'train'))
-    print(f'interrupted: the last checkpoint is {last}; run the same command '
-          'to resume from it.', file=sys.stderr, flush=True)
-    return 130
+    saved = run_state.final_save.is_set() or not _TrainsHere(o)
+    code = shutdown.ExitCode(run_state.stop_signal, saved)
+    if _TrainsHere(o):
+      last = tf.train.latest_checkpoint(os.path.join(o.logdir, 'train'))
+      print(f'interrupted: the last checkpoint is {last}; run the same '
+            'command to resume from it.', file=sys.stderr, flush=True)
+    return code
   return 0
 
 
@@ -330,7 +374,8 @@ def main(unused_argv, options=None):
 _HELP_FLAGS = ('model', 'logdir', 'max_steps', 'num_cpu_devices',
                'worker_split_size', 'intra_op_threads', 'job',
                'model_params_override', 'plan', 'devices', 'memory_per_device',
-               'max_nonfinite_steps')
+               'max_nonfinite_steps', 'shutdown_grace_secs', 'eval_once',
+               'eval_checkpoint')
 
 
 def _Help(full):
@@ -372,6 +417,10 @@ def Run(argv=None):
   if FLAGS.cluster_spec:  # One task of a cluster (lingvo_ext.distributed).
     FLAGS.set_default('run_locally', '')
   o = trainer_flags.Options.FromFlags()  # The flags, read once.
+  shutdown.SetTitle(shutdown.TaskTitle(o.jobs, o.task, o.logdir,
+                                       o.distributed))
+  run_state = runners.RunState()
+  _StopOnSignals(o, run_state).Install()
   # Everything checked before anything is written to the logdir.
   error = _CheckFlags(o)
   if not error:
@@ -399,7 +448,7 @@ def Run(argv=None):
     tf.disable_v2_behavior()
   py_utils.SetEagerMode(FLAGS.use_eager)
   # The flags were parsed once, above: absl's app.run keeps them as they are.
-  app.run(lambda unused_argv: main(unused_argv, o), argv=argv,
+  app.run(lambda unused_argv: main(unused_argv, o, run_state), argv=argv,
           flags_parser=lambda args: args)
   return 0
 

@@ -72,6 +72,19 @@ tf.flags.DEFINE_integer(
 tf.flags.DEFINE_string(
     'memory_per_device', None,
     '--plan=auto: memory budget of each device, e.g. 512MB or 2GB.')
+tf.flags.DEFINE_float(
+    'shutdown_grace_secs', 20,
+    'After SIGTERM, SIGHUP or Ctrl-C: seconds to save the current step and '
+    'exit before exiting at once. Keep it below the cluster\'s grace period '
+    '(Kubernetes: terminationGracePeriodSeconds, 30 s by default).')
+tf.flags.DEFINE_bool(
+    'eval_once', False,
+    'Evalers and decoders: evaluate the newest checkpoint once, print the '
+    'metrics line and exit.')
+tf.flags.DEFINE_string(
+    'eval_checkpoint', '',
+    'Evalers and decoders: evaluate this checkpoint (a prefix, e.g. '
+    'LOGDIR/train/ckpt-00000100) once and exit.')
 
 # The trainer's defaults for Lingvo's flags: one process runs the controller
 # and the trainer client on CPU; variables start from name-seeded stateless
@@ -118,6 +131,9 @@ class Options:
   plan: str = ''
   devices: int = None
   memory_per_device: str = ''
+  shutdown_grace_secs: float = 20
+  eval_once: bool = False
+  eval_checkpoint: str = ''
   # Not a flag: set from the task's params at the entry point. False turns
   # Grappler's remapper off in every session config (precision.RemapperOff).
   grappler_remapping: bool = dataclasses.field(default=True,
@@ -129,7 +145,7 @@ class Options:
               if f.metadata.get('flag', True)}
     for name in ('model', 'logdir', 'job', 'run_locally', 'cluster_spec',
                  'model_params_override', 'model_params_file_override',
-                 'plan', 'memory_per_device'):
+                 'plan', 'memory_per_device', 'eval_checkpoint'):
       values[name] = values[name] or ''
     values['worker_gpus'] = values['worker_gpus'] or 0
     return cls(**values)

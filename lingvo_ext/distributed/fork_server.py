@@ -373,6 +373,20 @@ def _Write(msg: dict) -> None:
   os.write(_PROTOCOL_FD, json.dumps(msg).encode() + b'\n')
 
 
+def _PrepareTitles() -> None:
+  """Lets each task set its process title (its job and task in `ps`).
+
+  setproctitle writes the title over the memory of argv and the environment
+  it finds at its first use; a task replaces its environment (RunAsMain), so
+  that first use is here, in the server.
+  """
+  try:
+    import setproctitle  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return
+  setproctitle.getproctitle()
+
+
 def Serve(modules: Sequence[str]) -> Optional[dict]:
   """The server: imports for `modules`, then forks a task per request.
 
@@ -385,6 +399,7 @@ def Serve(modules: Sequence[str]) -> Optional[dict]:
   os.dup2(2, 1)
   _SITE_PATH[:] = SitePath()
   Preload(modules)
+  _PrepareTitles()
   _Write({'ready': Threads()})
   _SERVER_PID = os.getpid()
   children = set()

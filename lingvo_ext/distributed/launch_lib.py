@@ -62,6 +62,8 @@ from lingvo_ext.distributed import fork_server
 from lingvo_ext.distributed import resolvers
 
 CLUSTER_FROM = ('flags', 'tf_config', 'slurm')
+EXIT_STOPPED = 0
+EXIT_NOT_SAVED = 143
 # Jobs whose exit 0 means training is done.
 CLIENT_JOBS = ('controller', 'trainer_client', 'chief')
 
@@ -534,6 +536,31 @@ class Launcher:
 
     cluster.PollUntil(AllDone, timeout_s, 0.2)
 
+  def Shutdown(self, signum: int, grace_s: float) -> bool:
+    """Forwards stop signal `signum` to every task; waits for the save.
+
+    Each task stops safely (lingvo_ext/shutdown.py): the controller saves
+    the current step, the workers serve until the clients have exited.
+    Returns whether the controller (or chief) saved its last step: it
+    exited 0, or had finished before.
+    """
+    live = [t for t in self.tasks if t.proc and t.proc.poll() is None]
+    self.Print(f'launch: {signal.Signals(signum).name}: stopping safely: '
+               f'sent it to {len(live)} task(s); waiting up to {grace_s:g} s '
+               '(--shutdown_grace_secs) for the last checkpoint.')
+    for t in live:
+      _KillGroup(t.proc, signum)
+    clients = [t for t in self.tasks if t.job in ('controller', 'chief')]
+    cluster.PollUntil(
+        lambda: all(t.proc.poll() is not None for t in self.tasks),
+        grace_s + 5, 0.1)  # Each task exits by its own deadline.
+    self._TailOnce()
+    saved = all(t.done or t.proc.poll() == 0 for t in clients)
+    self.Print('launch: the last checkpoint was saved.' if saved else
+               'launch: the controller did not save the last step; the last '
+               'complete checkpoint is the latest.')
+    return saved
+
   def StopAll(self, grace_s: float = 10) -> None:
     """Stops every process this launcher started."""
     live = [t for t in self.tasks if t.proc and t.proc.poll() is None]
@@ -571,8 +598,13 @@ def Launch(num_workers: int, trainer_flags: Sequence[str], logdir: str,
            max_restarts: int = 3, out=None, stream_logs: bool = False,
            cluster_from: str = 'flags', num_ps: int = 0, nodes: int = 1,
            layout: Optional[cluster.WorkerLayout] = None,
-           fork_tasks: bool = True) -> int:
-  """Runs a local cluster until training ends; returns the exit code."""
+           fork_tasks: bool = True, shutdown_grace_s: float = 20) -> int:
+  """Runs a local cluster until training ends; returns the exit code.
+
+  Exit codes: 0 training finished, or stopped by SIGTERM/SIGHUP after the
+  controller saved the last step; 1 a task failed; 2 bad flags; 130
+  Ctrl-C; 143 SIGTERM/SIGHUP without the last save (docs/preemption.md).
+  """
   out = out or sys.stdout
 
   def Say(line):
@@ -609,17 +641,29 @@ def Launch(num_workers: int, trainer_flags: Sequence[str], logdir: str,
   def OnSignal(signum, frame):
     del frame
     interrupted.append(signum)
+    if len(interrupted) > 1:  # A second signal: stop everything at once.
+      for t in tasks:
+        if t.proc:
+          _KillGroup(t.proc, signal.SIGKILL)
+      raise KeyboardInterrupt
     raise KeyboardInterrupt
 
   old = {s: signal.signal(s, OnSignal) for s in (signal.SIGTERM,
                                                   signal.SIGHUP)}
   try:
-    launcher.StartAll()
-    launcher.WaitReady()
-    return launcher.Watch()
-  except KeyboardInterrupt:
-    launcher.Print('launch: interrupted; stopping every task.')
-    return 130
+    try:
+      launcher.StartAll()
+      launcher.WaitReady()
+      return launcher.Watch()
+    except KeyboardInterrupt:
+      signum = interrupted[0] if interrupted else signal.SIGINT
+      try:
+        saved = launcher.Shutdown(signum, shutdown_grace_s)
+      except KeyboardInterrupt:  # A second signal: stopped at once.
+        saved = False
+      if signum == signal.SIGINT:
+        return 130
+      return EXIT_STOPPED if saved else EXIT_NOT_SAVED
   except (RuntimeError, TimeoutError) as e:
     launcher.Print(f'error: {e}')
     return 1

@@ -32,9 +32,12 @@ def OutputPath(decode_out_path, name):
 
 
 def WriteText(path, text):
+  """Writes `path` whole or not at all (a temporary file, then a rename)."""
   tf.io.gfile.makedirs(os.path.dirname(path))
-  with tf.io.gfile.GFile(path, 'w') as f:
+  temp = f'{path}.tmp{os.getpid()}'
+  with tf.io.gfile.GFile(temp, 'w') as f:
     f.write(text)
+  tf.io.gfile.rename(temp, path, overwrite=True)
   tf.logging.info('Wrote %s', path)
 
 

@@ -1,0 +1,435 @@
+"""Preemption: SIGTERM stops every job safely, through the launcher too;
+evaluating a logdir once; process titles.
+
+Each test runs trainers or launchers in subprocesses of their own process
+group, waits for a line of their output (never a fixed sleep), bounds every
+wait and kills what it started in `finally`.
+"""
+
+import glob
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import lingvo.compat as tf
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TIMEOUT = 300
+MODEL = '--model=lm.TransformerLmTiny'
+# No periodic checkpoint after the first: any later one is the stop's.
+NO_PERIODIC_SAVE = '--model_params_override=train.save_interval_seconds:3600'
+
+
+class _Proc:
+  """A command in its own process group; its output read by a thread."""
+
+  def __init__(self, argv, env=None):
+    self.lines = []
+    self.proc = subprocess.Popen(
+        argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, errors='replace', start_new_session=True,
+        env=dict(os.environ, **(env or {})))
+    self._thread = threading.Thread(target=self._Read, daemon=True)
+    self._thread.start()
+
+  def _Read(self):
+    for line in self.proc.stdout:
+      self.lines.append(line)
+
+  def Text(self):
+    return ''.join(self.lines)
+
+  def WaitFor(self, pattern, timeout_s=TIMEOUT):
+    """The first match of `pattern` in the output, once it is there."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+      m = re.search(pattern, self.Text(), re.M)
+      if m:
+        return m
+      if self.proc.poll() is not None and not self._thread.is_alive():
+        break
+      time.sleep(0.2)
+    raise AssertionError(f'no {pattern!r} within {timeout_s} s:\n' +
+                         self.Text()[-5000:])
+
+  def Wait(self, timeout_s=TIMEOUT):
+    try:
+      rc = self.proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+      raise AssertionError(f'still running after {timeout_s} s:\n' +
+                           self.Text()[-5000:]) from None
+    self._thread.join(10)
+    return rc
+
+  def Kill(self, pids=()):
+    for pid in [self.proc.pid, *pids]:
+      try:
+        os.killpg(pid, signal.SIGKILL)
+      except (ProcessLookupError, PermissionError):
+        pass
+    try:
+      self.proc.wait(10)
+    except subprocess.TimeoutExpired:
+      pass
+
+
+def _Trainer(*flags, env=None, python_code=None):
+  if python_code:
+    argv = [sys.executable, '-c', python_code, *flags]
+  else:
+    argv = [sys.executable, '-m', 'lingvo_ext.trainer', *flags]
+  return _Proc(argv, env)
+
+
+def _Latest(logdir):
+  return tf.train.latest_checkpoint(os.path.join(logdir, 'train'))
+
+
+def _Step(path):
+  return int(path.rsplit('-', 1)[1])
+
+
+def _LastProgressStep(text):
+  steps = [int(s) for s in re.findall(r'^step (\d+)/', text, re.M)]
+  return max(steps) if steps else None
+
+
+def _Alive(pid):
+  """Whether pid runs (a zombie waiting for its reaper does not)."""
+  try:
+    with open(f'/proc/{pid}/stat') as f:
+      return f.read().rsplit(')', 1)[1].split()[0] != 'Z'
+  except FileNotFoundError:
+    return False
+
+
+def _AdamSlot(names):
+  return sorted(n for n in names if n.endswith('/Adam') and 'global' not in n)
+
+
+@pytest.mark.e2e
+def testSigtermSavesTheCurrentStepAndTheRestartResumesAfterIt(tmp_path):
+  logdir = str(tmp_path / 'log')
+  run = _Trainer(MODEL, f'--logdir={logdir}', '--max_steps=1000000',
+                 NO_PERIODIC_SAVE)
+  try:
+    run.WaitFor(r'^step (\d*[1-9]\d)/', TIMEOUT)  # Step 10 or more.
+    run.proc.send_signal(signal.SIGTERM)
+    rc = run.Wait()
+  finally:
+    run.Kill()
+  out = run.Text()
+  assert rc == 0, out[-3000:]
+  assert 'SIGTERM: stopping safely' in out, out[-3000:]
+  latest = _Latest(logdir)
+  step = _Step(latest)
+  assert step >= _LastProgressStep(out) >= 10, out[-3000:]
+  reader = tf.train.load_checkpoint(latest)
+  names = reader.get_variable_to_shape_map()
+  slots = _AdamSlot(names)
+  assert slots, sorted(names)
+  slot, var = slots[0], slots[0][:-len('/Adam')]
+  saved = {n: reader.get_tensor(n) for n in (slot, var)}
+  assert np.any(saved[slot] != 0)  # Adam's state of the steps trained.
+
+  # The restart resumes at step + 1 from that state: one more step.
+  rerun = _Trainer(MODEL, f'--logdir={logdir}', f'--max_steps={step + 1}',
+                   NO_PERIODIC_SAVE)
+  try:
+    rc = rerun.Wait()
+  finally:
+    rerun.Kill()
+  out = rerun.Text()
+  assert rc == 0, out[-3000:]
+  assert re.search(rf'^step {step + 1}/{step + 1} ', out, re.M), out[-3000:]
+  assert not re.search(rf'^step {step}/', out, re.M), out[-3000:]
+  with open(os.path.join(logdir, 'log.controller+trainer_client.txt')) as f:
+    assert f'Restored {step} ' in f.read()
+  after = tf.train.load_checkpoint(_Latest(logdir))
+  assert _Step(_Latest(logdir)) == step + 1
+  # One Adam step from the saved state: close to it, not equal.
+  for n in (slot, var):
+    value = after.get_tensor(n)
+    assert not np.array_equal(value, saved[n]), n
+    np.testing.assert_allclose(value, saved[n], atol=0.05, rtol=0.5)
+
+
+# The saver commits a checkpoint (writes the `checkpoint` state file) after
+# its files are whole; this stub sleeps there for every save after the
+# first, so that a stop lands mid-save.
+_SLOW_SAVE = '''
+import sys, time
+from lingvo.core import saver
+_update = saver.Saver._UpdateState
+def _Slow(self, prefix):
+  if not prefix.endswith('ckpt-00000000'):
+    print('slow save: committing ' + prefix, flush=True)
+    time.sleep(600)
+  return _update(self, prefix)
+saver.Saver._UpdateState = _Slow
+from lingvo_ext import trainer
+sys.argv[0] = 'lingvo_ext.trainer'
+sys.exit(trainer.Run())
+'''
+
+
+@pytest.mark.e2e
+def testStopDuringASaveLeavesTheStateFileNamingCompleteCheckpoints(tmp_path):
+  logdir = str(tmp_path / 'log')
+  run = _Trainer(MODEL, f'--logdir={logdir}', '--max_steps=1000000',
+                 NO_PERIODIC_SAVE, '--shutdown_grace_secs=3',
+                 python_code=_SLOW_SAVE)
+  try:
+    run.WaitFor(r'^step (\d*[1-9]\d)/')
+    run.proc.send_signal(signal.SIGTERM)
+    run.WaitFor(r'slow save: committing')
+    rc = run.Wait()
+  finally:
+    run.Kill()
+  out = run.Text()
+  assert rc == 143, out[-3000:]
+  assert ('not done within --shutdown_grace_secs=3: exiting without the '
+          'final checkpoint') in out, out[-3000:]
+  from lingvo_ext import checkpoints  # pylint: disable=g-import-not-at-top
+  state = tf.train.get_checkpoint_state(os.path.join(logdir, 'train'))
+  assert [_Step(p) for p in state.all_model_checkpoint_paths] == [0]
+  for path in state.all_model_checkpoint_paths:
+    assert checkpoints.CheckpointProblem(path) is None
+
+
+@pytest.mark.e2e
+def testSigtermBeforeAnyCheckpointSaysSoAndExits0(tmp_path):
+  logdir = str(tmp_path / 'log')
+  run = _Trainer(MODEL, f'--logdir={logdir}', '--max_steps=10')
+  try:
+    # Printed once the flags are read, before the model is built.
+    run.WaitFor(r'^lingvo_ext.trainer: --model=')
+    run.proc.send_signal(signal.SIGTERM)
+    rc = run.Wait()
+  finally:
+    run.Kill()
+  out = run.Text()
+  if _Latest(logdir):  # The first save won the race: stopped after it.
+    assert rc == 0 and 'SIGTERM: stopping safely' in out, out[-3000:]
+  else:
+    assert rc == 0, out[-3000:]
+    assert ('SIGTERM: no checkpoint yet (training had not started): nothing '
+            'to save; exiting.') in out, out[-3000:]
+
+
+def _Unfinished(tiny_gpipe_run, dst):
+  """A copy of a finished run as a stopped run leaves it (not finished)."""
+  logdir = tiny_gpipe_run.Copy(dst)
+  os.remove(os.path.join(logdir, 'train', 'training_finished'))
+  return logdir
+
+
+@pytest.mark.e2e
+def testSigtermToAnEvalerAndADecoderExits0WithoutPartialFiles(
+    tmp_path, tiny_gpipe_run):
+  logdir = _Unfinished(tiny_gpipe_run, str(tmp_path / 'log'))
+  run = _Trainer(f'--model={tiny_gpipe_run.model}', *tiny_gpipe_run.flags,
+                 f'--logdir={logdir}', '--job=evaler_dev,decoder_dev')
+  try:
+    # The trainer is gone: said once, not every 30 s.
+    run.WaitFor(r'no trainer runs on this logdir .*: waiting for new '
+                r'checkpoints \(--eval_once evaluates the newest and exits\)')
+    run.WaitFor(r'decoder_dev: step 3 ')
+    run.WaitFor(r'evaler_dev: step 3 ')
+    run.proc.send_signal(signal.SIGTERM)
+    rc = run.Wait()
+  finally:
+    run.Kill()
+  out = run.Text()
+  assert rc == 0, out[-3000:]
+  assert not glob.glob(os.path.join(logdir, '*', '*.tmp*')), out[-3000:]
+  assert os.path.exists(
+      os.path.join(logdir, 'decoder_dev', 'samples-00000003.txt'))
+
+
+@pytest.mark.e2e
+def testEvalOnceEvaluatesTheNewestCheckpointOfAStoppedRunAndExits(
+    tmp_path, tiny_gpipe_run):
+  logdir = _Unfinished(tiny_gpipe_run, str(tmp_path / 'log'))
+  flags = [f'--model={tiny_gpipe_run.model}', *tiny_gpipe_run.flags,
+           f'--logdir={logdir}', '--job=evaler_dev']
+  for extra, step in (['--eval_once'], 3), (
+      [f'--eval_checkpoint={logdir}/train/ckpt-00000000'], 0):
+    run = _Trainer(*flags, *extra)
+    try:
+      rc = run.Wait()
+    finally:
+      run.Kill()
+    out = run.Text()
+    assert rc == 0, out[-3000:]
+    assert re.search(rf'^evaler_dev: step {step}  .*log_pplx', out,
+                     re.M), out[-3000:]
+  empty = str(tmp_path / 'empty')
+  run = _Trainer(f'--model={tiny_gpipe_run.model}', *tiny_gpipe_run.flags,
+                 f'--logdir={empty}', '--job=evaler_dev', '--eval_once')
+  try:
+    rc = run.Wait()
+  finally:
+    run.Kill()
+  assert rc == 0, run.Text()[-3000:]
+  assert (f'evaler_dev: --eval_once: no checkpoint in {empty}/train: nothing '
+          'to evaluate.') in run.Text(), run.Text()[-3000:]
+  run = _Trainer(*flags, f'--eval_checkpoint={logdir}/train/ckpt-7')
+  try:
+    rc = run.Wait()
+  finally:
+    run.Kill()
+  assert rc == 2, run.Text()[-3000:]
+  assert (f'error: --eval_checkpoint={logdir}/train/ckpt-7: no such '
+          'checkpoint') in run.Text()
+
+
+def _Pids(text):
+  return {m.group(1): int(m.group(2)) for m in re.finditer(
+      r'launch: started (\w+ task \d+) \(\S+\) as pid (\d+)', text)}
+
+
+@pytest.mark.e2e
+def testSigtermToTheLauncherSavesOnceStopsEveryTaskAndResumes(tmp_path):
+  logdir = str(tmp_path / 'log')
+  flags = ['--model=lm.TransformerLmTinyGPipe', f'--logdir={logdir}',
+           '--workers=2', '--worker_split_size=2', '--network=host',
+           NO_PERIODIC_SAVE]
+  run = _Proc([sys.executable, '-m', 'lingvo_ext.launch', *flags,
+               '--max_steps=1000000'])
+  pids = {}
+  try:
+    run.WaitFor(r'step (\d*[1-9]\d)/')
+    pids = _Pids(run.Text())
+    assert len(pids) == 4, run.Text()[-3000:]
+    # Each task's title names its job and task.
+    for what, pid in pids.items():
+      job, task = what.split(' task ')
+      with open(f'/proc/{pid}/cmdline', 'rb') as f:
+        title = f.read().replace(b'\0', b' ').decode().strip()
+      assert title.startswith(f'lingvo_ext {job}.{task} {logdir}'), title
+    before = len(glob.glob(os.path.join(logdir, 'train', 'ckpt-*.index')))
+    run.proc.send_signal(signal.SIGTERM)
+    rc = run.Wait()
+    out = run.Text()
+    assert rc == 0, out[-5000:]
+    assert 'launch: the last checkpoint was saved.' in out, out[-5000:]
+    for what, pid in pids.items():
+      assert not _Alive(pid), (what, out[-3000:])
+  finally:
+    run.Kill(pids.values())
+  saved = glob.glob(os.path.join(logdir, 'train', 'ckpt-*.index'))
+  assert len(saved) == before + 1, saved  # One final checkpoint.
+  step = _Step(_Latest(logdir))
+  assert step >= _LastProgressStep(
+      '\n'.join(re.sub(r'^\[\w+\] ', '', l) for l in run.lines)), out[-3000:]
+
+  rerun = _Proc([sys.executable, '-m', 'lingvo_ext.launch', *flags,
+                 f'--max_steps={step + 2}'])
+  try:
+    rc = rerun.Wait()
+  finally:
+    rerun.Kill(_Pids(rerun.Text()).values())
+  assert rc == 0, rerun.Text()[-5000:]
+  assert _Step(_Latest(logdir)) == step + 2
+  assert not re.search(rf'step {step}/', rerun.Text()), rerun.Text()[-3000:]
+
+
+def testStopOnSignalsExitCodes():
+  from lingvo_ext import runners  # pylint: disable=g-import-not-at-top
+  from lingvo_ext import shutdown  # pylint: disable=g-import-not-at-top
+
+  def Run(signals, owns=True, saved=False, nothing=None):
+    state, codes = runners.RunState(), []
+    stop = shutdown.StopOnSignals(state, 1e-3, lambda: nothing,
+                                  lambda: 'ckpt-5', owns,
+                                  exit_now=codes.append)
+    if saved:
+      state.final_save.set()
+    for s in signals:
+      stop.Handle(s)
+    deadline = time.monotonic() + 10
+    while (not codes and time.monotonic() < deadline and
+           state.interrupted.is_set()):
+      time.sleep(0.01)
+    return state, codes
+
+  term, hup, sigint = signal.SIGTERM, signal.SIGHUP, signal.SIGINT
+  assert Run([term], saved=True)[1] == [0]  # Saved by the deadline.
+  assert Run([term])[1] == [143]  # The deadline first.
+  assert Run([hup])[1] == [143]
+  assert Run([sigint])[1] == [130]
+  assert Run([term], owns=False)[1] == [0]  # An evaler drops its work.
+  assert Run([term, term])[1][0] == 143  # A second signal: at once.
+  assert Run([term, sigint])[1][0] == 143
+  state, codes = Run([term], nothing='no checkpoint yet')
+  assert codes == [0] and not state.interrupted.is_set()
+
+
+@pytest.mark.e2e
+def testACopiedLogdirTrainsAndEvaluatesFromItsOwnCheckpoints(
+    tmp_path, tiny_gpipe_run):
+  # A plain copy: its state file still names the original's files.
+  original = str(tmp_path / 'run1')
+  shutil.copytree(tiny_gpipe_run.logdir, original)
+  with open(os.path.join(original, 'train', 'checkpoint')) as f:
+    text = f.read()
+  with open(os.path.join(original, 'train', 'checkpoint'), 'w') as f:
+    f.write(text.replace(f'"{tiny_gpipe_run.logdir}/', f'"{original}/'))
+  copy = str(tmp_path / 'run2')
+  shutil.copytree(original, copy)
+  shutil.rmtree(original)
+  flags = [f'--model={tiny_gpipe_run.model}', *tiny_gpipe_run.flags,
+           f'--logdir={copy}']
+  run = _Trainer(*flags, '--job=evaler_dev', '--eval_once')
+  try:
+    rc = run.Wait()
+  finally:
+    run.Kill()
+  assert rc == 0, run.Text()[-3000:]
+  assert re.search(r'^evaler_dev: step 3  ', run.Text(), re.M)
+  run = _Trainer(*flags, '--max_steps=5')
+  try:
+    rc = run.Wait()
+  finally:
+    run.Kill()
+  out = run.Text()
+  assert rc == 0, out[-3000:]
+  assert (f'{copy}/train/checkpoint named checkpoints in {original}/train (a '
+          'copied or moved logdir); using this logdir\'s own files of the '
+          'same names.') in out, out[-3000:]
+  with open(os.path.join(copy, 'log.controller+trainer_client.txt')) as f:
+    assert 'Restored 3 ' in f.read()
+  assert _Latest(copy) == f'{copy}/train/ckpt-00000005'
+  assert not os.path.exists(original)
+
+
+def testLocalizeStateFileUsesTheLogdirsOwnFilesOrSaysWhereTheyPoint(
+    tmp_path):
+  from lingvo_ext import checkpoints  # pylint: disable=g-import-not-at-top
+  train = tmp_path / 'run2' / 'train'
+  train.mkdir(parents=True)
+  old = '/elsewhere/run1/train'
+  paths = [f'{old}/ckpt-00000000', f'{old}/ckpt-00000005']
+  tf.compat.v1.train.update_checkpoint_state(
+      str(train), paths[-1], all_model_checkpoint_paths=paths)
+  (train / 'ckpt-00000005.index').write_text('')
+  note = checkpoints.LocalizeStateFile(str(train))
+  assert note == (f'{train}/checkpoint names checkpoints in {old}, outside '
+                  f'this logdir, and ckpt-00000000 is not in {train}; using '
+                  'the paths as written.')
+  assert checkpoints.LatestCheckpoint(str(train)) == f'{train}/ckpt-00000005'
+  (train / 'ckpt-00000000.index').write_text('')
+  note = checkpoints.LocalizeStateFile(str(train))
+  assert note.startswith(f'{train}/checkpoint named checkpoints in {old} ')
+  state = tf.train.get_checkpoint_state(str(train))
+  assert list(state.all_model_checkpoint_paths) == [
+      f'{train}/ckpt-00000000', f'{train}/ckpt-00000005']
+  assert checkpoints.LocalizeStateFile(str(train)) is None
