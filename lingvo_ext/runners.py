@@ -516,7 +516,8 @@ class RunnerManager(trainer_lib.DistributedRunnerManagerMixin,
     # from lingvo_ext's lookup, with the checked overrides.
     self.model_registry = registry.ModelRegistry(
         self._options.model_params_override,
-        self._options.model_params_file_override)
+        self._options.model_params_file_override,
+        self._options.gpipe_engine)
 
   def _Runner(self, cls):
     return functools.partial(cls, run_state=self.run_state,

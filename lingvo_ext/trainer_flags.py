@@ -72,6 +72,11 @@ tf.flags.DEFINE_integer(
 tf.flags.DEFINE_string(
     'memory_per_device', None,
     '--plan=auto: memory budget of each device, e.g. 512MB or 2GB.')
+tf.flags.DEFINE_enum(
+    'gpipe_engine', 'lingvo_ext', ['lingvo_ext', 'lingvo'],
+    "The engine of Lingvo's GPipe layers in the experiment (lingvo.core.gpipe,"
+    ' layers_with_gpipe, GPipeTransformerLm...): lingvo_ext (the default, '
+    "runs off TPU) or lingvo. See docs/coming-from-lingvo.md.")
 
 # The trainer's defaults for Lingvo's flags: one process runs the controller
 # and the trainer client on CPU; variables start from name-seeded stateless
@@ -118,6 +123,7 @@ class Options:
   plan: str = ''
   devices: int = None
   memory_per_device: str = ''
+  gpipe_engine: str = 'lingvo_ext'
   # Not a flag: set from the task's params at the entry point. False turns
   # Grappler's remapper off in every session config (precision.RemapperOff).
   grappler_remapping: bool = dataclasses.field(default=True,
