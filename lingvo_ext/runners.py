@@ -495,7 +495,19 @@ class LocalEvaler(_RunnerMixin, _WaitsForCheckpointsMixin,
 
 class LocalDecoder(_RunnerMixin, _WaitsForCheckpointsMixin,
                    lingvo_runners.Decoder):
-  pass
+  """Lingvo's Decoder; a task with no decoder metrics says so, once."""
+
+  def DecodeCheckpoint(self, sess, checkpoint_path):
+    if not self._task.CreateDecoderMetrics():
+      if not getattr(self, '_said_no_decoder', False):
+        self._said_no_decoder = True
+        print(f'{self._job_name}: {self._task.params.name} '
+              f'({type(self._task).__name__}) has no decoder (its '
+              'CreateDecoderMetrics is empty): nothing to decode; '
+              f'--job=evaler_{self._job_name.split("_")[-1]} evaluates its '
+              'loss.', flush=True)
+      return
+    return super().DecodeCheckpoint(sess, checkpoint_path)
 
 
 class RunnerManager(trainer_lib.DistributedRunnerManagerMixin,

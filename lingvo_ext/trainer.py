@@ -136,6 +136,7 @@ def _CheckParams(o):
   """
   from lingvo_ext.core import pipeline_tree  # pylint: disable=g-import-not-at-top
   from lingvo_ext.core import precision  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.tasks import input_files  # pylint: disable=g-import-not-at-top
   try:
     cfg = _Params(o)
     task = cfg.task if 'task' in cfg else None
@@ -153,6 +154,8 @@ def _CheckParams(o):
                                     split, batch, task.num_micro_batches)
     else:
       pipelined = bool(pipeline_tree.CheckPipelines(cfg, replicas))
+    if _TrainsHere(o) and 'input' in cfg:
+      input_files.CheckFilePattern(cfg.input)
     if pipelined and task is not None and 'fprop_dtype' in task:
       precision.WarnIfSlow(task.fprop_dtype)
       if precision.RemapperOff(task.fprop_dtype):  # A TF bug with bf16.

@@ -113,9 +113,16 @@ def CheckPipelines(cfg, num_replicas=1):
   task = cfg.task if 'task' in cfg else None
   if task is not None and 'fprop_dtype' in task:
     precision.ParseDtype(task.fprop_dtype, f'{task.name}: task.fprop_dtype')
-  batches = _BatchSizes(cfg.input if 'input' in cfg else None)
+  input_params = cfg.input if 'input' in cfg else None
+  batches = _BatchSizes(input_params)
   for path, p in pipelines:
     where = f'{path} ({p.cls.__name__})'
+    if (input_params is not None and 'fixed_input_shape' in input_params and
+        not input_params.fixed_input_shape):
+      raise ValueError(
+          f'{where} splits the batch into micro-batches statically, but '
+          'input.fixed_input_shape=False gives batches of unknown shape; '
+          "set it: --model_params_override='input.fixed_input_shape:True'.")
     if 'schedule' in p and p.schedule not in schedules.SCHEDULES:
       raise ValueError(
           f'{where}: schedule={p.schedule!r}; use one of '
@@ -148,3 +155,27 @@ def CheckPipelines(cfg, num_replicas=1):
             f'set {path}.num_micro_batches to one of {divisors} or change '
             'the input batch size.')
   return pipelines
+
+
+def PlannerRefusal(cfg, model):
+  """Why the planner cannot plan `cfg`, in one line; None if it can.
+
+  The planner cuts a PipelinedTask's flat `LayerStack` into cells; other
+  experiments' pipelines come already cut (Lingvo's stacks), so the line
+  names each pipeline's path and the switches to set by hand.
+  """
+  task = cfg.task if 'task' in cfg else None
+  if task is not None and hasattr(task.cls, 'LayerStack'):
+    return None
+  name = task.cls.__name__ if task is not None else type(cfg).__name__
+  pipelines = Pipelines(cfg)
+  if not pipelines:
+    return (f'--model={model}: its task {name} holds no pipeline '
+            '(PipeliningLayer); the planner plans pipelined experiments.')
+  where = ', '.join(f'{path} ({p.cls.__name__})' for path, p in pipelines)
+  path = pipelines[0][0]
+  return (f'--model={model}: the planner cuts a PipelinedTask\'s LayerStack; '
+          f'task {name} holds its pipeline already cut, at {where}: set its '
+          f'switches by hand, e.g. --model_params_override='
+          f'\'{path}.num_micro_batches:4; {path}.schedule:"1f1b"\' '
+          '(docs/coming-from-lingvo.md).')
