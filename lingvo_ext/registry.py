@@ -360,9 +360,12 @@ def GetParams(model, dataset_name, overrides='', file_override='',
     text = _FileOverride(file_override)
     if text:
       cfg.FromText(text)
-  if 'task' in cfg and 'fprop_dtype' in cfg.task and isinstance(
-      cfg.task.fprop_dtype, str):
-    # An override gives the dtype as text; Lingvo's layers take a tf.DType.
+  from lingvo_ext.core import pipeline_tree  # pylint: disable=g-import-not-at-top
+  if ('task' in cfg and 'fprop_dtype' in cfg.task and
+      isinstance(cfg.task.fprop_dtype, str) and
+      not pipeline_tree.IsPipelinedTask(cfg.task)):
+    # An override gives the dtype as text; Lingvo's layers take a tf.DType
+    # (a PipelinedTask parses it itself).
     from lingvo_ext.core import precision  # pylint: disable=g-import-not-at-top
     cfg.task.fprop_dtype = precision.ParseDtype(
         cfg.task.fprop_dtype, f'{cfg.task.name}: task.fprop_dtype')

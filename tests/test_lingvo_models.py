@@ -240,6 +240,20 @@ def testScheduleOverrideAtTheTaskNamesThePipelinesPath(experiment):
                        gpipe_engine='lingvo')
 
 
+def testTheGuidesOverridesSetWhatTheyNameOnTheLingvoLm(experiment):
+  del experiment
+  with open(os.path.join(ROOT, 'docs', 'coming-from-lingvo.md')) as f:
+    texts = re.findall(r"--model_params_override='([^']*)'", f.read())
+  assert len(texts) >= 4, texts
+  for text in texts:
+    cfg = registry.GetParams(MODEL, 'Train', text)
+    for item in text.split(';'):
+      key, value = item.strip().split(':', 1)
+      got = cfg.Get(key)
+      assert str(got) == value.strip('"') or (
+          value == 'bfloat16' and got == tf.bfloat16), (text, got)
+
+
 def _Options(override='', **kwargs):
   return trainer_flags.Options(model=MODEL, logdir='/nonexistent/x',
                                run_locally='cpu',
@@ -255,13 +269,20 @@ def testTrainerChecksEveryPipelineOfTheTree(experiment):
        ['task.lm.stack', 'input batch 8', 'num_micro_batches=3',
         '[1, 2, 4, 8]']),
       ('task.lm.stack.schedule:"gpipe"', ['task.lm.stack', "'gpipe'"]),
-      ('input.fixed_input_shape:False', ['input.fixed_input_shape:True']),
+      ('input.fixed_input_shape:False',
+       ["--model_params_override='input.fixed_input_shape:True'"]),
       ('input.file_pattern:"text:/nonexistent/*.txt"',
        ['no file matches', '/nonexistent/*.txt'])):
     error, _ = trainer._CheckParams(_Options(override))  # pylint: disable=protected-access
     assert error and '\n' not in error, (override, error)
     for word in words:
       assert word in error, (override, error)
+    # The override the line suggests makes the check pass.
+    fix = re.findall(r"--model_params_override='([^']*)'", error)
+    if fix and 'fixed_input_shape' in fix[0]:
+      error, _ = trainer._CheckParams(  # pylint: disable=protected-access
+          _Options(override + ';' + fix[0]))
+      assert error is None, error
 
 
 def testBf16OnALingvoTaskWarnsAndTakesTheWorkAround(experiment, capsys,

@@ -117,12 +117,13 @@ def CheckPipelines(cfg, num_replicas=1):
   batches = _BatchSizes(input_params)
   for path, p in pipelines:
     where = f'{path} ({p.cls.__name__})'
+    key = 'input.fixed_input_shape'
     if (input_params is not None and 'fixed_input_shape' in input_params and
         not input_params.fixed_input_shape):
       raise ValueError(
           f'{where} splits the batch into micro-batches statically, but '
-          'input.fixed_input_shape=False gives batches of unknown shape; '
-          "set it: --model_params_override='input.fixed_input_shape:True'.")
+          f'{key}=False gives batches of unknown shape; set it: '
+          f"--model_params_override='{key}:True'.")
     if 'schedule' in p and p.schedule not in schedules.SCHEDULES:
       raise ValueError(
           f'{where}: schedule={p.schedule!r}; use one of '
