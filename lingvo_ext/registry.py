@@ -194,6 +194,10 @@ def _Lookup(cfg, key):
       where = '.'.join(path) or 'the model params'
       hint = (' Did you mean ' + ', '.join(prefix + c for c in close) + '?'
               if close else f' Keys of {where}: {", ".join(names)}.')
+      if i == len(parts) - 1:
+        # A pipeline switch (task.schedule) where the pipeline is deeper.
+        from lingvo_ext.core import pipeline_tree  # pylint: disable=g-import-not-at-top
+        hint = pipeline_tree.OverrideHint(cfg, key) or hint
       raise OverrideError(f'{_OVERRIDE_FLAG}: unknown key {key!r}: {where} '
                           f'has no {part!r}.{hint}')
     if i == len(parts) - 1:
@@ -327,11 +331,15 @@ def _FileOverride(path):
 _MODEL_OBJECTS = {}
 
 
-def GetParams(model, dataset_name, overrides='', file_override=''):
+def GetParams(model, dataset_name, overrides='', file_override='',
+              gpipe_engine='lingvo_ext'):
   """The params of experiment `model` for `dataset_name`, overrides applied.
 
   Lingvo's model_registry.GetParams, with lingvo_ext's search (params/ and
-  the module --model names) and checked overrides.
+  the module --model names) and checked overrides. With
+  gpipe_engine='lingvo_ext' every Lingvo GPipe layer in the params runs on
+  lingvo_ext's engine (`lingvo_ext.core.from_lingvo.FromLingvo`), before the
+  overrides, so they can set its switches (`task.lm.stack.schedule`).
 
   Args:
     model: A registered name, e.g. 'lm.TransformerLmTiny'.
@@ -339,6 +347,8 @@ def GetParams(model, dataset_name, overrides='', file_override=''):
     overrides: A --model_params_override text, applied with ApplyOverrides.
     file_override: A --model_params_file_override path, applied with
       Lingvo's FromText when there is no `overrides`.
+    gpipe_engine: --gpipe_engine: 'lingvo_ext' or 'lingvo' (the params as
+      the experiment builds them).
 
   Raises:
     LookupError: `model` is not registered (the message names close ones).
@@ -354,12 +364,23 @@ def GetParams(model, dataset_name, overrides='', file_override=''):
   if model not in _MODEL_OBJECTS:  # Lingvo caches them alike.
     _MODEL_OBJECTS[model] = _Registered()[model]()
   cfg = internal_lingvo.DatasetParams(_MODEL_OBJECTS[model], dataset_name)
+  from lingvo_ext.core import from_lingvo  # pylint: disable=g-import-not-at-top
+  cfg = from_lingvo.ApplyEngine(cfg, gpipe_engine)
   if overrides:
     ApplyOverrides(cfg, overrides)
   else:
     text = _FileOverride(file_override)
     if text:
       cfg.FromText(text)
+  from lingvo_ext.core import pipeline_tree  # pylint: disable=g-import-not-at-top
+  if ('task' in cfg and 'fprop_dtype' in cfg.task and
+      isinstance(cfg.task.fprop_dtype, str) and
+      not pipeline_tree.IsPipelinedTask(cfg.task)):
+    # An override gives the dtype as text; Lingvo's layers take a tf.DType
+    # (a PipelinedTask parses it itself).
+    from lingvo_ext.core import precision  # pylint: disable=g-import-not-at-top
+    cfg.task.fprop_dtype = precision.ParseDtype(
+        cfg.task.fprop_dtype, f'{cfg.task.name}: task.fprop_dtype')
   return cfg
 
 
@@ -372,13 +393,15 @@ class ModelRegistry:
   GetParams with the same overrides.
   """
 
-  def __init__(self, overrides='', file_override=''):
+  def __init__(self, overrides='', file_override='',
+               gpipe_engine='lingvo_ext'):
     self._overrides = overrides
     self._file_override = file_override
+    self._gpipe_engine = gpipe_engine
 
   def GetParams(self, class_key, dataset_name):
     return GetParams(class_key, dataset_name, self._overrides,
-                     self._file_override)
+                     self._file_override, self._gpipe_engine)
 
   def GetClass(self, class_key):
     error = CheckModel(class_key)

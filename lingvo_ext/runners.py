@@ -571,7 +571,19 @@ class LocalEvaler(_RunnerMixin, _WaitsForCheckpointsMixin,
 
 class LocalDecoder(_RunnerMixin, _WaitsForCheckpointsMixin,
                    lingvo_runners.Decoder):
-  pass
+  """Lingvo's Decoder; a task with no decoder metrics says so, once."""
+
+  def DecodeCheckpoint(self, sess, checkpoint_path):
+    if not self._task.CreateDecoderMetrics():
+      if not getattr(self, '_said_no_decoder', False):
+        self._said_no_decoder = True
+        print(f'{self._job_name}: {self._task.params.name} '
+              f'({type(self._task).__name__}) has no decoder (its '
+              'CreateDecoderMetrics is empty): nothing to decode; '
+              f'--job=evaler_{self._job_name.split("_")[-1]} evaluates its '
+              'loss.', flush=True)
+      return
+    return super().DecodeCheckpoint(sess, checkpoint_path)
 
 
 class RunnerManager(trainer_lib.DistributedRunnerManagerMixin,
@@ -592,7 +604,8 @@ class RunnerManager(trainer_lib.DistributedRunnerManagerMixin,
     # from lingvo_ext's lookup, with the checked overrides.
     self.model_registry = registry.ModelRegistry(
         self._options.model_params_override,
-        self._options.model_params_file_override)
+        self._options.model_params_file_override,
+        self._options.gpipe_engine)
 
   def _Runner(self, cls):
     return functools.partial(cls, run_state=self.run_state,

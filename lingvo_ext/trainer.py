@@ -121,33 +121,46 @@ def _TrainsHere(o):
 
 def _Params(o):
   return registry.GetParams(o.model, 'Train', o.model_params_override,
-                            o.model_params_file_override)
+                            o.model_params_file_override, o.gpipe_engine)
 
 
 def _CheckParams(o):
-  """Applies the overrides to the experiment's params.
+  """Applies the overrides to the experiment's params, and checks them.
+
+  Any experiment holding a pipeline (lingvo_ext's PipelinedTask, or a
+  PipeliningLayer anywhere in its params, e.g. Lingvo's GPipeTransformerLm)
+  gets the checks its layers make when built, here, before the logdir is
+  touched; and with bf16 the warning and the work-around.
 
   Returns:
     (an error or None, the options with what the params decide).
   """
-  from lingvo_ext.tasks import pipelined_task  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.core import pipeline_tree  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.core import precision  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.tasks import input_files  # pylint: disable=g-import-not-at-top
   try:
     cfg = _Params(o)
     task = cfg.task if 'task' in cfg else None
-    if task is not None and issubclass(task.cls, pipelined_task.PipelinedTask):
+    batch = (cfg.input.batch_size if 'input' in cfg and cfg.input is not None
+             and 'batch_size' in cfg.input else None)
+    local_training = o.run_locally == 'cpu' and _TrainsHere(o)
+    split = o.worker_split_size
+    replicas = max(1, o.num_cpu_devices // split)
+    if task is not None and pipeline_tree.IsPipelinedTask(task):
       task.cls.CheckParams(task)
-      from lingvo_ext.core import precision  # pylint: disable=g-import-not-at-top
+      pipelined = True
+      if batch and local_training:
+        # The check the task makes when built, before the logdir is touched.
+        gradient_sync.CheckReplicas(task.name, task.gradient_sync, replicas,
+                                    split, batch, task.num_micro_batches)
+    else:
+      pipelined = bool(pipeline_tree.CheckPipelines(cfg, replicas))
+    if _TrainsHere(o) and 'input' in cfg:
+      input_files.CheckFilePattern(cfg.input)
+    if pipelined and task is not None and 'fprop_dtype' in task:
       precision.WarnIfSlow(task.fprop_dtype)
       if precision.RemapperOff(task.fprop_dtype):  # A TF bug with bf16.
         o = dataclasses.replace(o, grappler_remapping=False)
-      batch = (cfg.input.batch_size if 'input' in cfg and cfg.input is not None
-               and 'batch_size' in cfg.input else None)
-      if batch and o.run_locally == 'cpu' and _TrainsHere(o):
-        # The check the task makes when built, before the logdir is touched.
-        split = o.worker_split_size
-        gradient_sync.CheckReplicas(task.name, task.gradient_sync,
-                                    max(1, o.num_cpu_devices // split),
-                                    split, batch, task.num_micro_batches)
   except (ValueError, AttributeError, LookupError) as e:
     return runners.FirstLine(e), o
   return None, o

@@ -85,6 +85,11 @@ tf.flags.DEFINE_string(
     'eval_checkpoint', '',
     'Evalers and decoders: evaluate this checkpoint (a prefix, e.g. '
     'LOGDIR/train/ckpt-00000100) once and exit.')
+tf.flags.DEFINE_enum(
+    'gpipe_engine', 'lingvo_ext', ['lingvo_ext', 'lingvo'],
+    "The engine of Lingvo's GPipe layers in the experiment (lingvo.core.gpipe,"
+    ' layers_with_gpipe, GPipeTransformerLm...): lingvo_ext (the default, '
+    "runs off TPU) or lingvo. See docs/coming-from-lingvo.md.")
 
 # The trainer's defaults for Lingvo's flags: one process runs the controller
 # and the trainer client on CPU; variables start from name-seeded stateless
@@ -134,6 +139,7 @@ class Options:
   shutdown_grace_secs: float = 20
   eval_once: bool = False
   eval_checkpoint: str = ''
+  gpipe_engine: str = 'lingvo_ext'
   # Not a flag: set from the task's params at the entry point. False turns
   # Grappler's remapper off in every session config (precision.RemapperOff).
   grappler_remapping: bool = dataclasses.field(default=True,

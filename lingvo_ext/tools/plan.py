@@ -235,9 +235,12 @@ def TrainerAutoPlan(model: str, devices: int,
     except ValueError as e:
       raise ValueError('--memory_per_device=%s: %s' %
                        (memory_per_device, e)) from None
-  plan, flags = ChooseAndApply(
-      planner.ExperimentParams(model, overrides=overrides), model, devices,
-      budget)
+  cfg = planner.ExperimentParams(model, overrides=overrides)
+  from lingvo_ext.core import pipeline_tree  # pylint: disable=g-import-not-at-top
+  refusal = pipeline_tree.PlannerRefusal(cfg, model)
+  if refusal:
+    raise ValueError('--plan=auto: ' + refusal)
+  plan, flags = ChooseAndApply(cfg, model, devices, budget)
   text = planner.OverrideString(plan)
   if overrides:
     text = overrides.rstrip('; ') + '; ' + text
@@ -345,10 +348,10 @@ def main(argv=None) -> int:
     return _Fail(_UnknownModel(args.model))
   try:
     cfg = planner.ExperimentParams(args.model)
-    if not hasattr(cfg.task.cls, 'LayerStack'):
-      return _Fail('--model=%s: its task %s is not a PipelinedTask (no '
-                   'LayerStack); pass a pipelined experiment.' %
-                   (args.model, cfg.task.cls.__name__))
+    from lingvo_ext.core import pipeline_tree  # pylint: disable=g-import-not-at-top
+    refusal = pipeline_tree.PlannerRefusal(cfg, args.model)
+    if refusal:
+      return _Fail(refusal)
     plans = ChooseForExperiment(cfg, args.model, args.devices,
                                 args.memory_bytes, args.global_batch,
                                 calibrate=args.calibrate)

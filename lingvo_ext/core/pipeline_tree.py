@@ -1,0 +1,182 @@
+"""The pipelines an experiment's params hold, wherever they are.
+
+lingvo_ext's `PipelinedTask` keeps its pipeline switches on the task
+(`task.schedule`); any other experiment (Lingvo's own task code, a user's
+task) holds its `PipeliningLayer`s somewhere in its Params tree, e.g.
+`task.lm.stack` for `lingvo.tasks.lm.layers.GPipeTransformerLm`. This module
+finds them, so the trainer, the override hints and the planner treat every
+experiment alike:
+
+- `Pipelines(cfg)`: [(override path, params)] of each PipeliningLayer;
+- `OverrideHint(cfg, key)`: "did you mean `task.lm.stack.schedule`" for a
+  key naming a pipeline switch at the wrong place;
+- `CheckPipelines(cfg, ...)`: the checks the layers make when built (the
+  schedule, recompute, dtype, the batch against num_micro_batches), before
+  anything is written.
+"""
+
+from lingvo.core import hyperparams
+
+from lingvo_ext.core import precision
+from lingvo_ext.core import schedules
+
+
+def _IsPipeline(value):
+  # pylint: disable=g-import-not-at-top
+  from lingvo.core import gpipe as lingvo_gpipe
+  from lingvo_ext.core import gpipe
+  # pylint: enable=g-import-not-at-top
+  return (isinstance(value, hyperparams.InstantiableParams) and
+          isinstance(value.cls, type) and
+          issubclass(value.cls,
+                     (gpipe.PipeliningLayer, lingvo_gpipe.PipeliningLayer)))
+
+
+def _Walk(value, path, found):
+  if _IsPipeline(value):
+    found.append((path, value))
+    return  # A pipeline's cells hold no pipeline of their own.
+  if isinstance(value, hyperparams.Params):
+    for name, sub in value.IterParams():
+      _Walk(sub, f'{path}.{name}' if path else name, found)
+  elif isinstance(value, dict):
+    for k, v in value.items():
+      _Walk(v, f'{path}[{k!r}]', found)
+  elif isinstance(value, (list, tuple)):
+    for i, v in enumerate(value):
+      _Walk(v, f'{path}[{i}]', found)
+
+
+def Pipelines(cfg):
+  """[(path, params)] of each PipeliningLayer (lingvo_ext's or Lingvo's).
+
+  Args:
+    cfg: Params (an experiment's model params, a task's...).
+
+  Returns:
+    In tree order; the path is the --model_params_override key of the
+    layer's params, e.g. 'task.lm.stack' (list items as `sub[2]`).
+  """
+  found = []
+  _Walk(cfg, '', found)
+  return found
+
+
+def IsPipelinedTask(task_params):
+  """Whether task params are lingvo_ext's PipelinedTask's."""
+  from lingvo_ext.tasks import pipelined_task  # pylint: disable=g-import-not-at-top
+  return (isinstance(getattr(task_params, 'cls', None), type) and
+          issubclass(task_params.cls, pipelined_task.PipelinedTask))
+
+
+def OverrideHint(cfg, key):
+  """' Did you mean `X`?' where `key`'s last part is a pipeline's param.
+
+  Args:
+    cfg: The params the override is applied to.
+    key: The unknown override key, e.g. 'task.schedule'.
+
+  Returns:
+    The hint text (starting with a space), or '' if no pipeline has the key.
+  """
+  name = key.split('.')[-1]
+  paths = [f'{path}.{name}' for path, p in Pipelines(cfg)
+           if name in p and f'{path}.{name}' != key]
+  if not paths:
+    return ''
+  return ' Did you mean ' + ' or '.join(f'`{x}`' for x in paths) + '?'
+
+
+def _BatchSizes(input_params):
+  """The input's per-replica batch sizes (one per bucket), or []."""
+  if input_params is None:
+    return []
+  sizes = []
+  if 'bucket_batch_limit' in input_params and input_params.bucket_batch_limit:
+    sizes = list(input_params.bucket_batch_limit)
+  elif 'batch_size' in input_params and input_params.batch_size:
+    sizes = [input_params.batch_size]
+  return [b for b in sizes if isinstance(b, int)]
+
+
+def CheckPipelines(cfg, num_replicas=1):
+  """Raises ValueError for what a pipeline in `cfg` would refuse when built.
+
+  Args:
+    cfg: An experiment's model params (with `input` and `task`).
+    num_replicas: Data-parallel replicas the trainer runs (for messages).
+
+  Returns:
+    The [(path, params)] of the pipelines checked.
+  """
+  pipelines = Pipelines(cfg)
+  task = cfg.task if 'task' in cfg else None
+  if task is not None and 'fprop_dtype' in task:
+    precision.ParseDtype(task.fprop_dtype, f'{task.name}: task.fprop_dtype')
+  input_params = cfg.input if 'input' in cfg else None
+  batches = _BatchSizes(input_params)
+  for path, p in pipelines:
+    where = f'{path} ({p.cls.__name__})'
+    key = 'input.fixed_input_shape'
+    if (input_params is not None and 'fixed_input_shape' in input_params and
+        not input_params.fixed_input_shape):
+      raise ValueError(
+          f'{where} splits the batch into micro-batches statically, but '
+          f'{key}=False gives batches of unknown shape; set it: '
+          f"--model_params_override='{key}:True'.")
+    if 'schedule' in p and p.schedule not in schedules.SCHEDULES:
+      raise ValueError(
+          f'{where}: schedule={p.schedule!r}; use one of '
+          f'{sorted(schedules.SCHEDULES)}, e.g. '
+          f"--model_params_override='{path}.schedule:\"1f1b\"'.")
+    if 'recompute' in p:
+      if p.recompute not in (None, True, False):
+        raise ValueError(f'{where}: recompute={p.recompute!r}; use None, '
+                         'True or False.')
+      if (p.recompute is False and
+          p.schedule in schedules.ALWAYS_RECOMPUTE):
+        raise ValueError(
+            f'{where}: recompute=False, but schedule={p.schedule!r} always '
+            f'recomputes; set {path}.recompute to None or True.')
+    m = p.num_micro_batches
+    if not isinstance(m, int) or m < 1:
+      raise ValueError(f'{where}: num_micro_batches={m!r} must be an int '
+                       '>= 1.')
+    for batch in batches:
+      if p.micro_batch_size and p.micro_batch_size * m != batch:
+        raise ValueError(
+            f'{where}: micro_batch_size={p.micro_batch_size} x '
+            f'num_micro_batches={m} != the input batch {batch}; set '
+            f'{path}.micro_batch_size to None or {batch // m or 1}.')
+      if batch % m:
+        divisors = [d for d in range(1, batch + 1) if batch % d == 0]
+        raise ValueError(
+            f'{where}: the input batch {batch} (per replica, of '
+            f'{num_replicas}) is not divisible by num_micro_batches={m}; '
+            f'set {path}.num_micro_batches to one of {divisors} or change '
+            'the input batch size.')
+  return pipelines
+
+
+def PlannerRefusal(cfg, model):
+  """Why the planner cannot plan `cfg`, in one line; None if it can.
+
+  The planner cuts a PipelinedTask's flat `LayerStack` into cells; other
+  experiments' pipelines come already cut (Lingvo's stacks), so the line
+  names each pipeline's path and the switches to set by hand.
+  """
+  task = cfg.task if 'task' in cfg else None
+  if task is not None and hasattr(task.cls, 'LayerStack'):
+    return None
+  name = task.cls.__name__ if task is not None else type(cfg).__name__
+  pipelines = Pipelines(cfg)
+  if not pipelines:
+    return (f'--model={model}: its task {name} holds no pipeline '
+            '(PipeliningLayer); the planner plans pipelined experiments.')
+  where = ', '.join(f'{path} ({p.cls.__name__})' for path, p in pipelines)
+  path = pipelines[0][0]
+  return (f'--model={model}: the planner cuts a PipelinedTask\'s LayerStack; '
+          f'task {name} holds its pipeline already cut, at {where}: set its '
+          f'switches by hand, e.g. --model_params_override='
+          f'\'{path}.num_micro_batches:4; {path}.schedule:"1f1b"\' '
+          '(docs/coming-from-lingvo.md).')
