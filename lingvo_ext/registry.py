@@ -196,7 +196,7 @@ def _Lookup(cfg, key):
               if close else f' Keys of {where}: {", ".join(names)}.')
       if i == len(parts) - 1:
         # A pipeline switch (task.schedule) where the pipeline is deeper.
-        from lingvo_ext.core import pipeline_tree  # pylint: disable=g-import-not-at-top
+        from lingvo_ext.tasks import pipeline_tree  # pylint: disable=g-import-not-at-top
         hint = pipeline_tree.OverrideHint(cfg, key) or hint
       raise OverrideError(f'{_OVERRIDE_FLAG}: unknown key {key!r}: {where} '
                           f'has no {part!r}.{hint}')
@@ -372,7 +372,7 @@ def GetParams(model, dataset_name, overrides='', file_override='',
     text = _FileOverride(file_override)
     if text:
       cfg.FromText(text)
-  from lingvo_ext.core import pipeline_tree  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.tasks import pipeline_tree  # pylint: disable=g-import-not-at-top
   if ('task' in cfg and 'fprop_dtype' in cfg.task and
       isinstance(cfg.task.fprop_dtype, str) and
       not pipeline_tree.IsPipelinedTask(cfg.task)):

@@ -135,7 +135,7 @@ def _CheckParams(o):
   Returns:
     (an error or None, the options with what the params decide).
   """
-  from lingvo_ext.core import pipeline_tree  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.tasks import pipeline_tree  # pylint: disable=g-import-not-at-top
   from lingvo_ext.core import precision  # pylint: disable=g-import-not-at-top
   from lingvo_ext.tasks import input_files  # pylint: disable=g-import-not-at-top
   try:

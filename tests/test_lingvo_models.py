@@ -29,7 +29,7 @@ from lingvo_ext import trainer_flags
 from lingvo_ext.core import from_lingvo
 from lingvo_ext.core import gpipe
 from lingvo_ext.core import layers_with_gpipe
-from lingvo_ext.core import pipeline_tree
+from lingvo_ext.tasks import pipeline_tree
 from lingvo_ext.core import precision
 from lingvo_ext.core import schedules
 
@@ -133,7 +133,7 @@ def testFromLingvoSwapsEveryLingvoGPipeLayerOfTheLm(experiment):
   lingvo_cfg = registry.GetParams(MODEL, 'Train', gpipe_engine='lingvo')
   stack = lingvo_cfg.task.lm.stack
   assert stack.cls is lingvo_layers_with_gpipe.GPipeBatchMajorTransformerStack
-  cfg = gpipe.FromLingvo(lingvo_cfg)
+  cfg = from_lingvo.FromLingvo(lingvo_cfg)
   ext = cfg.task.lm.stack
   assert ext.cls is layers_with_gpipe.GPipeBatchMajorTransformerStack
   assert issubclass(ext.cls, gpipe.PipeliningLayer)
@@ -194,7 +194,7 @@ def _RunStack(p, save=None, restore=None):
 def testBuilderStackRestoresAcrossEngines(tmp_path):
   lingvo_p = _BuilderStack()
   assert lingvo_p.cls is lingvo_gpipe.PipeliningLayer
-  ext_p = gpipe.FromLingvo(lingvo_p)
+  ext_p = from_lingvo.FromLingvo(lingvo_p)
   assert ext_p.cls is gpipe.PipeliningLayer
   assert ext_p.nested_map_fprop and ext_p.num_micro_batches == 2
   # A checkpoint of Lingvo's engine restores into lingvo_ext's and back.
@@ -216,7 +216,7 @@ def testBuilderStackMatchesLingvoUnderEverySchedule(tmp_path):
   lingvo_p = _BuilderStack()
   lingvo_ckpt = str(tmp_path / 'lingvo')
   loss, grads, _ = _RunStack(lingvo_p, save=lingvo_ckpt)
-  ext_p = gpipe.FromLingvo(lingvo_p)
+  ext_p = from_lingvo.FromLingvo(lingvo_p)
   # Every schedule of lingvo_ext's engine: Lingvo's loss and gradients.
   for schedule in sorted(set(schedules.SCHEDULES) - {'unrolled'}):
     s_loss, s_grads, _ = _RunStack(ext_p.Copy().Set(schedule=schedule),

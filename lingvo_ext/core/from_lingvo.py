@@ -22,8 +22,8 @@ params keep their defaults, which give Lingvo's variable names, so
 checkpoints move between the two engines unchanged. Nothing of Lingvo is
 patched: an experiment that is not rewritten runs on Lingvo's engine.
 
-  from lingvo_ext.core import gpipe
-  params = gpipe.FromLingvo(model_registry.GetParams('my.LmExperiment', 'Train'))
+  from lingvo_ext.core import from_lingvo
+  params = from_lingvo.FromLingvo(model_registry.GetParams('my.LmExperiment', 'Train'))
 
 The trainer does this for every experiment (`--gpipe_engine=lingvo_ext`, the
 default; `--gpipe_engine=lingvo` leaves the params as they are). See
@@ -32,7 +32,12 @@ docs/coming-from-lingvo.md.
 
 import copy
 
+from lingvo.core import gpipe as lingvo_gpipe
 from lingvo.core import hyperparams
+from lingvo.core import layers_with_gpipe as lingvo_layers_with_gpipe
+
+from lingvo_ext.core import gpipe as ext_gpipe
+from lingvo_ext.core import layers_with_gpipe as ext_layers_with_gpipe
 
 ENGINES = ('lingvo_ext', 'lingvo')
 
@@ -43,14 +48,6 @@ def _ClassMap():
   """{Lingvo's GPipe class: lingvo_ext's class of the same name}."""
   if _CLASS_MAP:
     return _CLASS_MAP
-  # Imported here: lingvo_ext.core.gpipe re-exports FromLingvo, and
-  # lingvo_ext's layers_with_gpipe needs that module complete.
-  # pylint: disable=g-import-not-at-top
-  from lingvo.core import gpipe as lingvo_gpipe
-  from lingvo.core import layers_with_gpipe as lingvo_layers_with_gpipe
-  from lingvo_ext.core import gpipe as ext_gpipe
-  from lingvo_ext.core import layers_with_gpipe as ext_layers_with_gpipe
-  # pylint: enable=g-import-not-at-top
   mapping = _CLASS_MAP
   for name in ('PipeliningLayer', 'SeqLayer', 'FeatureExtractionLayer'):
     mapping[getattr(lingvo_gpipe, name)] = getattr(ext_gpipe, name)

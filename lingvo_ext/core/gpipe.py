@@ -806,5 +806,3 @@ class PipeliningLayer(SeqLayer):
     return _LingvoOutputs(
         schedules.SCHEDULES[p.schedule](self, theta, inputs, num_micro))
 
-
-from lingvo_ext.core.from_lingvo import FromLingvo  # pylint: disable=g-import-not-at-top,g-bad-import-order,unused-import

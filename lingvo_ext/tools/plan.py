@@ -236,7 +236,7 @@ def TrainerAutoPlan(model: str, devices: int,
       raise ValueError('--memory_per_device=%s: %s' %
                        (memory_per_device, e)) from None
   cfg = planner.ExperimentParams(model, overrides=overrides)
-  from lingvo_ext.core import pipeline_tree  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.tasks import pipeline_tree  # pylint: disable=g-import-not-at-top
   refusal = pipeline_tree.PlannerRefusal(cfg, model)
   if refusal:
     raise ValueError('--plan=auto: ' + refusal)
@@ -348,7 +348,7 @@ def main(argv=None) -> int:
     return _Fail(_UnknownModel(args.model))
   try:
     cfg = planner.ExperimentParams(args.model)
-    from lingvo_ext.core import pipeline_tree  # pylint: disable=g-import-not-at-top
+    from lingvo_ext.tasks import pipeline_tree  # pylint: disable=g-import-not-at-top
     refusal = pipeline_tree.PlannerRefusal(cfg, args.model)
     if refusal:
       return _Fail(refusal)

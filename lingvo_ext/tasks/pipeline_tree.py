@@ -19,6 +19,7 @@ from lingvo.core import hyperparams
 
 from lingvo_ext.core import precision
 from lingvo_ext.core import schedules
+from lingvo_ext.tasks import pipelined_task
 
 
 def _IsPipeline(value):
@@ -64,7 +65,6 @@ def Pipelines(cfg):
 
 def IsPipelinedTask(task_params):
   """Whether task params are lingvo_ext's PipelinedTask's."""
-  from lingvo_ext.tasks import pipelined_task  # pylint: disable=g-import-not-at-top
   return (isinstance(getattr(task_params, 'cls', None), type) and
           issubclass(task_params.cls, pipelined_task.PipelinedTask))
 
