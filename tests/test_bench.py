@@ -2,6 +2,7 @@
 the torch-free parts of bench/torch_baselines.py."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -182,8 +183,13 @@ def testMatmulBenchReportsBothDtypesAndTheCpu():
   from lingvo_ext.core import precision  # pylint: disable=g-import-not-at-top
   records = matmul.Measure(width=32, batch=8, steps=2)
   assert [r['dtype'] for r in records] == ['float32', 'bfloat16']
-  assert all(r['gflops'] > 0 for r in records)
+  # Relations that hold under any load: a rate is a positive finite float,
+  # the ratio is the two rates'.
+  assert all(isinstance(r['gflops'], float) and 0 < r['gflops'] < math.inf
+             for r in records), records
   assert records[0]['vs_float32'] == 1.0
+  assert records[1]['vs_float32'] == pytest.approx(
+      records[1]['gflops'] / records[0]['gflops'], rel=2e-3)
   assert all(r['onednn'] == precision.OneDnnEnabled() and
              r['cpu_bf16_units'] == precision.CpuHasBf16Units()
              for r in records)
