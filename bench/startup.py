@@ -206,13 +206,17 @@ def Markdown(records):
   return '\n'.join(lines)
 
 
-def Run(models, transformer_layers):
+def Run(models, transformer_layers, emit=lambda r: None):
+  """All records, ratios added; `emit` sees each as it is measured."""
   records = []
   for model, flags in models:
-    records.append(ScriptRecord(model, flags))
-    records.append(TrainerRecord(model, flags))
+    for measure in (ScriptRecord, TrainerRecord):
+      records.append(measure(model, flags))
+      emit(records[-1])
   for layers in transformer_layers:
-    records.extend(TransformerRecords(layers))
+    for r in TransformerRecords(layers):
+      records.append(r)
+      emit(r)
   return WithRatios(records)
 
 
@@ -236,7 +240,11 @@ def main(argv=None):
     parser.error('--transformer_layers must be >= 0.')
   models = ([(m, ()) for m in args.models] if args.models else
             list(DEFAULT_MODELS))
-  records = Run(models, [l for l in args.transformer_layers if l])
+  # Each record as it comes on stderr: a long run's measurements are not
+  # lost with it.
+  records = Run(models, [l for l in args.transformer_layers if l],
+                emit=lambda r: print('[bench] ' + json.dumps(r),
+                                     file=sys.stderr, flush=True))
   if args.markdown:
     print(Markdown(records))
   else:
