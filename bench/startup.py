@@ -87,8 +87,12 @@ def _Script(model: str, flags) -> dict:
   return {k: round(v, 2) for k, v in out.items()}
 
 
-def _TimeToFirstStep(cmd, timeout_s):
-  """(seconds to the "step 1/" line or None, exit code, output tail)."""
+def _TimeToFirstStep(cmd, timeout_s, pattern=_FIRST_STEP):
+  """(seconds to the first line matching `pattern` or None, exit code, output).
+
+  Timed when the line arrives, not at exit: the session's teardown is not
+  start-up.
+  """
   start = time.time()
   first = None
   lines = []
@@ -98,7 +102,7 @@ def _TimeToFirstStep(cmd, timeout_s):
     try:
       for line in proc.stdout:
         lines.append(line)
-        if first is None and _FIRST_STEP.match(line):
+        if first is None and pattern.match(line):
           first = time.time() - start
         if time.time() - start > timeout_s:
           break
@@ -107,35 +111,36 @@ def _TimeToFirstStep(cmd, timeout_s):
       if proc.poll() is None:
         os.killpg(proc.pid, 9)
         proc.wait()
-  return first, proc.returncode, ''.join(lines[-5:])
+  return first, proc.returncode, lines
+
+
+def _Error(code, lines):
+  last = [l for l in lines if l.strip()][-1:] or ['']
+  return 'exit %s: %s' % (code, last[0].strip()[:200])
 
 
 def TrainerRecord(model, flags, timeout_s=1800) -> dict:
   with tempfile.TemporaryDirectory(prefix='startup_') as logdir:
     cmd = [sys.executable, '-m', 'lingvo_ext.trainer', '--model=' + model,
            '--max_steps=1', '--logdir=' + logdir] + list(flags)
-    first, code, tail = _TimeToFirstStep(cmd, timeout_s)
+    first, code, lines = _TimeToFirstStep(cmd, timeout_s)
   rec = dict(engine='lingvo_ext.trainer', model=model, flags=' '.join(flags),
              first_step_s=None if first is None else round(first, 2))
   if code != 0 or first is None:
-    rec['error'] = 'exit %s: %s' % (code, tail.strip().splitlines()[-1:])
+    rec['error'] = _Error(code, lines)
   return rec
 
 
 def ScriptRecord(model, flags, timeout_s=1800) -> dict:
   cmd = [sys.executable, os.path.abspath(__file__), '--_child', model] + [
       '--child_flag=' + f for f in flags]
-  start = time.time()
-  proc = subprocess.run(cmd, cwd=_REPO, capture_output=True, text=True,
-                        timeout=timeout_s, stdin=subprocess.DEVNULL)
-  wall = time.time() - start
+  first, code, lines = _TimeToFirstStep(cmd, timeout_s, re.compile(r'^\{'))
   rec = dict(engine='script', model=model, flags=' '.join(flags))
-  if proc.returncode != 0:
-    rec['error'] = 'exit %d: %s' % (proc.returncode,
-                                    proc.stderr.strip().splitlines()[-1:])
+  if code != 0 or first is None:
+    rec['error'] = _Error(code, lines)
     return rec
-  rec.update(json.loads(proc.stdout.strip().splitlines()[-1]))
-  rec['first_step_s'] = round(wall, 2)
+  rec.update(json.loads([l for l in lines if l.startswith('{')][0]))
+  rec['first_step_s'] = round(first, 2)
   return rec
 
 
@@ -155,8 +160,7 @@ def TransformerRecords(layers, timeout_s=3600):
     rec = dict(engine='transformer/' + variant, model='L=%d K=4 M=16' % layers,
                flags='')
     if proc.returncode != 0:
-      rec['error'] = 'exit %d: %s' % (proc.returncode,
-                                      proc.stderr.strip().splitlines()[-1:])
+      rec['error'] = _Error(proc.returncode, proc.stderr.splitlines())
     else:
       r = json.loads(proc.stdout.strip().splitlines()[-1])
       rec.update(imports_s=r['import_s'], build_s=r['build_s'],
@@ -234,7 +238,7 @@ def main(argv=None):
                       help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   if args._child:  # pylint: disable=protected-access
-    print(json.dumps(_Script(args._child, args.child_flag)))  # pylint: disable=protected-access
+    print(json.dumps(_Script(args._child, args.child_flag)), flush=True)  # pylint: disable=protected-access
     return 0
   if any(l < 0 for l in args.transformer_layers):
     parser.error('--transformer_layers must be >= 0.')
