@@ -67,8 +67,10 @@ def Measure(width=1536, batch=128, threads=1, steps=10, warmup=2):
   common = dict(width=width, batch=batch, threads=threads, steps=steps,
                 onednn=precision.OneDnnEnabled(),
                 cpu_bf16_units=precision.CpuHasBf16Units())
-  return [dict(common, dtype=n, gflops=round(g, 1),
-               vs_float32=round(g / gflops['float32'], 3))
+  # Significant digits, not decimals: a loaded machine's tiny run is still
+  # a positive rate, not 0.0.
+  return [dict(common, dtype=n, gflops=float('%.4g' % g),
+               vs_float32=float('%.4g' % (g / gflops['float32'])))
           for n, g in gflops.items()]
 
 

@@ -1,6 +1,7 @@
 """lingvo_ext: GPipe pipeline parallelism and friends on Lingvo."""
 
-import os
+from lingvo_ext import _startup
 
-# TensorFlow's C++ info logs are noise for users; their own setting wins.
-os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+# TensorFlow's start-up lines are noise for users; their own
+# TF_CPP_MIN_LOG_LEVEL wins (lingvo_ext/_startup.py).
+_startup.Install()

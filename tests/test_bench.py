@@ -2,6 +2,7 @@
 the torch-free parts of bench/torch_baselines.py."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -182,8 +183,13 @@ def testMatmulBenchReportsBothDtypesAndTheCpu():
   from lingvo_ext.core import precision  # pylint: disable=g-import-not-at-top
   records = matmul.Measure(width=32, batch=8, steps=2)
   assert [r['dtype'] for r in records] == ['float32', 'bfloat16']
-  assert all(r['gflops'] > 0 for r in records)
+  # Relations that hold under any load: a rate is a positive finite float,
+  # the ratio is the two rates'.
+  assert all(isinstance(r['gflops'], float) and 0 < r['gflops'] < math.inf
+             for r in records), records
   assert records[0]['vs_float32'] == 1.0
+  assert records[1]['vs_float32'] == pytest.approx(
+      records[1]['gflops'] / records[0]['gflops'], rel=2e-3)
   assert all(r['onednn'] == precision.OneDnnEnabled() and
              r['cpu_bf16_units'] == precision.CpuHasBf16Units()
              for r in records)
@@ -305,3 +311,41 @@ def test_devices_must_fit_the_cells():
     with pytest.raises(SystemExit) as e:
       pipeline.ParseArgs(['--K', '2', '4', '--devices', bad])
     assert e.value.code == 2
+
+
+# --- bench/startup.py ----------------------------------------------------------
+
+
+def testStartupRatiosAndMarkdown():
+  from bench import startup  # pylint: disable=g-import-not-at-top
+  records = startup.WithRatios([
+      dict(engine='script', model='m', flags='', first_step_s=2.0,
+           imports_s=1.0, params_s=0.1, build_s=0.5, first_run_s=0.4),
+      dict(engine='lingvo_ext.trainer', model='m', flags='', first_step_s=3.0),
+      dict(engine='transformer/lingvo', model='L', flags='', first_step_s=4.0),
+      dict(engine='transformer/unrolled', model='L', flags='',
+           first_step_s=2.0),
+      dict(engine='lingvo_ext.trainer', model='x', flags='', first_step_s=None,
+           error='exit 1: boom')])
+  assert records[1]['vs_script'] == 1.5 and records[3]['vs_lingvo'] == 0.5
+  assert 'vs_script' not in records[0] and 'vs_script' not in records[4]
+  table = startup.Markdown(records).splitlines()
+  assert len(table) == 2 + len(records)
+  assert all(l.count('|') == table[0].count('|') for l in table), table
+  assert 'exit 1: boom' in table[-1]
+
+
+@pytest.mark.e2e
+def testStartupBenchReportsTheTrainerAgainstTheScript():
+  from bench import startup  # pylint: disable=g-import-not-at-top
+  records = startup.Run([('lm.TransformerLmTiny', ())], [])
+  assert [r['engine'] for r in records] == ['script', 'lingvo_ext.trainer']
+  assert all('error' not in r for r in records), records
+  script, trainer = records
+  # Structure only: each stage timed, the stages within the whole.
+  stages = ('imports_s', 'params_s', 'build_s', 'first_run_s')
+  assert all(isinstance(script[s], float) and script[s] >= 0 for s in stages)
+  assert sum(script[s] for s in stages) <= script['process_s'] + 0.05
+  assert trainer['first_step_s'] > 0
+  assert trainer['vs_script'] == pytest.approx(
+      trainer['first_step_s'] / script['first_step_s'], rel=1e-2)

@@ -1,0 +1,261 @@
+"""Time to the first step: the trainer against the least a process can do.
+
+For each experiment, side by side in one run:
+
+- 'lingvo_ext.trainer': `python -m lingvo_ext.trainer --model=... --max_steps=1`
+  from process start to its "step 1/" progress line;
+- 'script': a fresh process that imports lingvo_ext, builds the same
+  registered experiment's task once (FProp, backward, update, as the trainer
+  does under its cluster), initialises and runs one step: the floor a
+  trainer run is held to, with its breakdown (imports, params, graph build,
+  first Session.run: placement, Grappler, initialisation);
+- 'transformer' rows (--transformer_layers): Lingvo's GPipeTransformerStack
+  at L layers, K=4 cells, M=16 micro-batches, built by lingvo.core.gpipe
+  ('lingvo') and by lingvo_ext ('unrolled') as bench/transformer.py does.
+
+  .venv/bin/python bench/startup.py --markdown
+  .venv/bin/python bench/startup.py --models lm.TransformerLmTiny \\
+      --transformer_layers 0          # one small experiment only
+
+Times are wall seconds of one run each: take them side by side, on an idle
+machine where you can. See docs/benchmarks.md ("Start-up").
+"""
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+_START = time.time()
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# (experiment, its trainer flags): the default model and a GPipe one.
+DEFAULT_MODELS = (
+    ('lm.TransformerLm', ()),
+    ('lm.TransformerLmTinyGPipe', ('--num_cpu_devices=2',
+                                   '--worker_split_size=2')),
+)
+_FIRST_STEP = re.compile(r'^step 1/')
+
+
+def _Flag(flags, name, default):
+  for f in flags:
+    if f.startswith('--%s=' % name):
+      return int(f.split('=', 1)[1])
+  return default
+
+
+def _Script(model: str, flags) -> dict:
+  """Builds and runs one step of `model` in this process, timed by stage."""
+  t = time.time()
+  sys.path.insert(0, _REPO)
+  import lingvo_ext  # pylint: disable=g-import-not-at-top,unused-import
+  import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
+  from lingvo.core import cluster_factory  # pylint: disable=g-import-not-at-top
+  from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
+  from lingvo_ext import registry  # pylint: disable=g-import-not-at-top
+  py_utils.SetEagerMode(False)
+  out = dict(imports_s=time.time() - t)
+  t = time.time()
+  params = registry.GetParams(model, 'Train')
+  out['params_s'] = time.time() - t
+  t = time.time()
+  devices = _Flag(flags, 'num_cpu_devices', 1)
+  split = _Flag(flags, 'worker_split_size', 1)
+  graph = tf.Graph()
+  with graph.as_default(), cluster_factory.ForTestingWorker(
+      mode='sync', job='trainer_client', cpus=devices, split_size=split):
+    model_obj = params.Instantiate()
+    model_obj.ConstructFPropBPropGraph()
+    task = model_obj.GetTask()
+    init = [tf.global_variables_initializer(), tf.local_variables_initializer(),
+            tf.tables_initializer()]
+  out['build_s'] = time.time() - t
+  t = time.time()
+  config = py_utils.SessionConfig()
+  config.device_count['CPU'] = devices
+  with tf.Session(graph=graph, config=config) as sess:
+    sess.run(init)
+    task.input.Initialize(sess)
+    sess.run(task.train_op)
+  out['first_run_s'] = time.time() - t
+  out['process_s'] = time.time() - _START
+  return {k: round(v, 2) for k, v in out.items()}
+
+
+def _TimeToFirstStep(cmd, timeout_s, pattern=_FIRST_STEP):
+  """(seconds to the first line matching `pattern` or None, exit code, output).
+
+  Timed when the line arrives, not at exit: the session's teardown is not
+  start-up.
+  """
+  start = time.time()
+  first = None
+  lines = []
+  with subprocess.Popen(cmd, cwd=_REPO, stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                        text=True, start_new_session=True) as proc:
+    try:
+      for line in proc.stdout:
+        lines.append(line)
+        if first is None and pattern.match(line):
+          first = time.time() - start
+        if time.time() - start > timeout_s:
+          break
+      proc.wait(max(1, timeout_s - (time.time() - start)))
+    finally:
+      if proc.poll() is None:
+        os.killpg(proc.pid, 9)
+        proc.wait()
+  return first, proc.returncode, lines
+
+
+def _Error(code, lines):
+  last = [l for l in lines if l.strip()][-1:] or ['']
+  return 'exit %s: %s' % (code, last[0].strip()[:200])
+
+
+def TrainerRecord(model, flags, timeout_s=1800) -> dict:
+  with tempfile.TemporaryDirectory(prefix='startup_') as logdir:
+    cmd = [sys.executable, '-m', 'lingvo_ext.trainer', '--model=' + model,
+           '--max_steps=1', '--logdir=' + logdir] + list(flags)
+    first, code, lines = _TimeToFirstStep(cmd, timeout_s)
+  rec = dict(engine='lingvo_ext.trainer', model=model, flags=' '.join(flags),
+             first_step_s=None if first is None else round(first, 2))
+  if code != 0 or first is None:
+    rec['error'] = _Error(code, lines)
+  return rec
+
+
+def ScriptRecord(model, flags, timeout_s=1800) -> dict:
+  cmd = [sys.executable, os.path.abspath(__file__), '--_child', model] + [
+      '--child_flag=' + f for f in flags]
+  first, code, lines = _TimeToFirstStep(cmd, timeout_s, re.compile(r'^\{'))
+  rec = dict(engine='script', model=model, flags=' '.join(flags))
+  if code != 0 or first is None:
+    rec['error'] = _Error(code, lines)
+    return rec
+  rec.update(json.loads([l for l in lines if l.startswith('{')][0]))
+  rec['first_step_s'] = round(first, 2)
+  return rec
+
+
+def TransformerRecords(layers, timeout_s=3600):
+  """bench/transformer.py's L-layer, K=4, M=16 stack, Lingvo's and ours."""
+  sys.path.insert(0, _REPO)
+  from bench import transformer  # pylint: disable=g-import-not-at-top
+  out = []
+  for variant in ('lingvo', 'unrolled'):
+    cmd = [sys.executable, os.path.join(_REPO, 'bench', 'transformer.py'),
+           '--_child', variant, '--L', str(layers), '--K', '4', '--M', '16',
+           '--steps', '1']
+    start = time.time()
+    proc = subprocess.run(cmd, cwd=_REPO, capture_output=True, text=True,
+                          timeout=timeout_s, stdin=subprocess.DEVNULL)
+    wall = time.time() - start
+    rec = dict(engine='transformer/' + variant, model='L=%d K=4 M=16' % layers,
+               flags='')
+    if proc.returncode != 0:
+      rec['error'] = _Error(proc.returncode, proc.stderr.splitlines())
+    else:
+      r = json.loads(proc.stdout.strip().splitlines()[-1])
+      rec.update(imports_s=r['import_s'], build_s=r['build_s'],
+                 # bench/transformer.py's first_step_s counts from the build.
+                 first_run_s=round(r['first_step_s'] - r['build_s'], 2),
+                 first_step_s=round(r['import_s'] + r['first_step_s'], 2),
+                 process_s=round(wall, 2))
+    out.append(rec)
+  del transformer
+  return out
+
+
+def WithRatios(records):
+  """Adds vs_script (trainer over script) and vs_lingvo (transformer)."""
+  by = {(r['engine'], r['model']): r for r in records}
+  for r in records:
+    if r.get('first_step_s') is None:
+      continue
+    base = None
+    if r['engine'] == 'lingvo_ext.trainer':
+      base = by.get(('script', r['model']))
+      key = 'vs_script'
+    elif r['engine'] == 'transformer/unrolled':
+      base = by.get(('transformer/lingvo', r['model']))
+      key = 'vs_lingvo'
+    if base and base.get('first_step_s'):
+      r[key] = round(r['first_step_s'] / base['first_step_s'], 3)
+  return records
+
+
+def _Fmt(v):
+  return '-' if v is None else ('%.2f' % v if isinstance(v, float) else
+                                str(v))
+
+
+def Markdown(records):
+  cols = ('engine', 'model', 'flags', 'first_step_s', 'imports_s', 'params_s',
+          'build_s', 'first_run_s', 'vs_script', 'vs_lingvo')
+  lines = ['| ' + ' | '.join(cols) + ' |', '|' + '---|' * len(cols)]
+  for r in records:
+    if 'error' in r:
+      lines.append('| %s | %s | %s | %s |' % (r['engine'], r['model'],
+                                              r['flags'], r['error']) +
+                   ' |' * (len(cols) - 4))
+      continue
+    lines.append('| ' + ' | '.join(_Fmt(r.get(c)) for c in cols) + ' |')
+  return '\n'.join(lines)
+
+
+def Run(models, transformer_layers, emit=lambda r: None):
+  """All records, ratios added; `emit` sees each as it is measured."""
+  records = []
+  for model, flags in models:
+    for measure in (ScriptRecord, TrainerRecord):
+      records.append(measure(model, flags))
+      emit(records[-1])
+  for layers in transformer_layers:
+    for r in TransformerRecords(layers):
+      records.append(r)
+      emit(r)
+  return WithRatios(records)
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser.add_argument(
+      '--models', nargs='+',
+      help='Registered experiments, run with no extra flags (default: '
+      'lm.TransformerLm, and lm.TransformerLmTinyGPipe on 2 devices).')
+  parser.add_argument('--transformer_layers', type=int, nargs='+',
+                      default=[32], help='L of the transformer rows; 0: none.')
+  parser.add_argument('--markdown', action='store_true')
+  parser.add_argument('--_child', help=argparse.SUPPRESS)
+  parser.add_argument('--child_flag', action='append', default=[],
+                      help=argparse.SUPPRESS)
+  args = parser.parse_args(argv)
+  if args._child:  # pylint: disable=protected-access
+    print(json.dumps(_Script(args._child, args.child_flag)), flush=True)  # pylint: disable=protected-access
+    return 0
+  if any(l < 0 for l in args.transformer_layers):
+    parser.error('--transformer_layers must be >= 0.')
+  models = ([(m, ()) for m in args.models] if args.models else
+            list(DEFAULT_MODELS))
+  # Each record as it comes on stderr: a long run's measurements are not
+  # lost with it.
+  records = Run(models, [l for l in args.transformer_layers if l],
+                emit=lambda r: print('[bench] ' + json.dumps(r),
+                                     file=sys.stderr, flush=True))
+  if args.markdown:
+    print(Markdown(records))
+  else:
+    for r in records:
+      print(json.dumps(r))
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())

@@ -1,0 +1,219 @@
+"""A quiet first line: TensorFlow's start-up noise kept off stderr.
+
+Importing TensorFlow prints C++ lines before its logging is set up, where
+TF_CPP_MIN_LOG_LEVEL does not reach them (absl's "All log messages before
+absl::InitializeLog()", cudart_stub's "Could not find cuda drivers", oneDNN's
+notice, once per library that loads them), and the first look at the devices
+an E-level "failed call to cuInit ... (303)" on a host without a GPU driver.
+None of them is about the user's run. `Install` (called by `lingvo_ext`'s
+`__init__`) makes the first `import tensorflow` of the process run with
+file descriptor 2 going through a filter that drops exactly those lines and
+passes every other line on as it comes; the filter also looks at the devices
+once (where the cuInit line comes from) and then steps aside. Lingvo's
+warnings that repeat once per variable or cell show once (`RepeatFilter`).
+
+Nothing is filtered when the user set TF_CPP_MIN_LOG_LEVEL: their setting
+wins (TF_CPP_MIN_LOG_LEVEL=0 shows TensorFlow's start-up as it is).
+"""
+
+import contextlib
+import importlib.abc
+import logging
+import os
+import re
+import sys
+import threading
+
+LEVEL_VAR = 'TF_CPP_MIN_LOG_LEVEL'
+# The level we set, so that processes we start tell it from the user's.
+_MARK = 'LINGVO_EXT_DEFAULT_TF_LOG_LEVEL'
+
+# Lines TensorFlow prints on every start, none of them about the run.
+_NOISE = (
+    re.compile(r'^WARNING: All log messages before absl::InitializeLog\(\) is '
+               r'called are written to STDERR$'),
+    re.compile(r'^I\d{4} [\d:. ]+\d+ cudart_stub\.cc:\d+\] Could not find '
+               r'cuda drivers on your machine, GPU will not be used\.$'),
+    re.compile(r'^I\d{4} [\d:. ]+\d+ \w+\.cc:\d+\] oneDNN custom operations '
+               r'are on\. '),
+)
+# cuInit's failure is noise only where cudart found no driver: with one
+# installed it is a real error.
+_NO_DRIVER = _NOISE[1]
+_CUINIT = re.compile(r'^E\d{4} [\d:. ]+\d+ cuda_platform\.cc:\d+\] failed '
+                     r'call to cuInit: .*\(303\)$')
+
+
+class LineFilter:
+  """Drops the known start-up lines of the text written to it."""
+
+  def __init__(self, write):
+    self._write = write
+    self._partial = b''
+    self.no_driver = False
+    self.dropped = 0
+
+  def Feed(self, data: bytes):
+    lines = (self._partial + data).split(b'\n')
+    self._partial = lines.pop()
+    for line in lines:
+      self._Line(line + b'\n')
+
+  def Close(self):
+    if self._partial:
+      self._Line(self._partial)
+      self._partial = b''
+
+  def _Line(self, line: bytes):
+    text = line.decode('utf-8', 'replace').rstrip('\n')
+    if _NO_DRIVER.match(text):
+      self.no_driver = True
+    if any(p.match(text) for p in _NOISE) or (
+        self.no_driver and _CUINIT.match(text)):
+      self.dropped += 1
+      return
+    self._write(line)
+
+
+@contextlib.contextmanager
+def FilteredStderr():
+  """File descriptor 2 through a LineFilter for the duration of the block.
+
+  Lines are passed on as they come (a thread reads the pipe), so output up
+  to a crash inside the block is not held back.
+  """
+  saved = os.dup(2)
+  read_fd, write_fd = os.pipe()
+
+  def Write(line):
+    os.write(saved, line)
+
+  line_filter = LineFilter(Write)
+
+  def Forward():
+    while True:
+      data = os.read(read_fd, 65536)
+      if not data:
+        break
+      line_filter.Feed(data)
+    line_filter.Close()
+
+  for stream in (sys.stdout, sys.stderr):
+    stream.flush()
+  os.dup2(write_fd, 2)
+  os.close(write_fd)
+  thread = threading.Thread(target=Forward, name='startup-stderr',
+                            daemon=True)
+  thread.start()
+  try:
+    yield line_filter
+  finally:
+    sys.stderr.flush()
+    os.dup2(saved, 2)  # Closes the pipe's last write end: EOF to Forward.
+    # A subprocess started in the block may hold the write end; its lines
+    # then stay with it.
+    thread.join(10)
+    if not thread.is_alive():
+      os.close(read_fd)
+    os.close(saved)
+
+
+class _TensorFlowFinder(importlib.abc.MetaPathFinder):
+  """Runs the process's first `import tensorflow` through FilteredStderr."""
+
+  def find_spec(self, fullname, path, target=None):
+    del path, target
+    if fullname != 'tensorflow':
+      return None
+    Uninstall()
+    spec = None
+    for finder in sys.meta_path:
+      spec = getattr(finder, 'find_spec', lambda *a: None)(fullname, None)
+      if spec is not None:
+        break
+    if spec is None or spec.loader is None:
+      return spec
+    spec.loader = _QuietLoader(spec.loader)
+    return spec
+
+
+class _QuietLoader(importlib.abc.Loader):
+  """Wraps TensorFlow's loader: its import and first device look, filtered."""
+
+  def __init__(self, loader):
+    self._loader = loader
+
+  def create_module(self, spec):
+    return self._loader.create_module(spec)
+
+  def __getattr__(self, name):
+    return getattr(self._loader, name)
+
+  def exec_module(self, module):
+    # TensorFlow's module keeps its own loader (resource readers use it).
+    module.__loader__ = module.__spec__.loader = self._loader
+    with FilteredStderr():
+      self._loader.exec_module(module)
+      # The first look at the devices prints the cuInit line; it is cached.
+      module.config.list_physical_devices('GPU')
+
+
+_FINDER = _TensorFlowFinder()
+
+# Lingvo's warnings that repeat once per variable or cell: the first is
+# shown, with what it means; the rest would only repeat it.
+_ONCE = (
+    ('is using the default xavier initializer',
+     ' (Lingvo says this of every variable its params leave at the default'
+     ' init; further ones are not logged.)'),
+    ('cell_fn contains stateful ops',
+     ' (Lingvo warns of this once per cell function, e.g. for its'
+     ' CheckNumerics; further cells are not logged.)'),
+)
+
+
+class RepeatFilter(logging.Filter):
+  """Lets the first of each of Lingvo's repeated warnings through, noted."""
+
+  def __init__(self):
+    super().__init__()
+    self.seen = set()
+
+  def filter(self, record):
+    try:
+      message = record.getMessage()
+    except Exception:  # pylint: disable=broad-except
+      return True
+    for key, note in _ONCE:
+      if key in message:
+        if key in self.seen:
+          return False
+        self.seen.add(key)
+        record.msg, record.args = message + note, ()
+    return True
+
+
+_REPEATS = RepeatFilter()
+
+
+def Install():
+  """Filters the first `import tensorflow` unless the user set the level.
+
+  Also sets TF_CPP_MIN_LOG_LEVEL=2 (TensorFlow's C++ info logs are noise for
+  users) where the user did not set it.
+  """
+  tf_logger = logging.getLogger('tensorflow')
+  if _REPEATS not in tf_logger.filters:
+    tf_logger.addFilter(_REPEATS)
+  # Set by us (in this process or the one that started it), or the user's.
+  level = os.environ.get(LEVEL_VAR)
+  if level is not None and level != os.environ.get(_MARK):
+    return
+  os.environ[LEVEL_VAR] = os.environ[_MARK] = '2'
+  if 'tensorflow' not in sys.modules and _FINDER not in sys.meta_path:
+    sys.meta_path.insert(0, _FINDER)
+
+
+def Uninstall():
+  if _FINDER in sys.meta_path:
+    sys.meta_path.remove(_FINDER)
