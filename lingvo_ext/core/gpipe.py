@@ -28,11 +28,13 @@ from lingvo.core import gpipe as lingvo_gpipe
 from lingvo.core import py_utils
 from lingvo.core import tshape
 
-from lingvo_ext._internal import lingvo as internal_lingvo
 from lingvo_ext.core import cost as cost_lib
 from lingvo_ext.core import cuts
 from lingvo_ext.core import partitioning
 from lingvo_ext.core import schedules
+from lingvo_ext.core.engine import kinds
+from lingvo_ext.core.engine import records
+from lingvo_ext.core.engine import recurrent
 from lingvo_ext.core import stacking
 
 
@@ -505,55 +507,7 @@ class PipeliningLayer(SeqLayer):
              'cells; defaults to the dtype of the first input.')
     p.Define('nested_map_fprop', False,
              'Whether cells take and return a single NestedMap.')
-    p.Define(
-        'schedule', 'unrolled',
-        "How micro-batches flow through the cells; one of "
-        "lingvo_ext.core.schedules.SCHEDULES. Every schedule but "
-        "'recurrent' is a list of actions per device from "
-        "lingvo_ext.core.actions (forward, recompute, backward, or backward "
-        "split into input and weight gradients), which the engine builds "
-        "per cell and micro-batch on the cell's device; a run of weight-"
-        "gradient actions of one cell is one MatMul per weight over their "
-        "micro-batches' rows, and actions.ORDERED_KINDS says which actions "
-        "wait for the one before them on their device. 'unrolled' (GPipe): "
-        "all forward passes, then the input gradients, then each weight's "
-        "gradient over all micro-batches, as TensorFlow's executor finds "
-        "the data ready; it keeps every micro-batch's activations unless "
-        "recompute=True (then one micro-batch is recomputed at a time, "
-        "its input gradients at once, its weight gradients in runs of "
-        "micro-batches whose recomputed activations stay within a copy of "
-        "the weights). '1f1b': one forward, one "
-        "backward micro-batch per cell in steady state, each forward pass "
-        "waiting for the action before it, so at most K - i micro-batches' "
-        "activations are alive in cell i (plus, for weight gradients in "
-        "runs of K micro-batches, their weight MatMuls' inputs and output "
-        "gradients until the run): activation memory is bounded by the "
-        "number of cells K, not M. That needs a loss linear in the outputs "
-        "(e.g. per-example losses computed by the last cell, summed or "
-        "averaged by the caller): then each micro-batch's backward pass "
-        "starts as soon as its forward pass leaves the last cell, and "
-        "nothing is recomputed. Otherwise no backward pass can start "
-        "before every forward pass ends, so the forward pass keeps only "
-        "cell-boundary activations and the backward pass recomputes one "
-        "micro-batch at a time. 'recurrent': Lingvo's "
-        "StackedRecurrent loop, which recomputes each cell's forward pass "
-        "in the backward pass, keeping only cell boundary activations "
-        "(less memory, more time); its embedding lookups' weight "
-        "gradients come out dense, so a learner's l1/l2_regularizer_weight "
-        "decays every row of the table (the other schedules: the rows "
-        "looked up, as the unpipelined model does). 'interleaved_1f1b' and "
-        "'zero_bubble' run each device's list strictly in order "
-        "(recompute=True: each backward action after its recomputation; "
-        "the default, none); "
-        "for a loss that is not linear in the outputs each device runs its "
-        "forward actions first, then its backward actions in the "
-        "schedule's order: "
-        "'interleaved_1f1b' is Megatron's schedule for V = "
-        "K / D cells per device (K and num_micro_batches multiples of the "
-        "devices D); 'zero_bubble' (ZB-H1) splits each "
-        "backward pass into input gradients, sent upstream at once, and "
-        "weight gradients that fill the bubble (with fewer devices than "
-        "cells, its one-cell-per-device order folded onto the devices).")
+    p.Define('schedule', 'unrolled', records.ScheduleHelp())
     p.Define(
         'cell_functions', True,
         "Every schedule but 'recurrent' (which always builds cells once): "
@@ -619,12 +573,9 @@ class PipeliningLayer(SeqLayer):
     if p.schedule not in self._SCHEDULES:
       raise ValueError('%s: schedule=%r; use one of %s.' %
                        (p.name, p.schedule, sorted(self._SCHEDULES)))
-    if p.recompute is False and p.schedule in schedules.ALWAYS_RECOMPUTE:
-      raise ValueError(
-          "%s: recompute=False, but schedule=%r always recomputes each "
-          "cell's forward pass; set recompute=None or True, or use "
-          "schedule='unrolled' or '1f1b' to keep activations." %
-          (p.name, p.schedule))
+    error = records.RecomputeError(p.schedule, p.recompute, '')
+    if error:
+      raise ValueError('%s: %s' % (p.name, error))
     if len(p.cell_tpl) > num_devices > 1:
       tf.logging.warning(
           '%s: %d cells on %d devices; cells share devices round-robin and '
@@ -728,19 +679,11 @@ class PipeliningLayer(SeqLayer):
 
   def ToState(self, values):
     """Packs cell inputs/outputs into the NestedMap that StackedRecurrent uses."""
-    if self.params.nested_map_fprop:
-      return values.Filter(lambda x: x is not None)
-    state = py_utils.NestedMap()
-    for i, v in enumerate(_ToTuple(values)):
-      if v is not None:
-        state['s%d' % i] = v
-    return state
+    return recurrent.ToState(self.params.nested_map_fprop, values)
 
   def FromState(self, state, shapes, fn):
     """Inverse of ToState: applies fn(name, tshape) to each present entry."""
-    if self.params.nested_map_fprop:
-      return internal_lingvo.RecursiveMap(shapes, fn)
-    return tuple(fn('s%d' % i, s) for i, s in enumerate(shapes))
+    return recurrent.FromState(self.params.nested_map_fprop, state, shapes, fn)
 
   def FPropSequential(self, theta, *args):
     """The same model without pipelining: every cell in turn, whole batch.
@@ -765,9 +708,13 @@ class PipeliningLayer(SeqLayer):
     return list(self._cells)
 
   def Devices(self):
-    """The device of each cell (Lingvo's model split, round robin)."""
+    """The device of each cell: Lingvo's model split, placed as the
+    schedule's record says (round robin, or down and back up for 'zbv')."""
+    placement = records.Get(self.params.schedule).placement
+    num_devices = self.cluster.num_devices_per_split
     return [
-        self.cluster.WorkerDeviceInModelSplit(i)
+        self.cluster.WorkerDeviceInModelSplit(
+            kinds.PlaceStage(placement, num_devices, i))
         for i in range(len(self._cells))
     ]
 
