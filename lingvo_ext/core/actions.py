@@ -27,7 +27,7 @@ from lingvo_ext.core.engine.generators import (
 from lingvo_ext.core.engine.kinds import (
     KINDS, PLACEMENTS, Action, Kind, PlaceStage, ScheduleLists, StageSpec)
 from lingvo_ext.core.engine.records import (
-    ACTION_SCHEDULES, ORDERED_KINDS, SIZED_WEIGHT_GRADIENT_RUNS, Build)
+    ACTION_SCHEDULES, ORDERED_KINDS, SIZED_WEIGHT_GRADIENT_RUNS, Build, Placed)
 from lingvo_ext.core.engine.runs import (
     PreviousOnDevice, Waits, WeightGradientRunLength, WeightGradientRuns)
 from lingvo_ext.core.engine.simulate import (

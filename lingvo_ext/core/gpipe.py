@@ -529,8 +529,8 @@ class PipeliningLayer(SeqLayer):
         "XLA's random ops draw other values than TensorFlow's kernels, so "
         'dropout masks differ from those of uncompiled cells (compiled '
         "schedules agree with each other). Off by default: on CPU it was no "
-        "faster on Lingvo's Transformer and 1.38x slower on 1536-wide FC "
-        'layers (docs/benchmarks.md).')
+        "faster on Lingvo's Transformer and slower on wide FC layers "
+        '(docs/benchmarks.md).')
     p.Define(
         'recompute', None,
         'Re-materialisation: whether each cell\'s forward pass is '

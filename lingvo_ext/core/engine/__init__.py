@@ -12,6 +12,7 @@ One concept per module, lower layers first; no module imports one above it:
 - randomness, custom_gradient, weight_gradients (TensorFlow): per-micro-batch
   random seeds, a pipeline's own backward function, and the one owner of
   weight gradients.
+- loss: what the caller's loss lets the backward lists do.
 - interpreter: builds a schedule's lists as a graph, one method per kind.
 - recurrent: Lingvo's StackedRecurrent loop ('recurrent').
 - pipelines: `SCHEDULES`, the schedule function of each record.
