@@ -282,7 +282,8 @@ def CheckpointVarMap(layer, checkpoint_path, variables=None):
   return cuts.CheckpointVarMap(layer, checkpoint_path, variables)
 
 
-def CellVariableDevices(cluster, num_cells: int) -> list:
+def CellVariableDevices(cluster, num_cells: int,
+                        placement: str = 'round_robin') -> list:
   """The device of each cell's variables: the one that runs it in replica 0.
 
   Only where variables live on the worker devices (the ps devices are the
@@ -294,6 +295,7 @@ def CellVariableDevices(cluster, num_cells: int) -> list:
   Args:
     cluster: A Lingvo cluster.
     num_cells: The number of cells.
+    placement: How cells sit on the split's devices (`kinds.PLACEMENTS`).
 
   Returns:
     A list of `num_cells` device strings.
@@ -307,7 +309,8 @@ def CellVariableDevices(cluster, num_cells: int) -> list:
   if (not all(workers) or len(workers) < per_split or
       sorted(ps) != sorted(workers)):
     return [''] * num_cells
-  return [workers[i % per_split] for i in range(num_cells)]
+  return [workers[kinds.PlaceStage(placement, per_split, i)]
+          for i in range(num_cells)]
 
 
 class SeqLayer(base_layer.BaseLayer):
@@ -378,14 +381,20 @@ class SeqLayer(base_layer.BaseLayer):
     self._cells = []
     before_tpl_device = ''
     cell_devices = [''] * len(p.cell_tpl)
+    # Where the schedule places each cell (PipeliningLayer's records).
+    record = records.BY_NAME.get(p.schedule) if 'schedule' in p else None
+    placement = record.placement if record else 'round_robin'
     if py_utils.use_tpu():
       before_tpl_device = self.cluster.WorkerDeviceInModelSplit(0)
+      per_split = self.cluster.num_devices_per_split
       cell_devices = [
-          self.cluster.WorkerDeviceInModelSplit(i)
+          self.cluster.WorkerDeviceInModelSplit(
+              kinds.PlaceStage(placement, per_split, i))
           for i in range(len(p.cell_tpl))
       ]
     elif p.colocate_cell_variables:
-      cell_devices = CellVariableDevices(self.cluster, len(p.cell_tpl))
+      cell_devices = CellVariableDevices(self.cluster, len(p.cell_tpl),
+                                         placement)
       before_tpl_device = cell_devices[0]
     for l in p.before_tpl:
       with tf.device(before_tpl_device):
@@ -576,7 +585,8 @@ class PipeliningLayer(SeqLayer):
     error = records.RecomputeError(p.schedule, p.recompute, '')
     if error:
       raise ValueError('%s: %s' % (p.name, error))
-    if len(p.cell_tpl) > num_devices > 1:
+    if (len(p.cell_tpl) > num_devices > 1 and
+        records.Get(p.schedule).placement == 'round_robin'):
       tf.logging.warning(
           '%s: %d cells on %d devices; cells share devices round-robin and '
           'those run one after another.', p.name, len(p.cell_tpl),

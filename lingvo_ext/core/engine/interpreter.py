@@ -41,11 +41,14 @@ from lingvo_ext.core.engine.kinds import StageSpec
 from lingvo_ext.core.engine.randomness import CellRandomness
 from lingvo_ext.core.engine.simulate import Simulate
 from lingvo_ext.core.engine.tensors import CastHere
+from lingvo_ext.core.engine.tensors import ConcatGrads
 from lingvo_ext.core.engine.tensors import Flat
 from lingvo_ext.core.engine.tensors import Group
 from lingvo_ext.core.engine.tensors import IsFloat
+from lingvo_ext.core.engine.tensors import SplitGrads
 from lingvo_ext.core.engine.tensors import ToTuple
 from lingvo_ext.core.engine.weight_gradients import CellWeightGradients
+from lingvo_ext.core.engine.weight_gradients import RunLength
 
 
 def _WalkOrder(spec: StageSpec, schedule):
@@ -107,23 +110,9 @@ class Interpreter:
 
   def _WeightGradientRun(self) -> int:
     """How many micro-batches a run of 'W's takes where the record sizes
-    runs: `runs.WeightGradientRunLength` over the MatMuls the cell
-    functions export (1 where none does: cells built inline)."""
-    weights, operands = {}, 0
-    for i in range(len(self.cells)):
-      outs = [o for o in Flat(self.cell_out[i][0]) if o is not None]
-      for use in (cell_function.ExportedOperands(outs[0].op) if outs else []):
-        if use.rows:  # A lookup: its gradient is sparse, not weight-sized.
-          continue
-        sizes = [use.weight.shape.num_elements(),
-                 use.operand.shape.num_elements(),
-                 use.zero.shape.num_elements()]
-        if None in sizes:
-          return 1
-        weights[use.weight.ref()] = sizes[0]
-        operands += sizes[1] + sizes[2]
-    return runs.WeightGradientRunLength(sum(weights.values()), operands,
-                                        self.num_micro)
+    runs (`weight_gradients.RunLength`)."""
+    return RunLength([Flat(outs[0]) for outs in self.cell_out],
+                     self.num_micro)
 
   # --- The forward pass --------------------------------------------------------
 
@@ -407,31 +396,14 @@ class Interpreter:
   def _MicroBatchOutputGrads(self, out_grads):
     """Per micro-batch, the flat gradients of the last cell's outputs (None
     where the caller's loss does not depend on an output)."""
-    m = self.num_micro
     with tf.device(self.devices[-1]), tf.name_scope('pipeline_backward'):
-      it = iter(out_grads)
-      dys_flat = []
-      for o in Flat(self.out_structure):
-        g = None if o is None else next(it)
-        dys_flat.append(None if g is None else
-                        tf.split(g, m, axis=self.p.batch_dim))
-    return [[None if d is None else d[t] for d in dys_flat] for t in range(m)]
+      return SplitGrads(Flat(self.out_structure), out_grads, self.num_micro,
+                        self.p.batch_dim)
 
   def _InputGrads(self, dx):
     """The present inputs' gradients from those of each micro-batch."""
-    in_grads = []
     with tf.device(self.devices[0]), tf.name_scope('pipeline_backward'):
-      for k, x in enumerate(self.flat_in):
-        if x is None:
-          continue
-        parts = [dx[t][k] for t in range(self.num_micro)]
-        if all(g is None for g in parts):
-          in_grads.append(None)
-          continue
-        parts = [tf.zeros_like(self.pieces[k][t]) if g is None else g
-                 for t, g in enumerate(parts)]
-        in_grads.append(tf.concat(parts, axis=self.p.batch_dim))
-    return in_grads
+      return ConcatGrads(self.flat_in, self.pieces, dx, self.p.batch_dim)
 
 
 def ListSchedule(name):

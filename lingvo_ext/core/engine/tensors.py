@@ -40,3 +40,33 @@ def Group(tensors):
   tensors = [t for t in tensors if t is not None]
   return tf.group(*tensors) if tensors else None
 
+
+
+def SplitGrads(flat_out, out_grads, num_micro: int, batch_dim: int):
+  """Per micro-batch, the flat gradients of `flat_out` (None entries: no
+  output, or no gradient) from `out_grads`, those of its present entries."""
+  it = iter(out_grads)
+  dys_flat = []
+  for o in flat_out:
+    g = None if o is None else next(it)
+    dys_flat.append(None if g is None else
+                    tf.split(g, num_micro, axis=batch_dim))
+  return [[None if d is None else d[t] for d in dys_flat]
+          for t in range(num_micro)]
+
+
+def ConcatGrads(flat_in, pieces, dx, batch_dim: int) -> List:
+  """The gradients of the present `flat_in` from each micro-batch's `dx`
+  (zeros for a micro-batch without one; `pieces` are the inputs' splits)."""
+  in_grads = []
+  for k, x in enumerate(flat_in):
+    if x is None:
+      continue
+    parts = [d[k] for d in dx]
+    if all(g is None for g in parts):
+      in_grads.append(None)
+      continue
+    parts = [tf.zeros_like(pieces[k][t]) if g is None else g
+             for t, g in enumerate(parts)]
+    in_grads.append(tf.concat(parts, axis=batch_dim))
+  return in_grads

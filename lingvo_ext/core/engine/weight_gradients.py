@@ -22,6 +22,7 @@ import lingvo.compat as tf
 from lingvo_ext._internal import tf as internal_tf
 from lingvo_ext.core import cell_function
 from lingvo_ext.core import matmul_grad
+from lingvo_ext.core.engine import runs
 from lingvo_ext.core.engine.tensors import IsFloat
 
 
@@ -174,3 +175,29 @@ class CellWeightGradients:
     with tf.name_scope(scope):
       return [matmul_grad.SumGradients([a] + r) if r else a
               for a, r in zip(self._acc, self._rest)]
+
+
+def RunLength(first_outputs, num_micro: int) -> int:
+  """How many micro-batches' weight gradients a run computes
+  (`runs.WeightGradientRunLength`) over the MatMuls the cells' functions
+  export; 1 where none does (cells built inline).
+
+  Args:
+    first_outputs: Per cell, its flat outputs of the first micro-batch.
+    num_micro: M.
+  """
+  weights, operands = {}, 0
+  for outs in first_outputs:
+    outs = [o for o in outs if o is not None]
+    for use in (cell_function.ExportedOperands(outs[0].op) if outs else []):
+      if use.rows:  # A lookup: its gradient is sparse, not weight-sized.
+        continue
+      sizes = [use.weight.shape.num_elements(),
+               use.operand.shape.num_elements(),
+               use.zero.shape.num_elements()]
+      if None in sizes:
+        return 1
+      weights[use.weight.ref()] = sizes[0]
+      operands += sizes[1] + sizes[2]
+  return runs.WeightGradientRunLength(sum(weights.values()), operands,
+                                      num_micro)
