@@ -234,3 +234,77 @@ def OneFOneBGroupedWeights(spec: StageSpec) -> ScheduleLists:
                               max(spec.num_stages, spec.weight_gradient_run))
 
 
+def ZeroBubbleV(spec: StageSpec) -> ScheduleLists:
+  """ZB-V ('zbv'): two stages per device in a V, backward split in 'I', 'W'.
+
+  Device d holds stage d (on the way down) and stage 2D - 1 - d (on the way
+  back up), so the last stage sits with the first and a micro-batch's input
+  gradient turns at device 0 without waiting for a transfer back. Each
+  device warms up with 2(D - d) - 1 forwards of its first stage, then
+  alternates the two stages' forward passes, then in steady state runs each
+  stage's F, I, W in turn; weight gradients are deferred in the cool-down to
+  fill the wait for input gradients (the zero-bubble paper's ZB-V, with the
+  1F1B memory of 2D micro-batch stages per device). Needs K even; with more
+  than two stages per device, the two-stages-per-device order folded onto
+  the devices (`FoldOntoDevices`). With recompute, 'R' before each 'I'.
+  One cell: `ZeroBubble`'s lists.
+  """
+  k, dev, m = spec.num_stages, spec.num_devices, spec.num_micro_batches
+  if spec.placement != 'v':
+    raise ValueError("zbv: placement=%r; it needs 'v' (actions.Placed)." %
+                     (spec.placement,))
+  if k == 1:  # One cell: no V to place; ZB-H1's lists of one stage.
+    return ZeroBubble(spec)
+  if k % 2 or 2 * dev > k:
+    raise ValueError(
+        'zbv: %d cells on %d devices; it places two cells on each device: '
+        'use an even number of cells, at least twice the devices (%d).' %
+        (k, dev, 2 * dev))
+  if k != 2 * dev:
+    virtual = dataclasses.replace(spec, num_devices=k // 2)
+    return FoldOntoDevices(virtual, ZeroBubbleV(virtual), spec)
+  # Listed as if there were at least 2D - 1 micro-batches (the pipeline's
+  # depth), then the ones past M dropped: the order of the rest is the same.
+  n = max(m, 2 * dev - 1)
+  out = []
+  for d in range(dev):
+    stages = (d, k - 1 - d)
+    done = {kind: [0, 0] for kind in (Kind.F, Kind.I, Kind.W)}
+    acts = []
+
+    def Add(kind, chunk, acts=acts, done=done, stages=stages):
+      acts.append(Action(kind, stages[chunk], done[kind][chunk]))
+      done[kind][chunk] += 1
+
+    for _ in range(2 * (dev - d) - 1):
+      Add(Kind.F, 0)
+    for _ in range(d):
+      Add(Kind.F, 1)
+      Add(Kind.F, 0)
+    for _ in range(dev - d):
+      for kind in (Kind.F, Kind.I, Kind.W):
+        Add(kind, 1)
+    while done[Kind.F][1] < done[Kind.F][0] or done[Kind.F][0] < n:
+      if done[Kind.F][0] < n:
+        Add(Kind.F, 0)
+      for kind in (Kind.I, Kind.W):
+        Add(kind, 0)
+      for kind in (Kind.F, Kind.I, Kind.W):
+        Add(kind, 1)
+    for _ in range(d):
+      Add(Kind.I, 0)
+      Add(Kind.I, 1)
+    for _ in range(dev - d):
+      Add(Kind.I, 0)
+      Add(Kind.W, 0)
+    for chunk in (1, 0):
+      while done[Kind.W][chunk] < done[Kind.I][chunk]:
+        Add(Kind.W, chunk)
+    kept = []
+    for a in acts:
+      if a.micro_batch < m:
+        if spec.recompute and a.kind == Kind.I:
+          kept.append(Action(Kind.R, a.stage, a.micro_batch))
+        kept.append(a)
+    out.append(kept)
+  return out

@@ -125,6 +125,13 @@ RECORDS = (
         'and weight gradients filling the bubble; every action in order.',
         generators.ZeroBubble, ordered=KINDS, nonlinear_loss=FORWARDS_FIRST,
         planner=PlannerFacts(cells_per_device=(1, 2), min_devices=2)),
+    Schedule(
+        'zbv',
+        "ZB-V: two cells per device placed in a V (device d holds cells d "
+        'and 2D - 1 - d), backward split as ZB-H1; every action in order.',
+        generators.ZeroBubbleV, ordered=KINDS, nonlinear_loss=FORWARDS_FIRST,
+        placement='v', planner=PlannerFacts(cells_per_device=(2,),
+                                            min_devices=2)),
 )
 
 BY_NAME: Dict[str, Schedule] = {r.name: r for r in RECORDS}
