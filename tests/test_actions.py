@@ -400,3 +400,44 @@ def test_every_schedule_table_derives_from_the_records():
   assert records.RecomputeError('1f1b', False, '') is None
   with pytest.raises(ValueError, match=r"schedule='gpipe'; use one of"):
     records.Get('gpipe')
+
+
+# The engine's modules, lower layers first (lingvo_ext/core/engine/__init__).
+_ENGINE_LAYERS = ('kinds', 'runs', 'simulate', 'transforms', 'generators',
+                  'records', 'tensors', 'randomness', 'custom_gradient',
+                  'weight_gradients', 'loss', 'interpreter', 'recurrent',
+                  'pipelines')
+_TF_FREE = _ENGINE_LAYERS[:_ENGINE_LAYERS.index('records') + 1]
+
+
+def test_engine_modules_import_only_lower_layers():
+  import ast  # pylint: disable=g-import-not-at-top
+  import os  # pylint: disable=g-import-not-at-top
+  root = os.path.join(os.path.dirname(A.__file__), 'engine')
+  files = {f[:-3] for f in os.listdir(root)
+           if f.endswith('.py') and f != '__init__.py'}
+  assert files == set(_ENGINE_LAYERS)
+  for name in _ENGINE_LAYERS:
+    with open(os.path.join(root, name + '.py')) as f:
+      tree = ast.parse(f.read())
+    lines = sum(1 for _ in open(os.path.join(root, name + '.py')))
+    assert lines <= 430, (name, lines)
+    imported = set()
+    for node in ast.walk(tree):
+      if isinstance(node, ast.ImportFrom) and node.module:
+        imported.add(node.module + ''.join(
+            '.' + a.name for a in node.names
+            if node.module == 'lingvo_ext.core.engine'))
+      elif isinstance(node, ast.Import):
+        imported |= {a.name for a in node.names}
+    below = _ENGINE_LAYERS[:_ENGINE_LAYERS.index(name)]
+    for module in imported:
+      if module.startswith('lingvo_ext.core.engine.'):
+        assert module.split('.')[3] in below, (name, module)
+      # Nothing in the engine imports the modules that re-export it.
+      assert module not in ('lingvo_ext.core.actions',
+                            'lingvo_ext.core.schedules',
+                            'lingvo_ext.core.gpipe'), (name, module)
+    if name in _TF_FREE:
+      assert not any('lingvo' in m and 'lingvo_ext' not in m or
+                     'tensorflow' in m for m in imported), (name, imported)
