@@ -495,9 +495,11 @@ class SeqLayer(base_layer.BaseLayer):
 class PipeliningLayer(SeqLayer):
   """Pipelines a sequence of cells over micro-batches on several devices.
 
-  The batch is split into `num_micro_batches` along `batch_dim`; cell i runs
-  on device i of the model split, and micro-batch t+1 enters cell i while
-  micro-batch t is in cell i+1. Gradients equal those of the sequential model.
+  The batch is split into `num_micro_batches` along `batch_dim`; each cell
+  runs on its device of the model split (as the schedule's record places
+  it: cell i on device i, round robin, or in a V for 'zbv'), and micro-batch
+  t+1 enters cell i while micro-batch t is in cell i+1. Gradients equal those
+  of the sequential model.
   """
 
   _SCHEDULES = tuple(schedules.SCHEDULES)
@@ -547,7 +549,8 @@ class PipeliningLayer(SeqLayer):
         'activations between the two. Random ops that seed from '
         'py_utils.GenerateStepSeedPair (e.g. DeterministicDropoutLayer) '
         'draw the same values in the recomputation. None: the schedule\'s '
-        "own: False for 'unrolled', 'interleaved_1f1b' and 'zero_bubble'; "
+        "own (engine/records.py): False for 'unrolled', 'interleaved_1f1b', "
+        "'zero_bubble' and 'zbv'; "
         "for '1f1b', only when the loss's "
         "gradient depends on the pipeline's outputs (checked when "
         "tf.gradients builds the backward pass); 'recurrent' always "
