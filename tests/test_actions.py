@@ -84,7 +84,9 @@ def test_critical_path_never_exceeds_the_lists(name):
   # costs, the chain of data dependencies ends no later than the lists.
   rng = random.Random(name)
   for k, d, m, rc in ((2, 2, 4, False), (4, 2, 4, True), (4, 4, 8, False)):
-    spec = A.StageSpec(k, d, m, recompute=rc)
+    if name == 'zbv':  # Two cells on each device.
+      d = k // 2
+    spec = A.Placed(name, A.StageSpec(k, d, m, recompute=rc))
     schedule = A.Build(name, spec)
     costs = {a: rng.uniform(0.1, 3.) for acts in schedule for a in acts}
     assert A.CriticalPath(spec, schedule, costs.get) <= (
@@ -126,6 +128,45 @@ def test_zero_bubble_exact_lists():
   ]
 
 
+def test_zbv_exact_lists():
+  # Device d holds stages d and 2D - 1 - d; the turn of the V (stages 1 and
+  # 2, then 3 and 0) stays on one device.
+  spec = A.Placed('zbv', A.StageSpec(num_stages=4, num_devices=2,
+                                     num_micro_batches=4))
+  assert [spec.Device(s) for s in range(4)] == [0, 1, 1, 0]
+  assert _Str(A.Build('zbv', spec)) == [
+      'F0.0 F0.1 F0.2 F3.0 I3.0 W3.0 F3.1 I3.1 W3.1 F0.3 I0.0 W0.0 F3.2 I3.2 '
+      'W3.2 I0.1 W0.1 F3.3 I3.3 W3.3 I0.2 W0.2 I0.3 W0.3',
+      'F1.0 F2.0 F1.1 F2.1 I2.0 W2.0 F1.2 I1.0 W1.0 F2.2 I2.1 W2.1 F1.3 I1.1 '
+      'W1.1 F2.3 I2.2 W2.2 I1.2 I2.3 I1.3 W1.2 W2.3 W1.3',
+  ]
+  # One device, fewer micro-batches than the pipeline is deep; recompute:
+  # each 'I' after its 'R'.
+  spec = A.Placed('zbv', A.StageSpec(2, 1, 2, recompute=True))
+  assert _Str(A.Build('zbv', spec)) == [
+      'F0.0 F1.0 R1.0 I1.0 W1.0 F0.1 R0.0 I0.0 W0.0 F1.1 R1.1 I1.1 W1.1 '
+      'R0.1 I0.1 W0.1']
+  with pytest.raises(ValueError, match='zbv: 3 cells on 1 devices; it places '
+                     'two cells on each device'):
+    A.Build('zbv', A.StageSpec(3, 1, 2))
+  with pytest.raises(ValueError, match='zbv: 2 cells on 2 devices'):
+    A.Build('zbv', A.StageSpec(2, 2, 2))
+
+
+@pytest.mark.parametrize('k,m', [(4, 4), (4, 8), (6, 6), (8, 8), (8, 16)])
+def test_zbv_idles_less_than_1f1b(k, m):
+  # The same K cells and M micro-batches: ZB-V on K / 2 devices idles less
+  # than 1F1B on K devices or on K / 2 (folded), and holds at most 2D
+  # micro-batch stages' activations per device (1F1B's first device: K).
+  zbv = A.Placed('zbv', A.StageSpec(k, k // 2, m))
+  tl = A.Simulate(zbv, A.Build('zbv', zbv))
+  for d in (k, k // 2):
+    spec = A.StageSpec(k, d, m)
+    one = A.Simulate(spec, A.Build('1f1b', spec)).IdleFraction()
+    assert tl.IdleFraction() < one, (d, tl.IdleFraction(), one)
+  assert max(tl.PeakInFlight(d) for d in range(k // 2)) <= k
+
+
 # (recompute, weight_gradient_run): none, whole backward passes, runs of 3.
 _SPECS = [A.StageSpec(k, d, m, r, w)
           for k, d, m, (r, w) in itertools.product(
@@ -138,12 +179,14 @@ _SPECS = [A.StageSpec(k, d, m, r, w)
 def test_every_schedule_is_complete_placed_and_deadlock_free(name):
   built = 0
   for spec in _SPECS:
+    spec = A.Placed(name, spec)
     try:
       schedule = A.ACTION_SCHEDULES[name](spec)
     except ValueError as e:
-      # Only interleaved's documented limits refuse a spec (zero_bubble
-      # folds onto fewer devices).
-      assert name != 'zero_bubble' and 'multiple' in str(e), e
+      # Only interleaved's and zbv's documented limits refuse a spec
+      # (zero_bubble folds onto fewer devices).
+      assert (name == 'interleaved_1f1b' and 'multiple' in str(e) or
+              name == 'zbv' and 'two cells on each device' in str(e)), e
       continue
     A.CheckSchedule(spec, schedule)
     built += 1
@@ -330,3 +373,71 @@ def test_waits_cover_every_earlier_action():
   assert waits[A.Action('F', 1, 0)] == []
   # 'unrolled' enforces none of its actions without recompute.
   assert A.Waits(gpipe, A.ORDERED_KINDS['unrolled']) == {}
+
+
+def test_every_schedule_table_derives_from_the_records():
+  from lingvo_ext.core.engine import records  # pylint: disable=g-import-not-at-top
+  names = [r.name for r in records.RECORDS]
+  assert records.NAMES == tuple(names) and len(set(names)) == len(names)
+  assert set(A.ACTION_SCHEDULES) == set(names) - {'recurrent'}
+  assert A.ORDERED_KINDS['unrolled'] == (A.Kind.R,)
+  assert A.ORDERED_KINDS['1f1b'] == ('F', 'R')  # A Kind equals its letter.
+  assert records.ALWAYS_RECOMPUTE == ('recurrent',)
+  assert records.LINEAR_LOSS_ONLY == ('interleaved_1f1b', 'zero_bubble',
+                                      'zbv')
+  assert A.SIZED_WEIGHT_GRADIENT_RUNS == {('unrolled', True), ('1f1b', False)}
+  help_text = records.ScheduleHelp()
+  assert all("'%s': " % n in help_text for n in names)
+  # What the planner enumerates.
+  choices = {r.name: (r.RecomputeChoices(True), r.RecomputeChoices(False))
+             for r in records.RECORDS}
+  assert choices['recurrent'] == ((True,), (True,))
+  assert choices['1f1b'] == ((False, True), (True,))
+  assert choices['zbv'] == ((False,), (False,))
+  assert records.Get('recurrent').planner.simulated_as == 'unrolled'
+  assert records.RecomputeError('recurrent', False, 'task.').startswith(
+      "task.recompute=False, but task.schedule='recurrent' always")
+  assert records.RecomputeError('1f1b', False, '') is None
+  with pytest.raises(ValueError, match=r"schedule='gpipe'; use one of"):
+    records.Get('gpipe')
+
+
+# The engine's modules, lower layers first (lingvo_ext/core/engine/__init__).
+_ENGINE_LAYERS = ('kinds', 'runs', 'simulate', 'transforms', 'generators',
+                  'records', 'tensors', 'randomness', 'custom_gradient',
+                  'weight_gradients', 'loss', 'interpreter', 'recurrent',
+                  'pipelines')
+_TF_FREE = _ENGINE_LAYERS[:_ENGINE_LAYERS.index('records') + 1]
+
+
+def test_engine_modules_import_only_lower_layers():
+  import ast  # pylint: disable=g-import-not-at-top
+  import os  # pylint: disable=g-import-not-at-top
+  root = os.path.join(os.path.dirname(A.__file__), 'engine')
+  files = {f[:-3] for f in os.listdir(root)
+           if f.endswith('.py') and f != '__init__.py'}
+  assert files == set(_ENGINE_LAYERS)
+  for name in _ENGINE_LAYERS:
+    with open(os.path.join(root, name + '.py')) as f:
+      tree = ast.parse(f.read())
+    lines = sum(1 for _ in open(os.path.join(root, name + '.py')))
+    assert lines <= 430, (name, lines)
+    imported = set()
+    for node in ast.walk(tree):
+      if isinstance(node, ast.ImportFrom) and node.module:
+        imported.add(node.module + ''.join(
+            '.' + a.name for a in node.names
+            if node.module == 'lingvo_ext.core.engine'))
+      elif isinstance(node, ast.Import):
+        imported |= {a.name for a in node.names}
+    below = _ENGINE_LAYERS[:_ENGINE_LAYERS.index(name)]
+    for module in imported:
+      if module.startswith('lingvo_ext.core.engine.'):
+        assert module.split('.')[3] in below, (name, module)
+      # Nothing in the engine imports the modules that re-export it.
+      assert module not in ('lingvo_ext.core.actions',
+                            'lingvo_ext.core.schedules',
+                            'lingvo_ext.core.gpipe'), (name, module)
+    if name in _TF_FREE:
+      assert not any('lingvo' in m and 'lingvo_ext' not in m or
+                     'tensorflow' in m for m in imported), (name, imported)

@@ -40,7 +40,8 @@ RTOL = 3e-2
 VARIANTS = (('unrolled', False), ('unrolled', True), ('1f1b', None),
             ('1f1b', True), ('recurrent', True), ('interleaved_1f1b', None),
             ('zero_bubble', None))
-assert {v[0] for v in VARIANTS} == set(schedules.SCHEDULES)
+# 'zbv' places two cells on each device: 4 cells (test_bf16_zbv_...).
+assert {v[0] for v in VARIANTS} | {'zbv'} == set(schedules.SCHEDULES)
 INLINE_VARIANTS = (('unrolled', False), ('1f1b', None))
 
 
@@ -82,14 +83,15 @@ def _SequentialPerMicroBatch(net, theta, x, num_micro):
   return tf.concat(outs, 0)
 
 
-def _Run(keep_prob, variants, num_micro=4, **kwargs):
+def _Run(keep_prob, variants, num_micro=4, num_cells=2, **kwargs):
   """bf16 outputs and float32 variable gradients of each variant + reference."""
   g = tf.Graph()
   with g.as_default(), lib.Cluster(2):
     tf.random.set_seed(1)
     py_utils.GetOrCreateGlobalStepVar()
     net = gpipe.PipeliningLayer.Params().Set(
-        name='pipe', cell_tpl=_Cells(2, keep_prob), num_micro_batches=num_micro,
+        name='pipe', cell_tpl=_Cells(num_cells, keep_prob),
+        num_micro_batches=num_micro,
         fprop_dtype=tf.bfloat16, state_dtype=tf.float32, **kwargs).Instantiate()
     x = tf.constant(np.random.RandomState(1).randn(B, D), tf.bfloat16)
     variables = net.vars.Flatten()
@@ -118,6 +120,17 @@ def _AssertClose(a, b, msg):
   np.testing.assert_allclose(a, b, rtol=RTOL,
                              atol=RTOL * max(np.abs(b).max(), 1e-6),
                              err_msg=msg)
+
+
+def test_bf16_zbv_equals_bf16_sequential():
+  # Dropout on: the same masks as the sequential model's, exactly.
+  res = _Run(0.5, (('zbv', None),), num_cells=4)
+  ref_out, ref_grads = res.pop('ref')
+  out, grads = res[('zbv', None)]
+  _AssertClose(out, ref_out, 'zbv')
+  np.testing.assert_array_equal(out == 0, ref_out == 0)
+  for g, r in zip(grads, ref_grads):
+    _AssertClose(g, r, 'zbv')
 
 
 # Dropout (0.5) in bf16 is the quick tier's in the inline-cells test below

@@ -80,7 +80,8 @@ def _Train(name, schedule, extra, pipelined=True, scale=1.0, steps=STEPS,
   p.schedule = schedule
   for key, value in extra:
     p.Set(**{key: value})
-  k = p.num_partitions
+  # A device per cell; 'zbv' places two cells on each.
+  k = p.num_partitions // (2 if schedule == 'zbv' and pipelined else 1)
   graph = tf.Graph()
   cluster = cluster_factory.ForTestingWorker(
       mode='sync', job='trainer_client', cpus=k, split_size=k)

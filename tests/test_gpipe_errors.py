@@ -109,7 +109,7 @@ def test_unknown_schedule():
   with tf.Graph().as_default(), lib.Cluster(2):
     with pytest.raises(ValueError, match="schedule='gpipe'; use one of "
                        r"\['1f1b', 'interleaved_1f1b', 'recurrent', 'unrolled', "
-                       r"'zero_bubble'\]"):
+                       r"'zbv', 'zero_bubble'\]"):
       gpipe.PipeliningLayer.Params().Set(
           name='pipe', cell_tpl=_Cells(2), schedule='gpipe').Instantiate()
 

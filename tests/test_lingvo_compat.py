@@ -165,6 +165,21 @@ def test_names_checkpoints_outputs_and_gradients_equal_lingvos(
   np.testing.assert_allclose(e_out2, l_out2, rtol=1e-5, atol=1e-6)
 
 
+def test_zbv_names_checkpoints_outputs_and_gradients_equal_lingvos(tmp_path):
+  # 'zbv' places two cells on each device (in a V; Lingvo's loop round
+  # robin): 4 cells on 2 devices, the same model.
+  lg, lt = _Build(lingvo_gpipe, _Cells(lingvo_gpipe, 4))
+  eg, et = _Build(gpipe, _Cells(gpipe, 4), schedule='zbv')
+  assert et.names == lt.names
+  ckpt = str(tmp_path / 'lingvo')
+  l_out, l_grads = _Run(lg, lt, save=ckpt)
+  e_out, e_grads = _Run(eg, et, restore=ckpt)
+  np.testing.assert_allclose(e_out, l_out, rtol=1e-5, atol=1e-6)
+  for a, b in zip(e_grads, l_grads):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  assert 0 < np.mean(e_out == 0) < 0.8
+
+
 @pytest.mark.parametrize('num_devices', [1, 2])
 def test_eval_outputs_equal_lingvos(num_devices, tmp_path):
   ckpt = str(tmp_path / 'ckpt')

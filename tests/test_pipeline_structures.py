@@ -122,7 +122,8 @@ _CNN_CASES = ((2, 8, None), (4, 8, None), (2, 8, 2))
 
 
 @pytest.mark.parametrize('num_splits,num_micro,micro_batch_size,variant', [
-    (1, 8, None, ('unrolled', None))] + [
+    (1, 8, None, ('unrolled', None)),
+    (4, 8, None, ('zbv', None))] + [
         case + (v,) if i == c != 1 else pytest.param(
             *case, v, marks=pytest.mark.slow)
         for c, case in enumerate(_CNN_CASES)
@@ -160,7 +161,8 @@ def test_lingvo_dummy_pipeline_cnn(num_splits, num_micro, micro_batch_size,
     ('unrolled', False, True),
     pytest.param('1f1b', False, True, marks=pytest.mark.slow),
     pytest.param('unrolled', True, True, marks=pytest.mark.slow),
-    ('zero_bubble', False, None), ('interleaved_1f1b', False, None)])
+    ('zero_bubble', False, None), ('interleaved_1f1b', False, None),
+    ('zbv', False, None)])
 def test_lingvo_dummy_pipeline_cnn_accumulators(schedule, functions, recompute):
   # Each layer's accumulator counts the micro-batches that ran through it,
   # with the backward pass built (a recomputation is no further micro-batch).
@@ -169,8 +171,9 @@ def test_lingvo_dummy_pipeline_cnn_accumulators(schedule, functions, recompute):
   with g.as_default(), lib.Cluster(2):
     py_utils.GetOrCreateGlobalStepVar()
     net = gpipe.PipeliningLayer.Params().Set(
-        name='pipeline', cell_tpl=_CnnCells(2), num_micro_batches=num_micro,
-        schedule=schedule, cell_functions=functions,
+        # 'zbv' places two cells on each device.
+        name='pipeline', cell_tpl=_CnnCells(4 if schedule == 'zbv' else 2),
+        num_micro_batches=num_micro, schedule=schedule, cell_functions=functions,
         recompute=recompute).Instantiate()
     out = net.FPropDefaultTheta(_CnnInput())
     grads = tf.gradients(tf.reduce_mean(out[0]), net.vars.Flatten())
@@ -293,6 +296,23 @@ def _Variants(seed, part):
 def test_random_pipelines_match_sequential(seed, part):
   cells, num_devices, inputs_fn, loss_fn, kwargs, desc = _RandomCase(seed)
   variants = _Variants(seed, part)
+  results, seq, names = lib.RunVariants(
+      cells, num_devices, inputs_fn, variants=variants, loss_fn=loss_fn,
+      **kwargs)
+  assert set(results) == set(variants), desc
+  try:
+    lib.AssertVariantsMatch(results, seq, names)
+  except AssertionError as e:
+    raise AssertionError('%s\n%s' % (desc, e)) from None
+
+
+# ZB-V places two cells on each device: the random cases with an even number
+# of cells, at least twice the devices (4 cells on 2 devices).
+@pytest.mark.parametrize('seed', [3, 9])
+def test_random_pipelines_match_sequential_under_zbv(seed):
+  cells, num_devices, inputs_fn, loss_fn, kwargs, desc = _RandomCase(seed)
+  assert len(cells) % 2 == 0 and 2 * num_devices <= len(cells), desc
+  variants = (('zbv', None), ('zbv', True, _INLINE))
   results, seq, names = lib.RunVariants(
       cells, num_devices, inputs_fn, variants=variants, loss_fn=loss_fn,
       **kwargs)

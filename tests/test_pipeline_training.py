@@ -28,6 +28,9 @@ VARIANTS = (
     ('unrolled', True, ()),
     ('1f1b', None, ()),
     ('recurrent', None, ()),
+    # Two cells in a V on one device; the loss (after the pipeline) is not
+    # linear in its outputs: every forward pass first.
+    ('zbv', None, ()),
     # Cells built inline (a copy per micro-batch; functions are the default).
     ('unrolled', None, (('cell_functions', False),)),
 )
@@ -54,8 +57,9 @@ def _Cells(dtype):
 
 def _Train(variant, dtype, x, y):
   schedule, recompute, extra = variant
+  devices = 1 if schedule == 'zbv' else 2  # 'zbv': two cells on a device.
   g = tf.Graph()
-  with g.as_default(), lib.Cluster(2):
+  with g.as_default(), lib.Cluster(devices):
     tf.random.set_seed(1)
     step = py_utils.GetOrCreateGlobalStepVar()
     p = gpipe.PipeliningLayer.Params().Set(
@@ -82,7 +86,7 @@ def _Train(variant, dtype, x, y):
   losses = []
   rng = np.random.RandomState(0)
   order = rng.randint(0, len(x), size=(STEPS, BATCH))
-  with lib.Session(g, 2) as sess:
+  with lib.Session(g, devices) as sess:
     sess.run(init)
     for idx in order:
       losses.append(sess.run([loss, train], {xs: x[idx], ys: y[idx]})[0])

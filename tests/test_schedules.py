@@ -28,7 +28,7 @@ B, D = 16, 6
 
 def test_every_schedule_is_one_registry_entry():
   assert set(schedules.SCHEDULES) == {'unrolled', '1f1b', 'recurrent',
-                                      'interleaved_1f1b', 'zero_bubble'}
+                                      'interleaved_1f1b', 'zero_bubble', 'zbv'}
   assert gpipe.PipeliningLayer._SCHEDULES == tuple(schedules.SCHEDULES)  # pylint: disable=protected-access
   with tf.Graph().as_default(), lib.Cluster(2):
     with pytest.raises(ValueError, match="schedule='gpipe'.*1f1b"):

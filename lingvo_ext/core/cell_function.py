@@ -180,8 +180,8 @@ class CellFunction:
 
     # Not inlined into the calling graph when the session lowers function
     # calls: each call stays one node, so the graph TensorFlow places and
-    # optimizes stays small (Transformer, L=16, K=4, M=8: first step 23-40 s
-    # against 29-55 s inlined, step 166-380 ms against 283-433 ms).
+    # optimizes stays small: a faster first step and step than inlined
+    # (docs/benchmarks.md).
     self._fn = tf2.function(Body, autograph=False,
                             jit_compile=self._jit_compile or None,
                             experimental_attributes={'_noinline': True})

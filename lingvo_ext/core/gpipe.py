@@ -28,11 +28,13 @@ from lingvo.core import gpipe as lingvo_gpipe
 from lingvo.core import py_utils
 from lingvo.core import tshape
 
-from lingvo_ext._internal import lingvo as internal_lingvo
 from lingvo_ext.core import cost as cost_lib
 from lingvo_ext.core import cuts
 from lingvo_ext.core import partitioning
 from lingvo_ext.core import schedules
+from lingvo_ext.core.engine import kinds
+from lingvo_ext.core.engine import records
+from lingvo_ext.core.engine import recurrent
 from lingvo_ext.core import stacking
 
 
@@ -280,7 +282,8 @@ def CheckpointVarMap(layer, checkpoint_path, variables=None):
   return cuts.CheckpointVarMap(layer, checkpoint_path, variables)
 
 
-def CellVariableDevices(cluster, num_cells: int) -> list:
+def CellVariableDevices(cluster, num_cells: int,
+                        placement: str = 'round_robin') -> list:
   """The device of each cell's variables: the one that runs it in replica 0.
 
   Only where variables live on the worker devices (the ps devices are the
@@ -292,6 +295,7 @@ def CellVariableDevices(cluster, num_cells: int) -> list:
   Args:
     cluster: A Lingvo cluster.
     num_cells: The number of cells.
+    placement: How cells sit on the split's devices (`kinds.PLACEMENTS`).
 
   Returns:
     A list of `num_cells` device strings.
@@ -305,7 +309,8 @@ def CellVariableDevices(cluster, num_cells: int) -> list:
   if (not all(workers) or len(workers) < per_split or
       sorted(ps) != sorted(workers)):
     return [''] * num_cells
-  return [workers[i % per_split] for i in range(num_cells)]
+  return [workers[kinds.PlaceStage(placement, per_split, i)]
+          for i in range(num_cells)]
 
 
 class SeqLayer(base_layer.BaseLayer):
@@ -376,14 +381,20 @@ class SeqLayer(base_layer.BaseLayer):
     self._cells = []
     before_tpl_device = ''
     cell_devices = [''] * len(p.cell_tpl)
+    # Where the schedule places each cell (PipeliningLayer's records).
+    record = records.BY_NAME.get(p.schedule) if 'schedule' in p else None
+    placement = record.placement if record else 'round_robin'
     if py_utils.use_tpu():
       before_tpl_device = self.cluster.WorkerDeviceInModelSplit(0)
+      per_split = self.cluster.num_devices_per_split
       cell_devices = [
-          self.cluster.WorkerDeviceInModelSplit(i)
+          self.cluster.WorkerDeviceInModelSplit(
+              kinds.PlaceStage(placement, per_split, i))
           for i in range(len(p.cell_tpl))
       ]
     elif p.colocate_cell_variables:
-      cell_devices = CellVariableDevices(self.cluster, len(p.cell_tpl))
+      cell_devices = CellVariableDevices(self.cluster, len(p.cell_tpl),
+                                         placement)
       before_tpl_device = cell_devices[0]
     for l in p.before_tpl:
       with tf.device(before_tpl_device):
@@ -484,9 +495,11 @@ class SeqLayer(base_layer.BaseLayer):
 class PipeliningLayer(SeqLayer):
   """Pipelines a sequence of cells over micro-batches on several devices.
 
-  The batch is split into `num_micro_batches` along `batch_dim`; cell i runs
-  on device i of the model split, and micro-batch t+1 enters cell i while
-  micro-batch t is in cell i+1. Gradients equal those of the sequential model.
+  The batch is split into `num_micro_batches` along `batch_dim`; each cell
+  runs on its device of the model split (as the schedule's record places
+  it: cell i on device i, round robin, or in a V for 'zbv'), and micro-batch
+  t+1 enters cell i while micro-batch t is in cell i+1. Gradients equal those
+  of the sequential model.
   """
 
   _SCHEDULES = tuple(schedules.SCHEDULES)
@@ -505,55 +518,7 @@ class PipeliningLayer(SeqLayer):
              'cells; defaults to the dtype of the first input.')
     p.Define('nested_map_fprop', False,
              'Whether cells take and return a single NestedMap.')
-    p.Define(
-        'schedule', 'unrolled',
-        "How micro-batches flow through the cells; one of "
-        "lingvo_ext.core.schedules.SCHEDULES. Every schedule but "
-        "'recurrent' is a list of actions per device from "
-        "lingvo_ext.core.actions (forward, recompute, backward, or backward "
-        "split into input and weight gradients), which the engine builds "
-        "per cell and micro-batch on the cell's device; a run of weight-"
-        "gradient actions of one cell is one MatMul per weight over their "
-        "micro-batches' rows, and actions.ORDERED_KINDS says which actions "
-        "wait for the one before them on their device. 'unrolled' (GPipe): "
-        "all forward passes, then the input gradients, then each weight's "
-        "gradient over all micro-batches, as TensorFlow's executor finds "
-        "the data ready; it keeps every micro-batch's activations unless "
-        "recompute=True (then one micro-batch is recomputed at a time, "
-        "its input gradients at once, its weight gradients in runs of "
-        "micro-batches whose recomputed activations stay within a copy of "
-        "the weights). '1f1b': one forward, one "
-        "backward micro-batch per cell in steady state, each forward pass "
-        "waiting for the action before it, so at most K - i micro-batches' "
-        "activations are alive in cell i (plus, for weight gradients in "
-        "runs of K micro-batches, their weight MatMuls' inputs and output "
-        "gradients until the run): activation memory is bounded by the "
-        "number of cells K, not M. That needs a loss linear in the outputs "
-        "(e.g. per-example losses computed by the last cell, summed or "
-        "averaged by the caller): then each micro-batch's backward pass "
-        "starts as soon as its forward pass leaves the last cell, and "
-        "nothing is recomputed. Otherwise no backward pass can start "
-        "before every forward pass ends, so the forward pass keeps only "
-        "cell-boundary activations and the backward pass recomputes one "
-        "micro-batch at a time. 'recurrent': Lingvo's "
-        "StackedRecurrent loop, which recomputes each cell's forward pass "
-        "in the backward pass, keeping only cell boundary activations "
-        "(less memory, more time); its embedding lookups' weight "
-        "gradients come out dense, so a learner's l1/l2_regularizer_weight "
-        "decays every row of the table (the other schedules: the rows "
-        "looked up, as the unpipelined model does). 'interleaved_1f1b' and "
-        "'zero_bubble' run each device's list strictly in order "
-        "(recompute=True: each backward action after its recomputation; "
-        "the default, none); "
-        "for a loss that is not linear in the outputs each device runs its "
-        "forward actions first, then its backward actions in the "
-        "schedule's order: "
-        "'interleaved_1f1b' is Megatron's schedule for V = "
-        "K / D cells per device (K and num_micro_batches multiples of the "
-        "devices D); 'zero_bubble' (ZB-H1) splits each "
-        "backward pass into input gradients, sent upstream at once, and "
-        "weight gradients that fill the bubble (with fewer devices than "
-        "cells, its one-cell-per-device order folded onto the devices).")
+    p.Define('schedule', 'unrolled', records.ScheduleHelp())
     p.Define(
         'cell_functions', True,
         "Every schedule but 'recurrent' (which always builds cells once): "
@@ -575,8 +540,8 @@ class PipeliningLayer(SeqLayer):
         "XLA's random ops draw other values than TensorFlow's kernels, so "
         'dropout masks differ from those of uncompiled cells (compiled '
         "schedules agree with each other). Off by default: on CPU it was no "
-        "faster on Lingvo's Transformer and 1.38x slower on 1536-wide FC "
-        'layers (docs/benchmarks.md).')
+        "faster on Lingvo's Transformer and slower on wide FC layers "
+        '(docs/benchmarks.md).')
     p.Define(
         'recompute', None,
         'Re-materialisation: whether each cell\'s forward pass is '
@@ -584,7 +549,8 @@ class PipeliningLayer(SeqLayer):
         'activations between the two. Random ops that seed from '
         'py_utils.GenerateStepSeedPair (e.g. DeterministicDropoutLayer) '
         'draw the same values in the recomputation. None: the schedule\'s '
-        "own: False for 'unrolled', 'interleaved_1f1b' and 'zero_bubble'; "
+        "own (engine/records.py): False for 'unrolled', 'interleaved_1f1b', "
+        "'zero_bubble' and 'zbv'; "
         "for '1f1b', only when the loss's "
         "gradient depends on the pipeline's outputs (checked when "
         "tf.gradients builds the backward pass); 'recurrent' always "
@@ -619,13 +585,11 @@ class PipeliningLayer(SeqLayer):
     if p.schedule not in self._SCHEDULES:
       raise ValueError('%s: schedule=%r; use one of %s.' %
                        (p.name, p.schedule, sorted(self._SCHEDULES)))
-    if p.recompute is False and p.schedule in schedules.ALWAYS_RECOMPUTE:
-      raise ValueError(
-          "%s: recompute=False, but schedule=%r always recomputes each "
-          "cell's forward pass; set recompute=None or True, or use "
-          "schedule='unrolled' or '1f1b' to keep activations." %
-          (p.name, p.schedule))
-    if len(p.cell_tpl) > num_devices > 1:
+    error = records.RecomputeError(p.schedule, p.recompute, '')
+    if error:
+      raise ValueError('%s: %s' % (p.name, error))
+    if (len(p.cell_tpl) > num_devices > 1 and
+        records.Get(p.schedule).placement == 'round_robin'):
       tf.logging.warning(
           '%s: %d cells on %d devices; cells share devices round-robin and '
           'those run one after another.', p.name, len(p.cell_tpl),
@@ -728,19 +692,11 @@ class PipeliningLayer(SeqLayer):
 
   def ToState(self, values):
     """Packs cell inputs/outputs into the NestedMap that StackedRecurrent uses."""
-    if self.params.nested_map_fprop:
-      return values.Filter(lambda x: x is not None)
-    state = py_utils.NestedMap()
-    for i, v in enumerate(_ToTuple(values)):
-      if v is not None:
-        state['s%d' % i] = v
-    return state
+    return recurrent.ToState(self.params.nested_map_fprop, values)
 
   def FromState(self, state, shapes, fn):
     """Inverse of ToState: applies fn(name, tshape) to each present entry."""
-    if self.params.nested_map_fprop:
-      return internal_lingvo.RecursiveMap(shapes, fn)
-    return tuple(fn('s%d' % i, s) for i, s in enumerate(shapes))
+    return recurrent.FromState(self.params.nested_map_fprop, state, shapes, fn)
 
   def FPropSequential(self, theta, *args):
     """The same model without pipelining: every cell in turn, whole batch.
@@ -765,9 +721,13 @@ class PipeliningLayer(SeqLayer):
     return list(self._cells)
 
   def Devices(self):
-    """The device of each cell (Lingvo's model split, round robin)."""
+    """The device of each cell: Lingvo's model split, placed as the
+    schedule's record says (round robin, or down and back up for 'zbv')."""
+    placement = records.Get(self.params.schedule).placement
+    num_devices = self.cluster.num_devices_per_split
     return [
-        self.cluster.WorkerDeviceInModelSplit(i)
+        self.cluster.WorkerDeviceInModelSplit(
+            kinds.PlaceStage(placement, num_devices, i))
         for i in range(len(self._cells))
     ]
 

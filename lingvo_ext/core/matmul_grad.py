@@ -3,10 +3,10 @@
 With oneDNN off (TensorFlow's default on CPUs without AVX512-VNNI/AMX, or
 TF_ENABLE_ONEDNN_OPTS=0), TensorFlow's Eigen MatMul repacks a
 transposed right-hand side on every call. The input gradient of y = x @ W is
-grad @ W^T, so each call pays a fixed cost in the size of W: single-threaded,
-[32, 1536] @ [1536, 1536]^T takes 8.3 ms against 1.5 ms untransposed. That
-cost dominates small micro-batches. (W @ grad^T)^T transposes only the small
-operands instead and is bit-identical; here it takes 1.6 ms. Folding an
+grad @ W^T, so each call pays a fixed cost in the size of W, several times
+the untransposed product's, which dominates small micro-batches.
+(W @ grad^T)^T transposes only the small operands instead, is bit-identical
+and costs about the untransposed product. Folding an
 explicit tf.transpose(W) does not help: Grappler turns it back into
 transpose_b. oneDNN's MatMul has no such cost, so with oneDNN on the plain
 gradient is used (`TransposedInputGradPays`).
@@ -59,14 +59,12 @@ def ThroughIdentities(t, refs):
   return t if t.ref() in refs else None
 
 
-def CurrentBatcher():
-  """The innermost `WeightGradientBatcher` being built into, or None."""
-  batchers = _Batchers()
-  return batchers[-1] if batchers else None
-
-
 class WeightGradientBatcher:
   """Computes a weight's x^T dy once over several micro-batches.
+
+  The collector of one cell's micro-batch for its owner,
+  engine/weight_gradients.py's `CellWeightGradients` (which says why an
+  inline cell's MatMuls reach it through a thread-local stack).
 
   Inside `with batcher:`, the gradient of a MatMul made under
   `PipelineMatMulGradients` whose right operand is one of `weights` (or an

@@ -14,6 +14,7 @@ from lingvo_ext.core import gpipe
 from lingvo_ext.core import precision
 from lingvo_ext.core import schedules
 from lingvo_ext.core import stacking
+from lingvo_ext.core.engine import records
 from lingvo_ext.distributed import gradient_sync
 
 # PipeliningLayer params that the task sets itself (from its layer stack and
@@ -149,11 +150,9 @@ class PipelinedTask(base_model.BaseTask):
     if p.recompute not in (None, True, False):
       raise ValueError(f'{p.name}: task.recompute={p.recompute!r}; use None, '
                        'True or False.')
-    if p.recompute is False and p.schedule in schedules.ALWAYS_RECOMPUTE:
-      raise ValueError(
-          f'{p.name}: task.recompute=False, but task.schedule={p.schedule!r} '
-          'always recomputes; set task.recompute to None or True, or use '
-          "task.schedule 'unrolled' or '1f1b'.")
+    error = records.RecomputeError(p.schedule, p.recompute, 'task.')
+    if error:
+      raise ValueError(f'{p.name}: {error}')
     if not isinstance(p.num_micro_batches, int) or p.num_micro_batches < 1:
       raise ValueError(f'{p.name}: task.num_micro_batches='
                        f'{p.num_micro_batches!r} must be an int >= 1.')
