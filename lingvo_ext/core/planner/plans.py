@@ -11,16 +11,16 @@ import dataclasses
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from lingvo_ext.core import partitioning
+from lingvo_ext.core.engine import records
 from lingvo_ext.core.planner.model_profile import ModelProfile
 
 
-# Schedules by name, as PipeliningLayer's `schedule` param takes them (the
-# keys of schedules.SCHEDULES; kept here so this module needs no TF).
-SCHEDULE_NAMES = ('unrolled', '1f1b', 'recurrent', 'interleaved_1f1b',
-                  'zero_bubble')
-ALWAYS_RECOMPUTE = ('recurrent',)
+# Schedules by name, as PipeliningLayer's `schedule` param takes them: the
+# engine's records (which need no TF).
+SCHEDULE_NAMES = records.NAMES
+ALWAYS_RECOMPUTE = records.ALWAYS_RECOMPUTE
 # Schedules that never recompute (action lists run as they are).
-LIST_SCHEDULES = ('interleaved_1f1b', 'zero_bubble')
+LIST_SCHEDULES = records.LINEAR_LOSS_ONLY
 # gradient_sync strategies the planner offers for R > 1 (the ps strategies
 # need a ps job; see gradient_sync.py).
 SYNC_CHOICES = ('shared', 'all_reduce')
@@ -224,33 +224,23 @@ def Enumerate(profile: ModelProfile, devices: int,
       if micro_batches:
         ms = [m for m in ms if m in micro_batches]
       for name in schedules:
-        if name == 'zero_bubble' and d == 1:
-          continue  # One stage: nothing to overlap; it is 'unrolled'.
-        if name == 'interleaved_1f1b':
-          ks = [v * d for v in range(2, num_layers // d + 1)] if d > 1 else []
-        elif name == 'zero_bubble':
-          # Also 2 cells per device: the engine folds the one-cell-per-device
-          # order onto the D devices (actions.FoldOntoDevices). Not more: each
-          # V costs the enumeration a simulation of V * D stages per M.
-          ks = [v * d for v in (1, 2) if v * d <= num_layers]
+        record = records.Get(name)
+        facts = record.planner
+        if d < facts.min_devices:
+          continue  # E.g. one stage: nothing to overlap.
+        if facts.cells_per_device is None:
+          ks = [v * d for v in range(2, num_layers // d + 1)]
         else:
-          ks = [d]
-        if name == 'recurrent':
-          recomputes = [True]
-        elif name in LIST_SCHEDULES:
-          recomputes = [False]
-        elif name == '1f1b' and not profile.linear_loss:
-          recomputes = [True]
-        else:
-          recomputes = [False, True]
+          ks = [v * d for v in facts.cells_per_device if v * d <= num_layers]
+        recomputes = record.RecomputeChoices(profile.linear_loss)
         for k in ks:
+          if k < facts.min_cells:
+            continue  # E.g. one cell: '1f1b' is 'unrolled'.
           if k not in cuts:
             cuts[k] = tuple(partitioning.MinMaxPartition(flops, k))
           for m in ms:
-            if name == 'interleaved_1f1b' and m % d:
+            if facts.micro_batches_multiple_of_devices and m % d:
               continue
-            if name == '1f1b' and k == 1:
-              continue  # One cell: '1f1b' is 'unrolled'.
             for rc in recomputes:
               for sync in syncs:
                 plans.append(Plan(

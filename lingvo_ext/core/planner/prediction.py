@@ -47,6 +47,7 @@ import dataclasses
 from typing import List, Optional, Sequence, Tuple
 
 from lingvo_ext.core import actions
+from lingvo_ext.core.engine import records
 from lingvo_ext.core.planner.model_profile import Machine
 from lingvo_ext.core.planner.model_profile import ModelProfile
 from lingvo_ext.core.planner.plans import Candidate
@@ -120,10 +121,10 @@ def ActionSchedule(plan: Plan, linear_loss: bool = True,
   (GPipe's for 'recurrent', whose loop runs all forward passes first); for a
   loss not linear in the outputs, forward actions first. `weight_gradient_run`
   is `WeightGradientRun`'s."""
-  spec = actions.StageSpec(plan.num_cells, plan.devices_per_replica,
-                           plan.num_micro_batches, recompute=plan.recompute,
-                           weight_gradient_run=weight_gradient_run)
-  name = 'unrolled' if plan.schedule == 'recurrent' else plan.schedule
+  name = records.Get(plan.schedule).planner.simulated_as or plan.schedule
+  spec = records.Placed(name, actions.StageSpec(
+      plan.num_cells, plan.devices_per_replica, plan.num_micro_batches,
+      recompute=plan.recompute, weight_gradient_run=weight_gradient_run))
   schedule = actions.Build(name, spec)
   if not linear_loss:  # GPipe's lists are in that order already.
     schedule = actions.ForwardsFirst(schedule)
