@@ -333,33 +333,19 @@ class SeqLayer(base_layer.BaseLayer):
     p.Define('cell_tpl', [], 'A list of FeatureExtractionLayer params.')
     p.Define(
         'partition_independent_names', False,
-        'False (the default): variable names are lingvo.core.gpipe\'s '
-        '(cell scope kept, e.g. d0/cell_000/w), so checkpoints move between '
-        'the two libraries. True: the scope of FeatureExtractionLayer cells '
-        'is dropped (cell_000/w), so the same stack cut into any number of '
-        'cells has the same variables and a checkpoint restores under any '
-        'partitioning; sub-layer names must then be unique across those '
-        'cells (PartitionSequentialLayers makes them so). To move a '
-        'checkpoint between the two namings use '
-        '`python -m lingvo_ext.tools.convert_checkpoint`.')
+        'False: lingvo.core.gpipe\'s variable names (d0/cell_000/w). True: '
+        'no cell scope (cell_000/w), so a checkpoint restores under any '
+        'partitioning. See docs/checkpoints.md.')
     p.Define(
         'colocate_cell_variables', True,
         'If True, each cell\'s variables live on the device that runs the '
-        'cell (replica 0\'s), wherever the variables live on the worker '
-        'devices (sync mode, where Lingvo\'s ps job is the worker job), so '
-        'weights, their gradients and updates do not cross devices or '
-        'processes. False leaves them to the enclosing placer (Lingvo\'s '
-        'least-loaded one, or a parameter-server placer), as '
-        'lingvo.core.gpipe does.')
+        'cell; False leaves them to the enclosing placer, as '
+        'lingvo.core.gpipe does. See docs/clusters.md.')
     p.Define(
         'stack_variables', False,
-        'If True, the variables of the layers in each cell that agree in '
-        'shape, dtype, trainability and optimizer update (collections) are '
-        'one variable of shape [n, ...] per cell, each layer reading its '
-        'slice: fewer variables and update ops. Checkpoints keep the '
-        'per-layer names; see lingvo_ext/core/stacking.py, and call '
-        'stacking.StackSlotVariables() after building the train op when not '
-        'training through PipelinedTask.')
+        'If True, same-shape variables of the layers in a cell are one '
+        '[n, ...] variable; checkpoints keep per-layer names. See '
+        'docs/performance.md.')
     p.Define(
         'max_combined_variable_size',
         stacking.DEFAULT_MAX_COMBINED_VARIABLE_SIZE,
@@ -521,45 +507,18 @@ class PipeliningLayer(SeqLayer):
     p.Define('schedule', 'unrolled', records.ScheduleHelp())
     p.Define(
         'cell_functions', True,
-        "Every schedule but 'recurrent' (which always builds cells once): "
-        "if True, each cell's forward pass is one TF function traced once "
-        'and called once per micro-batch on the cell\'s device (its backward '
-        "pass is the function's gradient, also built once, less the weight "
-        'gradients, which are one MatMul per weight over the micro-batches, '
-        'and a lookup\'s, which stays sparse: IndexedSlices of the '
-        'micro-batches\' rows), '
-        'so the graph grows with layers + cells x micro-batches instead of '
-        'layers x micro-batches. False: every (cell, micro-batch) pair is '
-        'its own copy of the cell\'s ops. A cell holding shards of a '
-        'partitioned variable is built inline either way (its shards are '
-        'read where they live).')
+        "If True, each cell is one TF function built once and called per "
+        "micro-batch; False copies its ops per micro-batch (not for "
+        "'recurrent'). See docs/schedules.md.")
     p.Define(
         'jit_compile', False,
-        "Every schedule but 'recurrent': compile each cell's function with "
-        'XLA (cells are then built once, as with cell_functions=True). '
-        "XLA's random ops draw other values than TensorFlow's kernels, so "
-        'dropout masks differ from those of uncompiled cells (compiled '
-        "schedules agree with each other). Off by default: on CPU it was no "
-        "faster on Lingvo's Transformer and slower on wide FC layers "
-        '(docs/benchmarks.md).')
+        "Compile each cell's function with XLA (not 'recurrent'); dropout "
+        'masks then differ from uncompiled cells. See docs/performance.md.')
     p.Define(
         'recompute', None,
-        'Re-materialisation: whether each cell\'s forward pass is '
-        'recomputed in its backward pass, keeping only cell-boundary '
-        'activations between the two. Random ops that seed from '
-        'py_utils.GenerateStepSeedPair (e.g. DeterministicDropoutLayer) '
-        'draw the same values in the recomputation. None: the schedule\'s '
-        "own (engine/records.py): False for 'unrolled', 'interleaved_1f1b', "
-        "'zero_bubble' and 'zbv'; "
-        "for '1f1b', only when the loss's "
-        "gradient depends on the pipeline's outputs (checked when "
-        "tf.gradients builds the backward pass); 'recurrent' always "
-        "recomputes (recompute=False is an error there). recompute=False "
-        "with '1f1b' and such a loss is a ValueError from tf.gradients. "
-        "With '1f1b' and no recomputation, each cell's forward pass of a "
-        "micro-batch waits for an earlier micro-batch's backward pass, so "
-        "running the forward pass of that graph runs the backward pass "
-        "too: build evaluation in its own graph, as Lingvo's runners do.")
+        "Recompute each cell's forward pass in its backward pass. None: the "
+        "schedule's default; 'recurrent' always recomputes. See "
+        'docs/schedules.md.')
     return p
 
   def __init__(self, params):
