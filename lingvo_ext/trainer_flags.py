@@ -133,6 +133,12 @@ class Options:
   eval_once: bool = False
   eval_checkpoint: str = ''
   gpipe_engine: str = 'lingvo_ext'
+  # Lingvo's --interactive: the controller opens a shell instead of looping.
+  interactive: bool = False
+  # absl's --stderrthreshold as given; '' when not given (then a run that
+  # logs to a file keeps only errors on stderr).
+  stderrthreshold: str = dataclasses.field(default='',
+                                           metadata={'flag': False})
   # Not a flag: set from the task's params at the entry point. False turns
   # Grappler's remapper off in every session config (precision.RemapperOff).
   grappler_remapping: bool = dataclasses.field(default=True,
@@ -147,6 +153,8 @@ class Options:
                  'plan', 'memory_per_device', 'eval_checkpoint'):
       values[name] = values[name] or ''
     values['worker_gpus'] = values['worker_gpus'] or 0
+    if not FLAGS['stderrthreshold'].using_default_value:
+      values['stderrthreshold'] = FLAGS.stderrthreshold
     return cls(**values)
 
   def IntraOpThreads(self, cores: int = None) -> int:
