@@ -30,6 +30,7 @@ from lingvo.core import tshape
 
 from lingvo_ext.core import cost as cost_lib
 from lingvo_ext.core import cuts
+from lingvo_ext.core import nest_util
 from lingvo_ext.core import partitioning
 from lingvo_ext.core import schedules
 from lingvo_ext.core.engine import kinds
@@ -38,29 +39,20 @@ from lingvo_ext.core.engine import recurrent
 from lingvo_ext.core import stacking
 
 
-# Lingvo's hooks that make stateless random ops inside a cell seed from the
-# micro-batch index instead of the global step (not visible inside the loop).
+# lingvo.core.gpipe's public hooks (stateless random ops in a cell seed from
+# the micro-batch index, not the global step), so that code written against
+# Lingvo's module runs with only the import changed.
 CellFnFPropOpReplacementWrapper = (
     lingvo_gpipe.CellFnFPropOpReplacementWrapper)
 SetOverWriteGlobalStep = lingvo_gpipe.SetOverWriteGlobalStep
 GetOverWriteGlobalStep = lingvo_gpipe.GetOverWriteGlobalStep
 
 
-def _ToTuple(x):
-  if isinstance(x, list):
-    return tuple(x)
-  return x if isinstance(x, tuple) else (x,)
-
-
-# Kept here for callers of the layer API; the schedules own it.
-CellRandomness = schedules.CellRandomness
-
-
 def _LingvoOutputs(outputs):
   """Lingvo's pipeline output structure: a lone tensor bare, else a tuple."""
   if isinstance(outputs, py_utils.NestedMap):
     return outputs
-  outputs = _ToTuple(outputs)
+  outputs = nest_util.ToTuple(outputs)
   return outputs[0] if len(outputs) == 1 else outputs
 
 
@@ -129,7 +121,7 @@ class FeatureExtractionLayer(base_layer.BaseLayer):
     out_args = args[:-p.num_act_inputs] if p.num_act_inputs > 0 else args
     extra_args = args[-p.num_act_inputs:] if p.num_act_inputs > 0 else ()
     for (name, ch) in self._seq:
-      out_args = ch.FProp(theta[name], *_ToTuple(out_args))
+      out_args = ch.FProp(theta[name], *nest_util.ToTuple(out_args))
     for fetch_layer in p.act_fetch_layers:
       activation = self.children[p.variable_name_prefix + fetch_layer]
       activation = activation.activation
@@ -137,7 +129,7 @@ class FeatureExtractionLayer(base_layer.BaseLayer):
         activation = activation[0]
       extra_args += (activation,)
     if extra_args:
-      out_args = _ToTuple(out_args) + extra_args
+      out_args = nest_util.ToTuple(out_args) + extra_args
     return out_args
 
   @classmethod
@@ -155,7 +147,7 @@ class FeatureExtractionLayer(base_layer.BaseLayer):
       if sub.name in p.act_fetch_layers:
         act_fetch_metas[sub.name] = meta.out_shapes[0]
       total += meta.flops
-      seq_args = _ToTuple(meta.out_shapes)
+      seq_args = nest_util.ToTuple(meta.out_shapes)
     for fetch_layer in p.act_fetch_layers or []:
       extra_args += (act_fetch_metas[fetch_layer],)
     return py_utils.NestedMap(flops=total, out_shapes=seq_args + extra_args)
@@ -471,10 +463,10 @@ class SeqLayer(base_layer.BaseLayer):
       The last cell's outputs.
     """
     for (name, l) in self._before_layers:
-      args = l.FProp(theta[name], *_ToTuple(args))
+      args = l.FProp(theta[name], *nest_util.ToTuple(args))
     for i, (name, cell) in enumerate(self._cells):
       with tf.device(self.cluster.WorkerDeviceInModelSplit(i)):
-        args = cell.FProp(theta[name], *_ToTuple(args))
+        args = cell.FProp(theta[name], *nest_util.ToTuple(args))
     return args
 
 
@@ -561,7 +553,7 @@ class PipeliningLayer(SeqLayer):
         raise ValueError('%s: nested_map_fprop=True takes exactly one '
                          'NestedMap input, got %r.' % (p.name, args))
       return py_utils.Flatten(args[0])
-    return _ToTuple(args)
+    return nest_util.ToTuple(args)
 
   def _MicroBatching(self, args):
     """Returns (batch size, micro-batch size, number of micro-batches)."""
@@ -633,13 +625,13 @@ class PipeliningLayer(SeqLayer):
     if p.nested_map_fprop:
       shapes = (py_utils.Transform(_MicroShape, args[0]),)
     else:
-      shapes = tuple(_MicroShape(t) for t in _ToTuple(args))
+      shapes = tuple(_MicroShape(t) for t in nest_util.ToTuple(args))
     if not after_before_layers:
       for (_, l) in self._before_layers:
-        shapes = _ToTuple(l.FPropMeta(l.params, *shapes).out_shapes)
+        shapes = nest_util.ToTuple(l.FPropMeta(l.params, *shapes).out_shapes)
     state_shapes = [shapes[0] if p.nested_map_fprop else shapes]
     for (_, cell) in self._cells:
-      shapes = _ToTuple(cell.FPropMeta(cell.params, *shapes).out_shapes)
+      shapes = nest_util.ToTuple(cell.FPropMeta(cell.params, *shapes).out_shapes)
       state_shapes.append(shapes[0] if p.nested_map_fprop else shapes)
     return state_shapes
 
@@ -672,7 +664,7 @@ class PipeliningLayer(SeqLayer):
     """
     outputs = copy.copy(args)
     for (name, l) in self._before_layers + self._cells:
-      outputs = l.FProp(theta[name], *_ToTuple(outputs))
+      outputs = l.FProp(theta[name], *nest_util.ToTuple(outputs))
     return outputs
 
   def Cells(self):
@@ -719,9 +711,9 @@ class PipeliningLayer(SeqLayer):
 
     _, _, num_micro = self._MicroBatching(args)
     with tf.device(self.Devices()[0]):
-      inputs = _ToTuple(args)
+      inputs = nest_util.ToTuple(args)
       for (name, l) in self._before_layers:
-        inputs = _ToTuple(l.FProp(theta[name], *inputs))
+        inputs = nest_util.ToTuple(l.FProp(theta[name], *inputs))
     return _LingvoOutputs(
         schedules.SCHEDULES[p.schedule](self, theta, inputs, num_micro))
 
