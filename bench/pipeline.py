@@ -376,8 +376,8 @@ class RssMeter:
 
   'fork': children forked from a server process that has only imported TF,
   Lingvo and this module (multiprocessing's forkserver), so no import cost
-  per child. 'spawn': a new interpreter per job (`--_child`), about 7 s more
-  each. 'none': no measurement.
+  per child. 'spawn': a new interpreter per job (`--_child`), which pays
+  those imports each time. 'none': no measurement.
   """
 
   def __init__(self, mode: str, timeout_s: float = 600):

@@ -58,10 +58,8 @@ def _Parser():
   p.add_argument('--cluster_from', choices=launch_lib.CLUSTER_FROM,
                  default='flags',
                  help='How each task learns its place: flags (--cluster_spec, '
-                 '--job, --task; a controller and a trainer client process), '
-                 'tf_config (TF_CONFIG, as Kubernetes operators set it; one '
-                 'chief process) or slurm (SLURM_* as srun sets them for '
-                 '--nodes nodes 127.0.0.1, 127.0.0.2, ...; rank 0 the chief).')
+                 '--job, --task), tf_config (TF_CONFIG) or slurm (SLURM_* '
+                 'for --nodes nodes). See docs/clusters.md.')
   p.add_argument('--ps', type=int, default=0,
                  help='ps tasks, which then hold the variables (flags, '
                  'tf_config).')

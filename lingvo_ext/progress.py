@@ -111,12 +111,9 @@ class _LogFile:
 def RouteLogToFile(path):
   """Sends the absl/Lingvo log to `path` (appending) instead of stderr.
 
-  Errors still reach stderr too (absl's --stderrthreshold, set to 'error'
-  unless given); --alsologtostderr keeps everything on stderr as well.
+  What still reaches stderr is absl's --stderrthreshold, which the entry
+  point sets; --alsologtostderr keeps everything on stderr as well.
   """
   os.makedirs(os.path.dirname(path), exist_ok=True)
   handler = absl_logging.get_absl_handler().python_handler
   handler.stream = _LogFile(open(path, 'a', encoding='utf-8'))  # pylint: disable=consider-using-with
-  flags = absl_logging.FLAGS
-  if flags['stderrthreshold'].using_default_value:
-    flags.stderrthreshold = 'error'

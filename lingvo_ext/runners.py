@@ -201,7 +201,7 @@ class LocalController(_RunnerMixin, lingvo_runners.Controller):
     this process's trainer stops (RunState.trainer_done).
     """
     with tf.container(self._container_id), self._GetSession() as sess:
-      if lingvo_runners.FLAGS.interactive:
+      if self._options.interactive:
         lingvo_runners.StartShell(locals())
         return
       sess.run(self._initialize_tables)

@@ -359,6 +359,9 @@ def main(unused_argv, options=None, run_state=None):
           f'the full log is in {log_file} (--alsologtostderr to print it '
           'here too).', flush=True)
     progress.RouteLogToFile(log_file)
+    # absl's log handler reads it: errors still reach stderr, unless the
+    # user gave a threshold.
+    FLAGS.stderrthreshold = o.stderrthreshold or 'error'
   threads = o.IntraOpThreads()
   if threads:
     tf.logging.info('intra-op threads: %d (--intra_op_threads)', threads)

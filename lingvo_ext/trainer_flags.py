@@ -22,11 +22,9 @@ tf.flags.DEFINE_integer(
     '--worker_split_size=N to pipeline a model over N CPU devices.')
 tf.flags.DEFINE_integer(
     'intra_op_threads', None,
-    'Threads of TensorFlow\'s intra-op pool, one pool that every CPU device '
-    'of the process shares. Default: with --num_cpu_devices=N > 1 in a local '
-    'run, the cores this process may use divided by N (at least 1), so the '
-    'N devices\' ops running at once do not oversubscribe the cores; '
-    'otherwise 0. 0: TensorFlow\'s default, a thread per core.')
+    'Threads of TensorFlow\'s intra-op pool, shared by the process\'s CPU '
+    'devices. Default: the usable cores / --num_cpu_devices in a local run, '
+    'else 0 (a thread per core). See docs/performance.md.')
 tf.flags.DEFINE_integer(
     'max_steps', None, 'If set, overrides the experiment\'s train.max_steps.')
 tf.flags.DEFINE_integer(
@@ -39,28 +37,23 @@ tf.flags.DEFINE_float(
     'the cluster to answer before it exits with an error naming them.')
 tf.flags.DEFINE_float(
     'worker_timeout_secs', 60,
-    'With --cluster_spec: deadline of each session call (a training step, '
-    'a checkpoint save). A call that a dead or unreachable task keeps from '
-    'finishing fails after this long, naming the task, instead of hanging; '
-    'the process then exits non-zero (lingvo_ext.launch restarts it).')
+    'With --cluster_spec: deadline of each session call (a step, a save); '
+    'a call a lost task holds up fails after it, naming the task, and the '
+    'process exits non-zero. See docs/clusters.md.')
 tf.flags.DEFINE_enum(
     'cluster_resolver', None, list(resolvers.RESOLVERS),
     'Read the cluster, --job and --task from the environment instead of '
-    '--cluster_spec: tf_config (the TF_CONFIG variable that Kubeflow\'s '
-    'TFJob, JobSet, Vertex AI and SageMaker set) or slurm (the SLURM_* '
-    'variables of a task started by srun). TF_CONFIG\'s "chief" task (Slurm: '
-    'rank 0) runs the controller and the trainer client, "worker" task i '
-    'is worker i, "ps" tasks are ps. Every process gets the same flags.')
+    '--cluster_spec: tf_config (TF_CONFIG) or slurm (SLURM_* of srun). See '
+    'docs/clusters.md.')
 tf.flags.DEFINE_integer(
     'slurm_port_base', 8888,
     'With --cluster_resolver=slurm: Slurm rank r serves port '
     'slurm_port_base + r.')
 tf.flags.DEFINE_integer(
     'trace_train_step', 0,
-    'If > 0, the trainer traces the N-th training step this process runs '
-    '(the global step N when training starts from scratch) with '
-    'RunOptions.FULL_TRACE and writes its RunMetadata (step stats: the device '
-    'of every op that ran) to LOGDIR/train/run_metadata_step_N.pb.')
+    'If > 0, trace the N-th training step this process runs and write its '
+    'RunMetadata to LOGDIR/train/run_metadata_step_N.pb. See '
+    'docs/schedules.md.')
 
 tf.flags.DEFINE_string(
     'plan', '', "'auto': choose the pipeline plan (cells, micro-batches, "
@@ -140,6 +133,12 @@ class Options:
   eval_once: bool = False
   eval_checkpoint: str = ''
   gpipe_engine: str = 'lingvo_ext'
+  # Lingvo's --interactive: the controller opens a shell instead of looping.
+  interactive: bool = False
+  # absl's --stderrthreshold as given; '' when not given (then a run that
+  # logs to a file keeps only errors on stderr).
+  stderrthreshold: str = dataclasses.field(default='',
+                                           metadata={'flag': False})
   # Not a flag: set from the task's params at the entry point. False turns
   # Grappler's remapper off in every session config (precision.RemapperOff).
   grappler_remapping: bool = dataclasses.field(default=True,
@@ -154,6 +153,8 @@ class Options:
                  'plan', 'memory_per_device', 'eval_checkpoint'):
       values[name] = values[name] or ''
     values['worker_gpus'] = values['worker_gpus'] or 0
+    if not FLAGS['stderrthreshold'].using_default_value:
+      values['stderrthreshold'] = FLAGS.stderrthreshold
     return cls(**values)
 
   def IntraOpThreads(self, cores: int = None) -> int:

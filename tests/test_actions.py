@@ -387,7 +387,7 @@ def test_every_schedule_table_derives_from_the_records():
                                       'zbv')
   assert A.SIZED_WEIGHT_GRADIENT_RUNS == {('unrolled', True), ('1f1b', False)}
   help_text = records.ScheduleHelp()
-  assert all("'%s': " % n in help_text for n in names)
+  assert all("'%s'" % n in help_text for n in names)
   # What the planner enumerates.
   choices = {r.name: (r.RecomputeChoices(True), r.RecomputeChoices(False))
              for r in records.RECORDS}

@@ -38,6 +38,7 @@ import tensorflow as tf2
 from lingvo_ext._internal import tf as internal_tf
 from lingvo_ext.core import graph_state
 from lingvo_ext.core import matmul_grad
+from lingvo_ext.core import nest_util
 
 # Graph state (graph_state): a call's op name -> its exported operands.
 _OPERANDS = 'cell_function_operands'
@@ -61,10 +62,6 @@ def ExportedOperands(op) -> List[Exported]:
   return graph_state.Peek(op.graph, _OPERANDS, {}).get(op.name, [])
 
 
-def _Flat(structure) -> List:
-  return tf.nest.flatten(structure)
-
-
 def _Signature(theta, inputs, step):
   """What a trace depends on: the arguments' structures, dtypes, shapes."""
   def Leaf(t):
@@ -73,7 +70,7 @@ def _Signature(theta, inputs, step):
     return t.dtype.name, (None if t.shape.rank is None else
                           tuple(t.shape.as_list()))
   return (repr(tf.nest.map_structure(lambda _: 0, (theta, inputs))),
-          tuple(Leaf(t) for t in _Flat((theta, inputs, step))))
+          tuple(Leaf(t) for t in nest_util.Flat((theta, inputs, step))))
 
 
 def ForCell(cell, name: str, jit_compile: bool, theta, inputs, step):
@@ -89,12 +86,6 @@ def ForCell(cell, name: str, jit_compile: bool, theta, inputs, step):
   if key not in cache:
     cache[key] = CellFunction(cell, name, jit_compile)
   return cache[key]
-
-
-def _ToTuple(x):
-  if isinstance(x, list):
-    return tuple(x)
-  return x if isinstance(x, tuple) else (x,)
 
 
 class CellFunction:
@@ -134,11 +125,11 @@ class CellFunction:
     self._theta_struct = theta
     self._in_struct = inputs
     self._acc_struct = cell.GetAccumulatorValues()
-    n_theta = len(_Flat(theta))
-    in_flat = _Flat(inputs)
+    n_theta = len(nest_util.Flat(theta))
+    in_flat = nest_util.Flat(inputs)
     present = [i for i, x in enumerate(in_flat) if x is not None]
     n_in = len(present)
-    n_acc = len(_Flat(self._acc_struct))
+    n_acc = len(nest_util.Flat(self._acc_struct))
     self._has_global_step = py_utils.GetGlobalStep() is not None
 
     def Body(*args):
@@ -170,12 +161,12 @@ class CellFunction:
         stack.enter_context(py_utils.RemoveAssertContext(remove=True))
         stack.enter_context(matmul_grad.CellMatMulGradients())
         first_op = len(tf.get_default_graph().get_operations())
-        out = cell.FProp(theta_b, *_ToTuple(x_b))
-      new_accs = _Flat(cell.GetAccumulatorValues()) if n_acc else []
+        out = cell.FProp(theta_b, *nest_util.ToTuple(x_b))
+      new_accs = nest_util.Flat(cell.GetAccumulatorValues()) if n_acc else []
       out, new_accs, xs = self._ExportWeightUses(
           first_op, list(args[:n_theta]), out, new_accs)
       self._out_struct = out
-      out_flat = [t for t in _Flat(out) if t is not None]
+      out_flat = [t for t in nest_util.Flat(out) if t is not None]
       return out_flat + new_accs + xs
 
     # Not inlined into the calling graph when the session lowers function
@@ -256,8 +247,8 @@ class CellFunction:
     """(the function's arguments, the cell's accumulator values)."""
     if self._fn is None:
       self._Trace(theta, inputs, step)
-    accs = _Flat(self._cell.GetAccumulatorValues())
-    args = _Flat(theta) + [x for x in _Flat(inputs) if x is not None]
+    accs = nest_util.Flat(self._cell.GetAccumulatorValues())
+    args = nest_util.Flat(theta) + [x for x in nest_util.Flat(inputs) if x is not None]
     args += [step]
     if self._has_global_step:
       if self._global_step is None:
@@ -285,7 +276,7 @@ class CellFunction:
       if accs:  # The trace left the function's own tensors there.
         self._cell.SetAccumulatorValues(
             tf.nest.pack_sequence_as(self._acc_struct, accs))
-      leaves = {t.ref() for t in graph.inputs[:len(_Flat(theta))]}
+      leaves = {t.ref() for t in graph.inputs[:len(nest_util.Flat(theta))]}
       self._unexported_lookups = any(
           op.type in ('GatherV2', 'Gather', 'ResourceGather') and op.inputs and
           matmul_grad.ThroughIdentities(op.inputs[0], leaves) is not None
@@ -322,5 +313,5 @@ class CellFunction:
       self._cell.SetAccumulatorValues(
           tf.nest.pack_sequence_as(self._acc_struct, results[n_out:]))
     it = iter(results[:n_out])
-    flat = [None if t is None else next(it) for t in _Flat(self._out_struct)]
+    flat = [None if t is None else next(it) for t in nest_util.Flat(self._out_struct)]
     return tf.nest.pack_sequence_as(self._out_struct, flat)

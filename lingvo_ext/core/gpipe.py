@@ -30,6 +30,7 @@ from lingvo.core import tshape
 
 from lingvo_ext.core import cost as cost_lib
 from lingvo_ext.core import cuts
+from lingvo_ext.core import nest_util
 from lingvo_ext.core import partitioning
 from lingvo_ext.core import schedules
 from lingvo_ext.core.engine import kinds
@@ -38,29 +39,20 @@ from lingvo_ext.core.engine import recurrent
 from lingvo_ext.core import stacking
 
 
-# Lingvo's hooks that make stateless random ops inside a cell seed from the
-# micro-batch index instead of the global step (not visible inside the loop).
+# lingvo.core.gpipe's public hooks (stateless random ops in a cell seed from
+# the micro-batch index, not the global step), so that code written against
+# Lingvo's module runs with only the import changed.
 CellFnFPropOpReplacementWrapper = (
     lingvo_gpipe.CellFnFPropOpReplacementWrapper)
 SetOverWriteGlobalStep = lingvo_gpipe.SetOverWriteGlobalStep
 GetOverWriteGlobalStep = lingvo_gpipe.GetOverWriteGlobalStep
 
 
-def _ToTuple(x):
-  if isinstance(x, list):
-    return tuple(x)
-  return x if isinstance(x, tuple) else (x,)
-
-
-# Kept here for callers of the layer API; the schedules own it.
-CellRandomness = schedules.CellRandomness
-
-
 def _LingvoOutputs(outputs):
   """Lingvo's pipeline output structure: a lone tensor bare, else a tuple."""
   if isinstance(outputs, py_utils.NestedMap):
     return outputs
-  outputs = _ToTuple(outputs)
+  outputs = nest_util.ToTuple(outputs)
   return outputs[0] if len(outputs) == 1 else outputs
 
 
@@ -129,7 +121,7 @@ class FeatureExtractionLayer(base_layer.BaseLayer):
     out_args = args[:-p.num_act_inputs] if p.num_act_inputs > 0 else args
     extra_args = args[-p.num_act_inputs:] if p.num_act_inputs > 0 else ()
     for (name, ch) in self._seq:
-      out_args = ch.FProp(theta[name], *_ToTuple(out_args))
+      out_args = ch.FProp(theta[name], *nest_util.ToTuple(out_args))
     for fetch_layer in p.act_fetch_layers:
       activation = self.children[p.variable_name_prefix + fetch_layer]
       activation = activation.activation
@@ -137,7 +129,7 @@ class FeatureExtractionLayer(base_layer.BaseLayer):
         activation = activation[0]
       extra_args += (activation,)
     if extra_args:
-      out_args = _ToTuple(out_args) + extra_args
+      out_args = nest_util.ToTuple(out_args) + extra_args
     return out_args
 
   @classmethod
@@ -155,7 +147,7 @@ class FeatureExtractionLayer(base_layer.BaseLayer):
       if sub.name in p.act_fetch_layers:
         act_fetch_metas[sub.name] = meta.out_shapes[0]
       total += meta.flops
-      seq_args = _ToTuple(meta.out_shapes)
+      seq_args = nest_util.ToTuple(meta.out_shapes)
     for fetch_layer in p.act_fetch_layers or []:
       extra_args += (act_fetch_metas[fetch_layer],)
     return py_utils.NestedMap(flops=total, out_shapes=seq_args + extra_args)
@@ -333,33 +325,19 @@ class SeqLayer(base_layer.BaseLayer):
     p.Define('cell_tpl', [], 'A list of FeatureExtractionLayer params.')
     p.Define(
         'partition_independent_names', False,
-        'False (the default): variable names are lingvo.core.gpipe\'s '
-        '(cell scope kept, e.g. d0/cell_000/w), so checkpoints move between '
-        'the two libraries. True: the scope of FeatureExtractionLayer cells '
-        'is dropped (cell_000/w), so the same stack cut into any number of '
-        'cells has the same variables and a checkpoint restores under any '
-        'partitioning; sub-layer names must then be unique across those '
-        'cells (PartitionSequentialLayers makes them so). To move a '
-        'checkpoint between the two namings use '
-        '`python -m lingvo_ext.tools.convert_checkpoint`.')
+        'False: lingvo.core.gpipe\'s variable names (d0/cell_000/w). True: '
+        'no cell scope (cell_000/w), so a checkpoint restores under any '
+        'partitioning. See docs/checkpoints.md.')
     p.Define(
         'colocate_cell_variables', True,
         'If True, each cell\'s variables live on the device that runs the '
-        'cell (replica 0\'s), wherever the variables live on the worker '
-        'devices (sync mode, where Lingvo\'s ps job is the worker job), so '
-        'weights, their gradients and updates do not cross devices or '
-        'processes. False leaves them to the enclosing placer (Lingvo\'s '
-        'least-loaded one, or a parameter-server placer), as '
-        'lingvo.core.gpipe does.')
+        'cell; False leaves them to the enclosing placer, as '
+        'lingvo.core.gpipe does. See docs/clusters.md.')
     p.Define(
         'stack_variables', False,
-        'If True, the variables of the layers in each cell that agree in '
-        'shape, dtype, trainability and optimizer update (collections) are '
-        'one variable of shape [n, ...] per cell, each layer reading its '
-        'slice: fewer variables and update ops. Checkpoints keep the '
-        'per-layer names; see lingvo_ext/core/stacking.py, and call '
-        'stacking.StackSlotVariables() after building the train op when not '
-        'training through PipelinedTask.')
+        'If True, same-shape variables of the layers in a cell are one '
+        '[n, ...] variable; checkpoints keep per-layer names. See '
+        'docs/performance.md.')
     p.Define(
         'max_combined_variable_size',
         stacking.DEFAULT_MAX_COMBINED_VARIABLE_SIZE,
@@ -485,10 +463,10 @@ class SeqLayer(base_layer.BaseLayer):
       The last cell's outputs.
     """
     for (name, l) in self._before_layers:
-      args = l.FProp(theta[name], *_ToTuple(args))
+      args = l.FProp(theta[name], *nest_util.ToTuple(args))
     for i, (name, cell) in enumerate(self._cells):
       with tf.device(self.cluster.WorkerDeviceInModelSplit(i)):
-        args = cell.FProp(theta[name], *_ToTuple(args))
+        args = cell.FProp(theta[name], *nest_util.ToTuple(args))
     return args
 
 
@@ -521,45 +499,18 @@ class PipeliningLayer(SeqLayer):
     p.Define('schedule', 'unrolled', records.ScheduleHelp())
     p.Define(
         'cell_functions', True,
-        "Every schedule but 'recurrent' (which always builds cells once): "
-        "if True, each cell's forward pass is one TF function traced once "
-        'and called once per micro-batch on the cell\'s device (its backward '
-        "pass is the function's gradient, also built once, less the weight "
-        'gradients, which are one MatMul per weight over the micro-batches, '
-        'and a lookup\'s, which stays sparse: IndexedSlices of the '
-        'micro-batches\' rows), '
-        'so the graph grows with layers + cells x micro-batches instead of '
-        'layers x micro-batches. False: every (cell, micro-batch) pair is '
-        'its own copy of the cell\'s ops. A cell holding shards of a '
-        'partitioned variable is built inline either way (its shards are '
-        'read where they live).')
+        "If True, each cell is one TF function built once and called per "
+        "micro-batch; False copies its ops per micro-batch (not for "
+        "'recurrent'). See docs/schedules.md.")
     p.Define(
         'jit_compile', False,
-        "Every schedule but 'recurrent': compile each cell's function with "
-        'XLA (cells are then built once, as with cell_functions=True). '
-        "XLA's random ops draw other values than TensorFlow's kernels, so "
-        'dropout masks differ from those of uncompiled cells (compiled '
-        "schedules agree with each other). Off by default: on CPU it was no "
-        "faster on Lingvo's Transformer and slower on wide FC layers "
-        '(docs/benchmarks.md).')
+        "Compile each cell's function with XLA (not 'recurrent'); dropout "
+        'masks then differ from uncompiled cells. See docs/performance.md.')
     p.Define(
         'recompute', None,
-        'Re-materialisation: whether each cell\'s forward pass is '
-        'recomputed in its backward pass, keeping only cell-boundary '
-        'activations between the two. Random ops that seed from '
-        'py_utils.GenerateStepSeedPair (e.g. DeterministicDropoutLayer) '
-        'draw the same values in the recomputation. None: the schedule\'s '
-        "own (engine/records.py): False for 'unrolled', 'interleaved_1f1b', "
-        "'zero_bubble' and 'zbv'; "
-        "for '1f1b', only when the loss's "
-        "gradient depends on the pipeline's outputs (checked when "
-        "tf.gradients builds the backward pass); 'recurrent' always "
-        "recomputes (recompute=False is an error there). recompute=False "
-        "with '1f1b' and such a loss is a ValueError from tf.gradients. "
-        "With '1f1b' and no recomputation, each cell's forward pass of a "
-        "micro-batch waits for an earlier micro-batch's backward pass, so "
-        "running the forward pass of that graph runs the backward pass "
-        "too: build evaluation in its own graph, as Lingvo's runners do.")
+        "Recompute each cell's forward pass in its backward pass. None: the "
+        "schedule's default; 'recurrent' always recomputes. See "
+        'docs/schedules.md.')
     return p
 
   def __init__(self, params):
@@ -602,7 +553,7 @@ class PipeliningLayer(SeqLayer):
         raise ValueError('%s: nested_map_fprop=True takes exactly one '
                          'NestedMap input, got %r.' % (p.name, args))
       return py_utils.Flatten(args[0])
-    return _ToTuple(args)
+    return nest_util.ToTuple(args)
 
   def _MicroBatching(self, args):
     """Returns (batch size, micro-batch size, number of micro-batches)."""
@@ -674,13 +625,13 @@ class PipeliningLayer(SeqLayer):
     if p.nested_map_fprop:
       shapes = (py_utils.Transform(_MicroShape, args[0]),)
     else:
-      shapes = tuple(_MicroShape(t) for t in _ToTuple(args))
+      shapes = tuple(_MicroShape(t) for t in nest_util.ToTuple(args))
     if not after_before_layers:
       for (_, l) in self._before_layers:
-        shapes = _ToTuple(l.FPropMeta(l.params, *shapes).out_shapes)
+        shapes = nest_util.ToTuple(l.FPropMeta(l.params, *shapes).out_shapes)
     state_shapes = [shapes[0] if p.nested_map_fprop else shapes]
     for (_, cell) in self._cells:
-      shapes = _ToTuple(cell.FPropMeta(cell.params, *shapes).out_shapes)
+      shapes = nest_util.ToTuple(cell.FPropMeta(cell.params, *shapes).out_shapes)
       state_shapes.append(shapes[0] if p.nested_map_fprop else shapes)
     return state_shapes
 
@@ -713,7 +664,7 @@ class PipeliningLayer(SeqLayer):
     """
     outputs = copy.copy(args)
     for (name, l) in self._before_layers + self._cells:
-      outputs = l.FProp(theta[name], *_ToTuple(outputs))
+      outputs = l.FProp(theta[name], *nest_util.ToTuple(outputs))
     return outputs
 
   def Cells(self):
@@ -760,9 +711,9 @@ class PipeliningLayer(SeqLayer):
 
     _, _, num_micro = self._MicroBatching(args)
     with tf.device(self.Devices()[0]):
-      inputs = _ToTuple(args)
+      inputs = nest_util.ToTuple(args)
       for (name, l) in self._before_layers:
-        inputs = _ToTuple(l.FProp(theta[name], *inputs))
+        inputs = nest_util.ToTuple(l.FProp(theta[name], *inputs))
     return _LingvoOutputs(
         schedules.SCHEDULES[p.schedule](self, theta, inputs, num_micro))
 

@@ -31,7 +31,7 @@ def PipelineSwitches():
   """[(name, default, doc)]: the PipeliningLayer params a task passes through.
 
   Every param that PipeliningLayer defines beyond BaseLayer's, less those the
-  task sets itself (_PIPELINE_PARAMS_SET_BY_TASK): today `schedule`,
+  task sets itself (_PIPELINE_PARAMS_SET_BY_TASK): `schedule`,
   `recompute`, `cell_functions` and `jit_compile`; a param the engine adds
   later becomes a task param too.
   """
@@ -64,28 +64,19 @@ class PipelinedTask(base_model.BaseTask):
         'flops, params or time.')
     p.Define(
         'partition_independent_names', True,
-        'Passed to the PipeliningLayer: True names cell variables without '
-        'the cell scope, so a checkpoint trained at one num_partitions '
-        'restores at any other; False gives lingvo.core.gpipe\'s names '
-        '(convert between the two with '
-        '`python -m lingvo_ext.tools.convert_checkpoint`).')
+        'True: cell variables have no cell scope, so a checkpoint restores at '
+        'any num_partitions; False: lingvo.core.gpipe\'s names (convert with '
+        '`.venv/bin/python -m lingvo_ext.tools.convert_checkpoint`).')
     p.Define(
         'keep_layer_names', True,
-        'True: the layers of LayerStack keep their names in variable names '
-        '(lm/softmax/w/var); False: they are renamed cell_000, cell_001, ... '
-        'by index, as lingvo.core.gpipe.PartitionSequentialLayers does '
-        '(lm/cell_003/w/var). Checkpoints restore across the two namings '
-        '(the trainer maps them), and messages name both '
-        '(softmax (cell_003)).')
+        'True: LayerStack\'s layers keep their names in variable names '
+        '(lm/softmax/w/var); False: cell_000, cell_001, ... as Lingvo names '
+        'them. See docs/checkpoints.md.')
     p.Define(
         'stack_variables', False,
-        'Stack the same-shape variables of the layers in each pipeline cell '
-        'into one variable per group (e.g. '
-        "--model_params_override='task.stack_variables:True'): fewer "
-        'variables, ops and optimizer update ops, the same numbers. The '
-        'optimizer slots are stacked too, and checkpoints keep the '
-        'per-layer names, so they restore into the stacked and the '
-        'unstacked model alike. See lingvo_ext/core/stacking.py.')
+        'Stack the same-shape variables of each cell\'s layers into one per '
+        'group (and their optimizer slots); checkpoints keep per-layer '
+        'names. See docs/performance.md.')
     p.Define(
         'max_combined_variable_size',
         stacking.DEFAULT_MAX_COMBINED_VARIABLE_SIZE,
@@ -93,18 +84,9 @@ class PipelinedTask(base_model.BaseTask):
         'bigger groups are split.')
     p.Define(
         'gradient_sync', 'shared',
-        'How data-parallel replicas (the worker\'s splits: '
-        '--num_cpu_devices=R*K --worker_split_size=K gives R replicas of a '
-        'K-cell pipeline) synchronise gradients. "shared": Lingvo\'s '
-        'default, one copy of each variable read by every replica. '
-        '"all_reduce": each replica its own copy on its devices; dense '
-        'gradients all-reduced (CollectiveReduce), sparse ones all-gathered '
-        '(CollectiveGather); the checkpoint holds one copy. '
-        '"parameter_server": one copy on a ps device; each replica\'s '
-        'gradient goes into a (Sparse)ConditionalAccumulator there and one '
-        'update is applied when all arrived. "hybrid": dense variables by '
-        'all_reduce, sparse (embedding) ones by parameter_server. See '
-        'lingvo_ext/distributed/gradient_sync.py.')
+        'How data-parallel replicas synchronise gradients: "shared" '
+        '(Lingvo\'s), "all_reduce", "parameter_server" or "hybrid". See '
+        'docs/clusters.md.')
     p.Define(
         'accumulate_steps', 1, 'Apply one update every N steps from the mean '
         'of their gradients: the update of an N-times larger batch (clipped '
@@ -117,19 +99,13 @@ class PipelinedTask(base_model.BaseTask):
         'how variables are spread over the ps devices, "size" (least loaded '
         'in bytes) or "round_robin".')
     for name, default, doc in PipelineSwitches():
-      p.Define(
-          name, default,
-          f'Passed to the PipeliningLayer (e.g. --model_params_override='
-          f"'task.{name}:...'): {doc}")
+      p.Define(name, default,
+               f"Passed to the PipeliningLayer ('task.{name}:...'): {doc}")
     # BaseLayer's own param, documented for this task's users.
     internal_lingvo.SetParamDescription(p, 'fprop_dtype', (
         'The dtype the layers compute in: None or float32 (the default), or '
-        'bfloat16 (e.g. --model_params_override=\'task.fprop_dtype:'
-        'bfloat16\'): Lingvo\'s mixed precision, the cells compute in '
-        'bfloat16 and pass bfloat16 activations and gradients between '
-        'them; variables, their gradients, the optimizer and checkpoints '
-        'stay float32. Fast on CPUs only with oneDNN (TF_ENABLE_ONEDNN_OPTS=1).'
-        ' See lingvo_ext/core/precision.py.'))
+        'bfloat16 (Lingvo\'s mixed precision: variables, optimizer and '
+        'checkpoints stay float32). See docs/performance.md.'))
     p.train.clip_gradient_norm_to_value = 1.0
     return p
 

@@ -42,11 +42,11 @@ from lingvo_ext.core.engine.randomness import CellRandomness
 from lingvo_ext.core.engine.simulate import Simulate
 from lingvo_ext.core.engine.tensors import CastHere
 from lingvo_ext.core.engine.tensors import ConcatGrads
-from lingvo_ext.core.engine.tensors import Flat
 from lingvo_ext.core.engine.tensors import Group
 from lingvo_ext.core.engine.tensors import IsFloat
 from lingvo_ext.core.engine.tensors import SplitGrads
-from lingvo_ext.core.engine.tensors import ToTuple
+from lingvo_ext.core.nest_util import Flat
+from lingvo_ext.core.nest_util import ToTuple
 from lingvo_ext.core.engine.weight_gradients import CellWeightGradients
 from lingvo_ext.core.engine.weight_gradients import RunLength
 

@@ -54,7 +54,7 @@ class Schedule:
 
   Attributes:
     name: The `schedule` param's value.
-    help: One line for the param's help.
+    help: One line describing the schedule (its Schedule's docstring).
     generator: StageSpec -> each device's action list (generators.py);
       None for Lingvo's recurrent loop, which has no lists.
     ordered: Action kinds that wait for the action before them on their
@@ -205,7 +205,6 @@ def RecomputeError(name: str, recompute, where: str) -> Optional[str]:
 
 
 def ScheduleHelp() -> str:
-  """The `schedule` param's help: one line per record."""
-  return ('How micro-batches flow through the cells; '
-          'one of: ' + ' '.join("'%s': %s" % (r.name, r.help)
-                                for r in RECORDS))
+  """The `schedule` param's help: the records' names (details in the docs)."""
+  return ('How micro-batches flow through the cells: one of %s. See '
+          'docs/schedules.md.' % ', '.join("'%s'" % r.name for r in RECORDS))

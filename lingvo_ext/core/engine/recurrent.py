@@ -11,8 +11,8 @@ from lingvo.core import recurrent
 
 from lingvo_ext._internal import lingvo as internal_lingvo
 from lingvo_ext.core.engine.tensors import CastHere
-from lingvo_ext.core.engine.tensors import Flat as _Flat
-from lingvo_ext.core.engine.tensors import ToTuple
+from lingvo_ext.core.nest_util import Flat as _Flat
+from lingvo_ext.core.nest_util import ToTuple
 
 _MICRO_BATCH_STATE_NAME = 'micro_batch_state'
 

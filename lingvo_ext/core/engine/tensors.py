@@ -5,12 +5,6 @@ from typing import List
 import lingvo.compat as tf
 
 
-def ToTuple(x):
-  if isinstance(x, list):
-    return tuple(x)
-  return x if isinstance(x, tuple) else (x,)
-
-
 
 def CastHere(v):
   """`v`, cast under the current device if it is a cast weight.
@@ -26,10 +20,6 @@ def CastHere(v):
       v.op.inputs[0].dtype != v.dtype):
     return tf.cast(v.op.inputs[0], v.dtype)
   return v
-
-
-def Flat(structure) -> List:
-  return tf.nest.flatten(structure)
 
 
 def IsFloat(t) -> bool:

@@ -27,8 +27,8 @@ def ReferencePlans(profile: ModelProfile,
   cores, two of its micro-batches run at once from M=2 on, so the growth
   from M=1 to 4 mixes that parallelism (predicted only roughly) with the
   cost per micro-batch the fit is after. The longer lever fits the time per
-  op where M=4 alone fitted none (bench/plan.py's FC sweep, 2026-11-25:
-  its references ran 13.5 ms at M=1 and 9.1 ms at M=4).
+  op where M=4 alone can fit none (on bench/plan.py's FC model the step at
+  M=4 is shorter than at M=1).
   """
   batch = global_batch or profile.batch
   m, m_unrolled = max(Divisors(batch, 4)), max(Divisors(batch, 8))
@@ -52,11 +52,10 @@ def ReferencePlans(profile: ModelProfile,
 # the graphs differ by a call per micro-batch (13-55% more ops at M=8 on the
 # shipped tiny models, whose cells are a few ops), and the RSS difference is
 # the activations' and the allocator's, not the graph's. Then it takes
-# DEFAULT_BYTES_PER_OP: what that fit found
-# with a copy of each cell per micro-batch counted (`bench/plan.py --rounds 5`
-# at 7857fbe, whose sweep was M in {1, 4}, 2026-11-24: 7 KB for
-# lm.TransformerLmTiny, 17 KB for image.ConvClassifierTiny, 11 KB for the FC
-# benchmark).
+# DEFAULT_BYTES_PER_OP: about what that fit finds with a copy of each cell per
+# micro-batch counted (`bench/plan.py` over lm.TransformerLmTiny,
+# image.ConvClassifierTiny and the FC benchmark), so an uncalibrated plan
+# still charges each op its graph memory.
 MIN_FITTED_OP_GROWTH = 0.25
 DEFAULT_BYTES_PER_OP = 12 * 1024.
 

@@ -57,11 +57,10 @@ from lingvo_ext.core.planner.plans import Prediction
 # Op times per variable per replica that a step spends synchronising
 # gradients, beyond the bytes: none for 'shared' (the replicas read one copy
 # and tf.gradients sums their gradients in the backward pass it builds
-# anyway); a collective's rendezvous and its plumbing for 'all_reduce'
-# (measured 1.4-1.9x 'shared' on this project's models). The values that
-# ranked the bench/plan.py sweeps of 2026-11-24 best (the LM's Spearman
-# 0.86-0.90 -> 0.90-0.95 against 3 for both, the image model's 0.92-0.94 ->
-# 0.93-0.95).
+# anyway); a collective's rendezvous and its plumbing for 'all_reduce',
+# which make its step slower than 'shared''s on this project's models. The
+# values are those that rank bench/plan.py's sweeps best (by Spearman's rank
+# correlation of predicted and measured step times).
 SYNC_OPS_PER_VAR = {'shared': 0, 'all_reduce': 6}
 
 
