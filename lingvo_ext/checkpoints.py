@@ -105,11 +105,28 @@ def _WriteState(train_dir, latest, dropped):
           if p not in dropped and p != latest]
   kept.append((latest, dict(zip(paths, stamps)).get(latest)))
   stamps = [t for _, t in kept]
-  # TF's public writer of the state file (atomic, as Lingvo's saver writes).
-  tf.compat.v1.train.update_checkpoint_state(
-      train_dir, latest, all_model_checkpoint_paths=[p for p, _ in kept],
-      all_model_checkpoint_timestamps=(None if None in stamps else stamps),
-      last_preserved_timestamp=state.last_preserved_timestamp or None)
+  _WriteStateFile(train_dir, latest, [p for p, _ in kept],
+                  None if None in stamps else stamps,
+                  state.last_preserved_timestamp)
+
+
+def _WriteStateFile(train_dir, latest, paths, stamps=None,
+                    last_preserved=None):
+  """Writes the state file atomically, naming train_dir's files by name.
+
+  Relative names (as Lingvo's saver writes them here, through
+  internal_lingvo.WriteRelativeStateFile) keep a copied logdir on its own
+  checkpoints; TF's readers join them with `train_dir`.
+  """
+  name = lambda p: os.path.basename(p) if os.path.normpath(
+      os.path.dirname(p)) == os.path.normpath(train_dir) else p
+  state = internal_tf.CheckpointState(
+      model_checkpoint_path=name(latest),
+      all_model_checkpoint_paths=[name(p) for p in paths],
+      all_model_checkpoint_timestamps=stamps or [],
+      last_preserved_timestamp=last_preserved or 0)
+  _AtomicWrite(os.path.join(train_dir, 'checkpoint'),
+               text_format.MessageToString(state))
 
 
 def DropLatestIfNonFinite(train_dir: str) -> Optional[Tuple[str, str]]:
@@ -185,6 +202,8 @@ class CrossCutCheckpointer(lingvo_checkpointer.Checkpointer):
 
   def __init__(self, *args, **kwargs):
     super().__init__(*args, **kwargs)
+    # The state file names checkpoints relative to the logdir (it can move).
+    internal_lingvo.WriteRelativeStateFile(self)
     self._cross_cut_savers = {}
     # Its uninitialized-variables report is only run on a restore; a job that
     # ends without one (an evaler with nothing left to do) would print TF's
@@ -373,7 +392,7 @@ def RebuildStateFile(train_dir: str) -> Optional[str]:
 
   Every `ckpt-N` in `train_dir` is listed (newest last), the newest as the
   latest: FallBackToIntactCheckpoint then skips any that does not read back.
-  Written with TF's public update_checkpoint_state (atomically).
+  Written atomically, naming the checkpoints relatively.
 
   Returns:
     None when the state file was fine (or there are no checkpoints), else
@@ -384,9 +403,7 @@ def RebuildStateFile(train_dir: str) -> Optional[str]:
     return None
   paths = _CheckpointsOnDisk(train_dir)
   stamps = [tf.io.gfile.stat(p + '.index').mtime_nsec / 1e9 for p in paths]
-  tf.compat.v1.train.update_checkpoint_state(
-      train_dir, paths[-1], all_model_checkpoint_paths=paths,
-      all_model_checkpoint_timestamps=stamps)
+  _WriteStateFile(train_dir, paths[-1], paths, stamps)
   return problem
 
 
@@ -452,8 +469,9 @@ def _OwnCopy(train_dir: str, path: str) -> Optional[str]:
 def LatestCheckpoint(train_dir: str) -> Optional[str]:
   """tf.train.latest_checkpoint, read as if the logdir never moved.
 
-  The `checkpoint` state file names checkpoints by absolute path: in a copied
-  or moved logdir it names the original's files. Those become this logdir's
+  A `checkpoint` state file of another writer (or of a version that named
+  checkpoints by absolute path): in a copied or moved logdir it names the
+  original's files. Those become this logdir's
   files of the same names when they are here.
   """
   state = tf.train.get_checkpoint_state(train_dir)
@@ -496,9 +514,9 @@ def LocalizeStateFile(train_dir: str) -> Optional[str]:
             f'logdir, and {os.path.basename(missing[0])} is not in '
             f'{train_dir}; using the paths as written.')
   own = lambda p: _OwnCopy(train_dir, p) or p
-  state.model_checkpoint_path = own(state.model_checkpoint_path)
-  state.all_model_checkpoint_paths[:] = [
-      own(p) for p in state.all_model_checkpoint_paths]
-  _AtomicWrite(state_file, text_format.MessageToString(state))
+  _WriteStateFile(train_dir, own(state.model_checkpoint_path),
+                  [own(p) for p in state.all_model_checkpoint_paths],
+                  list(state.all_model_checkpoint_timestamps),
+                  state.last_preserved_timestamp)
   return (f'{state_file} named checkpoints in {elsewhere} (a copied or moved '
           'logdir); using this logdir\'s own files of the same names.')

@@ -41,7 +41,7 @@ class TrainedRun:
     state = os.path.join(dst, 'train', 'checkpoint')
     with open(state) as f:
       text = f.read()
-    with open(state, 'w') as f:  # The paths in it are absolute.
+    with open(state, 'w') as f:  # Absolute paths (older state files), if any.
       f.write(text.replace('"%s/' % self.logdir, '"%s/' % dst))
     return dst
 

@@ -92,6 +92,8 @@ def test_k2_lingvo_names_to_k4_kept_layer_names_same_loss(lingvo_k2, tmp_path):
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert 'renamed) to' in proc.stdout
   assert tf.train.latest_checkpoint(str(tmp_path / 'k4')) == dst
+  with open(tmp_path / 'k4' / 'checkpoint') as f:
+    assert str(tmp_path) not in f.read()  # Relative: the directory can move.
   # The target keeps the layers' names (task.keep_layer_names, the default).
   (loss, step), names = _RestoredLoss(
       'task.partition_independent_names:False;task.num_partitions:4', dst)

@@ -412,3 +412,47 @@ def testImportingTheTrainerKeepsLingvosFlagDefaults(tmp_path):
                        text=True, cwd=str(tmp_path), env=env, timeout=300)
   assert out.returncode == 0, out.stderr[-3000:]
   assert out.stdout.split()[0] == 'True', out.stdout
+
+
+def testWriteRelativeStateFile(tmp_path):
+
+  def Check():
+    import glob  # pylint: disable=g-import-not-at-top
+    import os  # pylint: disable=g-import-not-at-top
+    import types  # pylint: disable=g-import-not-at-top
+    from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
+    from lingvo.core import saver as lingvo_saver  # pylint: disable=g-import-not-at-top
+    for kind in ('lingvo', 'tf'):
+      logdir = str(tmp_path / kind)
+      os.makedirs(logdir)
+      with tf.Graph().as_default(), tf.Session() as sess:
+        step = py_utils.GetOrCreateGlobalStepVar()
+        var = tf.get_variable('w', initializer=1.0)
+        if kind == 'lingvo':
+          inner = lingvo_saver.Saver(logdir, [step, var], keep_latest_n=2)
+          save = lambda: inner.Save(sess)[1]
+        else:
+          inner = tf.train.Saver([step, var], max_to_keep=2)
+          save = lambda: inner.save(sess, f'{logdir}/ckpt', sess.run(step))
+        internal_lingvo.WriteRelativeStateFile(
+            types.SimpleNamespace(_saver=types.SimpleNamespace(_saver=inner)))
+        sess.run(tf.global_variables_initializer())
+        for i in range(1, 5):
+          sess.run([step.assign(i), var.assign(float(i))])
+          name = f'ckpt-{i}' if kind == 'tf' else f'ckpt-{i:08d}'
+          assert save() == f'{logdir}/{name}'
+        with open(f'{logdir}/checkpoint') as f:
+          text = f.read()
+        assert logdir not in text and 'ckpt-' in text, text
+        kept = sorted(glob.glob(f'{logdir}/ckpt-*.index'))
+        assert len(kept) == 2, kept
+        assert tf.train.latest_checkpoint(logdir) == kept[-1][:-len('.index')]
+        sess.run(var.assign(0.0))
+        if kind == 'lingvo':
+          assert inner.Restore(sess)[0] == 4  # Through its _GetState.
+        else:
+          inner.restore(sess, tf.train.latest_checkpoint(logdir))
+        assert sess.run(var) == 4.0
+
+  _Check('saver.Saver._GetState/_SetState, tf.train.Saver.'
+         '_save_relative_paths', Check)

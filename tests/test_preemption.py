@@ -376,13 +376,16 @@ def testStopOnSignalsExitCodes():
 @pytest.mark.e2e
 def testACopiedLogdirTrainsAndEvaluatesFromItsOwnCheckpoints(
     tmp_path, tiny_gpipe_run):
-  # A plain copy: its state file still names the original's files.
+  # A state file naming checkpoints by absolute path (another writer's, or
+  # an older version's): a plain copy still names the original's files.
   original = str(tmp_path / 'run1')
   shutil.copytree(tiny_gpipe_run.logdir, original)
+  state = tf.train.get_checkpoint_state(os.path.join(original, 'train'))
+  tf.compat.v1.train.update_checkpoint_state(
+      os.path.join(original, 'train'), state.model_checkpoint_path,
+      all_model_checkpoint_paths=list(state.all_model_checkpoint_paths))
   with open(os.path.join(original, 'train', 'checkpoint')) as f:
-    text = f.read()
-  with open(os.path.join(original, 'train', 'checkpoint'), 'w') as f:
-    f.write(text.replace(f'"{tiny_gpipe_run.logdir}/', f'"{original}/'))
+    assert f'"{original}/train/ckpt-00000003"' in f.read()
   copy = str(tmp_path / 'run2')
   shutil.copytree(original, copy)
   shutil.rmtree(original)
@@ -411,6 +414,62 @@ def testACopiedLogdirTrainsAndEvaluatesFromItsOwnCheckpoints(
   assert not os.path.exists(original)
 
 
+def _StatePaths(train_dir):
+  """The paths the state file holds as written, and as TF reads them."""
+  with open(os.path.join(train_dir, 'checkpoint')) as f:
+    written = re.findall(r'^\w+_paths?: "([^"]*)"$', f.read(), re.M)
+  state = tf.train.get_checkpoint_state(train_dir)
+  return written, [state.model_checkpoint_path,
+                   *state.all_model_checkpoint_paths]
+
+
+@pytest.mark.e2e
+def testTheStateFileNamesCheckpointsRelativelySoACopiedLogdirNeedsNoFix(
+    tmp_path, tiny_gpipe_run):
+  train = os.path.join(tiny_gpipe_run.logdir, 'train')
+  written, read = _StatePaths(train)
+  assert written == ['ckpt-00000003', 'ckpt-00000000', 'ckpt-00000003']
+  assert read == [os.path.join(train, p) for p in written]
+  original = str(tmp_path / 'run1')
+  shutil.copytree(tiny_gpipe_run.logdir, original)
+  copy = str(tmp_path / 'run2')
+  shutil.copytree(original, copy)
+  shutil.rmtree(original)
+  flags = [f'--model={tiny_gpipe_run.model}', *tiny_gpipe_run.flags,
+           f'--logdir={copy}']
+  run = _Trainer(*flags, '--job=evaler_dev', '--eval_once')
+  try:
+    rc = run.Wait()
+  finally:
+    run.Kill()
+  out = run.Text()
+  assert rc == 0, out[-3000:]
+  assert re.search(r'^evaler_dev: step 3  ', out, re.M)
+  # Resumed, saving at least at its start and end, keeping the newest 2:
+  # Lingvo's saver reads the relative entries back (ckpt-00000000 and
+  # ckpt-00000003 of the first run too) and deletes the older checkpoints.
+  run = _Trainer(*flags, '--max_steps=7', '--model_params_override='
+                 'train.save_interval_steps:1;train.save_max_to_keep:2;'
+                 'train.save_keep_checkpoint_every_n_hours:0')
+  try:
+    rc = run.Wait()
+  finally:
+    run.Kill()
+  out += run.Text()
+  assert rc == 0, run.Text()[-3000:]
+  assert 'named checkpoints in' not in out and 'outside this logdir' not in out
+  with open(os.path.join(copy, 'log.controller+trainer_client.txt')) as f:
+    assert 'Restored 3 ' in f.read()
+  train = os.path.join(copy, 'train')
+  written, read = _StatePaths(train)
+  assert len(written) == 3 and written[0] == written[2] == 'ckpt-00000007'
+  assert read == [os.path.join(train, p) for p in written]
+  assert _Latest(copy) == f'{train}/ckpt-00000007'
+  assert sorted(os.path.basename(p)[:-len('.index')] for p in glob.glob(
+      os.path.join(train, 'ckpt-*.index'))) == written[1:]
+  assert not os.path.exists(original)
+
+
 def testLocalizeStateFileUsesTheLogdirsOwnFilesOrSaysWhereTheyPoint(
     tmp_path):
   from lingvo_ext import checkpoints  # pylint: disable=g-import-not-at-top
@@ -432,4 +491,6 @@ def testLocalizeStateFileUsesTheLogdirsOwnFilesOrSaysWhereTheyPoint(
   state = tf.train.get_checkpoint_state(str(train))
   assert list(state.all_model_checkpoint_paths) == [
       f'{train}/ckpt-00000000', f'{train}/ckpt-00000005']
+  assert _StatePaths(str(train))[0] == [
+      'ckpt-00000005', 'ckpt-00000000', 'ckpt-00000005']
   assert checkpoints.LocalizeStateFile(str(train)) is None

@@ -6,12 +6,15 @@ subclasses, task hooks) are used where they exist; these are the rest.
 """
 
 import contextlib
+import os
 
+from lingvo import compat as tf
 from lingvo import model_imports
 from lingvo import model_registry
 from lingvo.core import base_layer
 from lingvo.core import checkpointer
 from lingvo.core import gpipe as lingvo_gpipe
+from lingvo.core import saver as lingvo_saver
 
 
 def RegisteredModelClasses():
@@ -160,3 +163,48 @@ def AsyncCopiesInitializer(ckpt):
   """
   inner = getattr(ckpt._saver, '_saver', None)  # pylint: disable=protected-access
   return getattr(inner, '_copied_vars_initializer', None)
+
+
+def _InDir(directory, path):
+  return os.path.normpath(os.path.dirname(path)) == os.path.normpath(directory)
+
+
+class _RelativeStateSaver(lingvo_saver.Saver):
+  """Lingvo's saver; its `checkpoint` state file names its own files by name.
+
+  Only the file changes: the saver reads the names back joined with its
+  logdir, as it wrote them (its garbage collection matches `.../ckpt-N`).
+  """
+
+  def _GetState(self):
+    state = super()._GetState()
+    full = lambda p: os.path.join(self._logdir, p) if (
+        p and not os.path.dirname(p)) else p
+    state.model_checkpoint_path = full(state.model_checkpoint_path)
+    state.all_model_checkpoint_paths[:] = [
+        full(p) for p in state.all_model_checkpoint_paths]
+    return state
+
+  def _SetState(self, state):
+    written = type(state)()
+    written.CopyFrom(state)
+    name = lambda p: os.path.basename(p) if _InDir(self._logdir, p) else p
+    written.model_checkpoint_path = name(written.model_checkpoint_path)
+    written.all_model_checkpoint_paths[:] = [
+        name(p) for p in written.all_model_checkpoint_paths]
+    super()._SetState(written)  # An atomic write, as Lingvo's.
+
+
+def WriteRelativeStateFile(ckpt):
+  """A graph-mode Checkpointer's saver names its checkpoints relatively.
+
+  Its `checkpoint` state file then names the logdir's own checkpoints by
+  file name (`ckpt-00000100`), so a copied or moved logdir reads its own.
+  """
+  inner = ckpt._saver._saver  # pylint: disable=protected-access
+  if type(inner) is lingvo_saver.Saver:  # pylint: disable=unidiomatic-typecheck
+    # Same state, two methods overridden: the saver's ops are already built.
+    inner.__class__ = _RelativeStateSaver
+  elif isinstance(inner, tf.train.Saver):
+    # tf.train.Saver(save_relative_paths=True), which Lingvo does not pass.
+    inner._save_relative_paths = True  # pylint: disable=protected-access

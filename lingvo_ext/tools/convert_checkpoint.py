@@ -210,7 +210,8 @@ def WriteCheckpoint(reader, plan: Dict[str, str], path: str) -> None:
     with tf.Session(graph=g) as sess:
       sess.run(save, {f: reader.get_tensor(src)
                       for f, (src, _) in zip(feeds, items)})
-  tf.compat.v1.train.update_checkpoint_state(dirname, os.path.abspath(path))
+  # Named relatively (TF joins it with dirname): the directory can move.
+  tf.compat.v1.train.update_checkpoint_state(dirname, os.path.basename(path))
 
 
 def Convert(from_checkpoint: str, from_model: str, to_checkpoint: str,
