@@ -54,6 +54,7 @@ if _REPO not in sys.path:
   sys.path.insert(0, _REPO)
 
 from lingvo_ext.core import planner  # pylint: disable=g-import-not-at-top
+from lingvo_ext.core.engine import records  # pylint: disable=g-import-not-at-top
 from lingvo_ext.tools import plan as plan_tool  # pylint: disable=g-import-not-at-top
 
 FC = 'fc'
@@ -152,8 +153,8 @@ def BuildFcStep(plan: planner.Plan):
     x = tf.constant(np.random.RandomState(0).randn(FC_BATCH, FC_WIDTH),
                     dtype=tf.float32)
     params = dict(schedule=plan.schedule)
-    if plan.schedule not in planner.ALWAYS_RECOMPUTE + (
-        planner.LIST_SCHEDULES):
+    if plan.schedule not in records.ALWAYS_RECOMPUTE + (
+        records.LINEAR_LOSS_ONLY):
       params['recompute'] = plan.recompute
     net = gpipe.PipeliningLayer.Params().Set(
         name='pipe', cell_tpl=cells, num_micro_batches=plan.num_micro_batches,

@@ -38,10 +38,8 @@ from lingvo_ext.core.planner.model_profile import Machine
 from lingvo_ext.core.planner.model_profile import ModelProfile
 from lingvo_ext.core.planner.model_profile import OPTIMIZER_SLOTS
 from lingvo_ext.core.planner.model_profile import ParseSize
-from lingvo_ext.core.planner.plans import ALWAYS_RECOMPUTE
 from lingvo_ext.core.planner.plans import Candidate
 from lingvo_ext.core.planner.plans import Enumerate
-from lingvo_ext.core.planner.plans import LIST_SCHEDULES
 from lingvo_ext.core.planner.plans import MAX_MICRO_BATCHES
 from lingvo_ext.core.planner.plans import Measurement
 from lingvo_ext.core.planner.plans import Plan
@@ -49,7 +47,6 @@ from lingvo_ext.core.planner.plans import PlanError
 from lingvo_ext.core.planner.plans import PlanFromDict
 from lingvo_ext.core.planner.plans import PlanOf
 from lingvo_ext.core.planner.plans import Prediction
-from lingvo_ext.core.planner.plans import SCHEDULE_NAMES
 from lingvo_ext.core.planner.plans import SYNC_CHOICES
 from lingvo_ext.core.planner.prediction import Accumulations
 from lingvo_ext.core.planner.prediction import AccumulateSeconds

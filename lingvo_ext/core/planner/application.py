@@ -3,10 +3,9 @@
 
 from typing import Dict, List, Sequence
 
+from lingvo_ext.core.engine import records
 from lingvo_ext.core.planner.model_profile import FormatSize
-from lingvo_ext.core.planner.plans import ALWAYS_RECOMPUTE
 from lingvo_ext.core.planner.plans import Candidate
-from lingvo_ext.core.planner.plans import LIST_SCHEDULES
 from lingvo_ext.core.planner.plans import Plan
 
 
@@ -22,8 +21,8 @@ def Overrides(plan: Plan) -> Dict[str, object]:
       'task.schedule': plan.schedule,
       # None lets '1f1b' decide per gradient (schedules.py); the planner
       # only gives it recompute where it must recompute.
-      'task.recompute': (None if plan.schedule in ALWAYS_RECOMPUTE +
-                         LIST_SCHEDULES else plan.recompute),
+      'task.recompute': (None if plan.schedule in records.ALWAYS_RECOMPUTE +
+                         records.LINEAR_LOSS_ONLY else plan.recompute),
       'task.gradient_sync': plan.gradient_sync,
       'input.batch_size': plan.replica_batch,
   }

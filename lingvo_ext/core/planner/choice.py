@@ -9,10 +9,10 @@ import dataclasses
 import math
 from typing import List, Optional, Sequence, Tuple
 
+from lingvo_ext.core.engine import records
 from lingvo_ext.core.planner.model_profile import FormatSize
 from lingvo_ext.core.planner.model_profile import Machine
 from lingvo_ext.core.planner.model_profile import ModelProfile
-from lingvo_ext.core.planner.plans import ALWAYS_RECOMPUTE
 from lingvo_ext.core.planner.plans import Candidate
 from lingvo_ext.core.planner.plans import Enumerate
 from lingvo_ext.core.planner.plans import PlanError
@@ -65,7 +65,7 @@ MEASURE_ALPHA = 0.05
 def Twin(plan, plans: Sequence):
   """The same plan without recompute among `plans`, if `plan` recomputes
   (by choice, not 'recurrent', which always does) and it is there."""
-  if not plan.recompute or plan.schedule in ALWAYS_RECOMPUTE:
+  if not plan.recompute or plan.schedule in records.ALWAYS_RECOMPUTE:
     return None
   want = dataclasses.replace(PlanOf(plan), recompute=False).Key()
   return next((p for p in plans if p.Key() == want), None)

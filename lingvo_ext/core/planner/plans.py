@@ -15,12 +15,6 @@ from lingvo_ext.core.engine import records
 from lingvo_ext.core.planner.model_profile import ModelProfile
 
 
-# Schedules by name, as PipeliningLayer's `schedule` param takes them: the
-# engine's records (which need no TF).
-SCHEDULE_NAMES = records.NAMES
-ALWAYS_RECOMPUTE = records.ALWAYS_RECOMPUTE
-# Schedules that never recompute (action lists run as they are).
-LIST_SCHEDULES = records.LINEAR_LOSS_ONLY
 # gradient_sync strategies the planner offers for R > 1 (the ps strategies
 # need a ps job; see gradient_sync.py).
 SYNC_CHOICES = ('shared', 'all_reduce')
@@ -67,7 +61,7 @@ class Plan:
       label += '/D%d' % self.devices_per_replica
     label += 'xR%d M%d %s' % (self.replicas, self.num_micro_batches,
                               self.schedule)
-    if self.recompute and self.schedule not in ALWAYS_RECOMPUTE:
+    if self.recompute and self.schedule not in records.ALWAYS_RECOMPUTE:
       label += '+rc'
     if self.replicas > 1:
       label += ' ' + self.gradient_sync
@@ -188,7 +182,7 @@ def Divisors(n: int, limit: int) -> List[int]:
 
 def Enumerate(profile: ModelProfile, devices: int,
               global_batch: Optional[int] = None,
-              schedules: Sequence[str] = SCHEDULE_NAMES,
+              schedules: Sequence[str] = records.NAMES,
               max_micro_batches: int = MAX_MICRO_BATCHES,
               sync_choices: Sequence[str] = SYNC_CHOICES,
               micro_batches: Optional[Sequence[int]] = None) -> List[Plan]:
