@@ -310,7 +310,7 @@ class _TrainerSession(tf.Session):
       # Its picture, Chrome trace and TensorBoard image (docs/schedules.md).
       timeline.WriteTrainerTimeline(run_metadata,
                                     os.path.dirname(self._trace_path),
-                                    self._trace_step)
+                                    self._trace_step, self._model)
     else:
       out = super().run(fetches, feed_dict, options, run_metadata)
     if self._on_step and len(fetches) > 1:

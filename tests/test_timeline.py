@@ -134,7 +134,17 @@ def testTracedTrainerRunGivesTheMeasuredPicture(tmp_path):
         event = tf.compat.v1.Event.FromString(record)
         tags += [(v.tag, event.step, v.image.encoded_image_string[:4])
                  for v in event.summary.value]
-  assert tags == [('timeline', 2, b'\x89PNG')]
+  assert tags == [('timeline', 2, b'\x89PNG'),
+                  ('timeline_planned', 2, b'\x89PNG')]
+  # The planned picture: the model's pipeline, its schedule simulated.
+  from lingvo_ext import registry  # pylint: disable=g-import-not-at-top
+  task = registry.GetParams('lm.TransformerLmTinyGPipe', 'Train').task
+  assert os.path.getsize(os.path.join(train, 'timeline_planned.png')) > 0
+  with open(os.path.join(train, 'timeline_planned.trace.json')) as f:
+    planned = json.load(f)
+  assert planned == json.loads(json.dumps(timeline.PlannedChromeTrace(
+      task.schedule, actions.StageSpec(task.num_partitions, 2,
+                                       task.num_micro_batches))))
   # The command line, from the logdir.
   out = str(tmp_path / 'step.svg')
   assert timeline.main(['--logdir=' + logdir, '--out=' + out]) == 0

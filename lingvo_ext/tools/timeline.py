@@ -171,19 +171,19 @@ def _ImageEvent(png: bytes, tag: str, step: int) -> bytes:
                             summary=summary).SerializeToString()
 
 
-def WriteImageSummary(png_path: str, event_dir: str, tag: str,
+def WriteImageSummary(images: List[Tuple[str, str]], event_dir: str,
                       step: int) -> str:
-  """Writes the PNG as a TensorBoard image in its own event file there."""
+  """Writes [(tag, PNG path)] as TensorBoard images in their own event file."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  with open(png_path, 'rb') as f:
-    png = f.read()
   path = os.path.join(event_dir, 'events.out.tfevents.%d.%s.timeline' %
                       (int(time.time()), socket.gethostname()))
   with tf.io.TFRecordWriter(path) as w:  # Event files are TFRecord files.
     w.write(tf.compat.v1.Event(wall_time=time.time(),
                                file_version='brain.Event:2'
                               ).SerializeToString())
-    w.write(_ImageEvent(png, tag, step))
+    for tag, png_path in images:
+      with open(png_path, 'rb') as f:
+        w.write(_ImageEvent(f.read(), tag, step))
   return path
 
 
@@ -204,18 +204,58 @@ def DrawMeasured(run_metadata, out: str, trace_json: str,
   return idle
 
 
-def WriteTrainerTimeline(run_metadata, train_dir: str, step: int) -> None:
+def PipelineSpecs(layer, path: str = ''
+                 ) -> List[Tuple[str, str, actions.StageSpec]]:
+  """[(path, schedule, spec)] of each lingvo_ext pipeline in a built layer.
+
+  The schedule whose lists the engine runs for the layer's `schedule`
+  ('recurrent' as GPipe's), with the layer's cells, devices, micro-batches
+  and `recompute` (None: on only where the schedule always recomputes).
+  """
+  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.core import gpipe
+  from lingvo_ext.core.engine import records
+  found = []
+  if isinstance(layer, gpipe.PipeliningLayer):
+    p = layer.params
+    record = records.Get(p.schedule)
+    name = record.planner.simulated_as or p.schedule
+    recompute = (record.recompute == records.ALWAYS if p.recompute is None
+                 else bool(p.recompute))
+    spec = records.Placed(name, actions.StageSpec(
+        len(layer.Cells()), len(set(layer.Devices())), p.num_micro_batches,
+        recompute))
+    found.append((path or p.name, name, spec))
+  for key, child in layer.children.FlattenItems():
+    found += PipelineSpecs(child, f'{path}.{key}' if path else key)
+  return found
+
+
+def WriteTrainerTimeline(run_metadata, train_dir: str, step: int,
+                         model=None) -> None:
   """What the trainer writes for `--trace_train_step=N` besides the .pb.
 
-  `train_dir/timeline_step_N.png` (the measured per-device timeline),
-  `timeline_step_N.trace.json` (its Chrome trace) and the picture as the
-  TensorBoard image `timeline` at step N.
+  `train_dir/timeline_step_N.png` (the measured per-device timeline) and
+  `timeline_step_N.trace.json` (its Chrome trace); for each pipeline of
+  `model`, `timeline_planned[_i].png` and `.trace.json` (its schedule
+  simulated); the pictures as TensorBoard images `timeline` and
+  `timeline_planned[_i]` at step N.
   """
   png = os.path.join(train_dir, f'timeline_step_{step}.png')
   DrawMeasured(run_metadata, png,
                os.path.join(train_dir, f'timeline_step_{step}.trace.json'),
                title=f'training step {step}')
-  WriteImageSummary(png, train_dir, 'timeline', step)
+  images = [('timeline', png)]
+  pipelines = []
+  for task in (model.tasks if model is not None else []):
+    pipelines += PipelineSpecs(task)
+  for i, (_, name, spec) in enumerate(pipelines):
+    base = os.path.join(train_dir, 'timeline_planned' +
+                        (f'_{i}' if len(pipelines) > 1 else ''))
+    DrawPlanned(name, spec, base + '.png')
+    step_trace.WriteJson(PlannedChromeTrace(name, spec), base + '.trace.json')
+    images.append((os.path.basename(base), base + '.png'))
+  WriteImageSummary(images, train_dir, step)
 
 
 def _Parser():
