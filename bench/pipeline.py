@@ -17,7 +17,7 @@ RSS comes from a fresh child process per (implementation, configuration).
 
   .venv/bin/python bench/pipeline.py                 # the full sweep, JSON lines
   .venv/bin/python bench/pipeline.py --markdown      # the same, as a markdown table
-  .venv/bin/python bench/pipeline.py --quick         # reduced sweep, < 2 minutes
+  .venv/bin/python bench/pipeline.py --quick         # a reduced sweep
   .venv/bin/python bench/pipeline.py --quick --trace /tmp/trace   # + timelines
   .venv/bin/python bench/pipeline.py --models transformer --markdown
       # Lingvo's GPipeTransformerStack, see bench/transformer.py
@@ -940,22 +940,15 @@ def ParseArgs(argv=None):
                       help='Fail if the first-step losses differ.')
   parser.add_argument(
       '--torch_python', metavar='PATH',
-      help='A python with torch: also time bench/torch_baselines.py (torch '
-      'eager, torch.distributed.pipelining GPipe and 1F1B) on the '
-      'homogeneous model at the same width, batch, K and M, or on '
-      '--models transformer at the same sizes. Default: '
-      '.venv-torch/bin/python when it exists (bash scripts/torch_venv.sh), '
-      'else skipped with a note; "none" turns it off.')
+      help='A python with torch: also time bench/torch_baselines.py at the '
+      'same sizes. Default: .venv-torch/bin/python if it exists; "none" '
+      'turns it off (docs/benchmarks.md).')
   parser.add_argument('--torch_timeout_s', type=int, default=600,
                       help='Bound on each torch job (default %(default)s).')
   parser.add_argument(
       '--dtype', type=transformer.ParseDtypes, default=['float32'],
-      help="'float32' (default: lingvo, lingvo_ext and plain), or "
-      "'float32,bfloat16' / 'bfloat16': lingvo_ext's pipelines (default "
-      'schedule and --schedules) with fprop_dtype=tf.bfloat16 (float32 '
-      'variables and updates, bfloat16 cells) beside float32: step time and '
-      'bytes between cells per step; with --models transformer the same for '
-      "bench/transformer.py's variants.")
+      help="'float32' (default), 'float32,bfloat16' or 'bfloat16': "
+      "lingvo_ext's pipelines also with bfloat16 cells (docs/benchmarks.md).")
   parser.add_argument('--_child', help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   base = QUICK if args.quick else FULL

@@ -1,14 +1,37 @@
 """What tests/test_docs_examples.py checks the docs against.
 
-- `RunnableBlocks`: the code blocks of README.md and docs/*.md marked
-  runnable by an HTML comment on the line before the fence:
+- `FencedBlocks`: every fenced code block of README.md and docs/*.md, with
+  the HTML comment on the line before its fence. Every shell and Python
+  block carries one, saying how the tests check it:
 
       <!-- runnable -->              run it (shell: bash; python: the venv's)
       <!-- runnable: e2e -->         the same, marked e2e (runs a trainer...)
       <!-- runnable: cwd=repo -->    run it from the repository, not a tmp dir
-      <!-- runnable: file=PATH -->   write the block to PATH, do not run it
+      <!-- runnable: file=PATH -->   write the block to PATH (any language;
+                                     for the later blocks of its page)
+      <!-- runnable: after -->       run it right after the page's runnable
+                                     block before it, sharing its /tmp/lx/
+      <!-- runnable: env=NAME=VALUE -->        set it (python blocks)
+      <!-- runnable: sub='OLD|NEW' -->         run it with OLD replaced by
+                                     NEW (smaller sizes; OLD must occur)
+      <!-- checked: commands -->     not run (other hosts, a cluster, a long
+                                     benchmark): each trainer command in it
+                                     passes the trainer's flag, cluster,
+                                     model and params checks; each other
+                                     python command (bench/, tools) its
+                                     argparse parser; each `bash SCRIPT`'s
+                                     script exists
+      <!-- checked: flags base='COMMAND' -->   each line is flags that the
+                                     trainer command COMMAND takes, checked
+                                     as above
+      <!-- checked: excerpt=PATH --> the block's lines are lines of PATH (a
+                                     tested file), in order
+      <!-- checked: bazel -->        each `//:target` is a BUILD target and
+                                     each script it runs exists (no bazel in
+                                     CI)
 
-  Options combine, e.g. `<!-- runnable: e2e cwd=repo -->`.
+  Options combine, e.g. `<!-- runnable: e2e cwd=repo -->`; values are
+  shell-quoted.
 - `ErrorTemplates`: the `error:` lines the tools print, read from the code:
   what is printed after 'error: ', what the flag and model checks return
   (printed as `error: <message>`), what the tools' Fail helpers print, and
@@ -21,64 +44,190 @@ import dataclasses
 import glob
 import os
 import re
+import shlex
 from typing import List, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOC_FILES = ['README.md', 'docs/*.md']
+# The languages whose blocks must say how they are checked.
+CODE_LANGS = ('sh', 'bash', 'shell', 'console', 'python', 'py')
 
-_MARKER = re.compile(r'^<!--\s*runnable(?::\s*(.*?))?\s*-->\s*$')
-_FENCE = re.compile(r'^```(\w+)')
+_MARKER = re.compile(r'^\s*<!--\s*(runnable|checked)(?::\s*(.*?))?\s*-->\s*$')
+_FENCE = re.compile(r'^(\s*)```(\S*)\s*$')
+_RUN_OPTIONS = ('e2e', 'cwd=repo', 'file=', 'after', 'env=', 'sub=')
+_CHECK_KINDS = ('commands', 'flags', 'excerpt=', 'bazel')
 
 
 @dataclasses.dataclass
 class Block:
   path: str  # Relative to the repository.
   line: int  # Of the opening fence, 1-based.
-  lang: str  # 'sh' or 'python'.
-  code: str
+  lang: str  # As the fence says: 'sh', 'python', 'text', ...
+  code: str  # Without the fence's indentation.
+  kind: str = ''  # 'runnable', 'checked' or '' (no marker).
+  options: List[str] = dataclasses.field(default_factory=list)
   e2e: bool = False
   cwd_repo: bool = False
   file: str = ''  # Write the code there instead of running it.
+  after: bool = False  # Run after the page's previous runnable block.
+  env: List[Tuple[str, str]] = dataclasses.field(default_factory=list)
+  subs: List[Tuple[str, str]] = dataclasses.field(default_factory=list)
+  check: str = ''  # Of a checked block: 'commands', 'flags', ...
+  base: str = ''  # Of checked: flags.
+  excerpt: str = ''  # Of checked: excerpt=PATH.
 
   @property
   def id(self):
     return '%s:%d' % (self.path, self.line)
 
+  def Code(self):
+    """The code as the test runs it: with the marker's substitutions."""
+    code = self.code
+    for old, new in self.subs:
+      if old not in code:
+        raise ValueError('%s: sub %r: not in the block.' % (self.id, old))
+      code = code.replace(old, new)
+    return code
 
-def RunnableBlocks() -> List[Block]:
-  """Every block marked runnable in README.md and docs/*.md, in order."""
+
+def _Option(block, option, where):
+  """Sets one marker option on the block; ValueError when unknown."""
+  if block.kind == 'runnable':
+    if option == 'e2e':
+      block.e2e = True
+    elif option == 'cwd=repo':
+      block.cwd_repo = True
+    elif option == 'after':
+      block.after = True
+    elif option.startswith('file='):
+      block.file = option[len('file='):]
+    elif option.startswith('env=') and '=' in option[len('env='):]:
+      block.env.append(tuple(option[len('env='):].split('=', 1)))
+    elif option.startswith('sub=') and '|' in option:
+      block.subs.append(tuple(option[len('sub='):].split('|', 1)))
+    else:
+      raise ValueError('%s: unknown runnable option %r (one of %s).' %
+                       (where, option, ', '.join(_RUN_OPTIONS)))
+  else:
+    if option in ('commands', 'flags', 'bazel') and not block.check:
+      block.check = option
+    elif option.startswith('excerpt=') and not block.check:
+      block.check, block.excerpt = 'excerpt', option[len('excerpt='):]
+    elif option.startswith('base=') and block.check == 'flags':
+      block.base = option[len('base='):]
+    else:
+      raise ValueError('%s: unknown checked option %r (one kind of %s).' %
+                       (where, option, ', '.join(_CHECK_KINDS)))
+
+
+def FencedBlocks() -> List[Block]:
+  """Every fenced block of README.md and docs/*.md, in order."""
   blocks = []
   for pattern in DOC_FILES:
     for path in sorted(glob.glob(os.path.join(ROOT, pattern))):
       with open(path, encoding='utf-8') as f:
         lines = f.read().split('\n')
       rel = os.path.relpath(path, ROOT)
-      for i, line in enumerate(lines):
-        m = _MARKER.match(line)
-        if not m:
-          continue
-        fence = _FENCE.match(lines[i + 1]) if i + 1 < len(lines) else None
+      i = 0
+      while i < len(lines):
+        fence = _FENCE.match(lines[i])
         if not fence:
-          raise ValueError('%s:%d: a runnable marker must be right before a '
-                           '```sh or ```python fence.' % (rel, i + 1))
-        end = lines.index('```', i + 2)
-        options = (m.group(1) or '').split()
-        block = Block(rel, i + 2, fence.group(1), '\n'.join(lines[i + 2:end]))
-        for option in options:
-          if option == 'e2e':
-            block.e2e = True
-          elif option == 'cwd=repo':
-            block.cwd_repo = True
-          elif option.startswith('file='):
-            block.file = option[len('file='):]
-          else:
-            raise ValueError('%s:%d: unknown runnable option %r.' %
-                             (rel, i + 1, option))
-        if block.lang not in ('sh', 'python'):
-          raise ValueError('%s:%d: runnable blocks are sh or python, not %r.'
-                           % (rel, i + 2, block.lang))
+          if _MARKER.match(lines[i]) and not (
+              i + 1 < len(lines) and _FENCE.match(lines[i + 1])):
+            raise ValueError('%s:%d: a marker must be right before a code '
+                             'fence.' % (rel, i + 1))
+          i += 1
+          continue
+        indent, lang = fence.groups()
+        end = i + 1
+        while end < len(lines) and lines[end].rstrip() != indent + '```':
+          end += 1
+        if end == len(lines):
+          raise ValueError('%s:%d: the code block is not closed.' %
+                           (rel, i + 1))
+        code = '\n'.join(l[len(indent):] if l.startswith(indent) else l
+                         for l in lines[i + 1:end])
+        block = Block(rel, i + 1, lang, code)
+        m = _MARKER.match(lines[i - 1]) if i else None
+        if m:
+          block.kind = m.group(1)
+          for option in shlex.split(m.group(2) or ''):
+            _Option(block, option, '%s:%d' % (rel, i))
+          if block.kind == 'checked' and not block.check:
+            raise ValueError('%s:%d: checked needs a kind (%s).' %
+                             (rel, i, ', '.join(_CHECK_KINDS)))
+          if (block.kind == 'runnable' and not block.file and
+              lang not in ('sh', 'python')):
+            raise ValueError('%s:%d: runnable blocks are sh or python, not '
+                             '%r.' % (rel, i + 1, lang))
         blocks.append(block)
+        i = end + 1
   return blocks
+
+
+_INDENTED_COMMAND = re.compile(r'^ {4,}(\.venv/|bash |/usr/bin/|[A-Z_]+=\S* )')
+
+
+def IndentedCommands() -> List[str]:
+  """'path:line' of each indented (unfenced) code block holding a command."""
+  out = []
+  for pattern in DOC_FILES:
+    for path in sorted(glob.glob(os.path.join(ROOT, pattern))):
+      with open(path, encoding='utf-8') as f:
+        lines = f.read().split('\n')
+      in_fence = False
+      for i, line in enumerate(lines):
+        if _FENCE.match(line):
+          in_fence = not in_fence
+        elif (not in_fence and i and not lines[i - 1].strip() and
+              _INDENTED_COMMAND.match(line)):
+          out.append('%s:%d' % (os.path.relpath(path, ROOT), i + 1))
+  return out
+
+
+def RunnableBlocks() -> List[Block]:
+  """Every block marked runnable in README.md and docs/*.md, in order."""
+  return [b for b in FencedBlocks() if b.kind == 'runnable']
+
+
+def CheckedBlocks() -> List[Block]:
+  """Every block marked checked, in order."""
+  return [b for b in FencedBlocks() if b.kind == 'checked']
+
+
+def Excerpt(block) -> str:
+  """None when the block's lines are lines of its file, in order; or why."""
+  with open(os.path.join(ROOT, block.excerpt), encoding='utf-8') as f:
+    source = [l.strip() for l in f.read().split('\n')]
+  at = 0
+  for line in block.code.split('\n'):
+    line = line.strip()
+    if not line:
+      continue
+    try:
+      at = source.index(line, at) + 1
+    except ValueError:
+      return '%s: %r is not in %s (after line %d)' % (block.id, line,
+                                                      block.excerpt, at)
+  return None
+
+
+def BazelProblems(block) -> List[str]:
+  """What a `checked: bazel` block names that BUILD or the tree lacks."""
+  with open(os.path.join(ROOT, 'BUILD'), encoding='utf-8') as f:
+    build = f.read()
+  names = set(re.findall(r'name\s*=\s*"([^"]+)"', build))
+  # One py_test per tests/test_*.py, named after it.
+  names |= {os.path.basename(p)[:-len('.py')] for p in
+            glob.glob(os.path.join(ROOT, 'tests', 'test_*.py'))}
+  problems = []
+  for target in re.findall(r'//:(\w+)', block.code):
+    if target not in names:
+      problems.append('%s: no target //:%s' % (block.id, target))
+  for script in re.findall(r'(scripts/\S+\.sh)', block.code):
+    if not os.path.exists(os.path.join(ROOT, script)):
+      problems.append('%s: no %s' % (block.id, script))
+  return problems
 
 
 # --- error: lines ----------------------------------------------------------------
@@ -160,3 +309,138 @@ def Words(text: str) -> str:
 def LongestLiteral(template: str) -> str:
   """The longest run of literal text between the template's values."""
   return max((Words(p) for p in template.split('{}')), key=len)
+
+
+# --- checked: commands ------------------------------------------------------------
+
+# What a `checked: commands` block runs instead of the venv's python (and
+# of bash, for the scripts it starts): it records each command (its
+# PYTHONPATH and arguments), one JSON line each.
+FAKE_PYTHON = """#!%s
+import json, os, sys
+with open(os.environ['DOCS_COMMANDS'], 'a') as f:
+  f.write(json.dumps([os.environ.get('PYTHONPATH', ''),
+                      [os.path.basename(sys.argv[0])] + sys.argv[1:]]) + '\\n')
+"""
+
+
+class _Parsed(Exception):
+  pass
+
+
+def CheckArgparseArgv(argv):
+  """Whether a script's argparse parser takes argv, without running it.
+
+  Args:
+    argv: ['bench/x.py', args...] or ['-m', 'module', args...].
+
+  Returns:
+    The parser's error message, or None.
+  """
+  # pylint: disable=g-import-not-at-top
+  import argparse
+  import contextlib
+  import io
+  import runpy
+  import sys
+  parse, parse_known = (argparse.ArgumentParser.parse_args,
+                        argparse.ArgumentParser.parse_known_args)
+  inside = []
+
+  def ParseThenStop(self, args=None, namespace=None):
+    inside.append(1)  # parse_args calls parse_known_args: let it.
+    parse(self, args, namespace)
+    raise _Parsed()
+
+  def ParseKnownThenStop(self, args=None, namespace=None):
+    if inside:
+      return parse_known(self, args, namespace)
+    parse_known(self, args, namespace)
+    raise _Parsed()
+
+  if argv[0] == '-m':
+    if not argv[1].startswith('lingvo_ext.'):
+      return 'only lingvo_ext modules are checked, not %s' % argv[1]
+    run, target, args = runpy.run_module, argv[1], argv[2:]
+  elif not argv[0].startswith('bench/'):
+    return 'only bench/ scripts are checked, not %s' % argv[0]
+  else:
+    run, target, args = runpy.run_path, os.path.join(ROOT, argv[0]), argv[1:]
+    if not os.path.exists(target):
+      return 'no such script: %s' % argv[0]
+  err = io.StringIO()
+  argparse.ArgumentParser.parse_args = ParseThenStop
+  argparse.ArgumentParser.parse_known_args = ParseKnownThenStop
+  old_argv = sys.argv
+  sys.argv = [target] + list(args)
+  try:
+    with contextlib.redirect_stderr(err):
+      run(target, run_name='__main__')
+  except _Parsed:
+    return None
+  except SystemExit as e:
+    return 'exit %s: %s' % (e.code, err.getvalue().strip()[-500:])
+  finally:
+    argparse.ArgumentParser.parse_args = parse
+    argparse.ArgumentParser.parse_known_args = parse_known
+    sys.argv = old_argv
+  return 'it ran to the end without parsing its arguments'
+
+
+def CheckTrainerArgv(argv):
+  """The trainer's checks of one command line, as its Run makes them.
+
+  Flags, cluster resolution, the model and its params (with the overrides);
+  nothing is written, so no logdir is locked or made.
+
+  Returns:
+    The trainer's error message, or None.
+  """
+  # pylint: disable=g-import-not-at-top,protected-access
+  import lingvo.compat as tf
+  from lingvo_ext import trainer
+  from lingvo_ext import trainer_flags
+  from lingvo_ext.distributed import trainer_lib
+  flags = trainer.FLAGS
+  flags.unparse_flags()
+  trainer_flags.SetTrainerDefaults()
+  try:
+    flags(['lingvo_ext.trainer'] + list(argv))
+  except tf.flags.Error as e:
+    return ' '.join(str(e).split())
+  resolved, error = trainer_lib.ResolveCluster(
+      flags.cluster_resolver, flags.mode, flags.slurm_port_base,
+      [f'--{n}' for n in ('cluster_spec', 'job', 'task') if flags[n].present])
+  if error:
+    return error
+  if resolved:
+    flags.cluster_spec = resolved.cluster_spec
+    flags.job = resolved.job
+    flags.task = resolved.task
+  if flags.cluster_spec:
+    flags.set_default('run_locally', '')
+  o = trainer_flags.Options.FromFlags()
+  error = trainer._CheckFlags(o)
+  if not error:
+    error, o = trainer._CheckParams(o)
+  return error
+
+
+def CheckCommandsMain():
+  """Reads [argv, ...] as JSON on stdin; prints each error; 1 if any.
+
+  An argv is ['-m', 'lingvo_ext.trainer', flags...] (the trainer's checks),
+  or a script's or module's argparse command line (its parser's).
+  """
+  import json  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  sys.path.insert(0, ROOT)  # For bench/'s `from bench import ...`.
+  failed = 0
+  for argv in json.load(sys.stdin):
+    if argv[:2] == ['-m', 'lingvo_ext.trainer']:
+      error = CheckTrainerArgv(argv[2:])
+    else:
+      error = CheckArgparseArgv(argv)
+    print('%s: %s' % (' '.join(argv), error or 'ok'), flush=True)
+    failed += bool(error)
+  return 1 if failed else 0

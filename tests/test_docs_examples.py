@@ -1,16 +1,20 @@
-"""Every runnable example of README.md and docs/ runs; every error is documented.
+"""Every example of README.md and docs/ runs or is checked; every error is documented.
 
-A code block is runnable when an HTML comment `<!-- runnable -->` is on the
-line before its fence (options: tests/docs_testlib.py). Each runs as written,
-from a fresh temporary directory that has a `.venv` link to this checkout's
-venv (so `.venv/bin/python -m ...` works there) and that venv's bin first on
-PATH (so the console scripts do); `/tmp/lx/` in the block becomes a
-directory of the test's own. A block that exits non-zero fails the test,
-with its output.
+Every shell and Python code block has an HTML comment on the line before its
+fence that says how it is checked (tests/docs_testlib.py lists the forms).
+A `<!-- runnable -->` block runs as written (with the marker's `sub=`
+substitutions), from a fresh temporary directory that has a `.venv` link to
+this checkout's venv (so `.venv/bin/python -m ...` works there) and that
+venv's bin first on PATH (so the console scripts do); `/tmp/lx/` in the
+block becomes a directory of the test's own. A block that exits non-zero
+fails the test, with its output. A `<!-- checked: ... -->` block (commands
+for other hosts, a fragment of a tested file) is checked as its kind says.
 """
 
+import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -20,42 +24,69 @@ from tests import docs_testlib as docs_lib
 
 ROOT = docs_lib.ROOT
 TIMEOUT = 600
-BLOCKS = docs_lib.RunnableBlocks()
+BLOCKS = docs_lib.FencedBlocks()
+RUNNABLE = [b for b in BLOCKS if b.kind == 'runnable']
+CHECKED = [b for b in BLOCKS if b.kind == 'checked']
+
+
+def _Chains():
+  """Each runnable block with the `after` blocks that follow it."""
+  chains = []
+  for block in RUNNABLE:
+    if block.file:
+      continue  # Written by the blocks of its page that use it.
+    if block.after:
+      if not chains or chains[-1][-1].path != block.path:
+        raise ValueError('%s: after, but no runnable block before it.' %
+                         block.id)
+      chains[-1].append(block)
+    else:
+      chains.append([block])
+  return chains
 
 
 def _Params():
   out = []
-  for block in BLOCKS:
-    if block.file:
-      continue  # Written by the blocks of its page that use it.
-    marks = [pytest.mark.e2e] if block.e2e else []
-    out.append(pytest.param(block, id=block.id, marks=marks))
+  for chain in _Chains():
+    marks = [pytest.mark.e2e] if any(b.e2e for b in chain) else []
+    out.append(pytest.param(chain, id=chain[0].id, marks=marks))
   return out
+
+
+def _WriteFiles(block, lx):
+  """The files this block's page writes first (e.g. an experiment module)."""
+  for other in RUNNABLE:
+    if other.path == block.path and other.file and other.line < block.line:
+      path = other.file.replace('/tmp/lx/', lx + '/')
+      os.makedirs(os.path.dirname(path), exist_ok=True)
+      with open(path, 'w', encoding='utf-8') as f:
+        f.write(other.code.replace('/tmp/lx/', lx + '/') + '\n')
+
+
+def _Env(block, lx):
+  env = dict(os.environ)
+  env['PATH'] = os.path.join(ROOT, '.venv', 'bin') + os.pathsep + env['PATH']
+  env.pop('PYTHONPATH', None)
+  for name, value in block.env:
+    env[name] = value.replace('/tmp/lx/', lx + '/')
+  return env
 
 
 def _Run(block, tmp_path):
   lx = str(tmp_path / 'lx')
   os.makedirs(lx, exist_ok=True)
   work = tmp_path / 'cwd'
-  work.mkdir()
-  os.symlink(os.path.join(ROOT, '.venv'), str(work / '.venv'))
-  # The files this block's page writes first (e.g. an experiment module).
-  for other in BLOCKS:
-    if other.path == block.path and other.file and other.line < block.line:
-      path = other.file.replace('/tmp/lx/', lx + '/')
-      os.makedirs(os.path.dirname(path), exist_ok=True)
-      with open(path, 'w', encoding='utf-8') as f:
-        f.write(other.code.replace('/tmp/lx/', lx + '/') + '\n')
-  code = block.code.replace('/tmp/lx/', lx + '/')
-  env = dict(os.environ)
-  env['PATH'] = os.path.join(ROOT, '.venv', 'bin') + os.pathsep + env['PATH']
-  env.pop('PYTHONPATH', None)
+  if not work.exists():
+    work.mkdir()
+    os.symlink(os.path.join(ROOT, '.venv'), str(work / '.venv'))
+  _WriteFiles(block, lx)
+  code = block.Code().replace('/tmp/lx/', lx + '/')
   if block.lang == 'sh':
     cmd = ['bash', '-euo', 'pipefail', '-c', code]
   else:
     cmd = [os.path.join(ROOT, '.venv', 'bin', 'python'), '-c', code]
   proc = subprocess.run(cmd, cwd=ROOT if block.cwd_repo else str(work),
-                        env=env, stdout=subprocess.PIPE,
+                        env=_Env(block, lx), stdout=subprocess.PIPE,
                         stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT,
                         check=False)
   assert proc.returncode == 0, '%s exited %d:\n%s' % (
@@ -63,16 +94,112 @@ def _Run(block, tmp_path):
   return proc.stdout
 
 
-@pytest.mark.parametrize('block', _Params())
-def testRunnableExampleRuns(block, tmp_path):
-  _Run(block, tmp_path)
+@pytest.mark.parametrize('chain', _Params())
+def testRunnableExampleRuns(chain, tmp_path):
+  for block in chain:
+    _Run(block, tmp_path)
+
+
+def testEveryCodeBlockIsRunOrChecked():
+  """No shell or Python block goes unchecked; every fence names a language."""
+  unmarked = ['%s (```%s)' % (b.id, b.lang) for b in BLOCKS
+              if not b.lang or (b.lang in docs_lib.CODE_LANGS and not b.kind)]
+  assert not unmarked, (
+      'give each block a language (text for output) and each shell or '
+      'Python block a marker (tests/docs_testlib.py):\n' + '\n'.join(unmarked))
+  indented = docs_lib.IndentedCommands()
+  assert not indented, ('fence these indented code blocks and mark them:\n' +
+                        '\n'.join(indented))
+  code = [b for b in BLOCKS if b.lang in docs_lib.CODE_LANGS]
+  assert len(code) == len([b for b in RUNNABLE if b.lang in
+                           docs_lib.CODE_LANGS]) + len(
+                               [b for b in CHECKED if b.lang in
+                                docs_lib.CODE_LANGS])
+  for block in RUNNABLE:
+    block.Code()  # Each sub= still finds its text.
+  assert len(_Chains()) >= 30  # The extraction still finds the examples.
+
+
+def _Commands(block, tmp_path):
+  """[(PYTHONPATH, argv)] of the python commands a `checked` block runs.
+
+  The block runs with fakes for the venv's python and for bash that record
+  their arguments; a script that bash would run must exist.
+  """
+  lx = str(tmp_path / 'lx')
+  os.makedirs(lx, exist_ok=True)
+  _WriteFiles(block, lx)
+  work = tmp_path / 'cwd'
+  fakes = tmp_path / 'fakes'
+  os.makedirs(str(work / '.venv' / 'bin'))
+  os.makedirs(str(fakes))
+  for fake in (str(work / '.venv' / 'bin' / 'python'), str(fakes / 'bash')):
+    with open(fake, 'w', encoding='utf-8') as f:
+      f.write(docs_lib.FAKE_PYTHON % os.path.join(ROOT, '.venv', 'bin',
+                                                  'python'))
+    os.chmod(fake, 0o755)
+  if block.check == 'flags':
+    lines = [l for l in block.code.split('\n')
+             if l.strip() and not l.startswith('#')]
+    code = '\n'.join('%s %s' % (block.base, l) for l in lines)
+  else:
+    code = block.code
+  env = _Env(block, lx)
+  env['PATH'] = str(fakes) + os.pathsep + os.environ['PATH']
+  env['DOCS_COMMANDS'] = str(tmp_path / 'commands.jsonl')
+  subprocess.run([shutil.which('bash'), '-euo', 'pipefail', '-c',
+                  code.replace('/tmp/lx/', lx + '/')], cwd=str(work), env=env,
+                 check=True, timeout=60)
+  commands, scripts = [], []
+  with open(env['DOCS_COMMANDS'], encoding='utf-8') as f:
+    for line in f:
+      pythonpath, (name, *argv) = json.loads(line)
+      if name == 'bash':
+        assert os.path.exists(os.path.join(ROOT, argv[0])), (block.id, argv)
+        scripts.append(argv[0])
+      else:
+        commands.append((pythonpath, argv))
+  assert commands or scripts, '%s runs no command' % block.id
+  return commands
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize('block', [
+    pytest.param(b, id=b.id) for b in CHECKED
+    if b.check in ('commands', 'flags')])
+def testCheckedCommandsPassTheirParsersAndChecks(block, tmp_path):
+  commands = _Commands(block, tmp_path)
+  by_path = {}
+  for pythonpath, argv in commands:
+    by_path.setdefault(pythonpath, []).append(argv)
+  for pythonpath, argvs in by_path.items():
+    env = dict(os.environ, PYTHONPATH=pythonpath)
+    proc = subprocess.run(
+        [os.path.join(ROOT, '.venv', 'bin', 'python'), '-c',
+         'import sys; from tests import docs_testlib; '
+         'sys.exit(docs_testlib.CheckCommandsMain())'],
+        input=json.dumps(argvs), cwd=ROOT, env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT, check=False)
+    assert proc.returncode == 0, '%s:\n%s' % (block.id, proc.stdout[-5000:])
+    assert proc.stdout.count(': ok\n') == len(argvs), proc.stdout
+
+
+def testCheckedExcerptsAndBazelBlocks():
+  kinds = set()
+  for block in CHECKED:
+    kinds.add(block.check)
+    if block.check == 'excerpt':
+      assert docs_lib.Excerpt(block) is None, docs_lib.Excerpt(block)
+    elif block.check == 'bazel':
+      assert not docs_lib.BazelProblems(block), docs_lib.BazelProblems(block)
+  assert {'excerpt', 'bazel'} <= kinds
 
 
 def testEveryPageHasRunnableExamplesAndMarkersParse():
-  pages = {b.path for b in BLOCKS}
+  pages = {b.path for b in RUNNABLE}
   for page in ('README.md', 'docs/quickstart.md', 'docs/schedules.md'):
     assert page in pages, page
-  for block in BLOCKS:
+  for block in RUNNABLE:
     assert block.code.strip(), block.id
     # The venv's python or a console script, never a bare python.
     assert not re.search(r'(^|[\s;|&(])python3?\s', block.code), block.id
@@ -109,13 +236,10 @@ def testScheduleValuesInDocsAreTheSchedules():
     assert "`'%s'`" % name in page, name
 
 
-if __name__ == '__main__':
-  sys.exit(pytest.main([__file__]))
-
 
 # Every library file: a param or flag help is 1-3 lines; the detail is in
 # docs/.
-_SHORT_HELP_FILES = ['lingvo_ext/**/*.py']
+_SHORT_HELP_FILES = ['lingvo_ext/**/*.py', 'bench/**/*.py', 'params/**/*.py']
 # About 3 lines of 80 characters.
 _MAX_HELP = 240
 
@@ -149,3 +273,43 @@ def testParamAndFlagHelpsAreShort():
           long_helps.append('%s:%d: %d characters' % (
               os.path.relpath(path, ROOT), line, len(text)))
   assert not long_helps, '\n'.join(long_helps)
+
+
+# A date, a time of day or a commit hash: figures and their dates belong in
+# docs/benchmarks.md, never in the code (comments say why, not when).
+_WHEN = re.compile(r'\b20\d\d-[01]\d-[0-3]\d\b|\b[0-2]?\d:[0-5]\d ?UTC\b|\bUTC\b'
+                   r'|\bcommit [0-9a-f]{7,40}\b|\b[0-9a-f]{40}\b')
+_CODE_DIRS = ['lingvo_ext/**/*.py', 'bench/**/*.py', 'params/**/*.py',
+              'scripts/*.py', 'scripts/*.sh']
+
+
+def testNoDatesTimesOrHashesInCode():
+  import glob  # pylint: disable=g-import-not-at-top
+  found = []
+  for pattern in _CODE_DIRS:
+    for path in sorted(glob.glob(os.path.join(ROOT, pattern),
+                                 recursive=True)):
+      with open(path, encoding='utf-8') as f:
+        for n, line in enumerate(f, 1):
+          if _WHEN.search(line):
+            found.append('%s:%d: %s' % (os.path.relpath(path, ROOT), n,
+                                        line.strip()))
+  assert not found, '\n'.join(found)
+
+
+def testNoTimeOfDayInReadmeOrDocs():
+  import glob  # pylint: disable=g-import-not-at-top
+  time_of_day = re.compile(r'\b[0-2]?\d:[0-5]\d(:[0-5]\d)? ?(UTC|GMT|CET)\b'
+                           r'|\bUTC\b')
+  found = []
+  for pattern in docs_lib.DOC_FILES:
+    for path in sorted(glob.glob(os.path.join(ROOT, pattern))):
+      with open(path, encoding='utf-8') as f:
+        for n, line in enumerate(f, 1):
+          if time_of_day.search(line):
+            found.append('%s:%d: %s' % (os.path.relpath(path, ROOT), n,
+                                        line.strip()))
+  assert not found, '\n'.join(found)
+
+if __name__ == '__main__':
+  sys.exit(pytest.main([__file__]))
