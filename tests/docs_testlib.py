@@ -427,7 +427,9 @@ def CheckTrainerArgv(argv):
 
 
 def CheckCommandsMain():
-  """Reads [argv, ...] as JSON on stdin; prints each error; 1 if any.
+  """Reads [argv or {env, argv}, ...] as JSON on stdin; prints each error.
+
+  Returns 1 if any command failed its checks, else 0.
 
   An argv is ['-m', 'lingvo_ext.trainer', flags...] (the trainer's checks),
   or a script's or module's argparse command line (its parser's).
@@ -437,6 +439,12 @@ def CheckCommandsMain():
   sys.path.insert(0, ROOT)  # For bench/'s `from bench import ...`.
   failed = 0
   for argv in json.load(sys.stdin):
+    if isinstance(argv, dict):  # {'env': the task's environment, 'argv'}.
+      for name in list(os.environ):
+        if name == 'TF_CONFIG' or name.startswith('SLURM_'):
+          del os.environ[name]
+      os.environ.update(argv['env'])
+      argv = argv['argv']
     if argv[:2] == ['-m', 'lingvo_ext.trainer']:
       error = CheckTrainerArgv(argv[2:])
     else:

@@ -120,6 +120,18 @@ def testEveryCodeBlockIsRunOrChecked():
   assert len(_Chains()) >= 30  # The extraction still finds the examples.
 
 
+def _CheckCommands(items, env=None):
+  """Runs docs_testlib.CheckCommandsMain on items; asserts each is ok."""
+  proc = subprocess.run(
+      [os.path.join(ROOT, '.venv', 'bin', 'python'), '-c',
+       'import sys; from tests import docs_testlib; '
+       'sys.exit(docs_testlib.CheckCommandsMain())'],
+      input=json.dumps(items), cwd=ROOT, env=env, stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT, check=False)
+  assert proc.returncode == 0, proc.stdout[-5000:]
+  assert proc.stdout.count(': ok\n') == len(items), proc.stdout
+
+
 def _Commands(block, tmp_path):
   """[(PYTHONPATH, argv)] of the python commands a `checked` block runs.
 
@@ -173,15 +185,44 @@ def testCheckedCommandsPassTheirParsersAndChecks(block, tmp_path):
   for pythonpath, argv in commands:
     by_path.setdefault(pythonpath, []).append(argv)
   for pythonpath, argvs in by_path.items():
-    env = dict(os.environ, PYTHONPATH=pythonpath)
-    proc = subprocess.run(
-        [os.path.join(ROOT, '.venv', 'bin', 'python'), '-c',
-         'import sys; from tests import docs_testlib; '
-         'sys.exit(docs_testlib.CheckCommandsMain())'],
-        input=json.dumps(argvs), cwd=ROOT, env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT, check=False)
-    assert proc.returncode == 0, '%s:\n%s' % (block.id, proc.stdout[-5000:])
-    assert proc.stdout.count(': ok\n') == len(argvs), proc.stdout
+    _CheckCommands(argvs, dict(os.environ, PYTHONPATH=pythonpath))
+
+
+@pytest.mark.e2e
+def testSlurmAndKubernetesExamplesPassTheTrainersChecks(tmp_path):
+  """Each task's trainer command, in the environment it gets there."""
+  # pylint: disable=g-import-not-at-top,protected-access
+  import stat
+  from lingvo_ext.distributed import resolvers
+  from tests import test_cluster_resolver as cluster_test
+  items = []
+  for job in [d for d in cluster_test._K8sDocuments() if d['kind'] == 'Job']:
+    (container,) = job['spec']['template']['spec']['containers']
+    command = container['command'] + container['args']
+    assert command[:3] == ['python', '-m', 'lingvo_ext.trainer'], command
+    for index in range(job['spec']['completions']):
+      env = cluster_test._PodEnv(container, index, job['metadata']['name'])
+      items.append(dict(env=env, argv=command[1:]))
+  # The sbatch script, with an srun that records its command.
+  srun = tmp_path / 'bin' / 'srun'
+  srun.parent.mkdir()
+  record = tmp_path / 'srun.json'
+  srun.write_text(f'#!{sys.executable}\nimport json, sys\n'
+                  f'json.dump(sys.argv[1:], open({str(record)!r}, "w"))\n')
+  srun.chmod(srun.stat().st_mode | stat.S_IEXEC)
+  env = dict(os.environ, PATH=f'{srun.parent}:{os.environ["PATH"]}',
+             HOME=str(tmp_path), SLURM_JOB_NUM_NODES='2', SLURM_NTASKS='5',
+             SLURM_JOB_NODELIST='node[1-2]')
+  env.pop('LOGDIR', None)
+  subprocess.run(['bash', os.path.join(ROOT, 'docs', 'slurm',
+                                       'lingvo_ext.sbatch')],
+                 env=env, check=True, timeout=30)
+  argv = json.loads(record.read_text())
+  command = argv[argv.index('python') + 1:]
+  for rank in range(5):
+    items.append(dict(env=resolvers.SlurmEnv(['node1', 'node2'], [3, 2], rank),
+                      argv=command))
+  _CheckCommands(items)
 
 
 def testCheckedExcerptsAndBazelBlocks():
