@@ -20,6 +20,7 @@ import sys
 
 import pytest
 
+from tests import docs_commands_testlib as commands_lib
 from tests import docs_testlib as docs_lib
 
 ROOT = docs_lib.ROOT
@@ -121,11 +122,11 @@ def testEveryCodeBlockIsRunOrChecked():
 
 
 def _CheckCommands(items, env=None):
-  """Runs docs_testlib.CheckCommandsMain on items; asserts each is ok."""
+  """Runs CheckCommandsMain on items (a subprocess); asserts each is ok."""
   proc = subprocess.run(
       [os.path.join(ROOT, '.venv', 'bin', 'python'), '-c',
-       'import sys; from tests import docs_testlib; '
-       'sys.exit(docs_testlib.CheckCommandsMain())'],
+       'import sys; from tests import docs_commands_testlib as c; '
+       'sys.exit(c.CheckCommandsMain())'],
       input=json.dumps(items), cwd=ROOT, env=env, stdout=subprocess.PIPE,
       stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT, check=False)
   assert proc.returncode == 0, proc.stdout[-5000:]
@@ -147,7 +148,7 @@ def _Commands(block, tmp_path):
   os.makedirs(str(fakes))
   for fake in (str(work / '.venv' / 'bin' / 'python'), str(fakes / 'bash')):
     with open(fake, 'w', encoding='utf-8') as f:
-      f.write(docs_lib.FAKE_PYTHON % os.path.join(ROOT, '.venv', 'bin',
+      f.write(commands_lib.FAKE_PYTHON % os.path.join(ROOT, '.venv', 'bin',
                                                   'python'))
     os.chmod(fake, 0o755)
   if block.check == 'flags':
