@@ -504,8 +504,8 @@ class PipeliningLayer(SeqLayer):
         "'recurrent'). See docs/schedules.md.")
     p.Define(
         'jit_compile', False,
-        "Compile each cell's function with XLA (not 'recurrent'); dropout "
-        'masks then differ from uncompiled cells. See docs/performance.md.')
+        "Compile each cell's function with XLA (not 'recurrent'): speed "
+        'only, the same dropout masks. See docs/performance.md.')
     p.Define(
         'recompute', None,
         "Recompute each cell's forward pass in its backward pass. None: the "
