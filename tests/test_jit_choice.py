@@ -89,3 +89,25 @@ def test_auto_computes_what_the_build_it_takes_computes(cache, monkeypatch,
       outs.append(sess.run(out))
     assert net.JitCompile() is choice
   np.testing.assert_array_equal(outs[0], outs[1])
+
+
+# --- The planner's dimension --------------------------------------------------
+
+
+def test_plans_carry_jit_compile_into_the_experiment():
+  from lingvo_ext.core import planner  # pylint: disable=g-import-not-at-top
+  import test_plan  # pylint: disable=g-import-not-at-top
+  profile = test_plan._Profile()  # pylint: disable=protected-access
+  default = planner.Enumerate(profile, 2, schedules=('unrolled',))
+  both = planner.Enumerate(profile, 2, schedules=('unrolled',),
+                           jit_choices=(False, True))
+  assert {p.jit_compile for p in default} == {'auto'}
+  assert len(both) == 2 * len(default)
+  keys = [p.Key() for p in both]
+  assert len(set(keys)) == len(keys) and keys[1].endswith(' xla')
+  assert planner.Overrides(default[0])['task.jit_compile'] == 'auto'
+  assert 'task.jit_compile:True' in planner.OverrideString(both[1])
+  # A plan written before the dimension existed reads as 'auto'.
+  old = default[0].ToDict()
+  del old['jit_compile']
+  assert planner.PlanFromDict(old) == default[0]

@@ -26,6 +26,7 @@ import numpy as np
 import tensorflow as tf2
 
 from lingvo_ext.core import nest_util
+from lingvo_ext.core.engine import records
 
 VALUES = (False, True, 'auto')
 _CACHE_FILE = 'jit_compile.json'
@@ -153,6 +154,8 @@ def Resolve(layer, args) -> bool:
   p = layer.params
   if p.jit_compile != 'auto':
     return bool(p.jit_compile)
+  if records.Get(p.schedule).generator is None:
+    return False  # Lingvo's own loop ('recurrent'): no cell functions.
   num_devices = layer.cluster.num_devices_per_split
   key = Signature(p, args, layer.do_eval, num_devices)
   path = CachePath()
