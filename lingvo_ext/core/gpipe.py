@@ -673,7 +673,8 @@ class PipeliningLayer(SeqLayer):
 
   def JitCompile(self) -> bool:
     """Whether cells compile with XLA ('auto' resolved at FProp)."""
-    return getattr(self, '_jit_compile', self.params.jit_compile is True)
+    return getattr(self, '_jit_compile', jit_choice.Normalize(
+        self.params.name, self.params.jit_compile) is True)
 
   def Cells(self):
     """[(name, cell layer)] of the pipeline's cells, in order."""

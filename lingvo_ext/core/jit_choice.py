@@ -18,9 +18,11 @@ import hashlib
 import json
 import os
 import platform
+import threading
 import time
 
 import lingvo.compat as tf
+from lingvo.core import cluster_factory
 from lingvo.core import py_utils
 import numpy as np
 import tensorflow as tf2
@@ -36,12 +38,21 @@ _WARMUP_STEPS = 2
 _TIMED_ROUNDS = 5
 
 
+def Normalize(name: str, value):
+  """True, False or 'auto'; 'True' and 'False' (as an override of an 'auto'
+  param parses them) as bools. Raises ValueError for anything else."""
+  text = {'True': True, 'False': False}
+  if isinstance(value, str) and value in text:
+    return text[value]
+  if value is True or value is False or value == 'auto':
+    return value
+  raise ValueError("%s: jit_compile=%r; use True, False or 'auto'." %
+                   (name, value))
+
+
 def CheckValue(name: str, value) -> None:
   """Raises ValueError unless `value` is a jit_compile value."""
-  if not any(value is v or value == v for v in VALUES
-             if isinstance(value, type(v))):
-    raise ValueError("%s: jit_compile=%r; use True, False or 'auto'." %
-                     (name, value))
+  Normalize(name, value)
 
 
 def CachePath() -> str:
@@ -96,12 +107,15 @@ def _WriteCache(path, key, entry):
 
 
 def _Like(t):
-  """A tensor shaped and typed as `t`: fixed random floats, zero ints."""
+  """A tensor shaped and typed as `t`: floats in [0, 1), zero ints.
+
+  Both read as valid ids or paddings where a model casts them to ints.
+  """
   if t is None:
     return None
   shape = t.shape.as_list()
   if t.dtype.is_floating:
-    values = np.random.RandomState(0).randn(*shape).astype(np.float32)
+    values = np.random.RandomState(0).uniform(size=shape).astype(np.float32)
     return tf.cast(tf.constant(values), t.dtype)
   return tf.zeros(shape, t.dtype)
 
@@ -129,6 +143,30 @@ def _Build(params, args, jit: bool, do_eval: bool, num_devices: int):
   return sess, fetch
 
 
+def _InOwnThread(fn, cluster):
+  """fn() in a thread of its own, under `cluster`.
+
+  The graph being built when 'auto' resolves has contexts of its own on
+  Lingvo's thread-local stacks (its global step, step seeds, variable
+  scopes); the probe's graphs must not see them.
+  """
+  result = {}
+
+  def Run():
+    try:
+      with cluster:
+        result['value'] = fn()
+    except BaseException as e:  # pylint: disable=broad-except
+      result['error'] = e
+
+  thread = threading.Thread(target=Run, name='jit_compile_auto')
+  thread.start()
+  thread.join()
+  if 'error' in result:
+    raise result['error']
+  return result['value']
+
+
 def Measure(params, args, do_eval: bool, num_devices: int):
   """{False: ms, True: ms}: each build's lowest step time."""
   built = {jit: _Build(params, args, jit, do_eval, num_devices)
@@ -152,8 +190,9 @@ def Measure(params, args, do_eval: bool, num_devices: int):
 def Resolve(layer, args) -> bool:
   """The layer's jit_compile as a bool: 'auto' taken from cache or timing."""
   p = layer.params
-  if p.jit_compile != 'auto':
-    return bool(p.jit_compile)
+  value = Normalize(p.name, p.jit_compile)
+  if value != 'auto':
+    return value
   if records.Get(p.schedule).generator is None:
     return False  # Lingvo's own loop ('recurrent'): no cell functions.
   num_devices = layer.cluster.num_devices_per_split
@@ -162,7 +201,15 @@ def Resolve(layer, args) -> bool:
   entry = _ReadCache(path).get(key)
   how = 'cached in'
   if entry is None:
-    ms = Measure(p, args, layer.do_eval, num_devices)
+    # Shapes only: the probe's graphs cannot hold the caller's tensors.
+    like = tf.nest.map_structure(
+        lambda t: None if t is None else tf2.TensorSpec(t.shape, t.dtype), args)
+    # The probe runs in a local session: the same split on local devices.
+    cluster = cluster_factory.ForTestingWorker(
+        mode='sync', job='trainer_client', cpus=num_devices,
+        split_size=num_devices, do_eval=layer.do_eval)
+    ms = _InOwnThread(
+        lambda: Measure(p, like, layer.do_eval, num_devices), cluster)
     entry = dict(jit_compile=ms[True] < ms[False], ms_xla=ms[True],
                  ms_tf=ms[False], machine=Machine())
     _WriteCache(path, key, entry)

@@ -25,9 +25,9 @@ def Overrides(plan: Plan) -> Dict[str, object]:
                          records.LINEAR_LOSS_ONLY else plan.recompute),
       'task.gradient_sync': plan.gradient_sync,
       'input.batch_size': plan.replica_batch,
-      # XLA or not: 'auto' times both builds (core/jit_choice.py).
-      'task.jit_compile': plan.jit_compile,
   }
+  if plan.jit_compile != 'auto':  # 'auto' (the task's default) times both.
+    out['task.jit_compile'] = plan.jit_compile
   return out
 
 
