@@ -505,10 +505,9 @@ class PipeliningLayer(SeqLayer):
         "'recurrent'). See docs/schedules.md.")
     p.Define(
         'jit_compile', False,
-        "Compile each cell's function with XLA (not 'recurrent'): True, "
-        "False or 'auto' (the faster, timed once per model and machine, "
-        'cached). Speed only: the same dropout masks. See '
-        'docs/performance.md.')
+        "XLA-compile each cell (not 'recurrent'): True, False or 'auto' "
+        '(the faster, timed once per model and machine, cached). Speed only: '
+        'same dropout masks. See docs/performance.md.')
     p.Define(
         'recompute', None,
         "Recompute each cell's forward pass in its backward pass. None: the "
