@@ -31,7 +31,7 @@ _PIPELINE_PARAMS_SET_BY_TASK = frozenset([
 # Where a task's default differs from the layer's: a task builds its cells
 # with XLA where that times faster on its model and machine (measured
 # fastest for Lingvo's Transformer, not for a wide FC stack: docs/benchmarks.md).
-_TASK_DEFAULTS = {'jit_compile': 'auto'}
+TASK_DEFAULTS = {'jit_compile': 'auto'}
 
 
 def PipelineSwitches():
@@ -106,7 +106,7 @@ class PipelinedTask(base_model.BaseTask):
         'how variables are spread over the ps devices, "size" (least loaded '
         'in bytes) or "round_robin".')
     for name, default, doc in PipelineSwitches():
-      p.Define(name, _TASK_DEFAULTS.get(name, default),
+      p.Define(name, TASK_DEFAULTS.get(name, default),
                f"Passed to the PipeliningLayer ('task.{name}:...'): {doc}")
     # BaseLayer's own param, documented for this task's users.
     internal_lingvo.SetParamDescription(p, 'fprop_dtype', (
