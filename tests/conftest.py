@@ -72,6 +72,16 @@ def _SharedOnce(tmp_path_factory, name, build):
       return json.load(f)['result']
 
 
+@pytest.fixture(scope='session', autouse=True)
+def _jit_choice_cache(tmp_path_factory):
+  """jit_compile='auto' caches its choices in the run's temp folder (shared
+  by the workers and the trainers they start), not in ~/.cache."""
+  shared = tmp_path_factory.getbasetemp()
+  if os.environ.get('PYTEST_XDIST_WORKER'):
+    shared = shared.parent
+  os.environ['XDG_CACHE_HOME'] = str(shared / 'xdg_cache')
+
+
 @pytest.fixture(scope='session')
 def shared_once(tmp_path_factory):
   """shared_once(name, build): build(path)'s result, once for all workers."""

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from lingvo_ext.core import gpipe
+from lingvo_ext.core import jit_random
 import gpipe_testlib as lib
 
 B, D = 8, 6
@@ -142,6 +143,26 @@ def test_act_fetch_layers():
     assert not np.allclose(out[0], out[1])
 
 
+# XLA-compiled cell functions, as the schedule tests run them.
+JIT = (('cell_functions', True), ('jit_compile', True))
+JIT_VARIANTS = (('unrolled', False, JIT), ('1f1b', True, JIT))
+
+
+def ExpectCompiled(monkeypatch):
+  """Fails if a jit_compile cell falls back to uncompiled; lists checks."""
+  checked = []
+  unmatched = jit_random.UnmatchedRandomOps
+
+  def Check(graph):
+    out = unmatched(graph)
+    assert not out, out
+    checked.append(graph.name)
+    return out
+
+  monkeypatch.setattr(jit_random, 'UnmatchedRandomOps', Check)
+  return checked
+
+
 def _DropoutCells(num_cells, keep_prob):
   """FC then dropout in every cell, on stateless per-step seeds."""
   cells = []
@@ -158,17 +179,20 @@ def _DropoutCells(num_cells, keep_prob):
 
 @pytest.mark.parametrize('num_devices,num_micro', [
     (2, 4), pytest.param(4, 8, marks=pytest.mark.slow)])
-def test_dropout_same_mask_in_recomputation(num_devices, num_micro):
+def test_dropout_same_mask_in_recomputation(num_devices, num_micro,
+                                            monkeypatch):
   # With recompute the backward pass rebuilds each cell, dropout included:
   # only if it draws the forward pass's mask do the gradients equal those of
   # the schedule that keeps its activations. '1f1b' without recomputation
   # differentiates its forward pass, as 'unrolled' does.
+  compiled = ExpectCompiled(monkeypatch)
   variants = (('unrolled', True), ('1f1b', None), ('1f1b', False),
-              ('1f1b', True))
+              ('1f1b', True)) + JIT_VARIANTS
   results, _, names = lib.RunVariants(
       _DropoutCells(num_devices, 0.5), num_devices,
       lambda: (_Input(4 * B, D),),
       variants=(('unrolled', False),) + variants, num_micro_batches=num_micro)
+  assert compiled  # Each cell's function traced once, compiled.
   ref_out, ref_grads = results[('unrolled', False)]
   # The last cell ends in dropout: about half the outputs are exactly 0, in
   # different places in each micro-batch.
@@ -177,6 +201,8 @@ def test_dropout_same_mask_in_recomputation(num_devices, num_micro):
   assert not np.array_equal(zero[:B], zero[B:2 * B])
   for variant in variants:
     out, grads = results[variant]
+    # The same masks, XLA-compiled or not: zeros in the same places.
+    np.testing.assert_array_equal(out == 0, zero, err_msg=str(variant))
     np.testing.assert_allclose(out, ref_out, atol=1e-5, rtol=1e-5)
     for name, a, b in zip(names, grads, ref_grads):
       np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5,

@@ -37,9 +37,12 @@ SCHEDULES = [
     dict(schedule='recurrent'),
     dict(schedule='unrolled', cell_functions=False),
     dict(schedule='1f1b', cell_functions=False, recompute=True),
+    dict(schedule='unrolled', jit_compile=True),
+    dict(schedule='1f1b', jit_compile=True, recompute=True),
 ]
 SCHEDULE_IDS = ['unrolled', 'unrolled-recompute', '1f1b', 'recurrent',
-                'unrolled-inline', '1f1b-inline-recompute']
+                'unrolled-inline', '1f1b-inline-recompute', 'unrolled-jit',
+                '1f1b-jit-recompute']
 
 
 class TupleOutLayer(base_layer.BaseLayer):
@@ -142,6 +145,8 @@ def test_names_checkpoints_outputs_and_gradients_equal_lingvos(
   l_out, l_grads = _Run(lg, lt, save=lingvo_ckpt)
   e_out, e_grads = _Run(eg, et, restore=lingvo_ckpt)
   assert isinstance(e_out, np.ndarray)  # A bare tensor, as Lingvo's.
+  # Lingvo's dropout masks, compiled with XLA (jit_compile) or not.
+  np.testing.assert_array_equal(e_out == 0, l_out == 0)
   np.testing.assert_allclose(e_out, l_out, rtol=1e-5, atol=1e-6)
   for a, b in zip(e_grads, l_grads):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

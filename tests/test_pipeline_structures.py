@@ -38,7 +38,12 @@ import test_schedules
 _INLINE = (('cell_functions', False),)
 INLINE_VARIANTS = (('unrolled', False, _INLINE), ('unrolled', True, _INLINE),
                    ('1f1b', None, _INLINE), ('1f1b', True, _INLINE))
-ALL_VARIANTS = lib.VARIANTS + (('1f1b', True),) + INLINE_VARIANTS
+# XLA-compiled cell functions (jit_compile): the same numbers, faster.
+_JIT = (('cell_functions', True), ('jit_compile', True))
+JIT_VARIANTS = (('unrolled', False, _JIT), ('unrolled', True, _JIT),
+                ('1f1b', None, _JIT), ('1f1b', True, _JIT))
+ALL_VARIANTS = (lib.VARIANTS + (('1f1b', True),) + INLINE_VARIANTS +
+                JIT_VARIANTS)
 
 
 # --- Lingvo's DummyPipelineCnn structure --------------------------------------

@@ -37,6 +37,7 @@ import tensorflow as tf2
 
 from lingvo_ext._internal import tf as internal_tf
 from lingvo_ext.core import graph_state
+from lingvo_ext.core import jit_random
 from lingvo_ext.core import matmul_grad
 from lingvo_ext.core import nest_util
 
@@ -122,6 +123,7 @@ class CellFunction:
   def _Trace(self, theta, inputs, step):
     """Builds the tf.function for these input structures."""
     cell = self._cell
+    self._traced_args = (theta, inputs, step)
     self._theta_struct = theta
     self._in_struct = inputs
     self._acc_struct = cell.GetAccumulatorValues()
@@ -162,6 +164,10 @@ class CellFunction:
         stack.enter_context(matmul_grad.CellMatMulGradients())
         first_op = len(tf.get_default_graph().get_operations())
         out = cell.FProp(theta_b, *nest_util.ToTuple(x_b))
+      if self._jit_compile:
+        # XLA turns Philox bits into floats otherwise than TF's kernels.
+        jit_random.MatchStatelessUniforms(
+            tf.get_default_graph().get_operations()[first_op:])
       new_accs = nest_util.Flat(cell.GetAccumulatorValues()) if n_acc else []
       out, new_accs, xs = self._ExportWeightUses(
           first_op, list(args[:n_theta]), out, new_accs)
@@ -247,6 +253,8 @@ class CellFunction:
     """(the function's arguments, the cell's accumulator values)."""
     if self._fn is None:
       self._Trace(theta, inputs, step)
+      if self._jit_compile:
+        self._UncompiledIfUnmatched(*self._Args(theta, inputs, step))
     accs = nest_util.Flat(self._cell.GetAccumulatorValues())
     args = nest_util.Flat(theta) + [x for x in nest_util.Flat(inputs) if x is not None]
     args += [step]
@@ -259,6 +267,23 @@ class CellFunction:
           self._global_step = tf.convert_to_tensor(py_utils.GetGlobalStep())
       args.append(self._global_step)
     return args + accs, accs
+
+  def _UncompiledIfUnmatched(self, args, accs):
+    """Retraces uncompiled if XLA would draw some random op differently.
+
+    So `jit_compile` changes a cell's speed only, never its random draws.
+    """
+    graph = self._fn.get_concrete_function(*args).graph
+    if accs:  # The trace left the function's own tensors there.
+      self._cell.SetAccumulatorValues(
+          tf.nest.pack_sequence_as(self._acc_struct, accs))
+    unmatched = jit_random.UnmatchedRandomOps(graph)
+    if unmatched:
+      tf.logging.info(
+          '%s: built without XLA (jit_compile): XLA draws %s otherwise than '
+          "TensorFlow's kernels.", self._name, ', '.join(unmatched))
+      self._jit_compile = False
+      self._Trace(*self._traced_args)
 
   def HasUnexportedLookups(self, theta, inputs, step) -> bool:
     """Whether the cell gathers from a weight in a way it does not export.

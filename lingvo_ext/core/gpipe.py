@@ -30,6 +30,7 @@ from lingvo.core import tshape
 
 from lingvo_ext.core import cost as cost_lib
 from lingvo_ext.core import cuts
+from lingvo_ext.core import jit_choice
 from lingvo_ext.core import nest_util
 from lingvo_ext.core import partitioning
 from lingvo_ext.core import schedules
@@ -504,8 +505,9 @@ class PipeliningLayer(SeqLayer):
         "'recurrent'). See docs/schedules.md.")
     p.Define(
         'jit_compile', False,
-        "Compile each cell's function with XLA (not 'recurrent'); dropout "
-        'masks then differ from uncompiled cells. See docs/performance.md.')
+        "XLA-compile each cell (not 'recurrent'): True, False or 'auto' "
+        '(the faster, timed once per model and machine, cached). Speed only: '
+        'same dropout masks. See docs/performance.md.')
     p.Define(
         'recompute', None,
         "Recompute each cell's forward pass in its backward pass. None: the "
@@ -536,6 +538,7 @@ class PipeliningLayer(SeqLayer):
     if p.schedule not in self._SCHEDULES:
       raise ValueError('%s: schedule=%r; use one of %s.' %
                        (p.name, p.schedule, sorted(self._SCHEDULES)))
+    jit_choice.CheckValue(p.name, p.jit_compile)
     error = records.RecomputeError(p.schedule, p.recompute, '')
     if error:
       raise ValueError('%s: %s' % (p.name, error))
@@ -667,6 +670,11 @@ class PipeliningLayer(SeqLayer):
       outputs = l.FProp(theta[name], *nest_util.ToTuple(outputs))
     return outputs
 
+  def JitCompile(self) -> bool:
+    """Whether cells compile with XLA ('auto' resolved at FProp)."""
+    return getattr(self, '_jit_compile', jit_choice.Normalize(
+        self.params.name, self.params.jit_compile) is True)
+
   def Cells(self):
     """[(name, cell layer)] of the pipeline's cells, in order."""
     return list(self._cells)
@@ -710,6 +718,7 @@ class PipeliningLayer(SeqLayer):
       return self.FPropSequential(theta, *args)
 
     _, _, num_micro = self._MicroBatching(args)
+    self._jit_compile = jit_choice.Resolve(self, args)
     with tf.device(self.Devices()[0]):
       inputs = nest_util.ToTuple(args)
       for (name, l) in self._before_layers:

@@ -17,6 +17,7 @@ experiment alike:
 
 from lingvo.core import hyperparams
 
+from lingvo_ext.core import jit_choice
 from lingvo_ext.core import precision
 from lingvo_ext.core import schedules
 from lingvo_ext.tasks import pipelined_task
@@ -129,6 +130,8 @@ def CheckPipelines(cfg, num_replicas=1):
           f'{where}: schedule={p.schedule!r}; use one of '
           f'{sorted(schedules.SCHEDULES)}, e.g. '
           f"--model_params_override='{path}.schedule:\"1f1b\"'.")
+    if 'jit_compile' in p:
+      jit_choice.CheckValue(f'{where}', p.jit_compile)
     if 'recompute' in p:
       if p.recompute not in (None, True, False):
         raise ValueError(f'{where}: recompute={p.recompute!r}; use None, '

@@ -11,6 +11,7 @@ from lingvo.core import py_utils
 
 from lingvo_ext._internal import lingvo as internal_lingvo
 from lingvo_ext.core import gpipe
+from lingvo_ext.core import jit_choice
 from lingvo_ext.core import precision
 from lingvo_ext.core import schedules
 from lingvo_ext.core import stacking
@@ -25,6 +26,12 @@ _PIPELINE_PARAMS_SET_BY_TASK = frozenset([
     'partition_independent_names', 'stack_variables',
     'max_combined_variable_size', 'colocate_cell_variables'
 ])
+
+
+# Where a task's default differs from the layer's: a task builds its cells
+# with XLA where that times faster on its model and machine (measured
+# fastest for Lingvo's Transformer, not for a wide FC stack: docs/benchmarks.md).
+TASK_DEFAULTS = {'jit_compile': 'auto'}
 
 
 def PipelineSwitches():
@@ -99,7 +106,7 @@ class PipelinedTask(base_model.BaseTask):
         'how variables are spread over the ps devices, "size" (least loaded '
         'in bytes) or "round_robin".')
     for name, default, doc in PipelineSwitches():
-      p.Define(name, default,
+      p.Define(name, TASK_DEFAULTS.get(name, default),
                f"Passed to the PipeliningLayer ('task.{name}:...'): {doc}")
     # BaseLayer's own param, documented for this task's users.
     internal_lingvo.SetParamDescription(p, 'fprop_dtype', (
@@ -169,6 +176,9 @@ class PipelinedTask(base_model.BaseTask):
         stack, p.num_partitions, *shapes, cost=p.partition_cost,
         keep_layer_names=p.keep_layer_names)
     switches = {name: p.Get(name) for name, _, _ in PipelineSwitches()}
+    # An override of the 'auto' default parses True/False as text.
+    switches['jit_compile'] = jit_choice.Normalize(
+        f'{p.name}: task', switches['jit_compile'])
     return gpipe.PipeliningLayer.Params().Set(**switches).Set(
         name='pipeline', cell_tpl=cells,
         num_micro_batches=p.num_micro_batches,

@@ -93,7 +93,7 @@ class Interpreter:
     # first forward action (cell_function.ForCell).
     self.cell_fns = [None] * len(self.cells)
     self.fn_jit = [None] * len(self.cells)  # None: no function wanted.
-    jit = getattr(self.p, 'jit_compile', False)
+    jit = layer.JitCompile()
     if getattr(self.p, 'cell_functions', False) or jit:
       for i, (name, _) in enumerate(self.cells):
         if any(sharding.IsShard(v) for v in theta[name].Flatten()):

@@ -26,6 +26,8 @@ def Overrides(plan: Plan) -> Dict[str, object]:
       'task.gradient_sync': plan.gradient_sync,
       'input.batch_size': plan.replica_batch,
   }
+  if plan.jit_compile != 'auto':  # 'auto' (the task's default) times both.
+    out['task.jit_compile'] = plan.jit_compile
   return out
 
 

@@ -35,6 +35,8 @@ class Plan:
     replicas: R.
     gradient_sync: The strategy among replicas (one of SYNC_CHOICES).
     global_batch: Examples per step over all replicas.
+    jit_compile: The cells' XLA build: 'auto' (the faster, timed when the
+      model is built, jit_choice.py), True or False.
   """
   num_cells: int
   sizes: Tuple[int, ...]
@@ -45,6 +47,7 @@ class Plan:
   replicas: int
   gradient_sync: str
   global_batch: int
+  jit_compile: object = 'auto'
 
   @property
   def devices(self) -> int:
@@ -65,6 +68,8 @@ class Plan:
       label += '+rc'
     if self.replicas > 1:
       label += ' ' + self.gradient_sync
+    if self.jit_compile != 'auto':
+      label += ' xla' if self.jit_compile else ' no-xla'
     return label
 
   def ToDict(self) -> Dict:
@@ -185,7 +190,8 @@ def Enumerate(profile: ModelProfile, devices: int,
               schedules: Sequence[str] = records.NAMES,
               max_micro_batches: int = MAX_MICRO_BATCHES,
               sync_choices: Sequence[str] = SYNC_CHOICES,
-              micro_batches: Optional[Sequence[int]] = None) -> List[Plan]:
+              micro_batches: Optional[Sequence[int]] = None,
+              jit_choices: Sequence[object] = ('auto',)) -> List[Plan]:
   """Every plan of `profile` on at most `devices` devices (not predicted).
 
   Args:
@@ -196,6 +202,8 @@ def Enumerate(profile: ModelProfile, devices: int,
     max_micro_batches: Largest M considered.
     sync_choices: gradient_sync strategies considered when R > 1.
     micro_batches: If given, only these M.
+    jit_choices: jit_compile values considered. The prediction does not
+      model XLA; 'auto' leaves it to the timing when the model is built.
 
   Returns:
     The plans: D * R <= N, R divides the global batch, M divides the replica
@@ -237,10 +245,11 @@ def Enumerate(profile: ModelProfile, devices: int,
               continue
             for rc in recomputes:
               for sync in syncs:
-                plans.append(Plan(
+                plans += [Plan(
                     num_cells=k, sizes=cuts[k], devices_per_replica=d,
                     num_micro_batches=m, schedule=name, recompute=rc,
-                    replicas=r, gradient_sync=sync, global_batch=batch))
+                    replicas=r, gradient_sync=sync, global_batch=batch,
+                    jit_compile=jit) for jit in jit_choices]
   return plans
 
 

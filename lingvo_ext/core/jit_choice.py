@@ -1,0 +1,221 @@
+"""`jit_compile='auto'`: the faster build of a pipeline, by measurement.
+
+XLA fuses a cell's few-microsecond ops (a Transformer's step gains about
+1.5x) but its GEMMs can lose to TensorFlow's own kernels (a wide FC model).
+Which wins depends on the model and the machine, so 'auto' times both:
+the pipeline is built twice in graphs of its own, with `jit_compile` False
+and True, on inputs shaped as the real ones, and a few training steps
+(forward and backward) of each run alternately; the faster (the lowest
+step time of each) is taken. The choice is cached in
+`$XDG_CACHE_HOME/lingvo_ext/jit_compile.json` (default ~/.cache), keyed by
+the layer's params, the input shapes, the mode and the machine (CPU model,
+cores, TensorFlow version, oneDNN setting), so a model rebuilt on the same
+machine takes the same build without timing it again; deleting the file
+measures again. Either build draws the same dropout masks (jit_random.py).
+"""
+
+import hashlib
+import json
+import os
+import platform
+import threading
+import time
+
+import lingvo.compat as tf
+from lingvo.core import cluster_factory
+from lingvo.core import py_utils
+import numpy as np
+import tensorflow as tf2
+
+from lingvo_ext.core import nest_util
+from lingvo_ext.core.engine import records
+
+VALUES = (False, True, 'auto')
+_CACHE_FILE = 'jit_compile.json'
+# Steps each build runs before timing (the first compiles), then timed ones,
+# alternating between the builds so a load on the machine hits both.
+_WARMUP_STEPS = 2
+_TIMED_ROUNDS = 5
+
+
+def Normalize(name: str, value):
+  """True, False or 'auto'; 'True' and 'False' (as an override of an 'auto'
+  param parses them) as bools. Raises ValueError for anything else."""
+  text = {'True': True, 'False': False}
+  if isinstance(value, str) and value in text:
+    return text[value]
+  if value is True or value is False or value == 'auto':
+    return value
+  raise ValueError("%s: jit_compile=%r; use True, False or 'auto'." %
+                   (name, value))
+
+
+def CheckValue(name: str, value) -> None:
+  """Raises ValueError unless `value` is a jit_compile value."""
+  Normalize(name, value)
+
+
+def CachePath() -> str:
+  """Where 'auto' keeps its choices."""
+  root = os.environ.get('XDG_CACHE_HOME') or os.path.join(
+      os.path.expanduser('~'), '.cache')
+  return os.path.join(root, 'lingvo_ext', _CACHE_FILE)
+
+
+def Machine() -> str:
+  """What a measured choice depends on besides the model."""
+  model = platform.processor() or platform.machine()
+  try:
+    with open('/proc/cpuinfo') as f:
+      names = [l.split(':', 1)[1].strip() for l in f if
+               l.startswith('model name')]
+    model = names[0] if names else model
+  except OSError:
+    pass
+  return '%s x%d, TF %s, oneDNN=%s' % (
+      model, os.cpu_count() or 1, tf2.__version__,
+      os.environ.get('TF_ENABLE_ONEDNN_OPTS', 'default'))
+
+
+def Signature(params, args, do_eval: bool, num_devices: int) -> str:
+  """The cache key of a pipeline built from `params` on inputs like `args`."""
+  p = params.Copy().Set(jit_compile=False)
+  shapes = [None if t is None else (t.dtype.name, str(t.shape))
+            for t in nest_util.Flat(args)]
+  text = '\n'.join([p.ToText(), repr(shapes), 'eval=%s' % do_eval,
+                    'devices=%d' % num_devices, Machine()])
+  return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def _ReadCache(path):
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except (OSError, ValueError):
+    return {}
+
+
+def _WriteCache(path, key, entry):
+  """Adds an entry, atomically (several processes may measure at once)."""
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  cache = _ReadCache(path)
+  cache[key] = entry
+  tmp = '%s.%d.tmp' % (path, os.getpid())
+  with open(tmp, 'w') as f:
+    json.dump(cache, f, indent=1, sort_keys=True)
+  os.replace(tmp, path)
+
+
+def _Like(t):
+  """A tensor shaped and typed as `t`: floats in [0, 1), zero ints.
+
+  Both read as valid ids or paddings where a model casts them to ints.
+  """
+  if t is None:
+    return None
+  shape = t.shape.as_list()
+  if t.dtype.is_floating:
+    values = np.random.RandomState(0).uniform(size=shape).astype(np.float32)
+    return tf.cast(tf.constant(values), t.dtype)
+  return tf.zeros(shape, t.dtype)
+
+
+def _Build(params, args, jit: bool, do_eval: bool, num_devices: int):
+  """(session, step op) of the pipeline built with `jit`, in its own graph."""
+  g = tf.Graph()
+  with g.as_default():
+    py_utils.GetOrCreateGlobalStepVar()
+    net = params.Copy().Set(jit_compile=jit).Instantiate()
+    inputs = tf.nest.map_structure(_Like, args)
+    out = net.FPropDefaultTheta(*nest_util.ToTuple(inputs))
+    loss = tf.add_n([tf.reduce_sum(tf.cast(t, tf.float32))
+                     for t in nest_util.Flat(out)
+                     if t is not None and t.dtype.is_floating])
+    fetch = [loss]
+    if not do_eval:
+      fetch += [t for t in tf.gradients(loss, net.vars.Flatten())
+                if t is not None]
+    init = tf.global_variables_initializer()
+  config = tf.config_pb2.ConfigProto(
+      device_count={'CPU': max(num_devices, 1)})
+  sess = tf.Session(graph=g, config=config)
+  sess.run(init)
+  return sess, fetch
+
+
+def _InOwnThread(fn, cluster):
+  """fn() in a thread of its own, under `cluster`.
+
+  The graph being built when 'auto' resolves has contexts of its own on
+  Lingvo's thread-local stacks (its global step, step seeds, variable
+  scopes); the probe's graphs must not see them.
+  """
+  result = {}
+
+  def Run():
+    try:
+      with cluster:
+        result['value'] = fn()
+    except BaseException as e:  # pylint: disable=broad-except
+      result['error'] = e
+
+  thread = threading.Thread(target=Run, name='jit_compile_auto')
+  thread.start()
+  thread.join()
+  if 'error' in result:
+    raise result['error']
+  return result['value']
+
+
+def Measure(params, args, do_eval: bool, num_devices: int):
+  """{False: ms, True: ms}: each build's lowest step time."""
+  built = {jit: _Build(params, args, jit, do_eval, num_devices)
+           for jit in (False, True)}
+  try:
+    for sess, step in built.values():
+      for _ in range(_WARMUP_STEPS):
+        sess.run(step)
+    best = {jit: float('inf') for jit in built}
+    for _ in range(_TIMED_ROUNDS):
+      for jit, (sess, step) in built.items():
+        start = time.perf_counter()
+        sess.run(step)
+        best[jit] = min(best[jit], 1e3 * (time.perf_counter() - start))
+    return best
+  finally:
+    for sess, _ in built.values():
+      sess.close()
+
+
+def Resolve(layer, args) -> bool:
+  """The layer's jit_compile as a bool: 'auto' taken from cache or timing."""
+  p = layer.params
+  value = Normalize(p.name, p.jit_compile)
+  if value != 'auto':
+    return value
+  if records.Get(p.schedule).generator is None:
+    return False  # Lingvo's own loop ('recurrent'): no cell functions.
+  num_devices = layer.cluster.num_devices_per_split
+  key = Signature(p, args, layer.do_eval, num_devices)
+  path = CachePath()
+  entry = _ReadCache(path).get(key)
+  how = 'cached in'
+  if entry is None:
+    # Shapes only: the probe's graphs cannot hold the caller's tensors.
+    like = tf.nest.map_structure(
+        lambda t: None if t is None else tf2.TensorSpec(t.shape, t.dtype), args)
+    # The probe runs in a local session: the same split on local devices.
+    cluster = cluster_factory.ForTestingWorker(
+        mode='sync', job='trainer_client', cpus=num_devices,
+        split_size=num_devices, do_eval=layer.do_eval)
+    ms = _InOwnThread(
+        lambda: Measure(p, like, layer.do_eval, num_devices), cluster)
+    entry = dict(jit_compile=ms[True] < ms[False], ms_xla=ms[True],
+                 ms_tf=ms[False], machine=Machine())
+    _WriteCache(path, key, entry)
+    how = 'measured now, cached in'
+  tf.logging.info(
+      "%s: jit_compile='auto' took %s: %.1f ms per step with XLA, %.1f "
+      'without (%s %s).', p.name, entry['jit_compile'], entry['ms_xla'],
+      entry['ms_tf'], how, path)
+  return bool(entry['jit_compile'])

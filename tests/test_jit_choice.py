@@ -1,0 +1,113 @@
+"""jit_compile='auto': the faster build, timed once and cached."""
+
+import json
+
+import lingvo_ext  # pylint: disable=unused-import
+import lingvo.compat as tf
+from lingvo.core import py_utils
+import numpy as np
+import pytest
+
+from lingvo_ext.core import gpipe
+from lingvo_ext.core import jit_choice
+import gpipe_testlib as lib
+import test_gpipe
+
+B, D = 8, 6
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+  monkeypatch.setenv('XDG_CACHE_HOME', str(tmp_path))
+  return tmp_path / 'lingvo_ext' / 'jit_compile.json'
+
+
+def _Build(jit, batch=B):
+  """(graph, layer, output) of a 2-cell FC pipeline on 2 devices."""
+  g = tf.Graph()
+  with g.as_default(), lib.Cluster(2):
+    py_utils.GetOrCreateGlobalStepVar()
+    net = gpipe.PipeliningLayer.Params().Set(
+        name='pipe', cell_tpl=test_gpipe._FcCells(2),  # pylint: disable=protected-access
+        num_micro_batches=2, jit_compile=jit).Instantiate()
+    x = tf.constant(np.random.RandomState(0).randn(batch, D).astype(
+        np.float32))
+    out = net.FPropDefaultTheta(x)
+  return g, net, out
+
+
+@pytest.mark.parametrize('value', ['yes', 1, None])
+def test_a_bad_value_names_the_param(value):
+  with tf.Graph().as_default(), lib.Cluster(2):
+    with pytest.raises(ValueError, match=r"pipe: jit_compile=.*'auto'"):
+      gpipe.PipeliningLayer.Params().Set(
+          name='pipe', cell_tpl=test_gpipe._FcCells(2),  # pylint: disable=protected-access
+          jit_compile=value).Instantiate()
+
+
+def test_auto_measures_once_then_takes_the_cached_choice(cache, monkeypatch):
+  measured = []
+  measure = jit_choice.Measure
+
+  def Measure(*args):
+    measured.append(measure(*args))
+    return measured[-1]
+
+  monkeypatch.setattr(jit_choice, 'Measure', Measure)
+  _, net, _ = _Build('auto')
+  (entry,) = json.loads(cache.read_text()).values()
+  assert len(measured) == 1 and set(measured[0]) == {False, True}
+  assert entry['jit_compile'] == (measured[0][True] < measured[0][False])
+  assert net.JitCompile() is entry['jit_compile']
+  assert entry['ms_xla'] > 0 and entry['ms_tf'] > 0
+
+  # Rebuilt, the model takes the cached choice, whichever it is.
+  for choice in (True, False):
+    key = next(iter(json.loads(cache.read_text())))
+    cache.write_text(json.dumps({key: dict(entry, jit_compile=choice)}))
+    _, net, _ = _Build('auto')
+    assert net.JitCompile() is choice
+  assert len(measured) == 1
+  # Other input shapes are another model: measured again.
+  _Build('auto', batch=2 * B)
+  assert len(measured) == 2 and len(json.loads(cache.read_text())) == 2
+
+
+@pytest.mark.parametrize('choice', [True, False])
+def test_auto_computes_what_the_build_it_takes_computes(cache, monkeypatch,
+                                                        choice):
+  # The timing is stubbed to pick `choice`; the numbers are real.
+  monkeypatch.setattr(jit_choice, 'Measure', lambda *a: {
+      choice: 1.0, not choice: 2.0})
+  outs = []
+  for jit in ('auto', choice):
+    g, net, out = _Build(jit)
+    with g.as_default():
+      init = tf.global_variables_initializer()
+    with lib.Session(g, 2) as sess:
+      sess.run(init)
+      outs.append(sess.run(out))
+    assert net.JitCompile() is choice
+  np.testing.assert_array_equal(outs[0], outs[1])
+
+
+# --- The planner's dimension --------------------------------------------------
+
+
+def test_plans_carry_jit_compile_into_the_experiment():
+  from lingvo_ext.core import planner  # pylint: disable=g-import-not-at-top
+  import test_plan  # pylint: disable=g-import-not-at-top
+  profile = test_plan._Profile()  # pylint: disable=protected-access
+  default = planner.Enumerate(profile, 2, schedules=('unrolled',))
+  both = planner.Enumerate(profile, 2, schedules=('unrolled',),
+                           jit_choices=(False, True))
+  assert {p.jit_compile for p in default} == {'auto'}
+  assert len(both) == 2 * len(default)
+  keys = [p.Key() for p in both]
+  assert len(set(keys)) == len(keys) and keys[1].endswith(' xla')
+  assert 'task.jit_compile' not in planner.Overrides(default[0])
+  assert 'task.jit_compile:True' in planner.OverrideString(both[1])
+  # A plan written before the dimension existed reads as 'auto'.
+  old = default[0].ToDict()
+  del old['jit_compile']
+  assert planner.PlanFromDict(old) == default[0]
