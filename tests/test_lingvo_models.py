@@ -346,13 +346,64 @@ def testMismatchAndEmptyInputAreOneLineAndWriteNothing(experiment, tmp_path):
   assert 'Traceback' not in out and not logdir.exists()
 
 
-def testPlannerNamesTheLingvoPipelinesItCannotCut(experiment, capsys):
+def testPlannerPlansTheLingvoLmsPipelineWithItsCells(experiment, capsys):
   del experiment
+  import json  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.core.planner import tree  # pylint: disable=g-import-not-at-top
   from lingvo_ext.tools import plan as plan_tool  # pylint: disable=g-import-not-at-top
-  assert plan_tool.main([f'--model={MODEL}', '--devices=2']) == 2
-  err = capsys.readouterr().err
-  assert 'task.lm.stack (GPipeBatchMajorTransformerStack)' in err, err
-  assert 'task.lm.stack.num_micro_batches' in err and 'Traceback' not in err
-  error, _, _ = trainer._AutoPlan(_Options(plan='auto', num_cpu_devices=2), [])  # pylint: disable=protected-access
-  assert error.startswith('--plan=auto: ') and '\n' not in error
-  assert 'task.lm.stack' in error
+  assert plan_tool.main([f'--model={MODEL}', '--devices=2', '--json']) == 0
+  out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+  [pipe] = out['pipelines']
+  assert (pipe['path'], pipe['cls'], pipe['cells']) == (
+      'task.lm.stack', 'GPipeBatchMajorTransformerStack', 2)
+  # Every plan keeps the experiment's 2 cells (their variable names), on
+  # one replica, with micro-batches dividing the input batch 8.
+  assert {(p['num_cells'], p['replicas']) for p in pipe['plans']} == {(2, 1)}
+  assert {p['num_micro_batches'] for p in pipe['plans']} <= {1, 2, 4, 8}
+  best = pipe['best']
+  assert pipe['overrides'] == {
+      'task.lm.stack.num_micro_batches': best['num_micro_batches'],
+      'task.lm.stack.schedule': best['schedule'],
+      'task.lm.stack.recompute': pipe['overrides']['task.lm.stack.recompute']}
+  assert out['trainer_flags'] == [
+      '--num_cpu_devices=%d' % best['devices_per_replica'],
+      '--worker_split_size=%d' % best['devices_per_replica']]
+  # The override it prints sets what it names.
+  cfg = registry.GetParams(MODEL, 'Train', out['model_params_override'])
+  assert cfg.task.lm.stack.schedule == best['schedule']
+  assert cfg.task.lm.stack.num_micro_batches == best['num_micro_batches']
+  # The profile's cells hold the stack's variables, split as Lingvo cuts it.
+  [profiled] = tree.ProfileTree(registry.GetParams(MODEL, 'Train'), MODEL)
+  with tf.Graph().as_default():
+    stack = registry.GetParams(MODEL, 'Train').task.lm.stack.Set(
+        name='stack').Instantiate()
+    for name, cell in stack.Cells():
+      [layer] = [l for l in profiled.profile.layers if l.name == name]
+      assert layer.param_bytes == sum(
+          v.shape.num_elements() * v.dtype.size for v in cell.vars.Flatten())
+      assert layer.flops > 0 and layer.fwd_ops > 0 and layer.bwd_ops > 0
+  assert profiled.profile.batch == 8
+  # Lingvo's engine has no switches to plan.
+  error, _, _ = trainer._AutoPlan(  # pylint: disable=protected-access
+      _Options(plan='auto', num_cpu_devices=2, gpipe_engine='lingvo'), [])
+  assert error.startswith('--plan=auto plans lingvo_ext') and '\n' not in error
+
+
+@pytest.mark.e2e
+def testPlanAutoTrainsTheLingvoLm(experiment, tmp_path):
+  logdir = tmp_path / 'logdir'
+  rc, out = _Run([f'--model={MODEL}', f'--logdir={logdir}', '--max_steps=2',
+                  '--plan=auto', '--devices=2'], experiment)
+  assert rc == 0, out[-3000:]
+  [line] = [l for l in out.splitlines() if l.startswith('--plan=auto chose')]
+  assert line.startswith('--plan=auto chose task.lm.stack K2xR1 M'), line
+  losses = [float(x) for x in re.findall(r'step \d+/2\s+loss (\S+)', out)]
+  assert len(losses) == 2 and np.all(np.isfinite(losses)), out[-3000:]
+  # The plan's values are the trained params'.
+  override = re.search(r"--model_params_override='([^']*)'", line).group(1)
+  with open(logdir / 'control' / 'params.txt') as f:
+    params = f.read()
+  for item in override.split(';'):
+    key, value = item.strip().split(':', 1)
+    assert re.search(r'^%s : %s$' % (re.escape(key), re.escape(
+        value.replace('"', "'"))), params, re.M), (item, line)

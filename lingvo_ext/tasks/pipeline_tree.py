@@ -161,22 +161,22 @@ def CheckPipelines(cfg, num_replicas=1):
 def PlannerRefusal(cfg, model):
   """Why the planner cannot plan `cfg`, in one line; None if it can.
 
-  The planner cuts a PipelinedTask's flat `LayerStack` into cells; other
-  experiments' pipelines come already cut (Lingvo's stacks), so the line
-  names each pipeline's path and the switches to set by hand.
+  The planner cuts a PipelinedTask's flat `LayerStack` into cells; any other
+  experiment's pipelines it plans with their cells as cut
+  (lingvo_ext.core.planner.tree). An experiment with neither is refused.
   """
   task = cfg.task if 'task' in cfg else None
   if task is not None and hasattr(task.cls, 'LayerStack'):
     return None
+  if Pipelines(cfg):
+    return None
   name = task.cls.__name__ if task is not None else type(cfg).__name__
-  pipelines = Pipelines(cfg)
-  if not pipelines:
-    return (f'--model={model}: its task {name} holds no pipeline '
-            '(PipeliningLayer); the planner plans pipelined experiments.')
-  where = ', '.join(f'{path} ({p.cls.__name__})' for path, p in pipelines)
-  path = pipelines[0][0]
-  return (f'--model={model}: the planner cuts a PipelinedTask\'s LayerStack; '
-          f'task {name} holds its pipeline already cut, at {where}: set its '
-          f'switches by hand, e.g. --model_params_override='
-          f'\'{path}.num_micro_batches:4; {path}.schedule:"1f1b"\' '
-          '(docs/coming-from-lingvo.md).')
+  return (f'--model={model}: its task {name} holds no pipeline '
+          '(PipeliningLayer); the planner plans pipelined experiments.')
+
+
+def IsCut(cfg):
+  """Whether the planner plans `cfg`'s pipelines as cut (not a LayerStack)."""
+  task = cfg.task if 'task' in cfg else None
+  return not (task is not None and hasattr(task.cls, 'LayerStack')) and bool(
+      Pipelines(cfg))
