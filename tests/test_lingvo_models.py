@@ -85,6 +85,16 @@ class GPipeLm(base_model_params.SingleTaskModelParams):
     p.train.max_steps = 2
     p.train.save_interval_steps = 1000
     return p
+
+
+@model_registry.RegisterSingleTaskModel
+class GPipeLmTimeMajor(GPipeLm):
+
+  def Task(self):
+    p = super().Task()
+    lm = p.lm
+    p = model.LanguageModel.Params().Set(name='lm', lm=lm, train=p.train)
+    return p
 '''
 
 
@@ -285,6 +295,16 @@ def testTrainerChecksEveryPipelineOfTheTree(experiment):
       error, _ = trainer._CheckParams(  # pylint: disable=protected-access
           _Options(override + ';' + fix[0]))
       assert error is None, error
+
+
+def testTimeMajorLanguageModelIsOneLineNamingBatchMajor(experiment):
+  del experiment
+  o = trainer_flags.Options(model=MODEL + 'TimeMajor', logdir='/nonexistent/x',
+                            run_locally='cpu')
+  error, _ = trainer._CheckParams(o)  # pylint: disable=protected-access
+  assert error and '\n' not in error
+  assert '(LanguageModel) feeds task.lm (GPipeTransformerLm)' in error
+  assert 'BatchMajorLanguageModel.Params()' in error
 
 
 def testBf16OnALingvoTaskWarnsAndTakesTheWorkAround(experiment, capsys,

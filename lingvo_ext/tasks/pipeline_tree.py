@@ -99,6 +99,31 @@ def _BatchSizes(input_params):
   return [b for b in sizes if isinstance(b, int)]
 
 
+def _CheckTimeMajorLm(task):
+  """Raises for Lingvo's time-major LanguageModel feeding GPipeTransformerLm.
+
+  LanguageModel gives its `lm` ids [time, batch]; GPipeTransformerLm takes
+  [batch, time] and pipelines over the batch, so no engine can train the
+  pair (off TPU the trimmed time axis is even unknown).
+  """
+  if (task is None or 'lm' not in task or
+      not isinstance(task.lm, hyperparams.InstantiableParams) or
+      not task.cls.__module__.startswith('lingvo.tasks.lm')):
+    return
+  # pylint: disable=g-import-not-at-top
+  from lingvo.tasks.lm import layers as lm_layers
+  from lingvo.tasks.lm import model as lm_model
+  # pylint: enable=g-import-not-at-top
+  if (issubclass(task.cls, lm_model.LanguageModel) and
+      not issubclass(task.cls, lm_model.BatchMajorLanguageModel) and
+      issubclass(task.lm.cls, lm_layers.GPipeTransformerLm)):
+    raise ValueError(
+        f'task {task.name} ({task.cls.__name__}) feeds task.lm '
+        f'({task.lm.cls.__name__}) time-major ids [time, batch], but it '
+        'takes [batch, time] and pipelines over the batch; build the task '
+        'with lingvo.tasks.lm.model.BatchMajorLanguageModel.Params().')
+
+
 def CheckPipelines(cfg, num_replicas=1):
   """Raises ValueError for what a pipeline in `cfg` would refuse when built.
 
@@ -113,6 +138,8 @@ def CheckPipelines(cfg, num_replicas=1):
   task = cfg.task if 'task' in cfg else None
   if task is not None and 'fprop_dtype' in task:
     precision.ParseDtype(task.fprop_dtype, f'{task.name}: task.fprop_dtype')
+  if pipelines:
+    _CheckTimeMajorLm(task)
   input_params = cfg.input if 'input' in cfg else None
   batches = _BatchSizes(input_params)
   for path, p in pipelines:
