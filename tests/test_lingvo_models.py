@@ -546,3 +546,27 @@ def testBuilderExperimentTrainsUnderEachSchedule(experiment, tmp_path,
                                   gpipe_engine='lingvo')
   assert lingvo_cfg.task.stack.cls is lingvo_gpipe.PipeliningLayer
   assert {name for name, _ in _VarShapes(lingvo_cfg)} <= keys
+
+
+@pytest.mark.e2e
+def testBuilderCheckpointOfOneEngineTrainsOnTheOther(experiment, tmp_path):
+  import shutil  # pylint: disable=g-import-not-at-top
+  flags = [f'--model={BUILDER_MODEL}', '--num_cpu_devices=2',
+           '--worker_split_size=2']
+  base = tmp_path / 'base'
+  rc, out = _Run(flags + [f'--logdir={base}', '--max_steps=2'], experiment)
+  assert rc == 0, out[-3000:]
+  # Step 3 from lingvo_ext's step-2 checkpoint, on each engine.
+  losses = {}
+  for engine in ('lingvo_ext', 'lingvo'):
+    logdir = tmp_path / engine
+    shutil.copytree(base, logdir,
+                    ignore=shutil.ignore_patterns('trainer.lock'))
+    rc, out = _Run(flags + [f'--logdir={logdir}', '--max_steps=3',
+                            f'--gpipe_engine={engine}'], experiment)
+    assert rc == 0, (engine, out[-3000:])
+    [loss] = re.findall(r'step 3/3\s+loss (\S+)', out) or [None]
+    assert loss is not None, (engine, out[-3000:])
+    losses[engine] = float(loss)
+  np.testing.assert_allclose(losses['lingvo'], losses['lingvo_ext'],
+                             rtol=1e-4)
