@@ -15,6 +15,10 @@ recomputes), round robin in this process, --measure_steps rounds (each
 one's peak RSS in a fresh process), and takes the fastest by its fastest
 round of those that beat the predicted best in enough of the rounds (a sign
 test over the paired rounds: planner.MeasuredChoice).
+
+Any other experiment holding pipelines (Lingvo's GPipeTransformerLm at
+task.lm.stack, a Builder stack) is planned per pipeline with its cells as
+the experiment cuts them (planner/tree.py; docs/coming-from-lingvo.md).
 """
 
 import argparse
