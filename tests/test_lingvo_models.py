@@ -487,8 +487,9 @@ def testPlannerPlansTheBuilderStacksPipeline(experiment, capsys):
   out = capsys.readouterr().out
   assert ('plans for task.stack (PipeliningLayer, its 2 cells as the '
           'experiment cuts them) on 2 devices') in out, out
+  trainer_cmd = '.venv/bin/python -m lingvo_ext.trainer'
   [command] = [l.strip() for l in out.splitlines()
-               if l.strip().startswith('.venv/bin/python -m lingvo_ext.trainer')]
+               if l.strip().startswith(trainer_cmd)]
   override = re.search(r"--model_params_override='([^']*)'", command).group(1)
   cfg = registry.GetParams(BUILDER_MODEL, 'Train', override)
   assert cfg.task.stack.cls is gpipe.PipeliningLayer
