@@ -50,8 +50,13 @@ class TreePipeline:
 def _Child(layer, part):
   """The child layer of `layer` that the params path part names."""
   name, _, index = part.partition('[')
-  child = layer.children[name]
-  return child[int(index.rstrip(']'))] if index else child
+  try:
+    child = layer.children[name]
+    return child[int(index.rstrip(']'))] if index else child
+  except (KeyError, IndexError, ValueError, TypeError):
+    raise ValueError(f'{part}: the task built no layer there from its '
+                     'params; the planner plans the pipelines it finds as '
+                     'children of the task.') from None
 
 
 def _Bytes(tensors) -> float:
