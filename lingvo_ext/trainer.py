@@ -175,7 +175,7 @@ def _AutoPlan(o, argv):
   try:
     _, text, flags, line = plan_tool.TrainerAutoPlan(
         o.model, o.devices or o.num_cpu_devices, o.memory_per_device or None,
-        o.model_params_override)
+        o.model_params_override, o.gpipe_engine)
   except (ValueError, LookupError) as e:
     return runners.FirstLine(e), o, argv
   print(line, flush=True)

@@ -349,3 +349,51 @@ def testStartupBenchReportsTheTrainerAgainstTheScript():
   assert trainer['first_step_s'] > 0
   assert trainer['vs_script'] == pytest.approx(
       trainer['first_step_s'] / script['first_step_s'], rel=1e-2)
+
+
+# --- bench/lingvo_lm.py --------------------------------------------------------
+
+
+def testLingvoLmSummaryAndMarkdown():
+  from bench import lingvo_lm  # pylint: disable=g-import-not-at-top
+  records = [
+      dict(engine='lingvo_ext', round=0, first_step_s=20., steps_per_s=4.,
+           loss_1=5.5),
+      dict(engine='lingvo', round=0, first_step_s=30., steps_per_s=2.,
+           loss_1=5.5),
+      dict(engine='lingvo', round=1, first_step_s=50., steps_per_s=1.,
+           loss_1=5.5),
+      dict(engine='lingvo_ext', round=1, first_step_s=22., steps_per_s=5.,
+           loss_1=5.5)]
+  summary = lingvo_lm.Summary(records)
+  assert [r['engine'] for r in summary] == ['lingvo_ext', 'lingvo']
+  ext, lingvo = summary
+  assert (ext['first_step_s'], ext['steps_per_s']) == (21., 4.5)
+  assert lingvo['first_step_vs_lingvo_ext'] == pytest.approx(40. / 21.)
+  assert lingvo['lingvo_ext_speedup'] == pytest.approx(4.5 / 1.5)
+  table = lingvo_lm.Markdown(summary + lingvo_lm.Summary(
+      [dict(engine='lingvo', error='exit 1: AssertionError: [2, None]')])
+  ).splitlines()
+  assert len(table) == 5
+  assert all(l.count('|') == table[0].count('|') for l in table), table
+  assert 'AssertionError' in table[-1]
+
+
+def testLingvoLmExperimentKeepsTheTimeAxisForBothEngines(tmp_path):
+  from bench import lingvo_lm  # pylint: disable=g-import-not-at-top
+  lingvo_lm.WriteExperiment(str(tmp_path))
+  with open(tmp_path / 'lingvo_lm_bench.py') as f:
+    source = f.read()
+  assert str(tmp_path / 'train.txt') in source
+  assert (tmp_path / 'train.txt').stat().st_size > 0
+  # The benchmark-only subclass is in the written experiment only.
+  assert 'def _TrimIfPossible(self, ids, paddings, labels, weights)' in source
+  assert 'splits=2, num_micro_batches=4' in source
+  import glob  # pylint: disable=g-import-not-at-top
+  for path in glob.glob(os.path.join(_REPO, 'lingvo_ext', '**', '*.py'),
+                        recursive=True):
+    with open(path) as f:
+      assert '_TrimIfPossible' not in f.read(), path
+  for bad in (['--steps', '1'], ['--rounds', '0']):
+    with pytest.raises(SystemExit):
+      lingvo_lm.ParseArgs(bad)

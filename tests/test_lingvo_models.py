@@ -85,7 +85,87 @@ class GPipeLm(base_model_params.SingleTaskModelParams):
     p.train.max_steps = 2
     p.train.save_interval_steps = 1000
     return p
+
+
+@model_registry.RegisterSingleTaskModel
+class GPipeLmTimeMajor(GPipeLm):
+
+  def Task(self):
+    p = super().Task()
+    lm = p.lm
+    p = model.LanguageModel.Params().Set(name='lm', lm=lm, train=p.train)
+    return p
 '''
+
+
+# A second kind of Lingvo GPipe user: a stack from Lingvo's
+# batch_major_attention.Builder (num_splits/num_micro_batches), whose
+# _MaybeSplit builds lingvo.core.gpipe.PipeliningLayer params, in a task.
+_BUILDER_EXPERIMENT = '''
+"""A user's task around a Lingvo Builder stack split for GPipe."""
+import lingvo.compat as tf
+import numpy as np
+from lingvo import model_registry
+from lingvo.core import base_model
+from lingvo.core import base_model_params
+from lingvo.core import batch_major_attention
+from lingvo.core import optimizer
+from lingvo.core import py_utils
+from lingvo.core import schedule
+from lingvo_ext.tasks import in_memory_input
+
+
+class Vectors(in_memory_input.InMemoryInput):
+
+  def _LoadExamples(self):
+    rng = np.random.RandomState(0)
+    x = rng.randn(64, 5, 16).astype(np.float32)
+    return py_utils.NestedMap(x=x, y=np.tanh(x[:, ::-1]))
+
+
+class BuilderTask(base_model.BaseTask):
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.Define('stack', None, 'The Builder stack.')
+    return p
+
+  def __init__(self, params):
+    super().__init__(params)
+    self.CreateChild('stack', self.params.stack)
+
+  def ComputePredictions(self, theta, input_batch):
+    x = input_batch.x
+    out = self.stack.FProp(theta.stack, py_utils.NestedMap(
+        vec=x, paddings=tf.zeros(tf.shape(x)[:2], x.dtype)))
+    return out.vec
+
+  def ComputeLoss(self, theta, predictions, input_batch):
+    loss = tf.reduce_mean(tf.square(predictions - input_batch.y))
+    return {'loss': (loss, tf.constant(1.0))}, {}
+
+
+@model_registry.RegisterSingleTaskModel
+class BuilderStack(base_model_params.SingleTaskModelParams):
+
+  def Train(self):
+    return Vectors.Params().Set(batch_size=8)
+
+  def Task(self):
+    builder = batch_major_attention.Builder.Params().Set(
+        model_dim=16, num_heads=2, ff_hidden_dim=32, num_splits=2,
+        num_micro_batches=2, deterministic_dropout=True).Instantiate()
+    p = BuilderTask.Params().Set(
+        name='builder', stack=builder.TransformerEncoderStack('stack', 2))
+    p.train.learning_rate = 1e-3
+    p.train.optimizer = optimizer.Adam.Params()
+    p.train.lr_schedule = schedule.ConstantOne.Params()
+    p.train.max_steps = 2
+    p.train.save_interval_steps = 1000
+    return p
+'''
+BUILDER_MODEL = 'lingvo_builder_stack.BuilderStack'
 
 
 def _Text():
@@ -103,6 +183,7 @@ def experiment(tmp_path_factory):
   data = exp_dir / 'train.txt'
   data.write_text(_Text())
   (exp_dir / 'lingvo_gpipe_lm.py').write_text(_EXPERIMENT % str(data))
+  (exp_dir / 'lingvo_builder_stack.py').write_text(_BUILDER_EXPERIMENT)
   sys.path.insert(0, str(exp_dir))
   yield exp_dir
   sys.path.remove(str(exp_dir))
@@ -287,6 +368,16 @@ def testTrainerChecksEveryPipelineOfTheTree(experiment):
       assert error is None, error
 
 
+def testTimeMajorLanguageModelIsOneLineNamingBatchMajor(experiment):
+  del experiment
+  o = trainer_flags.Options(model=MODEL + 'TimeMajor', logdir='/nonexistent/x',
+                            run_locally='cpu')
+  error, _ = trainer._CheckParams(o)  # pylint: disable=protected-access
+  assert error and '\n' not in error
+  assert '(LanguageModel) feeds task.lm (GPipeTransformerLm)' in error
+  assert 'BatchMajorLanguageModel.Params()' in error
+
+
 def testBf16OnALingvoTaskWarnsAndTakesTheWorkAround(experiment, capsys,
                                                     monkeypatch):
   del experiment
@@ -346,13 +437,137 @@ def testMismatchAndEmptyInputAreOneLineAndWriteNothing(experiment, tmp_path):
   assert 'Traceback' not in out and not logdir.exists()
 
 
-def testPlannerNamesTheLingvoPipelinesItCannotCut(experiment, capsys):
+def testPlannerPlansTheLingvoLmsPipelineWithItsCells(experiment, capsys):
+  del experiment
+  import json  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.core.planner import tree  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.tools import plan as plan_tool  # pylint: disable=g-import-not-at-top
+  assert plan_tool.main([f'--model={MODEL}', '--devices=2', '--json']) == 0
+  out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+  [pipe] = out['pipelines']
+  assert (pipe['path'], pipe['cls'], pipe['cells']) == (
+      'task.lm.stack', 'GPipeBatchMajorTransformerStack', 2)
+  # Every plan keeps the experiment's 2 cells (their variable names), on
+  # one replica, with micro-batches dividing the input batch 8.
+  assert {(p['num_cells'], p['replicas']) for p in pipe['plans']} == {(2, 1)}
+  assert {p['num_micro_batches'] for p in pipe['plans']} <= {1, 2, 4, 8}
+  best = pipe['best']
+  assert pipe['overrides'] == {
+      'task.lm.stack.num_micro_batches': best['num_micro_batches'],
+      'task.lm.stack.schedule': best['schedule'],
+      'task.lm.stack.recompute': pipe['overrides']['task.lm.stack.recompute']}
+  assert out['trainer_flags'] == [
+      '--num_cpu_devices=%d' % best['devices_per_replica'],
+      '--worker_split_size=%d' % best['devices_per_replica']]
+  # The override it prints sets what it names.
+  cfg = registry.GetParams(MODEL, 'Train', out['model_params_override'])
+  assert cfg.task.lm.stack.schedule == best['schedule']
+  assert cfg.task.lm.stack.num_micro_batches == best['num_micro_batches']
+  # The profile's cells hold the stack's variables, split as Lingvo cuts it.
+  [profiled] = tree.ProfileTree(registry.GetParams(MODEL, 'Train'), MODEL)
+  with tf.Graph().as_default():
+    stack = registry.GetParams(MODEL, 'Train').task.lm.stack.Set(
+        name='stack').Instantiate()
+    for name, cell in stack.Cells():
+      [layer] = [l for l in profiled.profile.layers if l.name == name]
+      assert layer.param_bytes == sum(
+          v.shape.num_elements() * v.dtype.size for v in cell.vars.Flatten())
+      assert layer.flops > 0 and layer.fwd_ops > 0 and layer.bwd_ops > 0
+  assert profiled.profile.batch == 8
+  # Lingvo's engine has no switches to plan.
+  error, _, _ = trainer._AutoPlan(  # pylint: disable=protected-access
+      _Options(plan='auto', num_cpu_devices=2, gpipe_engine='lingvo'), [])
+  assert error.startswith('--plan=auto plans lingvo_ext') and '\n' not in error
+
+
+def testPlannerPlansTheBuilderStacksPipeline(experiment, capsys):
   del experiment
   from lingvo_ext.tools import plan as plan_tool  # pylint: disable=g-import-not-at-top
-  assert plan_tool.main([f'--model={MODEL}', '--devices=2']) == 2
-  err = capsys.readouterr().err
-  assert 'task.lm.stack (GPipeBatchMajorTransformerStack)' in err, err
-  assert 'task.lm.stack.num_micro_batches' in err and 'Traceback' not in err
-  error, _, _ = trainer._AutoPlan(_Options(plan='auto', num_cpu_devices=2), [])  # pylint: disable=protected-access
-  assert error.startswith('--plan=auto: ') and '\n' not in error
-  assert 'task.lm.stack' in error
+  assert plan_tool.main([f'--model={BUILDER_MODEL}', '--devices=2']) == 0
+  out = capsys.readouterr().out
+  assert ('plans for task.stack (PipeliningLayer, its 2 cells as the '
+          'experiment cuts them) on 2 devices') in out, out
+  trainer_cmd = '.venv/bin/python -m lingvo_ext.trainer'
+  [command] = [l.strip() for l in out.splitlines()
+               if l.strip().startswith(trainer_cmd)]
+  override = re.search(r"--model_params_override='([^']*)'", command).group(1)
+  cfg = registry.GetParams(BUILDER_MODEL, 'Train', override)
+  assert cfg.task.stack.cls is gpipe.PipeliningLayer
+  assert f'task.stack.schedule:"{cfg.task.stack.schedule}"' in override
+  # Refused flags are one line each.
+  for flag in ('--measure', '--global_batch=16'):
+    assert plan_tool.main([f'--model={BUILDER_MODEL}', '--devices=2',
+                           flag]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith('error: ' + flag.split('=')[0]) and err.count(
+        '\n') == 1, err
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize('model,path', [(MODEL, 'task.lm.stack'),
+                                        (BUILDER_MODEL, 'task.stack')])
+def testPlanAutoTrainsTheLingvoExperiment(experiment, tmp_path, model, path):
+  logdir = tmp_path / 'logdir'
+  rc, out = _Run([f'--model={model}', f'--logdir={logdir}', '--max_steps=2',
+                  '--plan=auto', '--devices=2'], experiment)
+  assert rc == 0, out[-3000:]
+  [line] = [l for l in out.splitlines() if l.startswith('--plan=auto chose')]
+  assert line.startswith(f'--plan=auto chose {path} K2xR1 M'), line
+  losses = [float(x) for x in re.findall(r'step \d+/2\s+loss (\S+)', out)]
+  assert len(losses) == 2 and np.all(np.isfinite(losses)), out[-3000:]
+  # The plan's values are the trained params'.
+  override = re.search(r"--model_params_override='([^']*)'", line).group(1)
+  with open(logdir / 'control' / 'params.txt') as f:
+    params = f.read()
+  for item in override.split(';'):
+    key, value = item.strip().split(':', 1)
+    assert re.search(r'^%s : %s$' % (re.escape(key), re.escape(
+        value.replace('"', "'"))), params, re.M), (item, line)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize('schedule', sorted(schedules.SCHEDULES))
+def testBuilderExperimentTrainsUnderEachSchedule(experiment, tmp_path,
+                                                 schedule):
+  # 'zbv' places two cells on each device: the 2 cells on one.
+  devices = 1 if schedule == 'zbv' else 2
+  rc, out = _Run([f'--model={BUILDER_MODEL}', f'--logdir={tmp_path / "ld"}',
+                  '--max_steps=2', '--gpipe_engine=lingvo_ext',
+                  f'--num_cpu_devices={devices}',
+                  f'--worker_split_size={devices}',
+                  f'--model_params_override=task.stack.schedule:"{schedule}"'],
+                 experiment)
+  assert rc == 0, out[-3000:]
+  losses = [float(x) for x in re.findall(r'step \d+/2\s+loss (\S+)', out)]
+  assert len(losses) == 2 and np.all(np.isfinite(losses)), out[-3000:]
+  ckpt = tf.train.latest_checkpoint(str(tmp_path / 'ld' / 'train'))
+  keys = {name for name, _ in tf.train.list_variables(ckpt)}
+  # Lingvo's variable names, as its engine's params build them.
+  lingvo_cfg = registry.GetParams(BUILDER_MODEL, 'Train',
+                                  gpipe_engine='lingvo')
+  assert lingvo_cfg.task.stack.cls is lingvo_gpipe.PipeliningLayer
+  assert {name for name, _ in _VarShapes(lingvo_cfg)} <= keys
+
+
+@pytest.mark.e2e
+def testBuilderCheckpointOfOneEngineTrainsOnTheOther(experiment, tmp_path):
+  import shutil  # pylint: disable=g-import-not-at-top
+  flags = [f'--model={BUILDER_MODEL}', '--num_cpu_devices=2',
+           '--worker_split_size=2']
+  base = tmp_path / 'base'
+  rc, out = _Run(flags + [f'--logdir={base}', '--max_steps=2'], experiment)
+  assert rc == 0, out[-3000:]
+  # Step 3 from lingvo_ext's step-2 checkpoint, on each engine.
+  losses = {}
+  for engine in ('lingvo_ext', 'lingvo'):
+    logdir = tmp_path / engine
+    shutil.copytree(base, logdir,
+                    ignore=shutil.ignore_patterns('trainer.lock'))
+    rc, out = _Run(flags + [f'--logdir={logdir}', '--max_steps=3',
+                            f'--gpipe_engine={engine}'], experiment)
+    assert rc == 0, (engine, out[-3000:])
+    [loss] = re.findall(r'step 3/3\s+loss (\S+)', out) or [None]
+    assert loss is not None, (engine, out[-3000:])
+    losses[engine] = float(loss)
+  np.testing.assert_allclose(losses['lingvo'], losses['lingvo_ext'],
+                             rtol=1e-4)

@@ -100,6 +100,31 @@ def _BatchSizes(input_params):
   return [b for b in sizes if isinstance(b, int)]
 
 
+def _CheckTimeMajorLm(task):
+  """Raises for Lingvo's time-major LanguageModel feeding GPipeTransformerLm.
+
+  LanguageModel gives its `lm` ids [time, batch]; GPipeTransformerLm takes
+  [batch, time] and pipelines over the batch, so no engine can train the
+  pair (off TPU the trimmed time axis is even unknown).
+  """
+  if (task is None or 'lm' not in task or
+      not isinstance(task.lm, hyperparams.InstantiableParams) or
+      not task.cls.__module__.startswith('lingvo.tasks.lm')):
+    return
+  # pylint: disable=g-import-not-at-top
+  from lingvo.tasks.lm import layers as lm_layers
+  from lingvo.tasks.lm import model as lm_model
+  # pylint: enable=g-import-not-at-top
+  if (issubclass(task.cls, lm_model.LanguageModel) and
+      not issubclass(task.cls, lm_model.BatchMajorLanguageModel) and
+      issubclass(task.lm.cls, lm_layers.GPipeTransformerLm)):
+    raise ValueError(
+        f'task {task.name} ({task.cls.__name__}) feeds task.lm '
+        f'({task.lm.cls.__name__}) time-major ids [time, batch], but it '
+        'takes [batch, time] and pipelines over the batch; build the task '
+        'with lingvo.tasks.lm.model.BatchMajorLanguageModel.Params().')
+
+
 def CheckPipelines(cfg, num_replicas=1):
   """Raises ValueError for what a pipeline in `cfg` would refuse when built.
 
@@ -114,6 +139,8 @@ def CheckPipelines(cfg, num_replicas=1):
   task = cfg.task if 'task' in cfg else None
   if task is not None and 'fprop_dtype' in task:
     precision.ParseDtype(task.fprop_dtype, f'{task.name}: task.fprop_dtype')
+  if pipelines:
+    _CheckTimeMajorLm(task)
   input_params = cfg.input if 'input' in cfg else None
   batches = _BatchSizes(input_params)
   for path, p in pipelines:
@@ -164,22 +191,22 @@ def CheckPipelines(cfg, num_replicas=1):
 def PlannerRefusal(cfg, model):
   """Why the planner cannot plan `cfg`, in one line; None if it can.
 
-  The planner cuts a PipelinedTask's flat `LayerStack` into cells; other
-  experiments' pipelines come already cut (Lingvo's stacks), so the line
-  names each pipeline's path and the switches to set by hand.
+  The planner cuts a PipelinedTask's flat `LayerStack` into cells; any other
+  experiment's pipelines it plans with their cells as cut
+  (lingvo_ext.core.planner.tree). An experiment with neither is refused.
   """
   task = cfg.task if 'task' in cfg else None
   if task is not None and hasattr(task.cls, 'LayerStack'):
     return None
+  if Pipelines(cfg):
+    return None
   name = task.cls.__name__ if task is not None else type(cfg).__name__
-  pipelines = Pipelines(cfg)
-  if not pipelines:
-    return (f'--model={model}: its task {name} holds no pipeline '
-            '(PipeliningLayer); the planner plans pipelined experiments.')
-  where = ', '.join(f'{path} ({p.cls.__name__})' for path, p in pipelines)
-  path = pipelines[0][0]
-  return (f'--model={model}: the planner cuts a PipelinedTask\'s LayerStack; '
-          f'task {name} holds its pipeline already cut, at {where}: set its '
-          f'switches by hand, e.g. --model_params_override='
-          f'\'{path}.num_micro_batches:4; {path}.schedule:"1f1b"\' '
-          '(docs/coming-from-lingvo.md).')
+  return (f'--model={model}: its task {name} holds no pipeline '
+          '(PipeliningLayer); the planner plans pipelined experiments.')
+
+
+def IsCut(cfg):
+  """Whether the planner plans `cfg`'s pipelines as cut (not a LayerStack)."""
+  task = cfg.task if 'task' in cfg else None
+  return not (task is not None and hasattr(task.cls, 'LayerStack')) and bool(
+      Pipelines(cfg))

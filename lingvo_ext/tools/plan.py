@@ -15,6 +15,10 @@ recomputes), round robin in this process, --measure_steps rounds (each
 one's peak RSS in a fresh process), and takes the fastest by its fastest
 round of those that beat the predicted best in enough of the rounds (a sign
 test over the paired rounds: planner.MeasuredChoice).
+
+Any other experiment holding pipelines (Lingvo's GPipeTransformerLm at
+task.lm.stack, a Builder stack) is planned per pipeline with its cells as
+the experiment cuts them (planner/tree.py; docs/coming-from-lingvo.md).
 """
 
 import argparse
@@ -206,9 +210,39 @@ def ChooseAndApply(model_params, name: str, devices: int,
                     worker_split_size=plan.devices_per_replica)
 
 
+def ChooseTreeForExperiment(model_params, name: str, devices: int,
+                            memory_per_device: Optional[float] = None,
+                            machine: Optional[planner.Machine] = None):
+  """Each pipeline of a non-PipelinedTask experiment with its ranked plans.
+
+  Its cells as cut, one replica (planner.tree); the machine probed, not
+  calibrated (the reference plans cut a LayerStack).
+  """
+  from lingvo_ext.core.planner import tree  # pylint: disable=g-import-not-at-top
+  pipes = tree.ProfileTree(model_params, name)
+  machine = machine or planner.ProbeMachine(
+      planner.SessionConfig(devices), overhead_bytes=PROCESS_OVERHEAD_BYTES)
+  return tree.ChooseTree(pipes, devices, memory_per_device, machine)
+
+
+def TreeFlags(chosen) -> Dict[str, int]:
+  """The trainer flags the pipelines' chosen plans need (one replica)."""
+  devices = chosen[0][1].devices_per_replica
+  return dict(num_cpu_devices=devices, worker_split_size=devices)
+
+
+def TreeCommand(model: str, chosen) -> str:
+  """The trainer command line that runs the pipelines' chosen plans."""
+  from lingvo_ext.core.planner import tree  # pylint: disable=g-import-not-at-top
+  flags = ' '.join('--%s=%d' % kv for kv in TreeFlags(chosen).items())
+  return (".venv/bin/python -m lingvo_ext.trainer --model=%s %s "
+          "--model_params_override='%s' --logdir=LOGDIR" %
+          (model, flags, tree.TreeOverrideString(chosen)))
+
+
 def TrainerAutoPlan(model: str, devices: int,
                     memory_per_device: Optional[str] = None,
-                    overrides: str = ''):
+                    overrides: str = '', gpipe_engine: str = 'lingvo_ext'):
   """The trainer's --plan=auto: the best plan for `model` on `devices`.
 
   Args:
@@ -216,10 +250,12 @@ def TrainerAutoPlan(model: str, devices: int,
     devices: --devices.
     memory_per_device: --memory_per_device text, or None.
     overrides: The user's --model_params_override, applied first.
+    gpipe_engine: --gpipe_engine; the planner plans lingvo_ext's.
 
   Returns:
-    (the plan, its --model_params_override text, the trainer flags it needs
-    as a dict, one line to log).
+    (the plan (for an experiment other than a PipelinedTask: [(pipeline,
+    plan)]), its --model_params_override text, the trainer flags it needs as
+    a dict, one line to log).
 
   Raises:
     ValueError: a one-line message naming the flag (a bad size, or no plan
@@ -235,19 +271,82 @@ def TrainerAutoPlan(model: str, devices: int,
     except ValueError as e:
       raise ValueError('--memory_per_device=%s: %s' %
                        (memory_per_device, e)) from None
+  if gpipe_engine != 'lingvo_ext':
+    raise ValueError(f'--plan=auto plans lingvo_ext\'s engine, not '
+                     f'--gpipe_engine={gpipe_engine}; pass '
+                     '--gpipe_engine=lingvo_ext or leave --plan out.')
   cfg = planner.ExperimentParams(model, overrides=overrides)
   from lingvo_ext.tasks import pipeline_tree  # pylint: disable=g-import-not-at-top
   refusal = pipeline_tree.PlannerRefusal(cfg, model)
   if refusal:
     raise ValueError('--plan=auto: ' + refusal)
-  plan, flags = ChooseAndApply(cfg, model, devices, budget)
-  text = planner.OverrideString(plan)
+  if pipeline_tree.IsCut(cfg):
+    from lingvo_ext.core.planner import tree  # pylint: disable=g-import-not-at-top
+    ranked = ChooseTreeForExperiment(cfg, model, devices, budget)
+    chosen = [(pipe, plans[0]) for pipe, plans in ranked]
+    text = tree.TreeOverrideString(chosen)
+    flags = TreeFlags(chosen)
+    described = '; '.join('%s %s' % (pipe.path, planner.Describe(plan))
+                          for pipe, plan in chosen)
+    flag_text = ' '.join('--%s=%d' % kv for kv in flags.items())
+    plan = chosen
+  else:
+    plan, flags = ChooseAndApply(cfg, model, devices, budget)
+    text = planner.OverrideString(plan)
+    described = planner.Describe(plan)
+    flag_text = ' '.join(planner.TrainerFlags(plan))
   if overrides:
     text = overrides.rstrip('; ') + '; ' + text
   line = ('--plan=auto chose %s; running it with %s '
-          "--model_params_override='%s'" %
-          (planner.Describe(plan), ' '.join(planner.TrainerFlags(plan)), text))
+          "--model_params_override='%s'" % (described, flag_text, text))
   return plan, text, flags, line
+
+
+def _MainTree(args, cfg) -> int:
+  """The planner's output for an experiment whose pipelines come cut."""
+  if args.measure:
+    return _Fail('--measure times PipelinedTask plans; --model=%s holds its '
+                 'pipelines already cut: leave --measure out.' % args.model)
+  if args.global_batch is not None:
+    return _Fail('--global_batch: --model=%s takes its batch from its input '
+                 'params; leave --global_batch out.' % args.model)
+  from lingvo_ext.core.planner import tree  # pylint: disable=g-import-not-at-top
+  try:
+    ranked = ChooseTreeForExperiment(cfg, args.model, args.devices,
+                                     args.memory_bytes)
+  except ValueError as e:  # PlanError, or a bad param: one line.
+    return _Fail(str(e).strip().split('\n')[0])
+  chosen = [(pipe, plans[0]) for pipe, plans in ranked]
+  if args.json:
+    print(json.dumps(dict(
+        model=args.model, devices=args.devices,
+        memory_per_device=args.memory_bytes,
+        pipelines=[dict(path=pipe.path, cls=pipe.cls_name,
+                        cells=len(pipe.profile.layers),
+                        plans=[p.ToDict() for p in plans],
+                        best=plans[0].ToDict(),
+                        overrides=tree.TreeOverrides(pipe, plans[0]))
+                   for pipe, plans in ranked],
+        model_params_override=tree.TreeOverrideString(chosen),
+        trainer_flags=['--%s=%d' % kv for kv in TreeFlags(chosen).items()],
+        command=TreeCommand(args.model, chosen))))
+    return 0
+  for pipe, plans in ranked:
+    print('%d plans for %s (%s, its %d cells as the experiment cuts them) on '
+          '%d devices%s, fastest first (predicted, machine probed, not '
+          'calibrated):' % (
+              len(plans), pipe.path, pipe.cls_name, len(pipe.profile.layers),
+              args.devices,
+              (' within %s each' % planner.FormatSize(args.memory_bytes)
+               if args.memory_bytes else '')))
+    print(planner.Table(plans, args.limit))
+    print()
+    print('best for %s: %s' % (pipe.path, planner.Describe(plans[0])))
+    print('  ' + tree.TreeOverrideString([(pipe, plans[0])]))
+    print()
+  print('run it with:')
+  print('  ' + TreeCommand(args.model, chosen))
+  return 0
 
 
 # --- The command line ---------------------------------------------------------
@@ -352,6 +451,8 @@ def main(argv=None) -> int:
     refusal = pipeline_tree.PlannerRefusal(cfg, args.model)
     if refusal:
       return _Fail(refusal)
+    if pipeline_tree.IsCut(cfg):
+      return _MainTree(args, cfg)
     plans = ChooseForExperiment(cfg, args.model, args.devices,
                                 args.memory_bytes, args.global_batch,
                                 calibrate=args.calibrate)
