@@ -290,7 +290,8 @@ def main(argv=None):
     return 0
   if args._lingvo_child:  # pylint: disable=protected-access
     logdir = args.child_flag[0].split('=', 1)[1]
-    return _LingvoTrainer(args._lingvo_child, logdir)  # pylint: disable=protected-access
+    _LingvoTrainer(args._lingvo_child, logdir)  # pylint: disable=protected-access
+    return 0
   if any(l < 0 for l in args.transformer_layers):
     parser.error('--transformer_layers must be >= 0.')
   models = ([(m, ()) for m in args.models] if args.models else

@@ -215,8 +215,8 @@ class LocalController(_RunnerMixin, one_build.SharedModelControllerMixin,
       if self._options.interactive:
         lingvo_runners.StartShell(locals())
         return
-      sess.run(self._initialize_tables)
-      sess.run(self._initialize_local_vars)
+      # One run (Lingvo's two each prune the whole graph).
+      sess.run([self._initialize_tables, self._initialize_local_vars])
       if not self.shares_model:  # Else the trainer's; initialised once.
         for task in self._model.tasks:
           task.input.Initialize(sess)

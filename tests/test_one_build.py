@@ -123,8 +123,8 @@ def test_a_requested_summary_comes_with_the_next_step_at_its_step():
   summaries.Connect(summary_op, lambda s, at: written.append((at, s)))
   task = py_utils.NestedMap(train_op=train_op, global_step=step)
   model = py_utils.NestedMap(tasks=[task], global_step=step)
-  with runners._TrainerSession(graph=graph, model=model,  # pylint: disable=protected-access
-                               summaries=summaries) as sess:
+  session = runners._TrainerSession  # pylint: disable=protected-access
+  with session(graph=graph, model=model, summaries=summaries) as sess:
     sess.run(init)
     # Lingvo's trainer loop: the step's fetches, then the global step.
     assert len(sess.run([train_op, {}, {}])) == 3
@@ -146,8 +146,8 @@ def test_the_controller_still_writes_train_summaries(tmp_path):
   logdir = str(tmp_path / 'logdir')
   # The controller looks every second, so several times during the steps.
   proc = zygote.run(
-      [sys.executable, '-m', 'lingvo_ext.trainer', '--model=lm.TransformerLmTiny',
-       f'--logdir={logdir}', '--max_steps=100',
+      [sys.executable, '-m', 'lingvo_ext.trainer',
+       '--model=lm.TransformerLmTiny', f'--logdir={logdir}', '--max_steps=100',
        '--model_params_override=train.save_interval_seconds:1'], cwd=ROOT,
       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
       timeout=TIMEOUT)
