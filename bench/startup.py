@@ -133,6 +133,8 @@ def _TimeToFirstStep(cmd, timeout_s, pattern=_FIRST_STEP, stop=False):
             break
         if time.time() - start > timeout_s:
           break
+      if stop and first is not None:
+        os.killpg(proc.pid, 9)
       proc.wait(max(1, timeout_s - (time.time() - start)))
     finally:
       if proc.poll() is None:
