@@ -9,6 +9,10 @@ For each experiment, side by side in one run:
   does under its cluster), initialises and runs one step: the floor a
   trainer run is held to, with its breakdown (imports, params, graph build,
   first Session.run: placement, Grappler, initialisation);
+- 'lingvo.trainer': Lingvo's own trainer (its RunnerManager, Controller and
+  Trainer, lingvo_ext's experiments registered) on the same experiment, from
+  process start to its 'step:     1,' log line, where it can run it (one CPU
+  device: not with --num_cpu_devices);
 - 'transformer' rows (--transformer_layers): Lingvo's GPipeTransformerStack
   at L layers, K=4 cells, M=16 micro-batches, built by lingvo.core.gpipe
   ('lingvo') and by lingvo_ext ('unrolled') as bench/transformer.py does.
@@ -40,6 +44,8 @@ DEFAULT_MODELS = (
                                    '--worker_split_size=2')),
 )
 _FIRST_STEP = re.compile(r'^step 1/')
+# Lingvo's trainer logs its status after the first step.
+_LINGVO_FIRST_STEP = re.compile(r'.*\] step:\s+1, ')
 
 
 def _Flag(flags, name, default):
@@ -87,11 +93,30 @@ def _Script(model: str, flags) -> dict:
   return {k: round(v, 2) for k, v in out.items()}
 
 
-def _TimeToFirstStep(cmd, timeout_s, pattern=_FIRST_STEP):
+def _LingvoTrainer(model, logdir):
+  """Runs Lingvo's trainer main on `model` (as `python -m lingvo.trainer`)."""
+  sys.path.insert(0, _REPO)
+  import lingvo_ext  # pylint: disable=g-import-not-at-top,unused-import
+  import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
+  from lingvo import trainer as lingvo_trainer  # pylint: disable=g-import-not-at-top
+  from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
+  # Registers the experiments; Lingvo's model_registry finds them.
+  import params  # pylint: disable=g-import-not-at-top,unused-import
+  flags = tf.flags.FLAGS
+  flags(['lingvo.trainer', '--model=' + model, '--logdir=' + logdir,
+         '--run_locally=cpu', '--mode=sync', '--logtostderr'],
+        known_only=True)
+  if flags.disable_tf2:
+    tf.disable_v2_behavior()
+  py_utils.SetEagerMode(flags.use_eager)
+  tf.app.run(lingvo_trainer.main, argv=['lingvo.trainer'])
+
+
+def _TimeToFirstStep(cmd, timeout_s, pattern=_FIRST_STEP, stop=False):
   """(seconds to the first line matching `pattern` or None, exit code, output).
 
   Timed when the line arrives, not at exit: the session's teardown is not
-  start-up.
+  start-up. stop: kill the command then (it would train on).
   """
   start = time.time()
   first = None
@@ -104,14 +129,18 @@ def _TimeToFirstStep(cmd, timeout_s, pattern=_FIRST_STEP):
         lines.append(line)
         if first is None and pattern.match(line):
           first = time.time() - start
+          if stop:
+            break
         if time.time() - start > timeout_s:
           break
+      if stop and first is not None:
+        os.killpg(proc.pid, 9)
       proc.wait(max(1, timeout_s - (time.time() - start)))
     finally:
       if proc.poll() is None:
         os.killpg(proc.pid, 9)
         proc.wait()
-  return first, proc.returncode, lines
+  return first, (0 if stop and first else proc.returncode), lines
 
 
 def _Error(code, lines):
@@ -126,6 +155,22 @@ def TrainerRecord(model, flags, timeout_s=1800) -> dict:
     first, code, lines = _TimeToFirstStep(cmd, timeout_s)
   rec = dict(engine='lingvo_ext.trainer', model=model, flags=' '.join(flags),
              first_step_s=None if first is None else round(first, 2))
+  if code != 0 or first is None:
+    rec['error'] = _Error(code, lines)
+  return rec
+
+
+def LingvoTrainerRecord(model, flags, timeout_s=1800) -> dict:
+  rec = dict(engine='lingvo.trainer', model=model, flags=' '.join(flags))
+  if flags:
+    rec['error'] = 'not run: Lingvo\'s trainer has one CPU device'
+    return rec
+  with tempfile.TemporaryDirectory(prefix='startup_') as logdir:
+    cmd = [sys.executable, os.path.abspath(__file__), '--_lingvo_child', model,
+           '--child_flag=--logdir=' + logdir]
+    first, code, lines = _TimeToFirstStep(cmd, timeout_s, _LINGVO_FIRST_STEP,
+                                          stop=True)
+  rec['first_step_s'] = None if first is None else round(first, 2)
   if code != 0 or first is None:
     rec['error'] = _Error(code, lines)
   return rec
@@ -174,20 +219,22 @@ def TransformerRecords(layers, timeout_s=3600):
 
 
 def WithRatios(records):
-  """Adds vs_script (trainer over script) and vs_lingvo (transformer)."""
+  """Adds the ratios of first_step_s: vs_script, vs_lingvo.
+
+  The trainer's over the script's and over Lingvo's trainer's on the same
+  experiment; the unrolled transformer's over Lingvo's gpipe.
+  """
   by = {(r['engine'], r['model']): r for r in records}
+  pairs = {'lingvo_ext.trainer': (('script', 'vs_script'),
+                                  ('lingvo.trainer', 'vs_lingvo')),
+           'transformer/unrolled': (('transformer/lingvo', 'vs_lingvo'),)}
   for r in records:
     if r.get('first_step_s') is None:
       continue
-    base = None
-    if r['engine'] == 'lingvo_ext.trainer':
-      base = by.get(('script', r['model']))
-      key = 'vs_script'
-    elif r['engine'] == 'transformer/unrolled':
-      base = by.get(('transformer/lingvo', r['model']))
-      key = 'vs_lingvo'
-    if base and base.get('first_step_s'):
-      r[key] = round(r['first_step_s'] / base['first_step_s'], 3)
+    for engine, key in pairs.get(r['engine'], ()):
+      base = by.get((engine, r['model']))
+      if base and base.get('first_step_s'):
+        r[key] = round(r['first_step_s'] / base['first_step_s'], 3)
   return records
 
 
@@ -214,7 +261,9 @@ def Run(models, transformer_layers, emit=lambda r: None):
   """All records, ratios added; `emit` sees each as it is measured."""
   records = []
   for model, flags in models:
-    for measure in (ScriptRecord, TrainerRecord):
+    for measure in (ScriptRecord, TrainerRecord, LingvoTrainerRecord):
+      if measure is LingvoTrainerRecord and flags:
+        continue  # Lingvo's trainer has one CPU device.
       records.append(measure(model, flags))
       emit(records[-1])
   for layers in transformer_layers:
@@ -234,11 +283,16 @@ def main(argv=None):
                       default=[32], help='L of the transformer rows; 0: none.')
   parser.add_argument('--markdown', action='store_true')
   parser.add_argument('--_child', help=argparse.SUPPRESS)
+  parser.add_argument('--_lingvo_child', help=argparse.SUPPRESS)
   parser.add_argument('--child_flag', action='append', default=[],
                       help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   if args._child:  # pylint: disable=protected-access
     print(json.dumps(_Script(args._child, args.child_flag)), flush=True)  # pylint: disable=protected-access
+    return 0
+  if args._lingvo_child:  # pylint: disable=protected-access
+    logdir = args.child_flag[0].split('=', 1)[1]
+    _LingvoTrainer(args._lingvo_child, logdir)  # pylint: disable=protected-access
     return 0
   if any(l < 0 for l in args.transformer_layers):
     parser.error('--transformer_layers must be >= 0.')

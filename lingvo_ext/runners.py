@@ -6,7 +6,9 @@ multi-process mode (distributed/trainer_lib.py). It owns the `RunState` its
 runners share and hands them, with the trainer's `Options`, to the runner
 classes it names (its Controller/Trainer/Evaler/Decoder attributes):
 
-- `LocalController` checkpoints through checkpoints.TrainingCheckpointer
+- `LocalController` shares the in-process trainer's graph and model where
+  one runs beside it (one_build.py: one build of the model per process);
+  it checkpoints through checkpoints.TrainingCheckpointer
   (returned from Lingvo's `_CreateCheckpointer`): finite saves only, the
   step kept when a task of a live cluster restarts; it saves the last
   checkpoint as soon as the trainer in its process stops, not up to 10 s
@@ -35,6 +37,7 @@ from lingvo.core import py_utils
 import numpy as np
 
 from lingvo_ext import checkpoints
+from lingvo_ext import one_build
 from lingvo_ext import progress
 from lingvo_ext import registry
 from lingvo_ext import trainer_flags
@@ -62,6 +65,8 @@ class RunState:
     stops, evalers and decoders stop after the checkpoint they are on.
   stop_signal: the signal that set `interrupted`.
   final_save: the controller saved the step it stopped at.
+  train_summaries: the controller's train summaries, run with a step of the
+    trainer whose model it shares (one_build.py).
   controller_here: a controller runs in this process. In a new run its
     trainer waits for `first_save_done`, so that the first checkpoint holds
     the initial weights rather than whatever step the trainer reached.
@@ -79,6 +84,8 @@ class RunState:
       default_factory=threading.Event)
   final_save: threading.Event = dataclasses.field(
       default_factory=threading.Event)
+  train_summaries: one_build.TrainSummaries = dataclasses.field(
+      default_factory=one_build.TrainSummaries)
   stop_signal: int = 0
 
 
@@ -164,8 +171,12 @@ class _RunnerMixin(faults.LostTaskReportMixin):
             train_dir, model, *args, **kwargs))
 
 
-class LocalController(_RunnerMixin, lingvo_runners.Controller):
-  """Lingvo's Controller; refuses to checkpoint non-finite variables."""
+class LocalController(_RunnerMixin, one_build.SharedModelControllerMixin,
+                      lingvo_runners.Controller):
+  """Lingvo's Controller; refuses to checkpoint non-finite variables.
+
+  With `trainer=` (keyword), it shares that trainer's graph and model.
+  """
 
   def __init__(self, *args, **kwargs):
     super().__init__(*args, **kwargs)
@@ -204,10 +215,11 @@ class LocalController(_RunnerMixin, lingvo_runners.Controller):
       if self._options.interactive:
         lingvo_runners.StartShell(locals())
         return
-      sess.run(self._initialize_tables)
-      sess.run(self._initialize_local_vars)
-      for task in self._model.tasks:
-        task.input.Initialize(sess)
+      # One run (Lingvo's two each prune the whole graph).
+      sess.run([self._initialize_tables, self._initialize_local_vars])
+      if not self.shares_model:  # Else the trainer's; initialised once.
+        for task in self._model.tasks:
+          task.input.Initialize(sess)
       tp = self.params.train
       next_summary_step = 1
       if not self._checkpoint_in_controller:
@@ -229,7 +241,12 @@ class LocalController(_RunnerMixin, lingvo_runners.Controller):
           return
         if self._checkpoint_in_controller:
           self._checkpointer.MaybeSave(sess, global_step)
-        if self._summary_op is not None and global_step >= next_summary_step:
+        if (self.shares_model and self._summary_op is not None and
+            global_step >= next_summary_step):
+          # Run with the trainer's next step, on its batch (one_build.py).
+          self._run_state.train_summaries.Request()
+          next_summary_step = global_step + tp.summary_interval_steps
+        elif self._summary_op is not None and global_step >= next_summary_step:
           global_step, summary_str = sess.run(
               [self._model.global_step, self._summary_op])
           next_summary_step = global_step + tp.summary_interval_steps
@@ -269,14 +286,18 @@ class _TrainerSession(tf.Session):
   Lingvo's trainer loop runs [train_op, eval_metrics, per_example] and then
   fetches the global step; `on_step(global_step, eval_metrics)` is called
   then. The n-th train step (`trace_step`) runs with FULL_TRACE and its
-  RunMetadata is written to `trace_path`.
+  RunMetadata is written to `trace_path`. A step also fetches the train
+  summaries a controller sharing the model asked for (`summaries`, a
+  one_build.TrainSummaries), delivered with the global step after it.
   """
 
   def __init__(self, *args, model, on_step=None, trace_step=0,
-               trace_path='', **kwargs):
+               trace_path='', summaries=None, **kwargs):
     super().__init__(*args, **kwargs)
     self._model = model
     self._on_step = on_step
+    self._summaries = summaries
+    self._summary = None
     self._trace_step = trace_step
     self._trace_path = trace_path
     self._train_steps = 0
@@ -294,10 +315,25 @@ class _TrainerSession(tf.Session):
   def run(self, fetches, feed_dict=None, options=None, run_metadata=None):
     if not self._IsTrainStep(fetches):
       out = super().run(fetches, feed_dict, options, run_metadata)
-      if self._metrics is not None and self._IsGlobalStep(fetches):
-        metrics, self._metrics = self._metrics, None
-        self._on_step(int(out), metrics)
+      if self._IsGlobalStep(fetches):
+        if self._metrics is not None:
+          metrics, self._metrics = self._metrics, None
+          self._on_step(int(out), metrics)
+        if self._summary is not None:
+          summary, self._summary = self._summary, None
+          self._summaries.Deliver(summary, int(out))
       return out
+    summary_op = self._summaries.Fetch() if self._summaries else None
+    if summary_op is not None:
+      fetches = list(fetches) + [summary_op]
+    out = self._RunTrainStep(fetches, feed_dict, options, run_metadata)
+    if summary_op is not None:
+      self._summary, out = out[-1], out[:-1]
+    if self._on_step and len(out) > 1:
+      self._metrics = out[1]
+    return out
+
+  def _RunTrainStep(self, fetches, feed_dict, options, run_metadata):
     self._train_steps += 1
     if self._train_steps == self._trace_step and options is None:
       options = tf.RunOptions(trace_level=tf.RunOptions.FULL_TRACE)
@@ -311,11 +347,8 @@ class _TrainerSession(tf.Session):
       timeline.WriteTrainerTimeline(run_metadata,
                                     os.path.dirname(self._trace_path),
                                     self._trace_step, self._model)
-    else:
-      out = super().run(fetches, feed_dict, options, run_metadata)
-    if self._on_step and len(fetches) > 1:
-      self._metrics = out[1]
-    return out
+      return out
+    return super().run(fetches, feed_dict, options, run_metadata)
 
 
 _NONFINITE = re.compile(r'not finite|NaN|Inf', re.IGNORECASE)
@@ -341,6 +374,18 @@ class LocalTrainer(_RunnerMixin, lingvo_runners.Trainer):
     self._progress = None
     if self.params.cluster.task == 0:
       self._progress = progress.Progress(self.params.train.max_steps)
+    # Built here, not in the loop's thread: a controller may share the graph.
+    with self._graph.as_default():
+      self._uninitialized = tf.report_uninitialized_variables()
+
+  @property
+  def graph(self):
+    return self._graph
+
+  @property
+  def model(self):
+    """The built model (one_build.SharedModelControllerMixin shares it)."""
+    return self._model
 
   def _GetSession(self, **kwargs):
     model = getattr(self, '_model', None)
@@ -352,6 +397,7 @@ class LocalTrainer(_RunnerMixin, lingvo_runners.Trainer):
         self._tf_master, graph=self._graph, config=config, model=model,
         on_step=self._OnStep if self._progress else None,
         trace_step=o.trace_train_step,
+        summaries=self._run_state.train_summaries,
         trace_path=os.path.join(o.logdir, 'train',
                                 f'run_metadata_step_{o.trace_train_step}.pb'))
 
@@ -423,8 +469,7 @@ class LocalTrainer(_RunnerMixin, lingvo_runners.Trainer):
       return super()._WaitUntilInit(sess, start_up_delay_steps)
     # Lingvo sleeps a fixed 30 s so that the controller can initialize or
     # restore the variables first. That takes about a second: poll for it.
-    with self._graph.as_default():
-      uninitialized = tf.report_uninitialized_variables()
+    uninitialized = self._uninitialized
     waiting, start = Waiting(), time.time()
     while True:
       try:
@@ -600,6 +645,8 @@ class RunnerManager(trainer_lib.DistributedRunnerManagerMixin,
     super().__init__(model)
     self._options = options or trainer_flags.Options.FromFlags()
     self.run_state = run_state or RunState()
+    self._share_model = False
+    self._trainer_here = None
     # Lingvo's extension point for the registry: every runner's params come
     # from lingvo_ext's lookup, with the checked overrides.
     self.model_registry = registry.ModelRegistry(
@@ -611,14 +658,39 @@ class RunnerManager(trainer_lib.DistributedRunnerManagerMixin,
     return functools.partial(cls, run_state=self.run_state,
                              options=self._options)
 
+  def _SharesModel(self, jobs):
+    """Whether this process's controller shares its trainer's model."""
+    return (not self._options.distributed and 'controller' in jobs and
+            len(set(jobs)) == len(jobs) and
+            bool({'trainer', 'trainer_client'} & set(jobs)))
+
+  def CreateRunners(self, jobs, *args, **kwargs):
+    """Lingvo's CreateRunners; a trainer here is built before the controller.
+
+    The controller then takes the trainer's graph and model (one_build.py).
+    """
+    self._share_model = self._SharesModel(jobs)
+    if not self._share_model:
+      return super().CreateRunners(jobs, *args, **kwargs)
+    order = sorted(jobs, key=lambda j: j not in ('trainer', 'trainer_client'))
+    made = super().CreateRunners(order, *args, **kwargs)
+    return [made[order.index(j)] for j in jobs]
+
   # pylint: disable=invalid-name
   @property
   def Controller(self):
-    return self._Runner(LocalController)
+    trainer = self._trainer_here
+    if not (self._share_model and trainer and one_build.CanShare(
+        trainer.model)):
+      trainer = None
+    return functools.partial(self._Runner(LocalController), trainer=trainer)
 
   @property
   def Trainer(self):
-    return self._Runner(LocalTrainer)
+    def Make(*args, **kwargs):
+      self._trainer_here = self._Runner(LocalTrainer)(*args, **kwargs)
+      return self._trainer_here
+    return Make
 
   @property
   def Evaler(self):
@@ -676,6 +748,11 @@ class RunnerManager(trainer_lib.DistributedRunnerManagerMixin,
 
   def GetParamsForDataset(self, job_name, dataset_name):
     cfg = super().GetParamsForDataset(job_name, dataset_name)
+    if (self._share_model and job_name in ('trainer', 'trainer_client') and
+        cfg.cluster.add_summary is None):
+      # Lingvo's default adds summaries for the controller's build only; the
+      # controller sharing this one fetches them with a step (one_build.py).
+      cfg.cluster.add_summary = True
     if self._options.max_steps is not None:
       cfg.train.max_steps = self._options.max_steps
       if 'task' in cfg:  # A single-task model keeps a copy in its task.

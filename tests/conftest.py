@@ -100,9 +100,13 @@ def tiny_gpipe_run(shared_once):
   flags = ['--num_cpu_devices=2', '--worker_split_size=2']
 
   def Build(logdir):
+    # Checkpoints at steps 0 and 3 only, however slowly the steps run (the
+    # experiment saves every 5 s).
     proc = zygote.run(
         [sys.executable, '-m', 'lingvo_ext.trainer', f'--model={model}',
-         f'--logdir={logdir}', '--max_steps=3', *flags], cwd=_ROOT,
+         f'--logdir={logdir}', '--max_steps=3', *flags,
+         '--model_params_override=train.save_interval_seconds:3600'],
+        cwd=_ROOT,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         timeout=300, check=False)
     assert proc.returncode == 0, proc.stdout[-5000:]

@@ -322,13 +322,15 @@ def testStartupRatiosAndMarkdown():
       dict(engine='script', model='m', flags='', first_step_s=2.0,
            imports_s=1.0, params_s=0.1, build_s=0.5, first_run_s=0.4),
       dict(engine='lingvo_ext.trainer', model='m', flags='', first_step_s=3.0),
+      dict(engine='lingvo.trainer', model='m', flags='', first_step_s=6.0),
       dict(engine='transformer/lingvo', model='L', flags='', first_step_s=4.0),
       dict(engine='transformer/unrolled', model='L', flags='',
            first_step_s=2.0),
       dict(engine='lingvo_ext.trainer', model='x', flags='', first_step_s=None,
            error='exit 1: boom')])
-  assert records[1]['vs_script'] == 1.5 and records[3]['vs_lingvo'] == 0.5
-  assert 'vs_script' not in records[0] and 'vs_script' not in records[4]
+  assert records[1]['vs_script'] == 1.5 and records[1]['vs_lingvo'] == 0.5
+  assert records[4]['vs_lingvo'] == 0.5
+  assert 'vs_script' not in records[0] and 'vs_script' not in records[5]
   table = startup.Markdown(records).splitlines()
   assert len(table) == 2 + len(records)
   assert all(l.count('|') == table[0].count('|') for l in table), table
@@ -339,9 +341,10 @@ def testStartupRatiosAndMarkdown():
 def testStartupBenchReportsTheTrainerAgainstTheScript():
   from bench import startup  # pylint: disable=g-import-not-at-top
   records = startup.Run([('lm.TransformerLmTiny', ())], [])
-  assert [r['engine'] for r in records] == ['script', 'lingvo_ext.trainer']
+  assert [r['engine'] for r in records] == ['script', 'lingvo_ext.trainer',
+                                            'lingvo.trainer']
   assert all('error' not in r for r in records), records
-  script, trainer = records
+  script, trainer, lingvo = records
   # Structure only: each stage timed, the stages within the whole.
   stages = ('imports_s', 'params_s', 'build_s', 'first_run_s')
   assert all(isinstance(script[s], float) and script[s] >= 0 for s in stages)
@@ -349,6 +352,9 @@ def testStartupBenchReportsTheTrainerAgainstTheScript():
   assert trainer['first_step_s'] > 0
   assert trainer['vs_script'] == pytest.approx(
       trainer['first_step_s'] / script['first_step_s'], rel=1e-2)
+  assert lingvo['first_step_s'] > 0
+  assert trainer['vs_lingvo'] == pytest.approx(
+      trainer['first_step_s'] / lingvo['first_step_s'], rel=1e-2)
 
 
 # --- bench/lingvo_lm.py --------------------------------------------------------

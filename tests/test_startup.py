@@ -87,6 +87,13 @@ def test_first_line_is_ours(tmp_path):
   assert bad.returncode == 2
   assert bad.stderr.startswith("error: Unknown model 'lm.NoSuchModel'"), (
       bad.stderr[:500])
+  # A one-line error found once TensorFlow is loaded (the params built).
+  bad = _Run(['--model=lm.TransformerLmTiny', f'--logdir={tmp_path}/bad',
+              '--model_params_override=task.nope:1'])
+  assert bad.returncode == 2 and bad.stdout == '', bad.stdout[:500]
+  assert bad.stderr.startswith("error: --model_params_override: unknown key "
+                               "'task.nope'") and bad.stderr.count('\n') == 1, (
+                                   bad.stderr[:500])
   ran = _RunMerged(['--model=lm.TransformerLmTiny', '--max_steps=1',
                     f'--logdir={tmp_path}'])
   assert ran.returncode == 0, ran.stdout[-2000:]
