@@ -244,7 +244,10 @@ class CellFunction:
       else:
         matmul_grad.MarkExported(op)
         x = op.inputs[0]
-        xs.append(x if x.shape.rank == 2 else tf.reshape(x, [-1, x.shape[-1]]))
+        x = x if x.shape.rank == 2 else tf.reshape(x, [-1, x.shape[-1]])
+        # No gradient flows back through the export: the backward function
+        # then has no zero to add to x's gradient.
+        xs.append(tf.stop_gradient(x))
     swap = lambda t: t if t is None else replaced.get(t.ref(), t)
     out = tf.nest.map_structure(swap, out)
     return out, [swap(t) for t in new_accs], xs

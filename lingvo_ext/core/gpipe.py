@@ -692,11 +692,12 @@ class PipeliningLayer(SeqLayer):
 
   def MicroBatchSteps(self, num_micro, state_dtype):
     """Lingvo's per-micro-batch steps: global_step * num_micro + t."""
-    global_step = py_utils.GetGlobalStep()
-    return [
-        tf.cast(global_step * num_micro + t, dtype=state_dtype)
-        for t in range(num_micro)
-    ]
+    # One read of the step and one vector for all micro-batches: a few ops
+    # a step, not four per micro-batch.
+    global_step = tf.convert_to_tensor(py_utils.GetGlobalStep())
+    steps = global_step * num_micro + tf.range(num_micro,
+                                               dtype=global_step.dtype)
+    return tf.unstack(tf.cast(steps, dtype=state_dtype), num=num_micro)
 
   def FProp(self, theta, *args):
     """Runs the cells over micro-batches in a pipeline across devices.

@@ -21,9 +21,13 @@ import lingvo.compat as tf
 
 from lingvo_ext._internal import tf as internal_tf
 from lingvo_ext.core import cell_function
+from lingvo_ext.core import graph_state
 from lingvo_ext.core import matmul_grad
 from lingvo_ext.core.engine import runs
 from lingvo_ext.core.engine.tensors import IsFloat
+
+# Graph state (graph_state): (device, dtype, shape) -> a shared zero gradient.
+_ZEROS = 'engine_zero_grads'
 
 
 def OneOpGradients(ys, xs, grad_ys):
@@ -41,14 +45,33 @@ def OneOpGradients(ys, xs, grad_ys):
   out_grads = [[] for _ in op.outputs]
   for y, g in zip(ys, grad_ys):
     out_grads[y.value_index].append(g)
+  out_grads = [matmul_grad.SumGradients(g) for g in out_grads]
+  out_grads = [_SharedZeros(y) if g is None else g
+               for y, g in zip(op.outputs, out_grads)]
   with tf.name_scope('gradients'):
-    in_grads = internal_tf.OpGradients(
-        op, [matmul_grad.SumGradients(g) for g in out_grads])
+    in_grads = internal_tf.OpGradients(op, out_grads)
   # An input the op takes several times gets the sum, as tf.gradients sums.
   by_input = {}
   for x, g in zip(op.inputs, in_grads):
     by_input.setdefault(x.ref(), []).append(g)
   return [matmul_grad.SumGradients(by_input[x.ref()]) for x in xs]
+
+
+def _SharedZeros(y):
+  """The zero gradient of float output `y` (of static shape) of a call: one
+  constant per (device, dtype, shape) for all calls, not a ZerosLike per
+  call and output (the exported operands and accumulators of every
+  (cell, micro-batch)). None for other outputs (OpGradients makes theirs)."""
+  if not y.dtype.is_floating or not y.shape.is_fully_defined():
+    return None
+  cache = graph_state.Get(y.graph, _ZEROS, dict)
+  key = (y.op.device, y.dtype, tuple(y.shape.as_list()))
+  if key not in cache:
+    with tf.device(y.op.device), tf.control_dependencies(
+        None), y.graph.colocate_with(None, ignore_existing=True), tf.name_scope(
+            'cell_zero_grads/'):
+      cache[key] = tf.zeros(y.shape, y.dtype)
+  return cache[key]
 
 
 def CellGradients(ys, flat_x, leaves, grad_ys, batcher):
