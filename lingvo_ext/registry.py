@@ -209,6 +209,8 @@ def _Lookup(cfg, key):
 
 _BOOLS = {'True': True, 'true': True, '1': True,
           'False': False, 'false': False, '0': False}
+# Bool params that also take a word (PipeliningLayer.jit_compile: 'auto').
+_BOOL_WORDS = {'jit_compile': ('auto',)}
 
 
 def _Unquote(text):
@@ -229,8 +231,11 @@ def _ParseValue(key, old, default, text):
     kind = type(old).__name__
     raise Bad(f'{"an" if kind[0] in "aeiou" else "a"} {kind}, not None')
   if isinstance(old, bool):
+    words = _BOOL_WORDS.get(key.rsplit('.', 1)[-1], ())
+    if _Unquote(text) in words:
+      return _Unquote(text)
     if text not in _BOOLS:
-      raise Bad('True or False')
+      raise Bad(' or '.join(['True', 'False'] + [repr(w) for w in words]))
     return _BOOLS[text]
   if isinstance(old, int):
     try:

@@ -28,10 +28,10 @@ _PIPELINE_PARAMS_SET_BY_TASK = frozenset([
 ])
 
 
-# Where a task's default differs from the layer's: a task builds its cells
-# with XLA where that times faster on its model and machine (measured
-# fastest for Lingvo's Transformer, not for a wide FC stack: docs/benchmarks.md).
-TASK_DEFAULTS = {'jit_compile': 'auto'}
+# Where a task's default differs from the layer's. None: 'auto' times both
+# builds at every first build of a model on a machine (an XLA compile and
+# steps of each), a cost every run and test would pay; it is opt-in.
+TASK_DEFAULTS = {}
 
 
 def PipelineSwitches():
