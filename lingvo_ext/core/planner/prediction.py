@@ -363,13 +363,12 @@ def Predict(profile: ModelProfile, plan: Plan,
 
 # Ops per (cell, micro-batch) call of a cell built once: the forward and
 # gradient calls, their inputs' and outputs' plumbing and the exported
-# operands' rows; enforced actions add their gates and held outputs.
-# Measured on lm.TransformerLmTiny's training graph at K = 1, 2 and M = 1,
-# 4, 8: 10-18 ops for 'unrolled', 22-28 for '1f1b' and 'zero_bubble' (before
-# '1f1b' ran from its lists, which made its graph smaller: L=32 Transformer
-# 16585 ops against 21205; tests/test_plan.py checks GraphOps against built
-# graphs).
-CALL_OPS = {'unrolled': 14}
+# operands' rows; enforced actions add their gates and held outputs. The
+# engine shares one zero per (device, dtype, shape) among gradient-less call
+# outputs and reads the micro-batch steps as one vector, so 'unrolled' adds
+# few ops per call beyond the calls (tests/test_plan.py checks GraphOps
+# against built graphs; figures in docs/benchmarks.md).
+CALL_OPS = {'unrolled': 5}
 CALL_OPS_GATED = 26
 
 
