@@ -61,6 +61,17 @@ def _LayerGraphStats(p, shapes) -> Tuple[int, int, float]:
     xs = theta.Flatten() + [x for x in inputs if x.dtype.is_floating]
     tf.gradients(loss, xs)
     bwd = g.get_operations()[n1:]
+  return CountedOps(fwd), CountedOps(bwd), KeptBytes(fwd, bwd)
+
+
+def CountedOps(ops) -> int:
+  """How many of `ops` compute on floats (`_IsCounted`)."""
+  return sum(map(_IsCounted, ops))
+
+
+def KeptBytes(fwd, bwd) -> float:
+  """Bytes of the tensors forward ops `fwd` make that backward ops `bwd`
+  read (through Identity aliases): what is kept between 'F' and 'B'."""
   fwd_set = set(fwd)
   kept = {}
   for op in bwd:
@@ -68,8 +79,7 @@ def _LayerGraphStats(p, shapes) -> Tuple[int, int, float]:
       t = _Source(t)
       if t.op in fwd_set and t.shape.is_fully_defined():
         kept[t.name] = t.shape.num_elements() * t.dtype.size
-  return (sum(map(_IsCounted, fwd)), sum(map(_IsCounted, bwd)),
-          float(sum(kept.values())))
+  return float(sum(kept.values()))
 
 
 def ProfileLayers(layer_params: Sequence, *shapes) -> List[LayerProfile]:

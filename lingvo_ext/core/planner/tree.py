@@ -108,9 +108,6 @@ def _ProfileCells(graph, layer, theta, args, batch, cluster):
   """
   import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
   from lingvo_ext.core import nest_util  # pylint: disable=g-import-not-at-top
-  # pylint: disable=protected-access
-  counted, source = tf_profiling._IsCounted, tf_profiling._Source
-  # pylint: enable=protected-access
   inputs = nest_util.ToTuple(args)
   for bp in layer.params.before_tpl or []:
     inputs = nest_util.ToTuple(
@@ -129,20 +126,14 @@ def _ProfileCells(graph, layer, theta, args, batch, cluster):
         x for x in _Tensors(inputs) if x.dtype.is_floating]
     tf.gradients(loss, xs)
     bwd = graph.get_operations()[n1:]
-    fwd_set = set(fwd)
-    kept = {}
-    for op in bwd:
-      for t in op.inputs:
-        t = source(t)
-        if t.op in fwd_set and t.shape.is_fully_defined():
-          kept[t.name] = t.shape.num_elements() * t.dtype.size
     variables = cell.vars.Flatten()
     out_bytes = _Bytes(_Tensors(outs)) / batch
     stats.append(dict(
-        name=name, fwd_ops=sum(map(counted, fwd)),
-        bwd_ops=sum(map(counted, bwd)), num_vars=len(variables),
+        name=name, fwd_ops=tf_profiling.CountedOps(fwd),
+        bwd_ops=tf_profiling.CountedOps(bwd), num_vars=len(variables),
         param_bytes=int(_Bytes(variables)), out_bytes=out_bytes,
-        kept_bytes=max(sum(kept.values()) / batch, out_bytes)))
+        kept_bytes=max(tf_profiling.KeptBytes(fwd, bwd) / batch,
+                       out_bytes)))
     scopes.append(scope)
     inputs = nest_util.ToTuple(outs)
   out = []
