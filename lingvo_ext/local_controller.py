@@ -64,6 +64,7 @@ class LocalController(runner_state.RunnerMixin,
     """
     with tf.container(self._container_id), self._GetSession() as sess:
       if self._options.interactive:
+        self.WriteRunFiles()
         lingvo_runners.StartShell(locals())
         return
       # One run (Lingvo's two each prune the whole graph).
@@ -82,6 +83,7 @@ class LocalController(runner_state.RunnerMixin,
         global_step = sess.run(self._model.global_step)
         if self._ShouldStop(sess, global_step):
           tf.logging.info('Training finished.')
+          self.WriteRunFiles()
           if self._checkpoint_in_controller:
             self._checkpointer.Save(sess, global_step)
             if checkpoints.CheckpointStep(tf.train.latest_checkpoint(
@@ -91,7 +93,8 @@ class LocalController(runner_state.RunnerMixin,
           self._DequeueThreadComplete()
           return
         if self._checkpoint_in_controller:
-          self._checkpointer.MaybeSave(sess, global_step)
+          self._MaybeSave(sess, global_step)
+        self.WriteRunFiles()  # The trainer steps meanwhile (one_build.py).
         if (self.shares_model and self._summary_op is not None and
             global_step >= next_summary_step):
           # Run with the trainer's next step, on its batch (one_build.py).
@@ -109,6 +112,22 @@ class LocalController(runner_state.RunnerMixin,
           self._SummarizeValue(global_step, 'total_num_params',
                                self._total_num_params)
         self.WaitForNextLook(next_look)
+
+  def _MaybeSave(self, sess, global_step):
+    """Lingvo's MaybeSave; the trainer may step while the save is written.
+
+    With Lingvo's async saver, Save returns once the variables are copied
+    and RunState.first_save_done is set then (the trainer waits for it); the
+    write is waited for here, as a sync save does, and the checkpoint dropped
+    if it is not finite.
+    """
+    if not self._checkpointer.MaybeSave(sess, global_step, sync=False):
+      return
+    self._checkpointer.Sync()
+    dropped = checkpoints.DropLatestIfNonFinite(self._train_dir)
+    if dropped:
+      tf.logging.warning('Removed checkpoint %s: %s became NaN or Inf while '
+                         'it was saved.', *dropped)
 
   def WaitForNextLook(self, deadline):
     """Sleeps until `deadline` (time.time()) or until the trainer stops.
