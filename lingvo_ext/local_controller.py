@@ -67,9 +67,11 @@ class LocalController(runner_state.RunnerMixin,
         self.WriteRunFiles()
         lingvo_runners.StartShell(locals())
         return
-      # One run (Lingvo's two each prune the whole graph).
-      sess.run([self._initialize_tables, self._initialize_local_vars])
-      if not self.shares_model:  # Else the trainer's; initialised once.
+      if not self.shares_model:
+        # One run (Lingvo's two each prune the whole graph). A shared model's
+        # tables, local variables and input are the trainer's: Lingvo's
+        # Trainer._Loop initialises them before it waits for the controller.
+        sess.run([self._initialize_tables, self._initialize_local_vars])
         for task in self._model.tasks:
           task.input.Initialize(sess)
       tp = self.params.train
