@@ -113,8 +113,22 @@ class SharedModelControllerMixin:
         self.enqueue_ops = []  # The trainer runs the model's.
     self._run_state.train_summaries.Connect(self._summary_op,
                                             self._WriteTrainSummary)
-    # The rest is Lingvo's Controller.__init__ as it is.
+    # The rest is Lingvo's Controller.__init__ as it is, but for the files
+    # WriteRunFiles writes.
     self._ExportMetrics(params=self.params)
+    self._total_num_params = None
+    self._run_files_written = False
+
+  def WriteRunFiles(self):
+    """Writes what Lingvo's Controller.__init__ writes: analysis, params, graph.
+
+    The sharing controller writes them from its loop once the trainer may
+    step (the model's analysis and the graph's serialization then run beside
+    the first step, not before it); a no-op otherwise or when done.
+    """
+    if not self.shares_model or self._run_files_written:
+      return
+    self._run_files_written = True
     self._model_analysis, self._total_num_params = summary_utils.ModelAnalysis(
         self._model, FLAGS.inspect_model_topn, FLAGS.inspect_model_part_regex)
     py_utils.LogMultiLines('MODEL ANALYSIS', self._model_analysis)

@@ -16,8 +16,8 @@ from lingvo.core import py_utils
 import numpy as np
 import pytest
 
+from lingvo_ext import local_trainer
 from lingvo_ext import one_build
-from lingvo_ext import runners
 from tests import zygote
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -123,7 +123,7 @@ def test_a_requested_summary_comes_with_the_next_step_at_its_step():
   summaries.Connect(summary_op, lambda s, at: written.append((at, s)))
   task = py_utils.NestedMap(train_op=train_op, global_step=step)
   model = py_utils.NestedMap(tasks=[task], global_step=step)
-  session = runners._TrainerSession  # pylint: disable=protected-access
+  session = local_trainer._TrainerSession  # pylint: disable=protected-access
   with session(graph=graph, model=model, summaries=summaries) as sess:
     sess.run(init)
     # Lingvo's trainer loop: the step's fetches, then the global step.

@@ -11,6 +11,8 @@ removes or changes it; `PINNED` names the versions they were checked against
   the checkpointer's saveable variables, layers' private variables, param
   descriptions).
 - `process.py`: leaving the process at once from a runner thread.
+- `deferred.py`: optional modules TensorFlow's and Lingvo's imports load but a
+  run never uses (scikit-learn, scipy.stats), imported at first use.
 """
 
 from importlib import metadata

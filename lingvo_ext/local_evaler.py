@@ -1,0 +1,148 @@
+"""The trainer's evaler and decoder: they stop after training's last checkpoint.
+
+Lingvo's Evaler and Decoder, which process the trainer's checkpoints as they
+come, say what they wait for, print each result, and stop after the last
+checkpoint once training has finished.
+"""
+
+import os
+import sys
+import time
+
+from lingvo import runners as lingvo_runners
+import lingvo.compat as tf
+from lingvo.core import py_utils
+
+from lingvo_ext import checkpoints
+from lingvo_ext import runner_state
+
+
+# Seconds between two looks for a new checkpoint of an evaler or decoder.
+CHECKPOINT_POLL_S = 1.0
+
+
+class _WaitsForCheckpointsMixin:
+  """An evaler or decoder that finishes, and says what it waits for.
+
+  It processes the trainer's checkpoints as they come and stops after the
+  last one once training has finished (the controller's `training_finished`
+  file, see checkpoints.MarkTrainingFinished), whatever --max_steps the
+  trainer ran with. Each result is printed on stdout.
+  """
+
+  def _Finished(self, path):
+    """Whether training finished with checkpoint `path` as its last."""
+    done = checkpoints.TrainingFinished(self._checkpointer.checkpoint_dir)
+    step = checkpoints.CheckpointStep(path)
+    return done is not None and step is not None and step >= done[0]
+
+  def _TrainerFinished(self, sess=None):
+    if self._OnceOnly():
+      return False  # Evaluates the checkpoint, processed or not.
+    train_dir = self._checkpointer.checkpoint_dir
+    path = checkpoints.LatestCheckpoint(train_dir)
+    if self._Finished(path):
+      runner_dir = getattr(self, '_eval_dir', None) or getattr(
+          self, '_decoder_dir', None)
+      if runner_dir and path in py_utils.GetProcessedCheckpoints(runner_dir):
+        print(f'{self._job_name}: training finished at '
+              f'{os.path.basename(path)}, which was processed already (see '
+              f'{runner_dir}); nothing to do.', flush=True)
+      return True
+    return super()._TrainerFinished(sess)
+
+  def _Loop(self):
+    try:
+      super()._Loop()
+    finally:
+      self._DequeueThreadComplete()  # `stopped`: the manager waits for it.
+
+  def _OnceOnly(self):
+    o = self._options
+    return o.eval_once or bool(o.eval_checkpoint)
+
+  def _FindNewCheckpoint(self, sess=None, processed_ckpts=None):
+    """The next checkpoint to process; None once training has finished."""
+    if not hasattr(self, '_waiting'):
+      self._waiting = runner_state.Waiting()
+    processed = processed_ckpts or ()
+    train_dir = self._checkpointer.checkpoint_dir
+    if self._OnceOnly():
+      if getattr(self, '_evaluated_once', False):
+        return None
+      self._evaluated_once = True
+      path = (self._options.eval_checkpoint or
+              checkpoints.LatestCheckpoint(train_dir))
+      if not path:
+        print(f'{self._job_name}: --eval_once: no checkpoint in {train_dir}: '
+              'nothing to evaluate.', file=sys.stderr, flush=True)
+      return path
+    while True:
+      if self._run_state.interrupted.is_set():
+        return None  # SIGTERM / Ctrl-C: between two checkpoints.
+      if self._ShouldStop(sess, step=0):  # Lingvo's early stop.
+        return None
+      path = checkpoints.LatestCheckpoint(train_dir)
+      if path and path not in processed:
+        return path
+      if self._Finished(path):
+        return None
+      if self._run_state.controller_here.is_set():
+        pass  # Training runs in this process: nothing to tell.
+      elif not path:
+        self._waiting.Say(
+            'none', f'{self._job_name}: waiting for a first checkpoint in '
+            f'{train_dir}: train with the same --logdir (or add '
+            f'{self._job_name} to the trainer\'s --job).')
+      elif not runner_state.TrainerRuns(os.path.dirname(train_dir)):
+        self._waiting.Say(
+            'gone', f'{self._job_name}: done with {path}; no trainer runs on '
+            f'this logdir (nothing holds its {runner_state.TRAINER_LOCK}): '
+            'waiting for new checkpoints (--eval_once evaluates the newest '
+            'and exits).',
+            once=True)
+      else:
+        self._waiting.Say(
+            path, f'{self._job_name}: done with {path}; waiting for a newer '
+            f'checkpoint in {train_dir} (it stops after the last one of '
+            'training).')
+      time.sleep(CHECKPOINT_POLL_S)
+
+  def _WriteSummaries(self, summary_writer, job_name, global_step, summaries,
+                      text_filename=None):
+    # The text file is written whole or not at all (a stop at the deadline
+    # leaves no partial file under its final name).
+    temp = text_filename and f'{text_filename}.tmp{os.getpid()}'
+    super()._WriteSummaries(summary_writer, job_name, global_step, summaries,
+                            temp)
+    if temp and tf.io.gfile.exists(temp):
+      tf.io.gfile.rename(temp, text_filename, overwrite=True)
+    values = []
+    for unused_name, summary in sorted(summaries.items()):
+      for value in getattr(summary, 'value', ()):
+        if value.HasField('simple_value'):
+          values.append(f'{value.tag} {value.simple_value:.4g}')
+    print(f'{self._job_name}: step {int(global_step)}  ' + '  '.join(values),
+          flush=True)
+
+
+class LocalEvaler(runner_state.RunnerMixin, _WaitsForCheckpointsMixin,
+                  lingvo_runners.Evaler):
+  pass
+
+
+class LocalDecoder(runner_state.RunnerMixin, _WaitsForCheckpointsMixin,
+                   lingvo_runners.Decoder):
+  """Lingvo's Decoder; a task with no decoder metrics says so, once."""
+
+  def DecodeCheckpoint(self, sess, checkpoint_path):
+    if not self._task.CreateDecoderMetrics():
+      if not getattr(self, '_said_no_decoder', False):
+        self._said_no_decoder = True
+        print(f'{self._job_name}: {self._task.params.name} '
+              f'({type(self._task).__name__}) has no decoder (its '
+              'CreateDecoderMetrics is empty): nothing to decode; '
+              f'--job=evaler_{self._job_name.split("_")[-1]} evaluates its '
+              'loss.', flush=True)
+      return
+    return super().DecodeCheckpoint(sess, checkpoint_path)

@@ -1,0 +1,245 @@
+"""The trainer's trainer: Lingvo's Trainer and the session it steps with.
+
+`LocalTrainer` retries a non-finite step at once, at most
+--max_nonfinite_steps times; polls for the controller instead of sleeping
+30 s. Its session (`_TrainerSession`) reports each step to the progress line,
+traces --trace_train_step and fetches the train summaries a controller
+sharing the model asks for (one_build.py).
+"""
+
+import os
+import re
+import time
+
+from lingvo import runners as lingvo_runners
+import lingvo.compat as tf
+from lingvo.core import py_utils
+
+from lingvo_ext import checkpoints
+from lingvo_ext import progress
+from lingvo_ext import runner_state
+from lingvo_ext.core import cuts
+from lingvo_ext.distributed import server
+from lingvo_ext.distributed import step_keeping
+from lingvo_ext.tools import timeline
+
+
+class _TrainerSession(tf.Session):
+  """The trainer's session: reports each training step; traces one.
+
+  Lingvo's trainer loop runs [train_op, eval_metrics, per_example] and then
+  fetches the global step; `on_step(global_step, eval_metrics)` is called
+  then. The n-th train step (`trace_step`) runs with FULL_TRACE and its
+  RunMetadata is written to `trace_path`. A step also fetches the train
+  summaries a controller sharing the model asked for (`summaries`, a
+  one_build.TrainSummaries), delivered with the global step after it.
+  """
+
+  def __init__(self, *args, model, on_step=None, trace_step=0,
+               trace_path='', summaries=None, **kwargs):
+    super().__init__(*args, **kwargs)
+    self._model = model
+    self._on_step = on_step
+    self._summaries = summaries
+    self._summary = None
+    self._trace_step = trace_step
+    self._trace_path = trace_path
+    self._train_steps = 0
+    self._metrics = None
+
+  def _IsTrainStep(self, fetches):
+    if not isinstance(fetches, (list, tuple)) or not fetches:
+      return False
+    return any(fetches[0] is t.train_op for t in self._model.tasks)
+
+  def _IsGlobalStep(self, fetches):
+    return any(fetches is s for s in [self._model.global_step] +
+               [t.global_step for t in self._model.tasks])
+
+  def run(self, fetches, feed_dict=None, options=None, run_metadata=None):
+    if not self._IsTrainStep(fetches):
+      out = super().run(fetches, feed_dict, options, run_metadata)
+      if self._IsGlobalStep(fetches):
+        if self._metrics is not None:
+          metrics, self._metrics = self._metrics, None
+          self._on_step(int(out), metrics)
+        if self._summary is not None:
+          summary, self._summary = self._summary, None
+          self._summaries.Deliver(summary, int(out))
+      return out
+    summary_op = self._summaries.Fetch() if self._summaries else None
+    if summary_op is not None:
+      fetches = list(fetches) + [summary_op]
+    out = self._RunTrainStep(fetches, feed_dict, options, run_metadata)
+    if summary_op is not None:
+      self._summary, out = out[-1], out[:-1]
+    if self._on_step and len(out) > 1:
+      self._metrics = out[1]
+    return out
+
+  def _RunTrainStep(self, fetches, feed_dict, options, run_metadata):
+    self._train_steps += 1
+    if self._train_steps == self._trace_step and options is None:
+      options = tf.RunOptions(trace_level=tf.RunOptions.FULL_TRACE)
+      run_metadata = tf.RunMetadata()
+      out = super().run(fetches, feed_dict, options, run_metadata)
+      with tf.io.gfile.GFile(self._trace_path, 'wb') as f:
+        f.write(run_metadata.SerializeToString())
+      tf.logging.info('Wrote the RunMetadata of training step %d to %s',
+                      self._trace_step, self._trace_path)
+      # Its picture, Chrome trace and TensorBoard image (docs/schedules.md).
+      timeline.WriteTrainerTimeline(run_metadata,
+                                    os.path.dirname(self._trace_path),
+                                    self._trace_step, self._model)
+      return out
+    return super().run(fetches, feed_dict, options, run_metadata)
+
+
+_NONFINITE = re.compile(r'not finite|NaN|Inf', re.IGNORECASE)
+_GRADIENT_OF = re.compile(r'Gradient for (\S+?)(?::\d+)? is not finite')
+
+
+class LocalTrainer(runner_state.RunnerMixin, lingvo_runners.Trainer):
+  """Lingvo's Trainer; locally it polls for initialized variables.
+
+  A step whose loss or gradients are not finite fails in Lingvo's
+  CheckNumerics before any update; Lingvo retries it forever with back-off.
+  Here it is retried at once, at most --max_nonfinite_steps times in a row.
+  """
+
+  def __init__(self, *args, **kwargs):
+    super().__init__(*args, **kwargs)
+    with self._graph.as_default(), tf.container(self._container_id):
+      with self._cluster:
+        self._finite_checks = checkpoints.FiniteChecks(tf.global_variables())
+    self._nonfinite = {'step': None, 'count': 0}
+    self._keep_step = step_keeping.KeepTrainerStep(
+        self._graph, self._options.job, self._options.distributed)
+    self._progress = None
+    if self.params.cluster.task == 0:
+      self._progress = progress.Progress(self.params.train.max_steps)
+    # Built here, not in the loop's thread: a controller may share the graph.
+    with self._graph.as_default():
+      self._uninitialized = tf.report_uninitialized_variables()
+
+  @property
+  def graph(self):
+    return self._graph
+
+  @property
+  def model(self):
+    """The built model (one_build.SharedModelControllerMixin shares it)."""
+    return self._model
+
+  def _GetSession(self, **kwargs):
+    model = getattr(self, '_model', None)
+    if model is None:  # Lingvo's BaseRunner lists devices before the model.
+      return super()._GetSession(**kwargs)
+    config = server.SessionConfig(self._options, **kwargs)
+    o = self._options
+    return _TrainerSession(
+        self._tf_master, graph=self._graph, config=config, model=model,
+        on_step=self._OnStep if self._progress else None,
+        trace_step=o.trace_train_step,
+        summaries=self._run_state.train_summaries,
+        trace_path=os.path.join(o.logdir, 'train',
+                                f'run_metadata_step_{o.trace_train_step}.pb'))
+
+  def _OnStep(self, global_step, metrics):
+    self._keep_step.Ran(global_step)
+    self._progress.Update(int(global_step), float(metrics['loss'][0]),
+                          float(metrics['num_samples_in_batch'][0]))
+
+  def _ShouldStop(self, sess=None, step=None, check_early_stop=True):
+    if self._run_state.interrupted.is_set():
+      self._DequeueThreadComplete()
+      return True
+    return super()._ShouldStop(sess, step, check_early_stop)
+
+  def _DequeueThreadComplete(self):
+    super()._DequeueThreadComplete()
+    self._run_state.trainer_done.set()
+
+  def _RunLoop(self, job_name, loop_func, loop_args=(), cleanup_func=None):
+    if job_name != 'trainer':
+      return super()._RunLoop(job_name, loop_func, loop_args, cleanup_func)
+
+    def LoopUntilFinite(*args):
+      while True:
+        try:
+          return loop_func(*args)
+        except tf.errors.InvalidArgumentError as e:
+          if not _NONFINITE.search(str(e)):
+            raise
+          self._OnNonFiniteStep(e)
+
+    return super()._RunLoop(job_name, LoopUntilFinite, loop_args,
+                            cleanup_func)
+
+  def _OnNonFiniteStep(self, e):
+    """Counts a failed step; stops the process at the limit."""
+    with self._GetSession() as sess:
+      step = int(sess.run(py_utils.GetGlobalStep())) + 1
+      bad_vars = checkpoints.NonFiniteVariables(sess, self._finite_checks)
+    state = self._nonfinite
+    state['count'] = state['count'] + 1 if state['step'] == step else 1
+    state['step'] = step
+    limit = self._options.max_nonfinite_steps
+    gradient = _GRADIENT_OF.search(str(e))
+    if bad_vars:
+      first = f'variable {bad_vars[0]}'
+    elif gradient:
+      first = f'the gradient of {gradient.group(1)} (the variables are finite)'
+    else:
+      first = f'{runner_state.FirstLine(e)} (the variables are finite)'
+    # The user's layer, e.g. 'block3 (cell_005)', whatever the naming.
+    layer = cuts.LayerOf(cuts.LayerLabels(self._model), first)
+    layer = f'That variable is in layer {layer}. ' if layer else ''
+    tf.logging.warning('Step %d is not finite (try %d of %d): %s. %s', step,
+                       state['count'], limit, first, layer)
+    if state['count'] < limit:
+      return
+    last = tf.train.latest_checkpoint(self._train_dir) or 'none'
+    runner_state.Fail(
+        f'training stopped at step {step}: its loss or gradients were NaN or '
+        f'Inf in {state["count"]} tries (--max_nonfinite_steps='
+        f'{limit}). First non-finite: {first}. Last good '
+        f'checkpoint: {last}. {layer}Lower the learning rate (e.g. '
+        "--model_params_override='task.train.learning_rate:1e-4') and run "
+        'again to resume from it.', 3)
+
+  def _WaitUntilInit(self, sess=None, start_up_delay_steps=None):
+    if start_up_delay_steps:
+      return super()._WaitUntilInit(sess, start_up_delay_steps)
+    # Lingvo sleeps a fixed 30 s so that the controller can initialize or
+    # restore the variables first. That takes about a second: poll for it.
+    uninitialized = self._uninitialized
+    waiting, start = runner_state.Waiting(), time.time()
+    while True:
+      try:
+        if not sess.run(uninitialized).size:
+          break
+      except tf.errors.FailedPreconditionError:
+        pass  # Mid-restore; try again.
+      if time.time() - start > 10:
+        waiting.Say(
+            'init', 'trainer: waiting for the controller to initialize or '
+            'restore the variables; is --job=controller running? (Without '
+            '--job, both run in this process.)')
+      time.sleep(0.2)
+    start = time.time()
+    state = self._run_state
+    # A restored run already has its checkpoint (the controller does not save
+    # the restored step again).
+    while (state.controller_here.is_set() and
+           not state.first_save_done.wait(0.2) and
+           not state.interrupted.is_set() and
+           not tf.train.latest_checkpoint(self._train_dir)):
+      if time.time() - start > 10:
+        waiting.Say('first_save',
+                    'trainer: waiting for the controller\'s first checkpoint.')
+    global_step = sess.run(py_utils.GetGlobalStep())
+    if self._options.distributed:
+      global_step = self._keep_step.Keep(sess, global_step)
+    self._SetStatusMessage('step:%6d' % global_step)
+    return global_step
