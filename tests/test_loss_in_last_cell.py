@@ -103,6 +103,12 @@ def test_loss_in_last_cell_needs_a_softmax():
     _Params('1f1b', True).Set(softmax_tpl=None).Instantiate()
 
 
+def test_loss_in_last_cell_is_not_for_recurrent():
+  with gpipe_testlib.Cluster(_K), pytest.raises(
+      ValueError, match="does not run with schedule='recurrent'"):
+    _Params('recurrent', True).Instantiate()
+
+
 def test_loss_in_last_cell_needs_labels():
   with tf.Graph().as_default(), gpipe_testlib.Cluster(_K):
     net = _Params('1f1b', True).Instantiate()

@@ -98,6 +98,12 @@ class _LossInLastCell(_ext_gpipe.PipeliningLayer):
         raise ValueError(
             '%s: loss_in_last_cell=True needs softmax_tpl and no '
             'label_smoothing; set loss_in_last_cell=False.' % p.name)
+      if p.schedule == 'recurrent':
+        # Its loop passes states of one dtype; the labels are integers.
+        raise ValueError(
+            "%s: loss_in_last_cell=True does not run with schedule="
+            "'recurrent'; use another schedule or loss_in_last_cell=False."
+            % p.name)
       cells = list(p.cell_tpl)
       for cell in cells[:-1]:
         cell.num_act_inputs = cell.num_act_outputs = _NUM_LABEL_INPUTS
