@@ -337,8 +337,7 @@ def Markdown(records) -> str:
     ratios = []
     for refs, ref_key in ((base, _Key(r)[:4]), (default, _Key(r))):
       ratios.append('%.2fx' % (r['step_ms'] / refs[ref_key]['step_ms'])
-                    if ref_key in refs and 'variant' in r and
-                    not r['variant'].startswith('torch') else '')
+                    if ref_key in refs else '')
     cpu = r.get('cpu_ms')
     rows.append('| %d, %d, %d | %s | %s | %.1f | %.1f | %s | %d | %s | %s | '
                 '%s |' %
