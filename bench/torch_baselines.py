@@ -35,7 +35,11 @@ Implementations (impl names in the records):
   torch/gpipe   torch.distributed.pipelining.ScheduleGPipe, K stages in K
   torch/1f1b    processes (Schedule1F1B), gloo over 127.0.0.1, each process
                 `--threads` // K intra-op threads (its share of the cores);
-                sum of per-micro-batch losses (scale_grads=False).
+                sum of per-micro-batch losses (scale_grads=False), each
+                micro-batch's loss_fn in the last stage: what
+                bench/transformer.py's `--loss last_cell` does (their
+                records say loss 'last_cell'); with `--loss after`
+                lingvo_ext's '1f1b' recomputes, torch's 1F1B never does.
 
 The step time is the median over `--steps` timed steps after `--warmup`
 (pipelines: each step between two barriers, the slowest rank's time). The
@@ -179,7 +183,11 @@ def Record(job: Dict, args, times_s: Sequence[float], first_loss: float,
       rss_per_process_mb=[None if r is None else round(r, 1) for r in rss_mb],
       **torch_info)
   if args.model == 'transformer':
-    rec.update(variant=job['impl'], L=args.layers, ops=None, **TRANSFORMER)
+    # The pipelines apply loss_fn per micro-batch in the last stage:
+    # bench/transformer.py's --loss last_cell, never a recompute.
+    rec.update(variant=job['impl'], L=args.layers, ops=None,
+               loss='after' if job['impl'] == IMPL_PREFIX + 'plain'
+               else 'last_cell', **TRANSFORMER)
   return rec
 
 

@@ -24,6 +24,17 @@ shares whatever its config says.
       --variants lingvo unrolled --intra_op_threads 0 --markdown
       # the trainer's thread pools
 
+`--loss after` (the default) is Lingvo's: the stack's cross-entropy after the
+pipeline, from the last cell's logits, which makes the loss not linear in
+the pipeline's outputs, so '1f1b' recomputes every forward pass;
+`--loss last_cell` computes the per-example cross-entropy in the last cell
+(`loss_in_last_cell=True`: no recompute), as torch.distributed.pipelining's
+loss_fn per micro-batch in the last stage does. `--loss after last_cell`
+runs both side by side; 'lingvo' rows always have the loss after.
+
+  .venv/bin/python bench/transformer.py --L 8 --K 2 --M 4 \
+      --variants unrolled 1f1b --loss after last_cell
+
 Variants: 'lingvo' (lingvo.core.gpipe), and lingvo_ext '<schedule>' with
 optional '+inline' (`cell_functions=False`: each (cell, micro-batch) its own
 copy of the cell's ops; the default, '+functions', builds each cell once as a
@@ -49,11 +60,13 @@ T, B, D, HIDDEN, HEADS, VOCAB = 16, 32, 64, 128, 2, 32
 
 
 def _Child(variant: str, num_layers: int, k: int, m: int, steps: int,
-           dtype: str = 'float32', intra_op_threads: int = 1) -> dict:
+           dtype: str = 'float32', intra_op_threads: int = 1,
+           loss_placement: str = 'after') -> dict:
   """Builds and times one configuration in this process.
 
   `dtype` 'bfloat16': the stack's fprop_dtype (Lingvo's mixed precision:
   float32 variables and updates, bfloat16 cells and states between them).
+  `loss_placement` 'last_cell': lingvo_ext's loss_in_last_cell (not for 'lingvo').
   """
   t0 = time.time()
   sys.path.insert(0, _REPO)
@@ -98,6 +111,7 @@ def _Child(variant: str, num_layers: int, k: int, m: int, steps: int,
       p.schedule = schedule
       p.cell_functions = 'inline' not in extras
       p.jit_compile = 'jit' in extras
+      p.loss_in_last_cell = loss_placement == 'last_cell'
     net = p.Instantiate()
     rng = np.random.RandomState(0)
     ids = tf.constant(rng.randint(0, VOCAB, [T, B]), tf.int32)
@@ -141,6 +155,11 @@ def _Child(variant: str, num_layers: int, k: int, m: int, steps: int,
   from tensorflow.python.util import _pywrap_util_port  # pylint: disable=g-import-not-at-top,g-direct-tensorflow-import
   return dict(
       variant=variant, dtype=dtype, L=num_layers, K=k, M=m, ops=ops,
+      loss='after' if schedule == 'lingvo' else loss_placement,
+      # Call ops in the graph: with recompute, a backward pass calls each
+      # cell's forward function again.
+      call_ops=sum(1 for o in g.get_operations()
+                   if o.type in ('PartitionedCall', 'StatefulPartitionedCall')),
       # The pools the session ran on (0: TensorFlow's default).
       intra_op_threads=tf.config.threading.get_intra_op_parallelism_threads(),
       bytes_between_cells=cross_bytes,
@@ -204,32 +223,35 @@ def Pairs(ks, ms):
 
 
 def Run(variants, num_layers, km_pairs, steps, timeout_s=1800,
-        dtypes=('float32',), runner=subprocess.run, intra_op_threads=1):
+        dtypes=('float32',), runner=subprocess.run, intra_op_threads=1,
+        losses=('after',)):
   """Each configuration in a fresh child; returns the records.
 
   `runner`: subprocess.run, or a stand-in with its signature (the tests fork
   the children from a pre-imported server, tests/zygote.py).
   """
   records = []
-  for l, (k, m), v, dtype in itertools.product(num_layers, km_pairs, variants,
-                                               dtypes):
+  for l, (k, m), loss, v, dtype in itertools.product(
+      num_layers, km_pairs, losses, variants, dtypes):
+    if v == 'lingvo' and loss != 'after':
+      continue  # Lingvo's stack has the loss after its pipeline only.
     cmd = [sys.executable, os.path.abspath(__file__), '--_child', v,
            '--L', str(l), '--K', str(k), '--M', str(m), '--steps',
            str(steps), '--dtype', dtype, '--intra_op_threads',
-           str(intra_op_threads)]
-    print('[bench] %s %s L=%d K=%d M=%d' % (v, dtype, l, k, m),
+           str(intra_op_threads), '--loss', loss]
+    print('[bench] %s %s L=%d K=%d M=%d loss %s' % (v, dtype, l, k, m, loss),
           file=sys.stderr, flush=True)
     try:
       res = runner(cmd, capture_output=True, text=True, timeout=timeout_s,
                    check=False)
     except subprocess.TimeoutExpired:
-      records.append(dict(variant=v, dtype=dtype, L=l, K=k, M=m,
+      records.append(dict(variant=v, dtype=dtype, L=l, K=k, M=m, loss=loss,
                           error='timeout %ds' % timeout_s))
       continue
     lines = [x for x in res.stdout.splitlines() if x.startswith('{')]
     if res.returncode or not lines:
       tail = res.stderr.strip().splitlines()[-1:] or ['no output']
-      records.append(dict(variant=v, dtype=dtype, L=l, K=k, M=m,
+      records.append(dict(variant=v, dtype=dtype, L=l, K=k, M=m, loss=loss,
                           error='exit %d: %s' % (res.returncode, tail[0])))
       continue
     records.append(json.loads(lines[-1]))
@@ -237,6 +259,7 @@ def Run(variants, num_layers, km_pairs, steps, timeout_s=1800,
 
 
 DTYPES = ('float32', 'bfloat16')
+LOSSES = ('after', 'last_cell')
 
 
 def ParseDtypes(text):
@@ -253,7 +276,9 @@ def MarkdownDtypes(records) -> str:
   by = {}
   for r in records:
     if 'error' not in r:
-      by.setdefault((r['L'], r['K'], r['M'], r['variant']),
+      name = r['variant'] + (', loss in last cell'
+                             if r.get('loss') == 'last_cell' else '')
+      by.setdefault((r['L'], r['K'], r['M'], name),
                     {})[r.get('dtype', 'float32')] = r
   rows = ['| L, K, M | variant | float32 ms | bf16 ms | bf16 / float32 | '
           'bytes between cells float32 / bf16 | op time: MatMul ms float32 / '
@@ -286,30 +311,41 @@ def OneDnnCell(record) -> str:
 
 
 def Markdown(records) -> str:
-  """One row per configuration and variant, with ratios to Lingvo's."""
+  """One row per configuration and variant, with ratios to Lingvo's and to
+  the default schedule's ('unrolled', same dtype and loss placement)."""
   rows = ['| L, K, M | variant | graph ops | first step (s) | step (ms) | '
-          'CPU ms a step | peak RSS (MB) | step / Lingvo |',
-          '|---|---|---|---|---|---|---|---|']
-  base = {(r['L'], r['K'], r['M'], r.get('dtype', 'float32')): r
-          for r in records
-          if r.get('variant') == 'lingvo' and 'error' not in r}
+          'CPU ms a step | peak RSS (MB) | ops run | step / Lingvo | '
+          'step / unrolled |',
+          '|---|---|---|---|---|---|---|---|---|---|']
+
+  def _Key(r):
+    return (r['L'], r['K'], r['M'], r.get('dtype', 'float32'),
+            r.get('loss', 'after'))
+
+  ok = [r for r in records if 'error' not in r]
+  base = {_Key(r)[:4]: r for r in ok if r.get('variant') == 'lingvo'}
+  default = {_Key(r): r for r in ok if r.get('variant') == 'unrolled'}
   for r in records:
     key = (r['L'], r['K'], r['M'])
     dtype = r.get('dtype', 'float32')
-    name = r['variant'] + (' (%s)' % dtype if dtype != 'float32' else '')
+    name = r['variant'] + (' (%s)' % dtype if dtype != 'float32' else '') + (
+        ', loss in last cell' if r.get('loss') == 'last_cell' else '')
     if 'error' in r:
-      rows.append('| %d, %d, %d | %s | %s | | | | | |' %
+      rows.append('| %d, %d, %d | %s | %s | | | | | | | |' %
                   (*key, name, r['error']))
       continue
-    ratio = ''
-    if key + (dtype,) in base:
-      ratio = '%.2fx' % (r['step_ms'] / base[key + (dtype,)]['step_ms'])
+    ratios = []
+    for refs, ref_key in ((base, _Key(r)[:4]), (default, _Key(r))):
+      ratios.append('%.2fx' % (r['step_ms'] / refs[ref_key]['step_ms'])
+                    if ref_key in refs else '')
     cpu = r.get('cpu_ms')
-    rows.append('| %d, %d, %d | %s | %s | %.1f | %.1f | %s | %d | %s |' %
+    rows.append('| %d, %d, %d | %s | %s | %.1f | %.1f | %s | %d | %s | %s | '
+                '%s |' %
                 (*key, name,
-                 '-' if r['ops'] is None else r['ops'], r['first_step_s'],
-                 r['step_ms'], '-' if cpu is None else '%.0f' % cpu,
-                 r['peak_rss_mb'], ratio))
+                 '-' if r.get('ops') is None else r['ops'],
+                 r['first_step_s'], r['step_ms'],
+                 '-' if cpu is None else '%.0f' % cpu, r['peak_rss_mb'],
+                 r.get('ops_run', '-'), *ratios))
   return '\n'.join(rows)
 
 
@@ -341,6 +377,11 @@ def main(argv=None) -> int:
       '--intra_op_threads', type=int, default=1,
       help='Intra-op threads of the session (one pool for all devices); 0: '
       "TensorFlow's default, one per core, as the trainer's session.")
+  parser.add_argument(
+      '--loss', nargs='+', choices=LOSSES, default=['after'],
+      help="Where lingvo_ext's stack computes the cross-entropy: 'after' the "
+      "pipeline (Lingvo's) or in the 'last_cell' (no '1f1b' recompute); "
+      'both: side by side. See the module docstring.')
   parser.add_argument('--_child', help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   if args.intra_op_threads < 0:
@@ -359,10 +400,11 @@ def main(argv=None) -> int:
   if args._child:  # pylint: disable=protected-access
     print(json.dumps(_Child(args._child, args.L[0], args.K[0], args.M[0],  # pylint: disable=protected-access
                             args.steps, args.dtype[0],
-                            args.intra_op_threads)))
+                            args.intra_op_threads, args.loss[0])))
     return 0
   records = Run(args.variants, args.L, Pairs(args.K, args.M), args.steps,
-                dtypes=args.dtype, intra_op_threads=args.intra_op_threads)
+                dtypes=args.dtype, intra_op_threads=args.intra_op_threads,
+                losses=args.loss)
   torch_python, note = torch_baselines.TorchPython(args.torch_python)
   print('[bench] ' + note, file=sys.stderr, flush=True)
   records = torch_baselines.WithTransformerRecords(

@@ -20,11 +20,17 @@ def test_pairs_and_markdown():
   text = transformer.Markdown([
       dict(base, variant='lingvo'),
       dict(base, variant='unrolled+functions', step_ms=40.),
-      dict(variant='1f1b', L=8, K=2, M=4, error='timeout 1800s')])
+      dict(variant='1f1b', L=8, K=2, M=4, error='timeout 1800s'),
+      dict(base, variant='unrolled', loss='last_cell', step_ms=40.,
+           ops_run=900),
+      dict(base, variant='1f1b', loss='last_cell', step_ms=46., ops_run=910)])
   lines = text.splitlines()
   assert lines[3] == ('| 8, 2, 4 | unrolled+functions | 100 | 1.0 | 40.0 | '
-                      '150 | 500 | 0.50x |')
+                      '150 | 500 | - | 0.50x |  |')
   assert 'timeout 1800s' in lines[4]
+  # Each schedule against the default's row with the same loss placement.
+  assert lines[6] == ('| 8, 2, 4 | 1f1b, loss in last cell | 100 | 1.0 | '
+                      '46.0 | 150 | 500 | 910 | 0.57x | 1.15x |')
 
 
 def test_bad_variant_is_one_line_exit_2():
@@ -75,3 +81,18 @@ def test_same_first_loss_in_both_libraries():
              for r in records), records
   assert all(r['cpu_ms'] > 0 for r in records), records
   assert run['unrolled']['op_ms'] < run['unrolled']['busy_ms']
+
+
+@pytest.mark.e2e
+def test_loss_in_last_cell_same_loss_no_recompute():
+  # --loss after last_cell: the same first loss; with the loss in the last
+  # cell '1f1b' calls each cell's forward function once per micro-batch
+  # (no recompute), with it after the pipeline twice.
+  records = transformer.Run(['1f1b'], [2], [(2, 2)], steps=1, timeout_s=600,
+                            runner=_Forked, losses=('after', 'last_cell'))
+  assert all('error' not in r for r in records), records
+  after, last = records
+  assert (after['loss'], last['loss']) == ('after', 'last_cell')
+  assert last['loss0'] == pytest.approx(after['loss0'], rel=1e-5)
+  assert last['call_ops'] < after['call_ops']
+  assert last['ops_run'] < after['ops_run']

@@ -103,8 +103,8 @@ def test_records_render_in_bench_transformer_markdown():
       torch_baselines.MergeByConfig([lingvo, dict(lingvo, K=4, M=16)],
                                     [rec])).splitlines()
   # torch's records have no CPU time a step.
-  assert lines[3] == ('| 8, 2, 4 | torch/gpipe | - | 0.5 | 20.0 | - | 610 | '
-                      '0.50x |')
+  assert lines[3] == ('| 8, 2, 4 | torch/gpipe, loss in last cell | - | 0.5 | '
+                      '20.0 | - | 610 | - | 0.50x |  |')
   assert lines[4].startswith('| 8, 4, 16 | lingvo |')
   assert '| torch/gpipe | 2 | 4 | 2 x 1 | 20.0 (15.0-25.0) | - | 0.46 | 1920.5 |' in (
       torch_baselines.Markdown([rec]))

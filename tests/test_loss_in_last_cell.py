@@ -1,0 +1,116 @@
+"""GPipeTransformerStack(loss_in_last_cell=True): the loss in the last cell.
+
+The per-example cross-entropy comes out of the pipeline, so a summed loss is
+linear in its outputs and '1f1b' runs without recomputing; training equals
+the default schedule with Lingvo's loss after the pipeline, and the
+sequential model.
+"""
+
+import lingvo.compat as tf
+from lingvo.core import py_utils
+import numpy as np
+import pytest
+
+from lingvo_ext.core import layers_with_gpipe
+from tests import gpipe_testlib
+
+_T, _B, _D, _VOCAB, _K, _M = 4, 8, 8, 5, 2, 4
+_STEPS = 3
+
+
+def _Params(schedule, loss_in_last_cell):
+  p = layers_with_gpipe.GPipeTransformerStack.Params().Set(
+      name='transformer', model_dim=_D, num_encoder_layers=3,
+      num_decoder_layers=0, splits=_K, num_micro_batches=_M,
+      state_dtype=tf.float32, random_seed=0, schedule=schedule,
+      loss_in_last_cell=loss_in_last_cell)
+  p.encoder_tpl.source_dim = _D
+  p.encoder_tpl.tr_atten_tpl.num_attention_heads = 2
+  p.encoder_tpl.tr_fflayer_tpl.hidden_dim = 2 * _D
+  p.emb_tpl.token_emb.Set(embedding_dim=_D, vocab_size=_VOCAB)
+  p.emb_tpl.position_emb.embedding_dim = _D
+  p.softmax_tpl.Set(input_dim=_D, num_classes=_VOCAB)
+  return p
+
+
+def _Train(schedule, loss_in_last_cell, sequential=False):
+  """(losses per step, first step's gradients, variables after, graph)."""
+  g = tf.Graph()
+  with g.as_default(), gpipe_testlib.Cluster(_K):
+    tf.random.set_seed(1)
+    py_utils.GetOrCreateGlobalStepVar()
+    net = _Params(schedule, loss_in_last_cell).Instantiate()
+    rng = np.random.RandomState(0)
+    ids = tf.constant(rng.randint(0, _VOCAB, [_T, _B]), tf.int32)
+    labels = tf.constant(rng.randint(0, _VOCAB, [_T, _B]), tf.int32)
+    # Weights differ per token: the pipeline must carry each micro-batch's.
+    weights = tf.constant(rng.uniform(0.5, 1.5, [_T, _B]), tf.float32)
+    paddings = tf.zeros([_T, _B])
+    if sequential:
+      xent, _ = net.FPropSequential(net.theta, ids, paddings, *[None] * 8,
+                                    labels, weights)
+    else:
+      xent, _ = net.FPropDefaultTheta(ids, paddings, labels=labels,
+                                      label_weights=weights)
+    loss = tf.reduce_sum(xent)
+    variables = net.vars.Flatten()
+    grads = [tf.convert_to_tensor(x) for x in tf.gradients(
+        loss, variables, colocate_gradients_with_ops=True)]
+    with tf.control_dependencies(grads):
+      train = tf.group([tf.assign_sub(v, 0.01 * dv)
+                        for v, dv in zip(variables, grads)])
+    init = tf.global_variables_initializer()
+  losses = []
+  with gpipe_testlib.Session(g, _K) as sess:
+    sess.run(init)
+    first_grads = sess.run(grads)
+    for _ in range(_STEPS):
+      losses.append(sess.run([loss, train])[0])
+    final = sess.run(variables)
+  return losses, first_grads, final, g
+
+
+def _Recomputes(graph):
+  return any('recompute' in op.name for op in graph.get_operations())
+
+
+@pytest.mark.slow  # Four Transformer graphs.
+def test_1f1b_with_the_loss_in_the_last_cell_equals_the_default():
+  ref = _Train('unrolled', False)  # Lingvo's loss, after the pipeline.
+  seq = _Train('unrolled', True, sequential=True)
+  runs = [_Train('unrolled', True), _Train('1f1b', True)]
+  assert not _Recomputes(runs[1][3])  # The loss is linear in the outputs.
+  for losses, grads, final, _ in [seq] + runs:
+    np.testing.assert_allclose(losses, ref[0], rtol=1e-5)
+    for a, b in zip(grads, ref[1]):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    for a, b in zip(final, ref[2]):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+  assert ref[0][-1] < ref[0][0]  # It trains.
+
+
+@pytest.mark.slow
+def test_1f1b_with_the_loss_after_the_pipeline_recomputes():
+  # The same model with Lingvo's loss: '1f1b' must recompute (the check
+  # above can fail).
+  _, _, _, g = _Train('1f1b', False)
+  assert _Recomputes(g)
+
+
+def test_loss_in_last_cell_needs_a_softmax():
+  with gpipe_testlib.Cluster(_K), pytest.raises(
+      ValueError, match='loss_in_last_cell=True needs softmax_tpl'):
+    _Params('1f1b', True).Set(softmax_tpl=None).Instantiate()
+
+
+def test_loss_in_last_cell_is_not_for_recurrent():
+  with gpipe_testlib.Cluster(_K), pytest.raises(
+      ValueError, match="does not run with schedule='recurrent'"):
+    _Params('recurrent', True).Instantiate()
+
+
+def test_loss_in_last_cell_needs_labels():
+  with tf.Graph().as_default(), gpipe_testlib.Cluster(_K):
+    net = _Params('1f1b', True).Instantiate()
+    with pytest.raises(ValueError, match='needs labels and label_weights'):
+      net.FPropDefaultTheta(tf.zeros([_T, _B], tf.int32), tf.zeros([_T, _B]))
