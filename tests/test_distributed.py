@@ -421,6 +421,8 @@ def testWorkerReplicasMustAgreeWithTheClusterSpec():
   assert len(error.splitlines()) == 1
 
 
+# Runs the trainer and the launcher (forked): end-to-end by pytest.ini.
+@pytest.mark.e2e
 def testTrainerAndLaunchReportBadInputInOneLine():
   import lingvo_ext.distributed.launch_lib as launch_lib  # pylint: disable=g-import-not-at-top
   free = launch_lib.FreePorts(3)
