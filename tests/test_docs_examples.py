@@ -3,10 +3,13 @@
 Every shell and Python code block has an HTML comment on the line before its
 fence that says how it is checked (tests/docs_testlib.py lists the forms).
 A `<!-- runnable -->` block runs as written (with the marker's `sub=`
-substitutions), from a fresh temporary directory that has a `.venv` link to
-this checkout's venv (so `.venv/bin/python -m ...` works there) and that
-venv's bin first on PATH (so the console scripts do); `/tmp/lx/` in the
-block becomes a directory of the test's own. A block that exits non-zero
+substitutions), from a fresh temporary directory that has a `.venv` of
+links to this checkout's venv (so `.venv/bin/python -m ...` works there) and
+that venv's bin first on PATH (so the console scripts do); `/tmp/lx/` in the
+block becomes a directory of the test's own. Its `.venv/bin/python -m
+lingvo_ext...` runs are forked from a server that has imported TensorFlow
+(tests/zygote.py's Bridge; LINGVO_EXT_TEST_ZYGOTE=0: each a fresh
+interpreter), as the other tests' tool runs are. A block that exits non-zero
 fails the test, with its output. A `<!-- checked: ... -->` block (commands
 for other hosts, a fragment of a tested file) is checked as its kind says.
 """
@@ -17,11 +20,13 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
 from tests import docs_commands_testlib as commands_lib
 from tests import docs_testlib as docs_lib
+from tests import zygote
 
 ROOT = docs_lib.ROOT
 TIMEOUT = 600
@@ -73,13 +78,53 @@ def _Env(block, lx):
   return env
 
 
-def _Run(block, tmp_path):
+@pytest.fixture(scope='session')
+def bridge():
+  """bridge(): this worker's tests/zygote.py Bridge, made on first use: a
+  block's `.venv/bin/python -m lingvo_ext...` runs are forked from the
+  worker's zygote server, not each a fresh interpreter importing
+  TensorFlow."""
+  made = []
+
+  def Get():
+    if not made:
+      # A short path: a Unix socket's is at most 107 bytes.
+      directory = tempfile.mkdtemp(prefix='zygote-bridge-')
+      made.append((zygote.Bridge(directory), directory))
+    return made[0][0]
+
+  yield Get
+  for b, directory in made:
+    b.Close()
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def _Venv(work, bridge):
+  """work/.venv: the venv, its bin/python bridge's shim (if any)."""
+  venv = os.path.join(ROOT, '.venv')
+  if bridge is None:
+    os.symlink(venv, str(work / '.venv'))
+    return
+  os.makedirs(str(work / '.venv' / 'bin'))
+  for name in os.listdir(venv):
+    if name != 'bin':
+      os.symlink(os.path.join(venv, name), str(work / '.venv' / name))
+  for name in os.listdir(os.path.join(venv, 'bin')):
+    if name != 'python':
+      os.symlink(os.path.join(venv, 'bin', name),
+                 str(work / '.venv' / 'bin' / name))
+  shim = work / '.venv' / 'bin' / 'python'
+  shim.write_text(bridge.Shim())
+  shim.chmod(0o755)
+
+
+def _Run(block, tmp_path, bridge=None):
   lx = str(tmp_path / 'lx')
   os.makedirs(lx, exist_ok=True)
   work = tmp_path / 'cwd'
   if not work.exists():
     work.mkdir()
-    os.symlink(os.path.join(ROOT, '.venv'), str(work / '.venv'))
+    _Venv(work, bridge)
   _WriteFiles(block, lx)
   code = block.Code().replace('/tmp/lx/', lx + '/')
   if block.lang == 'sh':
@@ -96,9 +141,12 @@ def _Run(block, tmp_path):
 
 
 @pytest.mark.parametrize('chain', _Params())
-def testRunnableExampleRuns(chain, tmp_path):
+def testRunnableExampleRuns(chain, tmp_path, bridge):
+  # Blocks that run no trainer or tool (not e2e) need no server; with
+  # LINGVO_EXT_TEST_ZYGOTE=0 every run is a fresh interpreter.
+  served = zygote.ENABLED and any(b.e2e for b in chain)
   for block in chain:
-    _Run(block, tmp_path)
+    _Run(block, tmp_path, bridge() if served else None)
 
 
 def testEveryCodeBlockIsRunOrChecked():

@@ -1,102 +1,35 @@
 """lingvo_ext.launch: clusters configured only by TF_CONFIG or SLURM_*,
 readable output, logs in files, and no task outliving the launcher.
 
-Each launcher runs in its own process group, killed in `finally`; every wait
-is bounded. Tasks have groups of their own: the tests kill those too.
+Each launcher runs in its own process group (tests/proc_testlib.py), killed
+when its `with` block ends; every wait is bounded. Tasks have groups of
+their own: the tests kill those too.
 """
 
 import glob
 import os
 import re
 import signal
-import subprocess
 import sys
-import threading
 import time
 
 import pytest
 
 from lingvo_ext.distributed import cluster
+from tests import proc_testlib
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = 'lm.TransformerLmTinyGPipe'
 # A log record of Lingvo (absl) or TensorFlow's C++ runtime.
 _RECORD = re.compile(r'^\[\w+\] ([IWEF]\d{4} |WARNING: All log messages)')
 
 
-class _Launch:
+class _Launch(proc_testlib.Proc):
   """`python -m lingvo_ext.launch ...`; reads its output unless told not to."""
 
   def __init__(self, logdir, *flags, read=True):
-    self.lines = []
-    self.proc = subprocess.Popen(
-        [sys.executable, '-m', 'lingvo_ext.launch', f'--model={MODEL}',
-         f'--logdir={logdir}', *flags],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        errors='replace', start_new_session=True)
-    self._thread = threading.Thread(target=self._Read, daemon=True)
-    if read:
-      self.StartReading()
-
-  def StartReading(self):
-    self._thread.start()
-
-  def _Read(self):
-    for line in self.proc.stdout:
-      self.lines.append(line)
-
-  def WaitFor(self, pattern, timeout_s):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-      for line in list(self.lines):
-        m = re.search(pattern, line)
-        if m:
-          return m
-      if self.proc.poll() is not None and not self._thread.is_alive():
-        break
-      time.sleep(0.2)
-    raise AssertionError(f'no {pattern!r} within {timeout_s} s:\n' +
-                         self.Text()[-5000:])
-
-  def Wait(self, timeout_s):
-    try:
-      rc = self.proc.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-      raise AssertionError(f'launch still running after {timeout_s} s:\n' +
-                           self.Text()[-5000:]) from None
-    self._thread.join(10)
-    return rc
-
-  def Pids(self):
-    pids = {}
-    for line in self.lines:
-      m = re.match(r'launch: started (\w+ task \d+) \(\S+\) as pid (\d+)', line)
-      if m:
-        pids[m.group(1)] = int(m.group(2))
-    return pids
-
-  def Text(self):
-    return ''.join(self.lines)
-
-  def Kill(self):
-    for pid in [self.proc.pid] + list(self.Pids().values()):
-      try:
-        os.killpg(pid, signal.SIGKILL)
-      except (ProcessLookupError, PermissionError):
-        pass
-    try:
-      self.proc.wait(10)
-    except subprocess.TimeoutExpired:
-      pass
-
-
-def _Alive(pid):
-  """Whether pid runs (a zombie waiting for its reaper does not)."""
-  try:
-    with open(f'/proc/{pid}/stat') as f:
-      return f.read().rsplit(')', 1)[1].split()[0] != 'Z'
-  except FileNotFoundError:
-    return False
+    super().__init__([sys.executable, '-m', 'lingvo_ext.launch',
+                      f'--model={MODEL}', f'--logdir={logdir}', *flags],
+                     read=read)
 
 
 def _PortFree(address):
@@ -116,12 +49,9 @@ def _Log(logdir, name):
 def testTFConfigOnlyClusterTrainsToMaxSteps(tmp_path):
   """A chief, 2 workers (1 replica x 2 cells) and a ps, told only TF_CONFIG."""
   logdir = str(tmp_path / 'tf_config')
-  run = _Launch(logdir, '--cluster_from=tf_config', '--workers=2', '--ps=1',
-                '--worker_split_size=2', '--max_steps=5')
-  try:
+  with _Launch(logdir, '--cluster_from=tf_config', '--workers=2', '--ps=1',
+               '--worker_split_size=2', '--max_steps=5') as run:
     assert run.Wait(300) == 0, run.Text()[-5000:]
-  finally:
-    run.Kill()
   out = run.Text()
   # Readable output: state changes and the progress line, no log records.
   records = [l for l in run.lines if _RECORD.match(l)]
@@ -166,10 +96,9 @@ def testSlurmEnvironmentRunIsNotSlowedByASlowReader(tmp_path):
   last checkpoint: the tasks write to files, so training does not wait.
   """
   logdir = str(tmp_path / 'slurm')
-  run = _Launch(logdir, '--cluster_from=slurm', '--nodes=2', '--workers=4',
-                '--worker_split_size=2', '--max_steps=5', '--stream_logs',
-                read=False)
-  try:
+  with _Launch(logdir, '--cluster_from=slurm', '--nodes=2', '--workers=4',
+               '--worker_split_size=2', '--max_steps=5', '--stream_logs',
+               read=False) as run:
     last = os.path.join(logdir, 'train', 'ckpt-00000005.index')
     deadline = time.monotonic() + 300
     while not os.path.exists(last):
@@ -178,8 +107,6 @@ def testSlurmEnvironmentRunIsNotSlowedByASlowReader(tmp_path):
       time.sleep(0.5)
     run.StartReading()
     assert run.Wait(120) == 0, run.Text()[-5000:]
-  finally:
-    run.Kill()
   out = run.Text()
   assert len(out) > 1 << 16  # More than a pipe holds: a reader that waits
   # would have blocked every task had they written to the launcher's pipe.
@@ -209,29 +136,26 @@ def testKilledLauncherLeavesNoTaskAndFreesItsPorts(tmp_path, fork_tasks):
   """kill -9 of the launcher mid-run: within 10 s every task is gone."""
   logdir = str(tmp_path / 'kill')
   # --network=host: the ports are this host's, to check that they are free.
-  run = _Launch(logdir, '--network=host', '--workers=2',
-                '--worker_split_size=2', '--max_steps=100000',
-                f'--fork_tasks={fork_tasks}')
-  try:
+  with _Launch(logdir, '--network=host', '--workers=2',
+               '--worker_split_size=2', '--max_steps=100000',
+               f'--fork_tasks={fork_tasks}') as run:
     m = run.WaitFor(r'launch: all 4 tasks are serving: (\S+)', 240)
     addresses = sum(cluster.ParseClusterSpec(m.group(1)).values(), [])
     run.WaitFor(r'^\[trainer_client\] step \d+/100000 ', 240)  # Mid-run.
     pids = run.Pids()
-    assert len(pids) == 4 and all(_Alive(p) for p in pids.values()), pids
+    assert len(pids) == 4 and all(proc_testlib.Alive(p) for p in pids.values()), pids
     server = re.search(r'launch: forking the tasks from pid (\d+)', run.Text())
     assert bool(server) == (fork_tasks == 'true'), run.Text()
     if server:
       pids['fork server'] = int(server.group(1))
-    assert all(_Alive(p) for p in pids.values()), pids
+    assert all(proc_testlib.Alive(p) for p in pids.values()), pids
     assert not any(_PortFree(a) for a in addresses), addresses
     os.kill(run.proc.pid, signal.SIGKILL)
     killed = time.monotonic()
     while time.monotonic() - killed < 10:
-      alive = [w for w, p in pids.items() if _Alive(p)]
+      alive = [w for w, p in pids.items() if proc_testlib.Alive(p)]
       taken = [a for a in addresses if not _PortFree(a)]
       if not alive and not taken:
         break
       time.sleep(0.2)
     assert not alive and not taken, (alive, taken)
-  finally:
-    run.Kill()

@@ -1,9 +1,11 @@
 """Preemption: SIGTERM stops every job safely, through the launcher too;
 evaluating a logdir once; process titles.
 
-Each test runs trainers or launchers in subprocesses of their own process
-group, waits for a line of their output (never a fixed sleep), bounds every
-wait and kills what it started in `finally`.
+Each test runs trainers or launchers in process groups of their own
+(tests/proc_testlib.py), waits for a line of their output (never a fixed
+sleep), bounds every wait and kills what it started when its `with` block
+ends, passed or failed; the runs it only waits for are forked from the
+tests' server (tests/zygote.py).
 """
 
 import glob
@@ -13,12 +15,14 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import lingvo.compat as tf
 import numpy as np
 import pytest
+
+from tests import proc_testlib
+from tests import zygote
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT = 300
@@ -27,65 +31,21 @@ MODEL = '--model=lm.TransformerLmTiny'
 NO_PERIODIC_SAVE = '--model_params_override=train.save_interval_seconds:3600'
 
 
-class _Proc:
-  """A command in its own process group; its output read by a thread."""
-
-  def __init__(self, argv, env=None):
-    self.lines = []
-    self.proc = subprocess.Popen(
-        argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, errors='replace', start_new_session=True,
-        env=dict(os.environ, **(env or {})))
-    self._thread = threading.Thread(target=self._Read, daemon=True)
-    self._thread.start()
-
-  def _Read(self):
-    for line in self.proc.stdout:
-      self.lines.append(line)
-
-  def Text(self):
-    return ''.join(self.lines)
-
-  def WaitFor(self, pattern, timeout_s=TIMEOUT):
-    """The first match of `pattern` in the output, once it is there."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-      m = re.search(pattern, self.Text(), re.M)
-      if m:
-        return m
-      if self.proc.poll() is not None and not self._thread.is_alive():
-        break
-      time.sleep(0.2)
-    raise AssertionError(f'no {pattern!r} within {timeout_s} s:\n' +
-                         self.Text()[-5000:])
-
-  def Wait(self, timeout_s=TIMEOUT):
-    try:
-      rc = self.proc.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-      raise AssertionError(f'still running after {timeout_s} s:\n' +
-                           self.Text()[-5000:]) from None
-    self._thread.join(10)
-    return rc
-
-  def Kill(self, pids=()):
-    for pid in [self.proc.pid, *pids]:
-      try:
-        os.killpg(pid, signal.SIGKILL)
-      except (ProcessLookupError, PermissionError):
-        pass
-    try:
-      self.proc.wait(10)
-    except subprocess.TimeoutExpired:
-      pass
-
-
 def _Trainer(*flags, env=None, python_code=None):
   if python_code:
     argv = [sys.executable, '-c', python_code, *flags]
   else:
     argv = [sys.executable, '-m', 'lingvo_ext.trainer', *flags]
-  return _Proc(argv, env)
+  return proc_testlib.Proc(argv, env)
+
+
+def _Run(*flags):
+  """(exit code, output) of a trainer run to its end (forked: zygote)."""
+  proc = zygote.run([sys.executable, '-m', 'lingvo_ext.trainer', *flags],
+                    cwd=proc_testlib.ROOT, stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT, text=True,
+                    timeout=proc_testlib.TIMEOUT)
+  return proc.returncode, proc.stdout
 
 
 def _Latest(logdir):
@@ -101,15 +61,6 @@ def _LastProgressStep(text):
   return max(steps) if steps else None
 
 
-def _Alive(pid):
-  """Whether pid runs (a zombie waiting for its reaper does not)."""
-  try:
-    with open(f'/proc/{pid}/stat') as f:
-      return f.read().rsplit(')', 1)[1].split()[0] != 'Z'
-  except FileNotFoundError:
-    return False
-
-
 def _AdamSlot(names):
   return sorted(n for n in names if n.endswith('/Adam') and 'global' not in n)
 
@@ -117,14 +68,11 @@ def _AdamSlot(names):
 @pytest.mark.e2e
 def testSigtermSavesTheCurrentStepAndTheRestartResumesAfterIt(tmp_path):
   logdir = str(tmp_path / 'log')
-  run = _Trainer(MODEL, f'--logdir={logdir}', '--max_steps=1000000',
-                 NO_PERIODIC_SAVE)
-  try:
+  with _Trainer(MODEL, f'--logdir={logdir}', '--max_steps=1000000',
+                NO_PERIODIC_SAVE) as run:
     run.WaitFor(r'^step (\d*[1-9]\d)/', TIMEOUT)  # Step 10 or more.
     run.proc.send_signal(signal.SIGTERM)
     rc = run.Wait()
-  finally:
-    run.Kill()
   out = run.Text()
   assert rc == 0, out[-3000:]
   assert 'SIGTERM: stopping safely' in out, out[-3000:]
@@ -140,13 +88,8 @@ def testSigtermSavesTheCurrentStepAndTheRestartResumesAfterIt(tmp_path):
   assert np.any(saved[slot] != 0)  # Adam's state of the steps trained.
 
   # The restart resumes at step + 1 from that state: one more step.
-  rerun = _Trainer(MODEL, f'--logdir={logdir}', f'--max_steps={step + 1}',
-                   NO_PERIODIC_SAVE)
-  try:
-    rc = rerun.Wait()
-  finally:
-    rerun.Kill()
-  out = rerun.Text()
+  rc, out = _Run(MODEL, f'--logdir={logdir}', f'--max_steps={step + 1}',
+                 NO_PERIODIC_SAVE)
   assert rc == 0, out[-3000:]
   assert re.search(rf'^step {step + 1}/{step + 1} ', out, re.M), out[-3000:]
   assert not re.search(rf'^step {step}/', out, re.M), out[-3000:]
@@ -183,16 +126,13 @@ sys.exit(trainer.Run())
 @pytest.mark.e2e
 def testStopDuringASaveLeavesTheStateFileNamingCompleteCheckpoints(tmp_path):
   logdir = str(tmp_path / 'log')
-  run = _Trainer(MODEL, f'--logdir={logdir}', '--max_steps=1000000',
-                 NO_PERIODIC_SAVE, '--shutdown_grace_secs=3',
-                 python_code=_SLOW_SAVE)
-  try:
+  with _Trainer(MODEL, f'--logdir={logdir}', '--max_steps=1000000',
+                NO_PERIODIC_SAVE, '--shutdown_grace_secs=3',
+                python_code=_SLOW_SAVE) as run:
     run.WaitFor(r'^step (\d*[1-9]\d)/')
     run.proc.send_signal(signal.SIGTERM)
     run.WaitFor(r'slow save: committing')
     rc = run.Wait()
-  finally:
-    run.Kill()
   out = run.Text()
   assert rc == 143, out[-3000:]
   assert ('not done within --shutdown_grace_secs=3: exiting without the '
@@ -207,14 +147,11 @@ def testStopDuringASaveLeavesTheStateFileNamingCompleteCheckpoints(tmp_path):
 @pytest.mark.e2e
 def testSigtermBeforeAnyCheckpointSaysSoAndExits0(tmp_path):
   logdir = str(tmp_path / 'log')
-  run = _Trainer(MODEL, f'--logdir={logdir}', '--max_steps=10')
-  try:
+  with _Trainer(MODEL, f'--logdir={logdir}', '--max_steps=10') as run:
     # Printed once the flags are read, before the model is built.
     run.WaitFor(r'^lingvo_ext.trainer: --model=')
     run.proc.send_signal(signal.SIGTERM)
     rc = run.Wait()
-  finally:
-    run.Kill()
   out = run.Text()
   if _Latest(logdir):  # The first save won the race: stopped after it.
     assert rc == 0 and 'SIGTERM: stopping safely' in out, out[-3000:]
@@ -235,9 +172,8 @@ def _Unfinished(tiny_gpipe_run, dst):
 def testSigtermToAnEvalerAndADecoderExits0WithoutPartialFiles(
     tmp_path, tiny_gpipe_run):
   logdir = _Unfinished(tiny_gpipe_run, str(tmp_path / 'log'))
-  run = _Trainer(f'--model={tiny_gpipe_run.model}', *tiny_gpipe_run.flags,
-                 f'--logdir={logdir}', '--job=evaler_dev,decoder_dev')
-  try:
+  with _Trainer(f'--model={tiny_gpipe_run.model}', *tiny_gpipe_run.flags,
+                f'--logdir={logdir}', '--job=evaler_dev,decoder_dev') as run:
     # The trainer is gone: said once, not every 30 s.
     run.WaitFor(r'no trainer runs on this logdir .*: waiting for new '
                 r'checkpoints \(--eval_once evaluates the newest and exits\)')
@@ -245,8 +181,6 @@ def testSigtermToAnEvalerAndADecoderExits0WithoutPartialFiles(
     run.WaitFor(r'evaler_dev: step 3 ')
     run.proc.send_signal(signal.SIGTERM)
     rc = run.Wait()
-  finally:
-    run.Kill()
   out = run.Text()
   assert rc == 0, out[-3000:]
   assert not glob.glob(os.path.join(logdir, '*', '*.tmp*')), out[-3000:]
@@ -262,38 +196,20 @@ def testEvalOnceEvaluatesTheNewestCheckpointOfAStoppedRunAndExits(
            f'--logdir={logdir}', '--job=evaler_dev']
   for extra, step in (['--eval_once'], 3), (
       [f'--eval_checkpoint={logdir}/train/ckpt-00000000'], 0):
-    run = _Trainer(*flags, *extra)
-    try:
-      rc = run.Wait()
-    finally:
-      run.Kill()
-    out = run.Text()
+    rc, out = _Run(*flags, *extra)
     assert rc == 0, out[-3000:]
     assert re.search(rf'^evaler_dev: step {step}  .*log_pplx', out,
                      re.M), out[-3000:]
   empty = str(tmp_path / 'empty')
-  run = _Trainer(f'--model={tiny_gpipe_run.model}', *tiny_gpipe_run.flags,
+  rc, out = _Run(f'--model={tiny_gpipe_run.model}', *tiny_gpipe_run.flags,
                  f'--logdir={empty}', '--job=evaler_dev', '--eval_once')
-  try:
-    rc = run.Wait()
-  finally:
-    run.Kill()
-  assert rc == 0, run.Text()[-3000:]
+  assert rc == 0, out[-3000:]
   assert (f'evaler_dev: --eval_once: no checkpoint in {empty}/train: nothing '
-          'to evaluate.') in run.Text(), run.Text()[-3000:]
-  run = _Trainer(*flags, f'--eval_checkpoint={logdir}/train/ckpt-7')
-  try:
-    rc = run.Wait()
-  finally:
-    run.Kill()
-  assert rc == 2, run.Text()[-3000:]
+          'to evaluate.') in out, out[-3000:]
+  rc, out = _Run(*flags, f'--eval_checkpoint={logdir}/train/ckpt-7')
+  assert rc == 2, out[-3000:]
   assert (f'error: --eval_checkpoint={logdir}/train/ckpt-7: no such '
-          'checkpoint') in run.Text()
-
-
-def _Pids(text):
-  return {m.group(1): int(m.group(2)) for m in re.finditer(
-      r'launch: started (\w+ task \d+) \(\S+\) as pid (\d+)', text)}
+          'checkpoint') in out
 
 
 @pytest.mark.e2e
@@ -302,12 +218,10 @@ def testSigtermToTheLauncherSavesOnceStopsEveryTaskAndResumes(tmp_path):
   flags = ['--model=lm.TransformerLmTinyGPipe', f'--logdir={logdir}',
            '--workers=2', '--worker_split_size=2', '--network=host',
            NO_PERIODIC_SAVE]
-  run = _Proc([sys.executable, '-m', 'lingvo_ext.launch', *flags,
-               '--max_steps=1000000'])
-  pids = {}
-  try:
+  with proc_testlib.Proc([sys.executable, '-m', 'lingvo_ext.launch', *flags,
+                         '--max_steps=1000000']) as run:
     run.WaitFor(r'step (\d*[1-9]\d)/')
-    pids = _Pids(run.Text())
+    pids = run.Pids()
     assert len(pids) == 4, run.Text()[-3000:]
     # Each task's title names its job and task.
     for what, pid in pids.items():
@@ -322,21 +236,16 @@ def testSigtermToTheLauncherSavesOnceStopsEveryTaskAndResumes(tmp_path):
     assert rc == 0, out[-5000:]
     assert 'launch: the last checkpoint was saved.' in out, out[-5000:]
     for what, pid in pids.items():
-      assert not _Alive(pid), (what, out[-3000:])
-  finally:
-    run.Kill(pids.values())
+      assert not proc_testlib.Alive(pid), (what, out[-3000:])
   saved = glob.glob(os.path.join(logdir, 'train', 'ckpt-*.index'))
   assert len(saved) == before + 1, saved  # One final checkpoint.
   step = _Step(_Latest(logdir))
   assert step >= _LastProgressStep(
       '\n'.join(re.sub(r'^\[\w+\] ', '', l) for l in run.lines)), out[-3000:]
 
-  rerun = _Proc([sys.executable, '-m', 'lingvo_ext.launch', *flags,
-                 f'--max_steps={step + 2}'])
-  try:
+  with proc_testlib.Proc([sys.executable, '-m', 'lingvo_ext.launch', *flags,
+                         f'--max_steps={step + 2}']) as rerun:
     rc = rerun.Wait()
-  finally:
-    rerun.Kill(_Pids(rerun.Text()).values())
   assert rc == 0, rerun.Text()[-5000:]
   assert _Step(_Latest(logdir)) == step + 2
   assert not re.search(rf'step {step}/', rerun.Text()), rerun.Text()[-3000:]
@@ -391,19 +300,10 @@ def testACopiedLogdirTrainsAndEvaluatesFromItsOwnCheckpoints(
   shutil.rmtree(original)
   flags = [f'--model={tiny_gpipe_run.model}', *tiny_gpipe_run.flags,
            f'--logdir={copy}']
-  run = _Trainer(*flags, '--job=evaler_dev', '--eval_once')
-  try:
-    rc = run.Wait()
-  finally:
-    run.Kill()
-  assert rc == 0, run.Text()[-3000:]
-  assert re.search(r'^evaler_dev: step 3  ', run.Text(), re.M)
-  run = _Trainer(*flags, '--max_steps=5')
-  try:
-    rc = run.Wait()
-  finally:
-    run.Kill()
-  out = run.Text()
+  rc, out = _Run(*flags, '--job=evaler_dev', '--eval_once')
+  assert rc == 0, out[-3000:]
+  assert re.search(r'^evaler_dev: step 3  ', out, re.M)
+  rc, out = _Run(*flags, '--max_steps=5')
   assert rc == 0, out[-3000:]
   assert (f'{copy}/train/checkpoint named checkpoints in {original}/train (a '
           'copied or moved logdir); using this logdir\'s own files of the '
@@ -437,26 +337,17 @@ def testTheStateFileNamesCheckpointsRelativelySoACopiedLogdirNeedsNoFix(
   shutil.rmtree(original)
   flags = [f'--model={tiny_gpipe_run.model}', *tiny_gpipe_run.flags,
            f'--logdir={copy}']
-  run = _Trainer(*flags, '--job=evaler_dev', '--eval_once')
-  try:
-    rc = run.Wait()
-  finally:
-    run.Kill()
-  out = run.Text()
+  rc, out = _Run(*flags, '--job=evaler_dev', '--eval_once')
   assert rc == 0, out[-3000:]
   assert re.search(r'^evaler_dev: step 3  ', out, re.M)
   # Resumed, saving at least at its start and end, keeping the newest 2:
   # Lingvo's saver reads the relative entries back (ckpt-00000000 and
   # ckpt-00000003 of the first run too) and deletes the older checkpoints.
-  run = _Trainer(*flags, '--max_steps=7', '--model_params_override='
-                 'train.save_interval_steps:1;train.save_max_to_keep:2;'
-                 'train.save_keep_checkpoint_every_n_hours:0')
-  try:
-    rc = run.Wait()
-  finally:
-    run.Kill()
-  out += run.Text()
-  assert rc == 0, run.Text()[-3000:]
+  rc, more = _Run(*flags, '--max_steps=7', '--model_params_override='
+                  'train.save_interval_steps:1;train.save_max_to_keep:2;'
+                  'train.save_keep_checkpoint_every_n_hours:0')
+  out += more
+  assert rc == 0, more[-3000:]
   assert 'named checkpoints in' not in out and 'outside this logdir' not in out
   with open(os.path.join(copy, 'log.controller+trainer_client.txt')) as f:
     assert 'Restored 3 ' in f.read()

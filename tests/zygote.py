@@ -26,8 +26,12 @@ subprocess themselves.
 """
 
 import atexit
+import json
 import os
+import select
+import shlex
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -58,8 +62,9 @@ def _Usable(cmd, env):
   return ENABLED and _SERVER.Usable(cmd, env)
 
 
-def _Fork(cmd, env, cwd, out_path, err_path):
-  """The run forked from the server (started first if need be), or None."""
+def _Start():
+  """Starts the server if need be; call it from the main thread, whose exit
+  the server must not outlive (fork_server.ForkServer)."""
   with _LOCK:
     if not _started:
       why = _SERVER.Start(300)
@@ -67,6 +72,12 @@ def _Fork(cmd, env, cwd, out_path, err_path):
         raise RuntimeError('zygote server did not start: ' + why)
       atexit.register(_SERVER.Close)
       _started.append(True)
+
+
+def _Fork(cmd, env, cwd, out_path, err_path):
+  """The run forked from the server (started first if need be), or None."""
+  _Start()
+  with _LOCK:
     return _SERVER.Spawn(cmd, env, out_path, stderr_path=err_path,
                          cwd=os.path.abspath(cwd or os.getcwd()),
                          collect_at_exit=False)
@@ -126,3 +137,85 @@ def run(cmd, cwd=None, env=None, stdout=None, stderr=None,
   if check:
     proc.check_returncode()
   return proc
+
+
+# --- Runs that another program starts (a docs example's bash) -----------------
+
+_CLIENT = os.path.join(_ROOT, 'tests', 'zygote_client.py')
+_SHIM = '''#!/bin/sh
+# %(python)s, but `-m MODULE` of tests/zygote.py's MODULES is forked from a
+# test's zygote server (tests/zygote_client.py).
+case "$1 $2" in
+  %(cases)s) exec %(python)s -S -E %(client)s %(socket)s "$@" ;;
+esac
+exec %(python)s "$@"
+'''
+
+
+class Bridge:
+  """Forks the `python -m MODULE` runs of a program the test starts.
+
+  Write Shim() where the program looks for the venv's python (a docs
+  example's `.venv/bin/python`): its `-m MODULE` runs (MODULE one of
+  MODULES) connect to this process, which forks them from its server as
+  run() does, their output going to the shim's own stdout and stderr; the
+  others (and runs the server refuses) are a fresh interpreter. A run
+  whose shim dies (the program killed) is killed. Create it in the main
+  thread: the server it may start must not die with another thread.
+  """
+
+  def __init__(self, directory):
+    _Start()
+    self._path = os.path.join(directory, 'zygote.sock')
+    self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    self._sock.bind(self._path)
+    self._sock.listen(8)
+    threading.Thread(target=self._Accept, daemon=True,
+                     name='zygote_bridge').start()
+
+  def Shim(self):
+    """The text of the shim (a shell script) to write as the venv's python."""
+    return _SHIM % dict(
+        python=shlex.quote(sys.executable), client=shlex.quote(_CLIENT),
+        socket=shlex.quote(self._path),
+        cases='|'.join(shlex.quote('-m ' + m) for m in MODULES))
+
+  def Close(self):
+    self._sock.close()
+
+  def _Accept(self):
+    while True:
+      try:
+        conn, _ = self._sock.accept()
+      except OSError:  # Closed.
+        return
+      threading.Thread(target=self._Handle, args=(conn,), daemon=True).start()
+
+  def _Handle(self, conn):
+    global forks
+    with conn:
+      request = json.loads(conn.makefile().readline() or 'null')
+      if not request:
+        return
+      cmd = [sys.executable, *request['argv']]
+      env, proc = request['env'], None
+      if _Usable(cmd, env):
+        proc = _Fork(cmd, env, request['cwd'], request['stdout'],
+                     request['stderr'])
+      if proc is None:  # The client runs a fresh interpreter.
+        conn.sendall(b'{}\n')
+        return
+      forks += 1
+      while True:
+        try:
+          returncode = proc.wait(0.5)
+          break
+        except subprocess.TimeoutExpired:
+          if select.select([conn], [], [], 0)[0] and not conn.recv(1):
+            try:  # The client is gone: so is its run, whole.
+              os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+              pass
+            proc.wait(60)
+            return
+      conn.sendall(json.dumps(dict(returncode=returncode)).encode() + b'\n')

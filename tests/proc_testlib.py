@@ -1,0 +1,100 @@
+"""A test's commands in process groups of their own, output read by a thread.
+
+Proc starts a command (the trainer, the launcher) in its own session,
+collects its stdout and stderr lines, waits for a line of its output (never
+a fixed sleep), bounds every wait, and as a context manager kills what it
+started when the block ends, the test passed or not: its group and the
+groups of the tasks a launcher says it started (each has its own).
+"""
+
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TIMEOUT = 300
+_STARTED = re.compile(r'launch: started (\w+ task \d+) \(\S+\) as pid (\d+)')
+
+
+class Proc:
+  """`argv` from the repository, in its own process group."""
+
+  def __init__(self, argv, env=None, read=True):
+    """Starts it; read=False: its output stays in the pipe until
+    StartReading (a reader that does not keep up)."""
+    self.lines = []
+    self.proc = subprocess.Popen(
+        argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, errors='replace', start_new_session=True,
+        env=dict(os.environ, **(env or {})))
+    self._thread = threading.Thread(target=self._Read, daemon=True)
+    if read:
+      self.StartReading()
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *unused_exc):
+    self.Kill()
+
+  def StartReading(self):
+    self._thread.start()
+
+  def _Read(self):
+    for line in self.proc.stdout:
+      self.lines.append(line)
+
+  def Text(self):
+    return ''.join(self.lines)
+
+  def WaitFor(self, pattern, timeout_s=TIMEOUT):
+    """The first match of `pattern` (re.M) in the output, once it is there."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+      m = re.search(pattern, self.Text(), re.M)
+      if m:
+        return m
+      if self.proc.poll() is not None and not self._thread.is_alive():
+        break
+      time.sleep(0.2)
+    raise AssertionError(f'no {pattern!r} within {timeout_s} s:\n' +
+                         self.Text()[-5000:])
+
+  def Wait(self, timeout_s=TIMEOUT):
+    """Its exit code, once it has exited and its output is read."""
+    try:
+      rc = self.proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+      raise AssertionError(f'still running after {timeout_s} s:\n' +
+                           self.Text()[-5000:]) from None
+    self._thread.join(10)
+    return rc
+
+  def Pids(self):
+    """{'worker task 0': pid, ...}: the latest start of each launcher task."""
+    return {m.group(1): int(m.group(2))
+            for m in _STARTED.finditer(self.Text())}
+
+  def Kill(self):
+    """SIGKILL to its group and its tasks' groups."""
+    for pid in [self.proc.pid, *self.Pids().values()]:
+      try:
+        os.killpg(pid, signal.SIGKILL)
+      except (ProcessLookupError, PermissionError):
+        pass
+    try:
+      self.proc.wait(10)
+    except subprocess.TimeoutExpired:
+      pass
+
+
+def Alive(pid):
+  """Whether pid runs (a zombie waiting for its reaper does not)."""
+  try:
+    with open(f'/proc/{pid}/stat') as f:
+      return f.read().rsplit(')', 1)[1].split()[0] != 'Z'
+  except FileNotFoundError:
+    return False
