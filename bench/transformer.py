@@ -262,6 +262,11 @@ DTYPES = ('float32', 'bfloat16')
 LOSSES = ('after', 'last_cell')
 
 
+def _LossLabel(record) -> str:
+  """What a row's variant name adds for the loss placement."""
+  return ', loss in last cell' if record.get('loss') == 'last_cell' else ''
+
+
 def ParseDtypes(text):
   """'float32,bfloat16' -> ['float32', 'bfloat16']; argparse's type."""
   dtypes = [d.strip() for d in text.split(',') if d.strip()]
@@ -276,8 +281,7 @@ def MarkdownDtypes(records) -> str:
   by = {}
   for r in records:
     if 'error' not in r:
-      name = r['variant'] + (', loss in last cell'
-                             if r.get('loss') == 'last_cell' else '')
+      name = r['variant'] + _LossLabel(r)
       by.setdefault((r['L'], r['K'], r['M'], name),
                     {})[r.get('dtype', 'float32')] = r
   rows = ['| L, K, M | variant | float32 ms | bf16 ms | bf16 / float32 | '
@@ -329,7 +333,7 @@ def Markdown(records) -> str:
     key = (r['L'], r['K'], r['M'])
     dtype = r.get('dtype', 'float32')
     name = r['variant'] + (' (%s)' % dtype if dtype != 'float32' else '') + (
-        ', loss in last cell' if r.get('loss') == 'last_cell' else '')
+        _LossLabel(r))
     if 'error' in r:
       rows.append('| %d, %d, %d | %s | %s | | | | | | | |' %
                   (*key, name, r['error']))

@@ -302,14 +302,22 @@ class TrainingCheckpointer(CrossCutCheckpointer):
         return
       super().Save(sess, gsteps, sync)
       if sync:
-        dropped = DropLatestIfNonFinite(self._train_dir)
-        if dropped:
-          tf.logging.warning(
-              'Removed checkpoint %s: %s became NaN or Inf while it was '
-              'saved.', *dropped)
+        self._DropLatestIfNonFinite()
     finally:
       if self._on_save_attempt:
         self._on_save_attempt()
+
+  def FinishSave(self):
+    """Waits for an async save's write, then what Save(sync=True) checks."""
+    self.Sync()
+    self._DropLatestIfNonFinite()
+
+  def _DropLatestIfNonFinite(self):
+    dropped = DropLatestIfNonFinite(self._train_dir)
+    if dropped:
+      tf.logging.warning(
+          'Removed checkpoint %s: %s became NaN or Inf while it was '
+          'saved.', *dropped)
 
   def MaybeSave(self, sess=None, gsteps=None, sync=True):
     if self._keeper:

@@ -123,13 +123,8 @@ class LocalController(runner_state.RunnerMixin,
     write is waited for here, as a sync save does, and the checkpoint dropped
     if it is not finite.
     """
-    if not self._checkpointer.MaybeSave(sess, global_step, sync=False):
-      return
-    self._checkpointer.Sync()
-    dropped = checkpoints.DropLatestIfNonFinite(self._train_dir)
-    if dropped:
-      tf.logging.warning('Removed checkpoint %s: %s became NaN or Inf while '
-                         'it was saved.', *dropped)
+    if self._checkpointer.MaybeSave(sess, global_step, sync=False):
+      self._checkpointer.FinishSave()
 
   def WaitForNextLook(self, deadline):
     """Sleeps until `deadline` (time.time()) or until the trainer stops.
