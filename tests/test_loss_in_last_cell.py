@@ -12,16 +12,17 @@ import numpy as np
 import pytest
 
 from lingvo_ext.core import layers_with_gpipe
+from lingvo_ext.core.engine import records
 from tests import gpipe_testlib
 
 _T, _B, _D, _VOCAB, _K, _M = 4, 8, 8, 5, 2, 4
 _STEPS = 3
 
 
-def _Params(schedule, loss_in_last_cell):
+def _Params(schedule, loss_in_last_cell, layers=3, splits=_K, micro=_M):
   p = layers_with_gpipe.GPipeTransformerStack.Params().Set(
-      name='transformer', model_dim=_D, num_encoder_layers=3,
-      num_decoder_layers=0, splits=_K, num_micro_batches=_M,
+      name='transformer', model_dim=_D, num_encoder_layers=layers,
+      num_decoder_layers=0, splits=splits, num_micro_batches=micro,
       state_dtype=tf.float32, random_seed=0, schedule=schedule,
       loss_in_last_cell=loss_in_last_cell)
   p.encoder_tpl.source_dim = _D
@@ -33,13 +34,17 @@ def _Params(schedule, loss_in_last_cell):
   return p
 
 
-def _Train(schedule, loss_in_last_cell, sequential=False):
-  """(losses per step, first step's gradients, variables after, graph)."""
+def _Train(schedule, loss_in_last_cell, sequential=False, devices=_K,
+           **structure):
+  """(losses per step, first step's gradients, variables after, graph).
+
+  structure: _Params' layers, splits and micro.
+  """
   g = tf.Graph()
-  with g.as_default(), gpipe_testlib.Cluster(_K):
+  with g.as_default(), gpipe_testlib.Cluster(devices):
     tf.random.set_seed(1)
     py_utils.GetOrCreateGlobalStepVar()
-    net = _Params(schedule, loss_in_last_cell).Instantiate()
+    net = _Params(schedule, loss_in_last_cell, **structure).Instantiate()
     rng = np.random.RandomState(0)
     ids = tf.constant(rng.randint(0, _VOCAB, [_T, _B]), tf.int32)
     labels = tf.constant(rng.randint(0, _VOCAB, [_T, _B]), tf.int32)
@@ -61,7 +66,7 @@ def _Train(schedule, loss_in_last_cell, sequential=False):
                         for v, dv in zip(variables, grads)])
     init = tf.global_variables_initializer()
   losses = []
-  with gpipe_testlib.Session(g, _K) as sess:
+  with gpipe_testlib.Session(g, devices) as sess:
     sess.run(init)
     first_grads = sess.run(grads)
     for _ in range(_STEPS):
@@ -95,6 +100,36 @@ def test_1f1b_with_the_loss_after_the_pipeline_recomputes():
   # above can fail).
   _, _, _, g = _Train('1f1b', False)
   assert _Recomputes(g)
+
+
+def _RandomStructure(schedule, seed):
+  """Devices and a stack shape from a seeded generator: layers, cells (two
+  per device for the schedules that place several), micro-batches."""
+  rng = np.random.RandomState(seed)
+  devices = int(rng.choice([1, 2]))
+  per_device = 2 if schedule in ('interleaved_1f1b', 'zbv') else 1
+  splits = devices * per_device
+  return devices, dict(
+      layers=int(rng.randint(splits, splits + 3)), splits=splits,
+      # The schedules with several cells a device take a multiple of the
+      # devices (a one-line error otherwise).
+      micro=int(rng.choice([m for m in (1, 2, 4, 8)
+                            if per_device == 1 or m % devices == 0])))
+
+
+@pytest.mark.slow  # Two Transformer graphs per case.
+@pytest.mark.parametrize('schedule', sorted(records.ACTION_SCHEDULES))
+def test_random_structures_with_the_loss_in_the_last_cell_equal_sequential(
+    schedule):
+  seed = sorted(records.ACTION_SCHEDULES).index(schedule)
+  devices, structure = _RandomStructure(schedule, seed)
+  seq = _Train('unrolled', True, sequential=True, devices=devices,
+               **structure)
+  run = _Train(schedule, True, devices=devices, **structure)
+  assert not _Recomputes(run[3]), (schedule, structure)
+  np.testing.assert_allclose(run[0], seq[0], rtol=1e-5)
+  for a, b in zip(run[1] + run[2], seq[1] + seq[2]):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_loss_in_last_cell_needs_a_softmax():
