@@ -273,13 +273,15 @@ class TrainingCheckpointer(CrossCutCheckpointer):
     (distributed/step_keeping.py);
   - `on_save_attempt` is called after every save attempt (the trainer waits
     for the first one, so that a new run's first checkpoint holds the initial
-    weights).
+    weights);
+  - `finite_checks` (FiniteChecks of the same graph, e.g. the trainer's whose
+    model a controller shares) are used for the variables they cover.
 
   Built in the controller's graph, after its model.
   """
 
   def __init__(self, train_dir, models, *args, on_save_attempt=None,
-               step_keeper=None, **kwargs):
+               step_keeper=None, finite_checks=None, **kwargs):
     super().__init__(train_dir, models, *args, **kwargs)
     self._on_save_attempt = on_save_attempt
     # What the checkpoint holds (not, e.g., Lingvo's async-save copies,
@@ -288,8 +290,11 @@ class TrainingCheckpointer(CrossCutCheckpointer):
     if not all(isinstance(v, tf.compat.v2.Variable) for v in saved):
       saved = tf.global_variables()
     # Outside the runner's placer: each check runs on its variable's device.
+    built = dict(finite_checks or [])
     with tf.device(None):
-      self._finite_checks = FiniteChecks(saved)
+      self._finite_checks = [(v.op.name, built[v.op.name]) for v in saved
+                             if v.op.name in built] + FiniteChecks(
+                                 [v for v in saved if v.op.name not in built])
       self._keeper = step_keeper(self._models) if step_keeper else None
 
   def Save(self, sess=None, gsteps=None, sync=True):

@@ -3,8 +3,9 @@
 `LocalTrainer` retries a non-finite step at once, at most
 --max_nonfinite_steps times; polls for the controller instead of sleeping
 30 s. Its session (`_TrainerSession`) reports each step to the progress line,
-traces --trace_train_step and fetches the train summaries a controller
-sharing the model asks for (one_build.py).
+traces --trace_train_step, fetches the train summaries a controller sharing
+the model asks for (one_build.py) and runs the step built while the trainer
+waited for the controller (prepared_step.py).
 """
 
 import os
@@ -16,6 +17,7 @@ import lingvo.compat as tf
 from lingvo.core import py_utils
 
 from lingvo_ext import checkpoints
+from lingvo_ext import prepared_step
 from lingvo_ext import progress
 from lingvo_ext import runner_state
 from lingvo_ext.core import cuts
@@ -46,6 +48,11 @@ class _TrainerSession(tf.Session):
     self._trace_path = trace_path
     self._train_steps = 0
     self._metrics = None
+    self._prepared = None
+
+  def PrepareStep(self, task):
+    """Builds `task`'s training step now (prepared_step.py)."""
+    self._prepared = prepared_step.Prepare(self, task)
 
   def _IsTrainStep(self, fetches):
     if not isinstance(fetches, (list, tuple)) or not fetches:
@@ -92,6 +99,9 @@ class _TrainerSession(tf.Session):
                                     os.path.dirname(self._trace_path),
                                     self._trace_step, self._model)
       return out
+    if (self._prepared and feed_dict is None and options is None and
+        run_metadata is None and self._prepared.Matches(fetches)):
+      return self._prepared.Run()
     return super().run(fetches, feed_dict, options, run_metadata)
 
 
@@ -125,6 +135,11 @@ class LocalTrainer(runner_state.RunnerMixin, lingvo_runners.Trainer):
   @property
   def graph(self):
     return self._graph
+
+  @property
+  def finite_checks(self):
+    """checkpoints.FiniteChecks of the global variables at the build."""
+    return self._finite_checks
 
   @property
   def model(self):
@@ -211,6 +226,9 @@ class LocalTrainer(runner_state.RunnerMixin, lingvo_runners.Trainer):
   def _WaitUntilInit(self, sess=None, start_up_delay_steps=None):
     if start_up_delay_steps:
       return super()._WaitUntilInit(sess, start_up_delay_steps)
+    if isinstance(sess, _TrainerSession) and len(self._model.tasks) == 1:
+      # Built beside the controller's initialization and first save.
+      sess.PrepareStep(self._model.GetTask())
     # Lingvo sleeps a fixed 30 s so that the controller can initialize or
     # restore the variables first. That takes about a second: poll for it.
     uninitialized = self._uninitialized

@@ -35,7 +35,7 @@ FLOORS = (
     ('lingvo_ext/core/planner/',),
     ('lingvo_ext/runners.py', 'lingvo_ext/runner_state.py',
      'lingvo_ext/local_controller.py', 'lingvo_ext/local_trainer.py',
-     'lingvo_ext/local_evaler.py'),
+     'lingvo_ext/local_evaler.py', 'lingvo_ext/prepared_step.py'),
     ('lingvo_ext/trainer.py', 'lingvo_ext/launch.py', 'lingvo_ext/tools/',
      'lingvo_ext/examples/'),
 )

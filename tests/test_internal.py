@@ -225,6 +225,24 @@ def testLocalServerConfig():
   _Check('tf.distribute.Server.create_local_server', Check)
 
 
+def testMakeCallable():
+
+  def Check():
+    with tf.Graph().as_default():
+      v = tf.Variable(1.0)
+      added = tf.identity(v.assign_add(1.0))
+      doubled = tf.raw_ops.AssignAddVariableOp(resource=v.handle, value=v * 2)
+      with tf.Session() as sess:
+        sess.run(v.initializer)
+        add = internal_tf.MakeCallable(sess, [added.name], [])
+        assert [float(x) for x in add()] == [2.0]
+        assert [float(x) for x in add()] == [3.0]
+        assert internal_tf.MakeCallable(sess, [], [doubled.name])() == []
+        assert sess.run(v) == 9.0
+
+  _Check('Session._make_callable_from_options', Check)
+
+
 def testSlurmClusterResolverModule():
 
   def Check():

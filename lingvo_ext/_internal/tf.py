@@ -192,3 +192,17 @@ def SlurmClusterResolverModule():
   """
   from tensorflow.python.distribute.cluster_resolver import slurm_cluster_resolver  # pylint: disable=g-import-not-at-top,g-direct-tensorflow-import
   return slurm_cluster_resolver
+
+
+def MakeCallable(sess, fetch_names, target_names):
+  """A callable running `sess` on these tensor and op names, built now.
+
+  Session::MakeCallable prunes, places and optimizes its graph when it is
+  made (Session.run does that at the first run of each signature, and
+  Session.make_callable defers to it); TensorFlow releases the GIL meanwhile.
+  Called with no arguments, it returns the fetches' values in order.
+  """
+  options = config_pb2.CallableOptions()
+  options.fetch.extend(fetch_names)
+  options.target.extend(target_names)
+  return sess._make_callable_from_options(options)  # pylint: disable=protected-access
