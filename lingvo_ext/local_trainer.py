@@ -53,6 +53,8 @@ class _TrainerSession(tf.Session):
   def PrepareStep(self, task):
     """Builds `task`'s training step now (prepared_step.py)."""
     self._prepared = prepared_step.Prepare(self, task)
+    if self._prepared:
+      tf.logging.info('Built the training step ahead of its first run.')
 
   def _IsTrainStep(self, fetches):
     if not isinstance(fetches, (list, tuple)) or not fetches:
@@ -226,8 +228,12 @@ class LocalTrainer(runner_state.RunnerMixin, lingvo_runners.Trainer):
   def _WaitUntilInit(self, sess=None, start_up_delay_steps=None):
     if start_up_delay_steps:
       return super()._WaitUntilInit(sess, start_up_delay_steps)
-    if isinstance(sess, _TrainerSession) and len(self._model.tasks) == 1:
-      # Built beside the controller's initialization and first save.
+    if (not self._options.distributed and len(self._model.tasks) == 1 and
+        isinstance(sess, _TrainerSession)):
+      # Built beside the controller's initialization and first save. Not
+      # across processes: a lost worker fails a callable's gRPC call with
+      # a retried request's AbortedError, not Session.run's UnavailableError
+      # that names the task (distributed/faults.py).
       sess.PrepareStep(self._model.GetTask())
     # Lingvo sleeps a fixed 30 s so that the controller can initialize or
     # restore the variables first. That takes about a second: poll for it.

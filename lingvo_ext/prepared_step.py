@@ -7,7 +7,8 @@ small model most of the first step's time. `PreparedStep` builds that graph
 ahead, through a callable (Session::MakeCallable), while the trainer waits;
 TensorFlow releases the GIL meanwhile, so the controller's initialization and
 save run beside it. Its steps then run through the callable: the same graph
-and kernels, so the same values, as Session.run.
+and kernels, so the same values, as Session.run. In-process runs only: a
+callable over gRPC reports a lost worker differently from Session.run.
 """
 
 import lingvo.compat as tf

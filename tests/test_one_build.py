@@ -53,11 +53,13 @@ class CountedLmTinyGPipe(lm.TransformerLmTinyGPipe):
     return p
 '''
 
-# Lingvo's two builds: the controller builds its own model.
+# Lingvo's two builds: the controller builds its own model; the trainer's
+# steps go through Session.run (no step built ahead, prepared_step.py).
 _TWO_BUILDS = (
     'import sys\n'
-    'from lingvo_ext import runners, trainer\n'
+    'from lingvo_ext import local_trainer, runners, trainer\n'
     'runners.RunnerManager._SharesModel = lambda self, jobs: False\n'
+    'local_trainer._TrainerSession.PrepareStep = lambda self, task: None\n'
     'sys.exit(trainer.Run(["trainer"] + sys.argv[1:]))\n')
 
 
@@ -106,6 +108,15 @@ def test_one_build_saves_the_checkpoints_of_two(tmp_path):
     with open(os.path.join(two, 'control', name)) as f:
       assert text == f.read().replace(two, one), name
   assert glob.glob(os.path.join(one, 'control', 'events.out.*'))
+  # One ran its steps through the step built ahead (prepared_step.py), two
+  # through Session.run: the same checkpoints above.
+  logs = [os.path.join(d, 'log.controller+trainer_client.txt')
+          for d in (one, two)]
+  built = 'Built the training step ahead of its first run.'
+  with open(logs[0]) as f:
+    assert built in f.read()
+  with open(logs[1]) as f:
+    assert built not in f.read()
 
 
 def test_a_requested_summary_comes_with_the_next_step_at_its_step():
