@@ -83,6 +83,23 @@ def _Start():
       _started.append(True)
 
 
+def Usable(cmd, env):
+  """Whether Fork can fork `cmd` with `env` (if the server allows)."""
+  return _Usable(cmd, env)
+
+
+def Fork(cmd, env, cwd, out_path, err_path):
+  """`cmd` forked from the server (started first if need be), its stdout and
+  stderr appended to the files at out_path and err_path, in a process group
+  of its own; a Popen-like handle (pid, poll, wait), or None if refused.
+  Call it from the main thread."""
+  global forks
+  proc = _Fork(cmd, env, cwd, out_path, err_path)
+  if proc is not None:
+    forks += 1
+  return proc
+
+
 def _Fork(cmd, env, cwd, out_path, err_path):
   """The run forked from the server (started first if need be), or None."""
   _Start()
