@@ -46,6 +46,25 @@ class _Forked:
     if self.poll() is None:
       os.kill(self.pid, sig)
 
+  def kill(self):  # pylint: disable=invalid-name
+    self.send_signal(signal.SIGKILL)
+
+
+def Start(argv, out_path, err_path=None):
+  """`argv` from the repository in a session of its own, its stdout appended
+  to the file out_path and its stderr to err_path (default: out_path):
+  forked (zygote) where it can be, else a fresh interpreter; a Popen-like
+  handle (pid, poll, wait, send_signal, kill)."""
+  err_path = err_path or out_path
+  env = dict(os.environ)
+  if zygote.Usable(argv, env):
+    run = zygote.Fork(argv, env, ROOT, out_path, err_path)
+    if run is not None:
+      return _Forked(run, None)
+  with open(out_path, 'a') as out, open(err_path, 'a') as err:
+    return subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=err,
+                            start_new_session=True)
+
 
 def _Fork(argv, env):
   """argv forked (zygote) with stdout and stderr into a pipe; None if the
