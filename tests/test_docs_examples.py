@@ -173,13 +173,20 @@ def testEveryCodeBlockIsRunOrChecked():
 
 
 def _CheckCommands(items, env=None):
-  """Runs CheckCommandsMain on items (a subprocess); asserts each is ok."""
-  proc = subprocess.run(
-      [os.path.join(ROOT, '.venv', 'bin', 'python'), '-c',
-       'import sys; from tests import docs_commands_testlib as c; '
-       'sys.exit(c.CheckCommandsMain())'],
-      input=json.dumps(items), cwd=ROOT, env=env, stdout=subprocess.PIPE,
-      stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT, check=False)
+  """Runs CheckCommandsMain on items in a process of its own, forked by
+  tests/zygote.py where it can be (the trainer's and most bench scripts'
+  parsers import TensorFlow); asserts each is ok."""
+  with tempfile.TemporaryDirectory(prefix='check-commands-') as tmp:
+    path = os.path.join(tmp, 'items.json')
+    with open(path, 'w', encoding='utf-8') as f:
+      json.dump(items, f)
+    proc = zygote.run(
+        [sys.executable, '-c',
+         'import sys; sys.stdin = open(sys.argv[1]); '
+         'from tests import docs_commands_testlib as c; '
+         'sys.exit(c.CheckCommandsMain())', path],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, timeout=TIMEOUT, check=False)
   assert proc.returncode == 0, proc.stdout[-5000:]
   assert proc.stdout.count(': ok\n') == len(items), proc.stdout
 
