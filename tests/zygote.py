@@ -8,12 +8,11 @@ tests.zygote_code CODE`, which runs CODE as `-c` does).
 Importing TensorFlow and Lingvo costs ~5 of a small trainer run's ~13
 CPU-seconds; the end-to-end tests start dozens of such runs. run() is
 subprocess.run for a command `[sys.executable, '-m', module, ...]` (or `-c
-CODE`): where it
-can, it forks the run from a server process (one per pytest worker) that has
-imported TensorFlow, Lingvo and the modules lingvo_ext.trainer imports, and
-runs `module` as __main__ there with the test's argv, cwd, environment and
-sys.path, stdin /dev/null, stdout/stderr captured, in its own process group
-(a timeout kills the group). Otherwise (another program, another oneDNN
+CODE`): where it can, it forks the run from a server process (one per
+pytest worker) that has imported TensorFlow, Lingvo and the modules
+lingvo_ext.trainer imports, and runs `module` as __main__ there with the
+test's argv, cwd, environment and sys.path, stdin /dev/null, stdout/stderr
+captured, in its own process group (a timeout kills the group). Otherwise (another program, another oneDNN
 setting, ...) it is subprocess.run itself.
 
 The server is lingvo_ext/distributed/fork_server.py's, which says why
@@ -23,8 +22,9 @@ interpreter (e.g. TF_ENABLE_ONEDNN_OPTS, which TensorFlow reads once). A
 forked run ends as an interpreter does, but for the garbage collection at
 exit (RunAsMain's collect_at_exit=False: objects left in reference cycles
 are not finalized), which would cost a Transformer run about a CPU-second.
-Tests that signal a trainer by pid or need a fresh interpreter call
-subprocess themselves.
+Runs a test signals by pid go through Fork (tests/proc_testlib.py's Proc
+and Start); tests that need a fresh interpreter call subprocess
+themselves.
 """
 
 import atexit
