@@ -14,22 +14,100 @@ import subprocess
 import threading
 import time
 
+from tests import zygote
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT = 300
+# `python -c PRIVATE_TRAINER FLAGS...` is `python -m lingvo_ext.trainer
+# FLAGS...` in a private network namespace (only 127.0.0.1): the trainer runs
+# in the same process (tests/zygote.py forks it, TensorFlow imported).
+PRIVATE_TRAINER = (
+    'import runpy, sys; from lingvo_ext.distributed import launch_lib; '
+    'launch_lib.EnterPrivateNetwork(); sys.argv[0] = "-m"; '
+    'runpy.run_module("lingvo_ext.trainer", run_name="__main__", '
+    'alter_sys=True)')
 _STARTED = re.compile(r'launch: started (\w+ task \d+) \(\S+\) as pid (\d+)')
 
 
+class _Forked:
+  """A run forked from this process's zygote server (tests/zygote.py), its
+  stdout and stderr into a pipe: the part of subprocess.Popen Proc uses."""
+
+  def __init__(self, run, stdout):
+    self._run, self.stdout, self.pid = run, stdout, run.pid
+
+  def poll(self):  # pylint: disable=invalid-name
+    return self._run.poll()
+
+  def wait(self, timeout=None):  # pylint: disable=invalid-name
+    return self._run.wait(timeout)
+
+  def send_signal(self, sig):  # pylint: disable=invalid-name
+    if self.poll() is None:
+      os.kill(self.pid, sig)
+
+  def kill(self):  # pylint: disable=invalid-name
+    self.send_signal(signal.SIGKILL)
+
+
+def Start(argv, out_path, err_path=None):
+  """`argv` from the repository in a session of its own, its stdout appended
+  to the file out_path and its stderr to err_path (default: out_path):
+  forked (zygote) where it can be, else a fresh interpreter; a Popen-like
+  handle (pid, poll, wait, send_signal, kill)."""
+  err_path = err_path or out_path
+  env = dict(os.environ)
+  if zygote.Usable(argv, env):
+    run = zygote.Fork(argv, env, ROOT, out_path, err_path)
+    if run is not None:
+      return _Forked(run, None)
+  with open(out_path, 'a') as out, open(err_path, 'a') as err:
+    return subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=err,
+                            start_new_session=True)
+
+
+def _Fork(argv, env):
+  """argv forked (zygote) with stdout and stderr into a pipe; None if the
+  server cannot run it (then it is a fresh interpreter)."""
+  if not zygote.Usable(argv, env):
+    return None
+  read, write = os.pipe()
+  pipe = f'/proc/{os.getpid()}/fd/{write}'
+  try:
+    run = zygote.Fork(argv, env, ROOT, pipe, pipe)
+    # The run opens the pipe by its path: the write end stays open here
+    # until it has (or has exited), then only the run's copies hold it.
+    deadline = time.monotonic() + 60
+    mine = os.readlink(f'/proc/self/fd/{write}')
+    while run is not None and run.poll() is None:
+      try:
+        if all(os.readlink(f'/proc/{run.pid}/fd/{fd}') == mine
+               for fd in (1, 2)):
+          break
+      except OSError:  # Gone meanwhile: poll() says so next.
+        pass
+      assert time.monotonic() < deadline, 'the forked run never started'
+      time.sleep(0.01)
+  finally:
+    os.close(write)
+  if run is None:
+    os.close(read)
+    return None
+  return _Forked(run, os.fdopen(read, 'r', errors='replace'))
+
+
 class Proc:
-  """`argv` from the repository, in its own process group."""
+  """`argv` from the repository, in its own process group; `python -m`
+  runs of tests/zygote.py's MODULES are forked from its server."""
 
   def __init__(self, argv, env=None, read=True):
     """Starts it; read=False: its output stays in the pipe until
     StartReading (a reader that does not keep up)."""
     self.lines = []
-    self.proc = subprocess.Popen(
+    env = dict(os.environ, **(env or {}))
+    self.proc = _Fork(argv, env) or subprocess.Popen(
         argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, errors='replace', start_new_session=True,
-        env=dict(os.environ, **(env or {})))
+        text=True, errors='replace', start_new_session=True, env=env)
     self._thread = threading.Thread(target=self._Read, daemon=True)
     if read:
       self.StartReading()

@@ -17,6 +17,8 @@ import pytest
 
 from lingvo_ext.distributed import cluster
 from lingvo_ext.distributed import resolvers
+from tests import proc_testlib
+from tests import zygote
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = 'lm.TransformerLmTinyGPipe'
@@ -304,19 +306,15 @@ def testSbatchScriptGivesEachTaskItsTask(tmp_path):
   assert '8888-8892' in text  # The ports the comment tells users to guard.
 
 
-# Runs the trainer in a private network namespace (only 127.0.0.1).
-_PRIVATE = ('import os, sys; from lingvo_ext.distributed import launch_lib; '
-            'launch_lib.EnterPrivateNetwork(); os.execv(sys.executable, '
-            '[sys.executable, "-m", "lingvo_ext.trainer"] + sys.argv[1:])')
-
-
 def _Trainer(*flags, env=None, timeout=120):
+  """The trainer in a network namespace of its own (only 127.0.0.1),
+  forked (tests/zygote.py): exit code, output, seconds taken."""
   full_env = {k: v for k, v in os.environ.items()
               if k != 'TF_CONFIG' and not k.startswith('SLURM')}
   full_env.update(env or {})
   start = time.monotonic()
-  proc = subprocess.run(
-      [sys.executable, '-c', _PRIVATE, f'--model={MODEL}',
+  proc = zygote.run(
+      [sys.executable, '-c', proc_testlib.PRIVATE_TRAINER, f'--model={MODEL}',
        '--logdir=/tmp/unused_lingvo_ext', *flags], cwd=ROOT, env=full_env,
       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
       timeout=timeout, check=False)

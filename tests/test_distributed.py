@@ -357,14 +357,11 @@ def testKilledHungAndRestartedTasksKeepTheStepCounter(tmp_path):
   assert max(loss) == max_steps
 
 
-# Runs the trainer in a private network namespace (only 127.0.0.1).
-_PRIVATE = ('import os, sys; from lingvo_ext.distributed import launch_lib; '
-            'launch_lib.EnterPrivateNetwork(); os.execv(sys.executable, '
-            '[sys.executable, "-m", "lingvo_ext.trainer"] + sys.argv[1:])')
-
-
 def _Trainer(*flags, timeout=120, private=True):
-  cmd = ['-c', _PRIVATE] if private else ['-m', 'lingvo_ext.trainer']
+  """The trainer's exit code and output; private: in a network namespace of
+  its own (only 127.0.0.1)."""
+  cmd = (['-c', proc_testlib.PRIVATE_TRAINER] if private else
+         ['-m', 'lingvo_ext.trainer'])
   proc = zygote.run(
       [sys.executable, *cmd, f'--model={MODEL}',
        '--logdir=/tmp/unused_lingvo_ext', *flags], cwd=ROOT,

@@ -7,7 +7,8 @@ substitutions), from a fresh temporary directory that has a `.venv` of
 links to this checkout's venv (so `.venv/bin/python -m ...` works there) and
 that venv's bin first on PATH (so the console scripts do); `/tmp/lx/` in the
 block becomes a directory of the test's own. Its `.venv/bin/python -m
-lingvo_ext...` runs are forked from a server that has imported TensorFlow
+lingvo_ext...` and `.venv/bin/python -c` runs (a Python block's too) are
+forked from a server that has imported TensorFlow
 (tests/zygote.py's Bridge; LINGVO_EXT_TEST_ZYGOTE=0: each a fresh
 interpreter), as the other tests' tool runs are. A block that exits non-zero
 fails the test, with its output. A `<!-- checked: ... -->` block (commands
@@ -130,7 +131,9 @@ def _Run(block, tmp_path, bridge=None):
   if block.lang == 'sh':
     cmd = ['bash', '-euo', 'pipefail', '-c', code]
   else:
-    cmd = [os.path.join(ROOT, '.venv', 'bin', 'python'), '-c', code]
+    # The venv's python as the page says, `.venv/bin/python -c` (bridge's
+    # shim, if any: forked).
+    cmd = [str(work / '.venv' / 'bin' / 'python'), '-c', code]
   proc = subprocess.run(cmd, cwd=ROOT if block.cwd_repo else str(work),
                         env=_Env(block, lx), stdout=subprocess.PIPE,
                         stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT,
@@ -170,13 +173,20 @@ def testEveryCodeBlockIsRunOrChecked():
 
 
 def _CheckCommands(items, env=None):
-  """Runs CheckCommandsMain on items (a subprocess); asserts each is ok."""
-  proc = subprocess.run(
-      [os.path.join(ROOT, '.venv', 'bin', 'python'), '-c',
-       'import sys; from tests import docs_commands_testlib as c; '
-       'sys.exit(c.CheckCommandsMain())'],
-      input=json.dumps(items), cwd=ROOT, env=env, stdout=subprocess.PIPE,
-      stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT, check=False)
+  """Runs CheckCommandsMain on items in a process of its own, forked by
+  tests/zygote.py where it can be (the trainer's and most bench scripts'
+  parsers import TensorFlow); asserts each is ok."""
+  with tempfile.TemporaryDirectory(prefix='check-commands-') as tmp:
+    path = os.path.join(tmp, 'items.json')
+    with open(path, 'w', encoding='utf-8') as f:
+      json.dump(items, f)
+    proc = zygote.run(
+        [sys.executable, '-c',
+         'import sys; sys.stdin = open(sys.argv[1]); '
+         'from tests import docs_commands_testlib as c; '
+         'sys.exit(c.CheckCommandsMain())', path],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, timeout=TIMEOUT, check=False)
   assert proc.returncode == 0, proc.stdout[-5000:]
   assert proc.stdout.count(': ok\n') == len(items), proc.stdout
 

@@ -17,6 +17,7 @@ import lingvo.compat as tf
 import numpy as np
 import pytest
 
+from tests import proc_testlib
 from tests import zygote
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -190,12 +191,11 @@ def testImageTrainsResumesAndSurvivesAKill(tmp_path):
   # step 30 (every second here; the Tiny experiments' 5 s would train 5 s
   # for nothing), then restart it.
   out_path = str(tmp_path / 'killed.out')
-  with open(out_path, 'w') as out:
-    proc = subprocess.Popen([
-        sys.executable, '-m', 'lingvo_ext.trainer', f'--model={model}',
-        f'--logdir={logdir}', '--max_steps=1000000',
-        '--model_params_override=train.save_interval_seconds:1'
-    ], cwd=ROOT, stdout=out, stderr=subprocess.DEVNULL)
+  proc = proc_testlib.Start([
+      sys.executable, '-m', 'lingvo_ext.trainer', f'--model={model}',
+      f'--logdir={logdir}', '--max_steps=1000000',
+      '--model_params_override=train.save_interval_seconds:1'
+  ], out_path, os.devnull)
   try:
     deadline = time.time() + TIMEOUT
     while _LatestCheckpointStep(logdir) <= 30 and time.time() < deadline:

@@ -16,6 +16,7 @@ import lingvo.compat as tf
 import numpy as np
 import pytest
 
+from tests import proc_testlib
 from tests import zygote
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -127,12 +128,11 @@ def testCtrlCSavesACheckpoint(tmp_path):
   logdir = str(tmp_path)
   log = str(tmp_path / 'out.txt')
   # No periodic checkpoint after the first: any later one is Ctrl-C's.
-  with open(log, 'w') as f:
-    proc = subprocess.Popen([
-        sys.executable, '-m', 'lingvo_ext.trainer', MODEL,
-        f'--logdir={logdir}', '--max_steps=1000000',
-        '--model_params_override=train.save_interval_seconds:3600'
-    ], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+  proc = proc_testlib.Start([
+      sys.executable, '-m', 'lingvo_ext.trainer', MODEL,
+      f'--logdir={logdir}', '--max_steps=1000000',
+      '--model_params_override=train.save_interval_seconds:3600'
+  ], log)
   try:
     deadline = time.time() + TIMEOUT
     while time.time() < deadline:
@@ -186,11 +186,10 @@ def testWaitingJobsSayWhatTheyWaitFor(tmp_path):
   # A trainer without its controller, and an evaler without checkpoints.
   logdir = str(tmp_path)
   log = str(tmp_path / 'out.txt')
-  with open(log, 'w') as f:
-    proc = subprocess.Popen([
-        sys.executable, '-m', 'lingvo_ext.trainer', MODEL,
-        f'--logdir={logdir}', '--job=trainer_client,evaler_dev'
-    ], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+  proc = proc_testlib.Start([
+      sys.executable, '-m', 'lingvo_ext.trainer', MODEL,
+      f'--logdir={logdir}', '--job=trainer_client,evaler_dev'
+  ], log)
   expected = [
       'trainer: waiting for the controller to initialize or restore the '
       'variables',

@@ -40,13 +40,16 @@ _ERROR_LINES = ('Traceback', 'Object was never used', 'Logging error',
                 'I/O operation on closed file')
 
 
-def _Run(args, cwd=ROOT, pythonpath=None, timeout=TIMEOUT, module=True):
-  """(exit code, stdout, stderr) of `python -m args...`."""
+def _Run(args, cwd=ROOT, pythonpath=None, timeout=TIMEOUT, module=True,
+         fresh=False):
+  """(exit code, stdout, stderr) of `python -m args...` (module=False: of
+  args), forked (zygote) unless fresh."""
   env = dict(os.environ)
   env['PYTHONPATH'] = pythonpath or ROOT
   cmd = [sys.executable, '-m', *args] if module else list(args)
-  proc = zygote.run(cmd, cwd=cwd, env=env, capture_output=True, text=True,
-                    timeout=timeout, check=False)
+  run = subprocess.run if fresh else zygote.run
+  proc = run(cmd, cwd=cwd, env=env, capture_output=True, text=True,
+             timeout=timeout, check=False)
   return proc.returncode, proc.stdout, proc.stderr
 
 
@@ -585,7 +588,7 @@ def testLookingUpAnExperimentPrintsNoLingvoImportLines(tmp_path):
           'from lingvo_ext.tools import convert_checkpoint; '
           f'print(convert_checkpoint.ModelParams("{TINY}").task.name)')
   rc, out, err = _Run([sys.executable, '-c', code], cwd=str(tmp_path),
-                       module=False)
+                       module=False, fresh=True)
   assert rc == 0, err[-3000:]
   assert out.split() == ['lm', 'lm']
   assert 'model_imports.py: Importing' not in err, err[-3000:]

@@ -28,7 +28,9 @@ def testOnlyRunsWithTheServersImportTimeEnvironmentAreForked():
   # A module the server does not serve.
   assert not zygote._Usable([sys.executable, '-m', 'lingvo_ext.tools.fix_x_ops'],
                             env)
-  assert not zygote._Usable([sys.executable, '-c', 'pass'], env)
+  # `-c CODE` runs as tests.zygote_code.
+  assert zygote._Usable([sys.executable, '-c', 'pass'], env)
+  assert not zygote._Usable([sys.executable, '-E', '-c', 'pass'], env)
 
 
 @pytest.mark.e2e
@@ -87,12 +89,28 @@ def testBridgeForksAProgramsModuleRunsAndKillsThemWithIt(tmp_path):
     assert proc.returncode == 2, proc
     assert proc.stdout.startswith('error: ') and 'max_step' in proc.stdout
     assert zygote.forks == forks + 1
-    # Not a served module: a fresh interpreter, not forked.
-    proc = subprocess.run([str(shim), '-c', 'import sys; print(sys.argv[1:])',
-                           'a'], capture_output=True, text=True, timeout=300,
+    # `-c CODE` is forked, and runs as in a fresh interpreter: sys.argv,
+    # sys.path[0], __main__, an exception's exit code and traceback.
+    code = ('import sys; print(sys.argv, repr(sys.path[0]), __name__, '
+            'sys.modules["__main__"].__dict__ is globals()); '
+            'sys.stdout.flush(); 1 / int(sys.argv[1])')
+    fresh = subprocess.run([sys.executable, '-c', code, '0'],
+                           capture_output=True, text=True, timeout=300,
+                           check=False)
+    proc = subprocess.run([str(shim), '-c', code, '0'], capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert zygote.forks == forks + 2
+    assert fresh.stdout == "['-c', '0'] '' __main__ True\n", fresh
+    assert (proc.returncode, proc.stdout) == (1, fresh.stdout), proc
+    assert proc.stderr.endswith('ZeroDivisionError: division by zero\n')
+    assert proc.stderr == fresh.stderr
+    # Another form (`-E -c`): a fresh interpreter, not forked.
+    proc = subprocess.run([str(shim), '-E', '-c',
+                           'import sys; print(sys.argv[1:])', 'a'],
+                          capture_output=True, text=True, timeout=300,
                           check=False)
     assert (proc.returncode, proc.stdout) == (0, "['a']\n"), proc
-    assert zygote.forks == forks + 1
+    assert zygote.forks == forks + 2
     # The program killed mid-run: its forked run goes too (the trainer's
     # lock on its logdir is free again).
     logdir = tmp_path / 'long'
@@ -107,7 +125,7 @@ def testBridgeForksAProgramsModuleRunsAndKillsThemWithIt(tmp_path):
       while not (os.path.exists(lock) and 'PID' in open(lock).read()):
         assert time.monotonic() < deadline and program.poll() is None
         time.sleep(0.2)
-      assert zygote.forks == forks + 2
+      assert zygote.forks == forks + 3
       os.killpg(program.pid, signal.SIGKILL)
       deadline = time.monotonic() + 120
       while not _LockFree(lock):

@@ -1,17 +1,18 @@
 """`python -m lingvo_ext.<tool>` runs for tests, forked from a pre-imported server.
 
 MODULES lists what it serves: the trainer, the launcher, the tools,
-bench/transformer.py's per-variant children (as `-m bench.transformer`) and
-bench/pipeline.py (as `-m bench.pipeline`).
+bench/transformer.py's per-variant children (as `-m bench.transformer`),
+bench/pipeline.py (as `-m bench.pipeline`) and `python -c CODE` (as `-m
+tests.zygote_code CODE`, which runs CODE as `-c` does).
 
 Importing TensorFlow and Lingvo costs ~5 of a small trainer run's ~13
 CPU-seconds; the end-to-end tests start dozens of such runs. run() is
-subprocess.run for a command `[sys.executable, '-m', module, ...]`: where it
-can, it forks the run from a server process (one per pytest worker) that has
-imported TensorFlow, Lingvo and the modules lingvo_ext.trainer imports, and
-runs `module` as __main__ there with the test's argv, cwd, environment and
-sys.path, stdin /dev/null, stdout/stderr captured, in its own process group
-(a timeout kills the group). Otherwise (another program, another oneDNN
+subprocess.run for a command `[sys.executable, '-m', module, ...]` (or `-c
+CODE`): where it can, it forks the run from a server process (one per
+pytest worker) that has imported TensorFlow, Lingvo and the modules
+lingvo_ext.trainer imports, and runs `module` as __main__ there with the
+test's argv, cwd, environment and sys.path, stdin /dev/null, stdout/stderr
+captured, in its own process group (a timeout kills the group). Otherwise (another program, another oneDNN
 setting, ...) it is subprocess.run itself.
 
 The server is lingvo_ext/distributed/fork_server.py's, which says why
@@ -21,8 +22,9 @@ interpreter (e.g. TF_ENABLE_ONEDNN_OPTS, which TensorFlow reads once). A
 forked run ends as an interpreter does, but for the garbage collection at
 exit (RunAsMain's collect_at_exit=False: objects left in reference cycles
 are not finalized), which would cost a Transformer run about a CPU-second.
-Tests that signal a trainer by pid or need a fresh interpreter call
-subprocess themselves.
+Runs a test signals by pid go through Fork (tests/proc_testlib.py's Proc
+and Start); tests that need a fresh interpreter call subprocess
+themselves.
 """
 
 import atexit
@@ -45,7 +47,7 @@ MODULES = ('lingvo_ext.trainer', 'lingvo_ext.tools.cost_report',
            'lingvo_ext.tools.list_models',
            'lingvo_ext.tools.convert_checkpoint', 'lingvo_ext.tools.plan',
            'lingvo_ext.examples.gpipe_example', 'lingvo_ext.launch',
-           'bench.transformer', 'bench.pipeline')
+           'bench.transformer', 'bench.pipeline', 'tests.zygote_code')
 # Off with LINGVO_EXT_TEST_ZYGOTE=0 (every run a fresh interpreter).
 ENABLED = os.environ.get('LINGVO_EXT_TEST_ZYGOTE', '1') != '0'
 forks = 0  # Runs forked from the server in this process (tests/test_zygote.py).
@@ -58,8 +60,15 @@ _LOCK = threading.Lock()
 _started = []
 
 
+def _Served(cmd):
+  """cmd, a `-c CODE` run as `-m tests.zygote_code CODE`."""
+  if list(cmd[:2]) == [sys.executable, '-c'] and len(cmd) > 2:
+    return [sys.executable, '-m', 'tests.zygote_code', *cmd[2:]]
+  return list(cmd)
+
+
 def _Usable(cmd, env):
-  return ENABLED and _SERVER.Usable(cmd, env)
+  return ENABLED and _SERVER.Usable(_Served(cmd), env)
 
 
 def _Start():
@@ -74,11 +83,28 @@ def _Start():
       _started.append(True)
 
 
+def Usable(cmd, env):
+  """Whether Fork can fork `cmd` with `env` (if the server allows)."""
+  return _Usable(cmd, env)
+
+
+def Fork(cmd, env, cwd, out_path, err_path):
+  """`cmd` forked from the server (started first if need be), its stdout and
+  stderr appended to the files at out_path and err_path, in a process group
+  of its own; a Popen-like handle (pid, poll, wait), or None if refused.
+  Call it from the main thread."""
+  global forks
+  proc = _Fork(cmd, env, cwd, out_path, err_path)
+  if proc is not None:
+    forks += 1
+  return proc
+
+
 def _Fork(cmd, env, cwd, out_path, err_path):
   """The run forked from the server (started first if need be), or None."""
   _Start()
   with _LOCK:
-    return _SERVER.Spawn(cmd, env, out_path, stderr_path=err_path,
+    return _SERVER.Spawn(_Served(cmd), env, out_path, stderr_path=err_path,
                          cwd=os.path.abspath(cwd or os.getcwd()),
                          collect_at_exit=False)
 
@@ -143,11 +169,14 @@ def run(cmd, cwd=None, env=None, stdout=None, stderr=None,
 
 _CLIENT = os.path.join(_ROOT, 'tests', 'zygote_client.py')
 _SHIM = '''#!/bin/sh
-# %(python)s, but `-m MODULE` of tests/zygote.py's MODULES is forked from a
-# test's zygote server (tests/zygote_client.py).
+# %(python)s, but `-m MODULE` of tests/zygote.py's MODULES and `-c CODE` are
+# forked from a test's zygote server (tests/zygote_client.py).
 case "$1 $2" in
   %(cases)s) exec %(python)s -S -E %(client)s %(socket)s "$@" ;;
 esac
+if [ "$1" = -c ] && [ $# -ge 2 ]; then
+  exec %(python)s -S -E %(client)s %(socket)s "$@"
+fi
 exec %(python)s "$@"
 '''
 
@@ -157,9 +186,10 @@ class Bridge:
 
   Write Shim() where the program looks for the venv's python (a docs
   example's `.venv/bin/python`): its `-m MODULE` runs (MODULE one of
-  MODULES) connect to this process, which forks them from its server as
-  run() does, their output going to the shim's own stdout and stderr; the
-  others (and runs the server refuses) are a fresh interpreter. A run
+  MODULES) and `-c CODE` runs connect to this process, which forks them
+  from its server as run() does, their output going to the shim's own
+  stdout and stderr; the others (and runs the server refuses) are a fresh
+  interpreter. A run
   whose shim dies (the program killed) is killed. Create it in the main
   thread: the server it may start must not die with another thread.
   """
