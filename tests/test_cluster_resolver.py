@@ -11,7 +11,6 @@ import re
 import stat
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -308,26 +307,26 @@ def testSbatchScriptGivesEachTaskItsTask(tmp_path):
 
 def _Trainer(*flags, env=None, timeout=120):
   """The trainer in a network namespace of its own (only 127.0.0.1),
-  forked (tests/zygote.py): exit code, output, seconds taken."""
+  forked (tests/zygote.py): exit code, output. A run that outlasts
+  `timeout` fails the test (subprocess.TimeoutExpired)."""
   full_env = {k: v for k, v in os.environ.items()
               if k != 'TF_CONFIG' and not k.startswith('SLURM')}
   full_env.update(env or {})
-  start = time.monotonic()
   proc = zygote.run(
       [sys.executable, '-c', proc_testlib.PRIVATE_TRAINER, f'--model={MODEL}',
        '--logdir=/tmp/unused_lingvo_ext', *flags], cwd=ROOT, env=full_env,
       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
       timeout=timeout, check=False)
-  return proc.returncode, proc.stdout, time.monotonic() - start
+  return proc.returncode, proc.stdout
 
 
 @pytest.mark.e2e
 def testTrainerRejectsAMissingOrConflictingEnvironment():
-  rc, out, _ = _Trainer('--cluster_resolver=tf_config')
+  rc, out = _Trainer('--cluster_resolver=tf_config')
   assert rc == 2, out[-2000:]
   assert re.search(r'^error: TF_CONFIG is not set; --cluster_resolver='
                    r'tf_config needs it to hold JSON like', out, re.M), out
-  rc, out, _ = _Trainer('--cluster_resolver=tf_config',
+  rc, out = _Trainer('--cluster_resolver=tf_config',
                         '--cluster_spec=worker=127.0.0.1:2222',
                         env=_Config({'chief': ['127.0.0.1:2221'],
                                      'worker': ['127.0.0.1:2222']},
@@ -343,8 +342,9 @@ def testAWorkerWhoseChiefNeverAnswersExitsOnItsOwn():
   chief, worker = launch_lib.FreePorts(2)
   spec = {'chief': [f'127.0.0.1:{chief}'], 'worker': [f'127.0.0.1:{worker}']}
   # Its wait for the chief's word outlasts --worker_timeout_secs (the
-  # deadline of each of its session calls).
-  rc, out, took = _Trainer('--cluster_resolver=tf_config',
+  # deadline of each of its session calls); it ends within _Trainer's
+  # timeout, not at it.
+  rc, out = _Trainer('--cluster_resolver=tf_config',
                            '--cluster_wait_secs=5', '--worker_timeout_secs=1',
                            env=_Config(spec, 'worker', 0))
   assert rc == 1, out[-2000:]
@@ -353,7 +353,6 @@ def testAWorkerWhoseChiefNeverAnswersExitsOnItsOwn():
       r'answered for \d+ s \(--cluster_wait_secs=5\); the cluster is gone: '
       r'exiting\.' % chief, out, re.M), out[-2000:]
   assert 'Traceback' not in out, out[-2000:]
-  assert took < 60, took
 
 
 def testEachTaskWatchesThePeersItNeeds():
