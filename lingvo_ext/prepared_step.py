@@ -7,8 +7,9 @@ small model most of the first step's time. `PreparedStep` builds that graph
 ahead, through a callable (Session::MakeCallable), while the trainer waits;
 TensorFlow releases the GIL meanwhile, so the controller's initialization and
 save run beside it. Its steps then run through the callable: the same graph
-and kernels, so the same values, as Session.run. In-process runs only: a
-callable over gRPC reports a lost worker differently from Session.run.
+and kernels, so the same values, as Session.run. Single-process runs only:
+across processes a callable reports a lost worker differently from
+Session.run.
 """
 
 import lingvo.compat as tf
@@ -22,11 +23,11 @@ class PreparedStep:
   def __init__(self, sess, task):
     self.fetches = [task.train_op, task.eval_metrics, task.per_example_tensors]
     flat = tf.nest.flatten(self.fetches[1:])
-    names = []
-    for t in flat:
-      if t.name not in names:
-        names.append(t.name)
-    self._index = [names.index(t.name) for t in flat]
+    # Each tensor fetched once (Session.run dedups too), in first-seen order.
+    position = {name: i for i, name in enumerate(
+        dict.fromkeys(t.name for t in flat))}
+    names = list(position)
+    self._index = [position[t.name] for t in flat]
     self._callable = internal_tf.MakeCallable(sess, names,
                                               [task.train_op.name])
 
