@@ -10,6 +10,7 @@ waited for the controller (prepared_step.py).
 
 import os
 import re
+import threading
 import time
 
 from lingvo import runners as lingvo_runners
@@ -49,12 +50,29 @@ class _TrainerSession(tf.Session):
     self._train_steps = 0
     self._metrics = None
     self._prepared = None
+    self._preparing = None
 
   def PrepareStep(self, task):
-    """Builds `task`'s training step now (prepared_step.py)."""
-    self._prepared = prepared_step.Prepare(self, task)
-    if self._prepared:
-      tf.logging.info('Built the training step ahead of its first run.')
+    """Starts building `task`'s training step in a thread (prepared_step.py).
+
+    The first training step waits for it.
+    """
+    if self._preparing or self._prepared:
+      return
+
+    def Build():
+      self._prepared = prepared_step.Prepare(self, task)
+      if self._prepared:
+        tf.logging.info('Built the training step ahead of its first run.')
+
+    self._preparing = threading.Thread(target=Build, name='prepare_step',
+                                       daemon=True)
+    self._preparing.start()
+
+  def _WaitPrepared(self):
+    if self._preparing:
+      self._preparing.join()
+      self._preparing = None
 
   def _IsTrainStep(self, fetches):
     if not isinstance(fetches, (list, tuple)) or not fetches:
@@ -101,6 +119,7 @@ class _TrainerSession(tf.Session):
                                     os.path.dirname(self._trace_path),
                                     self._trace_step, self._model)
       return out
+    self._WaitPrepared()
     if (self._prepared and feed_dict is None and options is None and
         run_metadata is None and self._prepared.Matches(fetches)):
       return self._prepared.Run()
@@ -125,6 +144,7 @@ class LocalTrainer(runner_state.RunnerMixin, lingvo_runners.Trainer):
       with self._cluster:
         self._finite_checks = checkpoints.FiniteChecks(tf.global_variables())
     self._nonfinite = {'step': None, 'count': 0}
+    self._ahead = None
     self._keep_step = step_keeping.KeepTrainerStep(
         self._graph, self._options.job, self._options.distributed)
     self._progress = None
@@ -148,10 +168,31 @@ class LocalTrainer(runner_state.RunnerMixin, lingvo_runners.Trainer):
     """The built model (one_build.SharedModelControllerMixin shares it)."""
     return self._model
 
+  def PrepareAhead(self):
+    """Opens its loop's session now and starts building the step in it.
+
+    The runner manager calls it before creating a controller that shares
+    the model (one_build.py): TensorFlow builds the step while the
+    controller builds its checkpointer.
+    """
+    if self._CanPrepare():
+      self._ahead = self._GetSession()
+      self._ahead.PrepareStep(self._model.GetTask())
+
+  def _CanPrepare(self):
+    # Not across processes: a lost worker fails a callable's gRPC call with
+    # a retried request's AbortedError, not Session.run's UnavailableError
+    # that names the task (distributed/faults.py).
+    return not self._options.distributed and len(self._model.tasks) == 1
+
   def _GetSession(self, **kwargs):
     model = getattr(self, '_model', None)
     if model is None:  # Lingvo's BaseRunner lists devices before the model.
       return super()._GetSession(**kwargs)
+    ahead = getattr(self, '_ahead', None)
+    if ahead is not None and not kwargs:  # Its loop's (PrepareAhead).
+      self._ahead = None
+      return ahead
     config = server.SessionConfig(self._options, **kwargs)
     o = self._options
     return _TrainerSession(
@@ -228,12 +269,9 @@ class LocalTrainer(runner_state.RunnerMixin, lingvo_runners.Trainer):
   def _WaitUntilInit(self, sess=None, start_up_delay_steps=None):
     if start_up_delay_steps:
       return super()._WaitUntilInit(sess, start_up_delay_steps)
-    if (not self._options.distributed and len(self._model.tasks) == 1 and
-        isinstance(sess, _TrainerSession)):
-      # Built beside the controller's initialization and first save. Not
-      # across processes: a lost worker fails a callable's gRPC call with
-      # a retried request's AbortedError, not Session.run's UnavailableError
-      # that names the task (distributed/faults.py).
+    if self._CanPrepare() and isinstance(sess, _TrainerSession):
+      # Built beside the controller's initialization and first save (unless
+      # PrepareAhead started it).
       sess.PrepareStep(self._model.GetTask())
     # Lingvo sleeps a fixed 30 s so that the controller can initialize or
     # restore the variables first. That takes about a second: poll for it.

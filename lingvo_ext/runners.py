@@ -103,7 +103,10 @@ class RunnerManager(trainer_lib.DistributedRunnerManagerMixin,
   def Trainer(self):
     def Make(*args, **kwargs):
       self._trainer_here = self._Runner(LocalTrainer)(*args, **kwargs)
-      return self._trainer_here
+      trainer = self._trainer_here
+      if self._share_model and one_build.CanShare(trainer.model):
+        trainer.PrepareAhead()  # Before the controller's build.
+      return trainer
     return Make
 
   @property

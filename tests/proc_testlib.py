@@ -56,6 +56,8 @@ def Start(argv, out_path, err_path=None):
   forked (zygote) where it can be, else a fresh interpreter; a Popen-like
   handle (pid, poll, wait, send_signal, kill)."""
   err_path = err_path or out_path
+  for path in (out_path, err_path):  # There at once, as with Popen.
+    open(path, 'a').close()  # pylint: disable=consider-using-with
   env = dict(os.environ)
   if zygote.Usable(argv, env):
     run = zygote.Fork(argv, env, ROOT, out_path, err_path)

@@ -91,3 +91,34 @@ def testARegisteredExperimentsStepsEqualSessionRuns():
     finally:
       for sess in sessions:
         sess.close()
+
+
+def testAStepPreparedBeforeTheGraphGrowsStepsAlike():
+  """The trainer prepares its step before a controller sharing the model
+  adds its checkpointer's ops (one_build.py), in a session on the local
+  server as the trainer's: the session's graph grows under the callable,
+  which must still step as Session.run does (here in a session of its own).
+  """
+  server = tf.distribute.Server.create_local_server()
+  with tf.Graph().as_default():
+    task = _FakeTask()
+    init = tf.global_variables_initializer()
+    fetches = [task.train_op, task.eval_metrics, task.per_example_tensors]
+    with tf.Session() as run_sess, tf.Session(server.target) as prepared_sess:
+      prepared_sess.run(init)
+      step = prepared_step.Prepare(prepared_sess, task)
+      assert step is not None
+      # Ops added afterwards (a controller's saver), run in that session.
+      copy = tf.Variable(tf.zeros([3]))
+      save = copy.assign(task.per_example_tensors.w)
+      run_sess.run([init, copy.initializer])
+      prepared_sess.run(copy.initializer)
+      np.testing.assert_array_equal(prepared_sess.run(save), [1.0, 2.0, 3.0])
+      for _ in range(3):
+        want, got = run_sess.run(fetches), step.Run()
+        assert got[1] == want[1]
+        np.testing.assert_array_equal(got[2].w, want[2].w)
+      w = task.per_example_tensors.w
+      np.testing.assert_array_equal(prepared_sess.run(w), run_sess.run(w))
+      np.testing.assert_allclose(run_sess.run(w), [0.85, 2.3, 2.4], rtol=1e-6)
+      np.testing.assert_array_equal(prepared_sess.run(save), run_sess.run(w))
