@@ -35,6 +35,14 @@ class LocalController(runner_state.RunnerMixin,
     if self._checkpointer is not None:
       self._run_state.controller_here.set()
 
+  def _GetSession(self, **kwargs):
+    if getattr(self, '_shared_with', None) is not None:
+      # It runs no model computation here (the trainer runs the summaries,
+      # one_build.py), only initializers, checks, copies and saves: Grappler
+      # would optimize the whole graph for each of them and change nothing.
+      kwargs.setdefault('disable_meta_optimizer', True)
+    return super()._GetSession(**kwargs)
+
   def _CreateCheckpointer(self, train_dir, model, *args, **kwargs):
     keeper = None
     if self._options.distributed:
