@@ -20,15 +20,18 @@ For each experiment, side by side in one run:
   .venv/bin/python bench/startup.py --markdown
   .venv/bin/python bench/startup.py --models lm.TransformerLmTiny \\
       --transformer_layers 0          # one small experiment only
+  .venv/bin/python bench/startup.py --rounds 4 --transformer_layers 0
+                                      # medians of 4 runs each, in turn
 
-Times are wall seconds of one run each: take them side by side, on an idle
-machine where you can. See docs/benchmarks.md ("Start-up").
+Times are wall seconds of one run each (with --rounds N, medians of N):
+take them side by side, on an idle machine where you can. See docs/benchmarks.md ("Start-up").
 """
 
 import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -257,20 +260,57 @@ def Markdown(records):
   return '\n'.join(lines)
 
 
-def Run(models, transformer_layers, emit=lambda r: None):
-  """All records, ratios added; `emit` sees each as it is measured."""
+def _Median(values):
+  return round(statistics.median(values), 3)
+
+
+def _Rounds(model, flags, rounds, emit):
+  """The model's records over `rounds` rounds, each engine's median.
+
+  Each round runs the engines in turn, starting one later each round (a
+  machine whose speed drifts weighs on all alike); ratios are the medians
+  of each round's ratios.
+  """
+  measures = [ScriptRecord, TrainerRecord]
+  if not flags:  # Lingvo's trainer has one CPU device.
+    measures.append(LingvoTrainerRecord)
+  runs = []
+  for i in range(rounds):
+    order = measures[i % len(measures):] + measures[:i % len(measures)]
+    got = {m: m(model, flags) for m in order}
+    for m in order:
+      emit(got[m])
+    runs.append(WithRatios([got[m] for m in measures]))
+  if rounds == 1:
+    return runs[0]
+  out = []
+  for k in range(len(measures)):
+    recs = [run[k] for run in runs]
+    failed = [r for r in recs if 'error' in r]
+    rec = dict(failed[0] if failed else recs[0], rounds=rounds)
+    if not failed:
+      for key, value in recs[0].items():
+        if isinstance(value, float):
+          rec[key] = _Median([r[key] for r in recs])
+    out.append(rec)
+  return out
+
+
+def Run(models, transformer_layers, emit=lambda r: None, rounds=1):
+  """All records, ratios added; `emit` sees each as it is measured.
+
+  With rounds > 1 each experiment's engines run `rounds` times in turn and
+  each record holds the medians (`_Rounds`).
+  """
   records = []
   for model, flags in models:
-    for measure in (ScriptRecord, TrainerRecord, LingvoTrainerRecord):
-      if measure is LingvoTrainerRecord and flags:
-        continue  # Lingvo's trainer has one CPU device.
-      records.append(measure(model, flags))
-      emit(records[-1])
+    records += _Rounds(model, flags, rounds, emit)
   for layers in transformer_layers:
-    for r in TransformerRecords(layers):
-      records.append(r)
+    pair = TransformerRecords(layers)
+    for r in pair:
       emit(r)
-  return WithRatios(records)
+    records += WithRatios(pair)
+  return records
 
 
 def main(argv=None):
@@ -281,6 +321,9 @@ def main(argv=None):
       'lm.TransformerLm, and lm.TransformerLmTinyGPipe on 2 devices).')
   parser.add_argument('--transformer_layers', type=int, nargs='+',
                       default=[32], help='L of the transformer rows; 0: none.')
+  parser.add_argument('--rounds', type=int, default=1,
+                      help='Runs of each experiment\'s engines, in turn; '
+                      'each figure the median.')
   parser.add_argument('--markdown', action='store_true')
   parser.add_argument('--_child', help=argparse.SUPPRESS)
   parser.add_argument('--_lingvo_child', help=argparse.SUPPRESS)
@@ -296,13 +339,16 @@ def main(argv=None):
     return 0
   if any(l < 0 for l in args.transformer_layers):
     parser.error('--transformer_layers must be >= 0.')
+  if args.rounds < 1:
+    parser.error('--rounds must be >= 1.')
   models = ([(m, ()) for m in args.models] if args.models else
             list(DEFAULT_MODELS))
   # Each record as it comes on stderr: a long run's measurements are not
   # lost with it.
   records = Run(models, [l for l in args.transformer_layers if l],
                 emit=lambda r: print('[bench] ' + json.dumps(r),
-                                     file=sys.stderr, flush=True))
+                                     file=sys.stderr, flush=True),
+                rounds=args.rounds)
   if args.markdown:
     print(Markdown(records))
   else:

@@ -357,6 +357,37 @@ def testStartupBenchReportsTheTrainerAgainstTheScript():
       trainer['first_step_s'] / lingvo['first_step_s'], rel=1e-2)
 
 
+def testStartupRoundsTakeMediansAndMedianRatiosInTurn(monkeypatch):
+  from bench import startup  # pylint: disable=g-import-not-at-top
+  calls = []
+  script_s = iter([10., 20., 10.])
+  trainer_s = iter([12., 21., 14.])
+
+  def Fake(engine, times, **extra):
+    def Measure(model, flags):
+      calls.append(engine)
+      return dict(engine=engine, model=model, flags=' '.join(flags),
+                  first_step_s=next(times), **extra)
+    return Measure
+
+  monkeypatch.setattr(startup, 'ScriptRecord',
+                      Fake('script', script_s, imports_s=1.))
+  monkeypatch.setattr(startup, 'TrainerRecord',
+                      Fake('lingvo_ext.trainer', trainer_s))
+  emitted = []
+  records = startup.Run([('m', ('--num_cpu_devices=2',))], [],
+                        emit=emitted.append, rounds=3)
+  # Each round starts one engine later; Lingvo's trainer is not run with flags.
+  assert calls == ['script', 'lingvo_ext.trainer', 'lingvo_ext.trainer',
+                   'script', 'script', 'lingvo_ext.trainer']
+  assert len(emitted) == 6
+  script, trainer = records
+  assert script['first_step_s'] == 10. and script['rounds'] == 3
+  assert trainer['first_step_s'] == 14.
+  # The median of the rounds' ratios (1.2, 1.05, 1.4), not 14 / 10.
+  assert trainer['vs_script'] == pytest.approx(1.2)
+
+
 # --- bench/lingvo_lm.py --------------------------------------------------------
 
 
