@@ -24,7 +24,8 @@ For each experiment, side by side in one run:
                                       # medians of 4 runs each, in turn
 
 Times are wall seconds of one run each (with --rounds N, medians of N):
-take them side by side, on an idle machine where you can. See docs/benchmarks.md ("Start-up").
+take them side by side, on an idle machine where you can. See
+docs/benchmarks.md ("Start-up").
 """
 
 import argparse
