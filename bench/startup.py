@@ -292,7 +292,8 @@ def _Rounds(model, flags, rounds, emit):
     if not failed:
       for key, value in recs[0].items():
         if isinstance(value, float):
-          rec[key] = _Median([r[key] for r in recs])
+          # A ratio is missing from a round whose other engine failed.
+          rec[key] = _Median([r[key] for r in recs if key in r])
     out.append(rec)
   return out
 
