@@ -13,6 +13,7 @@ from lingvo.core import tshape
 import numpy as np
 
 from lingvo_ext.core import gpipe
+from lingvo_ext.distributed import server
 
 
 def Fc(name, input_dim, output_dim, seed):
@@ -119,11 +120,12 @@ def Session(graph, num_devices, optimize=True):
   optimize=False turns Grappler off, for tests whose assertions are about
   variable values and checkpoints rather than the computation: optimizing a
   small pipeline's graph and cell functions is about a third of the CPU time
-  of its first runs.
+  of its first runs. Either way without the passes the trainer's sessions
+  skip (server.WithoutIdlePasses).
   """
-  config = tf.config_pb2.ConfigProto(
+  config = server.WithoutIdlePasses(tf.config_pb2.ConfigProto(
       device_count={'CPU': num_devices}, inter_op_parallelism_threads=2,
-      intra_op_parallelism_threads=1)
+      intra_op_parallelism_threads=1))
   if not optimize:
     config.graph_options.rewrite_options.disable_meta_optimizer = True
   return tf.Session(graph=graph, config=config)

@@ -11,6 +11,7 @@ import pytest
 
 import gpipe_testlib as lib
 from lingvo_ext.distributed import gradient_sync
+from lingvo_ext.distributed import server
 from params import image
 from params import lm
 
@@ -59,8 +60,8 @@ def _Run(model, replicas, batch, steps=3, k=1, m=1, adam=False, save=None,
   graph = tf.Graph()
   with graph.as_default(), _Cluster(replicas, k):
     task, loss, init = lib.BuildTrainTask(p)
-    config = tf.config_pb2.ConfigProto(
-        device_count={'CPU': replicas * k}, inter_op_parallelism_threads=4)
+    config = server.WithoutIdlePasses(tf.config_pb2.ConfigProto(
+        device_count={'CPU': replicas * k}, inter_op_parallelism_threads=4))
     saver = tf.train.Saver()
     with tf.Session(graph=graph, config=config) as sess:
       sess.run(init)

@@ -47,6 +47,7 @@ import pytest
 
 import gpipe_testlib as lib
 from lingvo_ext.core import schedules
+from lingvo_ext.distributed import server
 from params import image
 from params import lm
 
@@ -89,9 +90,9 @@ def _Train(name, schedule, extra, pipelined=True, scale=1.0, steps=STEPS,
     tf.random.set_seed(1)
     task, _, init = lib.BuildTrainTask(p)
     value = task.eval_metrics[metric][0]
-    config = tf.config_pb2.ConfigProto(
+    config = server.WithoutIdlePasses(tf.config_pb2.ConfigProto(
         device_count={'CPU': k}, inter_op_parallelism_threads=2,
-        intra_op_parallelism_threads=1)
+        intra_op_parallelism_threads=1))
     with tf.Session(graph=graph, config=config) as sess:
       sess.run(init)
       # The same start for every variant.

@@ -24,6 +24,7 @@ import pytest
 
 from lingvo_ext.core import layers
 from lingvo_ext.core import sharding
+from lingvo_ext.distributed import server
 from tests import zygote
 
 VOCAB = 50
@@ -46,9 +47,9 @@ def _Cluster(num_devices=NUM_DEVICES):
 
 
 def _Session(graph, num_devices=NUM_DEVICES):
-  config = tf.config_pb2.ConfigProto(
+  config = server.WithoutIdlePasses(tf.config_pb2.ConfigProto(
       device_count={'CPU': num_devices}, inter_op_parallelism_threads=2,
-      intra_op_parallelism_threads=1)
+      intra_op_parallelism_threads=1))
   return tf.Session(graph=graph, config=config)
 
 

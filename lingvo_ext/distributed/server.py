@@ -29,9 +29,25 @@ def WithoutRemapper(config):
   return config
 
 
+def WithoutIdlePasses(config):
+  """`config` (a tf.ConfigProto) without two Grappler passes; returned.
+
+  The TFG pipeline (toposort, shape inference, conditional code motion) and
+  the memory optimizer (recomputation where a graph asks for it, swapping to
+  a GPU's host) spend start-up time and leave a CPU graph as it was: the
+  partition graphs and trained values are bitwise those of TensorFlow's
+  default (tests/test_session_config.py; docs/benchmarks.md).
+  """
+  rewrite = config.graph_options.rewrite_options
+  rewrite.disable_tfg_optimizer = True
+  rewrite.memory_optimization = rewriter_config_pb2.RewriterConfig.NO_MEM_OPT
+  return config
+
+
 def SessionConfig(options, client=True, **kwargs):
-  """Lingvo's session config with this run's devices and step deadline
-  (and Grappler's remapper off where `options.grappler_remapping` says so).
+  """Lingvo's session config with this run's devices and step deadline,
+  Grappler's idle passes off (`WithoutIdlePasses`) and its remapper off
+  where `options.grappler_remapping` says so.
 
   Args:
     options: The trainer's trainer_flags.Options.
@@ -41,7 +57,7 @@ def SessionConfig(options, client=True, **kwargs):
       it may place ops on before it creates a session).
     **kwargs: Passed to `py_utils.SessionConfig`.
   """
-  config = py_utils.SessionConfig(**kwargs)
+  config = WithoutIdlePasses(py_utils.SessionConfig(**kwargs))
   if not options.grappler_remapping:
     WithoutRemapper(config)
   config.device_count['CPU'] = options.num_cpu_devices

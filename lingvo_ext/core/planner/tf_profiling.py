@@ -271,9 +271,10 @@ def ExperimentParams(model: str, dataset: str = 'Train',
 
 
 def SessionConfig(num_devices: int):
-  """The trainer's session config (py_utils.SessionConfig), N CPU devices."""
+  """The trainer's session config (distributed.server's), N CPU devices."""
   from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
-  config = py_utils.SessionConfig()
+  from lingvo_ext.distributed import server  # pylint: disable=g-import-not-at-top
+  config = server.WithoutIdlePasses(py_utils.SessionConfig())
   config.device_count['CPU'] = num_devices
   return config
 
