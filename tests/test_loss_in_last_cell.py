@@ -34,9 +34,9 @@ def _Params(schedule, loss_in_last_cell, layers=3, splits=_K, micro=_M):
   return p
 
 
-def _Train(schedule, loss_in_last_cell, sequential=False, devices=_K,
-           **structure):
-  """(losses per step, first step's gradients, variables after, graph).
+def Build(schedule, loss_in_last_cell, sequential=False, devices=_K,
+          **structure):
+  """The graph and its (init, loss, grads, train, variables).
 
   structure: _Params' layers, splits and micro.
   """
@@ -65,6 +65,14 @@ def _Train(schedule, loss_in_last_cell, sequential=False, devices=_K,
       train = tf.group([tf.assign_sub(v, 0.01 * dv)
                         for v, dv in zip(variables, grads)])
     init = tf.global_variables_initializer()
+  return g, (init, loss, grads, train, variables)
+
+
+def _Train(schedule, loss_in_last_cell, sequential=False, devices=_K,
+           **structure):
+  """(losses per step, first step's gradients, variables after, graph)."""
+  g, (init, loss, grads, train, variables) = Build(
+      schedule, loss_in_last_cell, sequential, devices, **structure)
   losses = []
   with gpipe_testlib.Session(g, devices) as sess:
     sess.run(init)

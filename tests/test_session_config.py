@@ -1,8 +1,9 @@
 """The trainer's Grappler passes off (server.WithoutIdlePasses) change nothing.
 
-A pipelined Transformer trained a few steps under TensorFlow's default config
-and under the one without the idle passes: the same partition graphs after
-Grappler, and the same losses and variables bit for bit.
+A pipelined Transformer (tests/test_loss_in_last_cell.py's, on 2 devices)
+trained a few steps under TensorFlow's default config and under the one
+without the idle passes: the same partition graphs after Grappler, and the
+same losses and variables bit for bit.
 """
 
 import lingvo.compat as tf
@@ -12,45 +13,14 @@ import pytest
 from tensorflow.core.protobuf import rewriter_config_pb2
 
 from lingvo_ext import trainer_flags
-from lingvo_ext.core import layers_with_gpipe
 from lingvo_ext.distributed import server
-from tests import gpipe_testlib
-
-_T, _B, _D, _VOCAB = 4, 8, 8, 5
+from tests import test_loss_in_last_cell
 
 
 def _Train(schedule, lean, steps=3):
   """(losses, variables after, the first step's partition graphs)."""
-  g = tf.Graph()
-  with g.as_default(), gpipe_testlib.Cluster(2):
-    tf.random.set_seed(1)
-    py_utils.GetOrCreateGlobalStepVar()
-    p = layers_with_gpipe.GPipeTransformerStack.Params().Set(
-        name='transformer', model_dim=_D, num_encoder_layers=3,
-        num_decoder_layers=0, splits=2, num_micro_batches=4,
-        state_dtype=tf.float32, random_seed=0, schedule=schedule,
-        loss_in_last_cell=True)
-    p.encoder_tpl.source_dim = _D
-    p.encoder_tpl.tr_atten_tpl.num_attention_heads = 2
-    p.encoder_tpl.tr_fflayer_tpl.hidden_dim = 2 * _D
-    p.emb_tpl.token_emb.Set(embedding_dim=_D, vocab_size=_VOCAB)
-    p.emb_tpl.position_emb.embedding_dim = _D
-    p.softmax_tpl.Set(input_dim=_D, num_classes=_VOCAB)
-    net = p.Instantiate()
-    rng = np.random.RandomState(0)
-    ids = tf.constant(rng.randint(0, _VOCAB, [_T, _B]), tf.int32)
-    labels = tf.constant(rng.randint(0, _VOCAB, [_T, _B]), tf.int32)
-    weights = tf.constant(rng.uniform(0.5, 1.5, [_T, _B]), tf.float32)
-    xent, _ = net.FPropDefaultTheta(ids, tf.zeros([_T, _B]), labels=labels,
-                                    label_weights=weights)
-    loss = tf.reduce_sum(xent)
-    variables = net.vars.Flatten()
-    grads = [tf.convert_to_tensor(x) for x in tf.gradients(
-        loss, variables, colocate_gradients_with_ops=True)]
-    with tf.control_dependencies(grads):
-      train = tf.group([tf.assign_sub(v, 0.01 * dv)
-                        for v, dv in zip(variables, grads)])
-    init = tf.global_variables_initializer()
+  g, (init, loss, _, train, variables) = test_loss_in_last_cell.Build(
+      schedule, True, devices=2, layers=3, splits=2, micro=4)
   config = tf.config_pb2.ConfigProto(
       device_count={'CPU': 2}, inter_op_parallelism_threads=2,
       intra_op_parallelism_threads=1)
