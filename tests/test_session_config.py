@@ -76,7 +76,13 @@ def test_the_trainers_sessions_skip_the_idle_passes():
       assert rewrite.memory_optimization == (
           rewriter_config_pb2.RewriterConfig.NO_MEM_OPT)
       assert not rewrite.disable_meta_optimizer
-  # Lingvo's own config is left as it is.
+  # A run with GPUs keeps TensorFlow's passes (the memory optimizer swaps
+  # to a GPU's host); so does Lingvo's own config.
+  gpus = server.SessionConfig(trainer_flags.Options(
+      worker_gpus=1)).graph_options.rewrite_options
+  assert not gpus.disable_tfg_optimizer
+  assert gpus.memory_optimization == (
+      rewriter_config_pb2.RewriterConfig.DEFAULT_MEM_OPT)
   lingvo = py_utils.SessionConfig().graph_options.rewrite_options
   assert not lingvo.disable_tfg_optimizer
   assert lingvo.memory_optimization == (

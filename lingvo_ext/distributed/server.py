@@ -34,9 +34,8 @@ def WithoutIdlePasses(config):
 
   The TFG pipeline (toposort, shape inference, conditional code motion) and
   the memory optimizer (recomputation where a graph asks for it, swapping to
-  a GPU's host) spend start-up time and leave a CPU graph as it was: the
-  partition graphs and trained values are bitwise those of TensorFlow's
-  default (tests/test_session_config.py; docs/benchmarks.md).
+  a GPU's host) cost start-up; on the CPU graphs tested they change nothing,
+  bit for bit (tests/test_session_config.py; docs/benchmarks.md).
   """
   rewrite = config.graph_options.rewrite_options
   rewrite.disable_tfg_optimizer = True
@@ -46,8 +45,9 @@ def WithoutIdlePasses(config):
 
 def SessionConfig(options, client=True, **kwargs):
   """Lingvo's session config with this run's devices and step deadline,
-  Grappler's idle passes off (`WithoutIdlePasses`) and its remapper off
-  where `options.grappler_remapping` says so.
+  Grappler's idle passes off on CPU (`WithoutIdlePasses`; a run with GPUs
+  keeps TensorFlow's) and its remapper off where `options.grappler_remapping`
+  says so.
 
   Args:
     options: The trainer's trainer_flags.Options.
@@ -57,7 +57,9 @@ def SessionConfig(options, client=True, **kwargs):
       it may place ops on before it creates a session).
     **kwargs: Passed to `py_utils.SessionConfig`.
   """
-  config = WithoutIdlePasses(py_utils.SessionConfig(**kwargs))
+  config = py_utils.SessionConfig(**kwargs)
+  if not options.worker_gpus:
+    WithoutIdlePasses(config)
   if not options.grappler_remapping:
     WithoutRemapper(config)
   config.device_count['CPU'] = options.num_cpu_devices
