@@ -120,8 +120,8 @@ def Session(graph, num_devices, optimize=True):
   optimize=False turns Grappler off, for tests whose assertions are about
   variable values and checkpoints rather than the computation: optimizing a
   small pipeline's graph and cell functions is about a third of the CPU time
-  of its first runs. Either way without the passes the trainer's sessions
-  skip (server.WithoutIdlePasses).
+  of its first runs. Either way, without the Grappler passes the trainer's
+  sessions skip (server.WithoutIdlePasses).
   """
   config = server.WithoutIdlePasses(tf.config_pb2.ConfigProto(
       device_count={'CPU': num_devices}, inter_op_parallelism_threads=2,

@@ -47,7 +47,6 @@ import pytest
 
 import gpipe_testlib as lib
 from lingvo_ext.core import schedules
-from lingvo_ext.distributed import server
 from params import image
 from params import lm
 
@@ -90,10 +89,7 @@ def _Train(name, schedule, extra, pipelined=True, scale=1.0, steps=STEPS,
     tf.random.set_seed(1)
     task, _, init = lib.BuildTrainTask(p)
     value = task.eval_metrics[metric][0]
-    config = server.WithoutIdlePasses(tf.config_pb2.ConfigProto(
-        device_count={'CPU': k}, inter_op_parallelism_threads=2,
-        intra_op_parallelism_threads=1))
-    with tf.Session(graph=graph, config=config) as sess:
+    with lib.Session(graph, k) as sess:
       sess.run(init)
       # The same start for every variant.
       lib.LoadSeededWeights(sess, task.vars.Flatten(), scale)

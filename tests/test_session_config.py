@@ -63,12 +63,11 @@ def test_without_the_idle_passes_a_pipeline_trains_bitwise_alike(schedule):
 
 
 def test_the_trainers_sessions_skip_the_idle_passes():
-  for distributed in (False, True):
-    o = trainer_flags.Options(num_cpu_devices=2)
-    if distributed:
-      o = trainer_flags.Options(
-          num_cpu_devices=2, cluster_spec='worker=127.0.0.1:1',
-          job='worker', task=0)
+  local = trainer_flags.Options(num_cpu_devices=2)
+  distributed = trainer_flags.Options(
+      num_cpu_devices=2, cluster_spec='worker=127.0.0.1:1', job='worker',
+      task=0)
+  for o in (local, distributed):
     for client in (True, False):
       rewrite = server.SessionConfig(
           o, client=client).graph_options.rewrite_options

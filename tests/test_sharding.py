@@ -24,7 +24,7 @@ import pytest
 
 from lingvo_ext.core import layers
 from lingvo_ext.core import sharding
-from lingvo_ext.distributed import server
+from tests import gpipe_testlib
 from tests import zygote
 
 VOCAB = 50
@@ -47,10 +47,7 @@ def _Cluster(num_devices=NUM_DEVICES):
 
 
 def _Session(graph, num_devices=NUM_DEVICES):
-  config = server.WithoutIdlePasses(tf.config_pb2.ConfigProto(
-      device_count={'CPU': num_devices}, inter_op_parallelism_threads=2,
-      intra_op_parallelism_threads=1))
-  return tf.Session(graph=graph, config=config)
+  return gpipe_testlib.Session(graph, num_devices)
 
 
 def _Emb(**kw):
