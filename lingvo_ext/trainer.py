@@ -66,7 +66,14 @@ import threading
 import time
 import traceback
 
-import lingvo_ext  # pylint: disable=unused-import,g-bad-import-order
+if (__name__ == '__main__' or
+    os.path.basename(sys.argv[0] if sys.argv else '') == 'lingvo-ext-train'):
+  # The program (python -m, or pyproject.toml's script): what the imports
+  # below make lives as long as the process (main freezes it); collecting
+  # while they run would only walk it (docs/benchmarks.md, "gc.freeze").
+  gc.disable()
+
+import lingvo_ext  # pylint: disable=unused-import,g-bad-import-order,g-import-not-at-top,wrong-import-position
 from absl import app
 import lingvo.compat as tf
 from lingvo.core import hyperparams
@@ -369,6 +376,7 @@ def main(unused_argv, options=None, run_state=None):
   # frozen, the collections that building the graphs sets off, and the one
   # at exit, no longer walk them (docs/benchmarks.md, "gc.freeze").
   gc.freeze()
+  gc.enable()
   try:
     runners.RunnerManager(o.model, o, run_state).Start()
   except ValueError as e:  # Bad params, found while building the model.

@@ -235,6 +235,14 @@ def testImageTrainsResumesAndSurvivesAKill(tmp_path):
   assert 'confusion/matrix' in _TextSummaries(dec_dir)
 
 
+def testImportedAsALibraryTheTrainerLeavesTheCollectorOn():
+  # Only run as the program does it turn the collector off while it imports
+  # (tests/test_user_experiment.py checks that run).
+  import gc  # pylint: disable=g-import-not-at-top
+  from lingvo_ext import trainer  # pylint: disable=g-import-not-at-top,unused-import
+  assert gc.isenabled()
+
+
 @pytest.mark.e2e
 def testListModels():
   rc, out = _Run('lingvo_ext.tools.list_models', merge_stderr=False)

@@ -35,8 +35,21 @@ class MyLm(lm.TransformerLmTiny):
 '''
 
 
-def _Run(args, pythonpath=None, cwd=ROOT):
-  env = dict(os.environ)
+# Appended to the experiment for the trainer's run: whether the garbage
+# collector runs while the trainer imports it, and at the run's end.
+_GC_PROBE = '''
+import atexit, gc, os
+_probe = os.environ.get('GC_PROBE_FILE')
+if _probe:
+  with open(_probe, 'a') as _f:
+    _f.write(f'import {gc.isenabled()}\\n')
+  atexit.register(
+      lambda: open(_probe, 'a').write(f'exit {gc.isenabled()}\\n'))
+'''
+
+
+def _Run(args, pythonpath=None, cwd=ROOT, **extra_env):
+  env = dict(os.environ, **extra_env)
   if pythonpath:
     env['PYTHONPATH'] = pythonpath
   proc = zygote.run([sys.executable, '-m', *args], cwd=cwd, env=env,
@@ -49,13 +62,18 @@ def _Run(args, pythonpath=None, cwd=ROOT):
 def testOwnExperimentOnPythonpathTrainsAndIsCostReported(tmp_path):
   exp_dir = tmp_path / 'exp'
   exp_dir.mkdir()
-  (exp_dir / 'myexp.py').write_text(_EXPERIMENT)
+  (exp_dir / 'myexp.py').write_text(_EXPERIMENT + _GC_PROBE)
   logdir = str(tmp_path / 'logdir')
+  probe = tmp_path / 'gc.txt'
   rc, out = _Run(['lingvo_ext.trainer', '--model=myexp.MyLm',
-                  f'--logdir={logdir}', '--max_steps=3'], str(exp_dir))
+                  f'--logdir={logdir}', '--max_steps=3'], str(exp_dir),
+                 GC_PROBE_FILE=str(probe))
   assert rc == 0, out[-3000:]
   assert tf.train.latest_checkpoint(os.path.join(logdir, 'train')).endswith(
       'ckpt-00000003')
+  # The trainer collects no garbage while it imports (what that makes lives
+  # as long as the process), and does again once it runs the model.
+  assert probe.read_text() == 'import False\nexit True\n'
   rc, out = _Run(['lingvo_ext.tools.cost_report', '--model=myexp.MyLm'],
                  str(exp_dir))
   assert rc == 0, out[-3000:]

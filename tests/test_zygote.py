@@ -90,9 +90,10 @@ def testBridgeForksAProgramsModuleRunsAndKillsThemWithIt(tmp_path):
     assert proc.stdout.startswith('error: ') and 'max_step' in proc.stdout
     assert zygote.forks == forks + 1
     # `-c CODE` is forked, and runs as in a fresh interpreter: sys.argv,
-    # sys.path[0], __main__, an exception's exit code and traceback.
-    code = ('import sys; print(sys.argv, repr(sys.path[0]), __name__, '
-            'sys.modules["__main__"].__dict__ is globals()); '
+    # sys.path[0], __main__, the garbage collector on (the server turns it
+    # off while it imports), an exception's exit code and traceback.
+    code = ('import gc, sys; print(sys.argv, repr(sys.path[0]), __name__, '
+            'sys.modules["__main__"].__dict__ is globals(), gc.isenabled()); '
             'sys.stdout.flush(); 1 / int(sys.argv[1])')
     fresh = subprocess.run([sys.executable, '-c', code, '0'],
                            capture_output=True, text=True, timeout=300,
@@ -100,7 +101,7 @@ def testBridgeForksAProgramsModuleRunsAndKillsThemWithIt(tmp_path):
     proc = subprocess.run([str(shim), '-c', code, '0'], capture_output=True,
                           text=True, timeout=300, check=False)
     assert zygote.forks == forks + 2
-    assert fresh.stdout == "['-c', '0'] '' __main__ True\n", fresh
+    assert fresh.stdout == "['-c', '0'] '' __main__ True True\n", fresh
     assert (proc.returncode, proc.stdout) == (1, fresh.stdout), proc
     assert proc.stderr.endswith('ZeroDivisionError: division by zero\n')
     assert proc.stderr == fresh.stderr

@@ -398,7 +398,13 @@ def Serve(modules: Sequence[str]) -> Optional[dict]:
   _PROTOCOL_FD = os.dup(1)
   os.dup2(2, 1)
   _SITE_PATH[:] = SitePath()
+  # What the imports make lives as long as the server and its tasks: frozen
+  # (Fork), it is never collected; collecting while they run would only walk
+  # it.
+  gc.disable()
   Preload(modules)
+  gc.freeze()
+  gc.enable()
   _PrepareTitles()
   _Write({'ready': Threads()})
   _SERVER_PID = os.getpid()
