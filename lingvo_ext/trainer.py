@@ -66,11 +66,12 @@ import threading
 import time
 import traceback
 
-if (__name__ == '__main__' or
-    os.path.basename(sys.argv[0] if sys.argv else '') == 'lingvo-ext-train'):
-  # The program (python -m, or pyproject.toml's script): what the imports
-  # below make lives as long as the process (main freezes it); collecting
-  # while they run would only walk it (docs/benchmarks.md, "gc.freeze").
+# Run as the program (python -m, or pyproject.toml's script): what the
+# imports below make lives as long as the process, so the collector is off
+# while they run and then skips it (docs/benchmarks.md, "gc.freeze").
+_PROGRAM = (__name__ == '__main__' or os.path.basename(
+    sys.argv[0] if sys.argv else '') == 'lingvo-ext-train')
+if _PROGRAM:
   gc.disable()
 
 import lingvo_ext  # pylint: disable=unused-import,g-bad-import-order,g-import-not-at-top,wrong-import-position
@@ -91,6 +92,10 @@ from lingvo_ext.distributed import cluster
 from lingvo_ext.distributed import gradient_sync
 from lingvo_ext.distributed import server
 from lingvo_ext.distributed import trainer_lib
+
+if _PROGRAM:
+  gc.freeze()
+  gc.enable()
 
 FLAGS = tf.flags.FLAGS
 
@@ -376,7 +381,6 @@ def main(unused_argv, options=None, run_state=None):
   # frozen, the collections that building the graphs sets off, and the one
   # at exit, no longer walk them (docs/benchmarks.md, "gc.freeze").
   gc.freeze()
-  gc.enable()
   try:
     runners.RunnerManager(o.model, o, run_state).Start()
   except ValueError as e:  # Bad params, found while building the model.
