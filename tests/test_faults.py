@@ -13,7 +13,7 @@ import os
 import re
 import subprocess
 import sys
-import uuid
+import time
 
 import lingvo.compat as tf
 import pytest
@@ -211,3 +211,105 @@ def testDiskFullWhileSavingStopsAtOnceWith74AndTheSameCommandResumes(
     assert step < first <= step + 2, text[-3000:]
     assert checkpoints.CheckpointStep(
         tf.train.latest_checkpoint(train_dir)) == step + 2
+
+
+# --- The launcher: a full disk, the OOM killer, a resumed run's old lines -----
+
+
+def _Launcher(tmp_path, programs, max_restarts=0):
+  """A Launcher of 'controller' tasks running python `programs` (no
+  servers); its output lines in a list."""
+  from lingvo_ext.distributed import launch_lib  # pylint: disable=g-import-not-at-top
+  lines = []
+
+  class Out:
+
+    def write(self, text):
+      lines.extend(l for l in text.splitlines() if l)
+
+    def flush(self):
+      pass
+
+  port = launch_lib.FreePorts(1)[0]
+  tasks = [launch_lib.Task(job, 0, f'127.0.0.1:{port}',
+                           [sys.executable, '-c', code])
+           for job, code in programs]
+  launcher = launch_lib.Launcher(tasks, str(tmp_path), 30, max_restarts,
+                                 Out(), fork_tasks=False, task_timeout_s=60)
+  return launcher, lines
+
+
+def _RunLauncher(launcher):
+  try:
+    launcher.StartAll()
+    return launcher.Watch(poll_s=0.05)
+  finally:
+    launcher.StopAll(grace_s=5)
+    launcher.Flush()
+
+
+@pytest.mark.e2e
+def testLauncherStopsTheClusterWhenATaskFindsTheDiskFull(tmp_path):
+  launcher, lines = _Launcher(tmp_path, [
+      ('worker', 'import time; time.sleep(60)'),
+      ('controller', 'import sys; print("error: controller: disk full on '
+       '--logdir=/x (0 B free): ...", file=sys.stderr); sys.exit(74)')],
+                              max_restarts=3)
+  assert _RunLauncher(launcher) == 74
+  text = '\n'.join(lines)
+  assert '[controller] error: controller: disk full on --logdir=/x' in text
+  assert re.search(r'launch: controller task 0 \(\S+\) stopped: the disk is '
+                   r'full \(exit 74; its error line above\): stopping the '
+                   r'cluster', text), text
+  assert 'restarting' not in text
+  assert all(t.proc.poll() is not None for t in launcher.tasks)
+
+
+_KILLS_ITSELF = 'import os, signal; os.kill(os.getpid(), signal.SIGKILL)'
+
+
+@pytest.mark.e2e
+def testLauncherSaysOomKilledWithTheLastRssAndDoesNotRestart(tmp_path):
+  launcher, lines = _Launcher(tmp_path, [
+      ('controller', 'import time; x = bytearray(50 << 20); time.sleep(1); '
+       + _KILLS_ITSELF)], max_restarts=3)
+  count = iter(range(100))
+  launcher.oom_kills = lambda cgroup: next(count)  # Risen at the death.
+  assert _RunLauncher(launcher) == 137
+  text = '\n'.join(lines)
+  m = re.search(r'launch: controller task 0 \(\S+\), pid \d+, was killed by '
+                r"the kernel's OOM killer \(its last RSS ([\d.]+) MB.*\): not "
+                r'restarting it', text)
+  assert m, text
+  assert float(m.group(1)) >= 50, text
+  assert launcher.restarts == 0
+
+
+@pytest.mark.e2e
+def testATaskThatSigkillsItselfIsNotOom(tmp_path):
+  launcher, lines = _Launcher(tmp_path, [('controller', _KILLS_ITSELF)])
+  launcher.oom_kills = lambda cgroup: 3  # Not risen.
+  assert _RunLauncher(launcher) == 1
+  text = '\n'.join(lines)
+  assert 'OOM' not in text
+  assert 'exited with signal SIGKILL' in text, text
+
+
+@pytest.mark.e2e
+def testAResumedLauncherShowsOnlyThisRunsTaskLines(tmp_path):
+  for run in ('first', 'second'):
+    launcher, lines = _Launcher(tmp_path, [
+        ('controller', f'print("interrupted: the {run} run"); '
+         f'print("step 1/2  loss 1.0 {run}")')])
+    # The tail thread runs while the tasks start (the fork server takes
+    # seconds to import TensorFlow).
+    time.sleep(0.6)
+    assert _RunLauncher(launcher) == 0
+  text = '\n'.join(lines)
+  assert '[controller] interrupted: the second run' in text, text
+  assert '[controller] step 1/2  loss 1.0 second' in text
+  assert 'first' not in text, text
+  # The log file keeps both runs.
+  with open(os.path.join(tmp_path, 'launch', 'controller.0.log')) as f:
+    log = f.read()
+  assert 'the first run' in log and 'the second run' in log
