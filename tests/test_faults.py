@@ -11,6 +11,7 @@ import errno
 import glob
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -313,3 +314,65 @@ def testAResumedLauncherShowsOnlyThisRunsTaskLines(tmp_path):
   with open(os.path.join(tmp_path, 'launch', 'controller.0.log')) as f:
     log = f.read()
   assert 'the first run' in log and 'the second run' in log
+
+
+# --- A hung task -----------------------------------------------------------------
+
+
+def _LaunchSteps(run, name):
+  return [int(s) for s in re.findall(rf'^\[{name}\] step (\d+)/', run.Text(),
+                                     re.M)]
+
+
+@pytest.mark.e2e
+def testAStoppedWorkerAndAStoppedPsAreKilledAndRestartedWithinTheBound(
+    tmp_path):
+  """SIGSTOP on the worker, then on the ps: the launcher names each within
+  --task_timeout_secs, kills and restarts it, and training goes on."""
+  logdir = str(tmp_path / 'log')
+  bound = 6
+  argv = [sys.executable, '-m', 'lingvo_ext.launch',
+          '--model=lm.TransformerLmTinyGPipe', f'--logdir={logdir}',
+          '--workers=1', '--ps=1', '--max_steps=1000000',
+          f'--task_timeout_secs={bound}', '--worker_timeout_secs=120',
+          '--max_restarts=4',
+          '--model_params_override=train.save_interval_seconds:1']
+  stopped = []
+  with proc_testlib.Proc(argv) as run:
+    try:
+      run.WaitFor(r'launch: all 4 tasks are serving', TIMEOUT)
+      run.WaitFor(r'^\[trainer_client\] step \d+/', TIMEOUT)
+      for task in ('worker task 0', 'ps task 0'):
+        n = len(_LaunchSteps(run, 'trainer_client'))
+        pid = run.Pids()[task]
+        os.kill(pid, signal.SIGSTOP)
+        stopped.append(pid)
+        t0 = time.monotonic()
+        run.WaitFor(rf'launch: {task} \(\S+\), pid {pid}, has not answered '
+                    rf'for \d+ s \(--task_timeout_secs={bound}; it is stopped '
+                    r'\(SIGSTOP\)\): killing it\.', bound + 60)
+        # Named within the bound and the probes' own timeouts.
+        assert time.monotonic() - t0 < bound + 30
+        run.WaitFor(rf'launch: {task} \(\S+\), pid {pid}, was killed, hung '
+                    r'\(signal SIGKILL\); restarting it', 30)
+        run.WaitFor(rf'launch: started {task} \(\S+\) as pid (?!{pid}\b)\d+',
+                    30)
+        # Training goes on.
+        deadline = time.monotonic() + TIMEOUT
+        while len(_LaunchSteps(run, 'trainer_client')) <= n + 1:
+          assert time.monotonic() < deadline, run.Text()[-5000:]
+          assert run.proc.poll() is None, run.Text()[-5000:]
+          time.sleep(0.2)
+      run.proc.send_signal(signal.SIGTERM)
+      assert run.Wait(120) == 0, run.Text()[-5000:]
+    finally:
+      for pid in stopped:
+        try:
+          os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+          pass
+    pids = list(run.Pids().values())
+  for pid in pids + stopped:
+    assert not proc_testlib.Alive(pid), pid
+  out = run.Text()
+  assert out.rstrip().endswith('launch: stopped all 4 processes.'), out[-3000:]
