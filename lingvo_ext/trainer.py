@@ -81,6 +81,7 @@ from lingvo.core import hyperparams
 from lingvo.core import py_utils
 
 from lingvo_ext import checkpoints
+from lingvo_ext import memory_check
 from lingvo_ext import progress
 from lingvo_ext import registry
 from lingvo_ext import runners
@@ -185,12 +186,19 @@ def _AutoPlan(o, argv):
             'leave it out.'), o, argv
   from lingvo_ext.tools import plan as plan_tool  # pylint: disable=g-import-not-at-top
   try:
-    _, text, flags, line = plan_tool.TrainerAutoPlan(
+    plan, text, flags, line = plan_tool.TrainerAutoPlan(
         o.model, o.devices or o.num_cpu_devices, o.memory_per_device or None,
         o.model_params_override, o.gpipe_engine)
   except (ValueError, LookupError) as e:
     return runners.FirstLine(e), o, argv
   print(line, flush=True)
+  warning = memory_check.CheckAutoPlan(
+      plan, o.devices or o.num_cpu_devices,
+      lambda budget: plan_tool.TrainerAutoPlan(
+          o.model, o.devices or o.num_cpu_devices, f'{budget}B',
+          o.model_params_override, o.gpipe_engine)[1:3])
+  if warning:
+    print(warning, file=sys.stderr, flush=True)
   flags['model_params_override'] = text
   for k, v in flags.items():  # Lingvo's RunnerManager reads them from FLAGS.
     FLAGS[k].value = v

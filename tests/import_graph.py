@@ -37,6 +37,7 @@ FLOORS = (
      'lingvo_ext/local_controller.py', 'lingvo_ext/local_trainer.py',
      'lingvo_ext/local_evaler.py', 'lingvo_ext/prepared_step.py'),
     ('lingvo_ext/trainer.py', 'lingvo_ext/launch.py', 'lingvo_ext/tools/',
+     'lingvo_ext/memory_check.py',
      'lingvo_ext/examples/'),
 )
 

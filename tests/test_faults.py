@@ -376,3 +376,41 @@ def testAStoppedWorkerAndAStoppedPsAreKilledAndRestartedWithinTheBound(
     assert not proc_testlib.Alive(pid), pid
   out = run.Text()
   assert out.rstrip().endswith('launch: stopped all 4 processes.'), out[-3000:]
+
+
+# --- Memory --------------------------------------------------------------------
+
+
+def testMemoryWarningNamesTheNeedTheLimitAndAPlanThatFits():
+  import types  # pylint: disable=g-import-not-at-top
+  from lingvo_ext import memory_check  # pylint: disable=g-import-not-at-top
+  available, source = memory_check.AvailableBytes()
+  assert available and available > 0 and source
+  chosen = types.SimpleNamespace(process_bytes=3 << 30)
+  budgets = []
+
+  def Replan(budget):
+    budgets.append(budget)
+    return ('task.num_micro_batches:8; task.recompute:True',
+            dict(num_cpu_devices=2, worker_split_size=2))
+
+  # Enough memory: no line, no replanning.
+  assert memory_check.CheckAutoPlan(chosen, 2, Replan, 4 << 30, 'x') is None
+  assert not budgets
+  line = memory_check.CheckAutoPlan(chosen, 2, Replan, 1 << 30,
+                                    "the cgroup's memory limit")
+  assert budgets == [1 << 29]  # Per device.
+  assert line == (
+      'warning: the plan needs about 3.0 GB (1.5 GB per device, 2 device(s)) '
+      "but the cgroup's memory limit is 1.0 GB: it may be killed by the OOM "
+      'killer; a plan that fits: --num_cpu_devices=2 --worker_split_size=2 '
+      "--model_params_override='task.num_micro_batches:8; "
+      "task.recompute:True'."), line
+
+  def NoneFits(budget):
+    raise ValueError(f'--memory_per_device={budget} fits no plan')
+
+  line = memory_check.CheckAutoPlan([('lm', chosen)], 2, NoneFits, 1 << 30,
+                                    'x')
+  assert line.endswith('no plan fits; use more memory, more devices '
+                       '(--devices) or bf16 (task.fprop_dtype).'), line
