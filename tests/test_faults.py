@@ -414,3 +414,161 @@ def testMemoryWarningNamesTheNeedTheLimitAndAPlanThatFits():
                                     'x')
   assert line.endswith('no plan fits; use more memory, more devices '
                        '(--devices) or bf16 (task.fprop_dtype).'), line
+
+
+# --- Input that breaks mid-run -----------------------------------------------------
+
+
+def _TextInput(pattern):
+  from lingvo.tasks.lm import input_generator as lingvo_lm_input  # pylint: disable=g-import-not-at-top
+  p = lingvo_lm_input.LmInput.Params()
+  p.file_pattern = pattern
+  return p
+
+
+def _Lines(path, n=200):
+  with open(path, 'w') as f:
+    for i in range(n):
+      f.write(f'the cat sat on mat number {i}\n')
+
+
+@pytest.mark.parametrize('change, expected', [
+    ('delete', 'was deleted during the run'),
+    ('empty', 'became empty during the run (was '),
+    ('binary', 'changed during the run and now holds binary data'),
+    ('latin1', 'changed during the run and now is not UTF-8 text'),
+    ('shorter', None),
+    ('longer', None),
+])
+def testFileWatchNamesADeletedEmptiedOrBinaryFile(tmp_path, change, expected):
+  from lingvo_ext.tasks import input_files  # pylint: disable=g-import-not-at-top
+  a, b = str(tmp_path / 'a.txt'), str(tmp_path / 'b.txt')
+  _Lines(a)
+  _Lines(b)
+  watch = input_files.FileWatch(_TextInput(f'text:{tmp_path}/*.txt'))
+  assert watch.files == [a, b]
+  assert watch.Problem() is None
+  if change == 'delete':
+    os.remove(b)
+  elif change == 'empty':
+    open(b, 'w').close()
+  elif change == 'binary':
+    with open(b, 'wb') as f:
+      f.write(bytes(range(256)) * 40)
+  elif change == 'latin1':
+    with open(b, 'wb') as f:
+      f.write('caf\xe9 au lait\n'.encode('latin-1') * 100)
+  elif change == 'shorter':
+    _Lines(b, 10)
+  else:
+    _Lines(b, 400)
+  problem = watch.Problem()
+  if expected is None:
+    assert problem is None, problem
+    return
+  assert problem.startswith(
+      f"input.file_pattern='text:{tmp_path}/*.txt': {b} "), problem
+  assert expected in problem, problem
+
+
+def testFileWatchLeavesInputsWithoutLocalFilesAlone():
+  from lingvo_ext.tasks import input_files  # pylint: disable=g-import-not-at-top
+  assert input_files.StartWatch(None, stop=None) is None
+  assert input_files.StartWatch(_TextInput('iota:'), stop=None) is None
+
+
+_LINGVO_LM = '''
+import os
+from lingvo import model_registry
+from lingvo.core import base_model_params
+from lingvo.core import optimizer
+from lingvo.core import schedule
+from lingvo.tasks.lm import input_generator
+from lingvo.tasks.lm import layers
+from lingvo.tasks.lm import model
+
+
+@model_registry.RegisterSingleTaskModel
+class TinyLm(base_model_params.SingleTaskModelParams):
+
+  def Train(self):
+    p = input_generator.LmInput.Params()
+    p.file_pattern = 'text:' + os.environ['FAULTS_LM_DATA']
+    p.file_parallelism = 1
+    p.file_buffer_size = 100
+    p.num_batcher_threads = 1
+    p.bucket_upper_bound = [16]
+    p.bucket_batch_limit = [8]
+    p.target_max_length = 16
+    p.fixed_input_shape = True
+    p.tokenizer.vocab_size = 128
+    return p
+
+  def Task(self):
+    p = model.BatchMajorLanguageModel.Params()
+    p.name = 'lm'
+    p.lm = layers.GPipeTransformerLm.CommonParams(
+        vocab_size=128, model_dim=64, hidden_dim=128, num_heads=2,
+        num_layers=4, splits=2, num_micro_batches=4)
+    p.train.learning_rate = 1e-3
+    p.train.optimizer = optimizer.Adam.Params()
+    p.train.lr_schedule = schedule.ConstantOne.Params()
+    p.train.save_interval_seconds = 3600
+    return p
+'''
+
+
+@pytest.mark.e2e
+def testLingvosLmInputFileDeletedMidRunIsOneLineNotAHang(tmp_path):
+  (tmp_path / 'faults_lm.py').write_text(_LINGVO_LM)
+  data = str(tmp_path / 'data.txt')
+  _Lines(data)
+  logdir = str(tmp_path / 'log')
+  env = dict(FAULTS_LM_DATA=data, PYTHONPATH=str(tmp_path) + os.pathsep +
+             os.environ.get('PYTHONPATH', ''))
+  with proc_testlib.Proc([sys.executable, '-m', 'lingvo_ext.trainer',
+                          '--model=faults_lm.TinyLm', f'--logdir={logdir}',
+                          '--max_steps=1000000'], env=env) as run:
+    run.WaitFor(r'^step \d+/', TIMEOUT)
+    os.remove(data)
+    # The watch looks every second.
+    rc = run.Wait(60)
+  out = run.Text()
+  assert rc == 65, out[-3000:]
+  errors = _ErrorLines(out)
+  assert len(errors) == 1, out[-3000:]
+  assert errors[0].startswith(
+      f"error: input.file_pattern='text:{data}': {data} was deleted during "
+      'the run: '), errors[0]
+  assert 'Put the data back and run the same command' in errors[0]
+
+
+@pytest.mark.e2e
+def testLingvoExtInputChangedMidRunTrainsOnItsDataInMemory(tmp_path):
+  data = str(tmp_path / 'data.txt')
+  _Lines(data, 400)
+  logdir = str(tmp_path / 'log')
+  with proc_testlib.Proc([
+      sys.executable, '-m', 'lingvo_ext.trainer', MODEL,
+      f'--logdir={logdir}', '--max_steps=300',
+      f'--model_params_override=input.text_file:"{data}"']) as run:
+    run.WaitFor(r'^step \d+/', TIMEOUT)
+    with open(data, 'wb') as f:
+      f.write(bytes(range(256)) * 40)
+    rc = run.Wait(TIMEOUT)
+  out = run.Text()
+  assert rc == 0, out[-3000:]
+  assert not _ErrorLines(out), out[-3000:]
+  assert checkpoints.CheckpointStep(tf.train.latest_checkpoint(
+      os.path.join(logdir, 'train'))) == 300
+  # The next start reads the file again: one line naming it.
+  with proc_testlib.Proc([
+      sys.executable, '-m', 'lingvo_ext.trainer', MODEL,
+      f'--logdir={logdir}', '--max_steps=400',
+      f'--model_params_override=input.text_file:"{data}"']) as run:
+    rc = run.Wait(TIMEOUT)
+  out = run.Text()
+  assert rc == 2, out[-3000:]
+  assert _ErrorLines(out) == [
+      f"error: text_file='{data}' is not UTF-8 text (byte 0x80 at offset "
+      "128); point text_file at a UTF-8 text file."], out[-3000:]
