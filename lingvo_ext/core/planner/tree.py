@@ -362,11 +362,24 @@ def ProfileTree(model_params, name: str = '',
   return out
 
 
+def EmptyCells(pipe: TreePipeline) -> List[str]:
+  """The cells of `pipe` that hold no layer: no variables, no FLOPs, no ops
+  (e.g. Lingvo's stacks with `splits` beyond their layers)."""
+  return [l.name for l in pipe.profile.layers
+          if not (l.num_vars or l.flops or l.fwd_ops)]
+
+
 def _Ranked(pipe: TreePipeline, devices: int,
             memory_per_device: Optional[float],
             machine: Machine) -> List[Candidate]:
   """Its plans with its own cells (K as cut), one replica, ranked."""
   k = len(pipe.profile.layers)
+  empty = EmptyCells(pipe)
+  if empty:
+    raise PlanError(
+        f'{pipe.path}: cells {", ".join(empty)} hold no layer ({k} cells, '
+        'more than the layers to cut); use fewer cells, e.g. a lower '
+        f'{pipe.path}.splits.')
   plans = [p for p in Enumerate(pipe.profile, devices, sync_choices=('shared',))
            if p.num_cells == k and p.replicas == 1]
   if not plans:
