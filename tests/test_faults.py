@@ -88,12 +88,16 @@ def testDiskFullLineNamesLogdirSpaceFailedAndNewestCompleteAndCleansUp(
   # The newest one damaged: the line names the one before.
   with open(newest + '.data-00000-of-00001', 'r+b') as f:
     f.truncate(4)
-  line = disk_space.DiskFullLine('evaler_dev', logdir,
-                                 OSError(errno.ENOSPC, 'No space left on '
-                                         'device'))
+  error = OSError(errno.ENOSPC, 'No space left on device')
+  line = disk_space.DiskFullLine('controller', logdir, error)
   assert 'the newest complete checkpoint is ' + os.path.join(
       train_dir, 'ckpt-100') in line, line
-  assert 'a write failed' in line
+  assert ' free): a write failed; ' in line
+  # An evaler or decoder: no checkpoint of its own.
+  line = disk_space.DiskFullLine('evaler_dev', logdir, error)
+  assert line.startswith(f'evaler_dev: disk full on --logdir={logdir} (')
+  assert line.endswith(' free): a write failed. Free space and run the same '
+                       'command.'), line
 
 
 def testHeadroomWarningOnceTheFreeSpaceIsBelowACheckpoint(tmp_path):
