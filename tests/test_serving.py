@@ -1,0 +1,129 @@
+"""Serving: inference subgraphs, the exports, the same numbers as training.
+
+The done-when tests of issue 61: a model trained pipelined on 2 devices
+under '1f1b' is exported both ways (the trainer's
+--mode=write_inference_graph for Lingvo's Predictor, and lingvo-ext-export's
+SavedModel); then, each in a fresh process on one CPU device, the evaler and
+the Predictor (tests/serving_probe.py lingvo) and the SavedModel without
+Lingvo (serving_probe.py saved_model) score the same dev batch.
+"""
+
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import lingvo.compat as tf
+import numpy as np
+import pytest
+
+from tests import zygote
+
+from lingvo_ext.serving import export
+from lingvo_ext.serving import inference
+from lingvo_ext.serving import saved_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROBE = os.path.join(ROOT, 'tests', 'serving_probe.py')
+TIMEOUT = 600
+ONE_CPU = {'CUDA_VISIBLE_DEVICES': '', 'TF_CPP_MIN_LOG_LEVEL': '2'}
+
+
+def _Run(args, env=None, fresh=False):
+  """A lingvo_ext command (forked from the zygote unless `fresh`)."""
+  full_env = dict(os.environ, **(env or {}))
+  run = subprocess.run if fresh else zygote.run
+  proc = run([sys.executable, *args], cwd=ROOT, env=full_env,
+             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+             timeout=TIMEOUT, check=False)
+  return proc.returncode, proc.stdout
+
+
+def _Train(logdir, model, extra=(), env=None):
+  code, out = _Run(['-m', 'lingvo_ext.trainer', f'--model={model}',
+                    f'--logdir={logdir}', '--num_cpu_devices=2',
+                    '--worker_split_size=2', *extra], env)
+  assert code == 0, out[-5000:]
+
+
+def _Probe(mode, tmp, env=None, **args):
+  """Runs serving_probe.py `mode` in a fresh process; its npz as a dict."""
+  args['out'] = str(tmp / f'{mode}.npz')
+  path = tmp / f'{mode}.json'
+  path.write_text(json.dumps(args))
+  code, out = _Run([PROBE, mode, str(path)], dict(ONE_CPU, **(env or {})),
+                   fresh=True)
+  assert code == 0, out[-5000:]
+  return dict(np.load(args['out']))
+
+
+def _ExportBothWays(logdir, model, export_dir, extra=(), env=None):
+  code, out = _Run(['-m', 'lingvo_ext.trainer', f'--model={model}',
+                    f'--logdir={logdir}', '--mode=write_inference_graph',
+                    *extra], env)
+  assert code == 0, out[-5000:]
+  graph = os.path.join(logdir, 'inference_graphs', 'inference.pbtxt')
+  assert os.path.exists(graph)
+  assert 'skipped the TPU inference graph' in out
+  assert 'Traceback' not in out
+  code, out = _Run(['-m', 'lingvo_ext.tools.export', f'--model={model}',
+                    f'--logdir={logdir}', f'--export_dir={export_dir}',
+                    *extra], env)
+  assert code == 0, out[-5000:]
+  return graph
+
+
+_LM = 'lm.TransformerLmTinyGPipe'
+_1F1B = ['--model_params_override=task.schedule:"1f1b";'
+         'train.save_interval_seconds:3600', '--max_steps=3']
+
+
+@pytest.fixture(scope='module')
+def lm_run(tmp_path_factory):
+  tmp = tmp_path_factory.mktemp('serving_lm')
+  logdir = str(tmp / 'logdir')
+  _Train(logdir, _LM, _1F1B)
+  export_dir = str(tmp / 'export')
+  graph = _ExportBothWays(logdir, _LM, export_dir)
+  return tmp, logdir, graph, export_dir
+
+
+@pytest.mark.e2e
+def testLmPredictorSavedModelAndEvalerAgree(lm_run):
+  tmp, logdir, graph, export_dir = lm_run
+  ckpt = export.NewestCompleteCheckpoint(os.path.join(logdir, 'train'))
+  assert ckpt.endswith('ckpt-00000003')
+  prefix = 8
+  lv = _Probe('lingvo', tmp, model=_LM, checkpoint=ckpt, kind='lm',
+              inference_graph=graph, prefix_len=prefix)
+  sm = _Probe('saved_model', tmp, export_dir=export_dir, kind='lm',
+              batch=str(tmp / 'lingvo.npz'), prefix_len=prefix)
+  assert list(sm['signatures']) == ['default', 'generate', 'serving_default']
+  weights = lv['batch_weights']
+  assert weights.sum() > 0
+  # The evaler's per-example loss, by Lingvo's Predictor and the SavedModel.
+  np.testing.assert_allclose(lv['predictor_per_example_log_pplx'],
+                             lv['evaler_loss'], rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(sm['saved_per_example_log_pplx'],
+                             lv['evaler_loss'], rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(sm['saved_log_probs'], lv['predictor_log_probs'],
+                             rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(
+      sm['saved_per_example_log_prob'],
+      (sm['saved_log_probs'] * weights).sum(1), rtol=1e-5, atol=1e-5)
+  assert (sm['saved_log_probs'][weights == 0] == 0).all()
+  # generate: greedy and sampled pick the decoder's tokens; a seed repeats.
+  np.testing.assert_array_equal(lv['predictor_greedy'], lv['decoder_greedy'])
+  np.testing.assert_array_equal(sm['saved_greedy'], lv['decoder_greedy'])
+  np.testing.assert_array_equal(lv['predictor_sampled'],
+                                lv['decoder_sampled'])
+  np.testing.assert_array_equal(sm['saved_sampled'], lv['decoder_sampled'])
+  np.testing.assert_array_equal(sm['saved_sampled_again'],
+                                sm['saved_sampled'])
+  np.testing.assert_array_equal(sm['saved_greedy_prefix'],
+                                lv['batch_ids'][:, :prefix])
+  assert not np.array_equal(sm['saved_greedy'], sm['saved_sampled'])
+  # The vocabulary the model trained with, as the SavedModel's asset.
+  with open(os.path.join(logdir, 'train', 'vocab.json')) as f:
+    assert str(sm['vocab']) == f.read()
