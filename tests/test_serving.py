@@ -127,3 +127,68 @@ def testLmPredictorSavedModelAndEvalerAgree(lm_run):
   # The vocabulary the model trained with, as the SavedModel's asset.
   with open(os.path.join(logdir, 'train', 'vocab.json')) as f:
     assert str(sm['vocab']) == f.read()
+
+
+_IMAGE = 'image.ConvClassifierTinyGPipe'
+
+
+@pytest.mark.e2e
+def testImagePredictorSavedModelAndEvalerAgree(tmp_path):
+  logdir = str(tmp_path / 'logdir')
+  _Train(logdir, _IMAGE, _1F1B)
+  export_dir = str(tmp_path / 'export')
+  graph = _ExportBothWays(logdir, _IMAGE, export_dir)
+  ckpt = export.NewestCompleteCheckpoint(os.path.join(logdir, 'train'))
+  lv = _Probe('lingvo', tmp_path, model=_IMAGE, checkpoint=ckpt,
+              kind='image', inference_graph=graph)
+  sm = _Probe('saved_model', tmp_path, export_dir=export_dir, kind='image',
+              batch=str(tmp_path / 'lingvo.npz'))
+  assert list(sm['signatures']) == ['default', 'serving_default']
+  labels = lv['batch_label']
+  rows = np.arange(len(labels))
+  for probs in (lv['predictor_probs'], sm['saved_probs']):
+    np.testing.assert_allclose(-np.log(probs[rows, labels]),
+                               lv['evaler_loss'], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(sm['saved_probs'], lv['predictor_probs'],
+                             rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(sm['saved_top_class'],
+                                lv['predictor_top_class'])
+  np.testing.assert_array_equal(sm['saved_top_class'],
+                                sm['saved_probs'].argmax(-1))
+  np.testing.assert_allclose(sm['saved_probs_batch1'], sm['saved_probs'][:1],
+                             rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.e2e
+def testLingvoTaskLmRewrittenByTheTrainerAgrees(tmp_path):
+  from tests import test_lingvo_models  # pylint: disable=g-import-not-at-top
+  exp = tmp_path / 'exp'
+  exp.mkdir()
+  data = exp / 'train.txt'
+  data.write_text(test_lingvo_models._Text())  # pylint: disable=protected-access
+  (exp / 'lingvo_gpipe_lm.py').write_text(
+      test_lingvo_models._EXPERIMENT % str(data))  # pylint: disable=protected-access
+  env = {'PYTHONPATH': str(exp)}
+  model = test_lingvo_models.MODEL
+  logdir = str(tmp_path / 'logdir')
+  _Train(logdir, model, ['--max_steps=2',
+                         '--model_params_override='
+                         'task.lm.stack.schedule:"1f1b"'], env)
+  export_dir = str(tmp_path / 'export')
+  graph = _ExportBothWays(logdir, model, export_dir, env=env)
+  ckpt = export.NewestCompleteCheckpoint(os.path.join(logdir, 'train'))
+  lv = _Probe('lingvo', tmp_path, env, model=model, checkpoint=ckpt,
+              kind='lingvo_lm', inference_graph=graph)
+  # Lingvo's tokenizer ops are all its SavedModel needs of Lingvo.
+  import lingvo  # pylint: disable=g-import-not-at-top
+  ops = os.path.join(os.path.dirname(lingvo.__file__), 'core', 'ops',
+                     'x_ops.so')
+  sm = _Probe('saved_model', tmp_path, export_dir=export_dir,
+              kind='lingvo_lm', batch=str(tmp_path / 'lingvo.npz'),
+              op_library=ops)
+  per_token = lv['predictor_log_pplx_per_sample'] / lv['predictor_lengths']
+  np.testing.assert_allclose(per_token, lv['evaler_loss'], rtol=1e-5,
+                             atol=1e-5)
+  np.testing.assert_allclose(sm['saved_log_pplx_per_sample'],
+                             lv['predictor_log_pplx_per_sample'], rtol=1e-5,
+                             atol=1e-5)

@@ -164,10 +164,21 @@ def _TensorName(name):
   return name if ':' in name else name + ':0'
 
 
+def _IsPlaceholder(graph, tensor_name):
+  try:
+    op = graph.get_tensor_by_name(_TensorName(tensor_name)).op
+  except KeyError:
+    return False
+  return op.type in ('Placeholder', 'PlaceholderWithDefault')
+
+
 def _Signature(wrapped, subgraph):
   """A concrete tf.function serving one subgraph of the imported graph."""
-  feeds = sorted(subgraph.feeds.items())
   g = wrapped.graph
+  # A serving input is a placeholder; Lingvo also lists tensors within the
+  # graph as feeds (e.g. its LM's token ids, computed from the text feed).
+  feeds = [(k, t) for k, t in sorted(subgraph.feeds.items())
+           if _IsPlaceholder(g, t)]
   feed_tensors = [g.get_tensor_by_name(_TensorName(t)) for _, t in feeds]
   pruned = wrapped.prune(
       feeds=feed_tensors,
