@@ -192,3 +192,113 @@ def testLingvoTaskLmRewrittenByTheTrainerAgrees(tmp_path):
   np.testing.assert_allclose(sm['saved_log_pplx_per_sample'],
                              lv['predictor_log_pplx_per_sample'], rtol=1e-5,
                              atol=1e-5)
+
+
+# --- Bad input: one `error:` line, exit 2, nothing written (in-process). ---
+
+
+def _Export(capsys, *argv):
+  code = export.main(list(argv))
+  err = capsys.readouterr().err.strip().splitlines()
+  return code, err
+
+
+@pytest.mark.e2e
+def testBadInputIsOneErrorLineAndWritesNothing(tiny_gpipe_run, tmp_path,
+                                                 capsys):
+  logdir = tiny_gpipe_run.logdir
+  out = str(tmp_path / 'out')
+  empty = tmp_path / 'empty'
+  (empty / 'train').mkdir(parents=True)
+  ckpt = export.NewestCompleteCheckpoint(os.path.join(logdir, 'train'))
+  cases = [
+      (['--model=lm.TransformerLmTinyGPipe', f'--logdir={empty}',
+        f'--export_dir={out}'], 'no complete checkpoint in'),
+      (['--model=image.ConvClassifierTiny', f'--checkpoint={ckpt}',
+        f'--export_dir={out}'], 'lacks image/'),
+      (['--model=lm.TransformerLmTinyGPipe', f'--logdir={logdir}',
+        f'--export_dir={out}', '--subgraphs=default,beam'],
+       "no subgraph 'beam'"),
+      (['--model=lm.TransformerLmTinyGPipe', f'--logdir={logdir}'],
+       '--export_dir is required'),
+      (['--model=lm.NoSuchModel', f'--logdir={logdir}',
+        f'--export_dir={out}'], 'lm.NoSuchModel'),
+      (['--model=lm.TransformerLmTinyGPipe', f'--logdir={logdir}',
+        f'--checkpoint={ckpt}', f'--export_dir={out}'], 'pass one of'),
+      (['--model=lm.TransformerLmTinyGPipe', f'--logdir={logdir}',
+        f'--export_dir={out}', '--no_such_flag'], 'no_such_flag'),
+  ]
+  for argv, expected in cases:
+    code, err = _Export(capsys, *argv)
+    assert code == 2, (argv, err)
+    assert err[0].startswith('error: '), (argv, err)
+    # One line, but for the trainer's list of close model names.
+    assert len(err) == 1 or 'NoSuchModel' in err[0], (argv, err)
+    assert expected in err[0], (argv, err)
+    assert not os.path.exists(out), argv
+  assert os.listdir(tmp_path) == ['empty']
+  # An existing --export_dir: refused, untouched; replaced with --overwrite.
+  os.makedirs(out)
+  keep = os.path.join(out, 'keep.txt')
+  open(keep, 'w').close()
+  code, err = _Export(capsys, '--model=lm.TransformerLmTinyGPipe',
+                      f'--logdir={logdir}', f'--export_dir={out}',
+                      '--subgraphs=default')
+  assert code == 2 and 'exists' in err[0] and '--overwrite' in err[0], err
+  assert os.listdir(out) == ['keep.txt']
+  code, err = _Export(capsys, '--model=lm.TransformerLmTinyGPipe',
+                      f'--logdir={logdir}', f'--export_dir={out}',
+                      '--subgraphs=default', '--overwrite')
+  assert code == 0, err
+  assert sorted(os.listdir(out)) == [
+      'assets', 'fingerprint.pb', 'inference.pbtxt', 'saved_model.pb',
+      'variables']
+  assert sorted(os.listdir(tmp_path)) == ['empty', 'out']  # No staging left.
+
+
+def testSequentialParamsIsOneCellOneMicroBatchWithoutDropout():
+  from lingvo_ext import registry  # pylint: disable=g-import-not-at-top
+  cfg = registry.GetParams(
+      'lm.TransformerLmTinyGPipe', 'Train',
+      'task.schedule:"1f1b";task.stack_variables:True;'
+      'task.fprop_dtype:bfloat16')
+  seq = inference.SequentialParams(cfg)
+  assert (cfg.task.num_partitions, cfg.task.num_micro_batches) == (2, 2)
+  assert (seq.task.num_partitions, seq.task.num_micro_batches) == (1, 1)
+  assert not seq.task.stack_variables
+  assert seq.task.fprop_dtype == cfg.task.fprop_dtype  # As trained.
+  from lingvo.core import layers_with_attention  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.core import gpipe  # pylint: disable=g-import-not-at-top
+  ffn = layers_with_attention.TransformerFeedForwardLayer.Params().Set(
+      name='f', input_dim=2, hidden_dim=2, residual_dropout_prob=0.5,
+      relu_dropout_prob=0.25)
+  p = gpipe.PipeliningLayer.Params().Set(
+      name='p', num_micro_batches=4, cell_tpl=[ffn])
+  seq = inference.SequentialParams(p)
+  assert seq.num_micro_batches == 1 and p.num_micro_batches == 4
+  assert seq.cell_tpl[0].residual_dropout_prob == 0.0
+  assert seq.cell_tpl[0].relu_dropout_prob == 0.0
+  assert p.cell_tpl[0].residual_dropout_prob == 0.5
+
+
+def testInferenceGraphHoldsNoPipelineOpsAndTheTrainingNames():
+  tf.flags.FLAGS([sys.argv[0]])
+  from lingvo_ext import registry  # pylint: disable=g-import-not-at-top
+  model = 'lm.TransformerLmTinyGPipe'
+  cfg = inference.InferenceParams(model, 'task.schedule:"1f1b"')
+  proto = saved_model.InferenceGraph(cfg)
+  assert sorted(proto.subgraphs) == ['default', 'generate']
+  assert saved_model.CountOps(proto.graph_def,
+                              saved_model.PIPELINE_OP_TYPES) == 0
+  devices = {n.device for n in proto.graph_def.node}
+  assert devices <= {''}, devices
+  # The pipelined training graph does hold them: the count can fail.
+  train = registry.GetParams(model, 'Train', 'task.schedule:"1f1b"')
+  from lingvo.core import cluster_factory  # pylint: disable=g-import-not-at-top
+  with tf.Graph().as_default() as g, cluster_factory.Cluster(train.cluster):
+    task = train.Instantiate().GetTask()
+    task.FPropDefaultTheta()
+    names = {v.op.name for v in tf.global_variables()}
+  assert saved_model.CountOps(g.as_graph_def(),
+                              saved_model.PIPELINE_OP_TYPES) > 0
+  assert set(saved_model.GraphVariables(proto.graph_def)) <= names
