@@ -18,7 +18,9 @@ test over the paired rounds: planner.MeasuredChoice).
 
 Any other experiment holding pipelines (Lingvo's GPipeTransformerLm at
 task.lm.stack, a Builder stack) is planned per pipeline with its cells as
-the experiment cuts them (planner/tree.py; docs/coming-from-lingvo.md).
+the experiment cuts them (planner/tree.py; docs/coming-from-lingvo.md); a
+time axis trimmed at run time is sized from a few Train batches read now.
+--model_params_override changes the params first, as in the trainer.
 """
 
 import argparse
