@@ -142,3 +142,15 @@ def testTrainerPlanAutoRunsTheFlagship(flagship, tmp_path):
   assert 'Train batches read now' in chose
   assert out.count('overriding:') <= 1, out
   assert os.path.exists(os.path.join(logdir, 'train'))
+
+
+def testTheTimeMajorFlagshipIsRefusedInOneLine(flagship, capsys):
+  del flagship
+  rc = plan_tool.main([f'--model={flagship_testlib.TIME_MAJOR_MODEL}',
+                       '--devices=2', '--no-calibrate'])
+  out = capsys.readouterr()
+  assert rc == 2 and not out.out
+  line = out.err.strip().splitlines()[-1]
+  assert line.startswith('error: task 1bwds_wpm_level_lm '
+                         '(FixedShapeInputLanguageModel) feeds task.lm'), line
+  assert 'BatchMajorLanguageModel' in line

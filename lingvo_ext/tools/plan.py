@@ -231,6 +231,10 @@ def ChooseTreeForExperiment(model_params, name: str, devices: int,
   calibrated (the reference plans cut a LayerStack).
   """
   from lingvo_ext.core.planner import tree  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.tasks import pipeline_tree  # pylint: disable=g-import-not-at-top
+  # A time-major Lingvo LM feeding a batch-major pipeline: its one line, not
+  # the shape error profiling would meet.
+  pipeline_tree._CheckTimeMajorLm(model_params.task)  # pylint: disable=protected-access
   pipes = tree.ProfileTree(model_params, name)
   machine = machine or planner.ProbeMachine(
       planner.SessionConfig(devices), overhead_bytes=PROCESS_OVERHEAD_BYTES)
