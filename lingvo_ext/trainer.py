@@ -426,6 +426,23 @@ def main(unused_argv, options=None, run_state=None):
   return 0
 
 
+def _WriteInferenceGraph(o):
+  """--mode=write_inference_graph, as the sequential model (docs/serving.md)."""
+  from lingvo_ext.serving import export  # pylint: disable=g-import-not-at-top
+  if not o.logdir:
+    print('error: --logdir is required with --mode=write_inference_graph, '
+          'e.g. --logdir=/tmp/lingvo_ext/lm', file=sys.stderr)
+    return 2
+  try:
+    lines = export.WriteInferenceGraph(o.model, o.logdir,
+                                       o.model_params_override, o.gpipe_engine)
+  except (ValueError, LookupError, AttributeError) as e:
+    print(f'error: --model={o.model}: {runners.FirstLine(e)}', file=sys.stderr)
+    return 2
+  print('\n'.join(lines), flush=True)
+  return 0
+
+
 # The flags --help describes; --helpfull lists all of Lingvo's and TF's.
 _HELP_FLAGS = ('model', 'logdir', 'max_steps', 'num_cpu_devices',
                'worker_split_size', 'intra_op_threads', 'job',
@@ -495,6 +512,8 @@ def Run(argv=None):
   if error:
     print(f'error: {error}', file=sys.stderr)
     return 2
+  if o.mode == 'write_inference_graph':
+    return _WriteInferenceGraph(o)
   if local and _TrainsHere(o) and not o.distributed:
     done = _AlreadyTrained(o)
     if done:

@@ -32,7 +32,7 @@ FLOORS = (
      'lingvo_ext/tools/timeline.py', 'lingvo_ext/tools/step_trace.py'),
     ('lingvo_ext/registry.py',),
     ('params/',),
-    ('lingvo_ext/core/planner/',),
+    ('lingvo_ext/core/planner/', 'lingvo_ext/serving/'),
     ('lingvo_ext/runners.py', 'lingvo_ext/runner_state.py',
      'lingvo_ext/local_controller.py', 'lingvo_ext/local_trainer.py',
      'lingvo_ext/local_evaler.py', 'lingvo_ext/prepared_step.py'),

@@ -142,3 +142,30 @@ def testTrainerPlanAutoRunsTheFlagship(flagship, tmp_path):
   assert 'Train batches read now' in chose
   assert out.count('overriding:') <= 1, out
   assert os.path.exists(os.path.join(logdir, 'train'))
+
+
+def testTheTimeMajorFlagshipIsRefusedInOneLine(flagship, capsys):
+  del flagship
+  rc = plan_tool.main([f'--model={flagship_testlib.TIME_MAJOR_MODEL}',
+                       '--devices=2', '--no-calibrate'])
+  out = capsys.readouterr()
+  assert rc == 2 and not out.out
+  line = out.err.strip().splitlines()[-1]
+  assert line.startswith('error: task 1bwds_wpm_level_lm '
+                         '(FixedShapeInputLanguageModel) feeds task.lm'), line
+  assert 'BatchMajorLanguageModel' in line
+
+
+def testAnUnreadableInputIsOneLineNamingIt(flagship, capsys):
+  del flagship
+  rc = plan_tool.main([
+      f'--model={MODEL}', '--devices=2', '--no-calibrate',
+      '--model_params_override=input.tokenizer.token_vocab_filepath:'
+      '/nonexistent/vocab.txt'])
+  out = capsys.readouterr()
+  assert rc == 2 and not out.out
+  line = out.err.strip().splitlines()[-1]
+  assert line.startswith('error: input 1bwds_train_set: reading a batch for '
+                         'its sequence lengths failed: '), line
+  assert '/nonexistent/vocab.txt' in line and line.endswith(
+      'fix its files or tokenizer params.'), line

@@ -18,7 +18,9 @@ test over the paired rounds: planner.MeasuredChoice).
 
 Any other experiment holding pipelines (Lingvo's GPipeTransformerLm at
 task.lm.stack, a Builder stack) is planned per pipeline with its cells as
-the experiment cuts them (planner/tree.py; docs/coming-from-lingvo.md).
+the experiment cuts them (planner/tree.py; docs/coming-from-lingvo.md); a
+time axis trimmed at run time is sized from a few Train batches read now.
+--model_params_override changes the params first, as in the trainer.
 """
 
 import argparse
@@ -229,6 +231,10 @@ def ChooseTreeForExperiment(model_params, name: str, devices: int,
   calibrated (the reference plans cut a LayerStack).
   """
   from lingvo_ext.core.planner import tree  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.tasks import pipeline_tree  # pylint: disable=g-import-not-at-top
+  # A time-major Lingvo LM feeding a batch-major pipeline: its one line, not
+  # the shape error profiling would meet.
+  pipeline_tree._CheckTimeMajorLm(model_params.task)  # pylint: disable=protected-access
   pipes = tree.ProfileTree(model_params, name)
   machine = machine or planner.ProbeMachine(
       planner.SessionConfig(devices), overhead_bytes=PROCESS_OVERHEAD_BYTES)

@@ -295,8 +295,9 @@ def BuildExperimentStep(model: str, plan: Plan, overrides: str = ''):
   """(session, train op) of the experiment under `plan` (TF).
 
   As the trainer builds it: the experiment's params with `overrides` (the
-  user's --model_params_override) and the plan's, its task on a local worker of plan.devices CPU devices split
-  into replicas of plan.devices_per_replica, the trainer's session config.
+  user's --model_params_override) and the plan's, its task on a local
+  worker of plan.devices CPU devices split into replicas of
+  plan.devices_per_replica, the trainer's session config.
   """
   import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
   from lingvo.core import cluster_factory  # pylint: disable=g-import-not-at-top

@@ -165,10 +165,18 @@ def ReadLengths(input_params, batches: int = READ_BATCHES,
                      'while the planner read its sequence lengths; check '
                      'its files and tokenizer.') from None
   except tf.errors.OpError as e:
-    first = str(e.message).strip().split('\n')[0]
     raise ValueError(f'input {p.name}: reading a batch for its sequence '
-                     f'lengths failed: {first}') from None
+                     f'lengths failed: {_Cause(e.message)}; fix its files or '
+                     'tokenizer params.') from None
   return out
+
+
+def _Cause(message: str) -> str:
+  """The cause line of a TF op error's message (not its node's traceback)."""
+  skip = ('Graph execution error', 'Detected at node', 'File ', 'Node:', '[[')
+  lines = [l.strip() for l in str(message).splitlines()]
+  causes = [l for l in lines if l and not l.startswith(skip)]
+  return causes[0] if causes else lines[0]
 
 
 def RealLength(input_params, batches: int = READ_BATCHES
