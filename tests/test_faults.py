@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import lingvo.compat as tf
 import pytest
@@ -386,7 +387,6 @@ def testAStoppedWorkerAndAStoppedPsAreKilledAndRestartedWithinTheBound(
 
 
 def testMemoryWarningNamesTheNeedTheLimitAndAPlanThatFits():
-  import types  # pylint: disable=g-import-not-at-top
   from lingvo_ext import memory_check  # pylint: disable=g-import-not-at-top
   available, source = memory_check.AvailableBytes()
   assert available and available > 0 and source
@@ -576,3 +576,56 @@ def testLingvoExtInputChangedMidRunTrainsOnItsDataInMemory(tmp_path):
   assert _ErrorLines(out) == [
       f"error: text_file='{data}' is not UTF-8 text (byte 0x80 at offset "
       "128); point text_file at a UTF-8 text file."], out[-3000:]
+
+
+def testEveryRunnersLoopStopsWith74OnAFullDisk(tmp_path, monkeypatch):
+  """The runners' mixin: a loop that raises ENOSPC exits 74 at once, before
+  Lingvo's handling (its traceback, 10 s more, exit 1)."""
+  exits = []
+  monkeypatch.setattr(disk_space.process, 'ExitNow', exits.append)
+
+  class Base:
+
+    def _RunLoop(self, job_name, loop_func, loop_args=(), cleanup_func=None):
+      try:
+        loop_func(*loop_args)
+      except Exception:  # pylint: disable=broad-except
+        exits.append('lingvo')
+
+  class Runner(disk_space.StopOnDiskFullMixin, Base):
+    _options = types.SimpleNamespace(logdir=str(tmp_path))
+
+  def Full():
+    raise tf.errors.ResourceExhaustedError(
+        None, None, f'{tmp_path}/eval_dev/events.out: No space left on device')
+
+  Runner()._RunLoop('evaler_dev', Full)
+  assert exits[0] == disk_space.EXIT_DISK_FULL, exits
+
+  def Other():
+    raise ValueError('not a disk')
+
+  exits.clear()
+  Runner()._RunLoop('evaler_dev', Other)
+  assert exits == ['lingvo']
+
+
+def testALogFileThatCannotBeWrittenSaysSoOnceAndKeepsQuiet(capsys):
+  from lingvo_ext import progress  # pylint: disable=g-import-not-at-top
+
+  class Full:
+    name = '/full/log.txt'
+
+    def write(self, text):
+      raise OSError(errno.ENOSPC, 'No space left on device')
+
+    flush = lambda self: self.write('')
+
+  log = progress._LogFile(Full())  # pylint: disable=protected-access
+  for _ in range(3):
+    log.write('I1128 a log line\n')
+    log.flush()
+  log.close()
+  err = capsys.readouterr().err
+  assert err == ('note: cannot write the log file /full/log.txt (No space '
+                 'left on device); its lines are dropped from now on.\n'), err
