@@ -629,3 +629,18 @@ def testALogFileThatCannotBeWrittenSaysSoOnceAndKeepsQuiet(capsys):
   err = capsys.readouterr().err
   assert err == ('note: cannot write the log file /full/log.txt (No space '
                  'left on device); its lines are dropped from now on.\n'), err
+
+
+def testVariablesWarningCountsTheBuiltGraphsVariables():
+  from lingvo_ext import memory_check  # pylint: disable=g-import-not-at-top
+  with tf.Graph().as_default() as graph:
+    tf.Variable(tf.zeros([1000, 250]), name='w')  # 1 MB of float32.
+    tf.Variable(tf.zeros([10], tf.int64), name='n')
+  size = memory_check.GraphVariableBytes(graph)
+  assert size == 1000 * 250 * 4 + 80
+  assert memory_check.VariablesWarning(size, 2 << 20, 'x') is None
+  line = memory_check.VariablesWarning(size, 512 << 10,
+                                       "the cgroup's memory limit")
+  assert line.startswith("warning: the model's variables and optimizer slots "
+                         "alone take 977 KB, more than the cgroup's memory "
+                         'limit (512 KB): '), line
