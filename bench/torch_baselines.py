@@ -355,8 +355,8 @@ def Input(batch: int, width: int) -> np.ndarray:
   return np.random.RandomState(0).randn(batch, width).astype(np.float32)
 
 
-def TransformerData(batch: int,
-                    dims: Optional[Dict] = None) -> Tuple[np.ndarray, np.ndarray]:
+def TransformerData(
+    batch: int, dims: Optional[Dict] = None) -> Tuple[np.ndarray, np.ndarray]:
   """bench/transformer.py's ids and labels ([time, batch] there), [batch,
   time]."""
   dims = dims or TRANSFORMER

@@ -35,6 +35,22 @@ runs both side by side; 'lingvo' rows always have the loss after.
   .venv/bin/python bench/transformer.py --L 8 --K 2 --M 4 \
       --variants unrolled 1f1b --loss after last_cell
 
+Sizes: `--d_model` (one configuration each), `--hidden` (one per width,
+default 2x), `--seq`, `--batch`, `--heads`; the defaults are the small stack
+above. The size ladder (a real and a wide width, float32 and bf16):
+
+  .venv/bin/python bench/transformer.py --L 4 --K 2 --M 4 --seq 64 \
+      --batch 16 --heads 8 --d_model 512 1024 --hidden 2048 4096 \
+      --dtype float32,bfloat16 --variants lingvo unrolled unrolled+jit \
+      --steps 3 --markdown
+
+Each (sizes, dtype) also gets a 'floor' row (`--no-floor`: none): the GEMM
+floor (bench/gemm_floor.py), the step's matmul FLOPs counted from its graph
+(cells inline) at the pace this process measures for each of the step's
+matmul shapes, on the same thread pools; `--markdown` prints every column
+as a multiple of it first. torch eager also runs in bf16 autocast when
+--dtype has bfloat16 (`--bf16_autocast`).
+
 Variants: 'lingvo' (lingvo.core.gpipe), and lingvo_ext '<schedule>' with
 optional '+inline' (`cell_functions=False`: each (cell, micro-batch) its own
 copy of the cell's ops; the default, '+functions', builds each cell once as a
@@ -391,7 +407,9 @@ def OneDnnCell(record) -> str:
 
 def _Sizes(r) -> tuple:
   """(d_model, hidden, seq, batch, heads) of a record (torch's too)."""
-  get = lambda a, b, default: r.get(a, r.get(b, default))  # pylint: disable=g-long-lambda
+  def get(a, b, default):
+    return r.get(a, r.get(b, default))
+
   return (get('d_model', 'model_dim', D), r.get('hidden', HIDDEN),
           get('seq', 'time_steps', T), r.get('batch', B), r.get('heads', HEADS))
 
