@@ -7,7 +7,8 @@ transposes and dtype; only the ops the fetch depends on count (tf.gradients
 adds gradients a session then prunes, e.g. of a constant operand). `Floor`
 times each distinct matmul in this process, on the thread pools the step
 ran on, and sums count x time: the step's time if it did nothing but its
-matmuls, each as fast as this machine runs it alone. A variant's step over
+matmuls, each as fast as this machine runs it alone (a broadcasting
+BatchMatMul as the one GEMM it equals: `Timed`). A variant's step over
 the floor says how far it is from the limit; the floor's FLOPs over its
 time is the peak these shapes reach here.
 
@@ -97,6 +98,21 @@ def TotalFlops(shapes) -> int:
   return sum(Flops(k) * n for k, n in shapes.items())
 
 
+def Timed(key: Key) -> Key:
+  """The matmul the floor times for `key`: a BatchMatMul with one 2-D
+  operand (a [..., m, k] activation by a [k, n] weight, as Lingvo's FCLayer
+  multiplies) as the one [batch m, k] x [k, n] GEMM it equals (same FLOPs;
+  TensorFlow's batched kernel runs it as `batch` small GEMMs), others as
+  they are."""
+  a, b = list(key.a), list(key.b)
+  if key.op == 'MatMul' or (len(a) > 2 and len(b) > 2):
+    return key
+  k = a[-2] if key.transpose_a else a[-1]
+  n = b[-2] if key.transpose_b else b[-1]
+  rows = Flops(key) // (2 * k * n)
+  return Key('MatMul', (rows, k), (k, n), False, False, key.dtype)
+
+
 def _Op(tf, key, a, b):
   if key.op == 'MatMul':
     return tf.matmul(a, b, transpose_a=key.transpose_a,
@@ -105,12 +121,24 @@ def _Op(tf, key, a, b):
                           adjoint_b=key.transpose_b)
 
 
+def TimingConfig(config):
+  """`config` with Grappler off: its pruning drops matmuls whose outputs
+  only a control dependency uses (the timed runs' copies), so they would
+  not run at all."""
+  import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
+  out = tf.config_pb2.ConfigProto()
+  out.CopyFrom(config)
+  out.graph_options.rewrite_options.disable_meta_optimizer = True
+  return out
+
+
 def Seconds(key: Key, config, min_seconds: float = 0.3,
             min_runs: int = 3) -> float:
   """One matmul's median time in this process, as `config`'s session runs
   it: copies of it in one run (each its own left operand, so that no graph
   pass merges them) fill the inter-op threads as a pipeline's devices do."""
   import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
+  key = Timed(key)
   copies = int(min(_MAX_COPIES, max(2, math.ceil(_RUN_FLOPS / Flops(key)))))
   graph = tf.Graph()
   with graph.as_default():
@@ -123,7 +151,7 @@ def Seconds(key: Key, config, min_seconds: float = 0.3,
     run = tf.group([_Op(tf, key, a, b) for a in a_list])
     init = tf.global_variables_initializer()
   times = []
-  with tf.Session(graph=graph, config=config) as sess:
+  with tf.Session(graph=graph, config=TimingConfig(config)) as sess:
     sess.run(init)
     sess.run(run)  # Warm-up: the executor and the kernels' first calls.
     start = time.perf_counter()

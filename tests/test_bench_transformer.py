@@ -124,6 +124,13 @@ def test_graph_matmul_flops_equal_the_formula():
                        True, 'float32')
   assert gemm_floor.Flops(key) == 2 * 4 * 4 * 4 * 4
   assert {k.dtype for k in shapes} == {'float32'}
+  # A [T, b, d] activation by a [d, n] weight is timed as one GEMM.
+  fc = gemm_floor.Key('BatchMatMulV2', (64, 4, 512), (2048, 512), False,
+                      True, 'float32')
+  assert gemm_floor.Timed(fc) == gemm_floor.Key(
+      'MatMul', (256, 512), (512, 2048), False, False, 'float32')
+  assert gemm_floor.Flops(gemm_floor.Timed(fc)) == gemm_floor.Flops(fc)
+  assert gemm_floor.Timed(key) == key  # Attention: batched as it runs.
 
 
 def test_bf16_step_matmuls_are_bf16_with_the_same_flops():
@@ -156,6 +163,13 @@ def test_floor_times_each_shape_and_only_reachable_matmuls():
   assert floor['matmul_flops'] == 2 * 8 * 16 * 4
   assert floor['floor_ms'] > 0 and floor['peak_gflops'] > 0
   assert [s['count'] for s in floor['by_shape']] == [1]
+  # The timed copies' outputs feed only a group: with Grappler on they would
+  # be pruned, never run.
+  config = tf.config_pb2.ConfigProto(intra_op_parallelism_threads=1)
+  timing = gemm_floor.TimingConfig(config)
+  assert timing.graph_options.rewrite_options.disable_meta_optimizer
+  assert timing.intra_op_parallelism_threads == 1
+  assert not config.graph_options.rewrite_options.disable_meta_optimizer
 
 
 def test_ladder_markdown_has_the_floor_columns():
