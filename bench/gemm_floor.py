@@ -6,11 +6,11 @@ has no shapes in the outer graph), keyed by op type, operand shapes,
 transposes and dtype; only the ops the fetch depends on count (tf.gradients
 adds gradients a session then prunes, e.g. of a constant operand). `Floor`
 times each distinct matmul in this process, on the thread pools the step
-ran on, and sums count x time: the step's time if it did nothing but its
-matmuls, each as fast as this machine runs it alone (a broadcasting
-BatchMatMul as the one GEMM it equals: `Timed`). A variant's step over
-the floor says how far it is from the limit; the floor's FLOPs over its
-time is the peak these shapes reach here.
+ran on. The floor (`floor_ms`) is the step's matmul FLOPs at the best pace
+among its shapes (the peak; a broadcasting BatchMatMul timed as the one
+GEMM it equals: `Timed`); `shapes_ms` sums count x time, each shape at its
+own pace (the kernels as TensorFlow runs them). A variant's step over the
+floor says how far it is from the limit.
 
 bench/transformer.py's 'floor' rows; see docs/benchmarks.md.
 """
@@ -165,20 +165,27 @@ def Seconds(key: Key, config, min_seconds: float = 0.3,
 def Floor(shapes, config, min_seconds: float = 0.3) -> dict:
   """The floor of a step running `shapes` ({Key: count}).
 
-  Returns matmul_gflop (the step's), floor_ms, peak_gflops (FLOPs / floor)
-  and by_shape: per Key, its count, GFLOP/s and share of the floor.
+  Returns matmul_gflop (the step's), peak_gflops (the best pace among the
+  shapes with 1% or more of the FLOPs), floor_ms (the FLOPs at that peak),
+  shapes_ms (each shape at its own measured pace, summed: the kernels as
+  TensorFlow runs them) and by_shape: per Key, its count, GFLOP/s and share
+  of shapes_ms.
   """
   seconds = {k: Seconds(k, config, min_seconds) for k in shapes}
-  floor_s = sum(seconds[k] * n for k, n in shapes.items())
+  shapes_s = sum(seconds[k] * n for k, n in shapes.items())
   flops = TotalFlops(shapes)
+  peak = max(Flops(k) / seconds[k] for k, n in shapes.items()
+             if Flops(k) * n >= 0.01 * flops)
+  floor_s = flops / peak
   by_shape = [
       dict(op=k.op, a=list(k.a), b=list(k.b), transpose_a=k.transpose_a,
            transpose_b=k.transpose_b, dtype=k.dtype, count=n,
            gflops=round(Flops(k) / seconds[k] / 1e9, 2),
-           floor_share=round(seconds[k] * n / floor_s, 4))
+           shapes_share=round(seconds[k] * n / shapes_s, 4))
       for k, n in sorted(shapes.items(), key=lambda x: -seconds[x[0]] * x[1])]
   return dict(matmul_flops=flops, matmul_gflop=round(flops / 1e9, 4),
               # Significant digits: a tiny step's floor is still > 0.
               floor_ms=float('%.4g' % (1e3 * floor_s)),
-              peak_gflops=float('%.4g' % (flops / floor_s / 1e9)),
+              shapes_ms=float('%.4g' % (1e3 * shapes_s)),
+              peak_gflops=float('%.4g' % (peak / 1e9)),
               by_shape=by_shape)
