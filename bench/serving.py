@@ -17,8 +17,8 @@ the time does not depend on them. It also counts the pipeline ops
 between devices) in the training graph and in the exported graph (the
 inference graph the SavedModel freezes): the exported graph holds none.
 
-  .venv/bin/python -m bench.serving --markdown
-  .venv/bin/python -m bench.serving --model=image.ConvClassifierTinyGPipe
+  .venv/bin/python bench/serving.py --markdown
+  .venv/bin/python bench/serving.py --model=image.ConvClassifierTinyGPipe
 
 One JSON line per row on stdout; --markdown adds the table. See
 docs/benchmarks.md ("Serving").
