@@ -60,6 +60,8 @@ def FormatBytes(n: float) -> str:
 
 def FreeBytes(path: str) -> Optional[int]:
   """Free bytes (for this user) on `path`'s file system, or None."""
+  if '://' in path:
+    return None  # A remote file system.
   while path and not os.path.exists(path):
     path = os.path.dirname(path)
   try:

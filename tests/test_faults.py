@@ -117,6 +117,7 @@ def testHeadroomWarningOnceTheFreeSpaceIsBelowACheckpoint(tmp_path):
   assert line.startswith(f'warning: {disk_space.FormatBytes(size - 1)} free '
                          f'on {train_dir}, below the '), line
   assert 'train.save_max_to_keep (now 7)' in line
+  assert disk_space.FreeBytes('gs://bucket/log') is None  # Not the cwd's.
 
 
 @contextlib.contextmanager
