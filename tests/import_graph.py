@@ -28,7 +28,8 @@ FLOORS = (
     # step with it, below the tool's command line.
     ('lingvo_ext/tasks/', 'lingvo_ext/trainer_flags.py',
      'lingvo_ext/one_build.py', 'lingvo_ext/progress.py', 'lingvo_ext/checkpoints.py',
-     'lingvo_ext/shutdown.py',
+     'lingvo_ext/shutdown.py', 'lingvo_ext/disk_space.py',
+     'lingvo_ext/memory_check.py',
      'lingvo_ext/tools/timeline.py', 'lingvo_ext/tools/step_trace.py'),
     ('lingvo_ext/registry.py',),
     ('params/',),
