@@ -18,6 +18,7 @@ import numpy as np
 
 from lingvo_ext import checkpoints
 from lingvo_ext import disk_space
+from lingvo_ext import memory_check
 from lingvo_ext import one_build
 from lingvo_ext import runner_state
 from lingvo_ext.distributed import step_keeping
@@ -38,6 +39,13 @@ class LocalController(runner_state.RunnerMixin,
     if self._checkpointer is not None:
       self._run_state.controller_here.set()
       self._WarnIfLowOnSpace()
+      # Built, not yet allocated by a session (a local run: a cluster's
+      # variables live in its other tasks).
+      line = None if self._options.distributed else (
+          memory_check.VariablesWarning(
+              memory_check.GraphVariableBytes(self._graph)))
+      if line:
+        print(line, file=sys.stderr, flush=True)
 
   def _WarnIfLowOnSpace(self):
     """One warning line when the space left falls below a checkpoint's."""

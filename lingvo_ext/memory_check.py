@@ -6,7 +6,9 @@ keep, the graph and the process's own); before the model is built, the
 trainer compares it with the memory this process may use (its cgroup's
 limit, else MemAvailable) and, when it does not fit, warns in one line with
 the override of the fastest plan that does (more micro-batches, recompute, a
-schedule that keeps fewer activations), or says that none does.
+schedule that keeps fewer activations), or says that none does. Without
+--plan=auto, a local run's controller compares the built graph's variables
+(parameters, optimizer slots) with it, before a session allocates them.
 """
 
 import os
@@ -31,8 +33,8 @@ def AvailableBytes() -> Tuple[Optional[int], str]:
   return available, "this machine's available memory"
 
 
-def Warning(needed: float, devices: int, available: Optional[float],
-            source: str, fit: Optional[str]) -> Optional[str]:  # pylint: disable=redefined-builtin
+def PlanWarning(needed: float, devices: int, available: Optional[float],
+                source: str, fit: Optional[str]) -> Optional[str]:
   """The one warning line when `needed` bytes exceed `available`, or None.
 
   Args:
@@ -82,4 +84,36 @@ def CheckAutoPlan(plan, devices: int, replan, available=None,
         f" --model_params_override='{text}'")
   except ValueError:
     fit = None
-  return Warning(needed, devices, available, source or 'the memory', fit)
+  return PlanWarning(needed, devices, available, source or 'the memory',
+                     fit)
+
+
+def VariablesWarning(variable_bytes: float, available=None,
+                     source: str = '') -> Optional[str]:
+  """The warning line when the built model's variables alone do not fit.
+
+  Without --plan=auto there is no prediction of the activations; the
+  variables (parameters, optimizer slots) are known once the graph is built,
+  before the session allocates them.
+  """
+  if available is None:
+    available, source = AvailableBytes()
+  if available is None or variable_bytes <= available:
+    return None
+  size = task_health.FormatBytes
+  return (f'warning: the model\'s variables and optimizer slots alone take '
+          f'{size(variable_bytes)}, more than {source} ({size(available)}): '
+          'it may be killed by the OOM killer; run it on more memory, with '
+          'bf16 (task.fprop_dtype), or let --plan=auto --devices=N '
+          '--memory_per_device=SIZE choose a plan that fits.')
+
+
+def GraphVariableBytes(graph) -> int:
+  """Bytes of the global variables of a built graph (static shapes)."""
+  total = 0
+  for v in graph.get_collection('variables'):
+    shape = v.shape
+    if not shape.is_fully_defined():
+      continue
+    total += shape.num_elements() * v.dtype.base_dtype.size
+  return total

@@ -29,6 +29,7 @@ FLOORS = (
     ('lingvo_ext/tasks/', 'lingvo_ext/trainer_flags.py',
      'lingvo_ext/one_build.py', 'lingvo_ext/progress.py', 'lingvo_ext/checkpoints.py',
      'lingvo_ext/shutdown.py', 'lingvo_ext/disk_space.py',
+     'lingvo_ext/memory_check.py',
      'lingvo_ext/tools/timeline.py', 'lingvo_ext/tools/step_trace.py'),
     ('lingvo_ext/registry.py',),
     ('params/',),
@@ -37,7 +38,6 @@ FLOORS = (
      'lingvo_ext/local_controller.py', 'lingvo_ext/local_trainer.py',
      'lingvo_ext/local_evaler.py', 'lingvo_ext/prepared_step.py'),
     ('lingvo_ext/trainer.py', 'lingvo_ext/launch.py', 'lingvo_ext/tools/',
-     'lingvo_ext/memory_check.py',
      'lingvo_ext/examples/'),
 )
 
