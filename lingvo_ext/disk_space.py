@@ -60,6 +60,8 @@ def FormatBytes(n: float) -> str:
 
 def FreeBytes(path: str) -> Optional[int]:
   """Free bytes (for this user) on `path`'s file system, or None."""
+  if '://' in path:
+    return None  # A remote file system.
   while path and not os.path.exists(path):
     path = os.path.dirname(path)
   try:
@@ -93,7 +95,7 @@ def RemovePartialFiles(train_dir: str) -> list:
 def NewestComplete(train_dir: str) -> Optional[str]:
   """The newest checkpoint of the state file that reads back whole."""
   try:
-    paths = checkpoints._AllCheckpoints(train_dir)  # pylint: disable=protected-access
+    paths = checkpoints.CheckpointPaths(train_dir)
   except Exception:  # pylint: disable=broad-except
     return None  # A state file that does not parse: the restart rebuilds it.
   for path in sorted(paths, key=checkpoints.CheckpointStep, reverse=True):
@@ -139,9 +141,9 @@ def DiskFullLine(job: str, logdir: str, error: BaseException) -> str:
               'command resumes from')
   else:
     resume = 'no complete checkpoint yet: the same command starts afresh'
-  return (f'{job}: {_Kind(message)} on --logdir={logdir} ({free} free): {what}; '
-          f'{resume}. Free space (or lower train.save_max_to_keep) and run '
-          'the same command.')
+  return (f'{job}: {_Kind(message)} on --logdir={logdir} ({free} free): '
+          f'{what}; {resume}. Free space (or lower train.save_max_to_keep) '
+          'and run the same command.')
 
 
 def StopOnDiskFull(job: str, logdir: str, error: BaseException) -> None:

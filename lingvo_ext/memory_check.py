@@ -33,8 +33,8 @@ def AvailableBytes() -> Tuple[Optional[int], str]:
   return available, "this machine's available memory"
 
 
-def Warning(needed: float, devices: int, available: Optional[float],
-            source: str, fit: Optional[str]) -> Optional[str]:  # pylint: disable=redefined-builtin
+def PlanWarning(needed: float, devices: int, available: Optional[float],
+                source: str, fit: Optional[str]) -> Optional[str]:
   """The one warning line when `needed` bytes exceed `available`, or None.
 
   Args:
@@ -84,7 +84,8 @@ def CheckAutoPlan(plan, devices: int, replan, available=None,
         f" --model_params_override='{text}'")
   except ValueError:
     fit = None
-  return Warning(needed, devices, available, source or 'the memory', fit)
+  return PlanWarning(needed, devices, available, source or 'the memory',
+                     fit)
 
 
 def VariablesWarning(variable_bytes: float, available=None,
