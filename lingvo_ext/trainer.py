@@ -167,6 +167,9 @@ def _CheckParams(o):
                                     split, batch, task.num_micro_batches)
     else:
       pipelined = bool(pipeline_tree.CheckPipelines(cfg, replicas))
+    refusal = pipeline_tree.ScheduleRefusal(cfg, split, o.gpipe_engine)
+    if refusal:
+      raise ValueError(refusal)
     if _TrainsHere(o) and 'input' in cfg:
       input_files.CheckFilePattern(cfg.input)
     if pipelined and task is not None and 'fprop_dtype' in task:

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from tests import flagship_testlib
@@ -61,3 +62,166 @@ def testTheCopyKeepsLingvosTablesScaledDown(flagship):
   assert time_major.task.cls.__name__ == 'FixedShapeInputLanguageModel'
   with open(train.input.tokenizer.token_vocab_filepath) as f:
     assert len(f.read().splitlines()) == flagship_testlib.VOCAB_SIZE
+
+
+def testRecordsRefusalIsTheOneListOfScheduleRefusals():
+  from lingvo_ext.core.engine import records  # pylint: disable=g-import-not-at-top
+  assert records.Refusal('zbv', 4, 2, 4) is None
+  assert records.Refusal('zbv', 1, 2, 4) is None  # One cell: ZB-H1's lists.
+  assert 'at least twice the devices (4)' in records.Refusal('zbv', 2, 2, 4)
+  assert 'an even number of cells' in records.Refusal('zbv', 3, 1, 4)
+  assert records.Refusal('interleaved_1f1b', 4, 2, 4) is None
+  assert 'num_micro_batches=3 must be a multiple' in records.Refusal(
+      'interleaved_1f1b', 4, 2, 3)
+  assert 'multiple of the number of devices' in records.Refusal(
+      'interleaved_1f1b', 3, 2, 2)
+  assert records.Refusal('recurrent', 2, 2, 2) is None
+  error = records.Refusal('recurrent', 2, 2, 2, static_shapes=False)
+  assert "use 'unrolled', '1f1b', 'interleaved_1f1b'" in error
+  for name in records.NAMES:
+    if name != 'recurrent':
+      assert records.Refusal(name, 4, 2, 2, static_shapes=False) is None
+  # The generators refuse exactly what the records do.
+  from lingvo_ext.core.engine import kinds  # pylint: disable=g-import-not-at-top
+  for name in records.ACTION_SCHEDULES:
+    for k, dev, m in ((2, 2, 4), (3, 2, 2), (4, 2, 3), (4, 2, 4), (3, 1, 2)):
+      spec = kinds.StageSpec(k, dev, m)
+      try:
+        records.Build(name, spec)
+        built = True
+      except ValueError:
+        built = False
+      assert built == (records.Refusal(name, k, dev, m) is None), (
+          name, k, dev, m)
+
+
+def testTheTrainersScheduleChecksNameTheFix(flagship):
+  del flagship
+  from lingvo_ext.tasks import pipeline_tree  # pylint: disable=g-import-not-at-top
+  model = flagship_testlib.MODEL
+
+  def Refusal(overrides, devices=2, engine='lingvo_ext'):
+    cfg = registry.GetParams(model, 'Train', overrides, gpipe_engine=engine)
+    return pipeline_tree.ScheduleRefusal(cfg, devices, engine)
+
+  assert Refusal('') is None
+  assert Refusal('task.lm.stack.schedule:"1f1b"') is None
+  error = Refusal('task.lm.stack.schedule:"recurrent"')
+  assert error.startswith('task.lm.stack: task 1bwds_wpm_level_lm '
+                          '(BatchMajorLanguageModel) trims the time axis')
+  assert "schedule='recurrent' needs every input dimension" in error
+  error = Refusal('', engine='lingvo')
+  assert error.startswith("--gpipe_engine=lingvo runs Lingvo's own loop")
+  assert '--gpipe_engine=lingvo_ext' in error
+  assert "2 cells on 2 devices" in Refusal('task.lm.stack.schedule:"zbv"')
+  assert Refusal('task.lm.stack.schedule:"zbv"', devices=1) is None
+  assert 'num_micro_batches=1 must be a multiple' in Refusal(
+      'task.lm.stack.schedule:"interleaved_1f1b";'
+      'task.lm.stack.num_micro_batches:1')
+  assert Refusal('task.lm.stack.splits:8') == (
+      'task.lm.stack: splits=8 leaves cells cell_4, cell_5, cell_6 without a '
+      'layer (the stack has fewer layers than cells); set '
+      'task.lm.stack.splits to at most 4.')
+  # A static time axis (packed input): Lingvo's loop runs it.
+  assert Refusal('task.lm.stack.schedule:"recurrent";task.packed_input:True'
+                ) is None
+  # lingvo_ext's own PipelinedTask: the same function.
+  cfg = registry.GetParams('lm.TransformerLmTinyGPipe', 'Train',
+                           'task.schedule:"zbv"')
+  assert 'cells on 2 devices' in pipeline_tree.ScheduleRefusal(cfg, 2)
+
+
+def testTheBuilderRefusesEmptyCellsAndADynamicTimeAxisInOneLine(flagship):
+  del flagship
+  import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
+  from tests import gpipe_testlib  # pylint: disable=g-import-not-at-top
+  cfg = registry.GetParams(flagship_testlib.MODEL, 'Train',
+                           'task.lm.stack.splits:8')
+  with tf.Graph().as_default(), gpipe_testlib.Cluster(2):
+    with pytest.raises(ValueError, match=r'cells cell_4, cell_5, cell_6 hold '
+                       r'no layer \(8 cells'):
+      cfg.task.lm.stack.Set(name='stack').Instantiate()
+  cfg = registry.GetParams(flagship_testlib.MODEL, 'Train',
+                           'task.lm.stack.schedule:"recurrent"')
+  with tf.Graph().as_default(), gpipe_testlib.Cluster(2):
+    stack = cfg.task.lm.stack.Set(name='stack').Instantiate()
+    ids = tf.zeros([4, tf.random.uniform([], 2, 5, tf.int32)], tf.int32)
+    with pytest.raises(ValueError) as e:
+      stack.FPropDefaultTheta(ids, tf.zeros(tf.shape(ids), tf.float32))
+  assert "schedule='recurrent' needs every input dimension known" in str(
+      e.value) and '\n' not in str(e.value)
+
+
+def _EvalMetrics(cfg, batches, devices, static=None):
+  """The LM's eval metrics on each batch (numpy), fed with batch size
+  `static` (None: each batch's own)."""
+  import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
+  from lingvo.core import cluster_factory  # pylint: disable=g-import-not-at-top
+  from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
+  from tests import gpipe_testlib  # pylint: disable=g-import-not-at-top
+  length = cfg.input.target_max_length
+  g = tf.Graph()
+  with g.as_default(), cluster_factory.ForTestingWorker(
+      mode='sync', job='evaler', cpus=devices, split_size=devices,
+      do_eval=True):
+    py_utils.GetOrCreateGlobalStepVar()
+    task_p = cfg.task.Copy()
+    task_p.input = cfg.input
+    task = task_p.Instantiate()
+    feeds = py_utils.NestedMap(
+        ids=tf.placeholder(tf.int32, [static, length]),
+        labels=tf.placeholder(tf.int32, [static, length]),
+        paddings=tf.placeholder(tf.float32, [static, length]),
+        word_count=tf.placeholder(tf.int32, [static]))
+    batch = feeds.Transform(tf.identity)
+    batch.weights = 1.0 - batch.paddings
+    metrics, _ = task.FPropTower(task.theta, batch)
+    variables = task.vars.Flatten()
+  results = []
+  with gpipe_testlib.Session(g, devices) as sess:
+    gpipe_testlib.LoadSeededWeights(sess, variables)
+    for b in batches:
+      values = sess.run({k: v[0] for k, v in metrics.items()},
+                        {feeds[k]: b[k] for k in feeds})
+      results.append({k: float(v) for k, v in values.items()})
+  return results
+
+
+def _InputBatches(cfg, count):
+  """`count` batches of the Dev input, as the evaler reads them."""
+  import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
+  with tf.Graph().as_default():
+    batch = cfg.input.Instantiate().GetPreprocessedInputBatch()
+    fields = {k: batch[k] for k in ('ids', 'labels', 'paddings',
+                                     'word_count')}
+    with tf.Session() as sess:
+      return [sess.run(fields) for _ in range(count)]
+
+
+def testBucketedDevIsEvaluatedInEachBucketsBatchAsInSequence(flagship):
+  del flagship
+  cfg = registry.GetParams(flagship_testlib.MODEL, 'Dev')
+  static = max(cfg.input.bucket_batch_limit)
+  padded = _InputBatches(cfg, 12)
+  # Every batch has its stated shape; the rows past its bucket's batch are
+  # padding (word_count -1, paddings 1).
+  assert {b['ids'].shape for b in padded} == {(static, 48)}
+  real = [{k: v[b['word_count'] >= 0] for k, v in b.items()} for b in padded]
+  sizes = sorted({len(b['word_count']) for b in real})
+  assert sizes == [1, 2, 4], sizes  # The scaled table's buckets in use.
+  for b, r in zip(padded, real):
+    assert (b['paddings'][len(r['ids']):] == 1).all()
+  sequential = _EvalMetrics(cfg, real, devices=1)
+  for schedule in ('unrolled', '1f1b'):
+    cfg.task.lm.stack.schedule = schedule
+    pipelined = _EvalMetrics(cfg, padded, devices=2, static=static)
+    for seq, pipe, b in zip(sequential, pipelined, real):
+      assert pipe.keys() == seq.keys()
+      for k in seq:
+        assert pipe[k] == pytest.approx(seq[k], rel=1e-5, abs=1e-6), (
+            schedule, k, len(b['word_count']))
+  # Every metric counts the batch's own rows only.
+  assert [m['num_predictions'] for m in sequential] == [
+      float(np.sum(1 - b['paddings'])) for b in real]
+  assert [m['num_words'] for m in sequential] == [
+      float(np.sum(b['word_count'] + 1)) for b in real]
