@@ -6,6 +6,7 @@ time-major, on its dataset layout rebuilt from Python's own text.
 """
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -225,3 +226,117 @@ def testBucketedDevIsEvaluatedInEachBucketsBatchAsInSequence(flagship):
       float(np.sum(1 - b['paddings'])) for b in real]
   assert [m['num_words'] for m in sequential] == [
       float(np.sum(b['word_count'] + 1)) for b in real]
+
+
+_DEVICES = ['--num_cpu_devices=2', '--worker_split_size=2']
+
+
+def _Metrics(out, job):
+  """{name: value} of a job's metrics line."""
+  lines = [l for l in out.splitlines() if l.startswith(f'{job}: step ')]
+  assert len(lines) == 1, out[-3000:]
+  fields = lines[0].split()[3:]
+  return {k: float(v) for k, v in zip(fields[::2], fields[1::2])}
+
+
+def _Refused(root, tmp_path, args, expected):
+  """Runs the trainer with `args`: one error line starting `expected`,
+  exit 2, and no logdir."""
+  logdir = tmp_path / 'refused'
+  rc, out = _Run(root, [f'--logdir={logdir}', *_DEVICES, *args])
+  errors = _Errors(out)
+  assert rc == 2 and len(errors) == 1, (args, out[-3000:])
+  assert errors[0].startswith('error: ' + expected), (args, errors)
+  assert not logdir.exists(), args
+  return errors[0]
+
+
+@pytest.mark.e2e
+def testTheFlagshipInEveryJob(flagship, tmp_path):
+  model = f'--model={flagship_testlib.MODEL}'
+  logdir = tmp_path / 'logdir'
+  rc, out = _Run(flagship, [model, f'--logdir={logdir}', *_DEVICES,
+                            '--max_steps=2'])
+  assert rc == 0 and 'step 2/2' in out, out[-3000:]
+  # The evaler on Dev and Test: every bucket's batch (1, 2, 4 sentences),
+  # each sentence counted once.
+  for dataset in ('dev', 'test'):
+    rc, out = _Run(flagship, [model, f'--logdir={logdir}', *_DEVICES,
+                              f'--job=evaler_{dataset}', '--eval_once'])
+    assert rc == 0, out[-3000:]
+    metrics = _Metrics(out, f'evaler_{dataset}')
+    assert metrics['total_samples'] == 40  # DEV_SAMPLES, TEST_SAMPLES
+    assert 6 < metrics['log_pplx'] < 6.5  # ~log(256) for an untrained LM.
+    assert metrics['num_predictions'] == metrics['num_words']
+  # The decoder: Lingvo's LM has none; said up front.
+  _Refused(flagship, tmp_path, [model, '--job=decoder_dev'],
+           '--job=decoder_dev: task 1bwds_wpm_level_lm '
+           '(BatchMajorLanguageModel) has no decoder')
+  # An evaluation that fails (an unreadable checkpoint): one line, exit 4.
+  broken = tmp_path / 'broken'
+  shutil.copytree(logdir, broken)
+  for path in (broken / 'train').glob('ckpt-00000002.data-*'):
+    path.write_bytes(b'\0' * path.stat().st_size)
+  rc, out = _Run(flagship, [model, f'--logdir={broken}', *_DEVICES,
+                            '--job=evaler_dev', '--eval_once'])
+  assert rc == 4, out[-3000:]
+  assert _Errors(out) == [
+      'error: evaler_dev: evaluating the dev input (1bwds_dev_set) failed: '
+      + _Errors(out)[0].split('failed: ', 1)[1]]
+  assert 'DataLossError: ' in out and 'Checksum does not match' in out
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize('schedule', ['1f1b', 'interleaved_1f1b',
+                                      'zero_bubble'])
+def testTheFlagshipTrainsUnderTheListSchedules(flagship, tmp_path, schedule):
+  rc, out = _Run(flagship, [
+      f'--model={flagship_testlib.MODEL}', f'--logdir={tmp_path / "l"}',
+      *_DEVICES, '--max_steps=1',
+      f'--model_params_override=task.lm.stack.schedule:"{schedule}"'])
+  assert rc == 0 and 'step 1/1' in out, out[-3000:]
+  assert not _Errors(out)
+
+
+@pytest.mark.e2e
+def testEveryBadInputIsOneLineBeforeAnythingIsWritten(flagship, tmp_path):
+  model = f'--model={flagship_testlib.MODEL}'
+  over = '--model_params_override='
+  empty = tmp_path / 'empty.txt'
+  empty.write_text('')
+  cases = [
+      ([model, over + 'input.tokenizer.token_vocab_filepath:"/no/vocab.txt"'],
+       "the Train input (1bwds_train_set): input.tokenizer."
+       "token_vocab_filepath='/no/vocab.txt': no such file"),
+      ([model, over + 'input.tokenizer.vocab_size:300'],
+       'the Train input (1bwds_train_set): input.tokenizer.'
+       'token_vocab_filepath='),
+      ([model, '--job=evaler_dev', over + f'input.file_pattern:"text:{empty}"'],
+       'the Dev input (1bwds_dev_set): input.file_pattern='),
+      ([model, '--job=evaler_test', over + 'input.file_pattern:"text:/no/x*"'],
+       'the Test input (1bwds_test_set): input.file_pattern='),
+      ([model, '--job=evaler_dev', '--eval_once'],
+       '--eval_once: no checkpoint in '),
+      ([model, over + 'task.lm.stack.schedule:"recurrent"'],
+       'task.lm.stack: task 1bwds_wpm_level_lm (BatchMajorLanguageModel) '
+       "trims the time axis to each batch; schedule='recurrent' needs"),
+      ([model, '--gpipe_engine=lingvo'],
+       "--gpipe_engine=lingvo runs Lingvo's own loop on task.lm.stack"),
+      ([model, over + 'task.lm.stack.schedule:"zbv"'],
+       "task.lm.stack: schedule='zbv': 2 cells on 2 devices"),
+      ([model, over + 'task.lm.stack.schedule:"interleaved_1f1b";'
+        'task.lm.stack.num_micro_batches:1'],
+       "task.lm.stack: schedule='interleaved_1f1b': num_micro_batches=1"),
+      ([model, over + 'task.lm.stack.splits:8'],
+       'task.lm.stack: splits=8 leaves cells cell_4, cell_5, cell_6 '
+       'without a layer'),
+      ([f'--model={flagship_testlib.TIME_MAJOR_MODEL}'],
+       'task 1bwds_wpm_level_lm (FixedShapeInputLanguageModel) feeds '
+       'task.lm (GPipeTransformerLm) time-major ids'),
+  ]
+  for args, expected in cases:
+    _Refused(flagship, tmp_path, args, expected)
+  error = _Refused(flagship, tmp_path, cases[1][0], cases[1][1])
+  assert error.endswith('has 256 entries but input.tokenizer.vocab_size=300; '
+                        "set vocab_size (and the model's) to 256, or use a "
+                        'vocab of 300.')

@@ -21,6 +21,7 @@ from lingvo_ext.core import jit_choice
 from lingvo_ext.core import precision
 from lingvo_ext.core import schedules
 from lingvo_ext.core.engine import records
+from lingvo_ext.tasks import bucketed_input
 from lingvo_ext.tasks import pipelined_task
 
 
@@ -93,6 +94,9 @@ def _BatchSizes(input_params):
   """The input's per-replica batch sizes (one per bucket), or []."""
   if input_params is None:
     return []
+  if bucketed_input.NeedsPadding(input_params):
+    # Every bucket's batch padded to the largest (bucketed_input).
+    return [max(input_params.bucket_batch_limit)]
   sizes = []
   if 'bucket_batch_limit' in input_params and input_params.bucket_batch_limit:
     sizes = list(input_params.bucket_batch_limit)
