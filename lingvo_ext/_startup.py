@@ -172,6 +172,26 @@ _ONCE = (
 )
 
 
+# Lingvo's batch_major_attention Builder warns "attention param K overriding:
+# A -> B" each time it fills an attention template from its own params, for
+# every layer; harmless where A is the template's default (or equals B).
+_ATTEN_OVERRIDE = re.compile(r'attention param (\w+) overriding: (.*) -> (.*)$')
+_ATTEN_DEFAULTS = {'input_dim': '0', 'hidden_dim': '0', 'num_heads': '1',
+                   'atten_dropout_prob': '0.0', 'name': ''}
+_ATTEN_NOTE = (' (Lingvo says this whenever a Builder fills its attention'
+               " template's default dims, heads or name from its own params,"
+               ' as intended; further ones are not logged, others are.)')
+
+
+def _HarmlessAttentionOverride(message: str) -> bool:
+  match = _ATTEN_OVERRIDE.search(message)
+  if not match:
+    return False
+  key, old, new = match.groups()
+  return old.strip() == new.strip() or (
+      _ATTEN_DEFAULTS.get(key) == old.strip())
+
+
 class RepeatFilter(logging.Filter):
   """Lets the first of each of Lingvo's repeated warnings through, noted."""
 
@@ -190,6 +210,11 @@ class RepeatFilter(logging.Filter):
           return False
         self.seen.add(key)
         record.msg, record.args = message + note, ()
+    if _HarmlessAttentionOverride(message):
+      if _ATTEN_NOTE in self.seen:
+        return False
+      self.seen.add(_ATTEN_NOTE)
+      record.msg, record.args = message + _ATTEN_NOTE, ()
     return True
 
 
@@ -202,9 +227,10 @@ def Install():
   Also sets TF_CPP_MIN_LOG_LEVEL=2 (TensorFlow's C++ info logs are noise for
   users) where the user did not set it.
   """
-  tf_logger = logging.getLogger('tensorflow')
-  if _REPEATS not in tf_logger.filters:
-    tf_logger.addFilter(_REPEATS)
+  # Lingvo logs through TensorFlow's logger or absl's, by module.
+  for logger in (logging.getLogger('tensorflow'), logging.getLogger('absl')):
+    if _REPEATS not in logger.filters:
+      logger.addFilter(_REPEATS)
   # Set by us (in this process or the one that started it), or the user's.
   level = os.environ.get(LEVEL_VAR)
   if level is not None and level != os.environ.get(_MARK):

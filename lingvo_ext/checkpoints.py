@@ -55,6 +55,11 @@ def _AllCheckpoints(train_dir: str) -> List[str]:
   return [p if os.path.isabs(p) else os.path.join(train_dir, p) for p in paths]
 
 
+def CheckpointPaths(train_dir: str) -> List[str]:
+  """The checkpoints the state file names (absolute paths), or []."""
+  return _AllCheckpoints(train_dir)
+
+
 def _Step(path: str) -> int:
   try:
     return int(path.rsplit('-', 1)[1])

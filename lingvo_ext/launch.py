@@ -69,6 +69,9 @@ def _Parser():
                  'imported TensorFlow and Lingvo (each task starts in '
                  'milliseconds instead of seconds); false: start each as a '
                  'fresh interpreter.')
+  p.add_argument('--task_timeout_secs', type=float, default=60,
+                 help='A task whose server does not answer for this long '
+                 '(stopped, a dropped network) is killed and restarted.')
   p.add_argument('--nodes', type=int, default=1,
                  help='--cluster_from=slurm: nodes; --workers must be a '
                  'multiple of it.')
@@ -141,6 +144,10 @@ def Main(argv=None):
     print('error: --shutdown_grace_secs must be a number of seconds > 0, '
           'e.g. 20.', file=sys.stderr)
     return 2
+  if args.task_timeout_secs <= 0:
+    print(f'error: --task_timeout_secs={args.task_timeout_secs:g} must be > '
+          '0, e.g. 60.', file=sys.stderr)
+    return 2
   shutdown.SetTitle(f'lingvo_ext launch {os.path.abspath(logdir)}')
   return launch_lib.Launch(
       args.workers, trainer_flags, logdir, args.network,
@@ -148,7 +155,7 @@ def Main(argv=None):
       stream_logs=args.stream_logs, cluster_from=args.cluster_from,
       num_ps=args.ps, nodes=args.nodes, layout=layout,
       fork_tasks=args.fork_tasks,
-      shutdown_grace_s=grace_s)
+      shutdown_grace_s=grace_s, task_timeout_s=args.task_timeout_secs)
 
 
 if __name__ == '__main__':

@@ -9,6 +9,7 @@ its process stops, not up to 10 s later.
 """
 
 import functools
+import sys
 import time
 
 from lingvo import runners as lingvo_runners
@@ -16,6 +17,8 @@ import lingvo.compat as tf
 import numpy as np
 
 from lingvo_ext import checkpoints
+from lingvo_ext import disk_space
+from lingvo_ext import memory_check
 from lingvo_ext import one_build
 from lingvo_ext import runner_state
 from lingvo_ext.distributed import step_keeping
@@ -32,8 +35,26 @@ class LocalController(runner_state.RunnerMixin,
   def __init__(self, *args, **kwargs):
     super().__init__(*args, **kwargs)
     self._woken = False
+    self._low_space = False
     if self._checkpointer is not None:
       self._run_state.controller_here.set()
+      self._WarnIfLowOnSpace()
+      # Built, not yet allocated by a session (a local run: a cluster's
+      # variables live in its other tasks).
+      line = None if self._options.distributed else (
+          memory_check.VariablesWarning(
+              memory_check.GraphVariableBytes(self._graph)))
+      if line:
+        print(line, file=sys.stderr, flush=True)
+
+  def _WarnIfLowOnSpace(self):
+    """One warning line when the space left falls below a checkpoint's."""
+    line = disk_space.HeadroomWarning(self._train_dir,
+                                      self.params.train.save_max_to_keep)
+    if line and not self._low_space:
+      print(line, file=sys.stderr, flush=True)
+      tf.logging.warning('%s', line)
+    self._low_space = bool(line)
 
   def _GetSession(self, **kwargs):
     if getattr(self, '_shared_with', None) is not None:
@@ -132,6 +153,7 @@ class LocalController(runner_state.RunnerMixin,
     write is waited for here, as a sync save does, and the checkpoint dropped
     if it is not finite.
     """
+    self._WarnIfLowOnSpace()
     if self._checkpointer.MaybeSave(sess, global_step, sync=False):
       self._checkpointer.FinishSave()
 

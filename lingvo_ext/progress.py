@@ -90,19 +90,37 @@ class _LogFile:
   after that still log (TF's tf_should_use does): writing to a closed file
   would print '--- Logging error ---' with a traceback. Here `close` only
   flushes; the file is closed when the process exits.
+
+  A write that fails (a full disk) says so once on stderr and drops the
+  log's lines from then on: the progress lines and errors stay on the
+  console, and Python's logging prints no traceback per line.
   """
 
   def __init__(self, f):
     self._f = f
+    self._broken = False
+
+  def _Guard(self, call, *args):
+    if self._broken:
+      return None
+    try:
+      return call(*args)
+    except (OSError, ValueError) as e:
+      self._broken = True
+      why = getattr(e, 'strerror', None) or e
+      print(f'note: cannot write the log file {self._f.name} ({why}); '
+            'its lines are dropped from now on.', file=sys.stderr,
+            flush=True)
+      return None
 
   def write(self, text):
-    return self._f.write(text)
+    return self._Guard(self._f.write, text)
 
   def flush(self):
-    self._f.flush()
+    self._Guard(self._f.flush)
 
   def close(self):
-    self._f.flush()
+    self.flush()
 
   def __getattr__(self, name):
     return getattr(self._f, name)

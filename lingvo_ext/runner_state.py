@@ -19,6 +19,7 @@ import time
 import lingvo.compat as tf
 
 from lingvo_ext import checkpoints
+from lingvo_ext import disk_space
 from lingvo_ext import one_build
 from lingvo_ext._internal import process
 from lingvo_ext.distributed import faults
@@ -113,7 +114,8 @@ class Waiting:
       tf.logging.info('%s', message)
 
 
-class RunnerMixin(faults.LostTaskReportMixin):
+class RunnerMixin(disk_space.StopOnDiskFullMixin,
+                  faults.LostTaskReportMixin):
   """Takes the manager's state and options; N CPU devices per session."""
 
   def __init__(self, *args, run_state, options, **kwargs):

@@ -82,6 +82,7 @@ from lingvo.core import hyperparams
 from lingvo.core import py_utils
 
 from lingvo_ext import checkpoints
+from lingvo_ext import memory_check
 from lingvo_ext import progress
 from lingvo_ext import registry
 from lingvo_ext import runners
@@ -207,12 +208,19 @@ def _AutoPlan(o, argv):
             'leave it out.'), o, argv
   from lingvo_ext.tools import plan as plan_tool  # pylint: disable=g-import-not-at-top
   try:
-    _, text, flags, line = plan_tool.TrainerAutoPlan(
+    plan, text, flags, line = plan_tool.TrainerAutoPlan(
         o.model, o.devices or o.num_cpu_devices, o.memory_per_device or None,
         o.model_params_override, o.gpipe_engine)
   except (ValueError, LookupError) as e:
     return runners.FirstLine(e), o, argv
   print(line, flush=True)
+  warning = memory_check.CheckAutoPlan(
+      plan, o.devices or o.num_cpu_devices,
+      lambda budget: plan_tool.TrainerAutoPlan(
+          o.model, o.devices or o.num_cpu_devices, f'{budget}B',
+          o.model_params_override, o.gpipe_engine)[1:3])
+  if warning:
+    print(warning, file=sys.stderr, flush=True)
   flags['model_params_override'] = text
   for k, v in flags.items():  # Lingvo's RunnerManager reads them from FLAGS.
     FLAGS[k].value = v
@@ -376,6 +384,25 @@ def _ServeUntilClientsExit(cluster_spec):
   process.ExitNow(0)
 
 
+def _WatchInput(o):
+  """Lingvo's record input files changed under a run: one line, exit 65."""
+  from lingvo_ext.tasks import input_files  # pylint: disable=g-import-not-at-top
+  if not (_TrainsHere(o) or 'trainer_client' in o.jobs) or not o.logdir:
+    return
+  cfg = _Params(o)
+  train_dir = os.path.join(o.logdir, 'train')
+
+  def Stop(problem):
+    latest = tf.train.latest_checkpoint(train_dir) or 'none yet'
+    print(f'error: {problem}: Lingvo\'s reader would wait for records '
+          'forever or read it as text. Put the data back and run the same '
+          f'command (the last checkpoint is {latest}).', file=sys.stderr,
+          flush=True)
+    process.ExitNow(input_files.EXIT_INPUT_BROKE)
+
+  input_files.StartWatch(cfg.input if 'input' in cfg else None, Stop)
+
+
 def main(unused_argv, options=None, run_state=None):
   """Runs Lingvo's runners (Run has checked and read the flags)."""
   o = options or trainer_flags.Options.FromFlags()
@@ -402,6 +429,7 @@ def main(unused_argv, options=None, run_state=None):
     # absl's log handler reads it: errors still reach stderr, unless the
     # user gave a threshold.
     FLAGS.stderrthreshold = o.stderrthreshold or 'error'
+  _WatchInput(o)
   threads = o.IntraOpThreads()
   if threads:
     tf.logging.info('intra-op threads: %d (--intra_op_threads)', threads)
@@ -423,6 +451,23 @@ def main(unused_argv, options=None, run_state=None):
       print(f'interrupted: the last checkpoint is {last}; run the same '
             'command to resume from it.', file=sys.stderr, flush=True)
     return code
+  return 0
+
+
+def _WriteInferenceGraph(o):
+  """--mode=write_inference_graph, as the sequential model (docs/serving.md)."""
+  from lingvo_ext.serving import export  # pylint: disable=g-import-not-at-top
+  if not o.logdir:
+    print('error: --logdir is required with --mode=write_inference_graph, '
+          'e.g. --logdir=/tmp/lingvo_ext/lm', file=sys.stderr)
+    return 2
+  try:
+    lines = export.WriteInferenceGraph(o.model, o.logdir,
+                                       o.model_params_override, o.gpipe_engine)
+  except (ValueError, LookupError, AttributeError) as e:
+    print(f'error: --model={o.model}: {runners.FirstLine(e)}', file=sys.stderr)
+    return 2
+  print('\n'.join(lines), flush=True)
   return 0
 
 
@@ -495,6 +540,8 @@ def Run(argv=None):
   if error:
     print(f'error: {error}', file=sys.stderr)
     return 2
+  if o.mode == 'write_inference_graph':
+    return _WriteInferenceGraph(o)
   if local and _TrainsHere(o) and not o.distributed:
     done = _AlreadyTrained(o)
     if done:

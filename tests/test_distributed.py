@@ -285,7 +285,9 @@ def testKilledHungAndRestartedTasksKeepTheStepCounter(tmp_path):
   max_steps, timeout_s = 400, 20
   with _Launch(logdir, '--workers=2', '--worker_split_size=2',
                f'--max_steps={max_steps}', f'--worker_timeout_secs={timeout_s}',
-               '--max_restarts=8',
+               # The clients' own deadline is checked here: the launcher
+               # replaces a hung task only after its --task_timeout_secs.
+               '--task_timeout_secs=600', '--max_restarts=8',
                '--model_params_override=train.save_interval_seconds:1') as run:
     run.WaitFor(r'launch: all 4 tasks are serving', 300)
     _WaitForCheckpoint(logdir, 0, run, 120)

@@ -243,6 +243,31 @@ def testMakeCallable():
   _Check('Session._make_callable_from_options', Check)
 
 
+def testFreezeSessionGraph():
+
+  def Check():
+    with tf.Graph().as_default() as g:
+      v = tf.Variable([1.0, 2.0])
+      ids = tf.placeholder(tf.int32, [None], name='ids')
+      out = tf.while_loop(
+          lambda i, x: i < 2, lambda i, x: (i + 1, x + v.read_value()),
+          (0, tf.cast(ids, tf.float32)))[1]
+      out = tf.identity(out, name='out')
+      with tf.Session() as sess:
+        sess.run(v.initializer)
+        frozen = internal_tf.FreezeSessionGraph(sess, g.as_graph_def(),
+                                                ['out'])
+    assert not [n for n in frozen.node if n.op == 'VarHandleOp']
+    with tf.Graph().as_default():
+      tf.import_graph_def(frozen, name='')
+      with tf.Session() as sess:
+        np.testing.assert_allclose(sess.run('out:0', {'ids:0': [1, 0]}),
+                                   [3.0, 4.0])
+
+  _Check('convert_to_constants.convert_variables_to_constants_from_session_'
+         'graph', Check)
+
+
 def testSlurmClusterResolverModule():
 
   def Check():

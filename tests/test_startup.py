@@ -125,3 +125,27 @@ def test_repeated_lingvo_warnings_show_once_with_a_note():
   assert not f.filter(Record('cell_fn contains stateful ops: %s', []))
   assert f.filter(Record('anything else'))
   assert f.filter(Record('anything else'))
+
+
+def test_harmless_attention_overrides_show_once_others_always():
+  f = _startup.RepeatFilter()
+
+  def Record(msg):
+    return logging.LogRecord('absl', logging.WARNING, __file__, 1, msg, (),
+                             None)
+
+  first = Record('attention param input_dim overriding: 0 -> 32')
+  assert f.filter(first)
+  assert 'as intended; further ones are not logged' in first.getMessage()
+  # Template defaults (or equal values) filled in: hidden after the first.
+  for msg in ('attention param hidden_dim overriding: 0 -> 32',
+              'attention param num_heads overriding: 1 -> 4',
+              'attention param name overriding:  -> multihead_atten',
+              'attention param atten_dropout_prob overriding: 0.1 -> 0.1',
+              'attention param input_dim overriding: 0 -> 64'):
+    assert not f.filter(Record(msg)), msg
+  # A value the user set on the template, replaced: always shown, as is.
+  for _ in range(2):
+    kept = Record('attention param num_heads overriding: 8 -> 4')
+    assert f.filter(kept)
+    assert kept.getMessage().endswith('8 -> 4')

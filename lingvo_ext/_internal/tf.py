@@ -206,3 +206,15 @@ def MakeCallable(sess, fetch_names, target_names):
   options.fetch.extend(fetch_names)
   options.target.extend(target_names)
   return sess._make_callable_from_options(options)  # pylint: disable=protected-access
+
+
+def FreezeSessionGraph(sess, graph_def, output_node_names):
+  """graph_def with its variables as constants read from `sess`.
+
+  TensorFlow's v2 converter: unlike the public
+  tf.compat.v1.graph_util.convert_variables_to_constants it also rewrites the
+  variable reads inside functional While/If bodies.
+  """
+  from tensorflow.python.framework import convert_to_constants  # pylint: disable=g-import-not-at-top,g-direct-tensorflow-import
+  return convert_to_constants.convert_variables_to_constants_from_session_graph(
+      sess, graph_def, list(output_node_names))

@@ -60,10 +60,15 @@ from typing import Dict, List, Optional, Sequence
 from lingvo_ext.distributed import cluster
 from lingvo_ext.distributed import fork_server
 from lingvo_ext.distributed import resolvers
+from lingvo_ext.distributed import task_health
 
 CLUSTER_FROM = ('flags', 'tf_config', 'slurm')
 EXIT_STOPPED = 0
 EXIT_NOT_SAVED = 143
+# A task's exit status for a full disk (lingvo_ext/disk_space.py: EX_IOERR).
+EXIT_DISK_FULL = 74
+# The launcher's exit status when the kernel's OOM killer ended a task.
+EXIT_OOM = 137
 # Jobs whose exit 0 means training is done.
 CLIENT_JOBS = ('controller', 'trainer_client', 'chief')
 
@@ -187,6 +192,11 @@ class Task:
   log_path: str = ''
   log_pos: int = 0  # Bytes of the log already read.
   partial: bytes = b''
+  last_answer: float = 0.0  # time.monotonic() of its last answer.
+  hung: bool = False  # Killed by the launcher for not answering.
+  rss: Optional[int] = None  # Its last resident memory seen.
+  cgroup: Optional[str] = None  # Its memory cgroup's directory.
+  oom_kills: Optional[int] = None  # The cgroup's OOM kills at its start.
 
   @property
   def name(self) -> str:
@@ -326,8 +336,11 @@ class Launcher:
 
   def __init__(self, tasks: List[Task], logdir: str, ready_timeout_s: float,
                max_restarts: int, out=None, stream_logs: bool = False,
-               fork_tasks: bool = True):
+               fork_tasks: bool = True, task_timeout_s: float = 60):
     self._logdir = os.path.join(logdir, 'launch')
+    self._task_timeout_s = task_timeout_s
+    # The cgroup's OOM kill count (task_health.OomKills; tests replace it).
+    self.oom_kills = task_health.OomKills
     self._fork_tasks = fork_tasks
     self._fork_server = None
     os.makedirs(self._logdir, exist_ok=True)
@@ -341,6 +354,9 @@ class Launcher:
     self.tasks = tasks
     for t in tasks:
       t.log_path = os.path.join(self._logdir, f'{t.job}.{t.task}.log')
+      # A resumed run appends to the logs: only this run's lines are shown.
+      t.log_pos = (os.path.getsize(t.log_path)
+                   if os.path.exists(t.log_path) else 0)
     self._tail = threading.Thread(target=self._TailLoop, daemon=True,
                                   name='tail')
     self._tail.start()
@@ -402,7 +418,12 @@ class Launcher:
               preexec_fn=fork_server.DieWithParent(os.getpid()),
               start_new_session=True)  # Its own process group.
     task.started_at = time.monotonic()
+    task.last_answer = task.started_at
     task.ready = False
+    task.hung = False
+    task.rss = task_health.RssBytes(task.proc.pid)
+    task.cgroup = task_health.CgroupDir(task.proc.pid)
+    task.oom_kills = self.oom_kills(task.cgroup)
     self.Print(f'launch: started {task.what} as pid {task.proc.pid}; log: '
                f'{task.log_path}')
 
@@ -469,17 +490,62 @@ class Launcher:
     self.Print('launch: all %d tasks are serving: %s' %
                (len(self.tasks), cluster.FormatClusterSpec(jobs)))
 
+  def _ProbeLoop(self, stop: threading.Event) -> None:
+    """Asks each ready task's server whether it answers (task_health)."""
+    every = max(0.2, min(5.0, self._task_timeout_s / 4))
+    while not stop.wait(every):
+      for task in self.tasks:
+        if (task.ready and not task.done and task.proc and
+            task.proc.poll() is None and task_health.Answers(
+                cluster.Host(task.address), cluster.Port(task.address),
+                min(5.0, self._task_timeout_s / 2))):
+          task.last_answer = time.monotonic()
+
+  def _CheckHung(self, task: Task) -> None:
+    """Kills a ready task silent for --task_timeout_secs (restarted next)."""
+    silent = time.monotonic() - task.last_answer
+    if not task.ready or task.hung or silent < self._task_timeout_s:
+      return
+    state = task_health.State(task.proc.pid)
+    how = {'T': 'stopped (SIGSTOP)', 'D': 'in uninterruptible I/O',
+           'Z': 'a zombie'}.get(state, 'running, not answering')
+    task.hung = True
+    self.Print(f'launch: {task.what}, pid {task.proc.pid}, has not answered '
+               f'for {silent:.0f} s (--task_timeout_secs='
+               f'{self._task_timeout_s:g}; it is {how}): killing it.')
+    _KillGroup(task.proc, signal.SIGKILL)
+
+  def _Oom(self, task: Task, rc: int) -> bool:
+    """Whether `task`, ended by SIGKILL, was the kernel's OOM killer's."""
+    if rc not in (-signal.SIGKILL, 128 + signal.SIGKILL) or task.hung:
+      return False
+    now = self.oom_kills(task.cgroup)
+    return now is not None and task.oom_kills is not None and (
+        now > task.oom_kills)
+
   def Watch(self, poll_s: float = 0.2) -> int:
     """Restarts dead tasks until training ends; returns the exit code."""
+    stop = threading.Event()
+    threading.Thread(target=self._ProbeLoop, args=(stop,), daemon=True,
+                     name='probe').start()
+    try:
+      return self._Watch(poll_s)
+    finally:
+      stop.set()
+
+  def _Watch(self, poll_s: float) -> int:
     while True:
       for task in self.tasks:
         if task.done:
           continue
         rc = task.proc.poll()
         if rc is None:
+          task.rss = task_health.RssBytes(task.proc.pid) or task.rss
           if not task.ready and self._Answers(task):
             task.ready = True
+            task.last_answer = time.monotonic()
             self.Print(f'launch: {task.what} is ready')
+          self._CheckHung(task)
           continue
         self._TailOnce()  # Its last lines first.
         if rc == 0:
@@ -487,6 +553,22 @@ class Launcher:
           task.done = True
           self.Print(f'launch: {task.what} finished')
           continue
+        if rc == EXIT_DISK_FULL:
+          self.Print(f'launch: {task.what} stopped: the disk is full (exit '
+                     f'{rc}; its error line above): stopping the cluster. '
+                     'Free space and run the same command.')
+          return EXIT_DISK_FULL
+        if self._Oom(task, rc):
+          limit = task_health.MemoryLimit(task.cgroup)
+          limit = f', the cgroup\'s limit {task_health.FormatBytes(limit)}' \
+              if limit else ''
+          self.Print(f'launch: {task.what}, pid {task.proc.pid}, was killed '
+                     'by the kernel\'s OOM killer (its last RSS '
+                     f'{task_health.FormatBytes(task.rss)}{limit}): not '
+                     'restarting it (it would run out again); stopping the '
+                     'cluster. Give it more memory or a plan that needs '
+                     'less (docs/faults.md), then run the same command.')
+          return EXIT_OOM
         if self.restarts >= self._max_restarts:
           self.Print(f'launch: {task.what} exited with {_SignalName(rc)}; '
                      f'already restarted {self.restarts} task(s) '
@@ -495,7 +577,8 @@ class Launcher:
                      self._LastLines(task).rstrip())
           return 1
         self.restarts += 1
-        self.Print(f'launch: {task.what}, pid {task.proc.pid}, is gone '
+        gone = 'was killed, hung' if task.hung else 'is gone'
+        self.Print(f'launch: {task.what}, pid {task.proc.pid}, {gone} '
                    f'({_SignalName(rc)}); restarting it (restart '
                    f'{self.restarts} of --max_restarts={self._max_restarts}); '
                    'training resumes from the last checkpoint. The end of '
@@ -598,12 +681,15 @@ def Launch(num_workers: int, trainer_flags: Sequence[str], logdir: str,
            max_restarts: int = 3, out=None, stream_logs: bool = False,
            cluster_from: str = 'flags', num_ps: int = 0, nodes: int = 1,
            layout: Optional[cluster.WorkerLayout] = None,
-           fork_tasks: bool = True, shutdown_grace_s: float = 20) -> int:
+           fork_tasks: bool = True, shutdown_grace_s: float = 20,
+           task_timeout_s: float = 60) -> int:
   """Runs a local cluster until training ends; returns the exit code.
 
   Exit codes: 0 training finished, or stopped by SIGTERM/SIGHUP after the
-  controller saved the last step; 1 a task failed; 2 bad flags; 130
-  Ctrl-C; 143 SIGTERM/SIGHUP without the last save (docs/preemption.md).
+  controller saved the last step; 1 a task failed; 2 bad flags; 74 a task
+  found the disk full; 130 Ctrl-C; 137 the OOM killer ended a task; 143
+  SIGTERM/SIGHUP without the last save (docs/preemption.md,
+  docs/faults.md).
   """
   out = out or sys.stdout
 
@@ -635,7 +721,7 @@ def Launch(num_workers: int, trainer_flags: Sequence[str], logdir: str,
             for i in range(layout.split_size))))
   tasks = ClusterTasks(num_workers, trainer_flags, cluster_from, num_ps, nodes)
   launcher = Launcher(tasks, logdir, ready_timeout_s, max_restarts, out,
-                      stream_logs, fork_tasks)
+                      stream_logs, fork_tasks, task_timeout_s)
   interrupted = []
 
   def OnSignal(signum, frame):

@@ -18,7 +18,9 @@ test over the paired rounds: planner.MeasuredChoice).
 
 Any other experiment holding pipelines (Lingvo's GPipeTransformerLm at
 task.lm.stack, a Builder stack) is planned per pipeline with its cells as
-the experiment cuts them (planner/tree.py; docs/coming-from-lingvo.md).
+the experiment cuts them (planner/tree.py; docs/coming-from-lingvo.md); a
+time axis trimmed at run time is sized from a few Train batches read now.
+--model_params_override changes the params first, as in the trainer.
 """
 
 import argparse
@@ -112,14 +114,16 @@ class Measurer:
 
 def MeasurePlans(model: str, plans: List[planner.Candidate],
                  steps: int = MEASURE_STEPS,
-                 warmup: int = MEASURE_WARMUP) -> List[planner.Candidate]:
+                 warmup: int = MEASURE_WARMUP,
+                 overrides: str = '') -> List[planner.Candidate]:
   """The candidates with their Measurement: step times and peak RSS.
 
   Step times: all plans built in this process and timed in turn, `steps`
   rounds (RoundRobin), the fastest round (the least disturbed by other
-  processes); peak RSS: each plan in a fresh process.
+  processes); peak RSS: each plan in a fresh process. `overrides`: the
+  user's --model_params_override, applied before each plan's.
   """
-  built = [planner.BuildExperimentStep(model, p) for p in plans]
+  built = [planner.BuildExperimentStep(model, p, overrides) for p in plans]
   times = RoundRobin([lambda s=s: s[0].run(s[1]) for s in built], steps,
                      warmup)
   for sess, _ in built:
@@ -128,7 +132,8 @@ def MeasurePlans(model: str, plans: List[planner.Candidate],
   out = []
   for p, t in zip(plans, times):
     rss = measurer.Measure(dict(model=model, plan=p.plan.ToDict(), steps=2,
-                                warmup=0)).get('rss_bytes')
+                                warmup=0, overrides=overrides)
+                          ).get('rss_bytes')
     out.append(p.Measured(step_s=min(t), times=t, rss_bytes=rss))
   return out
 
@@ -158,17 +163,20 @@ def MeasureCandidates(ranked: List[planner.Candidate], top: int,
 
 def Machine(num_devices: int, model: Optional[str] = None,
             profile: Optional[planner.ModelProfile] = None,
-            overhead_bytes: float = PROCESS_OVERHEAD_BYTES):
+            overhead_bytes: float = PROCESS_OVERHEAD_BYTES,
+            overrides: str = ''):
   """This host's Machine, probed under the trainer's session config.
 
   With `model` and `profile`, calibrated (planner.Calibrate) on the model's
-  reference plans, timed in turn in this process.
+  reference plans (after `overrides`, a --model_params_override text),
+  timed in turn in this process.
   """
   machine = planner.ProbeMachine(planner.SessionConfig(num_devices),
                                  overhead_bytes=overhead_bytes)
   if model and profile:
     refs = planner.ReferencePlans(profile, devices=num_devices)
-    steps = [planner.BuildExperimentStep(model, ref) for ref in refs]
+    steps = [planner.BuildExperimentStep(model, ref, overrides)
+             for ref in refs]
     times = RoundRobin([lambda s=s: s[0].run(s[1]) for s in steps],
                        MEASURE_STEPS, 1)
     for sess, _ in steps:
@@ -181,14 +189,17 @@ def ChooseForExperiment(model_params, name: str, devices: int,
                         memory_per_device: Optional[float] = None,
                         global_batch: Optional[int] = None,
                         machine: Optional[planner.Machine] = None,
-                        calibrate: bool = True) -> List[planner.Candidate]:
+                        calibrate: bool = True,
+                        overrides: str = '') -> List[planner.Candidate]:
   """Ranked predicted plans of an experiment's params (PlanError if none).
 
   Without `machine`, this host's, probed, and with `calibrate` calibrated on
-  the experiment `name`'s reference plans (see Machine).
+  the experiment `name`'s reference plans (see Machine), `overrides` (the
+  --model_params_override that made `model_params`) applied to them.
   """
   profile = planner.ProfileExperiment(model_params, name)
-  machine = machine or Machine(devices, name if calibrate else None, profile)
+  machine = machine or Machine(devices, name if calibrate else None, profile,
+                               overrides=overrides)
   return planner.Choose(profile, devices, memory_per_device, global_batch,
                         machine)
 
@@ -196,7 +207,8 @@ def ChooseForExperiment(model_params, name: str, devices: int,
 def ChooseAndApply(model_params, name: str, devices: int,
                    memory_per_device: Optional[float] = None,
                    global_batch: Optional[int] = None,
-                   machine: Optional[planner.Machine] = None):
+                   machine: Optional[planner.Machine] = None,
+                   overrides: str = ''):
   """Picks the best predicted plan and sets it on `model_params`.
 
   Returns:
@@ -204,7 +216,7 @@ def ChooseAndApply(model_params, name: str, devices: int,
     --worker_split_size as a dict).
   """
   plan = ChooseForExperiment(model_params, name, devices, memory_per_device,
-                             global_batch, machine)[0]
+                             global_batch, machine, overrides=overrides)[0]
   planner.ApplyPlan(model_params, plan)
   return plan, dict(num_cpu_devices=plan.devices,
                     worker_split_size=plan.devices_per_replica)
@@ -219,6 +231,10 @@ def ChooseTreeForExperiment(model_params, name: str, devices: int,
   calibrated (the reference plans cut a LayerStack).
   """
   from lingvo_ext.core.planner import tree  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.tasks import pipeline_tree  # pylint: disable=g-import-not-at-top
+  # A time-major Lingvo LM feeding a batch-major pipeline: its one line, not
+  # the shape error profiling would meet.
+  pipeline_tree._CheckTimeMajorLm(model_params.task)  # pylint: disable=protected-access
   pipes = tree.ProfileTree(model_params, name)
   machine = machine or planner.ProbeMachine(
       planner.SessionConfig(devices), overhead_bytes=PROCESS_OVERHEAD_BYTES)
@@ -231,13 +247,15 @@ def TreeFlags(chosen) -> Dict[str, int]:
   return dict(num_cpu_devices=devices, worker_split_size=devices)
 
 
-def TreeCommand(model: str, chosen) -> str:
-  """The trainer command line that runs the pipelines' chosen plans."""
+def TreeCommand(model: str, chosen, overrides: str = '') -> str:
+  """The trainer command line that runs the pipelines' chosen plans (after
+  `overrides`, the user's --model_params_override)."""
   from lingvo_ext.core.planner import tree  # pylint: disable=g-import-not-at-top
   flags = ' '.join('--%s=%d' % kv for kv in TreeFlags(chosen).items())
   return (".venv/bin/python -m lingvo_ext.trainer --model=%s %s "
           "--model_params_override='%s' --logdir=LOGDIR" %
-          (model, flags, tree.TreeOverrideString(chosen)))
+          (model, flags, planner.JoinOverrides(
+              overrides, tree.TreeOverrideString(chosen))))
 
 
 def TrainerAutoPlan(model: str, devices: int,
@@ -286,20 +304,31 @@ def TrainerAutoPlan(model: str, devices: int,
     chosen = [(pipe, plans[0]) for pipe, plans in ranked]
     text = tree.TreeOverrideString(chosen)
     flags = TreeFlags(chosen)
-    described = '; '.join('%s %s' % (pipe.path, planner.Describe(plan))
-                          for pipe, plan in chosen)
+    described = '; '.join(
+        '%s %s%s' % (pipe.path, planner.Describe(plan),
+                     ' (sized for %s)' % pipe.length.Describe()
+                     if pipe.length else '')
+        for pipe, plan in chosen)
     flag_text = ' '.join('--%s=%d' % kv for kv in flags.items())
     plan = chosen
   else:
-    plan, flags = ChooseAndApply(cfg, model, devices, budget)
+    plan, flags = ChooseAndApply(cfg, model, devices, budget,
+                                 overrides=overrides)
     text = planner.OverrideString(plan)
     described = planner.Describe(plan)
     flag_text = ' '.join(planner.TrainerFlags(plan))
-  if overrides:
-    text = overrides.rstrip('; ') + '; ' + text
+  text = planner.JoinOverrides(overrides, text)
   line = ('--plan=auto chose %s; running it with %s '
           "--model_params_override='%s'" % (described, flag_text, text))
   return plan, text, flags, line
+
+
+def _LengthDict(length) -> Optional[Dict]:
+  """A pipeline's SequenceLength for --json, or None (a static time axis)."""
+  if length is None:
+    return None
+  return dict(length=length.length, read=list(length.read),
+              maximum=length.maximum, given=length.given)
 
 
 def _MainTree(args, cfg) -> int:
@@ -323,13 +352,16 @@ def _MainTree(args, cfg) -> int:
         memory_per_device=args.memory_bytes,
         pipelines=[dict(path=pipe.path, cls=pipe.cls_name,
                         cells=len(pipe.profile.layers),
+                        sequence_length=_LengthDict(pipe.length),
                         plans=[p.ToDict() for p in plans],
                         best=plans[0].ToDict(),
                         overrides=tree.TreeOverrides(pipe, plans[0]))
                    for pipe, plans in ranked],
-        model_params_override=tree.TreeOverrideString(chosen),
+        model_params_override=planner.JoinOverrides(
+            args.model_params_override, tree.TreeOverrideString(chosen)),
         trainer_flags=['--%s=%d' % kv for kv in TreeFlags(chosen).items()],
-        command=TreeCommand(args.model, chosen))))
+        command=TreeCommand(args.model, chosen,
+                            args.model_params_override))))
     return 0
   for pipe, plans in ranked:
     print('%d plans for %s (%s, its %d cells as the experiment cuts them) on '
@@ -339,13 +371,15 @@ def _MainTree(args, cfg) -> int:
               args.devices,
               (' within %s each' % planner.FormatSize(args.memory_bytes)
                if args.memory_bytes else '')))
+    if pipe.length:
+      print('  sized for ' + pipe.length.Describe())
     print(planner.Table(plans, args.limit))
     print()
     print('best for %s: %s' % (pipe.path, planner.Describe(plans[0])))
     print('  ' + tree.TreeOverrideString([(pipe, plans[0])]))
     print()
   print('run it with:')
-  print('  ' + TreeCommand(args.model, chosen))
+  print('  ' + TreeCommand(args.model, chosen, args.model_params_override))
   return 0
 
 
@@ -362,6 +396,9 @@ def _ParseArgs(argv):
                       help='A registered experiment, e.g. lm.TransformerLm.')
   parser.add_argument('--devices', type=int, required=True,
                       help='Devices available, N.')
+  parser.add_argument('--model_params_override', default='',
+                      help="Params to change before planning, as the "
+                      "trainer's flag, e.g. 'task.lm.stack.splits:4'.")
   parser.add_argument('--memory_per_device', default=None,
                       help='Memory budget of each device, e.g. 512MB or 2GB.')
   parser.add_argument('--global_batch', type=int, default=None,
@@ -446,7 +483,8 @@ def main(argv=None) -> int:
   if registry.CheckModel(args.model):
     return _Fail(_UnknownModel(args.model))
   try:
-    cfg = planner.ExperimentParams(args.model)
+    cfg = planner.ExperimentParams(args.model,
+                                   overrides=args.model_params_override)
     from lingvo_ext.tasks import pipeline_tree  # pylint: disable=g-import-not-at-top
     refusal = pipeline_tree.PlannerRefusal(cfg, args.model)
     if refusal:
@@ -455,13 +493,15 @@ def main(argv=None) -> int:
       return _MainTree(args, cfg)
     plans = ChooseForExperiment(cfg, args.model, args.devices,
                                 args.memory_bytes, args.global_batch,
-                                calibrate=args.calibrate)
+                                calibrate=args.calibrate,
+                                overrides=args.model_params_override)
   except ValueError as e:  # PlanError, or a bad param: one line.
     return _Fail(str(e).strip().split('\n')[0])
   noise = None
   if args.measure:
     top = MeasureCandidates(plans, args.measure_top, args.measure_within)
-    top = MeasurePlans(args.model, top, steps=args.measure_steps)
+    top = MeasurePlans(args.model, top, steps=args.measure_steps,
+                       overrides=args.model_params_override)
     measured = {p.Key(): p for p in top}
     plans = [measured.get(p.Key(), p) for p in plans]
     chosen, noise = planner.MeasuredChoice(top)
@@ -476,9 +516,11 @@ def main(argv=None) -> int:
         plans=[p.ToDict() for p in plans],
         best=best.ToDict(),
         measure_noise=noise,
-        model_params_override=planner.OverrideString(best),
+        model_params_override=planner.JoinOverrides(
+            args.model_params_override, planner.OverrideString(best)),
         trainer_flags=planner.TrainerFlags(best),
-        command=planner.Command(args.model, best))))
+        command=planner.Command(args.model, best,
+                                args.model_params_override))))
     return 0
   print('%d plans for %s on %d devices%s, fastest first (predicted%s):' % (
       len(plans), args.model, args.devices,
@@ -492,7 +534,8 @@ def main(argv=None) -> int:
   print()
   print('best: ' + planner.Describe(best))
   print('run it with:')
-  print('  ' + planner.Command(args.model, best))
+  print('  ' + planner.Command(args.model, best,
+                               args.model_params_override))
   return 0
 
 

@@ -4,13 +4,13 @@ Planned: a schedule's action lists (`lingvo_ext.core.actions`) for K cells,
 M micro-batches and D devices, simulated with unit costs (forward 1,
 backward 2), with its idle fraction:
 
-  lingvo-ext-timeline --schedule=1f1b --num_stages=4 --num_micro_batches=8 \
-      --out=/tmp/1f1b.png
+  .venv/bin/lingvo-ext-timeline --schedule=1f1b --num_stages=4 \
+      --num_micro_batches=8 --out=/tmp/1f1b.png
 
 Measured: a training step traced by the trainer's `--trace_train_step=N`
 (its `LOGDIR/train/run_metadata_step_N.pb`), one row per device:
 
-  lingvo-ext-timeline --logdir=/tmp/lx/lm_tiny --out=/tmp/step.svg
+  .venv/bin/lingvo-ext-timeline --logdir=/tmp/lx/lm_tiny --out=/tmp/step.svg
 
 Each writes the picture (PNG or SVG, by the extension of --out) and a Chrome
 trace (--trace_json, default: --out with .trace.json) to open in
@@ -260,7 +260,7 @@ def WriteTrainerTimeline(run_metadata, train_dir: str, step: int,
 
 def _Parser():
   parser = argparse.ArgumentParser(
-      prog='lingvo-ext-timeline',
+      prog='.venv/bin/lingvo-ext-timeline',
       description=__doc__.split('\n')[0],
       formatter_class=argparse.RawDescriptionHelpFormatter,
       epilog='Schedules: %s. Details: docs/schedules.md.' %

@@ -16,6 +16,7 @@ The names below are the planner's interface (`planner.X`).
 from lingvo_ext.core.planner.application import ApplyPlan
 from lingvo_ext.core.planner.application import Command
 from lingvo_ext.core.planner.application import Describe
+from lingvo_ext.core.planner.application import JoinOverrides
 from lingvo_ext.core.planner.application import OverrideString
 from lingvo_ext.core.planner.application import Overrides
 from lingvo_ext.core.planner.application import Table

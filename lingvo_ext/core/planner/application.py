@@ -46,11 +46,19 @@ def TrainerFlags(plan: Plan) -> List[str]:
           '--worker_split_size=%d' % plan.devices_per_replica]
 
 
-def Command(model: str, plan: Plan) -> str:
-  """The trainer command line that runs the plan."""
+def JoinOverrides(first: str, then: str) -> str:
+  """Two --model_params_override texts as one, `then` applied last."""
+  first = first.strip().rstrip(';').strip()
+  return first + '; ' + then if first else then
+
+
+def Command(model: str, plan: Plan, overrides: str = '') -> str:
+  """The trainer command line that runs the plan (after `overrides`, the
+  user's --model_params_override)."""
   return (".venv/bin/python -m lingvo_ext.trainer --model=%s %s "
           "--model_params_override='%s' --logdir=LOGDIR" %
-          (model, ' '.join(TrainerFlags(plan)), OverrideString(plan)))
+          (model, ' '.join(TrainerFlags(plan)),
+           JoinOverrides(overrides, OverrideString(plan))))
 
 
 def ApplyPlan(model_params, plan: Plan):

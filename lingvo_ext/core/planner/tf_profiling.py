@@ -291,18 +291,19 @@ def RssBytes(field: str = 'VmHWM') -> Optional[float]:
   return None
 
 
-def BuildExperimentStep(model: str, plan: Plan):
+def BuildExperimentStep(model: str, plan: Plan, overrides: str = ''):
   """(session, train op) of the experiment under `plan` (TF).
 
-  As the trainer builds it: the experiment's params with the plan's
-  overrides, its task on a local worker of plan.devices CPU devices split
-  into replicas of plan.devices_per_replica, the trainer's session config.
+  As the trainer builds it: the experiment's params with `overrides` (the
+  user's --model_params_override) and the plan's, its task on a local
+  worker of plan.devices CPU devices split into replicas of
+  plan.devices_per_replica, the trainer's session config.
   """
   import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
   from lingvo.core import cluster_factory  # pylint: disable=g-import-not-at-top
   from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
   py_utils.SetEagerMode(False)
-  cfg = ApplyPlan(ExperimentParams(model), plan)
+  cfg = ApplyPlan(ExperimentParams(model, overrides=overrides), plan)
   task_p = cfg.task.Copy()
   task_p.input = cfg.input.Copy()
   cluster = cluster_factory.ForTestingWorker(
@@ -342,11 +343,13 @@ def MeasureJob(job: Dict) -> Dict:
   fresh process so that the RSS is the plan's own).
 
   Args:
-    job: model, plan (Plan.ToDict()), steps, warmup.
+    job: model, plan (Plan.ToDict()), steps, warmup, and optionally
+      overrides (a --model_params_override text).
   """
   import statistics  # pylint: disable=g-import-not-at-top
   plan = PlanFromDict(job['plan'])
-  sess, train_op = BuildExperimentStep(job['model'], plan)
+  sess, train_op = BuildExperimentStep(job['model'], plan,
+                                       job.get('overrides', ''))
   times = TimeSteps(lambda: sess.run(train_op), job['steps'], job['warmup'])
   sess.close()
   return dict(step_s=statistics.median(times), times=times,

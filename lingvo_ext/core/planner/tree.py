@@ -45,6 +45,45 @@ class TreePipeline:
   cls_name: str
   profile: ModelProfile
   micro_batch_size: Optional[int] = None
+  length: Optional['SequenceLength'] = None
+
+
+# Train batches read to size a time axis the task trims at run time: a few,
+# as their longest sequences vary little; each read is bounded (a broken
+# input must not hang the planner).
+READ_BATCHES = 4
+READ_TIMEOUT_S = 120.
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceLength:
+  """The time axis the planner sized a pipeline for.
+
+  Attributes:
+    length: The length profiled.
+    read: The longest unpadded sequence of each Train batch read (empty when
+      `length` was given).
+    maximum: The input params' longest sequence (the bucket's bound), if
+      they say.
+    given: Whether `length` was given rather than read.
+  """
+  length: int
+  read: Tuple[int, ...] = ()
+  maximum: Optional[int] = None
+  given: bool = False
+
+  def Describe(self) -> str:
+    """One line for the planner's output."""
+    most = (f'; the input allows up to {self.maximum}'
+            if self.maximum else '')
+    if self.given:
+      return f'sequence length {self.length} (given){most}'
+    if not self.read:
+      return (f"sequence length {self.length}: the input's maximum (its "
+              'batches have no paddings to read lengths from)')
+    return (f'sequence length {self.length}: the mean longest sequence of '
+            f'{len(self.read)} Train batches read now '
+            f"({', '.join(map(str, self.read))}){most}")
 
 
 def _Child(layer, part):
@@ -79,10 +118,82 @@ def _MaxLength(input_params) -> Optional[int]:
   return None
 
 
+def _Dynamic(args) -> bool:
+  """Whether a tensor of `args` has dims known only at run time."""
+  return any(not t.shape.is_fully_defined() for t in _Tensors(args))
+
+
+def ReadLengths(input_params, batches: int = READ_BATCHES,
+                timeout_s: float = READ_TIMEOUT_S) -> List[int]:
+  """The longest unpadded sequence of each of `batches` input batches (TF).
+
+  Reads them through the input's own generator, in a throw-away graph and
+  session: what Lingvo's LM tasks trim the time axis to (the most of
+  sum(1 - paddings) over the batch's rows). [] if the batch has no
+  `paddings`.
+
+  Raises:
+    ValueError: one line, the input's name and the cause (a read that fails
+      or takes over `timeout_s`).
+  """
+  import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
+  from lingvo.core import cluster_factory  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.core import cost  # pylint: disable=g-import-not-at-top
+  p = input_params.Copy()
+  # Only lengths are read: a small shuffle buffer fills at once.
+  if 'file_buffer_size' in p and p.file_buffer_size:
+    p.file_buffer_size = min(p.file_buffer_size, 10000)
+  if 'num_batcher_threads' in p:
+    p.num_batcher_threads = 1
+  cluster = cluster_factory.ForTestingWorker(
+      mode='sync', job='trainer_client', cpus=1, split_size=1)
+  with cost.Sandbox() as graph, cluster:
+    batch = p.Instantiate().GetPreprocessedInputBatch()
+    longest = [tf.reduce_max(tf.reduce_sum(1. - tf.cast(v, tf.float32), -1))
+               for k, v in batch.FlattenItems()
+               if k.split('.')[-1] == 'paddings' and v.shape.rank == 2]
+  if not longest:
+    return []
+  out = []
+  options = tf.RunOptions(timeout_in_ms=int(1000 * timeout_s))
+  try:
+    with tf.Session(graph=graph) as sess:
+      for _ in range(batches):
+        out.append(int(round(max(sess.run(longest, options=options)))))
+  except tf.errors.DeadlineExceededError:
+    raise ValueError(f'input {p.name}: no batch within {timeout_s:.0f} s '
+                     'while the planner read its sequence lengths; check '
+                     'its files and tokenizer.') from None
+  except tf.errors.OpError as e:
+    raise ValueError(f'input {p.name}: reading a batch for its sequence '
+                     f'lengths failed: {_Cause(e.message)}; fix its files or '
+                     'tokenizer params.') from None
+  return out
+
+
+def _Cause(message: str) -> str:
+  """The cause line of a TF op error's message (not its node's traceback)."""
+  skip = ('Graph execution error', 'Detected at node', 'File ', 'Node:', '[[')
+  lines = [l.strip() for l in str(message).splitlines()]
+  causes = [l for l in lines if l and not l.startswith(skip)]
+  return causes[0] if causes else lines[0]
+
+
+def RealLength(input_params, batches: int = READ_BATCHES
+               ) -> Optional[SequenceLength]:
+  """The SequenceLength read from `batches` Train batches (ReadLengths): the
+  mean of their longest, rounded up; None if the batches have no paddings."""
+  read = ReadLengths(input_params, batches)
+  if not read:
+    return None
+  return SequenceLength(length=max(1, -(-sum(read) // len(read))),
+                        read=tuple(read), maximum=_MaxLength(input_params))
+
+
 def _Static(args, length, where):
   """`args` with each tensor of unknown dims replaced by zeros of `length`
   there (Lingvo's LM tasks trim the time axis to the batch's longest
-  sequence; the profile takes the input's longest)."""
+  sequence)."""
   import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
 
   def Fill(t):
@@ -149,16 +260,38 @@ def _ProfileCells(graph, layer, theta, args, batch, cluster):
   return out
 
 
-def ProfileTree(model_params, name: str = '') -> List[TreePipeline]:
+def _EvalSettingsForProfiling(task_p):
+  """Makes the eval settings of `task_p` (a throw-away copy) build in eval
+  mode on the Train input.
+
+  The task is built in eval mode only to run its pipelines in turn; Lingvo's
+  BaseTask asserts eval.samples_per_summary > 0 for an input of unknown size
+  (the Train input), and experiments meaning "the whole set" set it to 0
+  (e.g. Lingvo's OneBWdsGPipeTransformer); it warns of batcher threads in
+  eval mode. No evaluation runs here and the input is never read.
+  """
+  if 'eval' in task_p and task_p.eval is not None:
+    if not task_p.eval.samples_per_summary:
+      task_p.eval.samples_per_summary = 1
+  if task_p.input is not None and 'num_batcher_threads' in task_p.input:
+    task_p.input.num_batcher_threads = 1
+
+
+def ProfileTree(model_params, name: str = '',
+                length: Optional[int] = None) -> List[TreePipeline]:
   """Each pipeline of an experiment's params, profiled (TF).
 
   Builds the task's forward pass once, on one CPU device in a throw-away
   graph, and profiles each PipeliningLayer's cells on the inputs it got.
+  A time axis the task trims at run time is sized by `length`, or else by
+  a few Train batches read now (RealLength), or else by the input's
+  maximum; each pipeline's `length` says which.
 
   Args:
     model_params: The experiment's params (overrides applied,
       --gpipe_engine=lingvo_ext), with `task` and `input`.
     name: The experiment's name, for messages.
+    length: The sequence length to size for, or None (read it).
   """
   from lingvo.core import cluster_factory  # pylint: disable=g-import-not-at-top
   from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
@@ -174,6 +307,7 @@ def ProfileTree(model_params, name: str = '') -> List[TreePipeline]:
   py_utils.SetEagerMode(False)
   task_p = model_params.task.Copy()
   task_p.input = model_params.input.Copy()
+  _EvalSettingsForProfiling(task_p)
   # Eval on one device: each pipeline runs its cells in turn
   # (FPropSequential) on the inputs the task gives it, recorded here; its
   # cells are then profiled as they train.
@@ -201,19 +335,31 @@ def ProfileTree(model_params, name: str = '') -> List[TreePipeline]:
         # On this throw-away instance only.
         layer.FPropSequential = Capture
       task.FPropDefaultTheta()
+    seq = None
+    if any(_Dynamic(args) for _, args in got.values()):
+      if length is not None:
+        seq = SequenceLength(int(length), given=True,
+                             maximum=_MaxLength(model_params.input))
+      else:
+        seq = RealLength(model_params.input)
+      if seq is None and _MaxLength(model_params.input):
+        seq = SequenceLength(_MaxLength(model_params.input),
+                             maximum=_MaxLength(model_params.input))
     for path, p in pipelines:
       if path not in got:
         raise ValueError(f'task.{path} ({p.cls.__name__}) is not run by the '
                          "task's forward pass; the planner plans the "
                          'pipelines it runs.')
       theta, args = got[path]
-      args = _Static(args, _MaxLength(model_params.input), f'task.{path}')
+      dynamic = _Dynamic(args)
+      args = _Static(args, seq.length if seq else None, f'task.{path}')
       batch = [t for t in _Tensors(args) if t.shape.rank][0].shape.as_list()[
           p.batch_dim]
       first = [t for t in _Tensors(args) if t.dtype.is_floating]
       out.append(TreePipeline(
           path='task.' + path, cls_name=p.cls.__name__,
           micro_batch_size=p.micro_batch_size,
+          length=seq if dynamic else None,
           profile=ModelProfile(
               name=f'{name or task_p.name}:task.{path}',
               layers=tuple(_ProfileCells(graph, layers[path], theta, args,
@@ -224,11 +370,24 @@ def ProfileTree(model_params, name: str = '') -> List[TreePipeline]:
   return out
 
 
+def EmptyCells(pipe: TreePipeline) -> List[str]:
+  """The cells of `pipe` that hold no layer: no variables, no FLOPs, no ops
+  (e.g. Lingvo's stacks with `splits` beyond their layers)."""
+  return [l.name for l in pipe.profile.layers
+          if not (l.num_vars or l.flops or l.fwd_ops)]
+
+
 def _Ranked(pipe: TreePipeline, devices: int,
             memory_per_device: Optional[float],
             machine: Machine) -> List[Candidate]:
   """Its plans with its own cells (K as cut), one replica, ranked."""
   k = len(pipe.profile.layers)
+  empty = EmptyCells(pipe)
+  if empty:
+    raise PlanError(
+        f'{pipe.path}: cells {", ".join(empty)} hold no layer ({k} cells, '
+        'more than the layers to cut); use fewer cells, e.g. a lower '
+        f'{pipe.path}.splits.')
   plans = [p for p in Enumerate(pipe.profile, devices, sync_choices=('shared',))
            if p.num_cells == k and p.replicas == 1]
   if not plans:

@@ -10,6 +10,9 @@ the first starts with a 2x2 max-pool), a flatten (or global pool) and a
 softmax head. Its layers cost very different FLOPs, which is what
 `PartitionSequentialLayers` balances when it cuts the stack into
 num_partitions cells for the `PipeliningLayer`.
+
+Its inference subgraph (`Inference()`, Lingvo's form; docs/serving.md):
+`default` gives class probabilities and the top class of given images.
 """
 
 import lingvo.compat as tf
@@ -128,6 +131,27 @@ class ConvClassifier(pipelined_task.PipelinedTask):
         'correct': correct,
         'example_ids': input_batch.example_ids
     }
+
+  # --- Inference subgraphs (Lingvo's Inference(); lingvo_ext.serving).
+
+  def Inference(self):
+    """{'default': (fetches, feeds)}.
+
+    default: feeds images (float32 [batch, H, W, C], as the input's data);
+    fetches probs (float32 [batch, num_classes]), top_class (int32 [batch])
+    and logits.
+    """
+    h, w, c = self.params.input.data_shape
+    with tf.name_scope('inference'):
+      images = tf.placeholder(tf.float32, [None, h, w, c], name='images')
+      logits = self.ComputePredictions(
+          self.theta, py_utils.NestedMap(data=images)).logits
+      fetches = py_utils.NestedMap(
+          probs=tf.nn.softmax(logits, name='probs'),
+          top_class=tf.argmax(logits, -1, output_type=tf.int32,
+                              name='top_class'),
+          logits=tf.identity(logits, name='logits'))
+      return {'default': (fetches, py_utils.NestedMap(images=images))}
 
   # --- Decoding (--job=decoder_dev): confusion matrix, per-class accuracy.
 

@@ -43,7 +43,14 @@ def ReadCorpus(text_file=None):
                      'text_file at a UTF-8 text file, or leave it empty for '
                      'the default corpus (pydoc_data.topics).')
   with tf.io.gfile.GFile(text_file, 'rb') as f:
-    return f.read().decode('utf-8')
+    data = f.read()
+  try:
+    return data.decode('utf-8')
+  except UnicodeDecodeError as e:
+    raise ValueError(
+        f'text_file={text_file!r} is not UTF-8 text (byte '
+        f'{data[e.start]:#04x} at offset {e.start}); point text_file at a '
+        'UTF-8 text file.') from None
 
 
 def SplitCorpus(text, dev_fraction):

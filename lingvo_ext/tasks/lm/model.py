@@ -10,8 +10,13 @@ partitionings.
 
 Its decoder (--job=decoder_dev) samples continuations of dev prefixes: the
 first decode_prefix_len tokens of each dev window are kept, the rest sampled
-token by token. The samples go to <logdir>/decoder_dev/samples-<step>.txt and
-to TensorBoard's Text tab (tag `samples`).
+token by token (greedy with decode_temperature=0). The samples go to
+<logdir>/decoder_dev/samples-<step>.txt and to TensorBoard's Text tab (tag
+`samples`).
+
+Its inference subgraphs (`Inference()`, Lingvo's form; docs/serving.md):
+`default` scores given ids, `generate` continues a prefix with the same
+token choice as the decoder (`NextToken`).
 """
 
 import lingvo.compat as tf
@@ -21,6 +26,40 @@ from lingvo.core import tshape
 from lingvo_ext.core import layers
 from lingvo_ext.tasks import decoding
 from lingvo_ext.tasks import pipelined_task
+
+
+def NextToken(logits, step, temperature, top_k, seed):
+  """The next token of each row: greedy, or sampled (temperature, top-k).
+
+  The decoder and the `generate` subgraph share it, so both pick the same
+  tokens for the same prefix and seed.
+
+  Args:
+    logits: float32 [batch, vocab], the logits of the next position.
+    step: int32 scalar, the position being filled (seeds the sampling).
+    temperature: float32 scalar; 0: greedy (argmax), > 0: sampled from
+      softmax(logits / temperature).
+    top_k: int32 scalar; > 0: sample among the k most likely tokens only,
+      0: among all.
+    seed: int32 scalar, the seed of the (stateless) sampling.
+
+  Returns:
+    int32 [batch].
+  """
+  temperature = tf.convert_to_tensor(temperature, tf.float32)
+  top_k = tf.convert_to_tensor(top_k, tf.int32)
+  greedy = tf.argmax(logits, -1, output_type=tf.int32)
+  vocab = tf.shape(logits)[-1]
+  k = tf.where(top_k > 0, tf.minimum(top_k, vocab), vocab)
+  kth = tf.math.top_k(logits, k).values[:, -1:]
+  kept = tf.where(logits < kth, tf.fill(tf.shape(logits), -float('inf')),
+                  logits)
+  # Dividing by 1 where greedy keeps the unused sampling branch finite.
+  scaled = kept / tf.where(temperature > 0, temperature, 1.0)
+  sample = tf.random.stateless_categorical(
+      scaled, 1, seed=tf.stack([tf.cast(seed, tf.int32), step]),
+      dtype=tf.int32)[:, 0]
+  return tf.where(temperature > 0, sample, greedy)
 
 
 class TransformerLm(pipelined_task.PipelinedTask):
@@ -51,7 +90,9 @@ class TransformerLm(pipelined_task.PipelinedTask):
         'decode_prefix_len', 0, 'Decoding: dev tokens kept as the prefix of '
         'each sample; 0: half the window (seq_len // 2).')
     p.Define('decode_temperature', 1.0,
-             'Decoding: softmax temperature of the sampling; > 0.')
+             'Decoding: softmax temperature of the sampling; 0: greedy.')
+    p.Define('decode_top_k', 0,
+             'Decoding: sample among the k most likely tokens; 0: all.')
     p.Define('decode_seed', 1234, 'Decoding: seed of the (stateless) sampling.')
     p.eval.decoder_samples_per_summary = 16
     tp = p.train
@@ -136,6 +177,93 @@ class TransformerLm(pipelined_task.PipelinedTask):
     """The input generator's tokenizer.Vocab (ids to text: .Decode(ids))."""
     return self.input_generator.vocab
 
+  # --- Inference subgraphs (Lingvo's Inference(); lingvo_ext.serving).
+
+  def Inference(self):
+    """{'default': (fetches, feeds), 'generate': (fetches, feeds)}.
+
+    default: feeds ids, labels (int32 [batch, seq_len]) and weights (float32,
+    0 on padding); fetches log_probs [batch, seq_len] (log p(labels[t] |
+    ids[:t+1]), 0 where weights is 0), per_example_log_prob [batch] (their
+    sum), per_example_log_pplx [batch] (minus their mean over real tokens,
+    the evaler's per-example loss) and num_tokens [batch].
+
+    generate: feeds prefix (int32 [batch, prefix_len], prefix_len >= 1),
+    max_len (int32, prefix_len < max_len <= seq_len), temperature (float32,
+    0: greedy), top_k (int32, 0: all tokens) and seed (int32); fetches ids
+    (int32 [batch, max_len], the prefix and its continuation).
+    """
+    with tf.name_scope('inference'):
+      return {
+          'default': self._InferenceDefault(),
+          'generate': self._InferenceGenerate(),
+      }
+
+  def _InferenceDefault(self):
+    seq_len = self.params.input.seq_len
+    ids = tf.placeholder(tf.int32, [None, seq_len], name='ids')
+    labels = tf.placeholder(tf.int32, [None, seq_len], name='labels')
+    weights = tf.placeholder(tf.float32, [None, seq_len], name='weights')
+    logits = self.ComputePredictions(self.theta,
+                                     py_utils.NestedMap(ids=ids)).logits
+    log_probs = -tf.nn.sparse_softmax_cross_entropy_with_logits(
+        labels=labels, logits=logits) * weights
+    num_tokens = tf.reduce_sum(weights, axis=1)
+    total = tf.reduce_sum(log_probs, axis=1)
+    fetches = py_utils.NestedMap(
+        log_probs=tf.identity(log_probs, name='log_probs'),
+        per_example_log_prob=tf.identity(total, name='per_example_log_prob'),
+        per_example_log_pplx=tf.identity(
+            -total / tf.maximum(num_tokens, 1.0), name='per_example_log_pplx'),
+        num_tokens=tf.identity(num_tokens, name='num_tokens'))
+    feeds = py_utils.NestedMap(ids=ids, labels=labels, weights=weights)
+    return fetches, feeds
+
+  def _InferenceGenerate(self):
+    seq_len = self.params.input.seq_len
+    prefix = tf.placeholder(tf.int32, [None, None], name='prefix')
+    max_len = tf.placeholder(tf.int32, [], name='max_len')
+    temperature = tf.placeholder(tf.float32, [], name='temperature')
+    top_k = tf.placeholder(tf.int32, [], name='top_k')
+    seed = tf.placeholder(tf.int32, [], name='seed')
+    prefix_len = tf.shape(prefix)[1]
+    checks = [
+        tf.debugging.assert_positive(
+            prefix_len, message='generate: prefix needs >= 1 token'),
+        tf.debugging.assert_less(
+            prefix_len, max_len, message='generate: max_len must exceed '
+            'the prefix length'),
+        tf.debugging.assert_less_equal(
+            max_len, seq_len, message=f'generate: max_len must be <= '
+            f'seq_len={seq_len}'),
+        tf.debugging.assert_non_negative(
+            temperature, message='generate: temperature must be >= 0'),
+        tf.debugging.assert_non_negative(
+            top_k, message='generate: top_k must be >= 0'),
+    ]
+    with tf.control_dependencies(checks):
+      # Positions past t do not matter (causal attention): start them at 0.
+      start = tf.pad(prefix, [[0, 0], [0, seq_len - prefix_len]])
+    start = tf.ensure_shape(start, [None, seq_len])
+    pos = tf.broadcast_to(tf.range(seq_len)[tf.newaxis, :], tf.shape(start))
+    theta = self.theta
+
+    def Body(t, cur):
+      logits = self.ComputePredictions(
+          theta, py_utils.NestedMap(ids=cur)).logits
+      token = NextToken(tf.gather(logits, t - 1, axis=1), t, temperature,
+                        top_k, seed)
+      return t + 1, tf.where(
+          tf.equal(pos, t), tf.broadcast_to(token[:, tf.newaxis],
+                                            tf.shape(cur)), cur)
+
+    _, out = tf.while_loop(lambda t, _: t < max_len, Body,
+                           (prefix_len, start))
+    fetches = py_utils.NestedMap(ids=tf.identity(out[:, :max_len], name='ids'))
+    feeds = py_utils.NestedMap(prefix=prefix, max_len=max_len,
+                               temperature=temperature, top_k=top_k, seed=seed)
+    return fetches, feeds
+
   # --- Decoding (--job=decoder_dev): sampled continuations of dev prefixes.
 
   def _DecodePrefixLen(self):
@@ -145,9 +273,12 @@ class TransformerLm(pipelined_task.PipelinedTask):
     if not 0 < prefix < seq_len:
       raise ValueError(f'{p.name}: decode_prefix_len={p.decode_prefix_len} '
                        f'must be in [1, seq_len={seq_len}).')
-    if p.decode_temperature <= 0:
+    if p.decode_temperature < 0:
       raise ValueError(f'{p.name}: decode_temperature='
-                       f'{p.decode_temperature} must be > 0.')
+                       f'{p.decode_temperature} must be >= 0 (0: greedy).')
+    if not isinstance(p.decode_top_k, int) or p.decode_top_k < 0:
+      raise ValueError(f'{p.name}: decode_top_k={p.decode_top_k!r} must be '
+                       'an int >= 0 (0: all tokens).')
     return prefix
 
   def Decode(self, input_batch):
@@ -164,12 +295,11 @@ class TransformerLm(pipelined_task.PipelinedTask):
     def Body(t, cur):
       logits = self.ComputePredictions(
           theta, py_utils.NestedMap(ids=cur)).logits
-      step_logits = tf.gather(logits, t - 1, axis=1) / p.decode_temperature
-      sample = tf.random.stateless_categorical(
-          step_logits, 1, seed=tf.stack([p.decode_seed, t]),
-          dtype=tf.int32)
+      sample = NextToken(tf.gather(logits, t - 1, axis=1), t,
+                         p.decode_temperature, p.decode_top_k, p.decode_seed)
       return t + 1, tf.where(
-          tf.equal(pos, t), tf.broadcast_to(sample, tf.shape(cur)), cur)
+          tf.equal(pos, t), tf.broadcast_to(sample[:, tf.newaxis],
+                                            tf.shape(cur)), cur)
 
     _, sampled = tf.while_loop(lambda t, _: t < seq_len, Body,
                                (tf.constant(prefix), start))

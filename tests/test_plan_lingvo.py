@@ -1,0 +1,171 @@
+"""The planner on Lingvo's flagship LM experiment (scaled down).
+
+tests/flagship_testlib.py's copy of `OneBWdsGPipeTransformer` (batch-major:
+its time axis trimmed to each batch's longest sentence at run time;
+`eval.samples_per_summary=0`), planned by `tools.plan` and the trainer's
+`--plan=auto`.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests import flagship_testlib
+from tests import zygote
+
+from lingvo_ext import registry
+from lingvo_ext.core import planner
+from lingvo_ext.core.planner import tree
+from lingvo_ext.tools import plan as plan_tool
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODEL = flagship_testlib.MODEL
+STACK = 'task.lm.stack'
+# A fixed machine: the comparisons below are of the model, not the host.
+MACHINE = planner.Machine(flops_per_s=1e10, s_per_op=1e-5, cores=2)
+
+
+@pytest.fixture(scope='module')
+def flagship(tmp_path_factory):
+  """The experiment's directory (for PYTHONPATH), registered in-process."""
+  root = tmp_path_factory.mktemp('flagship')
+  flagship_testlib.Write(root)
+  flagship_testlib.Register(root)
+  yield root
+  sys.path.remove(str(root))
+
+
+def _Longest(root):
+  """The most tokens a Train sentence of the corpus gives (words + </S>)."""
+  train = os.path.join(root, 'lm1b', 'training-monolingual.tokenized.shuffled')
+  return max(len(line.split()) + 1 for name in os.listdir(train)
+             for line in open(os.path.join(train, name)))
+
+
+def _Json(capsys, *flags):
+  rc = plan_tool.main([f'--model={MODEL}', '--devices=2', '--no-calibrate',
+                       '--json', *flags])
+  out = capsys.readouterr()
+  assert rc == 0, out.err[-3000:]
+  return json.loads(out.out)
+
+
+def testPlansTheFlagshipWithTheLengthItReads(flagship, capsys):
+  got = _Json(capsys)
+  [pipe] = got['pipelines']
+  assert pipe['path'] == STACK and pipe['cells'] == 2
+  seq = pipe['sequence_length']
+  # Read from tree.READ_BATCHES Train batches: each batch's longest sentence,
+  # within the corpus's longest, far below the bucket's bound (48).
+  assert len(seq['read']) == tree.READ_BATCHES and not seq['given']
+  assert all(2 <= n <= _Longest(flagship) for n in seq['read']), seq
+  assert seq['length'] == -(-sum(seq['read']) // len(seq['read']))
+  assert seq['maximum'] == 48 and seq['length'] < 48 // 4
+  # Said in the text output too.
+  assert plan_tool.main([f'--model={MODEL}', '--devices=2',
+                         '--no-calibrate']) == 0
+  out = capsys.readouterr().out
+  assert (f"sized for sequence length {seq['length']}: the mean longest "
+          f'sequence of {tree.READ_BATCHES} Train batches read now') in out
+  assert 'the input allows up to 48' in out
+
+
+def testTheReadLengthPredictsFasterThanTheBucketMaximum(flagship):
+  del flagship
+  cfg = planner.ExperimentParams(MODEL)
+  [real] = tree.ProfileTree(cfg, MODEL)
+  [most] = tree.ProfileTree(cfg, MODEL, length=48)
+  assert most.length.given and most.length.length == 48
+  assert real.length.length < 48
+  # The same cells on a shorter time axis: fewer FLOPs and kept bytes.
+  for a, b in zip(real.profile.layers, most.profile.layers):
+    assert a.flops < b.flops and a.kept_bytes <= b.kept_bytes
+  fast = tree.ChooseTree([real], 2, machine=MACHINE)[0][1][0]
+  slow = tree.ChooseTree([most], 2, machine=MACHINE)[0][1][0]
+  assert fast.step_s < slow.step_s
+
+
+def testTheOverrideIsPlannedAndItsTextParsesBackToThePlan(flagship, capsys):
+  del flagship
+  got = _Json(capsys, "--model_params_override=task.lm.stack.splits:4")
+  [pipe] = got['pipelines']
+  assert pipe['cells'] == 4
+  text = got['model_params_override']
+  assert text.startswith('task.lm.stack.splits:4; ')
+  assert f"--model_params_override='{text}'" in got['command']
+  best = pipe['best']
+  cfg = registry.GetParams(MODEL, 'Train', text)
+  stack = cfg.task.lm.stack
+  assert stack.splits == 4
+  assert stack.schedule == best['schedule']
+  assert stack.num_micro_batches == best['num_micro_batches']
+
+
+def testSplitsBeyondTheLayersAreRefusedNamingTheEmptyCells(flagship, capsys):
+  del flagship
+  rc = plan_tool.main([f'--model={MODEL}', '--devices=2', '--no-calibrate',
+                       '--model_params_override=task.lm.stack.splits:8'])
+  out = capsys.readouterr()
+  assert rc == 2 and not out.out
+  [line] = out.err.strip().splitlines()[-1:]
+  assert line.startswith('error: task.lm.stack: cells cell_4, cell_5, cell_6 '
+                         'hold no layer (8 cells'), line
+
+
+def testABadOverrideIsOneLine(flagship, capsys):
+  del flagship
+  rc = plan_tool.main([f'--model={MODEL}', '--devices=2',
+                       '--model_params_override=task.lm.stack.splitz:4'])
+  out = capsys.readouterr()
+  assert rc == 2 and not out.out
+  line = out.err.strip().splitlines()[-1]
+  assert line.startswith('error: ') and 'splitz' in line, out.err
+
+
+@pytest.mark.e2e
+def testTrainerPlanAutoRunsTheFlagship(flagship, tmp_path):
+  logdir = tmp_path / 'auto'
+  proc = zygote.run(
+      [sys.executable, '-m', 'lingvo_ext.trainer', f'--model={MODEL}',
+       f'--logdir={logdir}', '--plan=auto', '--devices=2', '--max_steps=2',
+       "--model_params_override=task.lm.stack.splits:4"],
+      cwd=ROOT, env=flagship_testlib.Env(flagship), stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT, text=True, timeout=600, check=False)
+  out = proc.stdout
+  assert proc.returncode == 0, out[-4000:]
+  [chose] = [l for l in out.splitlines() if '--plan=auto chose' in l]
+  assert '(sized for sequence length ' in chose
+  assert "--model_params_override='task.lm.stack.splits:4; " in chose
+  assert 'Train batches read now' in chose
+  assert out.count('overriding:') <= 1, out
+  assert os.path.exists(os.path.join(logdir, 'train'))
+
+
+def testTheTimeMajorFlagshipIsRefusedInOneLine(flagship, capsys):
+  del flagship
+  rc = plan_tool.main([f'--model={flagship_testlib.TIME_MAJOR_MODEL}',
+                       '--devices=2', '--no-calibrate'])
+  out = capsys.readouterr()
+  assert rc == 2 and not out.out
+  line = out.err.strip().splitlines()[-1]
+  assert line.startswith('error: task 1bwds_wpm_level_lm '
+                         '(FixedShapeInputLanguageModel) feeds task.lm'), line
+  assert 'BatchMajorLanguageModel' in line
+
+
+def testAnUnreadableInputIsOneLineNamingIt(flagship, capsys):
+  del flagship
+  rc = plan_tool.main([
+      f'--model={MODEL}', '--devices=2', '--no-calibrate',
+      '--model_params_override=input.tokenizer.token_vocab_filepath:'
+      '/nonexistent/vocab.txt'])
+  out = capsys.readouterr()
+  assert rc == 2 and not out.out
+  line = out.err.strip().splitlines()[-1]
+  assert line.startswith('error: input 1bwds_train_set: reading a batch for '
+                         'its sequence lengths failed: '), line
+  assert '/nonexistent/vocab.txt' in line and line.endswith(
+      'fix its files or tokenizer params.'), line
