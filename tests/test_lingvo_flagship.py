@@ -266,7 +266,7 @@ def testTheFlagshipInEveryJob(flagship, tmp_path):
     assert rc == 0, out[-3000:]
     metrics = _Metrics(out, f'evaler_{dataset}')
     assert metrics['total_samples'] == 40  # DEV_SAMPLES, TEST_SAMPLES
-    assert 6 < metrics['log_pplx'] < 6.5  # ~log(256) for an untrained LM.
+    assert 5 < metrics['log_pplx'] < 8  # log(256) = 5.5 for a uniform LM.
     assert metrics['num_predictions'] == metrics['num_words']
   # The decoder: Lingvo's LM has none; said up front.
   _Refused(flagship, tmp_path, [model, '--job=decoder_dev'],
