@@ -115,6 +115,14 @@ def _SavedModel(args):
           seed=tf.constant(seed))['ids'].numpy()
       out[f'saved_{name}'] = gen[:, prefix:]
       out[f'saved_{name}_prefix'] = gen[:, :prefix]
+    body = args.get('rest_body')
+    if body:  # TF Serving's columnar request: inputs by signature name.
+      sig = model.signatures[body['signature_name']]
+      specs = sig.structured_input_signature[1]
+      assert sorted(body['inputs']) == sorted(specs), (body, specs)
+      res = sig(**{k: tf.constant(v, dtype=specs[k].dtype)
+                   for k, v in body['inputs'].items()})
+      out['rest_outputs'] = res['ids'].numpy()
     out['vocab'] = np.array(
         open(model.assets['vocab.json'].asset_path.numpy().decode()).read())
   elif kind == 'image':

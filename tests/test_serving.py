@@ -75,6 +75,14 @@ def _ExportBothWays(logdir, model, export_dir, extra=(), env=None):
 
 
 _LM = 'lm.TransformerLmTinyGPipe'
+
+
+def _RestBody():
+  """The JSON request body docs/serving.md shows for TF Serving."""
+  with open(os.path.join(ROOT, 'docs', 'serving.md')) as f:
+    page = f.read()
+  block = page.split('<!-- serving: rest-body -->', 1)[1]
+  return json.loads(block.split('```json', 1)[1].split('```', 1)[0])
 _1F1B = ['--model_params_override=task.schedule:"1f1b";'
          'train.save_interval_seconds:3600', '--max_steps=3']
 
@@ -97,8 +105,10 @@ def testLmPredictorSavedModelAndEvalerAgree(lm_run):
   prefix = 8
   lv = _Probe('lingvo', tmp, model=_LM, checkpoint=ckpt, kind='lm',
               inference_graph=graph, prefix_len=prefix)
+  body = _RestBody()
   sm = _Probe('saved_model', tmp, export_dir=export_dir, kind='lm',
-              batch=str(tmp / 'lingvo.npz'), prefix_len=prefix)
+              batch=str(tmp / 'lingvo.npz'), prefix_len=prefix,
+              rest_body=body)
   assert list(sm['signatures']) == ['default', 'generate', 'serving_default']
   weights = lv['batch_weights']
   assert weights.sum() > 0
@@ -124,6 +134,11 @@ def testLmPredictorSavedModelAndEvalerAgree(lm_run):
   np.testing.assert_array_equal(sm['saved_greedy_prefix'],
                                 lv['batch_ids'][:, :prefix])
   assert not np.array_equal(sm['saved_greedy'], sm['saved_sampled'])
+  # docs/serving.md's TF Serving request body fits the signature.
+  assert sm['rest_outputs'].shape == (len(body['inputs']['prefix']),
+                                      body['inputs']['max_len'])
+  np.testing.assert_array_equal(sm['rest_outputs'][:, :4],
+                                body['inputs']['prefix'])
   # The vocabulary the model trained with, as the SavedModel's asset.
   with open(os.path.join(logdir, 'train', 'vocab.json')) as f:
     assert str(sm['vocab']) == f.read()

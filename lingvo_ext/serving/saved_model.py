@@ -11,6 +11,7 @@ inputs and outputs, the batch dimension dynamic, no Lingvo op in it, so
 
 import os
 import re
+import uuid
 
 import lingvo.compat as tf
 from lingvo.core import inference_graph_exporter
@@ -65,13 +66,43 @@ def Freeze(proto, checkpoint):
                {proto.saver_def.filename_tensor_name: checkpoint})
       frozen_def = internal_tf.FreezeSessionGraph(sess, graph.as_graph_def(),
                                                   fetch_ops)
-  _RenameFunctions(frozen_def, '_frozen')
+  # A name of its own per freeze: the process may hold other versions.
+  _RenameFunctions(frozen_def, '_frozen_' + uuid.uuid4().hex[:12])
+  _DropUnusedFunctions(frozen_def)
   _ConstantGathers(frozen_def)
   frozen = type(proto)()
   frozen.CopyFrom(proto)
   frozen.ClearField('saver_def')
   frozen.graph_def.CopyFrom(frozen_def)
   return frozen
+
+
+def _FunctionsCalled(nodes):
+  names = set()
+  for node in nodes:
+    for attr in node.attr.values():
+      if attr.HasField('func'):
+        names.add(attr.func.name)
+      names.update(f.name for f in attr.list.func)
+  return names
+
+
+def _DropUnusedFunctions(graph_def):
+  """Removes the functions no node calls (e.g. a dropped subgraph's loop).
+
+  The converter leaves them unfrozen, reading variables that are gone.
+  """
+  by_name = {f.signature.name: f for f in graph_def.library.function}
+  keep, todo = set(), list(_FunctionsCalled(graph_def.node))
+  while todo:
+    name = todo.pop()
+    if name in keep or name not in by_name:
+      continue
+    keep.add(name)
+    todo.extend(_FunctionsCalled(by_name[name].node_def))
+  kept = [f for f in graph_def.library.function if f.signature.name in keep]
+  del graph_def.library.function[:]
+  graph_def.library.function.extend(kept)
 
 
 def _ConstantGathers(graph_def):
@@ -112,8 +143,9 @@ def _RenameFunctions(graph_def, suffix):
   """Appends `suffix` to every function of graph_def, and to its callers.
 
   Freezing rewrites the loop and branch functions under their old names;
-  TensorFlow's eager context refuses a second, different definition of a
-  name it already holds from the unfrozen graph.
+  TensorFlow's eager context refuses or mixes up a second, different
+  definition of a name it already holds (the unfrozen graph's, or an
+  earlier export's).
   """
   names = {f.signature.name: f.signature.name + suffix
            for f in graph_def.library.function}
