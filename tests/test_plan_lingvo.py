@@ -18,6 +18,7 @@ from tests import zygote
 
 from lingvo_ext import registry
 from lingvo_ext.core import planner
+from lingvo_ext.core.engine import records
 from lingvo_ext.core.planner import tree
 from lingvo_ext.tools import plan as plan_tool
 
@@ -102,6 +103,22 @@ def testTheOverrideIsPlannedAndItsTextParsesBackToThePlan(flagship, capsys):
   assert stack.splits == 4
   assert stack.schedule == best['schedule']
   assert stack.num_micro_batches == best['num_micro_batches']
+
+
+def testNoPlanTheBuilderRefuses(flagship, capsys):
+  del flagship
+  for override in ('task.lm.stack.splits:2', 'task.lm.stack.splits:4'):
+    got = _Json(capsys, f'--model_params_override={override}')
+    [pipe] = got['pipelines']
+    offered = pipe['plans']
+    assert offered
+    for p in offered:
+      # The time axis is trimmed at run time: Lingvo's loop cannot run it.
+      assert p['schedule'] != 'recurrent', p
+      assert records.Refusal(p['schedule'], p['num_cells'],
+                             p['devices_per_replica'],
+                             p['num_micro_batches'],
+                             static_shapes=False) is None, p
 
 
 def testSplitsBeyondTheLayersAreRefusedNamingTheEmptyCells(flagship, capsys):

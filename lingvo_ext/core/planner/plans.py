@@ -191,7 +191,8 @@ def Enumerate(profile: ModelProfile, devices: int,
               max_micro_batches: int = MAX_MICRO_BATCHES,
               sync_choices: Sequence[str] = SYNC_CHOICES,
               micro_batches: Optional[Sequence[int]] = None,
-              jit_choices: Sequence[object] = ('auto',)) -> List[Plan]:
+              jit_choices: Sequence[object] = ('auto',),
+              static_shapes: bool = True) -> List[Plan]:
   """Every plan of `profile` on at most `devices` devices (not predicted).
 
   Args:
@@ -204,10 +205,13 @@ def Enumerate(profile: ModelProfile, devices: int,
     micro_batches: If given, only these M.
     jit_choices: jit_compile values considered. The prediction does not
       model XLA; 'auto' leaves it to the timing when the model is built.
+    static_shapes: Whether the pipeline's inputs have every dim known when
+      the graph is built (False: a time axis trimmed at run time).
 
   Returns:
     The plans: D * R <= N, R divides the global batch, M divides the replica
-    batch, and the schedule applies (see the module docstring).
+    batch, and the schedule applies (see the module docstring), none that
+    the pipeline would refuse when built (`records.Refusal`).
   """
   if devices < 1:
     raise ValueError('devices=%r must be >= 1.' % (devices,))
@@ -250,7 +254,10 @@ def Enumerate(profile: ModelProfile, devices: int,
                     num_micro_batches=m, schedule=name, recompute=rc,
                     replicas=r, gradient_sync=sync, global_batch=batch,
                     jit_compile=jit) for jit in jit_choices]
-  return plans
+  # The builder's own conditions, so that no plan offered is refused.
+  return [p for p in plans if records.Refusal(
+      p.schedule, p.num_cells, p.devices_per_replica, p.num_micro_batches,
+      static_shapes=static_shapes) is None]
 
 
 # --- Prediction ---------------------------------------------------------------

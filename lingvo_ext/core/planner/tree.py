@@ -388,7 +388,8 @@ def _Ranked(pipe: TreePipeline, devices: int,
         f'{pipe.path}: cells {", ".join(empty)} hold no layer ({k} cells, '
         'more than the layers to cut); use fewer cells, e.g. a lower '
         f'{pipe.path}.splits.')
-  plans = [p for p in Enumerate(pipe.profile, devices, sync_choices=('shared',))
+  plans = [p for p in Enumerate(pipe.profile, devices, sync_choices=('shared',),
+                                static_shapes=pipe.length is None)
            if p.num_cells == k and p.replicas == 1]
   if not plans:
     raise PlanError(f'{pipe.path}: no plan keeps its {k} cells on '
