@@ -18,10 +18,14 @@ from a numpy Gaussian(1/sqrt(width)) with seed i + 1 and zero biases.
 
 `--model transformer` is bench/transformer.py's model at the same sizes:
 token embedding plus Lingvo's sinusoidal position embedding, `--layers`
-`nn.TransformerEncoderLayer`s (d_model 64, dim_feedforward 128, nhead 2, ReLU,
-dropout 0, batch_first, norm_first=True, LayerNorm eps 1e-6), a 64 -> 32
-softmax layer, the summed token cross-entropy of 16 time steps x `--batch`
-(default 32) from the same random ids and labels, backward, SGD (lr 1e-4).
+`nn.TransformerEncoderLayer`s (d_model `--model_dim` 64, dim_feedforward
+`--hidden` 128, nhead `--heads` 2, ReLU, dropout 0, batch_first,
+norm_first=True, LayerNorm eps 1e-6), a d_model -> 32 softmax layer, the
+summed token cross-entropy of `--time_steps` 16 x `--batch` (default 32)
+from the same random ids and labels, backward, SGD (lr 1e-4).
+`--bf16_autocast` adds torch/plain under `torch.autocast('cpu',
+torch.bfloat16)` around the forward pass and loss (records say dtype
+'bfloat16'): torch's mixed precision, float32 weights and updates.
 Lingvo's default GPipeTransformerLayer is pre-LN too; it differs in that its
 attention residual adds the *normalized* input (`add_unnormalized_input`
 False: LN(x) + Attn(LN(x)); torch: x + Attn(LN(x))) and its queries have a
@@ -31,7 +35,8 @@ learned per-dimension scale (`enable_per_dim_scale`) where torch scales by
 embedding in the first stage and the softmax in the last.
 
 Implementations (impl names in the records):
-  torch/plain   eager, one process, `--threads` intra-op threads.
+  torch/plain   eager, one process, `--threads` intra-op threads (also in
+                bf16 autocast with `--bf16_autocast`).
   torch/gpipe   torch.distributed.pipelining.ScheduleGPipe, K stages in K
   torch/1f1b    processes (Schedule1F1B), gloo over 127.0.0.1, each process
                 `--threads` // K intra-op threads (its share of the cores);
@@ -129,6 +134,8 @@ def Jobs(args) -> List[Dict]:
   jobs = []
   if not args.no_plain:
     jobs.append(dict(impl=IMPL_PREFIX + 'plain', K=1, M=1))
+    if getattr(args, 'bf16_autocast', False):
+      jobs.append(dict(impl=IMPL_PREFIX + 'plain', K=1, M=1, autocast=True))
   for k in args.K:
     if k < 2:
       continue  # One stage is the plain model.
@@ -139,6 +146,12 @@ def Jobs(args) -> List[Dict]:
           job['skip'] = 'Schedule1F1B needs M >= K'
         jobs.append(job)
   return jobs
+
+
+def TransformerDims(args) -> Dict:
+  """TRANSFORMER with the sizes given on the command line."""
+  return {name: (getattr(args, name, None) or value)
+          for name, value in TRANSFORMER.items()}
 
 
 def Threads(total: int, num_processes: int) -> int:
@@ -187,14 +200,17 @@ def Record(job: Dict, args, times_s: Sequence[float], first_loss: float,
     # bench/transformer.py's --loss last_cell, never a recompute.
     rec.update(variant=job['impl'], L=args.layers, ops=None,
                loss='after' if job['impl'] == IMPL_PREFIX + 'plain'
-               else 'last_cell', **TRANSFORMER)
+               else 'last_cell',
+               dtype='bfloat16' if job.get('autocast') else 'float32',
+               **job.get('dims', TRANSFORMER))
   return rec
 
 
 def AddRatios(records: List[Dict]) -> None:
   """vs_torch_plain on every torch record, where torch/plain was run."""
   plain = {r['model']: r for r in records
-           if r['impl'] == IMPL_PREFIX + 'plain'}
+           if r['impl'] == IMPL_PREFIX + 'plain'
+           and r.get('dtype', 'float32') == 'float32'}
   for r in records:
     if r['impl'].startswith(IMPL_PREFIX) and r['model'] in plain:
       r['vs_torch_plain'] = round(
@@ -216,7 +232,9 @@ def Markdown(records: Sequence[Dict]) -> str:
       continue
     lines.append('| %s | %d | %d | %d x %d | %s (%s-%s) | %s | %s | %.6g | %s '
                  '| %s (%s) |' % (
-                     r['impl'], r['K'], r['M'], r['processes'],
+                     r['impl'] + (' (bf16 autocast)' if r.get('dtype') ==
+                                  'bfloat16' else ''),
+                     r['K'], r['M'], r['processes'],
                      r['threads_per_process'], _F(r['step_ms']),
                      _F(r['p25_ms']), _F(r['p75_ms']),
                      _F(r.get('vs_torch_plain'), '%.2f'),
@@ -232,8 +250,12 @@ def Markdown(records: Sequence[Dict]) -> str:
 
 def TransformerRecords(torch_python: str, num_layers: Sequence[int],
                        km_pairs: Sequence[Tuple[int, int]], steps: int,
-                       timeout_s: int = 600) -> List[Dict]:
+                       timeout_s: int = 600, dims: Optional[Dict] = None,
+                       bf16_autocast: bool = False) -> List[Dict]:
   """Runs this file's transformer model with `torch_python`, per (L, K, M).
+
+  `dims`: TRANSFORMER's keys (sizes; its values by default) and 'batch'.
+  `bf16_autocast`: torch/plain also in bf16 autocast.
 
   Returns records in bench/transformer.py's format (variant 'torch/plain',
   'torch/gpipe', 'torch/1f1b'; torch/plain under each (L, K, M) it was timed
@@ -244,6 +266,11 @@ def TransformerRecords(torch_python: str, num_layers: Sequence[int],
     cmd = [torch_python, os.path.abspath(__file__), '--model', 'transformer',
            '--layers', str(l), '--K', str(k), '--M', str(m), '--steps',
            str(steps), '--timeout_s', str(timeout_s)]
+    for name, value in sorted((dims or {}).items()):
+      if name != 'vocab':
+        cmd += ['--' + name, str(value)]
+    if bf16_autocast:
+      cmd.append('--bf16_autocast')
     _Log('torch L=%d K=%d M=%d' % (l, k, m))
     try:
       res = subprocess.run(cmd, capture_output=True, text=True, check=False,
@@ -267,25 +294,33 @@ def TransformerRecords(torch_python: str, num_layers: Sequence[int],
 
 def MergeByConfig(records: Sequence[Dict],
                   more: Sequence[Dict]) -> List[Dict]:
-  """records + more, grouped by (L, K, M) in the order first seen."""
+  """records + more, grouped by (L, K, M, d_model) in the order first seen."""
   order = {}
+
+  def _Key(r):
+    return (r['L'], r['K'], r['M'],
+            r.get('d_model', r.get('model_dim', TRANSFORMER['model_dim'])))
+
   for r in list(records) + list(more):
-    order.setdefault((r['L'], r['K'], r['M']), len(order))
-  return sorted(list(records) + list(more),
-                key=lambda r: order[(r['L'], r['K'], r['M'])])
+    order.setdefault(_Key(r), len(order))
+  return sorted(list(records) + list(more), key=lambda r: order[_Key(r)])
 
 
 def WithTransformerRecords(records: Sequence[Dict],
                            torch_python: Optional[str],
                            num_layers: Sequence[int],
                            km_pairs: Sequence[Tuple[int, int]],
-                           steps: int) -> List[Dict]:
+                           steps: int, dims_list: Sequence[Dict] = (None,),
+                           bf16_autocast: bool = False) -> List[Dict]:
   """bench/transformer.py's records with the torch rows of each (L, K, M)
-  beside them; `records` alone when torch_python is None (no torch)."""
+  and sizes beside them; `records` alone when torch_python is None."""
   if not torch_python:
     return list(records)
-  return MergeByConfig(records, TransformerRecords(torch_python, num_layers,
-                                                   km_pairs, steps))
+  more = []
+  for dims in dims_list:
+    more += TransformerRecords(torch_python, num_layers, km_pairs, steps,
+                               dims=dims, bf16_autocast=bf16_autocast)
+  return MergeByConfig(records, more)
 
 
 # --- Workers (torch) ----------------------------------------------------------
@@ -320,13 +355,15 @@ def Input(batch: int, width: int) -> np.ndarray:
   return np.random.RandomState(0).randn(batch, width).astype(np.float32)
 
 
-def TransformerData(batch: int) -> Tuple[np.ndarray, np.ndarray]:
+def TransformerData(
+    batch: int, dims: Optional[Dict] = None) -> Tuple[np.ndarray, np.ndarray]:
   """bench/transformer.py's ids and labels ([time, batch] there), [batch,
   time]."""
+  dims = dims or TRANSFORMER
   rng = np.random.RandomState(0)
-  shape = [TRANSFORMER['time_steps'], batch]
-  ids = rng.randint(0, TRANSFORMER['vocab'], shape)
-  labels = rng.randint(0, TRANSFORMER['vocab'], shape)
+  shape = [dims['time_steps'], batch]
+  ids = rng.randint(0, dims['vocab'], shape)
+  labels = rng.randint(0, dims['vocab'], shape)
   return ids.T.astype(np.int64), labels.T.astype(np.int64)
 
 
@@ -370,7 +407,7 @@ def _TransformerModules(job: Dict):
   """This process's part of the Transformer: all of it, or one stage."""
   import torch  # pylint: disable=g-import-not-at-top
   from torch import nn  # pylint: disable=g-import-not-at-top
-  t = TRANSFORMER
+  t = job['dims']
 
   class Embedding(nn.Module):
     """Token embedding plus Lingvo's sinusoidal positions: [b, T, D]."""
@@ -407,8 +444,8 @@ def _Model(job: Dict):
   """(modules, inputs, target, loss_fn(output, target) -> scalar)."""
   import torch  # pylint: disable=g-import-not-at-top
   if job['model'] == 'transformer':
-    ids, labels = TransformerData(job['batch'])
-    vocab = TRANSFORMER['vocab']
+    ids, labels = TransformerData(job['batch'], job['dims'])
+    vocab = job['dims']['vocab']
 
     def Xent(logits, target):
       return torch.nn.functional.cross_entropy(
@@ -455,9 +492,14 @@ def RunPlain(job: Dict) -> Dict:
   opt = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE[job['model']])
   first_losses = []
 
+  # torch's mixed precision: bf16 matmuls, float32 weights and updates.
+  autocast = torch.autocast('cpu', dtype=torch.bfloat16,
+                            enabled=bool(job.get('autocast')))
+
   def Step():
     opt.zero_grad(set_to_none=True)
-    loss = loss_fn(model(x), target)
+    with autocast:
+      loss = loss_fn(model(x), target)
     loss.backward()
     opt.step()
     if not first_losses:
@@ -549,7 +591,7 @@ def RunJob(job: Dict, args, torch_info: Dict) -> Dict:
   num_procs = 1 if job['impl'] == IMPL_PREFIX + 'plain' else k
   job = dict(job, model=args.model, width=args.width, batch=args.batch,
              layers=args.layers, steps=args.steps, warmup=args.warmup,
-             init_npz=args.init_npz,
+             init_npz=args.init_npz, dims=TransformerDims(args),
              threads=(args.threads if num_procs == 1 else
                       Threads(args.threads, num_procs)),
              timeout_s=args.timeout_s)
@@ -637,6 +679,13 @@ def ParseArgs(argv=None):
                       help='Bound on each job and each collective wait.')
   parser.add_argument('--markdown', action='store_true',
                       help='Print a markdown table instead of JSON lines.')
+  for name, value in TRANSFORMER.items():
+    if name != 'vocab':
+      parser.add_argument('--' + name, type=int,
+                          help='Transformer only (default %d).' % value)
+  parser.add_argument('--bf16_autocast', action='store_true',
+                      help='Transformer only: torch/plain also in bf16 '
+                      'autocast.')
   parser.add_argument('--_worker', help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   if args._worker:  # pylint: disable=protected-access
@@ -647,6 +696,18 @@ def ParseArgs(argv=None):
       if getattr(args, name) is not None:
         parser.error('--%s is for --model homogeneous; drop it for the '
                      'transformer.' % name)
+    for name in TRANSFORMER:
+      value = getattr(args, name, None)
+      if value is not None and value < 1:
+        parser.error('--%s must be >= 1.' % name)
+    dims = TransformerDims(args)
+    if dims['model_dim'] % dims['heads']:
+      parser.error('--model_dim %d is not divisible by --heads %d; pick '
+                   'heads that divide it.' % (dims['model_dim'], dims['heads']))
+  else:
+    for name in list(TRANSFORMER) + ['bf16_autocast']:
+      if getattr(args, name, None):
+        parser.error('--%s is for --model transformer; drop it.' % name)
   for name, value in (TRANSFORMER_DEFAULTS if transformer else d).items():
     if getattr(args, name) is None:
       setattr(args, name, value)

@@ -35,6 +35,22 @@ runs both side by side; 'lingvo' rows always have the loss after.
   .venv/bin/python bench/transformer.py --L 8 --K 2 --M 4 \
       --variants unrolled 1f1b --loss after last_cell
 
+Sizes: `--d_model` (one configuration each), `--hidden` (one per width,
+default 2x), `--seq`, `--batch`, `--heads`; the defaults are the small stack
+above. The size ladder (a real and a wide width, float32 and bf16):
+
+  .venv/bin/python bench/transformer.py --L 4 --K 2 --M 4 --seq 64 \
+      --batch 16 --heads 8 --d_model 512 1024 --hidden 2048 4096 \
+      --dtype float32,bfloat16 --variants lingvo unrolled unrolled+jit \
+      --steps 3 --markdown
+
+Each (sizes, dtype) also gets a 'floor' row (`--no-floor`: none): the GEMM
+floor (bench/gemm_floor.py), the step's matmul FLOPs counted from its graph
+(cells inline) at the pace this process measures for each of the step's
+matmul shapes, on the same thread pools; `--markdown` prints every column
+as a multiple of it first. torch eager also runs in bf16 autocast when
+--dtype has bfloat16 (`--bf16_autocast`).
+
 Variants: 'lingvo' (lingvo.core.gpipe), and lingvo_ext '<schedule>' with
 optional '+inline' (`cell_functions=False`: each (cell, micro-batch) its own
 copy of the cell's ops; the default, '+functions', builds each cell once as a
@@ -57,37 +73,38 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_VARIANTS = ('lingvo', 'unrolled', 'unrolled+inline', '1f1b',
                     '1f1b+inline', 'recurrent')
 T, B, D, HIDDEN, HEADS, VOCAB = 16, 32, 64, 128, 2, 32
+# The sizes (flags of the same names): the small default.
+DIMS = dict(d_model=D, hidden=HIDDEN, seq=T, batch=B, heads=HEADS)
+# The floor's pseudo-variant: the step's matmuls at this machine's pace.
+FLOOR = 'floor'
 
 
-def _Child(variant: str, num_layers: int, k: int, m: int, steps: int,
-           dtype: str = 'float32', intra_op_threads: int = 1,
-           loss_placement: str = 'after') -> dict:
-  """Builds and times one configuration in this process.
+def StepMatmulFlops(num_layers: int, d_model: int, hidden: int, seq: int,
+                    batch: int, vocab: int = VOCAB) -> int:
+  """The training step's matmul FLOPs by formula (bench/gemm_floor.py counts
+  them from the graph): per encoder layer the query, key and output
+  projections (3 d^2 per token: Lingvo's attention has no value projection,
+  `enable_ctx_pre_proj=False`; torch's has one), the feed-forward (2 d hidden
+  per token) and attention's logits and context (2 seq d per token, all
+  heads); the softmax's d vocab per token; 2 FLOPs a multiply-add; backward
+  twice the forward (each matmul has two operand gradients; the embedding is
+  a gather)."""
+  tokens = seq * batch
+  per_layer = 3 * d_model**2 + 2 * d_model * hidden + 2 * seq * d_model
+  forward = 2 * tokens * (num_layers * per_layer + d_model * vocab)
+  return 3 * forward
 
-  `dtype` 'bfloat16': the stack's fprop_dtype (Lingvo's mixed precision:
-  float32 variables and updates, bfloat16 cells and states between them).
-  `loss_placement` 'last_cell': lingvo_ext's loss_in_last_cell (not for 'lingvo').
-  """
-  t0 = time.time()
-  sys.path.insert(0, _REPO)
-  import lingvo_ext  # pylint: disable=g-import-not-at-top,unused-import
+
+def _Build(variant: str, num_layers: int, k: int, m: int, dtype: str,
+           loss_placement: str, dims: dict):
+  """The stack's training step in a new graph: (graph, loss, train, init)."""
   import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
   from lingvo.core import cluster_factory  # pylint: disable=g-import-not-at-top
   from lingvo.core import layers_with_gpipe as lingvo_stacks  # pylint: disable=g-import-not-at-top
   from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   from lingvo_ext.core import layers_with_gpipe as ext_stacks  # pylint: disable=g-import-not-at-top
-  from lingvo_ext.core import precision  # pylint: disable=g-import-not-at-top
-  py_utils.SetEagerMode(False)
-  if intra_op_threads:
-    # lingvo_ext's cell functions are tf.functions: defining one starts
-    # TensorFlow's eager context, whose thread pools (made first, with
-    # TensorFlow's defaults) the session then uses, whatever its config
-    # says. Set them here so every variant runs on the same pools.
-    tf.config.threading.set_intra_op_parallelism_threads(intra_op_threads)
-    tf.config.threading.set_inter_op_parallelism_threads(2)
-  t_import = time.time() - t0
-  t0 = time.time()
+  d, seq, batch = dims['d_model'], dims['seq'], dims['batch']
   schedule, *extras = variant.split('+')
   stacks = lingvo_stacks if schedule == 'lingvo' else ext_stacks
   g = tf.Graph()
@@ -96,17 +113,17 @@ def _Child(variant: str, num_layers: int, k: int, m: int, steps: int,
     tf.random.set_seed(1)
     global_step = py_utils.GetOrCreateGlobalStepVar()
     p = stacks.GPipeTransformerStack.Params().Set(
-        name='transformer', model_dim=D, num_encoder_layers=num_layers,
+        name='transformer', model_dim=d, num_encoder_layers=num_layers,
         num_decoder_layers=0, splits=k, num_micro_batches=m,
         state_dtype=tf.float32, random_seed=0)
     if dtype == 'bfloat16':
       p.fprop_dtype = p.state_dtype = tf.bfloat16
-    p.encoder_tpl.source_dim = D
-    p.encoder_tpl.tr_atten_tpl.num_attention_heads = HEADS
-    p.encoder_tpl.tr_fflayer_tpl.hidden_dim = HIDDEN
-    p.emb_tpl.token_emb.Set(embedding_dim=D, vocab_size=VOCAB)
-    p.emb_tpl.position_emb.embedding_dim = D
-    p.softmax_tpl.Set(input_dim=D, num_classes=VOCAB)
+    p.encoder_tpl.source_dim = d
+    p.encoder_tpl.tr_atten_tpl.num_attention_heads = dims['heads']
+    p.encoder_tpl.tr_fflayer_tpl.hidden_dim = dims['hidden']
+    p.emb_tpl.token_emb.Set(embedding_dim=d, vocab_size=VOCAB)
+    p.emb_tpl.position_emb.embedding_dim = d
+    p.softmax_tpl.Set(input_dim=d, num_classes=VOCAB)
     if schedule != 'lingvo':
       p.schedule = schedule
       p.cell_functions = 'inline' not in extras
@@ -114,10 +131,11 @@ def _Child(variant: str, num_layers: int, k: int, m: int, steps: int,
       p.loss_in_last_cell = loss_placement == 'last_cell'
     net = p.Instantiate()
     rng = np.random.RandomState(0)
-    ids = tf.constant(rng.randint(0, VOCAB, [T, B]), tf.int32)
-    labels = tf.constant(rng.randint(0, VOCAB, [T, B]), tf.int32)
-    xent, _ = net.FPropDefaultTheta(ids, tf.zeros([T, B]), labels=labels,
-                                    label_weights=tf.ones([T, B]))
+    ids = tf.constant(rng.randint(0, VOCAB, [seq, batch]), tf.int32)
+    labels = tf.constant(rng.randint(0, VOCAB, [seq, batch]), tf.int32)
+    xent, _ = net.FPropDefaultTheta(ids, tf.zeros([seq, batch]),
+                                    labels=labels,
+                                    label_weights=tf.ones([seq, batch]))
     loss = tf.reduce_sum(tf.cast(xent, tf.float32))
     variables = net.vars.Flatten()
     grads = tf.gradients(loss, variables, colocate_gradients_with_ops=True)
@@ -125,13 +143,79 @@ def _Child(variant: str, num_layers: int, k: int, m: int, steps: int,
         [tf.assign_sub(v, 1e-4 * tf.convert_to_tensor(dv))
          for v, dv in zip(variables, grads)] + [tf.assign_add(global_step, 1)])
     init = tf.global_variables_initializer()
-  ops = len(g.get_operations())
-  from lingvo_ext.core import precision  # pylint: disable=g-import-not-at-top
-  cross_bytes, _ = precision.CrossDeviceBytes(g)
-  t_build = time.time() - t0
-  config = tf.config_pb2.ConfigProto(
+  return g, loss, train, init
+
+
+def _SetPools(intra_op_threads: int) -> None:
+  """lingvo_ext's cell functions are tf.functions: defining one starts
+  TensorFlow's eager context, whose thread pools (made first, with
+  TensorFlow's defaults) the session then uses, whatever its config says.
+  Set them first so every variant runs on the same pools."""
+  import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
+  if intra_op_threads:
+    tf.config.threading.set_intra_op_parallelism_threads(intra_op_threads)
+    tf.config.threading.set_inter_op_parallelism_threads(2)
+
+
+def _SessionConfig(k: int, intra_op_threads: int):
+  import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
+  return tf.config_pb2.ConfigProto(
       device_count={'CPU': k}, inter_op_parallelism_threads=2,
       intra_op_parallelism_threads=intra_op_threads)
+
+
+def _FloorChild(num_layers: int, k: int, m: int, dtype: str,
+                intra_op_threads: int, dims: dict) -> dict:
+  """The GEMM floor of the default build's step (its matmuls, counted from
+  the graph with cells inline: the same matmuls), timed in this process on
+  the variants' thread pools."""
+  sys.path.insert(0, _REPO)
+  import lingvo_ext  # pylint: disable=g-import-not-at-top,unused-import
+  from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
+  from bench import gemm_floor  # pylint: disable=g-import-not-at-top
+  py_utils.SetEagerMode(False)
+  _SetPools(intra_op_threads)
+  _, _, train, _ = _Build('unrolled+inline', num_layers, k, m, dtype, 'after',
+                          dims)
+  shapes = gemm_floor.MatmulShapes([train])
+  floor = gemm_floor.Floor(shapes, _SessionConfig(k, intra_op_threads))
+  return dict(variant=FLOOR, dtype=dtype, L=num_layers, K=k, M=m,
+              loss='after', **dims, step_ms=floor['floor_ms'],
+              formula_gflop=round(StepMatmulFlops(
+                  num_layers, dims['d_model'], dims['hidden'], dims['seq'],
+                  dims['batch']) / 1e9, 4), **floor)
+
+
+def _Child(variant: str, num_layers: int, k: int, m: int, steps: int,
+           dtype: str = 'float32', intra_op_threads: int = 1,
+           loss_placement: str = 'after', dims: dict = None) -> dict:
+  """Builds and times one configuration in this process.
+
+  `dtype` 'bfloat16': the stack's fprop_dtype (Lingvo's mixed precision:
+  float32 variables and updates, bfloat16 cells and states between them).
+  `loss_placement` 'last_cell': lingvo_ext's loss_in_last_cell (not for 'lingvo').
+  `dims`: DIMS's keys.
+  """
+  dims = dict(DIMS, **(dims or {}))
+  if variant == FLOOR:
+    return _FloorChild(num_layers, k, m, dtype, intra_op_threads, dims)
+  t0 = time.time()
+  sys.path.insert(0, _REPO)
+  import lingvo_ext  # pylint: disable=g-import-not-at-top,unused-import
+  import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
+  from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.core import precision  # pylint: disable=g-import-not-at-top
+  py_utils.SetEagerMode(False)
+  _SetPools(intra_op_threads)
+  t_import = time.time() - t0
+  t0 = time.time()
+  g, loss, train, init = _Build(variant, num_layers, k, m, dtype,
+                                loss_placement, dims)
+  ops = len(g.get_operations())
+  cross_bytes, _ = precision.CrossDeviceBytes(g)
+  t_build = time.time() - t0
+  config = _SessionConfig(k, intra_op_threads)
   with tf.Session(graph=g, config=config) as sess:
     sess.run(init)
     loss0, _ = sess.run([loss, train])
@@ -154,8 +238,8 @@ def _Child(variant: str, num_layers: int, k: int, m: int, steps: int,
   calls_ms = sum(v for o, v in ms_by_op.items() if o in timeline.CALL_OPS)
   from tensorflow.python.util import _pywrap_util_port  # pylint: disable=g-import-not-at-top,g-direct-tensorflow-import
   return dict(
-      variant=variant, dtype=dtype, L=num_layers, K=k, M=m, ops=ops,
-      loss='after' if schedule == 'lingvo' else loss_placement,
+      variant=variant, dtype=dtype, L=num_layers, K=k, M=m, ops=ops, **dims,
+      loss='after' if variant == 'lingvo' else loss_placement,
       # Call ops in the graph: with recompute, a backward pass calls each
       # cell's forward function again.
       call_ops=sum(1 for o in g.get_operations()
@@ -224,35 +308,42 @@ def Pairs(ks, ms):
 
 def Run(variants, num_layers, km_pairs, steps, timeout_s=1800,
         dtypes=('float32',), runner=subprocess.run, intra_op_threads=1,
-        losses=('after',)):
+        losses=('after',), dims_list=(DIMS,)):
   """Each configuration in a fresh child; returns the records.
 
   `runner`: subprocess.run, or a stand-in with its signature (the tests fork
-  the children from a pre-imported server, tests/zygote.py).
+  the children from a pre-imported server, tests/zygote.py). `dims_list`:
+  the sizes (DIMS's keys) to run each configuration at. Variant FLOOR: the
+  GEMM floor (bench/gemm_floor.py), once per sizes and dtype.
   """
   records = []
-  for l, (k, m), loss, v, dtype in itertools.product(
-      num_layers, km_pairs, losses, variants, dtypes):
-    if v == 'lingvo' and loss != 'after':
+  for dims, l, (k, m), loss, v, dtype in itertools.product(
+      dims_list, num_layers, km_pairs, losses, variants, dtypes):
+    if v in ('lingvo', FLOOR) and loss != losses[0]:
       continue  # Lingvo's stack has the loss after its pipeline only.
+    dims = dict(DIMS, **dims)
     cmd = [sys.executable, os.path.abspath(__file__), '--_child', v,
            '--L', str(l), '--K', str(k), '--M', str(m), '--steps',
            str(steps), '--dtype', dtype, '--intra_op_threads',
            str(intra_op_threads), '--loss', loss]
-    print('[bench] %s %s L=%d K=%d M=%d loss %s' % (v, dtype, l, k, m, loss),
+    for name, value in dims.items():
+      cmd += ['--' + name, str(value)]
+    print('[bench] %s %s L=%d K=%d M=%d loss %s d_model %d' %
+          (v, dtype, l, k, m, loss, dims['d_model']),
           file=sys.stderr, flush=True)
     try:
       res = runner(cmd, capture_output=True, text=True, timeout=timeout_s,
                    check=False)
     except subprocess.TimeoutExpired:
       records.append(dict(variant=v, dtype=dtype, L=l, K=k, M=m, loss=loss,
-                          error='timeout %ds' % timeout_s))
+                          error='timeout %ds' % timeout_s, **dims))
       continue
     lines = [x for x in res.stdout.splitlines() if x.startswith('{')]
     if res.returncode or not lines:
       tail = res.stderr.strip().splitlines()[-1:] or ['no output']
       records.append(dict(variant=v, dtype=dtype, L=l, K=k, M=m, loss=loss,
-                          error='exit %d: %s' % (res.returncode, tail[0])))
+                          error='exit %d: %s' % (res.returncode, tail[0]),
+                          **dims))
       continue
     records.append(json.loads(lines[-1]))
   return records
@@ -282,15 +373,15 @@ def MarkdownDtypes(records) -> str:
   for r in records:
     if 'error' not in r:
       name = r['variant'] + _LossLabel(r)
-      by.setdefault((r['L'], r['K'], r['M'], name),
+      by.setdefault((r['L'], r['K'], r['M'], name, _Sizes(r)),
                     {})[r.get('dtype', 'float32')] = r
   rows = ['| L, K, M | variant | float32 ms | bf16 ms | bf16 / float32 | '
           'bytes between cells float32 / bf16 | op time: MatMul ms float32 / '
           'bf16 | Cast ms bf16 | all ops ms float32 / bf16, calls excluded | '
           'MatMul share float32 | ops run float32 / bf16 | oneDNN |',
           '|---|---|---|---|---|---|---|---|---|---|---|---|']
-  for (l, k, m, v), d in by.items():
-    if set(DTYPES) <= set(d):
+  for (l, k, m, v, _), d in by.items():
+    if set(DTYPES) <= set(d) and v != FLOOR and not v.startswith('torch'):
       f, b = d['float32'], d['bfloat16']
       rows.append('| %d, %d, %d | %s | %.1f | %.1f | %.2fx | %d / %d | '
                   '%.1f / %.1f | %.1f | %.1f / %.1f | %s | %s / %s | %s |' %
@@ -314,6 +405,75 @@ def OneDnnCell(record) -> str:
       else '')
 
 
+def _Sizes(r) -> tuple:
+  """(d_model, hidden, seq, batch, heads) of a record (torch's too)."""
+  def get(a, b, default):
+    return r.get(a, r.get(b, default))
+
+  return (get('d_model', 'model_dim', D), r.get('hidden', HIDDEN),
+          get('seq', 'time_steps', T), r.get('batch', B), r.get('heads', HEADS))
+
+
+def MarkdownLadder(records) -> str:
+  """Per sizes, (L, K, M) and dtype: the floor and each column as a
+  multiple of it (the issue's size ladder)."""
+  groups = {}
+  for r in records:
+    if 'error' in r:
+      continue
+    key = (_Sizes(r), r['L'], r['K'], r['M'], r.get('dtype', 'float32'))
+    groups.setdefault(key, []).append(r)
+  rows = ['| d_model, hidden, T, B, heads | L, K, M | dtype | GEMM floor ms '
+          '(GFLOP, GFLOP/s) | default ms (x floor) | best build ms (x floor) '
+          '| torch eager ms (x floor) | default / torch eager | torch GPipe / '
+          '1F1B ms (x floor) | Lingvo ms (x floor) | default / float32 '
+          'default |', '|---|---|---|---|---|---|---|---|---|---|---|']
+
+  def _Cell(r, floor):
+    if r is None:
+      return '-'
+    if floor is None:
+      return '%.1f' % r['step_ms']
+    return '%.1f (%.2fx)' % (r['step_ms'], r['step_ms'] / floor['step_ms'])
+
+  for key, rs in groups.items():
+    sizes, l, k, m, dtype = key
+    by = {}
+    for r in rs:
+      # torch's pipelines always have the loss in the last stage.
+      by.setdefault(r['variant'] + (
+          '' if r['variant'].startswith('torch') else _LossLabel(r)), r)
+    floor = by.get(FLOOR)
+    default = by.get('unrolled')
+    ext = [(n, r) for n, r in by.items() if n != FLOOR and n != 'lingvo'
+           and not n.startswith('torch')]
+    best_name, best = min(ext, key=lambda x: x[1]['step_ms'],
+                          default=(None, None))
+    eager = by.get('torch/plain')
+    f32 = [r for r in groups.get((sizes, l, k, m, 'float32'), [])
+           if r['variant'] == 'unrolled' and r.get('loss') == 'after']
+    pipes = [by.get('torch/gpipe'), by.get('torch/1f1b')]
+    rows.append('| %s | %d, %d, %d | %s | %s | %s | %s | %s | %s | %s | %s | '
+                '%s |' % (
+                    ', '.join(str(x) for x in sizes), l, k, m, dtype,
+                    '%.1f (%.3g, %.1f)' % (floor['step_ms'],
+                                           floor['matmul_gflop'],
+                                           floor['peak_gflops'])
+                    if floor else '-',
+                    _Cell(default, floor),
+                    '-' if best is None else '%s: %s' % (best_name,
+                                                         _Cell(best, floor)),
+                    _Cell(eager, floor),
+                    '%.2fx' % (default['step_ms'] / eager['step_ms'])
+                    if default and eager else '-',
+                    ' / '.join(_Cell(p, floor) for p in pipes)
+                    if any(pipes) else '-',
+                    _Cell(by.get('lingvo'), floor),
+                    '%.2fx' % (default['step_ms'] / f32[0]['step_ms'])
+                    if default and f32 and dtype != 'float32' else '-'))
+  return '\n'.join(rows)
+
+
 def Markdown(records) -> str:
   """One row per configuration and variant, with ratios to Lingvo's and to
   the default schedule's ('unrolled', same dtype and loss placement)."""
@@ -323,23 +483,26 @@ def Markdown(records) -> str:
           '|---|---|---|---|---|---|---|---|---|---|']
 
   def _Key(r):
-    return (r['L'], r['K'], r['M'], r.get('dtype', 'float32'),
+    return (r['L'], r['K'], r['M'], _Sizes(r), r.get('dtype', 'float32'),
             r.get('loss', 'after'))
 
   ok = [r for r in records if 'error' not in r]
-  base = {_Key(r)[:4]: r for r in ok if r.get('variant') == 'lingvo'}
+  base = {_Key(r)[:5]: r for r in ok if r.get('variant') == 'lingvo'}
   default = {_Key(r): r for r in ok if r.get('variant') == 'unrolled'}
   for r in records:
+    if r.get('variant') == FLOOR:
+      continue  # MarkdownLadder's.
     key = (r['L'], r['K'], r['M'])
     dtype = r.get('dtype', 'float32')
     name = r['variant'] + (' (%s)' % dtype if dtype != 'float32' else '') + (
-        _LossLabel(r))
+        _LossLabel(r)) + ('' if _Sizes(r)[0] == D else ', d_model %d' %
+                          _Sizes(r)[0])
     if 'error' in r:
       rows.append('| %d, %d, %d | %s | %s | | | | | | | |' %
                   (*key, name, r['error']))
       continue
     ratios = []
-    for refs, ref_key in ((base, _Key(r)[:4]), (default, _Key(r))):
+    for refs, ref_key in ((base, _Key(r)[:5]), (default, _Key(r))):
       ratios.append('%.2fx' % (r['step_ms'] / refs[ref_key]['step_ms'])
                     if ref_key in refs else '')
     cpu = r.get('cpu_ms')
@@ -386,17 +549,56 @@ def main(argv=None) -> int:
       help="Where lingvo_ext's stack computes the cross-entropy: 'after' the "
       "pipeline (Lingvo's) or in the 'last_cell' (no '1f1b' recompute); "
       'both: side by side. See the module docstring.')
+  parser.add_argument('--d_model', type=int, nargs='+', default=[D],
+                      help='Model widths, each a configuration (the ladder: '
+                      '64 512 1024).')
+  parser.add_argument('--hidden', type=int, nargs='+',
+                      help='Feed-forward widths, one per --d_model (default '
+                      '2x each).')
+  parser.add_argument('--seq', type=int, default=T, help='Time steps.')
+  parser.add_argument('--batch', type=int, default=B, help='Batch size.')
+  parser.add_argument('--heads', type=int, default=HEADS,
+                      help='Attention heads.')
+  parser.add_argument('--floor', action=argparse.BooleanOptionalAction,
+                      default=True,
+                      help='Also time the GEMM floor (bench/gemm_floor.py) '
+                      'per sizes and dtype.')
+  parser.add_argument('--bf16_autocast', action=argparse.BooleanOptionalAction,
+                      default=None,
+                      help='Torch eager also in bf16 autocast (default: '
+                      'when --dtype has bfloat16).')
   parser.add_argument('--_child', help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   if args.intra_op_threads < 0:
     parser.error('--intra_op_threads=%d: give 0 (one per core) or more.' %
                  args.intra_op_threads)
+  for name in ('seq', 'batch', 'heads', 'steps'):
+    if getattr(args, name) < 1:
+      parser.error('--%s=%d: give 1 or more.' % (name, getattr(args, name)))
+  if args.hidden is None:
+    args.hidden = [2 * d for d in args.d_model]
+  if len(args.hidden) != len(args.d_model):
+    parser.error('--hidden: %d values for %d --d_model values; give one per '
+                 'width.' % (len(args.hidden), len(args.d_model)))
+  for d, h in zip(args.d_model, args.hidden):
+    if d < 1 or h < 1 or d % args.heads:
+      parser.error('--d_model %d, --hidden %d: give widths >= 1, d_model '
+                   'divisible by --heads %d.' % (d, h, args.heads))
+  for m in args.M:
+    if m < 1 or args.batch % m:
+      parser.error('--M %d does not divide --batch %d; give M that divide '
+                   'it.' % (m, args.batch))
+  dims_list = [dict(d_model=d, hidden=h, seq=args.seq, batch=args.batch,
+                    heads=args.heads)
+               for d, h in zip(args.d_model, args.hidden)]
   sys.path.insert(0, _REPO)
   from bench import torch_baselines  # pylint: disable=g-import-not-at-top
   if torch_baselines.BadTorchPython(args.torch_python):
     parser.error(torch_baselines.BadTorchPython(args.torch_python))
   for v in ([args._child] if args._child else args.variants):  # pylint: disable=protected-access
     schedule, *extras = v.split('+')
+    if v == FLOOR:
+      continue
     if (schedule not in ('lingvo', 'unrolled', '1f1b', 'recurrent') or
         not set(extras) <= {'functions', 'inline', 'jit'}):
       parser.error("--variants: %r is not 'lingvo' or "
@@ -404,16 +606,27 @@ def main(argv=None) -> int:
   if args._child:  # pylint: disable=protected-access
     print(json.dumps(_Child(args._child, args.L[0], args.K[0], args.M[0],  # pylint: disable=protected-access
                             args.steps, args.dtype[0],
-                            args.intra_op_threads, args.loss[0])))
+                            args.intra_op_threads, args.loss[0],
+                            dims_list[0])))
     return 0
-  records = Run(args.variants, args.L, Pairs(args.K, args.M), args.steps,
+  variants = list(args.variants) + (
+      [FLOOR] if args.floor and FLOOR not in args.variants else [])
+  records = Run(variants, args.L, Pairs(args.K, args.M), args.steps,
                 dtypes=args.dtype, intra_op_threads=args.intra_op_threads,
-                losses=args.loss)
+                losses=args.loss, dims_list=dims_list)
   torch_python, note = torch_baselines.TorchPython(args.torch_python)
   print('[bench] ' + note, file=sys.stderr, flush=True)
+  autocast = ('bfloat16' in args.dtype if args.bf16_autocast is None
+              else args.bf16_autocast)
   records = torch_baselines.WithTransformerRecords(
-      records, torch_python, args.L, Pairs(args.K, args.M), args.steps)
+      records, torch_python, args.L, Pairs(args.K, args.M), args.steps,
+      dims_list=[dict(model_dim=d['d_model'], hidden=d['hidden'],
+                      time_steps=d['seq'], batch=d['batch'],
+                      heads=d['heads']) for d in dims_list],
+      bf16_autocast=autocast)
   if args.markdown:
+    print(MarkdownLadder(records))
+    print()
     print(Markdown(records))
     if len(args.dtype) > 1:
       print()

@@ -96,3 +96,121 @@ def test_loss_in_last_cell_same_loss_no_recompute():
   assert last['loss0'] == pytest.approx(after['loss0'], rel=1e-5)
   assert last['call_ops'] < after['call_ops']
   assert last['ops_run'] < after['ops_run']
+
+
+def _SmallStep(dtype='float32'):
+  """A small stack's training step, cells inline: (graph, train op)."""
+  from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
+  py_utils.SetEagerMode(False)
+  dims = dict(d_model=8, hidden=12, seq=4, batch=4, heads=2)
+  g, _, train, _ = transformer._Build(  # pylint: disable=protected-access
+      'unrolled+inline', 2, 2, 2, dtype, 'after', dims)
+  return g, train
+
+
+def test_graph_matmul_flops_equal_the_formula():
+  from bench import gemm_floor  # pylint: disable=g-import-not-at-top
+  _, train = _SmallStep()
+  shapes = gemm_floor.MatmulShapes([train])
+  # L=2, d 8, hidden 12, T 4, B 4, vocab 32: forward 2 x 16 tokens x
+  # (2 x (3 x 64 + 2 x 96 + 2 x 4 x 8) + 8 x 32), backward twice that.
+  # Lingvo's custom-gradient functions (py_utils.Function) count too.
+  assert transformer.StepMatmulFlops(2, 8, 12, 4, 4) == 3 * 2 * 16 * (
+      2 * (192 + 192 + 64) + 256) == 110592
+  assert gemm_floor.TotalFlops(shapes) == 110592
+  # Per micro-batch (2 of 2 examples each): attention's logits are
+  # [batch x heads, T, d/heads] x its transpose, 4 of them a step forward.
+  key = gemm_floor.Key('BatchMatMulV2', (2, 2, 4, 4), (2, 2, 4, 4), False,
+                       True, 'float32')
+  assert gemm_floor.Flops(key) == 2 * 4 * 4 * 4 * 4
+  assert {k.dtype for k in shapes} == {'float32'}
+  # A [T, b, d] activation by a [d, n] weight is timed as one GEMM.
+  fc = gemm_floor.Key('BatchMatMulV2', (64, 4, 512), (2048, 512), False,
+                      True, 'float32')
+  assert gemm_floor.Timed(fc) == gemm_floor.Key(
+      'MatMul', (256, 512), (512, 2048), False, False, 'float32')
+  assert gemm_floor.Flops(gemm_floor.Timed(fc)) == gemm_floor.Flops(fc)
+  assert gemm_floor.Timed(key) == key  # Attention: batched as it runs.
+
+
+def test_bf16_step_matmuls_are_bf16_with_the_same_flops():
+  from bench import gemm_floor  # pylint: disable=g-import-not-at-top
+  _, train = _SmallStep('bfloat16')
+  shapes = gemm_floor.MatmulShapes([train])
+  assert gemm_floor.TotalFlops(shapes) == transformer.StepMatmulFlops(
+      2, 8, 12, 4, 4)
+  by_dtype = {}
+  for k, n in shapes.items():
+    by_dtype[k.dtype] = by_dtype.get(k.dtype, 0) + gemm_floor.Flops(k) * n
+  # The cells' matmuls (all but the softmax after the pipeline) are bf16.
+  assert by_dtype['bfloat16'] >= 0.8 * sum(by_dtype.values()), by_dtype
+
+
+def test_floor_times_each_shape_and_only_reachable_matmuls():
+  from bench import gemm_floor  # pylint: disable=g-import-not-at-top
+  import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
+  g = tf.Graph()
+  with g.as_default():
+    a, b = tf.ones([8, 16]), tf.ones([16, 4])
+    used = tf.matmul(a, b)
+    tf.matmul(b, a, transpose_a=True, transpose_b=True)  # Not fetched.
+  shapes = gemm_floor.MatmulShapes([used])
+  assert shapes == {gemm_floor.Key('MatMul', (8, 16), (16, 4), False, False,
+                                   'float32'): 1}
+  floor = gemm_floor.Floor(shapes, tf.config_pb2.ConfigProto(
+      inter_op_parallelism_threads=1, intra_op_parallelism_threads=1),
+                           min_seconds=0.01)
+  assert floor['matmul_flops'] == 2 * 8 * 16 * 4
+  assert floor['floor_ms'] > 0 and floor['peak_gflops'] > 0
+  assert [s['count'] for s in floor['by_shape']] == [1]
+  # The timed copies' outputs feed only a group: with Grappler on they would
+  # be pruned, never run.
+  config = tf.config_pb2.ConfigProto(intra_op_parallelism_threads=1)
+  timing = gemm_floor.TimingConfig(config)
+  assert timing.graph_options.rewrite_options.disable_meta_optimizer
+  assert timing.intra_op_parallelism_threads == 1
+  assert not config.graph_options.rewrite_options.disable_meta_optimizer
+
+
+def test_ladder_markdown_has_the_floor_columns():
+  sizes = dict(d_model=512, hidden=2048, seq=64, batch=16, heads=8)
+  base = dict(L=4, K=2, M=4, loss='after', **sizes)
+  torch = dict(L=4, K=2, M=4, model_dim=512, hidden=2048, time_steps=64,
+               batch=16, heads=8)
+  records = [
+      dict(base, variant='floor', dtype='float32', step_ms=100.,
+           matmul_gflop=40.3, peak_gflops=403.),
+      dict(base, variant='unrolled', dtype='float32', step_ms=150.),
+      dict(base, variant='unrolled+jit', dtype='float32', step_ms=140.),
+      dict(base, variant='lingvo', dtype='float32', step_ms=3000.),
+      dict(torch, variant='torch/plain', dtype='float32', step_ms=120.),
+      dict(torch, variant='torch/gpipe', dtype='float32', step_ms=200.,
+           loss='last_cell'),
+      dict(base, variant='floor', dtype='bfloat16', step_ms=50.,
+           matmul_gflop=40.3, peak_gflops=806.),
+      dict(base, variant='unrolled', dtype='bfloat16', step_ms=75.),
+      dict(torch, variant='torch/plain', dtype='bfloat16', step_ms=60.),
+  ]
+  lines = transformer.MarkdownLadder(records).splitlines()
+  assert 'GEMM floor ms' in lines[0] and 'x floor' in lines[0]
+  assert lines[2] == (
+      '| 512, 2048, 64, 16, 8 | 4, 2, 4 | float32 | 100.0 (40.3, 403.0) | '
+      '150.0 (1.50x) | unrolled+jit: 140.0 (1.40x) | 120.0 (1.20x) | 1.25x | '
+      '200.0 (2.00x) / - | 3000.0 (30.00x) | - |')
+  assert lines[3] == (
+      '| 512, 2048, 64, 16, 8 | 4, 2, 4 | bfloat16 | 50.0 (40.3, 806.0) | '
+      '75.0 (1.50x) | unrolled: 75.0 (1.50x) | 60.0 (1.20x) | 1.25x | - | - | '
+      '0.50x |')
+
+
+def test_bad_sizes_are_one_line_exit_2():
+  script = os.path.join(_REPO, 'bench', 'transformer.py')
+  for args, text in (
+      (['--d_model', '64', '512', '--hidden', '128'],
+       '--hidden: 1 values for 2 --d_model values'),
+      (['--batch', '6', '--M', '4'], '--M 4 does not divide --batch 6'),
+      (['--d_model', '100', '--heads', '8'], 'd_model divisible by --heads 8')):
+    res = subprocess.run([sys.executable, script] + args, capture_output=True,
+                         text=True, timeout=120, check=False)
+    assert res.returncode == 2, (args, res.stderr)
+    assert text in res.stderr.strip().splitlines()[-1], res.stderr
