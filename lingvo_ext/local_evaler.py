@@ -6,8 +6,10 @@ checkpoint once training has finished.
 """
 
 import os
+import re
 import sys
 import time
+import traceback
 
 from lingvo import runners as lingvo_runners
 import lingvo.compat as tf
@@ -19,6 +21,28 @@ from lingvo_ext import runner_state
 
 # Seconds between two looks for a new checkpoint of an evaler or decoder.
 CHECKPOINT_POLL_S = 1.0
+# The exit status of an evaler or decoder whose evaluation failed.
+EVAL_FAILED = 4
+# Errors Lingvo retries for (a task of the cluster restarting).
+_TRANSIENT = py_utils.transient_tf_errors + (
+    tf.errors.AbortedError, tf.errors.CancelledError, tf.errors.DataLossError)
+
+
+def _Cause(e):
+  """The line of an error that says what went wrong (TensorFlow's graph
+  errors wrap it in 'Graph execution error:', the node's stack, and counts
+  of root errors)."""
+  text = str(getattr(e, 'message', e))
+  root = re.search(r'^\s*\(0\) [A-Z_]+: (.+)$', text, re.M)
+  if root:
+    return root.group(1).strip()
+  skip = re.compile(r'Graph execution error|Detected at node|Node:|Original '
+                    r'stack trace|Stack trace|From /job|\d+ (root error|'
+                    r'successful operation|derived error)')
+  lines = [line.strip() for line in text.split('\n')
+           if line.strip() and not line[0].isspace() and
+           not skip.match(line)]
+  return lines[-1] if lines else runner_state.FirstLine(e)
 
 
 class _WaitsForCheckpointsMixin:
@@ -50,6 +74,40 @@ class _WaitsForCheckpointsMixin:
               f'{runner_dir}); nothing to do.', flush=True)
       return True
     return super()._TrainerFinished(sess)
+
+  def _RunLoop(self, job_name, loop_func, loop_args=(), cleanup_func=None):
+    """Lingvo's loop; an evaluation that fails stops the process with one
+    `error:` line and EVAL_FAILED (Lingvo's retries would end the job
+    silently, or never with --eval_once)."""
+
+    def Checked(*args):
+      try:
+        return loop_func(*args)
+      except Exception as e:  # pylint: disable=broad-except
+        if self._run_state.interrupted.is_set() or (
+            not self._OnceOnly() and isinstance(e, _TRANSIENT)):
+          raise  # Lingvo retries (a restarting cluster).
+        runner_state.Fail(self._FailureLine(e), EVAL_FAILED)
+
+    return super()._RunLoop(job_name, Checked, loop_args, cleanup_func)
+
+  def _FailureLine(self, e):
+    """One line: the job, its dataset, the cause, the fix."""
+    dataset = self._job_name.split('_', 1)[-1]
+    try:
+      name = f' ({self._task.input.params.name})'
+    except AttributeError:
+      name = ''
+    tf.logging.error('%s', traceback.format_exc())
+    cause = _Cause(e)
+    if 'mismatch shape' in cause:
+      fix = ('its batches differ from their static shape: give its buckets '
+             'batch limits the model can split, see docs/troubleshooting.md')
+    else:
+      fix = ('the trace is in the log file the first line names; fix the '
+             'input or the model and run it again')
+    return (f'{self._job_name}: evaluating the {dataset} input{name} failed: '
+            f'{type(e).__name__}: {cause}; {fix}.')
 
   def _Loop(self):
     try:

@@ -344,7 +344,9 @@ def GetParams(model, dataset_name, overrides='', file_override='',
   the module --model names) and checked overrides. With
   gpipe_engine='lingvo_ext' every Lingvo GPipe layer in the params runs on
   lingvo_ext's engine (`lingvo_ext.core.from_lingvo.FromLingvo`), before the
-  overrides, so they can set its switches (`task.lm.stack.schedule`).
+  overrides, so they can set its switches (`task.lm.stack.schedule`). A
+  bucketed fixed-shape LmInput gets batches of the shape it states
+  (`tasks.bucketed_input`).
 
   Args:
     model: A registered name, e.g. 'lm.TransformerLmTiny'.
@@ -377,6 +379,8 @@ def GetParams(model, dataset_name, overrides='', file_override='',
     text = _FileOverride(file_override)
     if text:
       cfg.FromText(text)
+  from lingvo_ext.tasks import bucketed_input  # pylint: disable=g-import-not-at-top
+  bucketed_input.ApplyPadding(cfg)  # Batches of their stated shape.
   from lingvo_ext.tasks import pipeline_tree  # pylint: disable=g-import-not-at-top
   if ('task' in cfg and 'fprop_dtype' in cfg.task and
       isinstance(cfg.task.fprop_dtype, str) and

@@ -77,6 +77,7 @@ if _PROGRAM:
 import lingvo_ext  # pylint: disable=unused-import,g-bad-import-order,g-import-not-at-top,wrong-import-position
 from absl import app
 import lingvo.compat as tf
+from lingvo.core import base_model_params
 from lingvo.core import hyperparams
 from lingvo.core import py_utils
 
@@ -137,6 +138,23 @@ def _Params(o):
                             o.model_params_file_override, o.gpipe_engine)
 
 
+def _DatasetParams(o, dataset):
+  """The params of dataset `dataset` (as Lingvo, retried title-cased)."""
+  try:
+    return registry.GetParams(o.model, dataset, o.model_params_override,
+                              o.model_params_file_override, o.gpipe_engine)
+  except base_model_params.DatasetError:
+    try:
+      return registry.GetParams(o.model, dataset.title(),
+                                o.model_params_override,
+                                o.model_params_file_override, o.gpipe_engine)
+    except base_model_params.DatasetError:
+      raise ValueError(
+          f'--job: --model={o.model} defines no dataset {dataset!r} (nor '
+          f'{dataset.title()!r}) for its evaler or decoder; use a job of a '
+          'dataset it defines, e.g. --job=evaler_dev.') from None
+
+
 def _CheckParams(o):
   """Applies the overrides to the experiment's params, and checks them.
 
@@ -150,7 +168,7 @@ def _CheckParams(o):
   """
   from lingvo_ext.tasks import pipeline_tree  # pylint: disable=g-import-not-at-top
   from lingvo_ext.core import precision  # pylint: disable=g-import-not-at-top
-  from lingvo_ext.tasks import input_files  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.tasks import dataset_checks  # pylint: disable=g-import-not-at-top
   try:
     cfg = _Params(o)
     task = cfg.task if 'task' in cfg else None
@@ -168,8 +186,12 @@ def _CheckParams(o):
                                     split, batch, task.num_micro_batches)
     else:
       pipelined = bool(pipeline_tree.CheckPipelines(cfg, replicas))
-    if _TrainsHere(o) and 'input' in cfg:
-      input_files.CheckFilePattern(cfg.input)
+    refusal = pipeline_tree.ScheduleRefusal(cfg, split, o.gpipe_engine)
+    if refusal:
+      raise ValueError(refusal)
+    dataset_checks.CheckJobs(
+        o.jobs, _TrainsHere(o),
+        lambda d: cfg if d == 'Train' else _DatasetParams(o, d), replicas)
     if pipelined and task is not None and 'fprop_dtype' in task:
       precision.WarnIfSlow(task.fprop_dtype)
       if precision.RemapperOff(task.fprop_dtype):  # A TF bug with bf16.
@@ -265,6 +287,12 @@ def _CheckFlags(o):
     return (f'--eval_checkpoint={o.eval_checkpoint}: no such checkpoint (no '
             f'{o.eval_checkpoint}.index); pass a prefix such as '
             'LOGDIR/train/ckpt-00000100.')
+  train_dir = os.path.join(o.logdir, 'train')
+  if (o.eval_once and not o.eval_checkpoint and not _TrainsHere(o) and
+      o.logdir and '://' not in o.logdir and
+      not checkpoints.LatestCheckpoint(train_dir)):
+    return (f'--eval_once: no checkpoint in {train_dir} to evaluate; train '
+            'with the same --logdir first, or pass --eval_checkpoint.')
   if o.distributed:
     return trainer_lib.CheckFlags(o, (FLAGS.worker_replicas if
                                       FLAGS['worker_replicas'].present

@@ -193,14 +193,13 @@ def Words():
 
 
 def Sentences(words, count, start=0):
-  """`count` lines of 2-9 words (1-47 characters) from `words`."""
-  lines, i, n = [], start, 0
+  """`count` lines of 3-47 words from `words` (Lingvo buckets them by their
+  token count: the Dev/Test tables' first five buckets)."""
+  lines, i = [], start
   while len(lines) < count:
-    n = 2 + (n * 7 + 3) % 8  # Lengths cycle over 2..9 words.
-    line = ' '.join(words[i:i + n])[:47].strip()
+    n = 3 + (len(lines) * 17) % 45  # Lengths cycle over 3..47 words.
+    lines.append(' '.join(words[i:i + n]))
     i += n
-    if line:
-      lines.append(line)
   return lines, i
 
 

@@ -412,11 +412,14 @@ def testLingvoLmTrainsOnLingvoExtWithScheduleOverride(experiment, tmp_path):
   assert not {k for k in keys - names
               if not k.endswith(('/Adam', '/Adam_1')) and
               k not in ('global_step', 'beta1_power', 'beta2_power')}, keys
-  # A decoder on a task with no decoder says so in a line.
+  # A decoder on a task with no decoder: refused in a line, up front.
   rc, out = _Run([f'--model={MODEL}', f'--logdir={logdir}',
                   '--job=decoder_dev'], experiment)
-  assert rc == 0, out[-3000:]
-  assert 'decoder_dev: lm (BatchMajorLanguageModel) has no decoder' in out
+  assert rc == 2, out[-3000:]
+  assert _Errors(out) == [
+      'error: --job=decoder_dev: task lm (BatchMajorLanguageModel) has no '
+      'decoder (its CreateDecoderMetrics is empty): nothing to decode; '
+      '--job=evaler_dev evaluates its loss.'], out[-3000:]
 
 
 @pytest.mark.e2e

@@ -542,6 +542,19 @@ class PipeliningLayer(SeqLayer):
     error = records.RecomputeError(p.schedule, p.recompute, '')
     if error:
       raise ValueError('%s: %s' % (p.name, error))
+    error = None
+    if not (self.do_eval and num_devices == 1):  # Eval there: in sequence.
+      error = records.Refusal(p.schedule, len(p.cell_tpl), num_devices,
+                              p.num_micro_batches)
+    if error:
+      raise ValueError('%s: %s.' % (p.name, error))
+    empty = [c.name for c in p.cell_tpl if 'sub' in c and not c.sub]
+    if empty:
+      # E.g. Lingvo's stacks with `splits` beyond their layers.
+      raise ValueError(
+          '%s: cells %s hold no layer (%d cells, more than the layers to '
+          'cut); use fewer cells (splits).' %
+          (p.name, ', '.join(empty), len(p.cell_tpl)))
     if (len(p.cell_tpl) > num_devices > 1 and
         records.Get(p.schedule).placement == 'round_robin'):
       tf.logging.warning(
@@ -724,6 +737,12 @@ class PipeliningLayer(SeqLayer):
       inputs = nest_util.ToTuple(args)
       for (name, l) in self._before_layers:
         inputs = nest_util.ToTuple(l.FProp(theta[name], *inputs))
+    if records.Get(p.schedule).static_shapes and not all(
+        t.shape.is_fully_defined() for t in py_utils.Flatten(inputs)
+        if t is not None):
+      raise ValueError('%s: %s.' % (p.name, records.Refusal(
+          p.schedule, len(self._cells), self.cluster.num_devices_per_split,
+          num_micro, static_shapes=False)))
     return _LingvoOutputs(
         schedules.SCHEDULES[p.schedule](self, theta, inputs, num_micro))
 

@@ -20,6 +20,8 @@ from lingvo.core import hyperparams
 from lingvo_ext.core import jit_choice
 from lingvo_ext.core import precision
 from lingvo_ext.core import schedules
+from lingvo_ext.core.engine import records
+from lingvo_ext.tasks import bucketed_input
 from lingvo_ext.tasks import pipelined_task
 
 
@@ -92,6 +94,9 @@ def _BatchSizes(input_params):
   """The input's per-replica batch sizes (one per bucket), or []."""
   if input_params is None:
     return []
+  if bucketed_input.NeedsPadding(input_params):
+    # Every bucket's batch padded to the largest (bucketed_input).
+    return [max(input_params.bucket_batch_limit)]
   sizes = []
   if 'bucket_batch_limit' in input_params and input_params.bucket_batch_limit:
     sizes = list(input_params.bucket_batch_limit)
@@ -210,3 +215,98 @@ def IsCut(cfg):
   task = cfg.task if 'task' in cfg else None
   return not (task is not None and hasattr(task.cls, 'LayerStack')) and bool(
       Pipelines(cfg))
+
+
+def TrimsTimeAxis(task):
+  """Whether task params give their pipelines a time axis known at run time
+  only: Lingvo's BatchMajorLanguageModel trims it to each batch's longest
+  sentence (off TPU, without packed_input)."""
+  if task is None or not isinstance(getattr(task, 'cls', None), type):
+    return False
+  from lingvo.tasks.lm import model as lm_model  # pylint: disable=g-import-not-at-top
+  return (issubclass(task.cls, lm_model.BatchMajorLanguageModel) and
+          not ('packed_input' in task and task.packed_input))
+
+
+def NumCells(p):
+  """The cells pipeline params `p` builds: `splits` of Lingvo's stacks, else
+  its `cell_tpl`; None if unknown."""
+  if 'splits' in p and p.splits is not None:
+    return p.splits if isinstance(p.splits, int) else len(p.splits)
+  if 'cell_tpl' in p and p.cell_tpl:
+    return len(p.cell_tpl)
+  return None
+
+
+def _NumLayers(p):
+  return p.num_encoder_layers + (p.num_decoder_layers
+                                 if 'num_decoder_layers' in p else 0)
+
+
+def EmptyCells(p):
+  """The cells (by index) of a Lingvo Transformer stack's params that its
+  `splits` leave without a layer (Lingvo's cut, splits beyond the layers)."""
+  if not ('splits' in p and 'num_encoder_layers' in p and
+          isinstance(p.splits, int) and p.splits > 0):
+    return []
+  layers = _NumLayers(p)
+  per_cell = (layers - 1) // p.splits + 1
+  ends = [(i + 1) * per_cell for i in range(p.splits)]
+  ends[-1] = layers
+  start, empty = 0, []
+  for i, end in enumerate(ends):
+    # Lingvo's cell i holds its layers [start, end + 1) (the embedding is
+    # layer 0); the last also holds the softmax.
+    if min(end + 1, layers + 1) <= start and i < len(ends) - 1:
+      empty.append(i)
+    start = end + 1
+  return empty
+
+
+def ScheduleRefusal(cfg, num_devices, gpipe_engine='lingvo_ext'):
+  """The one-line refusal of a pipeline's schedule in `cfg`, or None.
+
+  `records.Refusal` for every pipeline (a PipelinedTask's, or each
+  PipeliningLayer in the params; Lingvo's engine as its loop), and the cells
+  a Lingvo stack's `splits` would leave empty.
+
+  Args:
+    cfg: An experiment's model params.
+    num_devices: The devices of a model split (--worker_split_size).
+    gpipe_engine: --gpipe_engine.
+  """
+  task = cfg.task if 'task' in cfg else None
+  static = not TrimsTimeAxis(task)
+  found = []
+  if task is not None and IsPipelinedTask(task):
+    found.append(('task', task.schedule, task.num_partitions,
+                  task.num_micro_batches))
+  for path, p in Pipelines(cfg):
+    k = NumCells(p)
+    empty = EmptyCells(p)
+    if empty:
+      return (f'{path}: splits={p.splits} leaves cells '
+              f'{", ".join(f"cell_{i}" for i in empty)} without a layer '
+              f'(the stack has fewer layers than cells); set {path}.splits '
+              f'to at most {_NumLayers(p)}.')
+    if k is None or not isinstance(p.num_micro_batches, int):
+      continue
+    schedule = (records.LINGVO_ENGINE if gpipe_engine == 'lingvo' else
+                p.schedule if 'schedule' in p else 'unrolled')
+    found.append((path, schedule, k, p.num_micro_batches))
+  for path, schedule, k, m in found:
+    if schedule not in records.BY_NAME:
+      continue  # CheckPipelines / CheckParams name the choices.
+    error = records.Refusal(schedule, k, num_devices, m, static)
+    if not error:
+      continue
+    why = ''
+    if error != records.Refusal(schedule, k, num_devices, m):
+      why = (f'task {task.name} ({task.cls.__name__}) trims the time axis '
+             'to each batch; ')
+    if gpipe_engine == 'lingvo':
+      return (f"--gpipe_engine=lingvo runs Lingvo's own loop on {path}: "
+              f'{why}{error}, with --gpipe_engine=lingvo_ext (the default; '
+              f"--model_params_override='{path}.schedule:\"1f1b\"').")
+    return f'{path}: {why}{error}.'
+  return None

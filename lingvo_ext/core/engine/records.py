@@ -69,6 +69,8 @@ class Schedule:
       weight-gradient runs (`StageSpec.weight_gradient_run`); else 1.
     placement: How cells sit on devices (`kinds.PLACEMENTS`).
     planner: What the planner enumerates it over.
+    static_shapes: Whether it needs every input dimension known when the
+      graph is built (Lingvo's loop sizes its states statically).
   """
   name: str
   help: str
@@ -79,6 +81,7 @@ class Schedule:
   sized_runs: FrozenSet[bool] = frozenset()
   placement: str = 'round_robin'
   planner: PlannerFacts = PlannerFacts()
+  static_shapes: bool = False
 
   def RecomputeChoices(self, linear_loss: bool) -> Tuple[bool, ...]:
     """The recompute values worth planning for a loss (linear or not)."""
@@ -109,7 +112,7 @@ RECORDS = (
         'recurrent',
         "Lingvo's StackedRecurrent loop; always recomputes; embedding "
         'gradients come out dense.',
-        None, recompute=ALWAYS,
+        None, recompute=ALWAYS, static_shapes=True,
         planner=PlannerFacts(simulated_as='unrolled')),
     Schedule(
         'interleaved_1f1b',
@@ -201,6 +204,52 @@ def RecomputeError(name: str, recompute, where: str) -> Optional[str]:
             '%sschedule %s to keep activations.' %
             (where, where, name, where, where,
              ' or '.join(repr(o) for o in others)))
+  return None
+
+
+# The schedule Lingvo's own engine (--gpipe_engine=lingvo) runs: its loop.
+LINGVO_ENGINE = 'recurrent'
+
+
+def Refusal(name: str, num_cells: int, num_devices: int,
+            num_micro_batches: int, static_shapes: bool = True,
+            where: str = '') -> Optional[str]:
+  """Why schedule `name` cannot run this pipeline, in one line; None if it can.
+
+  The one place the schedules' refusals live: the layer calls it when
+  built, the trainer before anything is written, the planner before it
+  offers a plan.
+
+  Args:
+    name: The schedule.
+    num_cells: K, the pipeline's cells.
+    num_devices: The devices of the model split (the cells occupy
+      min(K, num_devices) of them).
+    num_micro_batches: M.
+    static_shapes: Whether every input dimension is known when the graph is
+      built (False: e.g. a time axis a task trims at run time).
+    where: How the caller names the params, e.g. 'task.lm.stack.'.
+  """
+  record = Get(name)
+  k, m = num_cells, num_micro_batches
+  dev = max(1, min(num_devices, k))
+  if record.static_shapes and not static_shapes:
+    others = [r.name for r in RECORDS if not r.static_shapes]
+    return ('%sschedule=%r needs every input dimension known when the graph '
+            'is built, and this input has one known only at run time; use %s' %
+            (where, name, ', '.join(repr(o) for o in others)))
+  if record.placement == 'v' and k > 1 and (k % 2 or 2 * dev > k):
+    return ('%sschedule=%r: %d cells on %d devices; it places two cells on '
+            'each device: use an even number of cells, at least twice the '
+            'devices (%d), or another schedule' % (where, name, k, dev, 2 * dev))
+  if record.planner.cells_per_device is None and k % dev:
+    return ('%sschedule=%r: %d cells on %d devices; the number of cells must '
+            'be a multiple of the number of devices (V cells per device)' %
+            (where, name, k, dev))
+  if record.planner.micro_batches_multiple_of_devices and m % dev:
+    return ('%sschedule=%r: num_micro_batches=%d must be a multiple of the '
+            'number of devices (%d); use %d' %
+            (where, name, m, dev, max(dev, m // dev * dev)))
   return None
 
 
