@@ -282,6 +282,9 @@ def testSequentialParamsIsOneCellOneMicroBatchWithoutDropout():
   assert (seq.task.num_partitions, seq.task.num_micro_batches) == (1, 1)
   assert not seq.task.stack_variables
   assert seq.task.fprop_dtype == cfg.task.fprop_dtype  # As trained.
+  sharded = registry.GetParams('lm.WordLmShardedTiny', 'Train')
+  assert sharded.task.partitioner is not None
+  assert inference.SequentialParams(sharded).task.partitioner is None
   from lingvo.core import layers_with_attention  # pylint: disable=g-import-not-at-top
   from lingvo_ext.core import gpipe  # pylint: disable=g-import-not-at-top
   ffn = layers_with_attention.TransformerFeedForwardLayer.Params().Set(

@@ -12,7 +12,10 @@ trained on K devices loads as it is:
 - any other `PipeliningLayer` in the tree (Lingvo's task code, rewritten by
   `from_lingvo`) keeps its cells, whose names are in the checkpoint, and
   runs them over one micro-batch;
-- every `*dropout_prob` is 0: inference is deterministic.
+- every `*dropout_prob` is 0: inference is deterministic;
+- every `partitioner` is None: one device holds each variable whole, which
+  restores from the trainer's sliced save of a partitioned variable (the
+  trainer writes those with TF's Saver, under the whole variable's name).
 
 With one device and `do_eval` (Lingvo's exporter sets both), the pipeline
 runs its cells in sequence on the whole batch (`FPropSequential`): no
@@ -30,21 +33,24 @@ _PIPELINE_SETTINGS = (('num_micro_batches', 1), ('micro_batch_size', None),
                       ('recompute', None))
 
 
-def _NoDropout(value):
-  """Sets every numeric `*dropout_prob` param under `value` to 0."""
+def _ForInference(value):
+  """Sets every numeric `*dropout_prob` under `value` to 0, and every
+  `partitioner` to None."""
   if isinstance(value, hyperparams.Params):
     for name, sub in value.IterParams():
       if (name.endswith('dropout_prob') and isinstance(sub, (int, float)) and
           not isinstance(sub, bool)):
         value.Set(**{name: 0.0})
+      elif name == 'partitioner' and sub is not None:
+        value.Set(partitioner=None)
       else:
-        _NoDropout(sub)
+        _ForInference(sub)
   elif isinstance(value, dict):
     for sub in value.values():
-      _NoDropout(sub)
+      _ForInference(sub)
   elif isinstance(value, (list, tuple)):
     for sub in value:
-      _NoDropout(sub)
+      _ForInference(sub)
 
 
 def SequentialParams(cfg):
@@ -68,7 +74,7 @@ def SequentialParams(cfg):
     for name, value in _PIPELINE_SETTINGS:
       if name in p:
         p.Set(**{name: value})
-  _NoDropout(cfg)
+  _ForInference(cfg)
   return cfg
 
 
