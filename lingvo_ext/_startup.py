@@ -16,11 +16,13 @@ Nothing is filtered when the user set TF_CPP_MIN_LOG_LEVEL: their setting
 wins (TF_CPP_MIN_LOG_LEVEL=0 shows TensorFlow's start-up as it is).
 """
 
+import atexit
 import contextlib
 import importlib.abc
 import logging
 import os
 import re
+import subprocess
 import sys
 import threading
 
@@ -238,6 +240,121 @@ def Install():
   os.environ[LEVEL_VAR] = os.environ[_MARK] = '2'
   if 'tensorflow' not in sys.modules and _FINDER not in sys.meta_path:
     sys.meta_path.insert(0, _FINDER)
+
+
+# Grappler's E-level lines for a graph whose control edges it reads as
+# cycles: the list schedules order micro-batches by control edges between the
+# cells' gradients, and Grappler's graph view merges them node by node. It
+# then skips its remapper and the transitive reduction of its dependency
+# optimizer for that graph; the step computes the same values.
+GRAPPLER_CYCLES = (
+    r'^E\d{4} [\d:. ]+\d+ meta_optimizer\.cc:\d+\] remapper failed: '
+    r'INVALID_ARGUMENT: MutableGraphView::SortTopologically error: detected '
+    r'edge\(s\) creating cycle\(s\)',
+    r'^E\d{4} [\d:. ]+\d+ dependency_optimizer\.cc:\d+\] Iteration = \d+, '
+    r"topological sort failed with message: The graph couldn't be sorted in "
+    r'topological order\.$',
+)
+GRAPPLER_NOTE = (
+    "note: TensorFlow's Grappler reads the schedule's ordering edges between "
+    'micro-batches as cycles, so it skips its remapper and its dependency '
+    'pruning on this graph (its E-lines are not shown; '
+    'TF_CPP_MIN_LOG_LEVEL=0 shows them). Harmless: the step computes the same '
+    'values.')
+
+# The filter's own process (stdlib only, started with -S): it outlives an
+# os._exit or a crash of the trainer long enough to pass on every line
+# written before it, and ignores the signals meant for the trainer.
+_FILTER_PROGRAM = r"""
+import os, re, signal, sys
+for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+  signal.signal(s, signal.SIG_IGN)
+note, pats = sys.argv[1].encode() + b'\n', [re.compile(p) for p in sys.argv[2:]]
+noted, held, passing, ok = False, b'', False, True
+def Out(data):
+  global ok
+  while ok and data:
+    try:
+      data = data[os.write(1, data):]
+    except InterruptedError:
+      pass
+    except OSError:
+      ok = False  # Nowhere to write: drain, so the writer never blocks.
+while True:
+  try:
+    data = os.read(0, 65536)
+  except InterruptedError:
+    continue
+  if not data:
+    break
+  if passing:  # The rest of a line already passed on in part.
+    end = data.find(b'\n')
+    if end < 0:
+      Out(data)
+      continue
+    Out(data[:end + 1])
+    data, passing = data[end + 1:], False
+  lines = (held + data).split(b'\n')
+  held = lines.pop()
+  for line in lines:
+    if any(p.match(line.decode('utf-8', 'replace')) for p in pats):
+      if not noted:
+        noted = True
+        Out(note)
+      continue
+    Out(line + b'\n')
+  if held and not held.startswith(b'E'):  # Not one of those: pass it now.
+    Out(held)
+    held, passing = b'', True
+Out(held)
+"""
+
+
+def FilterGrapplerCycles():
+  """Runs the rest of the process with fd 2 through a filter of its own.
+
+  The filter drops Grappler's cycle lines (GRAPPLER_CYCLES), says once what
+  they mean (GRAPPLER_NOTE) and passes every other byte on as it comes.
+  Nothing is filtered where the user set TF_CPP_MIN_LOG_LEVEL. For entry
+  points only (the trainer calls it once its checks passed).
+
+  Returns:
+    The filter's Popen, or None where nothing is filtered.
+  """
+  if os.environ.get(LEVEL_VAR) != os.environ.get(_MARK):
+    return None
+  for stream in (sys.stdout, sys.stderr):
+    stream.flush()
+  read_fd, write_fd = os.pipe()
+  try:
+    proc = subprocess.Popen(
+        [sys.executable, '-S', '-c', _FILTER_PROGRAM, GRAPPLER_NOTE,
+         *GRAPPLER_CYCLES], stdin=read_fd, stdout=2, close_fds=True)
+  except OSError:
+    os.close(read_fd)
+    os.close(write_fd)
+    return None
+  os.close(read_fd)
+  saved = os.dup(2)
+  os.dup2(write_fd, 2)
+  os.close(write_fd)
+
+  def Restore():
+    # The pipe's last write end closed: the filter passes on what it has
+    # and exits; waited for so that no line comes after the process ends.
+    try:
+      sys.stderr.flush()
+    except (OSError, ValueError):
+      pass
+    os.dup2(saved, 2)
+    os.close(saved)
+    try:
+      proc.wait(10)
+    except subprocess.TimeoutExpired:  # A child of ours still writes to it.
+      pass
+
+  atexit.register(Restore)
+  return proc
 
 
 def Uninstall():

@@ -81,6 +81,7 @@ from lingvo.core import base_model_params
 from lingvo.core import hyperparams
 from lingvo.core import py_utils
 
+from lingvo_ext import _startup
 from lingvo_ext import checkpoints
 from lingvo_ext import memory_check
 from lingvo_ext import progress
@@ -550,6 +551,7 @@ def Run(argv=None):
   if FLAGS.disable_tf2:
     tf.disable_v2_behavior()
   py_utils.SetEagerMode(FLAGS.use_eager)
+  _startup.FilterGrapplerCycles()  # Checks passed: the run's console.
   # The flags were parsed once, above: absl's app.run keeps them as they are.
   app.run(lambda unused_argv: main(unused_argv, o, run_state), argv=argv,
           flags_parser=lambda args: args)

@@ -149,3 +149,83 @@ def test_harmless_attention_overrides_show_once_others_always():
     kept = Record('attention param num_heads overriding: 8 -> 4')
     assert f.filter(kept)
     assert kept.getMessage().endswith('8 -> 4')
+
+
+# --- Grappler's cycle lines under the list schedules -------------------------
+
+_REMAPPER = (
+    "E0000 00:00:1795874899.571565   18113 meta_optimizer.cc:967] remapper "
+    "failed: INVALID_ARGUMENT: MutableGraphView::SortTopologically error: "
+    "detected edge(s) creating cycle(s) {'gradients/a/bwd_gate' -> 'b'}")
+_DEPENDENCY = (
+    "E0000 00:00:1795874899.624446   18113 dependency_optimizer.cc:773] "
+    "Iteration = 0, topological sort failed with message: The graph couldn't "
+    "be sorted in topological order.")
+
+
+def _GrapplerFiltered(data, chunks=1):
+  """What the Grappler filter's process passes on of `data`, fed in parts."""
+  proc = subprocess.Popen(
+      [sys.executable, '-S', '-c', _startup._FILTER_PROGRAM,  # pylint: disable=protected-access
+       _startup.GRAPPLER_NOTE, *_startup.GRAPPLER_CYCLES],
+      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+  step = -(-len(data) // chunks)
+  for i in range(0, len(data), step):
+    proc.stdin.write(data[i:i + step])
+    proc.stdin.flush()
+  out, _ = proc.communicate(timeout=30)
+  assert proc.returncode == 0
+  return out.decode()
+
+
+@pytest.mark.parametrize('chunks', [1, 7, 300])
+def test_grappler_filter_drops_the_cycle_lines_and_notes_them_once(chunks):
+  real = 'E0000 00:00:1.0 1 some_kernel.cc:1] a real error'
+  lines = [_REMAPPER, 'error: kept', _DEPENDENCY, real, _DEPENDENCY]
+  data = ('\n'.join(lines * 2) + '\nno newline at the end').encode()
+  assert _GrapplerFiltered(data, chunks) == (
+      _startup.GRAPPLER_NOTE + '\nerror: kept\n' + real + '\nerror: kept\n' +
+      real + '\nno newline at the end')
+
+
+def test_grappler_filter_passes_a_partial_line_on_at_once():
+  proc = subprocess.Popen(
+      [sys.executable, '-S', '-c', _startup._FILTER_PROGRAM,  # pylint: disable=protected-access
+       _startup.GRAPPLER_NOTE, *_startup.GRAPPLER_CYCLES],
+      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+  try:
+    proc.stdin.write(b'step 3/10 ')  # No newline yet: not held back.
+    proc.stdin.flush()
+    assert os.read(proc.stdout.fileno(), 100) == b'step 3/10 '
+    proc.stdin.write(b'loss 1.0\n' + _REMAPPER.encode() + b'\n')
+    proc.stdin.close()
+    assert proc.stdout.read().decode() == (
+        'loss 1.0\n' + _startup.GRAPPLER_NOTE + '\n')
+  finally:
+    proc.kill()
+    proc.wait(10)
+
+
+def test_grappler_filter_is_off_where_the_user_set_the_level(monkeypatch):
+  monkeypatch.setenv(_startup.LEVEL_VAR, '1')
+  monkeypatch.delenv(_startup._MARK, raising=False)  # pylint: disable=protected-access
+  assert _startup.FilterGrapplerCycles() is None
+
+
+@pytest.mark.e2e
+def test_trainer_under_zero_bubble_notes_grappler_once(tmp_path):
+  # Under a list schedule Grappler logs its cycle lines at E level; the
+  # trainer's console shows the note once and no such line, and the run's
+  # last line (after os._exit or a normal end) still arrives.
+  env = _Env()
+  proc = subprocess.run(
+      [sys.executable, '-m', 'lingvo_ext.trainer',
+       '--model=lm.TransformerLmTinyGPipe', f'--logdir={tmp_path / "zb"}',
+       '--max_steps=2', '--num_cpu_devices=2', '--worker_split_size=2',
+       '--model_params_override=task.schedule:"zero_bubble"'],
+      env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert 'step 2/2' in proc.stdout
+  assert 'remapper failed' not in proc.stderr
+  assert 'topological sort failed' not in proc.stderr
+  assert proc.stderr.count(_startup.GRAPPLER_NOTE) == 1, proc.stderr
