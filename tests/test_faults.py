@@ -277,6 +277,23 @@ def testLauncherStopsTheClusterWhenATaskFindsTheDiskFull(tmp_path):
   assert all(t.proc.poll() is not None for t in launcher.tasks)
 
 
+@pytest.mark.e2e
+@pytest.mark.parametrize('rc', sorted(launch_lib.NOT_RESTARTED))
+def testLauncherDoesNotRestartATaskThatWouldFailAgain(tmp_path, rc):
+  launcher, lines = _Launcher(tmp_path, [
+      ('worker', 'import time; time.sleep(60)'),
+      ('controller', 'import sys; print("error: controller: it failed", '
+       f'file=sys.stderr); sys.exit({rc})')], max_restarts=3)
+  assert _RunLauncher(launcher) == rc
+  text = '\n'.join(lines)
+  assert '[controller] error: controller: it failed' in text
+  assert re.search(rf'launch: controller task 0 \(\S+\) failed: .* \(exit '
+                   rf'{rc}; its error line above\): not restarting it', text), (
+                       text)
+  assert 'restarting it (restart' not in text
+  assert all(t.proc.poll() is not None for t in launcher.tasks)
+
+
 _KILLS_ITSELF = 'import os, signal; os.kill(os.getpid(), signal.SIGKILL)'
 
 

@@ -69,6 +69,12 @@ EXIT_NOT_SAVED = 143
 EXIT_DISK_FULL = 74
 # The launcher's exit status when the kernel's OOM killer ended a task.
 EXIT_OOM = 137
+# Exits that the same task would repeat if restarted: the launcher stops the
+# cluster with that status. 2: bad flags, params or input (trainer.py);
+# 4: an evaler's or decoder's evaluation failed (local_evaler.py); 65: the
+# input files broke during the run (tasks/input_files.py).
+NOT_RESTARTED = {2: 'it refused its input', 4: 'its evaluation failed',
+                 65: 'its input files broke'}
 # Jobs whose exit 0 means training is done.
 CLIENT_JOBS = ('controller', 'trainer_client', 'chief')
 
@@ -558,6 +564,12 @@ class Launcher:
                      f'{rc}; its error line above): stopping the cluster. '
                      'Free space and run the same command.')
           return EXIT_DISK_FULL
+        if rc in NOT_RESTARTED:
+          self.Print(f'launch: {task.what} failed: {NOT_RESTARTED[rc]} (exit '
+                     f'{rc}; its error line above): not restarting it (it '
+                     'would fail again); stopping the cluster. Fix what the '
+                     'line says and run the same command.')
+          return rc
         if self._Oom(task, rc):
           limit = task_health.MemoryLimit(task.cgroup)
           limit = f', the cgroup\'s limit {task_health.FormatBytes(limit)}' \
@@ -686,7 +698,8 @@ def Launch(num_workers: int, trainer_flags: Sequence[str], logdir: str,
   """Runs a local cluster until training ends; returns the exit code.
 
   Exit codes: 0 training finished, or stopped by SIGTERM/SIGHUP after the
-  controller saved the last step; 1 a task failed; 2 bad flags; 74 a task
+  controller saved the last step; 1 a task failed; 2 bad flags, or a task
+  refused its input; 4 an evaluation failed; 65 input files broke; 74 a task
   found the disk full; 130 Ctrl-C; 137 the OOM killer ended a task; 143
   SIGTERM/SIGHUP without the last save (docs/preemption.md,
   docs/faults.md).
