@@ -264,3 +264,16 @@ def Register(root):
     sys.path.insert(0, str(root))
   from lingvo_ext import registry  # pylint: disable=g-import-not-at-top
   registry.ImportModule(MODULE)
+
+
+def Fixture(tmp_path_factory):
+  """A module fixture's body: the experiment's directory (for PYTHONPATH),
+  written and registered in-process; off sys.path again after the module.
+
+  Use as `flagship = pytest.fixture(scope='module')(flagship_testlib.Fixture)`.
+  """
+  root = tmp_path_factory.mktemp('flagship')
+  Write(root)
+  Register(root)
+  yield root
+  sys.path.remove(str(root))

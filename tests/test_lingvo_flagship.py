@@ -22,14 +22,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT = 300
 
 
-@pytest.fixture(scope='module')
-def flagship(tmp_path_factory):
-  """The experiment's directory (for PYTHONPATH), registered in-process."""
-  root = tmp_path_factory.mktemp('flagship')
-  flagship_testlib.Write(root)
-  flagship_testlib.Register(root)
-  yield root
-  sys.path.remove(str(root))
+flagship = pytest.fixture(scope='module', name='flagship')(
+    flagship_testlib.Fixture)
 
 
 def _Run(root, args, **env):

@@ -30,14 +30,8 @@ STACK = 'task.lm.stack'
 MACHINE = planner.Machine(flops_per_s=1e10, s_per_op=1e-5, cores=2)
 
 
-@pytest.fixture(scope='module')
-def flagship(tmp_path_factory):
-  """The experiment's directory (for PYTHONPATH), registered in-process."""
-  root = tmp_path_factory.mktemp('flagship')
-  flagship_testlib.Write(root)
-  flagship_testlib.Register(root)
-  yield root
-  sys.path.remove(str(root))
+flagship = pytest.fixture(scope='module', name='flagship')(
+    flagship_testlib.Fixture)
 
 
 def _Longest(root):

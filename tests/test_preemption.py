@@ -203,9 +203,12 @@ def testEvalOnceEvaluatesTheNewestCheckpointOfAStoppedRunAndExits(
   empty = str(tmp_path / 'empty')
   rc, out = _Run(f'--model={tiny_gpipe_run.model}', *tiny_gpipe_run.flags,
                  f'--logdir={empty}', '--job=evaler_dev', '--eval_once')
-  assert rc == 0, out[-3000:]
-  assert (f'evaler_dev: --eval_once: no checkpoint in {empty}/train: nothing '
-          'to evaluate.') in out, out[-3000:]
+  # No job ends 0 without its work: refused up front, nothing written.
+  assert rc == 2, out[-3000:]
+  assert (f'error: --eval_once: no checkpoint in {empty}/train to evaluate; '
+          'train with the same --logdir first, or pass --eval_checkpoint.'
+          ) in out, out[-3000:]
+  assert not os.path.exists(empty), os.listdir(empty)
   rc, out = _Run(*flags, f'--eval_checkpoint={logdir}/train/ckpt-7')
   assert rc == 2, out[-3000:]
   assert (f'error: --eval_checkpoint={logdir}/train/ckpt-7: no such '

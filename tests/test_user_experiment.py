@@ -132,6 +132,8 @@ def _DocumentedOverrides():
       with open(path, encoding='utf-8') as f:
         text = f.read()
       for m in _OVERRIDE_RE.finditer(text):
+        if m.group(1).startswith('...'):
+          continue  # A template of troubleshooting's list of error lines.
         if ':' in m.group(1):  # Else an f-string cut at a line end: its
           # message is tested by testShapeMismatchMessageSuggests...
           found.append((os.path.relpath(path, ROOT), m.group(1)))
