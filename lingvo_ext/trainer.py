@@ -394,7 +394,7 @@ def _WatchInput(o):
   train_dir = os.path.join(o.logdir, 'train')
 
   def Stop(problem):
-    latest = tf.train.latest_checkpoint(train_dir) or 'none yet'
+    latest = checkpoints.LatestCheckpoint(train_dir) or 'none yet'
     print(f'error: {problem}: Lingvo\'s reader would wait for records '
           'forever or read it as text. Put the data back and run the same '
           f'command (the last checkpoint is {latest}).', file=sys.stderr,
