@@ -21,7 +21,8 @@ PACKAGES = ('lingvo_ext', 'params')
 # or of a floor below, never above. A part is a path prefix; the longest that
 # matches a file names its floor.
 FLOORS = (
-    ('lingvo_ext/__init__.py', 'lingvo_ext/_startup.py', 'lingvo_ext/_internal/'),
+    ('lingvo_ext/__init__.py', 'lingvo_ext/_startup.py', 'lingvo_ext/_moved.py',
+     'lingvo_ext/_internal/'),
     ('lingvo_ext/distributed/',),
     ('lingvo_ext/core/',),
     # The timeline tool's library half: the trainer's runners draw a traced

@@ -1,0 +1,50 @@
+"""Old import paths of modules that moved, kept working for users' code.
+
+`import lingvo_ext.core.planner.plans` (an old path) gives the module now at
+`lingvo_ext.planner.plans`: the same module object, imported once. The table
+is data; docs/architecture.md lists the moves. A test imports every old path.
+"""
+
+import importlib
+import importlib.abc
+import importlib.util
+import sys
+
+# {old dotted path: new dotted path}. A package's entry covers only the
+# package itself: list its modules too.
+MOVED = {
+    # The planner and tracing wings (folders = floors).
+    # The runtime wing.
+    # The engine made whole.
+    # The bundled experiments.
+}
+
+
+class _Loader(importlib.abc.Loader):
+
+  def __init__(self, new):
+    self._new = new
+
+  def create_module(self, spec):
+    return importlib.import_module(self._new)
+
+  def exec_module(self, module):
+    # The module under its new name is already executed; aliasing only.
+    pass
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+
+  def find_spec(self, fullname, path=None, target=None):
+    new = MOVED.get(fullname)
+    if new is None:
+      return None
+    is_package = hasattr(importlib.import_module(new), '__path__')
+    return importlib.util.spec_from_loader(
+        fullname, _Loader(new), is_package=is_package)
+
+
+def Install():
+  """Makes every old path in MOVED importable; idempotent."""
+  if not any(isinstance(f, _Finder) for f in sys.meta_path):
+    sys.meta_path.append(_Finder())
