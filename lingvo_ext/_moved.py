@@ -14,9 +14,13 @@ import sys
 # package itself: list its modules too.
 MOVED = {
     # The planner and tracing wings (folders = floors).
+
     # The runtime wing.
+
     # The engine made whole.
-    # The bundled experiments.
+
+    # The bundled experiments and other splits.
+
 }
 
 
