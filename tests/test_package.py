@@ -79,7 +79,7 @@ def test_the_graph_sees_cycles_and_upward_imports():
   # The real graph has the imports it should: the planner reads the registry.
   real = import_graph.Edges()
   assert 'lingvo_ext/registry.py' in real[
-      'lingvo_ext/core/planner/tf_profiling.py']
+      'lingvo_ext/planner/tf_profiling.py']
 
 
 def test_old_import_paths_give_the_moved_modules():

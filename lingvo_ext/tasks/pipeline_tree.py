@@ -198,7 +198,7 @@ def PlannerRefusal(cfg, model):
 
   The planner cuts a PipelinedTask's flat `LayerStack` into cells; any other
   experiment's pipelines it plans with their cells as cut
-  (lingvo_ext.core.planner.tree). An experiment with neither is refused.
+  (lingvo_ext.planner.tree). An experiment with neither is refused.
   """
   task = cfg.task if 'task' in cfg else None
   if task is not None and hasattr(task.cls, 'LayerStack'):
