@@ -10,6 +10,8 @@ from typing import Dict, List, Optional
 
 from lingvo_ext import planner
 from lingvo_ext.planner import measuring
+from lingvo_ext.planner import tree
+from lingvo_ext.tasks import pipeline_tree
 
 # Process memory besides the model, only for the process totals printed
 # (the budget is per device, without it): what bench/plan.py's calibration
@@ -88,11 +90,9 @@ def ChooseTreeForExperiment(model_params, name: str, devices: int,
   Its cells as cut, one replica (planner.tree); the machine probed, not
   calibrated (the reference plans cut a LayerStack).
   """
-  from lingvo_ext.planner import tree  # pylint: disable=g-import-not-at-top
-  from lingvo_ext.tasks import pipeline_tree  # pylint: disable=g-import-not-at-top
   # A time-major Lingvo LM feeding a batch-major pipeline: its one line, not
   # the shape error profiling would meet.
-  pipeline_tree._CheckTimeMajorLm(model_params.task)  # pylint: disable=protected-access
+  pipeline_tree.CheckTimeMajorLm(model_params.task)
   pipes = tree.ProfileTree(model_params, name)
   machine = machine or planner.ProbeMachine(
       planner.SessionConfig(devices), overhead_bytes=PROCESS_OVERHEAD_BYTES)
@@ -108,7 +108,6 @@ def TreeFlags(chosen) -> Dict[str, int]:
 def TreeCommand(model: str, chosen, overrides: str = '') -> str:
   """The trainer command line that runs the pipelines' chosen plans (after
   `overrides`, the user's --model_params_override)."""
-  from lingvo_ext.planner import tree  # pylint: disable=g-import-not-at-top
   flags = ' '.join('--%s=%d' % kv for kv in TreeFlags(chosen).items())
   return (".venv/bin/python -m lingvo_ext.trainer --model=%s %s "
           "--model_params_override='%s' --logdir=LOGDIR" %
@@ -152,12 +151,10 @@ def TrainerAutoPlan(model: str, devices: int,
                      f'--gpipe_engine={gpipe_engine}; pass '
                      '--gpipe_engine=lingvo_ext or leave --plan out.')
   cfg = planner.ExperimentParams(model, overrides=overrides)
-  from lingvo_ext.tasks import pipeline_tree  # pylint: disable=g-import-not-at-top
   refusal = pipeline_tree.PlannerRefusal(cfg, model)
   if refusal:
     raise ValueError('--plan=auto: ' + refusal)
   if pipeline_tree.IsCut(cfg):
-    from lingvo_ext.planner import tree  # pylint: disable=g-import-not-at-top
     ranked = ChooseTreeForExperiment(cfg, model, devices, budget)
     chosen = [(pipe, plans[0]) for pipe, plans in ranked]
     text = tree.TreeOverrideString(chosen)
