@@ -18,9 +18,9 @@ from tests.support import flagship_testlib
 from tests.support import zygote
 
 from lingvo_ext import registry
-from lingvo_ext.core import planner
+from lingvo_ext import planner
 from lingvo_ext.core.engine import records
-from lingvo_ext.core.planner import tree
+from lingvo_ext.planner import tree
 from lingvo_ext.tools import plan as plan_tool
 from tests.support import ROOT
 
