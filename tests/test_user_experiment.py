@@ -16,12 +16,12 @@ from lingvo import model_registry
 import numpy as np
 import pytest
 
-from tests import zygote
+from tests.support import zygote
 
 from lingvo_ext import registry
 from lingvo_ext.tasks import experiment_params
+from tests.support import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT = 300
 
 _EXPERIMENT = '''
