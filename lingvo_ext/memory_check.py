@@ -155,7 +155,7 @@ def Profile(model_params):
   """
   import math  # pylint: disable=g-import-not-at-top
   from lingvo_ext.core import cost  # pylint: disable=g-import-not-at-top
-  from lingvo_ext.core import planner  # pylint: disable=g-import-not-at-top
+  from lingvo_ext import planner  # pylint: disable=g-import-not-at-top
   task = model_params.task.Copy()
   task.input = model_params.input.Copy()
   stack, shapes = task.cls.LayerStack(task)
@@ -192,7 +192,7 @@ def _DefaultRecompute(record, linear_loss: bool) -> bool:
 def PlanOfParams(profile, task, num_cpu_devices: int, split: int):
   """The planner's Plan of the task's params on the trainer's devices."""
   from lingvo_ext.core import partitioning  # pylint: disable=g-import-not-at-top
-  from lingvo_ext.core import planner  # pylint: disable=g-import-not-at-top
+  from lingvo_ext import planner  # pylint: disable=g-import-not-at-top
   from lingvo_ext.core.engine import records  # pylint: disable=g-import-not-at-top
   k = min(task.num_partitions, len(profile.layers))
   costs = [l.param_bytes if task.partition_cost == 'params' else l.flops
@@ -222,7 +222,7 @@ def _Half(profile):
 
 def Estimate(profile, plan) -> StartEstimate:
   """The planner's memory prediction of `plan` (prediction.Predict)."""
-  from lingvo_ext.core import planner  # pylint: disable=g-import-not-at-top
+  from lingvo_ext import planner  # pylint: disable=g-import-not-at-top
   got = planner.Predict(profile, plan)
   layers = tuple(dataclasses.replace(l, out_bytes=0., kept_bytes=0.)
                  for l in profile.layers)
@@ -250,7 +250,7 @@ def Overrides(profile, plan, fprop_dtype, available: float
   schedule that keeps fewer activations (with the micro-batches they need),
   then bf16 activations (task.fprop_dtype) with each of those.
   """
-  from lingvo_ext.core import planner  # pylint: disable=g-import-not-at-top
+  from lingvo_ext import planner  # pylint: disable=g-import-not-at-top
   from lingvo_ext.core.engine import records  # pylint: disable=g-import-not-at-top
   rb = plan.replica_batch
   more = [m for m in range(plan.num_micro_batches + 1, rb + 1) if rb % m == 0]
@@ -305,7 +305,7 @@ def StartWarning(model_params, num_cpu_devices: int, split: int,
       AvailableBytes().
     source: Where `available` comes from.
   """
-  from lingvo_ext.core import planner  # pylint: disable=g-import-not-at-top
+  from lingvo_ext import planner  # pylint: disable=g-import-not-at-top
   from lingvo_ext.tasks import pipeline_tree  # pylint: disable=g-import-not-at-top
   task = model_params.task if 'task' in model_params else None
   if task is None or not pipeline_tree.IsPipelinedTask(task):

@@ -451,7 +451,7 @@ def _Profile(kept, linear_loss=True):
   The weights are small beside the activations, so that the engine takes
   each micro-batch's weight gradients alone (a run of 1, runs.py).
   """
-  from lingvo_ext.core import planner  # pylint: disable=g-import-not-at-top
+  from lingvo_ext import planner  # pylint: disable=g-import-not-at-top
   layers = tuple(planner.LayerProfile(
       name=f'l{i}', flops=1e6, fwd_ops=0, bwd_ops=0, param_bytes=10,
       num_vars=1, out_bytes=kept, kept_bytes=kept) for i in range(4))
@@ -461,7 +461,7 @@ def _Profile(kept, linear_loss=True):
 
 
 def _Plan(schedule, m, recompute=False):
-  from lingvo_ext.core import planner  # pylint: disable=g-import-not-at-top
+  from lingvo_ext import planner  # pylint: disable=g-import-not-at-top
   return planner.Plan(num_cells=2, sizes=(2, 2), devices_per_replica=2,
                       num_micro_batches=m, schedule=schedule,
                       recompute=recompute, replicas=1,
@@ -499,7 +499,7 @@ def testStartEstimateKeepsTheActivationsTheScheduleKeeps():
 
 
 def testStartWarningNamesTheNeedTheLimitAndAnOverrideThatFits():
-  from lingvo_ext.core import planner  # pylint: disable=g-import-not-at-top
+  from lingvo_ext import planner  # pylint: disable=g-import-not-at-top
   cfg = planner.ExperimentParams('lm.TransformerLmTinyGPipe')
   profile = memory_check.Profile(cfg)
   plan = memory_check.PlanOfParams(profile, cfg.task, 2, 2)
@@ -540,7 +540,7 @@ def testTheTrainersStartWarningBuildsNoModelAndNoLayerGraph(
   from lingvo_ext import trainer  # pylint: disable=g-import-not-at-top
   from lingvo_ext import trainer_flags  # pylint: disable=g-import-not-at-top
   from lingvo_ext.core import cost  # pylint: disable=g-import-not-at-top
-  from lingvo_ext.core.planner import tf_profiling  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.planner import tf_profiling  # pylint: disable=g-import-not-at-top
   from lingvo_ext.tasks.lm import model as lm_model  # pylint: disable=g-import-not-at-top
   counts = collections.Counter()
 
