@@ -13,8 +13,8 @@ import collections
 import os
 import sys
 from typing import Dict, List, Set, Tuple
+from tests.support import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ('lingvo_ext', 'params')
 
 # The floors of the house, bottom up, drawn from the folders: an entry is a

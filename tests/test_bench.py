@@ -15,9 +15,8 @@ from tensorflow.core.framework import step_stats_pb2
 from tensorflow.tsl.profiler.protobuf import trace_events_pb2
 
 from lingvo_ext.tracing import step_trace
-from tests import zygote
-
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.support import zygote
+from tests.support import ROOT as _REPO
 
 
 def _Node(dev, name, start, dur, op='MatMul'):

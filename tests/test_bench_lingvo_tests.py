@@ -5,8 +5,8 @@ import subprocess
 import sys
 
 import pytest
+from tests.support import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HARNESS = os.path.join(ROOT, 'bench', 'lingvo_tests.py')
 
 # A stand-in for one of Lingvo's test files: what it imports from

@@ -7,9 +7,8 @@ import sys
 import pytest
 
 from bench import transformer
-from tests import zygote
-
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.support import zygote
+from tests.support import ROOT as _REPO
 
 
 def test_pairs_and_markdown():

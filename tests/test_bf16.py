@@ -21,7 +21,7 @@ from lingvo.core import py_utils
 import numpy as np
 import pytest
 
-from tests import zygote
+from tests.support import zygote
 
 from lingvo_ext import registry
 from lingvo_ext.core import gpipe
@@ -30,9 +30,9 @@ from lingvo_ext.core import schedules
 from lingvo_ext.tasks import pipelined_task
 from tensorflow.core.protobuf import rewriter_config_pb2  # pylint: disable=g-direct-tensorflow-import
 import params  # pylint: disable=unused-import
-from tests import gpipe_testlib as lib
+from tests.support import gpipe_testlib as lib
+from tests.support import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 D, B = 32, 16
 RTOL = 3e-2
 # Every schedule, with and without recomputation where it is allowed, and

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from lingvo_ext.tools import convert_checkpoint as cc
-from tests import zygote
+from tests.support import zygote
+from tests.support import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = 'lm.TransformerLmTinyGPipe'  # K=2.
 # Lingvo's names: cell scopes and leaves named cell_NNN.
 LINGVO_NAMES = ('task.partition_independent_names:False;'

@@ -15,9 +15,8 @@ from lingvo_ext.core import cost
 from lingvo_ext.core import layers
 from lingvo_ext.core import partitioning
 from lingvo_ext.tools import cost_report
-from tests import zygote
-
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.support import zygote
+from tests.support import ROOT as _REPO
 
 
 def _Stack():

@@ -1,7 +1,8 @@
 """Every example of README.md and docs/ runs or is checked; every error is documented.
 
 Every shell and Python code block has an HTML comment on the line before its
-fence that says how it is checked (tests/docs_testlib.py lists the forms).
+fence that says how it is checked (tests/support/docs_testlib.py lists the
+forms).
 A `<!-- runnable -->` block runs as written (with the marker's `sub=`
 substitutions), from a fresh temporary directory that has a `.venv` of
 links to this checkout's venv (so `.venv/bin/python -m ...` works there) and
@@ -9,7 +10,7 @@ that venv's bin first on PATH (so the console scripts do); `/tmp/lx/` in the
 block becomes a directory of the test's own. Its `.venv/bin/python -m
 lingvo_ext...` and `.venv/bin/python -c` runs (a Python block's too) are
 forked from a server that has imported TensorFlow
-(tests/zygote.py's Bridge; LINGVO_EXT_TEST_ZYGOTE=0: each a fresh
+(tests/support/zygote.py's Bridge; LINGVO_EXT_TEST_ZYGOTE=0: each a fresh
 interpreter), as the other tests' tool runs are. A block that exits non-zero
 fails the test, with its output. A `<!-- checked: ... -->` block (commands
 for other hosts, a fragment of a tested file) is checked as its kind says.
@@ -25,9 +26,9 @@ import tempfile
 
 import pytest
 
-from tests import docs_commands_testlib as commands_lib
-from tests import docs_testlib as docs_lib
-from tests import zygote
+from tests.support import docs_commands_testlib as commands_lib
+from tests.support import docs_testlib as docs_lib
+from tests.support import zygote
 
 ROOT = docs_lib.ROOT
 TIMEOUT = 600
@@ -81,8 +82,8 @@ def _Env(block, lx):
 
 @pytest.fixture(scope='session')
 def bridge():
-  """bridge(): this worker's tests/zygote.py Bridge, made on first use: a
-  block's `.venv/bin/python -m lingvo_ext...` runs are forked from the
+  """bridge(): this worker's tests/support/zygote.py Bridge, made on first
+  use: a block's `.venv/bin/python -m lingvo_ext...` runs are forked from the
   worker's zygote server, not each a fresh interpreter importing
   TensorFlow."""
   made = []
@@ -158,7 +159,8 @@ def testEveryCodeBlockIsRunOrChecked():
               if not b.lang or (b.lang in docs_lib.CODE_LANGS and not b.kind)]
   assert not unmarked, (
       'give each block a language (text for output) and each shell or '
-      'Python block a marker (tests/docs_testlib.py):\n' + '\n'.join(unmarked))
+      'Python block a marker (tests/support/docs_testlib.py):\n' +
+      '\n'.join(unmarked))
   indented = docs_lib.IndentedCommands()
   assert not indented, ('fence these indented code blocks and mark them:\n' +
                         '\n'.join(indented))
@@ -174,7 +176,7 @@ def testEveryCodeBlockIsRunOrChecked():
 
 def _CheckCommands(items, env=None):
   """Runs CheckCommandsMain on items in a process of its own, forked by
-  tests/zygote.py where it can be (the trainer's and most bench scripts'
+  tests/support/zygote.py where it can be (the trainer's and most bench scripts'
   parsers import TensorFlow); asserts each is ok."""
   with tempfile.TemporaryDirectory(prefix='check-commands-') as tmp:
     path = os.path.join(tmp, 'items.json')
@@ -183,7 +185,7 @@ def _CheckCommands(items, env=None):
     proc = zygote.run(
         [sys.executable, '-c',
          'import sys; sys.stdin = open(sys.argv[1]); '
-         'from tests import docs_commands_testlib as c; '
+         'from tests.support import docs_commands_testlib as c; '
          'sys.exit(c.CheckCommandsMain())', path],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True, timeout=TIMEOUT, check=False)

@@ -17,10 +17,10 @@ import pytest
 
 from bench import transformer
 from lingvo_ext.core import gpipe
-from tests import gpipe_testlib
-from tests import zygote
+from tests.support import gpipe_testlib
+from tests.support import zygote
+from tests.support import ROOT as _REPO
 
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _K = 2
 
 # Ops run per (cell, micro-batch), forward and backward, at most: what

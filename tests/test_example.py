@@ -5,7 +5,7 @@ import sys
 import pytest
 
 from lingvo_ext.examples import gpipe_example
-from tests import zygote
+from tests.support import zygote
 
 
 def test_example_matches_sequential():

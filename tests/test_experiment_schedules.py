@@ -45,7 +45,7 @@ from lingvo.core import cluster_factory
 import numpy as np
 import pytest
 
-import gpipe_testlib as lib
+from tests.support import gpipe_testlib as lib
 from lingvo_ext.core import schedules
 from params import image
 from params import lm

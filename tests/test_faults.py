@@ -1,7 +1,7 @@
 """Faults of the machine: a full disk, a hung task, memory, broken input.
 
 The end-to-end tests run the trainer or the launcher in process groups of
-their own (tests/proc_testlib.py), bound every wait and kill what they
+their own (tests/support/proc_testlib.py), bound every wait and kill what they
 started (SIGCONT first for a stopped one); a filesystem a test mounts is
 unmounted in a `finally`.
 """
@@ -29,7 +29,7 @@ from lingvo_ext import memory_check
 from lingvo_ext import progress
 from lingvo_ext.distributed import launch_lib
 from lingvo_ext.tasks import input_files
-from tests import proc_testlib
+from tests.support import proc_testlib
 
 TIMEOUT = 300
 MODEL = '--model=lm.TransformerLmTiny'

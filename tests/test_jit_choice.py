@@ -10,8 +10,8 @@ import pytest
 
 from lingvo_ext.core import gpipe
 from lingvo_ext.core import jit_choice
-import gpipe_testlib as lib
-import test_gpipe
+from tests.support import gpipe_testlib as lib
+from tests import test_gpipe
 
 B, D = 8, 6
 

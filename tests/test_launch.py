@@ -1,9 +1,9 @@
 """lingvo_ext.launch: clusters configured only by TF_CONFIG or SLURM_*,
 readable output, logs in files, and no task outliving the launcher.
 
-Each launcher runs in its own process group (tests/proc_testlib.py), killed
-when its `with` block ends; every wait is bounded. Tasks have groups of
-their own: the tests kill those too.
+Each launcher runs in its own process group
+(tests/support/proc_testlib.py), killed when its `with` block ends; every
+wait is bounded. Tasks have groups of their own: the tests kill those too.
 """
 
 import glob
@@ -16,7 +16,7 @@ import time
 import pytest
 
 from lingvo_ext.distributed import cluster
-from tests import proc_testlib
+from tests.support import proc_testlib
 
 MODEL = 'lm.TransformerLmTinyGPipe'
 # A log record of Lingvo (absl) or TensorFlow's C++ runtime.

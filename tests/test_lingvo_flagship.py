@@ -1,6 +1,6 @@
 """Lingvo's flagship LM experiment (scaled down) in every job.
 
-The experiment is tests/flagship_testlib.py's copy of Lingvo's
+The experiment is tests/support/flagship_testlib.py's copy of Lingvo's
 `OneBWdsGPipeTransformer` with its bucket tables, batch-major and
 time-major, on its dataset layout rebuilt from Python's own text.
 """
@@ -13,12 +13,12 @@ import sys
 import numpy as np
 import pytest
 
-from tests import flagship_testlib
-from tests import zygote
+from tests.support import flagship_testlib
+from tests.support import zygote
 
 from lingvo_ext import registry
+from tests.support import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT = 300
 
 
@@ -129,7 +129,7 @@ def testTheTrainersScheduleChecksNameTheFix(flagship):
 def testTheBuilderRefusesEmptyCellsAndADynamicTimeAxisInOneLine(flagship):
   del flagship
   import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
-  from tests import gpipe_testlib  # pylint: disable=g-import-not-at-top
+  from tests.support import gpipe_testlib  # pylint: disable=g-import-not-at-top
   cfg = registry.GetParams(flagship_testlib.MODEL, 'Train',
                            'task.lm.stack.splits:8')
   with tf.Graph().as_default(), gpipe_testlib.Cluster(2):
@@ -153,7 +153,7 @@ def _EvalMetrics(cfg, batches, devices, static=None):
   import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
   from lingvo.core import cluster_factory  # pylint: disable=g-import-not-at-top
   from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
-  from tests import gpipe_testlib  # pylint: disable=g-import-not-at-top
+  from tests.support import gpipe_testlib  # pylint: disable=g-import-not-at-top
   length = cfg.input.target_max_length
   g = tf.Graph()
   with g.as_default(), cluster_factory.ForTestingWorker(

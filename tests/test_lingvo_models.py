@@ -20,8 +20,8 @@ from lingvo.core import py_utils
 import numpy as np
 import pytest
 
-from tests import gpipe_testlib
-from tests import zygote
+from tests.support import gpipe_testlib
+from tests.support import zygote
 
 from lingvo_ext import registry
 from lingvo_ext import trainer
@@ -32,8 +32,8 @@ from lingvo_ext.core import layers_with_gpipe
 from lingvo_ext.tasks import pipeline_tree
 from lingvo_ext.core import precision
 from lingvo_ext.core import schedules
+from tests.support import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT = 600
 MODEL = 'lingvo_gpipe_lm.GPipeLm'
 

@@ -5,8 +5,8 @@ import subprocess
 import sys
 
 import pytest
+from tests.support import ROOT as _REPO
 
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _PROBE = ('import os, sys; import lingvo_ext; '
           'loaded = "tensorflow" in sys.modules; '

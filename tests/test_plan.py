@@ -11,9 +11,9 @@ import pytest
 from lingvo_ext.core import actions
 from lingvo_ext.core import partitioning
 from lingvo_ext import planner
-from tests import zygote
+from tests.support import zygote
+from tests.support import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = 'lm.TransformerLmTiny'
 
 

@@ -2,10 +2,10 @@
 evaluating a logdir once; process titles.
 
 Each test runs trainers or launchers in process groups of their own
-(tests/proc_testlib.py), waits for a line of their output (never a fixed
+(tests/support/proc_testlib.py), waits for a line of their output (never a fixed
 sleep), bounds every wait and kills what it started when its `with` block
 ends, passed or failed; the runs it only waits for are forked from the
-tests' server (tests/zygote.py).
+tests' server (tests/support/zygote.py).
 """
 
 import glob
@@ -21,10 +21,10 @@ import lingvo.compat as tf
 import numpy as np
 import pytest
 
-from tests import proc_testlib
-from tests import zygote
+from tests.support import proc_testlib
+from tests.support import zygote
+from tests.support import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT = 300
 MODEL = '--model=lm.TransformerLmTiny'
 # No periodic checkpoint after the first: any later one is the stop's.

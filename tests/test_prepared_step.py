@@ -11,7 +11,7 @@ import numpy as np
 
 from lingvo_ext import prepared_step
 from lingvo_ext import registry
-from tests import gpipe_testlib
+from tests.support import gpipe_testlib
 
 
 def _FakeTask():

@@ -8,8 +8,7 @@ import importlib.util
 import os
 import re
 import shutil
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.support import ROOT
 
 
 def _Hooks():

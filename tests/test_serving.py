@@ -4,7 +4,7 @@ The done-when tests of issue 61: a model trained pipelined on 2 devices
 under '1f1b' is exported both ways (the trainer's
 --mode=write_inference_graph for Lingvo's Predictor, and lingvo-ext-export's
 SavedModel); then, each in a fresh process on one CPU device, the evaler and
-the Predictor (tests/serving_probe.py lingvo) and the SavedModel without
+the Predictor (tests/support/serving_probe.py lingvo) and the SavedModel without
 Lingvo (serving_probe.py saved_model) score the same dev batch.
 """
 
@@ -18,14 +18,14 @@ import lingvo.compat as tf
 import numpy as np
 import pytest
 
-from tests import zygote
+from tests.support import zygote
 
 from lingvo_ext.serving import export
 from lingvo_ext.serving import inference
 from lingvo_ext.serving import saved_model
+from tests.support import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PROBE = os.path.join(ROOT, 'tests', 'serving_probe.py')
+PROBE = os.path.join(ROOT, 'tests', 'support', 'serving_probe.py')
 TIMEOUT = 600
 ONE_CPU = {'CUDA_VISIBLE_DEVICES': '', 'TF_CPP_MIN_LOG_LEVEL': '2'}
 

@@ -12,9 +12,9 @@ import pytest
 from lingvo_ext.core import actions
 from lingvo_ext.tools import timeline as timeline_tool
 from lingvo_ext.tracing import timeline
-from tests import zygote
+from tests.support import zygote
+from tests.support import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPECS = [
     ('unrolled', actions.StageSpec(4, 4, 8)),
     ('unrolled', actions.StageSpec(3, 3, 5, recompute=True)),

@@ -11,8 +11,8 @@ import pytest
 
 from bench import torch_baselines
 from bench import transformer
+from tests.support import ROOT as _REPO
 
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _SCRIPT = os.path.join(_REPO, 'bench', 'torch_baselines.py')
 
 

@@ -16,10 +16,10 @@ import lingvo.compat as tf
 import numpy as np
 import pytest
 
-from tests import proc_testlib
-from tests import zygote
+from tests.support import proc_testlib
+from tests.support import zygote
+from tests.support import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT = 300
 MODEL = '--model=lm.TransformerLmTiny'
 

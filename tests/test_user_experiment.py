@@ -16,11 +16,11 @@ from lingvo import model_registry
 import numpy as np
 import pytest
 
-from tests import zygote
+from tests.support import zygote
 
 from lingvo_ext import registry
+from tests.support import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT = 300
 
 _EXPERIMENT = '''

@@ -20,7 +20,7 @@ import lingvo.compat as tf
 from lingvo import model_registry
 import pytest
 
-from tests import zygote
+from tests.support import zygote
 
 from lingvo_ext import checkpoints
 from lingvo_ext import registry
@@ -28,8 +28,8 @@ from lingvo_ext.core import gpipe
 from lingvo_ext.core import schedules
 from lingvo_ext.distributed import step_keeping
 from lingvo_ext.tasks import pipelined_task
+from tests.support import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT = 300
 TINY = 'lm.TransformerLmTinyGPipe'
 TRAINED_STEPS = 4

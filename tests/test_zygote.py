@@ -1,4 +1,4 @@
-"""tests/zygote.py: trainer runs forked from a pre-imported server."""
+"""tests/support/zygote.py: trainer runs forked from a pre-imported server."""
 
 import fcntl
 import os
@@ -11,9 +11,9 @@ import pytest
 
 from lingvo_ext import trainer
 
-from tests import zygote
+from tests.support import zygote
+from tests.support import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAINER = [sys.executable, '-m', 'lingvo_ext.trainer']
 
 
@@ -28,7 +28,7 @@ def testOnlyRunsWithTheServersImportTimeEnvironmentAreForked():
   # A module the server does not serve.
   assert not zygote._Usable([sys.executable, '-m', 'lingvo_ext.tools.fix_x_ops'],
                             env)
-  # `-c CODE` runs as tests.zygote_code.
+  # `-c CODE` runs as tests.support.zygote_code.
   assert zygote._Usable([sys.executable, '-c', 'pass'], env)
   assert not zygote._Usable([sys.executable, '-E', '-c', 'pass'], env)
 

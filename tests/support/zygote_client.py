@@ -1,11 +1,12 @@
 """`python -m MODULE ARGS...` forked by a test's zygote server.
 
-tests/zygote.py's Bridge shim runs `python -S -E zygote_client.py SOCKET -m
-MODULE ARGS...`: this asks the test process listening on SOCKET to fork the
-run with this process's environment, working folder, stdout and stderr, and
-exits with its exit code; where it cannot (refused, no server, an output
-that is not a pipe, file or terminal), it becomes a fresh interpreter
-running the command. Only the standard library: it starts in milliseconds.
+tests/support/zygote.py's Bridge shim runs `python -S -E zygote_client.py
+SOCKET -m MODULE ARGS...`: this asks the test process listening on SOCKET
+to fork the run with this process's environment, working folder, stdout and
+stderr, and exits with its exit code; where it cannot (refused, no server,
+an output that is not a pipe, file or terminal), it becomes a fresh
+interpreter running the command. Only the standard library: it starts in
+milliseconds.
 """
 
 import json

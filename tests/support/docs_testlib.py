@@ -21,7 +21,7 @@
                                      python command (bench/, tools) its
                                      argparse parser; each `bash SCRIPT`'s
                                      script exists
-                                     (tests/docs_commands_testlib.py)
+                                     (tests/support/docs_commands_testlib.py)
       <!-- checked: flags base='COMMAND' -->   each line is flags that the
                                      trainer command COMMAND takes, checked
                                      as above
@@ -48,7 +48,8 @@ import re
 import shlex
 from typing import List, Tuple
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.support import ROOT
+
 DOC_FILES = ['README.md', 'docs/*.md']
 # The languages whose blocks must say how they are checked.
 CODE_LANGS = ('sh', 'bash', 'shell', 'console', 'python', 'py')
@@ -218,9 +219,9 @@ def BazelProblems(block) -> List[str]:
   with open(os.path.join(ROOT, 'BUILD'), encoding='utf-8') as f:
     build = f.read()
   names = set(re.findall(r'name\s*=\s*"([^"]+)"', build))
-  # One py_test per tests/test_*.py, named after it.
-  names |= {os.path.basename(p)[:-len('.py')] for p in
-            glob.glob(os.path.join(ROOT, 'tests', 'test_*.py'))}
+  # One py_test per tests/**/test_*.py, named after its file.
+  names |= {os.path.basename(p)[:-len('.py')] for p in glob.glob(
+      os.path.join(ROOT, 'tests', '**', 'test_*.py'), recursive=True)}
   problems = []
   for target in re.findall(r'//:(\w+)', block.code):
     if target not in names:

@@ -14,13 +14,13 @@ import subprocess
 import threading
 import time
 
-from tests import zygote
+from tests.support import zygote
+from tests.support import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT = 300
 # `python -c PRIVATE_TRAINER FLAGS...` is `python -m lingvo_ext.trainer
 # FLAGS...` in a private network namespace (only 127.0.0.1): the trainer runs
-# in the same process (tests/zygote.py forks it, TensorFlow imported).
+# in the same process (tests/support/zygote.py forks it, TensorFlow imported).
 PRIVATE_TRAINER = (
     'import runpy, sys; from lingvo_ext.distributed import launch_lib; '
     'launch_lib.EnterPrivateNetwork(); sys.argv[0] = "-m"; '
@@ -30,8 +30,9 @@ _STARTED = re.compile(r'launch: started (\w+ task \d+) \(\S+\) as pid (\d+)')
 
 
 class _Forked:
-  """A run forked from this process's zygote server (tests/zygote.py), its
-  stdout and stderr into a pipe: the part of subprocess.Popen Proc uses."""
+  """A run forked from this process's zygote server
+  (tests/support/zygote.py), its stdout and stderr into a pipe: the part of
+  subprocess.Popen Proc uses."""
 
   def __init__(self, run, stdout):
     self._run, self.stdout, self.pid = run, stdout, run.pid
@@ -100,7 +101,7 @@ def _Fork(argv, env):
 
 class Proc:
   """`argv` from the repository, in its own process group; `python -m`
-  runs of tests/zygote.py's MODULES are forked from its server."""
+  runs of tests/support/zygote.py's MODULES are forked from its server."""
 
   def __init__(self, argv, env=None, read=True):
     """Starts it; read=False: its output stays in the pipe until

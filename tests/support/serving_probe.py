@@ -1,7 +1,8 @@
 """The two fresh processes of tests/test_serving.py (one CPU device each).
 
-  python tests/serving_probe.py lingvo ARGS.json  # evaler, decoder, Predictor
-  python tests/serving_probe.py saved_model ARGS.json  # tf.saved_model only
+  python tests/support/serving_probe.py lingvo ARGS.json  # evaler, decoder,
+                                                         # Predictor
+  python tests/support/serving_probe.py saved_model ARGS.json  # TF only
 
 `lingvo` builds the experiment's evaler (and the LM's decoder) on the
 checkpoint, runs them on the first dev batch, feeds the same batch to Lingvo's

@@ -1,7 +1,7 @@
-"""`python -c CODE ARGS...` as a module: tests/zygote.py forks such runs.
+"""`python -c CODE ARGS...` as a module: tests/support/zygote.py forks them.
 
-tests/zygote.py runs `[python, '-c', CODE, *ARGS]` as `[python, '-m',
-'tests.zygote_code', CODE, *ARGS]` from its server, which has imported
+tests/support/zygote.py runs `[python, '-c', CODE, *ARGS]` as `[python, '-m',
+'tests.support.zygote_code', CODE, *ARGS]` from its server, which has imported
 TensorFlow and Lingvo; this runs CODE as `-c` would: as __main__ in a fresh
 module named '__main__', sys.argv ['-c', *ARGS], sys.path[0] '' (the working
 folder), an uncaught exception's traceback (from CODE's frame on) and exit

@@ -8,8 +8,7 @@ script's argparse parser (`CheckArgparseArgv`).
 """
 
 import os
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.support import ROOT
 
 
 # What a `checked: commands` block runs instead of the venv's python (and

@@ -3,7 +3,7 @@
 MODULES lists what it serves: the trainer, the launcher, the tools,
 bench/transformer.py's per-variant children (as `-m bench.transformer`),
 bench/pipeline.py (as `-m bench.pipeline`) and `python -c CODE` (as `-m
-tests.zygote_code CODE`, which runs CODE as `-c` does).
+tests.support.zygote_code CODE`, which runs CODE as `-c` does).
 
 Importing TensorFlow and Lingvo costs ~5 of a small trainer run's ~13
 CPU-seconds; the end-to-end tests start dozens of such runs. run() is
@@ -22,7 +22,7 @@ interpreter (e.g. TF_ENABLE_ONEDNN_OPTS, which TensorFlow reads once). A
 forked run ends as an interpreter does, but for the garbage collection at
 exit (RunAsMain's collect_at_exit=False: objects left in reference cycles
 are not finalized), which would cost a Transformer run about a CPU-second.
-Runs a test signals by pid go through Fork (tests/proc_testlib.py's Proc
+Runs a test signals by pid go through Fork (tests/support/proc_testlib.py's Proc
 and Start); tests that need a fresh interpreter call subprocess
 themselves.
 """
@@ -40,14 +40,14 @@ import tempfile
 import threading
 
 from lingvo_ext.distributed import fork_server
+from tests.support import ROOT as _ROOT
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Modules run from the server; the server imports what they import.
 MODULES = ('lingvo_ext.trainer', 'lingvo_ext.tools.cost_report',
            'lingvo_ext.tools.list_models',
            'lingvo_ext.tools.convert_checkpoint', 'lingvo_ext.tools.plan',
            'lingvo_ext.examples.gpipe_example', 'lingvo_ext.launch',
-           'bench.transformer', 'bench.pipeline', 'tests.zygote_code')
+           'bench.transformer', 'bench.pipeline', 'tests.support.zygote_code')
 # Off with LINGVO_EXT_TEST_ZYGOTE=0 (every run a fresh interpreter).
 ENABLED = os.environ.get('LINGVO_EXT_TEST_ZYGOTE', '1') != '0'
 forks = 0  # Runs forked from the server in this process (tests/test_zygote.py).
@@ -61,9 +61,9 @@ _started = []
 
 
 def _Served(cmd):
-  """cmd, a `-c CODE` run as `-m tests.zygote_code CODE`."""
+  """cmd, a `-c CODE` run as `-m tests.support.zygote_code CODE`."""
   if list(cmd[:2]) == [sys.executable, '-c'] and len(cmd) > 2:
-    return [sys.executable, '-m', 'tests.zygote_code', *cmd[2:]]
+    return [sys.executable, '-m', 'tests.support.zygote_code', *cmd[2:]]
   return list(cmd)
 
 
@@ -167,10 +167,11 @@ def run(cmd, cwd=None, env=None, stdout=None, stderr=None,
 
 # --- Runs that another program starts (a docs example's bash) -----------------
 
-_CLIENT = os.path.join(_ROOT, 'tests', 'zygote_client.py')
+_CLIENT = os.path.join(_ROOT, 'tests', 'support', 'zygote_client.py')
 _SHIM = '''#!/bin/sh
-# %(python)s, but `-m MODULE` of tests/zygote.py's MODULES and `-c CODE` are
-# forked from a test's zygote server (tests/zygote_client.py).
+# %(python)s, but `-m MODULE` of tests/support/zygote.py's MODULES and
+# `-c CODE` are forked from a test's zygote server
+# (tests/support/zygote_client.py).
 case "$1 $2" in
   %(cases)s) exec %(python)s -S -E %(client)s %(socket)s "$@" ;;
 esac
