@@ -202,6 +202,9 @@ def _CheckParams(o):
         o = dataclasses.replace(o, grappler_remapping=False)
   except (ValueError, AttributeError, LookupError) as e:
     return runners.FirstLine(e), o
+  if local_training and not o.plan:  # --plan=auto warns with its own.
+    memory_check.WarnAtStart(cfg, o.num_cpu_devices, split,
+                             o.model_params_override)
   return None, o
 
 
