@@ -19,6 +19,7 @@ import pytest
 from tests.support import zygote
 
 from lingvo_ext import registry
+from lingvo_ext.tasks import experiment_params
 from tests.support import ROOT
 
 TIMEOUT = 300
@@ -152,7 +153,7 @@ def _Assignments(text):
 
 
 def _ParamsWithOverride(model, text):
-  return registry.GetParams(model, 'Train', text)
+  return experiment_params.GetParams(model, 'Train', text)
 
 
 def _CheckOverride(text):
