@@ -93,6 +93,10 @@ def test_the_graph_sees_cycles_and_upward_imports():
   assert 'lingvo_ext/registry.py' in real[
       'lingvo_ext/planner/tf_profiling.py']
   assert 'lingvo_ext/planner/auto.py' in real['lingvo_ext/trainer.py']
+  # The registry looks experiments up and nothing more: building params
+  # (the Lingvo rewrite, overrides, the dtype) is tasks/experiment_params.py.
+  assert {f.split('/')[1] for f in real['lingvo_ext/registry.py']} <= {
+      '__init__.py', '_internal'}
 
 
 def test_floors_name_folders_not_files_in_them():

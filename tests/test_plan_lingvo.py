@@ -17,7 +17,7 @@ import pytest
 from tests.support import flagship_testlib
 from tests.support import zygote
 
-from lingvo_ext import registry
+from lingvo_ext.tasks import experiment_params
 from lingvo_ext import planner
 from lingvo_ext.core.engine import records
 from lingvo_ext.planner import tree
@@ -95,7 +95,7 @@ def testTheOverrideIsPlannedAndItsTextParsesBackToThePlan(flagship, capsys):
   assert text.startswith('task.lm.stack.splits:4; ')
   assert f"--model_params_override='{text}'" in got['command']
   best = pipe['best']
-  cfg = registry.GetParams(MODEL, 'Train', text)
+  cfg = experiment_params.GetParams(MODEL, 'Train', text)
   stack = cfg.task.lm.stack
   assert stack.splits == 4
   assert stack.schedule == best['schedule']

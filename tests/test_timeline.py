@@ -138,8 +138,8 @@ def testTracedTrainerRunGivesTheMeasuredPicture(tmp_path):
   assert tags == [('timeline', 2, b'\x89PNG'),
                   ('timeline_planned', 2, b'\x89PNG')]
   # The planned picture: the model's pipeline, its schedule simulated.
-  from lingvo_ext import registry  # pylint: disable=g-import-not-at-top
-  task = registry.GetParams('lm.TransformerLmTinyGPipe', 'Train').task
+  from lingvo_ext.tasks import experiment_params  # pylint: disable=g-import-not-at-top
+  task = experiment_params.GetParams('lm.TransformerLmTinyGPipe', 'Train').task
   assert os.path.getsize(os.path.join(train, 'timeline_planned.png')) > 0
   with open(os.path.join(train, 'timeline_planned.trace.json')) as f:
     planned = json.load(f)

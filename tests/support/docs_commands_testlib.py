@@ -1,4 +1,4 @@
-"""How tests/test_docs_examples.py checks a `checked: commands` block.
+"""How tests/e2e/test_docs_examples.py checks a `checked: commands` block.
 
 The block runs with fakes for the venv's python and for bash that record
 each command (`FAKE_PYTHON`); `CheckCommandsMain` then puts each recorded

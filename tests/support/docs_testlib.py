@@ -1,4 +1,4 @@
-"""What tests/test_docs_examples.py checks the docs against.
+"""What tests/e2e/test_docs_examples.py checks the docs against.
 
 - `FencedBlocks`: every fenced code block of README.md and docs/*.md, with
   the HTML comment on the line before its fence. Every shell and Python

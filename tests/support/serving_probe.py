@@ -1,4 +1,5 @@
-"""The two fresh processes of tests/test_serving.py (one CPU device each).
+"""The two fresh processes of tests/serving/test_serving.py (one CPU device
+each).
 
   python tests/support/serving_probe.py lingvo ARGS.json  # evaler, decoder,
                                                          # Predictor
@@ -22,12 +23,12 @@ def _Lingvo(args):
   import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
   from lingvo.core import cluster_factory  # pylint: disable=g-import-not-at-top
   from lingvo.core import predictor  # pylint: disable=g-import-not-at-top
-  from lingvo_ext import registry  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.tasks import experiment_params  # pylint: disable=g-import-not-at-top
   tf.flags.FLAGS([sys.argv[0]])
   model, ckpt, kind = args['model'], args['checkpoint'], args['kind']
 
   def Build(job, overrides, make):
-    cfg = registry.GetParams(model, 'Dev', overrides)
+    cfg = experiment_params.GetParams(model, 'Dev', overrides)
     cfg.cluster.mode = 'sync'
     cfg.cluster.job = job
     cfg.cluster.do_eval = True

@@ -19,6 +19,7 @@ import pytest
 from tests.support import zygote
 
 from lingvo_ext import registry
+from lingvo_ext.tasks import experiment_params
 from tests.support import ROOT
 
 TIMEOUT = 300
@@ -128,7 +129,7 @@ def _DocumentedOverrides():
     for path in sorted(glob.glob(os.path.join(ROOT, pattern),
                                  recursive=True)):
       if path.endswith('coming-from-lingvo.md'):
-        continue  # A Lingvo experiment's: tests/test_lingvo_models.py.
+        continue  # A Lingvo experiment's: tests/tasks/test_lingvo_models.py.
       with open(path, encoding='utf-8') as f:
         text = f.read()
       for m in _OVERRIDE_RE.finditer(text):
@@ -152,7 +153,7 @@ def _Assignments(text):
 
 
 def _ParamsWithOverride(model, text):
-  return registry.GetParams(model, 'Train', text)
+  return experiment_params.GetParams(model, 'Train', text)
 
 
 def _CheckOverride(text):

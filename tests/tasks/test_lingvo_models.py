@@ -23,7 +23,7 @@ import pytest
 from tests.support import gpipe_testlib
 from tests.support import zygote
 
-from lingvo_ext import registry
+from lingvo_ext.tasks import experiment_params
 from lingvo_ext import trainer
 from lingvo_ext import trainer_flags
 from lingvo_ext.core import from_lingvo
@@ -211,7 +211,8 @@ def _VarShapes(cfg):
 
 def testFromLingvoSwapsEveryLingvoGPipeLayerOfTheLm(experiment):
   del experiment
-  lingvo_cfg = registry.GetParams(MODEL, 'Train', gpipe_engine='lingvo')
+  lingvo_cfg = experiment_params.GetParams(MODEL, 'Train',
+                                          gpipe_engine='lingvo')
   stack = lingvo_cfg.task.lm.stack
   assert stack.cls is lingvo_layers_with_gpipe.GPipeBatchMajorTransformerStack
   cfg = from_lingvo.FromLingvo(lingvo_cfg)
@@ -231,7 +232,7 @@ def testFromLingvoSwapsEveryLingvoGPipeLayerOfTheLm(experiment):
   assert stack.cls is lingvo_layers_with_gpipe.GPipeBatchMajorTransformerStack
   assert from_lingvo.CountLingvoLayers(lingvo_cfg) == 3
   assert from_lingvo.CountLingvoLayers(cfg) == 0
-  assert registry.GetParams(MODEL, 'Train').ToText() == cfg.ToText()
+  assert experiment_params.GetParams(MODEL, 'Train').ToText() == cfg.ToText()
   # The same variables as the model Lingvo's params build.
   assert _VarShapes(cfg) == _VarShapes(lingvo_cfg)
   assert [path for path, _ in pipeline_tree.Pipelines(cfg)] == [
@@ -311,16 +312,17 @@ def testBuilderStackMatchesLingvoUnderEverySchedule(tmp_path):
 
 def testScheduleOverrideAtTheTaskNamesThePipelinesPath(experiment):
   del experiment
-  with pytest.raises(registry.OverrideError) as e:
-    registry.GetParams(MODEL, 'Train', 'task.schedule:"1f1b"')
+  with pytest.raises(experiment_params.OverrideError) as e:
+    experiment_params.GetParams(MODEL, 'Train', 'task.schedule:"1f1b"')
   assert 'Did you mean `task.lm.stack.schedule`?' in str(e.value)
   assert '\n' not in str(e.value)
-  cfg = registry.GetParams(MODEL, 'Train', 'task.lm.stack.schedule:"1f1b"')
+  cfg = experiment_params.GetParams(MODEL, 'Train',
+                                    'task.lm.stack.schedule:"1f1b"')
   assert cfg.task.lm.stack.schedule == '1f1b'
   # Lingvo's engine has no schedule switch.
-  with pytest.raises(registry.OverrideError):
-    registry.GetParams(MODEL, 'Train', 'task.lm.stack.schedule:"1f1b"',
-                       gpipe_engine='lingvo')
+  with pytest.raises(experiment_params.OverrideError):
+    experiment_params.GetParams(MODEL, 'Train', 'task.lm.stack.schedule:"1f1b"',
+                                gpipe_engine='lingvo')
 
 
 def testTheGuidesOverridesSetWhatTheyNameOnTheLingvoLm(experiment):
@@ -329,7 +331,7 @@ def testTheGuidesOverridesSetWhatTheyNameOnTheLingvoLm(experiment):
     texts = re.findall(r"--model_params_override='([^']*)'", f.read())
   assert len(texts) >= 4, texts
   for text in texts:
-    cfg = registry.GetParams(MODEL, 'Train', text)
+    cfg = experiment_params.GetParams(MODEL, 'Train', text)
     for item in text.split(';'):
       key, value = item.strip().split(':', 1)
       got = cfg.Get(key)
@@ -389,7 +391,7 @@ def testBf16OnALingvoTaskWarnsAndTakesTheWorkAround(experiment, capsys,
   expected = precision.SlowBf16Warning(tf.bfloat16)
   assert capsys.readouterr().err == (expected + '\n' if expected else '')
   assert o.grappler_remapping is False  # precision.RemapperOff
-  cfg = registry.GetParams(MODEL, 'Train', 'task.fprop_dtype:bfloat16')
+  cfg = experiment_params.GetParams(MODEL, 'Train', 'task.fprop_dtype:bfloat16')
   assert cfg.task.fprop_dtype == tf.bfloat16
 
 
@@ -405,7 +407,8 @@ def testLingvoLmTrainsOnLingvoExtWithScheduleOverride(experiment, tmp_path):
   ckpt = tf.train.latest_checkpoint(str(logdir / 'train'))
   assert ckpt.endswith('ckpt-00000002')
   keys = {name for name, _ in tf.train.list_variables(ckpt)}
-  lingvo_cfg = registry.GetParams(MODEL, 'Train', gpipe_engine='lingvo')
+  lingvo_cfg = experiment_params.GetParams(MODEL, 'Train',
+                                          gpipe_engine='lingvo')
   # The checkpoint holds Lingvo's variables under Lingvo's names.
   names = {name for name, _ in _VarShapes(lingvo_cfg)}
   assert names <= keys
@@ -463,13 +466,15 @@ def testPlannerPlansTheLingvoLmsPipelineWithItsCells(experiment, capsys):
       '--num_cpu_devices=%d' % best['devices_per_replica'],
       '--worker_split_size=%d' % best['devices_per_replica']]
   # The override it prints sets what it names.
-  cfg = registry.GetParams(MODEL, 'Train', out['model_params_override'])
+  cfg = experiment_params.GetParams(MODEL, 'Train',
+                                    out['model_params_override'])
   assert cfg.task.lm.stack.schedule == best['schedule']
   assert cfg.task.lm.stack.num_micro_batches == best['num_micro_batches']
   # The profile's cells hold the stack's variables, split as Lingvo cuts it.
-  [profiled] = tree.ProfileTree(registry.GetParams(MODEL, 'Train'), MODEL)
+  [profiled] = tree.ProfileTree(
+      experiment_params.GetParams(MODEL, 'Train'), MODEL)
   with tf.Graph().as_default():
-    stack = registry.GetParams(MODEL, 'Train').task.lm.stack.Set(
+    stack = experiment_params.GetParams(MODEL, 'Train').task.lm.stack.Set(
         name='stack').Instantiate()
     for name, cell in stack.Cells():
       [layer] = [l for l in profiled.profile.layers if l.name == name]
@@ -494,7 +499,7 @@ def testPlannerPlansTheBuilderStacksPipeline(experiment, capsys):
   [command] = [l.strip() for l in out.splitlines()
                if l.strip().startswith(trainer_cmd)]
   override = re.search(r"--model_params_override='([^']*)'", command).group(1)
-  cfg = registry.GetParams(BUILDER_MODEL, 'Train', override)
+  cfg = experiment_params.GetParams(BUILDER_MODEL, 'Train', override)
   assert cfg.task.stack.cls is gpipe.PipeliningLayer
   assert f'task.stack.schedule:"{cfg.task.stack.schedule}"' in override
   # Refused flags are one line each.
@@ -546,8 +551,8 @@ def testBuilderExperimentTrainsUnderEachSchedule(experiment, tmp_path,
   ckpt = tf.train.latest_checkpoint(str(tmp_path / 'ld' / 'train'))
   keys = {name for name, _ in tf.train.list_variables(ckpt)}
   # Lingvo's variable names, as its engine's params build them.
-  lingvo_cfg = registry.GetParams(BUILDER_MODEL, 'Train',
-                                  gpipe_engine='lingvo')
+  lingvo_cfg = experiment_params.GetParams(BUILDER_MODEL, 'Train',
+                                           gpipe_engine='lingvo')
   assert lingvo_cfg.task.stack.cls is lingvo_gpipe.PipeliningLayer
   assert {name for name, _ in _VarShapes(lingvo_cfg)} <= keys
 

@@ -176,7 +176,8 @@ def testImagePredictorSavedModelAndEvalerAgree(tmp_path):
 
 @pytest.mark.e2e
 def testLingvoTaskLmRewrittenByTheTrainerAgrees(tmp_path):
-  from tests import test_lingvo_models  # pylint: disable=g-import-not-at-top
+  # pylint: disable-next=g-import-not-at-top
+  from tests.tasks import test_lingvo_models
   exp = tmp_path / 'exp'
   exp.mkdir()
   data = exp / 'train.txt'
@@ -272,8 +273,8 @@ def testBadInputIsOneErrorLineAndWritesNothing(tiny_gpipe_run, tmp_path,
 
 
 def testSequentialParamsIsOneCellOneMicroBatchWithoutDropout():
-  from lingvo_ext import registry  # pylint: disable=g-import-not-at-top
-  cfg = registry.GetParams(
+  from lingvo_ext.tasks import experiment_params  # pylint: disable=g-import-not-at-top
+  cfg = experiment_params.GetParams(
       'lm.TransformerLmTinyGPipe', 'Train',
       'task.schedule:"1f1b";task.stack_variables:True;'
       'task.fprop_dtype:bfloat16')
@@ -282,7 +283,7 @@ def testSequentialParamsIsOneCellOneMicroBatchWithoutDropout():
   assert (seq.task.num_partitions, seq.task.num_micro_batches) == (1, 1)
   assert not seq.task.stack_variables
   assert seq.task.fprop_dtype == cfg.task.fprop_dtype  # As trained.
-  sharded = registry.GetParams('lm.WordLmShardedTiny', 'Train')
+  sharded = experiment_params.GetParams('lm.WordLmShardedTiny', 'Train')
   assert sharded.task.partitioner is not None
   assert inference.SequentialParams(sharded).task.partitioner is None
   from lingvo.core import layers_with_attention  # pylint: disable=g-import-not-at-top
@@ -301,7 +302,7 @@ def testSequentialParamsIsOneCellOneMicroBatchWithoutDropout():
 
 def testInferenceGraphHoldsNoPipelineOpsAndTheTrainingNames():
   tf.flags.FLAGS([sys.argv[0]])
-  from lingvo_ext import registry  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.tasks import experiment_params  # pylint: disable=g-import-not-at-top
   model = 'lm.TransformerLmTinyGPipe'
   cfg = inference.InferenceParams(model, 'task.schedule:"1f1b"')
   proto = saved_model.InferenceGraph(cfg)
@@ -311,7 +312,7 @@ def testInferenceGraphHoldsNoPipelineOpsAndTheTrainingNames():
   devices = {n.device for n in proto.graph_def.node}
   assert devices <= {''}, devices
   # The pipelined training graph does hold them: the count can fail.
-  train = registry.GetParams(model, 'Train', 'task.schedule:"1f1b"')
+  train = experiment_params.GetParams(model, 'Train', 'task.schedule:"1f1b"')
   from lingvo.core import cluster_factory  # pylint: disable=g-import-not-at-top
   with tf.Graph().as_default() as g, cluster_factory.Cluster(train.cluster):
     task = train.Instantiate().GetTask()

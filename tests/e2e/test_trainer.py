@@ -237,7 +237,7 @@ def testImageTrainsResumesAndSurvivesAKill(tmp_path):
 
 def testImportedAsALibraryTheTrainerLeavesTheCollectorOn():
   # Only run as the program does it turn the collector off while it imports
-  # (tests/test_user_experiment.py checks that run).
+  # (tests/e2e/test_user_experiment.py checks that run).
   import gc  # pylint: disable=g-import-not-at-top
   from lingvo_ext import trainer  # pylint: disable=g-import-not-at-top,unused-import
   assert gc.isenabled()

@@ -16,7 +16,7 @@ import pytest
 from tests.support import flagship_testlib
 from tests.support import zygote
 
-from lingvo_ext import registry
+from lingvo_ext.tasks import experiment_params
 from tests.support import ROOT
 
 TIMEOUT = 300
@@ -40,9 +40,9 @@ def _Errors(out):
 
 def testTheCopyKeepsLingvosTablesScaledDown(flagship):
   del flagship
-  train = registry.GetParams(flagship_testlib.MODEL, 'Train')
-  dev = registry.GetParams(flagship_testlib.MODEL, 'Dev')
-  test = registry.GetParams(flagship_testlib.MODEL, 'Test')
+  train = experiment_params.GetParams(flagship_testlib.MODEL, 'Train')
+  dev = experiment_params.GetParams(flagship_testlib.MODEL, 'Dev')
+  test = experiment_params.GetParams(flagship_testlib.MODEL, 'Test')
   assert train.input.bucket_batch_limit == [4]
   assert train.input.fixed_input_shape
   assert dev.input.bucket_upper_bound == list(
@@ -53,7 +53,8 @@ def testTheCopyKeepsLingvosTablesScaledDown(flagship):
   assert 'heldout-00000' in test.input.file_pattern
   assert dev.task.eval.samples_per_summary == 0
   assert dev.task.cls.__name__ == 'BatchMajorLanguageModel'
-  time_major = registry.GetParams(flagship_testlib.TIME_MAJOR_MODEL, 'Train')
+  time_major = experiment_params.GetParams(
+      flagship_testlib.TIME_MAJOR_MODEL, 'Train')
   assert time_major.task.cls.__name__ == 'FixedShapeInputLanguageModel'
   with open(train.input.tokenizer.token_vocab_filepath) as f:
     assert len(f.read().splitlines()) == flagship_testlib.VOCAB_SIZE
@@ -96,7 +97,8 @@ def testTheTrainersScheduleChecksNameTheFix(flagship):
   model = flagship_testlib.MODEL
 
   def Refusal(overrides, devices=2, engine='lingvo_ext'):
-    cfg = registry.GetParams(model, 'Train', overrides, gpipe_engine=engine)
+    cfg = experiment_params.GetParams(model, 'Train', overrides,
+                                      gpipe_engine=engine)
     return pipeline_tree.ScheduleRefusal(cfg, devices, engine)
 
   assert Refusal('') is None
@@ -121,8 +123,8 @@ def testTheTrainersScheduleChecksNameTheFix(flagship):
   assert Refusal('task.lm.stack.schedule:"recurrent";task.packed_input:True'
                 ) is None
   # lingvo_ext's own PipelinedTask: the same function.
-  cfg = registry.GetParams('lm.TransformerLmTinyGPipe', 'Train',
-                           'task.schedule:"zbv"')
+  cfg = experiment_params.GetParams('lm.TransformerLmTinyGPipe', 'Train',
+                                    'task.schedule:"zbv"')
   assert 'cells on 2 devices' in pipeline_tree.ScheduleRefusal(cfg, 2)
 
 
@@ -130,14 +132,14 @@ def testTheBuilderRefusesEmptyCellsAndADynamicTimeAxisInOneLine(flagship):
   del flagship
   import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
   from tests.support import gpipe_testlib  # pylint: disable=g-import-not-at-top
-  cfg = registry.GetParams(flagship_testlib.MODEL, 'Train',
-                           'task.lm.stack.splits:8')
+  cfg = experiment_params.GetParams(flagship_testlib.MODEL, 'Train',
+                                    'task.lm.stack.splits:8')
   with tf.Graph().as_default(), gpipe_testlib.Cluster(2):
     with pytest.raises(ValueError, match=r'cells cell_4, cell_5, cell_6 hold '
                        r'no layer \(8 cells'):
       cfg.task.lm.stack.Set(name='stack').Instantiate()
-  cfg = registry.GetParams(flagship_testlib.MODEL, 'Train',
-                           'task.lm.stack.schedule:"recurrent"')
+  cfg = experiment_params.GetParams(flagship_testlib.MODEL, 'Train',
+                                    'task.lm.stack.schedule:"recurrent"')
   with tf.Graph().as_default(), gpipe_testlib.Cluster(2):
     stack = cfg.task.lm.stack.Set(name='stack').Instantiate()
     ids = tf.zeros([4, tf.random.uniform([], 2, 5, tf.int32)], tf.int32)
@@ -195,7 +197,7 @@ def _InputBatches(cfg, count):
 
 def testBucketedDevIsEvaluatedInEachBucketsBatchAsInSequence(flagship):
   del flagship
-  cfg = registry.GetParams(flagship_testlib.MODEL, 'Dev')
+  cfg = experiment_params.GetParams(flagship_testlib.MODEL, 'Dev')
   static = max(cfg.input.bucket_batch_limit)
   padded = _InputBatches(cfg, 12)
   # Every batch has its stated shape; the rows past its bucket's batch are

@@ -23,7 +23,7 @@ import pytest
 from tests.support import zygote
 
 from lingvo_ext import checkpoints
-from lingvo_ext import registry
+from lingvo_ext.tasks import experiment_params
 from lingvo_ext.core import gpipe
 from lingvo_ext.core import schedules
 from lingvo_ext.distributed import step_keeping
@@ -84,7 +84,7 @@ def _Flags():
 
 
 def _Params(model, override=''):
-  return registry.GetParams(model, 'Train', override)
+  return experiment_params.GetParams(model, 'Train', override)
 
 
 @pytest.fixture(scope='module')
@@ -191,17 +191,17 @@ def _ScheduleRun(model, schedule, logdir):
 
 
 # Every schedule from the trainer (cells built once, the default), and cells
-# built inline. interleaved_1f1b
-# and zero_bubble run these losses (computed after the pipeline) forwards
-# first; tests/test_experiment_schedules.py trains them 200 steps in process,
+# built inline. interleaved_1f1b and zero_bubble run these losses (computed
+# after the pipeline) forwards first;
+# tests/tasks/test_experiment_schedules.py trains them 200 steps in process,
 # and the trainer runs one below.
 _SCHEDULES = [s for s in schedules.SCHEDULES
               if s not in schedules.LINEAR_LOSS_ONLY] + ['unrolled+inline']
 
 
 # Each schedule through the trainer and its override once, on one of the two
-# Tiny experiments in turn (tests/test_experiment_schedules.py trains every
-# experiment under every schedule 200 steps in process, and steps the
+# Tiny experiments in turn (tests/tasks/test_experiment_schedules.py trains
+# every experiment under every schedule 200 steps in process, and steps the
 # full-size ones). One test per schedule, so that test workers share the
 # runs; each experiment's 'unrolled' run, the reference, is made once for all
 # of them (shared_once).
@@ -259,8 +259,8 @@ def testEveryMisspelledTaskKeyNamesItsCloseMatch():
   assert len(keys) > 20
   for key in keys:
     typo = key[:-1]  # E.g. task.num_micro_batche.
-    with pytest.raises(registry.OverrideError) as e:
-      registry.ApplyOverrides(cfg.Copy(), f'{typo}:1')
+    with pytest.raises(experiment_params.OverrideError) as e:
+      experiment_params.ApplyOverrides(cfg.Copy(), f'{typo}:1')
     message = str(e.value)
     assert '\n' not in message
     assert f'unknown key {typo!r}' in message
@@ -278,8 +278,8 @@ def testEveryMisspelledTaskKeyNamesItsCloseMatch():
     ('tsk.num_partitions:2', 'Did you mean task?'),
 ])
 def testBadOverrideValuesSayTheTypeExpected(text, expected):
-  with pytest.raises(registry.OverrideError) as e:
-    registry.ApplyOverrides(_Params(TINY), text)
+  with pytest.raises(experiment_params.OverrideError) as e:
+    experiment_params.ApplyOverrides(_Params(TINY), text)
   assert expected in str(e.value) and '\n' not in str(e.value), str(e.value)
 
 
