@@ -27,17 +27,12 @@ FLOORS = (
     ('lingvo_ext/core/',),
     # The timeline tool's library half: the trainer's runners draw a traced
     # step with it, below the tool's command line.
-    ('lingvo_ext/tasks/', 'lingvo_ext/trainer_flags.py',
-     'lingvo_ext/one_build.py', 'lingvo_ext/progress.py', 'lingvo_ext/checkpoints.py',
-     'lingvo_ext/shutdown.py', 'lingvo_ext/disk_space.py',
-     'lingvo_ext/memory_check.py',
+    ('lingvo_ext/tasks/', 'lingvo_ext/checkpoints.py',
      'lingvo_ext/tools/timeline.py', 'lingvo_ext/tools/step_trace.py'),
     ('lingvo_ext/registry.py',),
     ('params/',),
     ('lingvo_ext/core/planner/', 'lingvo_ext/serving/'),
-    ('lingvo_ext/runners.py', 'lingvo_ext/runner_state.py',
-     'lingvo_ext/local_controller.py', 'lingvo_ext/local_trainer.py',
-     'lingvo_ext/local_evaler.py', 'lingvo_ext/prepared_step.py'),
+    ('lingvo_ext/runtime/',),
     ('lingvo_ext/trainer.py', 'lingvo_ext/launch.py', 'lingvo_ext/tools/',
      'lingvo_ext/examples/'),
 )

@@ -22,9 +22,9 @@ from lingvo.tasks.lm import input_generator as lingvo_lm_input
 import pytest
 
 from lingvo_ext import checkpoints
-from lingvo_ext import disk_space
-from lingvo_ext import memory_check
-from lingvo_ext import progress
+from lingvo_ext.runtime import disk_space
+from lingvo_ext.runtime import memory_check
+from lingvo_ext.runtime import progress
 from lingvo_ext.distributed import launch_lib
 from lingvo_ext.tasks import input_files
 from tests import proc_testlib

@@ -70,12 +70,12 @@ def test_the_graph_sees_cycles_and_upward_imports():
   from tests import import_graph  # pylint: disable=g-import-not-at-top
   edges = {'lingvo_ext/core/a.py': {'lingvo_ext/core/b.py'},
            'lingvo_ext/core/b.py': {'lingvo_ext/core/a.py',
-                                    'lingvo_ext/runners.py'},
-           'lingvo_ext/runners.py': set()}
+                                    'lingvo_ext/runtime/runners.py'},
+           'lingvo_ext/runtime/runners.py': set()}
   assert import_graph.Cycles(edges) == [['lingvo_ext/core/a.py',
                                          'lingvo_ext/core/b.py']]
   assert import_graph.Violations(edges) == [('lingvo_ext/core/b.py',
-                                             'lingvo_ext/runners.py')]
+                                             'lingvo_ext/runtime/runners.py')]
   # The real graph has the imports it should: the planner reads the registry.
   real = import_graph.Edges()
   assert 'lingvo_ext/registry.py' in real[
