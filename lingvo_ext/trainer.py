@@ -207,7 +207,7 @@ def _AutoPlan(o, argv):
   if o.plan != 'auto':
     return (f"--plan={o.plan}: the only plan is 'auto'; pass --plan=auto or "
             'leave it out.'), o, argv
-  from lingvo_ext.tools import plan as plan_tool  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.planner import auto as plan_tool  # pylint: disable=g-import-not-at-top
   try:
     plan, text, flags, line = plan_tool.TrainerAutoPlan(
         o.model, o.devices or o.num_cpu_devices, o.memory_per_device or None,

@@ -1,5 +1,6 @@
-"""Tests of bench/pipeline.py (--quick at tiny sizes), bench/timeline.py and
-the torch-free parts of bench/torch_baselines.py."""
+"""Tests of bench/pipeline.py (--quick at tiny sizes),
+lingvo_ext/tracing/step_trace.py and the torch-free parts of
+bench/torch_baselines.py."""
 
 import json
 import math
@@ -13,7 +14,7 @@ import pytest
 from tensorflow.core.framework import step_stats_pb2
 from tensorflow.tsl.profiler.protobuf import trace_events_pb2
 
-from bench import timeline
+from lingvo_ext.tracing import step_trace
 from tests import zygote
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -52,32 +53,33 @@ def _HandMadeStepStats():
 
 
 def testBusyIntervalsAndIdleFraction():
-  intervals = timeline.BusyIntervals(_HandMadeStepStats())
+  intervals = step_trace.BusyIntervals(_HandMadeStepStats())
   assert sorted(intervals) == ['CPU:0', 'CPU:1']
   assert intervals['CPU:0'] == [(100.0, 130.0, 'fwd:mb0'),
                                 (140.0, 160.0, 'bwd:mb1'),
                                 (150.0, 170.0, 'bwd:mb1')]
   assert intervals['CPU:1'] == [(130.0, 160.0, 'fwd:mb0'),
                                 (190.0, 200.0, 'update')]
-  assert timeline.Span(intervals) == (100.0, 200.0)
+  assert step_trace.Span(intervals) == (100.0, 200.0)
   # Busy: CPU:0 30 + 30, CPU:1 30 + 10 = 100 of 2 x 100.
-  assert timeline.IdleFraction(intervals) == pytest.approx(0.5)
+  assert step_trace.IdleFraction(intervals) == pytest.approx(0.5)
   # Window [100, 150): CPU:0 30 + 10, CPU:1 20 = 60 of 100.
-  assert timeline.IdleFraction(intervals, 100, 150) == pytest.approx(0.4)
-  assert timeline.IdleFraction({}) == 0.0
+  assert step_trace.IdleFraction(intervals, 100, 150) == pytest.approx(0.4)
+  assert step_trace.IdleFraction({}) == 0.0
 
 
 def testClassify():
-  assert timeline.Classify('d1_mb3/fc2/MatMul', 'MatMul') == 'fwd:mb3'
-  assert timeline.Classify('gradients/d1_mb12/fc2/MatMul_grad/MatMul',
+  assert step_trace.Classify('d1_mb3/fc2/MatMul', 'MatMul') == 'fwd:mb3'
+  assert step_trace.Classify('gradients/d1_mb12/fc2/MatMul_grad/MatMul',
                            'MatMul') == 'bwd:mb12'
-  assert timeline.Classify('gradients/IdentityN_grad/While', 'While') == 'bwd'
-  assert timeline.Classify('While', 'While') == 'fwd'
-  assert timeline.Classify('fc0/Relu', 'ReluGrad') == 'bwd'
-  assert timeline.Classify('AssignSubVariableOp_3',
+  assert step_trace.Classify('gradients/IdentityN_grad/While', 'While') == 'bwd'
+  assert step_trace.Classify('While', 'While') == 'fwd'
+  assert step_trace.Classify('fc0/Relu', 'ReluGrad') == 'bwd'
+  assert step_trace.Classify('AssignSubVariableOp_3',
                            'AssignSubVariableOp') == 'update'
-  assert timeline.OpType('a/b = MatMul(x, y)') == 'MatMul'
-  assert timeline.ShortDevice('/job:w/replica:0/task:0/device:CPU:1') == 'CPU:1'
+  assert step_trace.OpType('a/b = MatMul(x, y)') == 'MatMul'
+  assert step_trace.ShortDevice(
+      '/job:w/replica:0/task:0/device:CPU:1') == 'CPU:1'
 
 
 def testHostBreakdown():
@@ -96,21 +98,21 @@ def testHostBreakdown():
   e = trace.trace_events.add()  # Not on a compute thread: ignored.
   e.device_id, e.resource_id, e.duration_ps = 1, 8, 10**9
   e.args['long_name'] = 'x:MatMul'
-  events = timeline.HostOpEvents(trace)
+  events = step_trace.HostOpEvents(trace)
   assert len(events) == 3
-  b = timeline.HostBreakdown(events)
+  b = step_trace.HostBreakdown(events)
   assert b['span_us'] == pytest.approx(40)
   assert b['thread_idle_fraction'] == pytest.approx(5 / 40)
   assert b['category_us'] == {'compute': 30, 'accumulate/state': 5}
   assert b['phase_us'] == {'bwd': 20, 'fwd': 15}
-  chrome = timeline.HostTraceToChrome(trace)
+  chrome = step_trace.HostTraceToChrome(trace)
   assert sum(e['ph'] == 'X' for e in chrome['traceEvents']) == 4
 
 
 def testPlotGantt(tmp_path):
-  intervals = timeline.BusyIntervals(_HandMadeStepStats())
+  intervals = step_trace.BusyIntervals(_HandMadeStepStats())
   path = str(tmp_path / 'g.png')
-  idle = timeline.PlotGantt(intervals, path, title='hand-made')
+  idle = step_trace.PlotGantt(intervals, path, title='hand-made')
   assert idle == pytest.approx(0.5)
   with open(path, 'rb') as f:
     assert f.read(8) == b'\x89PNG\r\n\x1a\n'

@@ -443,7 +443,7 @@ def testMismatchAndEmptyInputAreOneLineAndWriteNothing(experiment, tmp_path):
 def testPlannerPlansTheLingvoLmsPipelineWithItsCells(experiment, capsys):
   del experiment
   import json  # pylint: disable=g-import-not-at-top
-  from lingvo_ext.core.planner import tree  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.planner import tree  # pylint: disable=g-import-not-at-top
   from lingvo_ext.tools import plan as plan_tool  # pylint: disable=g-import-not-at-top
   assert plan_tool.main([f'--model={MODEL}', '--devices=2', '--json']) == 0
   out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

@@ -18,9 +18,9 @@ from tests import flagship_testlib
 from tests import zygote
 
 from lingvo_ext import registry
-from lingvo_ext.core import planner
+from lingvo_ext import planner
 from lingvo_ext.core.engine import records
-from lingvo_ext.core.planner import tree
+from lingvo_ext.planner import tree
 from lingvo_ext.tools import plan as plan_tool
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -12,7 +12,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from lingvo_ext.core import partitioning
 from lingvo_ext.core.engine import records
-from lingvo_ext.core.planner.model_profile import ModelProfile
+from lingvo_ext.planner.model_profile import ModelProfile
 
 
 # gradient_sync strategies the planner offers for R > 1 (the ps strategies

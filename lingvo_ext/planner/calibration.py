@@ -7,12 +7,12 @@
 import dataclasses
 from typing import List, Optional, Sequence
 
-from lingvo_ext.core.planner.model_profile import Machine
-from lingvo_ext.core.planner.model_profile import ModelProfile
-from lingvo_ext.core.planner.plans import Divisors
-from lingvo_ext.core.planner.plans import Plan
-from lingvo_ext.core.planner.prediction import GraphOps
-from lingvo_ext.core.planner.prediction import Predict
+from lingvo_ext.planner.model_profile import Machine
+from lingvo_ext.planner.model_profile import ModelProfile
+from lingvo_ext.planner.plans import Divisors
+from lingvo_ext.planner.plans import Plan
+from lingvo_ext.planner.prediction import GraphOps
+from lingvo_ext.planner.prediction import Predict
 
 
 def ReferencePlans(profile: ModelProfile,

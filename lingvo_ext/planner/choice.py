@@ -10,14 +10,14 @@ import math
 from typing import List, Optional, Sequence, Tuple
 
 from lingvo_ext.core.engine import records
-from lingvo_ext.core.planner.model_profile import FormatSize
-from lingvo_ext.core.planner.model_profile import Machine
-from lingvo_ext.core.planner.model_profile import ModelProfile
-from lingvo_ext.core.planner.plans import Candidate
-from lingvo_ext.core.planner.plans import Enumerate
-from lingvo_ext.core.planner.plans import PlanError
-from lingvo_ext.core.planner.plans import PlanOf
-from lingvo_ext.core.planner.prediction import PredictAll
+from lingvo_ext.planner.model_profile import FormatSize
+from lingvo_ext.planner.model_profile import Machine
+from lingvo_ext.planner.model_profile import ModelProfile
+from lingvo_ext.planner.plans import Candidate
+from lingvo_ext.planner.plans import Enumerate
+from lingvo_ext.planner.plans import PlanError
+from lingvo_ext.planner.plans import PlanOf
+from lingvo_ext.planner.prediction import PredictAll
 
 
 def Rank(plans: Sequence[Candidate],

@@ -48,11 +48,11 @@ from typing import List, Optional, Sequence, Tuple
 
 from lingvo_ext.core import actions
 from lingvo_ext.core.engine import records
-from lingvo_ext.core.planner.model_profile import Machine
-from lingvo_ext.core.planner.model_profile import ModelProfile
-from lingvo_ext.core.planner.plans import Candidate
-from lingvo_ext.core.planner.plans import Plan
-from lingvo_ext.core.planner.plans import Prediction
+from lingvo_ext.planner.model_profile import Machine
+from lingvo_ext.planner.model_profile import ModelProfile
+from lingvo_ext.planner.plans import Candidate
+from lingvo_ext.planner.plans import Plan
+from lingvo_ext.planner.plans import Prediction
 
 # Op times per variable per replica that a step spends synchronising
 # gradients, beyond the bytes: none for 'shared' (the replicas read one copy

@@ -20,15 +20,15 @@ import io
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from lingvo_ext.core.engine import records
-from lingvo_ext.core.planner import tf_profiling
-from lingvo_ext.core.planner.choice import Rank
-from lingvo_ext.core.planner.model_profile import LayerProfile
-from lingvo_ext.core.planner.model_profile import Machine
-from lingvo_ext.core.planner.model_profile import ModelProfile
-from lingvo_ext.core.planner.plans import Candidate
-from lingvo_ext.core.planner.plans import Enumerate
-from lingvo_ext.core.planner.plans import PlanError
-from lingvo_ext.core.planner.prediction import PredictAll
+from lingvo_ext.planner import tf_profiling
+from lingvo_ext.planner.choice import Rank
+from lingvo_ext.planner.model_profile import LayerProfile
+from lingvo_ext.planner.model_profile import Machine
+from lingvo_ext.planner.model_profile import ModelProfile
+from lingvo_ext.planner.plans import Candidate
+from lingvo_ext.planner.plans import Enumerate
+from lingvo_ext.planner.plans import PlanError
+from lingvo_ext.planner.prediction import PredictAll
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,13 +8,13 @@ import math
 import os
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from lingvo_ext.core.planner.application import ApplyPlan
-from lingvo_ext.core.planner.model_profile import LayerProfile
-from lingvo_ext.core.planner.model_profile import Machine
-from lingvo_ext.core.planner.model_profile import ModelProfile
-from lingvo_ext.core.planner.model_profile import OPTIMIZER_SLOTS
-from lingvo_ext.core.planner.plans import Plan
-from lingvo_ext.core.planner.plans import PlanFromDict
+from lingvo_ext.planner.application import ApplyPlan
+from lingvo_ext.planner.model_profile import LayerProfile
+from lingvo_ext.planner.model_profile import Machine
+from lingvo_ext.planner.model_profile import ModelProfile
+from lingvo_ext.planner.model_profile import OPTIMIZER_SLOTS
+from lingvo_ext.planner.plans import Plan
+from lingvo_ext.planner.plans import PlanFromDict
 
 # Ops that move no data of their own (aliases, constants, checks).
 _FREE_OPS = frozenset(['Const', 'Identity', 'IdentityN', 'NoOp', 'Assert',

@@ -4,9 +4,9 @@
 from typing import Dict, List, Sequence
 
 from lingvo_ext.core.engine import records
-from lingvo_ext.core.planner.model_profile import FormatSize
-from lingvo_ext.core.planner.plans import Candidate
-from lingvo_ext.core.planner.plans import Plan
+from lingvo_ext.planner.model_profile import FormatSize
+from lingvo_ext.planner.plans import Candidate
+from lingvo_ext.planner.plans import Plan
 
 
 # --- Applying a plan ----------------------------------------------------------
