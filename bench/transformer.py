@@ -311,10 +311,10 @@ def Run(variants, num_layers, km_pairs, steps, timeout_s=1800,
         losses=('after',), dims_list=(DIMS,)):
   """Each configuration in a fresh child; returns the records.
 
-  `runner`: subprocess.run, or a stand-in with its signature (the tests fork
-  the children from a pre-imported server, tests/zygote.py). `dims_list`:
-  the sizes (DIMS's keys) to run each configuration at. Variant FLOOR: the
-  GEMM floor (bench/gemm_floor.py), once per sizes and dtype.
+  `runner`: subprocess.run, or a stand-in with its signature (the tests
+  fork the children from a pre-imported server, tests/support/zygote.py).
+  `dims_list`: the sizes (DIMS's keys) to run each configuration at. Variant
+  FLOOR: the GEMM floor (bench/gemm_floor.py), once per sizes and dtype.
   """
   records = []
   for dims, l, (k, m), loss, v, dtype in itertools.product(

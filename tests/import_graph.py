@@ -13,8 +13,8 @@ import collections
 import os
 import sys
 from typing import Dict, List, Set, Tuple
+from tests.support import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ('lingvo_ext', 'params')
 
 # The floors of the house, bottom up, drawn from the folders: an entry is a
@@ -27,8 +27,8 @@ FLOORS = (
      'lingvo_ext/_internal/'),
     ('lingvo_ext/distributed/',),
     ('lingvo_ext/core/',),
-    ('lingvo_ext/tasks/', 'lingvo_ext/checkpoints.py'),
     ('lingvo_ext/registry.py',),
+    ('lingvo_ext/tasks/', 'lingvo_ext/checkpoints.py'),
     ('params/',),
     ('lingvo_ext/tracing/', 'lingvo_ext/planner/', 'lingvo_ext/serving/'),
     ('lingvo_ext/runtime/',),

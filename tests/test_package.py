@@ -5,8 +5,8 @@ import subprocess
 import sys
 
 import pytest
+from tests.support import ROOT as _REPO
 
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _PROBE = ('import os, sys; import lingvo_ext; '
           'loaded = "tensorflow" in sys.modules; '
@@ -93,6 +93,10 @@ def test_the_graph_sees_cycles_and_upward_imports():
   assert 'lingvo_ext/registry.py' in real[
       'lingvo_ext/planner/tf_profiling.py']
   assert 'lingvo_ext/planner/auto.py' in real['lingvo_ext/trainer.py']
+  # The registry looks experiments up and nothing more: building params
+  # (the Lingvo rewrite, overrides, the dtype) is tasks/experiment_params.py.
+  assert {f.split('/')[1] for f in real['lingvo_ext/registry.py']} <= {
+      '__init__.py', '_internal'}
 
 
 def test_floors_name_folders_not_files_in_them():

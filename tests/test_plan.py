@@ -11,9 +11,9 @@ import pytest
 from lingvo_ext.core import actions
 from lingvo_ext.core import partitioning
 from lingvo_ext import planner
-from tests import zygote
+from tests.support import zygote
+from tests.support import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = 'lm.TransformerLmTiny'
 
 
@@ -333,7 +333,7 @@ def _BuildTask(cfg, devices, split, train=False):
 
 @pytest.mark.parametrize('index', [0, 1])
 def test_override_string_builds_the_plan(index):
-  from lingvo_ext import registry  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.tasks import experiment_params  # pylint: disable=g-import-not-at-top
   cfg = planner.ExperimentParams(TINY)
   profile = planner.ProfileExperiment(cfg, TINY)
   plans = [p for p in planner.Enumerate(profile, 2)
@@ -341,8 +341,8 @@ def test_override_string_builds_the_plan(index):
   plan = [p for p in plans if p.num_cells == 2 and p.schedule == '1f1b'][0]
   if index:
     plan = [p for p in plans if p.replicas == 2][0]
-  cfg = registry.ApplyOverrides(planner.ExperimentParams(TINY),
-                                planner.OverrideString(plan))
+  cfg = experiment_params.ApplyOverrides(planner.ExperimentParams(TINY),
+                                         planner.OverrideString(plan))
   assert cfg.task.num_partitions == plan.num_cells
   assert cfg.task.num_micro_batches == plan.num_micro_batches
   assert cfg.task.schedule == plan.schedule

@@ -12,9 +12,9 @@ import pytest
 from lingvo_ext.core import actions
 from lingvo_ext.tools import timeline as timeline_tool
 from lingvo_ext.tracing import timeline
-from tests import zygote
+from tests.support import zygote
+from tests.support import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPECS = [
     ('unrolled', actions.StageSpec(4, 4, 8)),
     ('unrolled', actions.StageSpec(3, 3, 5, recompute=True)),
@@ -138,8 +138,8 @@ def testTracedTrainerRunGivesTheMeasuredPicture(tmp_path):
   assert tags == [('timeline', 2, b'\x89PNG'),
                   ('timeline_planned', 2, b'\x89PNG')]
   # The planned picture: the model's pipeline, its schedule simulated.
-  from lingvo_ext import registry  # pylint: disable=g-import-not-at-top
-  task = registry.GetParams('lm.TransformerLmTinyGPipe', 'Train').task
+  from lingvo_ext.tasks import experiment_params  # pylint: disable=g-import-not-at-top
+  task = experiment_params.GetParams('lm.TransformerLmTinyGPipe', 'Train').task
   assert os.path.getsize(os.path.join(train, 'timeline_planned.png')) > 0
   with open(os.path.join(train, 'timeline_planned.trace.json')) as f:
     planned = json.load(f)

@@ -264,10 +264,11 @@ def ExperimentParams(model: str, dataset: str = 'Train',
   """A registered experiment's params (TF), `overrides` (a
   --model_params_override text) applied; ValueError naming close names."""
   from lingvo_ext import registry  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.tasks import experiment_params  # pylint: disable=g-import-not-at-top
   error = registry.CheckModel(model)
   if error:
     raise ValueError(error)
-  return registry.GetParams(model, dataset, overrides)
+  return experiment_params.GetParams(model, dataset, overrides)
 
 
 def SessionConfig(num_devices: int):

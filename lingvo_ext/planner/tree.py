@@ -449,6 +449,6 @@ def TreeOverrideString(chosen: Sequence[Tuple[TreePipeline, object]]) -> str:
 
 def ApplyTree(model_params, chosen: Sequence[Tuple[TreePipeline, object]]):
   """Sets each pipeline's chosen plan on `model_params` (changed in place)."""
-  from lingvo_ext import registry  # pylint: disable=g-import-not-at-top
-  registry.ApplyOverrides(model_params, TreeOverrideString(chosen))
+  from lingvo_ext.tasks import experiment_params  # pylint: disable=g-import-not-at-top
+  experiment_params.ApplyOverrides(model_params, TreeOverrideString(chosen))
   return model_params
