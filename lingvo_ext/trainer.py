@@ -46,7 +46,7 @@ changes:
   cluster stopping the job) saves the current step and exits 0, Ctrl-C the
   same with 130; a second signal, or --shutdown_grace_secs, exits at once
   (143) with the last complete checkpoint as the latest
-  (lingvo_ext/shutdown.py, docs/preemption.md).
+  (lingvo_ext/runtime/shutdown.py, docs/preemption.md).
 - --eval_once (or --eval_checkpoint=PATH): evalers and decoders evaluate
   the newest (or that) checkpoint, print the metrics line and exit 0.
 - A model with partitioned variables (a layer's `partitioner` set, e.g.
@@ -83,19 +83,19 @@ from lingvo.core import py_utils
 
 from lingvo_ext import _startup
 from lingvo_ext import checkpoints
-from lingvo_ext import memory_check
-from lingvo_ext import progress
+from lingvo_ext.runtime import memory_check
+from lingvo_ext.runtime import progress
 from lingvo_ext import registry
 from lingvo_ext.tasks import experiment_params
-from lingvo_ext import runners
-from lingvo_ext import shutdown
-from lingvo_ext import trainer_flags
+from lingvo_ext.runtime import runners
+from lingvo_ext.runtime import shutdown
+from lingvo_ext.runtime import trainer_flags
 from lingvo_ext._internal import lingvo as internal_lingvo
 from lingvo_ext._internal import process
 from lingvo_ext.distributed import cluster
 from lingvo_ext.distributed import gradient_sync
 from lingvo_ext.distributed import server
-from lingvo_ext.distributed import trainer_lib
+from lingvo_ext.runtime import trainer_lib
 
 if _PROGRAM:
   gc.freeze()
@@ -354,7 +354,7 @@ def _UseSlicedCheckpoints(o):
 
 
 def _StopOnSignals(o, run_state):
-  """SIGTERM, SIGHUP and Ctrl-C: stop safely (lingvo_ext/shutdown.py)."""
+  """SIGTERM, SIGHUP and Ctrl-C: stop safely (runtime/shutdown.py)."""
   train_dir = os.path.join(o.logdir, 'train') if o.logdir else ''
   owns = _TrainsHere(o)
 

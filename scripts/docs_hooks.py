@@ -4,7 +4,7 @@
 in docs/img/schedules/ (so it renders on the repository's page too), as
 `lingvo_ext.tracing.timeline` draws it. As an MkDocs hook (mkdocs.yml
 `hooks:`) it draws them again and stops the build where a committed one
-differs; tests/test_schedule_pictures.py checks the same. Redraw them:
+differs; tests/docs/test_schedule_pictures.py checks the same. Redraw them:
 
   .venv/bin/python scripts/docs_hooks.py
 """

@@ -70,7 +70,7 @@ def test_fc_ops_run_per_cell_and_micro_batch(schedule):
 
 def _Forked(cmd, **kwargs):
   """transformer.Run's children forked from the tests' pre-imported server
-  (as tests/test_bench_transformer.py)."""
+  (as tests/bench/test_bench_transformer.py)."""
   assert cmd[1] == os.path.join(_REPO, 'bench', 'transformer.py'), cmd
   return zygote.run([cmd[0], '-m', 'bench.transformer'] + cmd[2:], cwd=_REPO,
                     **kwargs)

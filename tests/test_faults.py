@@ -24,9 +24,9 @@ from lingvo.tasks.lm import input_generator as lingvo_lm_input
 import pytest
 
 from lingvo_ext import checkpoints
-from lingvo_ext import disk_space
-from lingvo_ext import memory_check
-from lingvo_ext import progress
+from lingvo_ext.runtime import disk_space
+from lingvo_ext.runtime import memory_check
+from lingvo_ext.runtime import progress
 from lingvo_ext.distributed import launch_lib
 from lingvo_ext.tasks import input_files
 from tests.support import proc_testlib
@@ -538,7 +538,7 @@ def testStartWarningNamesTheNeedTheLimitAndAnOverrideThatFits():
 def testTheTrainersStartWarningBuildsNoModelAndNoLayerGraph(
     monkeypatch, capsys):
   from lingvo_ext import trainer  # pylint: disable=g-import-not-at-top
-  from lingvo_ext import trainer_flags  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.runtime import trainer_flags  # pylint: disable=g-import-not-at-top
   from lingvo_ext.core import cost  # pylint: disable=g-import-not-at-top
   from lingvo_ext.planner import tf_profiling  # pylint: disable=g-import-not-at-top
   from lingvo_ext.tasks.lm import model as lm_model  # pylint: disable=g-import-not-at-top

@@ -1,4 +1,5 @@
-"""The two fresh processes of tests/test_serving.py (one CPU device each).
+"""The two fresh processes of tests/serving/test_serving.py (one CPU device
+each).
 
   python tests/support/serving_probe.py lingvo ARGS.json  # evaler, decoder,
                                                          # Predictor

@@ -50,7 +50,8 @@ MODULES = ('lingvo_ext.trainer', 'lingvo_ext.tools.cost_report',
            'bench.transformer', 'bench.pipeline', 'tests.support.zygote_code')
 # Off with LINGVO_EXT_TEST_ZYGOTE=0 (every run a fresh interpreter).
 ENABLED = os.environ.get('LINGVO_EXT_TEST_ZYGOTE', '1') != '0'
-forks = 0  # Runs forked from the server in this process (tests/test_zygote.py).
+# Runs forked from the server in this process (tests/support/test_zygote.py).
+forks = 0
 
 # One server per pytest process, started on first use; its output is not
 # kept (a run's is).

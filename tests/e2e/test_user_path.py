@@ -191,17 +191,17 @@ def _ScheduleRun(model, schedule, logdir):
 
 
 # Every schedule from the trainer (cells built once, the default), and cells
-# built inline. interleaved_1f1b
-# and zero_bubble run these losses (computed after the pipeline) forwards
-# first; tests/test_experiment_schedules.py trains them 200 steps in process,
+# built inline. interleaved_1f1b and zero_bubble run these losses (computed
+# after the pipeline) forwards first;
+# tests/tasks/test_experiment_schedules.py trains them 200 steps in process,
 # and the trainer runs one below.
 _SCHEDULES = [s for s in schedules.SCHEDULES
               if s not in schedules.LINEAR_LOSS_ONLY] + ['unrolled+inline']
 
 
 # Each schedule through the trainer and its override once, on one of the two
-# Tiny experiments in turn (tests/test_experiment_schedules.py trains every
-# experiment under every schedule 200 steps in process, and steps the
+# Tiny experiments in turn (tests/tasks/test_experiment_schedules.py trains
+# every experiment under every schedule 200 steps in process, and steps the
 # full-size ones). One test per schedule, so that test workers share the
 # runs; each experiment's 'unrolled' run, the reference, is made once for all
 # of them (shared_once).
@@ -507,7 +507,7 @@ def testLostWorkerLinesAgree(saved, controller_step, trainer_last):
 
 def testTheControllerSeesTheTrainersReplicas():
   from lingvo.core import cluster_factory  # pylint: disable=g-import-not-at-top
-  from lingvo_ext import runners  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.runtime import runners  # pylint: disable=g-import-not-at-top
   flags = _Flags()
   names = ('num_cpu_devices', 'worker_split_size', 'run_locally', 'mode')
   saved = {n: flags[n].value for n in names}
@@ -532,7 +532,7 @@ def testTheControllerSeesTheTrainersReplicas():
 
 def testCostReportPlacesVariablesWhereTheTrainerDoes(capsys):
   from lingvo.core import cluster_factory  # pylint: disable=g-import-not-at-top
-  from lingvo_ext import runners  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.runtime import runners  # pylint: disable=g-import-not-at-top
   from lingvo_ext.tools import cost_report  # pylint: disable=g-import-not-at-top
   flags = _Flags()
   assert cost_report.main([f'--model={TINY}', '--json']) == 0

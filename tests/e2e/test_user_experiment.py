@@ -129,7 +129,7 @@ def _DocumentedOverrides():
     for path in sorted(glob.glob(os.path.join(ROOT, pattern),
                                  recursive=True)):
       if path.endswith('coming-from-lingvo.md'):
-        continue  # A Lingvo experiment's: tests/test_lingvo_models.py.
+        continue  # A Lingvo experiment's: tests/tasks/test_lingvo_models.py.
       with open(path, encoding='utf-8') as f:
         text = f.read()
       for m in _OVERRIDE_RE.finditer(text):

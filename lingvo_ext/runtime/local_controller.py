@@ -17,10 +17,10 @@ import lingvo.compat as tf
 import numpy as np
 
 from lingvo_ext import checkpoints
-from lingvo_ext import disk_space
-from lingvo_ext import memory_check
-from lingvo_ext import one_build
-from lingvo_ext import runner_state
+from lingvo_ext.runtime import disk_space
+from lingvo_ext.runtime import memory_check
+from lingvo_ext.runtime import one_build
+from lingvo_ext.runtime import runner_state
 from lingvo_ext.distributed import step_keeping
 
 

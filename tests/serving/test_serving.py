@@ -176,7 +176,8 @@ def testImagePredictorSavedModelAndEvalerAgree(tmp_path):
 
 @pytest.mark.e2e
 def testLingvoTaskLmRewrittenByTheTrainerAgrees(tmp_path):
-  from tests import test_lingvo_models  # pylint: disable=g-import-not-at-top
+  # pylint: disable-next=g-import-not-at-top
+  from tests.tasks import test_lingvo_models
   exp = tmp_path / 'exp'
   exp.mkdir()
   data = exp / 'train.txt'

@@ -25,7 +25,7 @@ from tests.support import zygote
 
 from lingvo_ext.tasks import experiment_params
 from lingvo_ext import trainer
-from lingvo_ext import trainer_flags
+from lingvo_ext.runtime import trainer_flags
 from lingvo_ext.core import from_lingvo
 from lingvo_ext.core import gpipe
 from lingvo_ext.core import layers_with_gpipe

@@ -2,7 +2,7 @@
 
 `RunnerManager` is Lingvo's, with the trainer's registry (its
 `model_registry`), N logical CPU devices per local replica and the
-multi-process mode (distributed/trainer_lib.py). It owns the `RunState` its
+multi-process mode (runtime/trainer_lib.py). It owns the `RunState` its
 runners share (runner_state.py) and hands them, with the trainer's
 `Options`, to the runner classes it names (its Controller/Trainer/Evaler/
 Decoder attributes): `LocalController` (local_controller.py), `LocalTrainer`
@@ -18,16 +18,16 @@ from lingvo import trainer as lingvo_trainer
 import lingvo.compat as tf
 
 from lingvo_ext import checkpoints
-from lingvo_ext import local_controller
-from lingvo_ext import local_evaler
-from lingvo_ext import local_trainer
-from lingvo_ext import one_build
+from lingvo_ext.runtime import local_controller
+from lingvo_ext.runtime import local_evaler
+from lingvo_ext.runtime import local_trainer
+from lingvo_ext.runtime import one_build
 from lingvo_ext.tasks import experiment_params
-from lingvo_ext import runner_state
-from lingvo_ext import trainer_flags
+from lingvo_ext.runtime import runner_state
+from lingvo_ext.runtime import trainer_flags
 from lingvo_ext._internal import tf as internal_tf
 from lingvo_ext.distributed import server
-from lingvo_ext.distributed import trainer_lib
+from lingvo_ext.runtime import trainer_lib
 
 # The names the trainer, tests and docs use from here.
 RunState = runner_state.RunState

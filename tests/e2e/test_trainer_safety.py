@@ -217,7 +217,7 @@ def testEvalerAndDecoderUseTheTrainersSplits():
   # evaler and decoder must too, not two 1-device splits of a full batch
   # each (twice the training batch).
   from lingvo.core import cluster_factory  # pylint: disable=g-import-not-at-top
-  from lingvo_ext import runners  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.runtime import runners  # pylint: disable=g-import-not-at-top
   flags = tf.flags.FLAGS
   if not flags.is_parsed():
     flags.mark_as_parsed()
@@ -243,7 +243,7 @@ def testEvalerAndDecoderUseTheTrainersSplits():
 
 
 def testProgressLineHasStepLossRatesAndEta():
-  from lingvo_ext import progress  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.runtime import progress  # pylint: disable=g-import-not-at-top
   now = [100.0]
   p = progress.Progress(1000, clock=lambda: now[0])
   assert p.Line(1, 4.5, 8) == 'step 1/1000  loss 4.5000  (measuring speed)'
