@@ -13,6 +13,7 @@ import errno
 import glob
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -227,6 +228,87 @@ def testDiskFullWhileSavingStopsAtOnceWith74AndTheSameCommandResumes(
     assert checkpoints.CheckpointStep(
         tf.train.latest_checkpoint(train_dir)) == step + 2
 
+
+
+# The evaler's and decoder's score file (their last output of a checkpoint)
+# finds the disk full: half of it written, then ENOSPC as TensorFlow raises
+# it.
+_INJECTED_OUTPUT_ENOSPC = '''
+import sys
+import lingvo.compat as tf
+from tensorflow.python.lib.io import file_io
+_write = file_io.FileIO.write
+def _Write(self, content):
+  if '/score-' in self.name:
+    _write(self, content[:len(content) // 2])
+    self.flush()
+    raise tf.errors.ResourceExhaustedError(
+        None, None, self.name + '; No space left on device')
+  return _write(self, content)
+file_io.FileIO.write = _Write
+from lingvo_ext import trainer
+sys.argv[0] = 'lingvo_ext.trainer'
+sys.exit(trainer.Run())
+'''
+
+
+def _Files(path):
+  """{name: bytes} of the files in `path`."""
+  out = {}
+  for name in sorted(os.listdir(path)):
+    with open(os.path.join(path, name), 'rb') as f:
+      out[name] = f.read()
+  return out
+
+
+@pytest.mark.e2e
+def testEvalerAndDecoderStopWith74WhenTheirOutputFindsTheDiskFull(tmp_path):
+  logdir = str(tmp_path / 'log')
+  train_dir = os.path.join(logdir, 'train')
+  trainer = [sys.executable, '-m', 'lingvo_ext.trainer', MODEL,
+             f'--logdir={logdir}']
+  with proc_testlib.Proc(trainer + ['--max_steps=2']) as run:
+    assert run.Wait(TIMEOUT) == 0, run.Text()[-3000:]
+  saved = _Files(train_dir)
+
+  def Stops(argv, job, written):
+    with proc_testlib.Proc(argv + [f'--job={job}', '--eval_once']) as run:
+      rc = run.Wait(TIMEOUT)
+    out = run.Text()
+    assert rc == disk_space.EXIT_DISK_FULL, out[-3000:]
+    errors = _ErrorLines(out)
+    assert len(errors) == 1 and re.fullmatch(
+        re.escape(f'error: {job}: disk full on --logdir={logdir} (') +
+        r'(\d+ B|\d+ KB|[\d.]+ [MG]B)' + re.escape(
+            f' free): could not write {written}. Free space and run the '
+            'same command.'), errors[0]), out[-3000:]
+    assert 'Traceback' not in out, out[-3000:]
+    # No half-written output left behind (a score file is written through
+    # a temporary file, which is removed).
+    assert not glob.glob(written + '.tmp*'), os.listdir(
+        os.path.dirname(written))
+    assert _Files(train_dir) == saved  # The checkpoints untouched.
+
+  # A write in the loop: the score file of the checkpoint, in every job.
+  injected = [sys.executable, '-c', _INJECTED_OUTPUT_ENOSPC] + trainer[3:]
+  for job, out_dir in (('evaler_dev', 'eval_dev'),
+                       ('decoder_dev', 'decoder_dev')):
+    score = os.path.join(logdir, out_dir, 'score-00000002.txt')
+    Stops(injected, job, score)
+    assert not os.path.exists(score)
+  # A disk full from the start: the evaler's first write (its params.txt)
+  # on a filesystem mounted over its output directory.
+  eval_dir = os.path.join(logdir, 'eval_dev')
+  shutil.rmtree(eval_dir)
+  with _SmallFilesystem(eval_dir, '64k') as mounted:
+    if mounted:
+      _Fill(mounted, 0)
+      Stops(trainer, 'evaler_dev', os.path.join(eval_dir, 'params.txt'))
+  # Space again: the same command evaluates the checkpoint.
+  with proc_testlib.Proc(trainer + ['--job=evaler_dev', '--eval_once']) as run:
+    assert run.Wait(TIMEOUT) == 0, run.Text()[-3000:]
+  assert os.path.exists(os.path.join(eval_dir, 'score-00000002.txt'))
+  assert _Files(train_dir) == saved
 
 # --- The launcher: a full disk, the OOM killer, a resumed run's old lines -----
 
