@@ -359,6 +359,27 @@ def test_override_string_builds_the_plan(index):
   assert applied.ToText() == cfg.ToText()
 
 
+def test_plan_params_sets_the_plan_its_override_rebuilds():
+  """--plan=auto on params built once: the plan set typed on a copy; the
+  printed override, parsed from the experiment, builds the same params."""
+  from lingvo_ext.planner import auto  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.tasks import experiment_params  # pylint: disable=g-import-not-at-top
+  user = 'task.train.learning_rate:0.002'
+  built = experiment_params.GetParams(TINY, 'Train', user)
+  before = built.ToText()
+  machine = planner.Machine(flops_per_s=1e10, s_per_op=1e-5, cores=2)
+  chosen = auto.PlanParams(built, TINY, 2, overrides=user, machine=machine)
+  assert built.ToText() == before  # The trainer's params stay as built.
+  assert chosen.override.startswith(user + '; ')
+  rebuilt = experiment_params.GetParams(TINY, 'Train', chosen.override)
+  assert chosen.params.ToText() == rebuilt.ToText()
+  assert chosen.params.task.num_partitions == chosen.plan.num_cells
+  assert chosen.params.task.train.learning_rate == 0.002
+  assert chosen.flags == dict(num_cpu_devices=chosen.plan.devices,
+                              worker_split_size=chosen.plan.devices_per_replica)
+  assert f"--model_params_override='{chosen.override}'" in chosen.line
+
+
 def test_choose_and_apply():
   from lingvo_ext.planner import auto  # pylint: disable=g-import-not-at-top
   cfg = planner.ExperimentParams(TINY)

@@ -90,7 +90,8 @@ class LocalController(runner_state.RunnerMixin,
 
     Lingvo's loop sleeps until 10 s after each look at the step, so a local
     run ended up to 10 s after its last step; here that wait ends as soon as
-    this process's trainer stops (RunState.trainer_done).
+    this process's trainer stops (RunState.trainer_done). A copy: its hash
+    and the changes are in _internal/lingvo_runtime.py COPIED.
     """
     with tf.container(self._container_id), self._GetSession() as sess:
       if self._options.interactive:

@@ -75,6 +75,7 @@ class _TrainerSession(tf.Session):
       self._preparing = None
 
   def _IsTrainStep(self, fetches):
+    # Trainer._Loop's fetches: _internal/lingvo_runtime.py TRAIN_STEP_FETCHES.
     if not isinstance(fetches, (list, tuple)) or not fetches:
       return False
     return any(fetches[0] is t.train_op for t in self._model.tasks)
