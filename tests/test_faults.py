@@ -398,6 +398,103 @@ def testLauncherSaysOomKilledWithTheLastRssAndDoesNotRestart(tmp_path):
   assert launcher.restarts == 0
 
 
+
+@contextlib.contextmanager
+def _MemoryCgroup(limit):
+  """A memory cgroup limited to `limit` bytes, nested in this process's own
+  (so its limits still hold), removed at the end; (None, why) where this
+  machine does not let us make one."""
+  from lingvo_ext.distributed import task_health  # pylint: disable=g-import-not-at-top
+  parent = task_health.CgroupDir(os.getpid())
+  if not parent:
+    yield None, 'no memory cgroup found for this process'
+    return
+  path = os.path.join(parent, f'lingvo_ext_test_oom_{os.getpid()}')
+  limit_file = ('memory.max' if os.path.exists(
+      os.path.join(parent, 'memory.events')) else 'memory.limit_in_bytes')
+  try:
+    os.mkdir(path)
+  except OSError as e:
+    yield None, f'cannot make a cgroup under {parent} ({e.strerror})'
+    return
+  try:
+    try:
+      with open(os.path.join(path, limit_file), 'w') as f:
+        f.write(str(limit))
+      for name in ('memory.swap.max', 'memory.swappiness'):  # No swapping.
+        if os.path.exists(os.path.join(path, name)):
+          with open(os.path.join(path, name), 'w') as f:
+            f.write('0')
+    except OSError as e:
+      yield None, f'cannot limit the cgroup {path} ({e.strerror})'
+    else:
+      yield path, None
+  finally:
+    deadline = time.monotonic() + 30
+    while os.path.exists(path):
+      try:
+        with open(os.path.join(path, 'cgroup.procs')) as f:
+          for pid in f.read().split():  # Only this test's processes.
+            try:
+              os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+              pass
+        os.rmdir(path)  # Once its processes are gone.
+      except OSError:
+        if time.monotonic() > deadline:
+          raise
+        time.sleep(0.2)
+
+
+# The launcher in a process of its own, moved into the cgroup `argv[1]`
+# before it starts its task: the task's memory counts there from its start.
+_LAUNCHER_IN_CGROUP = '''
+import os, sys
+with open(os.path.join(sys.argv[1], 'cgroup.procs'), 'w') as f:
+  f.write(str(os.getpid()))
+from lingvo_ext.distributed import launch_lib
+grow = ('import time\\nx = []\\nwhile True:\\n'
+        '  x.append(bytearray(8 << 20))\\n  time.sleep(0.02)\\n')
+port = launch_lib.FreePorts(1)[0]
+task = launch_lib.Task('controller', 0, f'127.0.0.1:{port}',
+                       [sys.executable, '-c', grow])
+launcher = launch_lib.Launcher([task], sys.argv[2], 30, 3, sys.stdout,
+                               fork_tasks=False, task_timeout_s=60)
+try:
+  launcher.StartAll()
+  rc = launcher.Watch(poll_s=0.05)
+finally:
+  launcher.StopAll(grace_s=5)
+  launcher.Flush()
+print(f'restarts {launcher.restarts}', flush=True)
+sys.exit(rc)
+'''
+
+
+@pytest.mark.e2e
+def testARealOomKillUnderTheLauncherIsNamedAndNotRestarted(tmp_path):
+  """The kernel's OOM killer ends a task in a memory-limited cgroup."""
+  limit = 160 << 20
+  with _MemoryCgroup(limit) as (cgroup, why):
+    if cgroup is None:
+      pytest.skip(why)
+    # A fresh interpreter (not one forked from the tests' zygote, whose
+    # preloaded TensorFlow would count in the cgroup); whatever is left in
+    # the cgroup is killed on the way out.
+    run = subprocess.run([sys.executable, '-c', _LAUNCHER_IN_CGROUP, cgroup,
+                          str(tmp_path)], cwd=proc_testlib.ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True, timeout=TIMEOUT, check=False)
+    rc, text = run.returncode, run.stdout
+  assert rc == 137, text
+  m = re.search(r'launch: controller task 0 \(\S+\), pid (\d+), was killed by '
+                r"the kernel's OOM killer \(its last RSS ([\d.]+) MB, the "
+                r"cgroup's limit 160.0 MB\): not restarting it", text)
+  assert m, text
+  assert 50 <= float(m.group(2)) <= 160, text
+  assert not proc_testlib.Alive(int(m.group(1)))
+  assert 'restarts 0' in text, text
+
 @pytest.mark.e2e
 def testATaskThatSigkillsItselfIsNotOom(tmp_path):
   launcher, lines = _Launcher(tmp_path, [('controller', _KILLS_ITSELF)])
