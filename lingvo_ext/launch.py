@@ -29,7 +29,7 @@ import argparse
 import os
 import sys
 
-from lingvo_ext import shutdown
+from lingvo_ext.runtime import shutdown
 from lingvo_ext.distributed import cluster
 from lingvo_ext.distributed import launch_lib
 

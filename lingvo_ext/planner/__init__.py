@@ -19,6 +19,7 @@ from lingvo_ext.planner.application import Describe
 from lingvo_ext.planner.application import JoinOverrides
 from lingvo_ext.planner.application import OverrideString
 from lingvo_ext.planner.application import Overrides
+from lingvo_ext.planner.application import SetKeys
 from lingvo_ext.planner.application import Table
 from lingvo_ext.planner.application import TrainerFlags
 from lingvo_ext.planner.calibration import Calibrate

@@ -366,8 +366,8 @@ def Predict(profile: ModelProfile, plan: Plan,
 # operands' rows; enforced actions add their gates and held outputs. The
 # engine shares one zero per (device, dtype, shape) among gradient-less call
 # outputs and reads the micro-batch steps as one vector, so 'unrolled' adds
-# few ops per call beyond the calls (tests/test_plan.py checks GraphOps
-# against built graphs; figures in docs/benchmarks.md).
+# few ops per call beyond the calls (tests/planner/test_tf_profiling.py
+# checks GraphOps against built graphs; figures in docs/benchmarks.md).
 CALL_OPS = {'unrolled': 5}
 CALL_OPS_GATED = 26
 

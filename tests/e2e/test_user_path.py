@@ -240,7 +240,7 @@ def testLostWorkerLinesAgree(saved, controller_step, trainer_last):
 
 def testTheControllerSeesTheTrainersReplicas():
   from lingvo.core import cluster_factory  # pylint: disable=g-import-not-at-top
-  from lingvo_ext import runners  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.runtime import runners  # pylint: disable=g-import-not-at-top
   flags = lib.Flags()
   names = ('num_cpu_devices', 'worker_split_size', 'run_locally', 'mode')
   saved = {n: flags[n].value for n in names}
@@ -265,7 +265,7 @@ def testTheControllerSeesTheTrainersReplicas():
 
 def testCostReportPlacesVariablesWhereTheTrainerDoes(capsys):
   from lingvo.core import cluster_factory  # pylint: disable=g-import-not-at-top
-  from lingvo_ext import runners  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.runtime import runners  # pylint: disable=g-import-not-at-top
   from lingvo_ext.tools import cost_report  # pylint: disable=g-import-not-at-top
   flags = lib.Flags()
   assert cost_report.main([f'--model={lib.TINY}', '--json']) == 0
