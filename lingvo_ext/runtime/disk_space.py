@@ -24,6 +24,7 @@ import lingvo.compat as tf
 
 from lingvo_ext import checkpoints
 from lingvo_ext._internal import process
+from lingvo_ext.runtime import progress
 
 # sysexits.h's EX_IOERR: an error while doing I/O on a file.
 EXIT_DISK_FULL = 74
@@ -165,8 +166,7 @@ def StopOnDiskFull(job: str, logdir: str, error: BaseException) -> None:
       pass
   line = DiskFullLine(job, logdir, error)
   try:
-    # Below absl's stderr threshold: the line is printed once, below.
-    tf.logging.warning('%s', line)
+    progress.LogToFileOnly(line)  # Printed once on stderr, below.
     tf.logging.flush()
   except Exception:  # pylint: disable=broad-except
     pass  # The log file is on the full disk too.

@@ -84,6 +84,11 @@ def testNonFiniteLossStopsWithoutANonFiniteCheckpoint(tmp_path):
                 r'\(--max_nonfinite_steps=2\)\. First non-finite: variable '
                 r'(\S+)\. Last good checkpoint: (\S+)\. ', out)
   assert m, out[-3000:]
+  # One line for one fault on the console; the log file has it too.
+  said = [l for l in out.splitlines() if 'training stopped at step' in l]
+  assert said == [m.string[m.start():].splitlines()[0]], said
+  with open(os.path.join(logdir, 'log.controller+trainer_client.txt')) as f:
+    assert re.search(r'^E.*training stopped at step 2: ', f.read(), re.M)
   assert int(m.group(1)) == 2
   assert m.group(3) == _Latest(logdir)
   assert _Checkpoints(logdir)

@@ -484,7 +484,8 @@ def testPlannerPlansTheLingvoLmsPipelineWithItsCells(experiment, capsys):
   assert profiled.profile.batch == 8
   # Lingvo's engine has no switches to plan.
   error, _, _ = trainer._AutoPlan(  # pylint: disable=protected-access
-      _Options(plan='auto', num_cpu_devices=2, gpipe_engine='lingvo'), [])
+      _Options(plan='auto', num_cpu_devices=2, gpipe_engine='lingvo'),
+      experiment_params.GetParams(MODEL, 'Train', gpipe_engine='lingvo'))
   assert error.startswith('--plan=auto plans lingvo_ext') and '\n' not in error
 
 
