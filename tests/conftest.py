@@ -18,7 +18,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # pylint: disable=g-import-not-at-top
-import lingvo_ext  # pylint: disable=unused-import
+from lingvo_ext import entry_point  # pylint: disable=unused-import
 from tests.support import ROOT as _ROOT
 from tests.support import lingvo_lm_testlib
 from tests.support import zygote
