@@ -36,9 +36,9 @@ from lingvo.core import py_utils
 import tensorflow as tf2
 
 from lingvo_ext._internal import tf as internal_tf
-from lingvo_ext.core import graph_state
-from lingvo_ext.core import jit_random
-from lingvo_ext.core import matmul_grad
+from lingvo_ext.core.engine import graph_state
+from lingvo_ext.core.engine import jit_random
+from lingvo_ext.core.engine import matmul_grad
 from lingvo_ext.core import nest_util
 
 # Graph state (graph_state): a call's op name -> its exported operands.

@@ -28,8 +28,8 @@ from typing import Optional
 import lingvo.compat as tf
 
 from lingvo_ext._internal import tf as internal_tf
-from lingvo_ext.core import cell_function
-from lingvo_ext.core import matmul_grad
+from lingvo_ext.core.engine import cell_function
+from lingvo_ext.core.engine import matmul_grad
 from lingvo_ext.core import sharding
 from lingvo_ext.core.engine import loss
 from lingvo_ext.core.engine import records
