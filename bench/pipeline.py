@@ -65,7 +65,7 @@ from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
 from lingvo.core import tshape  # pylint: disable=g-import-not-at-top
 import numpy as np  # pylint: disable=g-import-not-at-top
 
-from bench import timeline  # pylint: disable=g-import-not-at-top
+from lingvo_ext.tracing import step_trace  # pylint: disable=g-import-not-at-top
 from bench import torch_baselines  # pylint: disable=g-import-not-at-top
 from bench import transformer  # pylint: disable=g-import-not-at-top
 from lingvo_ext.core import gpipe as ext_gpipe  # pylint: disable=g-import-not-at-top
@@ -564,30 +564,30 @@ def TraceStep(step: Step, directory: str, name: str, title: str) -> Dict:
   with open(prefix + '.trace.json', 'w') as f:
     f.write(tf_timeline.Timeline(
         metadata.step_stats).generate_chrome_trace_format())
-  intervals = timeline.BusyIntervals(metadata.step_stats)
-  t0, t1 = timeline.Span(intervals)
+  intervals = step_trace.BusyIntervals(metadata.step_stats)
+  t0, t1 = step_trace.Span(intervals)
   host = _HostTrace(step.sess, step.train)
-  host_events = timeline.HostOpEvents(host) if host is not None else None
+  host_events = step_trace.HostOpEvents(host) if host is not None else None
   if host is not None:
-    timeline.WriteJson(timeline.HostTraceToChrome(host),
-                       prefix + '.host_trace.json')
-  idle = timeline.PlotGantt(intervals, prefix + '.png', title=title,
-                            host_events=host_events)
+    step_trace.WriteJson(step_trace.HostTraceToChrome(host),
+                         prefix + '.host_trace.json')
+  idle = step_trace.PlotGantt(intervals, prefix + '.png', title=title,
+                              host_events=host_events)
   stats = dict(
       name=name, idle_fraction=round(idle, 4), traced_span_ms=round(
           (t1 - t0) / 1e3, 3),
-      busy_ms={d: round(sum(e - s for s, e in timeline.Union(v)) / 1e3, 3)
+      busy_ms={d: round(sum(e - s for s, e in step_trace.Union(v)) / 1e3, 3)
                for d, v in intervals.items()},
       opaque_loops=[
           dict(device=d, node=n.node_name, ms=round(
               n.all_end_rel_micros / 1e3, 3))
           for dev in metadata.step_stats.dev_stats
-          for d in [timeline.ShortDevice(dev.device)]
+          for d in [step_trace.ShortDevice(dev.device)]
           for n in dev.node_stats
-          if timeline.OpType(n.timeline_label) == 'While'
+          if step_trace.OpType(n.timeline_label) == 'While'
       ])
   if host_events:
-    stats['host'] = timeline.HostBreakdown(host_events)
+    stats['host'] = step_trace.HostBreakdown(host_events)
   return stats
 
 

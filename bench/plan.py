@@ -4,7 +4,7 @@ For shipped experiments (lingvo_ext/tools/plan.py's models) and the FC
 benchmark of bench/pipeline.py (8 FC layers, a per-example loss in the last
 cell: a loss linear in the pipeline's outputs, so every schedule applies),
 enumerates every plan the planner offers on --devices CPU devices
-(lingvo_ext/core/planner/; the FC benchmark runs one replica), or those
+(lingvo_ext/planner/; the FC benchmark runs one replica), or those
 with M in --micro_batches, predicts each, then times them all in turn in one process (round robin,
 the fastest of --rounds) and reads each one's peak RSS in a fresh process
 (forked from a server that has imported TensorFlow). Per model
@@ -18,7 +18,7 @@ it reports:
 - chosen vs best: the measured step time of the plan the planner ranks first
   without measuring, over the best measured step time in the sweep, and of
   the plan `--measure` picks after timing its candidates again, round robin
-  (plan_tool.MeasureCandidates: those predicted within --measure_within of
+  (measuring.MeasureCandidates: those predicted within --measure_within of
   the best, at most --measure_top, and their twins without recompute;
   planner.MeasuredChoice: the fastest of those that beat the predicted best
   in enough of the paired rounds, a sign test);
@@ -53,9 +53,9 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO not in sys.path:
   sys.path.insert(0, _REPO)
 
-from lingvo_ext.core import planner  # pylint: disable=g-import-not-at-top
+from lingvo_ext import planner  # pylint: disable=g-import-not-at-top
 from lingvo_ext.core.engine import records  # pylint: disable=g-import-not-at-top
-from lingvo_ext.tools import plan as plan_tool  # pylint: disable=g-import-not-at-top
+from lingvo_ext.planner import measuring  # pylint: disable=g-import-not-at-top
 
 FC = 'fc'
 DEFAULT_MODELS = ('lm.TransformerLmTiny', 'image.ConvClassifierTiny', FC)
@@ -213,12 +213,12 @@ def SweepPlans(model: str, profile: planner.ModelProfile, devices: int,
 def TimePlans(model: str, plans: Sequence[planner.Plan], rounds: int,
               warmup: int, every_round: bool = False) -> List:
   """Step seconds of each plan, all built in this process and timed in
-  turn, round robin (plan_tool.RoundRobin): the fastest of the rounds, the
+  turn, round robin (measuring.RoundRobin): the fastest of the rounds, the
   least disturbed by other processes' load."""
   steps = []
   for p in plans:
     steps.append(BuildStep(model, p))
-  times = plan_tool.RoundRobin(
+  times = measuring.RoundRobin(
       [lambda s=s: s[0].run(s[1]) for s in steps], rounds, warmup)
   for sess, _ in steps:
     sess.close()
@@ -244,7 +244,7 @@ CONFIRM_FASTEST = 5
 
 def RunModel(model: str, devices: int, rounds: int, warmup: int,
              measure_top: int, measurer, micro_batches=None,
-             measure_within: float = plan_tool.MEASURE_WITHIN) -> Dict:
+             measure_within: float = measuring.MEASURE_WITHIN) -> Dict:
   """Predicts and measures every plan of one model; its summary record."""
   t0 = time.time()
   profile = Profile(model)
@@ -288,7 +288,7 @@ def RunModel(model: str, devices: int, rounds: int, warmup: int,
   # again, round robin, and chosen as the tool chooses
   # (planner.MeasuredChoice); its time below is the sweep's, so both
   # choices compare on one run.
-  top = plan_tool.MeasureCandidates(ranked, measure_top, measure_within)
+  top = measuring.MeasureCandidates(ranked, measure_top, measure_within)
   again = TimePlans(model, top, rounds, warmup, every_round=True)
   copies = [p.Measured(times=t) for p, t in zip(top, again)]
   pick, noise = planner.MeasuredChoice(copies)
@@ -416,7 +416,7 @@ def Repredict(record: Dict) -> Dict:
   tops = ([record['measure_top']] if 'measure_top' in record else
           range(1, len(retimed) + 1))
   if 'chosen_measure_key' in record and any(
-      [p.Key() for p in plan_tool.MeasureCandidates(ranked, n, within)] ==
+      [p.Key() for p in measuring.MeasureCandidates(ranked, n, within)] ==
       retimed for n in tops):
     measure = {k: record[k] for k in ('chosen_measure_key', 'measure_noise',
                                       'measure_candidates', 'measure_top',
@@ -477,17 +477,17 @@ def main(argv=None) -> int:
                       '%(default)s).')
   parser.add_argument('--devices', type=int, default=2,
                       help='CPU devices N (default %(default)s).')
-  parser.add_argument('--rounds', type=int, default=plan_tool.MEASURE_STEPS,
+  parser.add_argument('--rounds', type=int, default=measuring.MEASURE_STEPS,
                       help='Timed rounds (one step of each plan per round, '
                       'in turn; the fastest; default %(default)s).')
   parser.add_argument('--warmup', type=int, default=2,
                       help='Untimed steps first (default %(default)s).')
   parser.add_argument('--measure_top', type=int,
-                      default=plan_tool.MEASURE_TOP,
+                      default=measuring.MEASURE_TOP,
                       help='At most this many plans the --measure choice '
                       're-times (default %(default)s).')
   parser.add_argument('--measure_within', type=float,
-                      default=plan_tool.MEASURE_WITHIN,
+                      default=measuring.MEASURE_WITHIN,
                       help='The --measure choice re-times the plans '
                       'predicted within this fraction of the best (default '
                       '%(default)s).')
@@ -521,11 +521,11 @@ def main(argv=None) -> int:
     return 0
   if args.devices < 1:
     parser.error('--devices must be >= 1.')
-  error = plan_tool.TooFewRounds('--rounds', args.rounds, args.measure_top)
+  error = measuring.TooFewRounds('--rounds', args.rounds, args.measure_top)
   if error:
     parser.error(error)
   # By module path, so the fork server's children find it.
-  measurer = plan_tool.Measurer(
+  measurer = measuring.Measurer(
       importlib.import_module('bench.plan').MeasureJob, ['bench.plan'])
   records = []
   t = time.time()

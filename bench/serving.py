@@ -88,9 +88,9 @@ def _TrainingForward(model, devices, batches, ckpt_dir, runs, warmup):
   import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
   from lingvo.core import cluster_factory  # pylint: disable=g-import-not-at-top
   from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
-  from lingvo_ext import registry  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.tasks import experiment_params  # pylint: disable=g-import-not-at-top
   from lingvo_ext.serving import saved_model  # pylint: disable=g-import-not-at-top
-  cfg = registry.GetParams(model, 'Train')
+  cfg = experiment_params.GetParams(model, 'Train')
   m = cfg.task.num_micro_batches
   rng = np.random.RandomState(0)
   g = tf.Graph()

@@ -67,11 +67,11 @@ def _Script(model: str, flags) -> dict:
   import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
   from lingvo.core import cluster_factory  # pylint: disable=g-import-not-at-top
   from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
-  from lingvo_ext import registry  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.tasks import experiment_params  # pylint: disable=g-import-not-at-top
   py_utils.SetEagerMode(False)
   out = dict(imports_s=time.time() - t)
   t = time.time()
-  params = registry.GetParams(model, 'Train')
+  params = experiment_params.GetParams(model, 'Train')
   out['params_s'] = time.time() - t
   t = time.time()
   devices = _Flag(flags, 'num_cpu_devices', 1)

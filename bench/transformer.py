@@ -236,9 +236,9 @@ def _Child(variant: str, num_layers: int, k: int, m: int, steps: int,
     md = tf.RunMetadata()  # One traced step: where the time goes.
     sess.run(train, options=tf.RunOptions(
         trace_level=tf.RunOptions.FULL_TRACE), run_metadata=md)
-  from bench import timeline  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.tracing import step_trace  # pylint: disable=g-import-not-at-top
   ms_by_op = OpTimes(md.step_stats)
-  calls_ms = sum(v for o, v in ms_by_op.items() if o in timeline.CALL_OPS)
+  calls_ms = sum(v for o, v in ms_by_op.items() if o in step_trace.CALL_OPS)
   from tensorflow.python.util import _pywrap_util_port  # pylint: disable=g-import-not-at-top,g-direct-tensorflow-import
   return dict(
       variant=variant, dtype=dtype, L=num_layers, K=k, M=m, ops=ops, **dims,
@@ -275,19 +275,19 @@ def _Child(variant: str, num_layers: int, k: int, m: int, steps: int,
 
 def _OpTypes(step_stats):
   """(op type, ms) of each op a traced step ran, on every device."""
-  from bench import timeline  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.tracing import step_trace  # pylint: disable=g-import-not-at-top
   for dev in step_stats.dev_stats:
     for node in dev.node_stats:
-      op = timeline.OpType(node.timeline_label)
+      op = step_trace.OpType(node.timeline_label)
       if op:
         yield op, node.all_end_rel_micros / 1e3
 
 
 def OpsRun(step_stats) -> int:
   """How many ops a traced step ran on every device, call ops excluded."""
-  from bench import timeline  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.tracing import step_trace  # pylint: disable=g-import-not-at-top
   return sum(1 for op, _ in _OpTypes(step_stats)
-             if op not in timeline.CALL_OPS)
+             if op not in step_trace.CALL_OPS)
 
 
 def OpTimes(step_stats) -> dict:
@@ -314,10 +314,10 @@ def Run(variants, num_layers, km_pairs, steps, timeout_s=1800,
         losses=('after',), dims_list=(DIMS,)):
   """Each configuration in a fresh child; returns the records.
 
-  `runner`: subprocess.run, or a stand-in with its signature (the tests fork
-  the children from a pre-imported server, tests/zygote.py). `dims_list`:
-  the sizes (DIMS's keys) to run each configuration at. Variant FLOOR: the
-  GEMM floor (bench/gemm_floor.py), once per sizes and dtype.
+  `runner`: subprocess.run, or a stand-in with its signature (the tests
+  fork the children from a pre-imported server, tests/support/zygote.py).
+  `dims_list`: the sizes (DIMS's keys) to run each configuration at. Variant
+  FLOOR: the GEMM floor (bench/gemm_floor.py), once per sizes and dtype.
   """
   records = []
   for dims, l, (k, m), loss, v, dtype in itertools.product(

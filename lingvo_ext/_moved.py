@@ -14,6 +14,16 @@ import sys
 # package itself: list its modules too.
 MOVED = {
     # The planner and tracing wings (folders = floors).
+    'lingvo_ext.core.planner': 'lingvo_ext.planner',
+    'lingvo_ext.core.planner.application': 'lingvo_ext.planner.application',
+    'lingvo_ext.core.planner.calibration': 'lingvo_ext.planner.calibration',
+    'lingvo_ext.core.planner.choice': 'lingvo_ext.planner.choice',
+    'lingvo_ext.core.planner.model_profile': 'lingvo_ext.planner.model_profile',
+    'lingvo_ext.core.planner.plans': 'lingvo_ext.planner.plans',
+    'lingvo_ext.core.planner.prediction': 'lingvo_ext.planner.prediction',
+    'lingvo_ext.core.planner.tf_profiling': 'lingvo_ext.planner.tf_profiling',
+    'lingvo_ext.core.planner.tree': 'lingvo_ext.planner.tree',
+    'lingvo_ext.tools.step_trace': 'lingvo_ext.tracing.step_trace',
 
     # The runtime wing.
 
@@ -51,4 +61,6 @@ class _Finder(importlib.abc.MetaPathFinder):
 def Install():
   """Makes every old path in MOVED importable; idempotent."""
   if not any(isinstance(f, _Finder) for f in sys.meta_path):
-    sys.meta_path.append(_Finder())
+    # First: a moved package's old path has its new __path__, where the path
+    # finder would load the modules a second time under their old names.
+    sys.meta_path.insert(0, _Finder())

@@ -24,7 +24,7 @@ from lingvo_ext import runner_state
 from lingvo_ext.core import cuts
 from lingvo_ext.distributed import server
 from lingvo_ext.distributed import step_keeping
-from lingvo_ext.tools import timeline
+from lingvo_ext.tracing import timeline
 
 
 class _TrainerSession(tf.Session):

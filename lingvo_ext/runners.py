@@ -22,7 +22,7 @@ from lingvo_ext import local_controller
 from lingvo_ext import local_evaler
 from lingvo_ext import local_trainer
 from lingvo_ext import one_build
-from lingvo_ext import registry
+from lingvo_ext.tasks import experiment_params
 from lingvo_ext import runner_state
 from lingvo_ext import trainer_flags
 from lingvo_ext._internal import tf as internal_tf
@@ -63,7 +63,7 @@ class RunnerManager(trainer_lib.DistributedRunnerManagerMixin,
     self._trainer_here = None
     # Lingvo's extension point for the registry: every runner's params come
     # from lingvo_ext's lookup, with the checked overrides.
-    self.model_registry = registry.ModelRegistry(
+    self.model_registry = experiment_params.ModelRegistry(
         self._options.model_params_override,
         self._options.model_params_file_override,
         self._options.gpipe_engine)

@@ -36,7 +36,7 @@ changes:
   lingvo_ext/registry.py).
 - Failing safely: bad flags, an unusable --logdir, bad params and bad
   --model_params_override keys or values are one line and exit 2, before
-  anything is written to the logdir (lingvo_ext/registry.py checks the
+  anything is written to the logdir (tasks/experiment_params.py checks the
   overrides). After --max_nonfinite_steps steps in a row whose loss or
   gradients are NaN/Inf, training stops (exit 3) naming the step, the first
   non-finite tensor and the last good checkpoint; no checkpoint holding
@@ -86,6 +86,7 @@ from lingvo_ext import checkpoints
 from lingvo_ext import memory_check
 from lingvo_ext import progress
 from lingvo_ext import registry
+from lingvo_ext.tasks import experiment_params
 from lingvo_ext import runners
 from lingvo_ext import shutdown
 from lingvo_ext import trainer_flags
@@ -135,20 +136,22 @@ def _TrainsHere(o):
 
 
 def _Params(o):
-  return registry.GetParams(o.model, 'Train', o.model_params_override,
-                            o.model_params_file_override, o.gpipe_engine)
+  return experiment_params.GetParams(
+      o.model, 'Train', o.model_params_override, o.model_params_file_override,
+      o.gpipe_engine)
 
 
 def _DatasetParams(o, dataset):
   """The params of dataset `dataset` (as Lingvo, retried title-cased)."""
   try:
-    return registry.GetParams(o.model, dataset, o.model_params_override,
-                              o.model_params_file_override, o.gpipe_engine)
+    return experiment_params.GetParams(
+        o.model, dataset, o.model_params_override,
+        o.model_params_file_override, o.gpipe_engine)
   except base_model_params.DatasetError:
     try:
-      return registry.GetParams(o.model, dataset.title(),
-                                o.model_params_override,
-                                o.model_params_file_override, o.gpipe_engine)
+      return experiment_params.GetParams(
+          o.model, dataset.title(), o.model_params_override,
+          o.model_params_file_override, o.gpipe_engine)
     except base_model_params.DatasetError:
       raise ValueError(
           f'--job: --model={o.model} defines no dataset {dataset!r} (nor '
@@ -199,6 +202,9 @@ def _CheckParams(o):
         o = dataclasses.replace(o, grappler_remapping=False)
   except (ValueError, AttributeError, LookupError) as e:
     return runners.FirstLine(e), o
+  if local_training and not o.plan:  # --plan=auto warns with its own.
+    memory_check.WarnAtStart(cfg, o.num_cpu_devices, split,
+                             o.model_params_override)
   return None, o
 
 
@@ -207,7 +213,7 @@ def _AutoPlan(o, argv):
   if o.plan != 'auto':
     return (f"--plan={o.plan}: the only plan is 'auto'; pass --plan=auto or "
             'leave it out.'), o, argv
-  from lingvo_ext.tools import plan as plan_tool  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.planner import auto as plan_tool  # pylint: disable=g-import-not-at-top
   try:
     plan, text, flags, line = plan_tool.TrainerAutoPlan(
         o.model, o.devices or o.num_cpu_devices, o.memory_per_device or None,

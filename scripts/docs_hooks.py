@@ -2,9 +2,9 @@
 
 `img/schedules/<name>.svg`, one for every schedule with action lists, lives
 in docs/img/schedules/ (so it renders on the repository's page too), as
-`lingvo_ext.tools.timeline` draws it. As an MkDocs hook (mkdocs.yml
+`lingvo_ext.tracing.timeline` draws it. As an MkDocs hook (mkdocs.yml
 `hooks:`) it draws them again and stops the build where a committed one
-differs; tests/test_schedule_pictures.py checks the same. Redraw them:
+differs; tests/docs/test_schedule_pictures.py checks the same. Redraw them:
 
   .venv/bin/python scripts/docs_hooks.py
 """
@@ -15,7 +15,7 @@ import sys
 import tempfile
 
 from lingvo_ext.core import actions
-from lingvo_ext.tools import timeline
+from lingvo_ext.tracing import timeline
 
 DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
     __file__))), 'docs')
@@ -66,8 +66,8 @@ def on_files(files, config):  # pylint: disable=invalid-name
   if stale:
     from mkdocs.exceptions import PluginError  # pylint: disable=g-import-not-at-top
     raise PluginError(
-        'the schedule pictures %s differ from what lingvo_ext.tools.timeline '
-        'draws now; redraw them: .venv/bin/python scripts/docs_hooks.py' %
+        'the schedule pictures %s differ from what '
+        'lingvo_ext.tracing.timeline draws now; redraw them: .venv/bin/python scripts/docs_hooks.py' %
         ', '.join(stale))
   return files
 

@@ -18,10 +18,8 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import lingvo_ext  # pylint: disable=unused-import,g-import-not-at-top
-from tests import zygote  # pylint: disable=g-import-not-at-top
-
-
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.support import ROOT as _ROOT  # pylint: disable=g-import-not-at-top
+from tests.support import zygote  # pylint: disable=g-import-not-at-top
 
 
 class TrainedRun:
@@ -117,11 +115,25 @@ def tiny_gpipe_run(shared_once):
 
 
 # Seconds each test took in the runs before (pytest's cache, .pytest_cache),
-# by node id: setup, call and teardown.
+# by test key (_Key): setup, call and teardown.
 _TEST_SECONDS = 'lingvo_ext/test_seconds'
 _seconds_now = collections.defaultdict(float)
 # Without a time from before: an end-to-end test ~10 s, another ~1 s.
 _DEFAULT_SECONDS = {True: 10.0, False: 1.0}
+
+
+def _Key(nodeid):
+  """The node id without the file's folder: a test keeps its time from the
+  runs before when its file moves (file basenames are unique under tests/,
+  tests/test_layout.py)."""
+  path, sep, rest = nodeid.partition('::')
+  return path.rsplit('/', 1)[-1] + sep + rest
+
+
+def _SecondsBefore(config):
+  cache = getattr(config, 'cache', None)  # None with -p no:cacheprovider.
+  before = cache.get(_TEST_SECONDS, {}) if cache else {}
+  return {_Key(k): v for k, v in before.items()}  # Older caches: node ids.
 
 
 def pytest_collection_modifyitems(config, items):
@@ -131,25 +143,24 @@ def pytest_collection_modifyitems(config, items):
   # early on whichever worker is free and the run ends with short ones on
   # every worker, not one worker still running a long queue. Every worker
   # sorts alike: they read the same cache.
-  cache = getattr(config, 'cache', None)  # None with -p no:cacheprovider.
-  before = cache.get(_TEST_SECONDS, {}) if cache else {}
+  before = _SecondsBefore(config)
 
   def Seconds(item):
     e2e = item.get_closest_marker('e2e') is not None
-    return before.get(item.nodeid, _DEFAULT_SECONDS[e2e])
+    return before.get(_Key(item.nodeid), _DEFAULT_SECONDS[e2e])
 
   items.sort(key=lambda item: -Seconds(item))
 
 
 def pytest_runtest_logreport(report):
-  _seconds_now[report.nodeid] += report.duration
+  _seconds_now[_Key(report.nodeid)] += report.duration
 
 
 def pytest_sessionfinish(session):
   config = session.config
   if (getattr(config, 'cache', None) and not hasattr(config, 'workerinput')
       and _seconds_now):
-    seconds = config.cache.get(_TEST_SECONDS, {})
+    seconds = _SecondsBefore(config)
     seconds.update(_seconds_now)
     config.cache.set(_TEST_SECONDS, seconds)
 

@@ -13,31 +13,31 @@ import collections
 import os
 import sys
 from typing import Dict, List, Set, Tuple
+from tests.support import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ('lingvo_ext', 'params')
 
-# The floors of the house, bottom up: a file may import files of its own floor
-# or of a floor below, never above. A part is a path prefix; the longest that
-# matches a file names its floor.
+# The floors of the house, bottom up, drawn from the folders: an entry is a
+# folder or a module right under lingvo_ext/ (or another package of PACKAGES,
+# whole), and every file lies in exactly one entry, whose floor is its floor.
+# A file imports files of its own floor or of a floor below, never above.
+# Every entry on disk is on one floor (`Unplaced`): a new folder needs a line.
 FLOORS = (
     ('lingvo_ext/__init__.py', 'lingvo_ext/_startup.py', 'lingvo_ext/_moved.py',
      'lingvo_ext/_internal/'),
     ('lingvo_ext/distributed/',),
     ('lingvo_ext/core/',),
-    # The timeline tool's library half: the trainer's runners draw a traced
-    # step with it, below the tool's command line.
-    ('lingvo_ext/tasks/', 'lingvo_ext/trainer_flags.py',
-     'lingvo_ext/one_build.py', 'lingvo_ext/progress.py', 'lingvo_ext/checkpoints.py',
-     'lingvo_ext/shutdown.py', 'lingvo_ext/disk_space.py',
-     'lingvo_ext/memory_check.py',
-     'lingvo_ext/tools/timeline.py', 'lingvo_ext/tools/step_trace.py'),
     ('lingvo_ext/registry.py',),
+    ('lingvo_ext/tasks/', 'lingvo_ext/trainer_flags.py',
+     'lingvo_ext/one_build.py', 'lingvo_ext/progress.py',
+     'lingvo_ext/checkpoints.py', 'lingvo_ext/shutdown.py',
+     'lingvo_ext/disk_space.py'),
     ('params/',),
-    ('lingvo_ext/core/planner/', 'lingvo_ext/serving/'),
+    ('lingvo_ext/tracing/', 'lingvo_ext/planner/', 'lingvo_ext/serving/'),
     ('lingvo_ext/runners.py', 'lingvo_ext/runner_state.py',
      'lingvo_ext/local_controller.py', 'lingvo_ext/local_trainer.py',
-     'lingvo_ext/local_evaler.py', 'lingvo_ext/prepared_step.py'),
+     'lingvo_ext/local_evaler.py', 'lingvo_ext/prepared_step.py',
+     'lingvo_ext/memory_check.py'),
     ('lingvo_ext/trainer.py', 'lingvo_ext/launch.py', 'lingvo_ext/tools/',
      'lingvo_ext/examples/'),
 )
@@ -84,15 +84,40 @@ def Edges() -> Dict[str, Set[str]]:
   return out
 
 
+def Entry(f: str) -> str:
+  """The folder or module right under its package that file `f` lies in
+  (`lingvo_ext/core/`, `lingvo_ext/trainer.py`); another package whole."""
+  parts = f.split('/')
+  if parts[0] != PACKAGES[0]:
+    return parts[0] + '/'
+  if len(parts) == 2:
+    return f
+  return '/'.join(parts[:2]) + '/'
+
+
 def Floor(f: str) -> int:
-  best, floor = -1, None
-  for i, parts in enumerate(FLOORS):
-    for part in parts:
-      if f.startswith(part) and len(part) > best:
-        best, floor = len(part), i
-  if floor is None:
-    raise ValueError(f'{f} is on no floor; add it to FLOORS.')
-  return floor
+  entry = Entry(f)
+  for i, entries in enumerate(FLOORS):
+    if entry in entries:
+      return i
+  raise ValueError(f'{f} is on no floor: add {entry} to FLOORS.')
+
+
+def Unplaced(files: List[str]) -> List[str]:
+  """What FLOORS gets wrong: an entry of `files` on no floor, an entry on
+  two floors or twice, an entry that is not a folder or module right under
+  its package, or one that no file lies in."""
+  listed = [e for entries in FLOORS for e in entries]
+  on_disk = {Entry(f) for f in files}
+  out = sorted(e + ': on no floor' for e in on_disk - set(listed))
+  out += sorted({e + ': listed twice' for e in listed
+                 if listed.count(e) > 1})
+  out += sorted(e + ': not a folder or module right under its package'
+                for e in listed if Entry(e + ('x.py' if e.endswith('/')
+                                              else '')) != e)
+  out += sorted(e + ': no file lies there' for e in set(listed) - on_disk
+                if Entry(e + ('x.py' if e.endswith('/') else '')) == e)
+  return out
 
 
 def Cycles(edges: Dict[str, Set[str]]) -> List[List[str]]:
@@ -143,6 +168,8 @@ def main() -> int:
   print(f'{len(edges)} files, {sum(map(len, edges.values()))} imports')
   for group in Cycles(edges):
     print('cycle: ' + ' <-> '.join(group))
+  for problem in Unplaced(list(edges)):
+    print('FLOORS: ' + problem)
   for a, b in Violations(edges):
     print(f'upward: {a} (floor {Floor(a)}) -> {b} (floor {Floor(b)})')
   return 0

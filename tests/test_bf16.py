@@ -21,18 +21,18 @@ from lingvo.core import py_utils
 import numpy as np
 import pytest
 
-from tests import zygote
+from tests.support import zygote
 
-from lingvo_ext import registry
+from lingvo_ext.tasks import experiment_params
 from lingvo_ext.core import gpipe
 from lingvo_ext.core import precision
 from lingvo_ext.core import schedules
 from lingvo_ext.tasks import pipelined_task
 from tensorflow.core.protobuf import rewriter_config_pb2  # pylint: disable=g-direct-tensorflow-import
 import params  # pylint: disable=unused-import
-from tests import gpipe_testlib as lib
+from tests.support import gpipe_testlib as lib
+from tests.support import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 D, B = 32, 16
 RTOL = 3e-2
 # Every schedule, with and without recomputation where it is allowed, and
@@ -206,13 +206,13 @@ def _Params(model):
 def test_fprop_dtype_override_syntax_and_errors():
   for text in ('bfloat16', 'tf.bfloat16', '"bfloat16"'):
     mp = _Params('lm.TransformerLmTinyGPipe')
-    registry.ApplyOverrides(mp, 'task.fprop_dtype:' + text)
+    experiment_params.ApplyOverrides(mp, 'task.fprop_dtype:' + text)
     mp.task.cls.CheckParams(mp.task)
     assert precision.ParseDtype(mp.task.fprop_dtype) == tf.bfloat16, text
   assert precision.ParseDtype('float32') == tf.float32
   assert precision.ParseDtype(None) is None
   mp = _Params('lm.TransformerLmTinyGPipe')
-  registry.ApplyOverrides(mp, 'task.fprop_dtype:float16')
+  experiment_params.ApplyOverrides(mp, 'task.fprop_dtype:float16')
   with pytest.raises(ValueError, match=r'task.fprop_dtype=.float16.; use '
                      'bfloat16'):
     mp.task.cls.CheckParams(mp.task)
@@ -303,7 +303,7 @@ def _TaskGraph(model, dtype, eval_mode=False):
   """The task's train (or eval) graph on 2 CPU devices, as the trainer's."""
   mp = _Params(model)
   if dtype is not None:
-    registry.ApplyOverrides(mp, 'task.fprop_dtype:' + dtype)
+    experiment_params.ApplyOverrides(mp, 'task.fprop_dtype:' + dtype)
   mp.task.train.save_interval_seconds = 1e9
   g = tf.Graph()
   cp = lib.Cluster(2).params.Copy()

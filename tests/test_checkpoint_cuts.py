@@ -23,14 +23,14 @@ from lingvo.core import tshape
 import numpy as np
 import pytest
 
-from tests import zygote
+from tests.support import zygote
 
 from lingvo_ext.core import cuts
 from lingvo_ext.core import gpipe
 from lingvo_ext.tasks.lm import model as lm_model
 from lingvo_ext.tools import convert_checkpoint as cc
+from tests.support import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BATCH = 4
 
 

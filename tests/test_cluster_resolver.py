@@ -16,10 +16,10 @@ import pytest
 
 from lingvo_ext.distributed import cluster
 from lingvo_ext.distributed import resolvers
-from tests import proc_testlib
-from tests import zygote
+from tests.support import proc_testlib
+from tests.support import zygote
+from tests.support import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = 'lm.TransformerLmTinyGPipe'
 
 
@@ -307,7 +307,7 @@ def testSbatchScriptGivesEachTaskItsTask(tmp_path):
 
 def _Trainer(*flags, env=None, timeout=120):
   """The trainer in a network namespace of its own (only 127.0.0.1),
-  forked (tests/zygote.py): exit code, output. A run that outlasts
+  forked (tests/support/zygote.py): exit code, output. A run that outlasts
   `timeout` fails the test (subprocess.TimeoutExpired)."""
   full_env = {k: v for k, v in os.environ.items()
               if k != 'TF_CONFIG' and not k.startswith('SLURM')}

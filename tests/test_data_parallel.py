@@ -9,7 +9,7 @@ from lingvo.core import py_utils
 import numpy as np
 import pytest
 
-import gpipe_testlib as lib
+from tests.support import gpipe_testlib as lib
 from lingvo_ext.distributed import gradient_sync
 from lingvo_ext.distributed import server
 from params import image

@@ -22,12 +22,12 @@ import lingvo.compat as tf
 import numpy as np
 import pytest
 
-from tests import proc_testlib
-from tests import zygote
+from tests.support import proc_testlib
+from tests.support import zygote
 
 from lingvo_ext.distributed import cluster
+from tests.support import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = 'lm.TransformerLmTinyGPipe'
 
 

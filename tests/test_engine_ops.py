@@ -17,10 +17,10 @@ import pytest
 
 from bench import transformer
 from lingvo_ext.core import gpipe
-from tests import gpipe_testlib
-from tests import zygote
+from tests.support import gpipe_testlib
+from tests.support import zygote
+from tests.support import ROOT as _REPO
 
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _K = 2
 
 # Ops run per (cell, micro-batch), forward and backward, at most: what
@@ -70,7 +70,7 @@ def test_fc_ops_run_per_cell_and_micro_batch(schedule):
 
 def _Forked(cmd, **kwargs):
   """transformer.Run's children forked from the tests' pre-imported server
-  (as tests/test_bench_transformer.py)."""
+  (as tests/bench/test_bench_transformer.py)."""
   assert cmd[1] == os.path.join(_REPO, 'bench', 'transformer.py'), cmd
   return zygote.run([cmd[0], '-m', 'bench.transformer'] + cmd[2:], cwd=_REPO,
                     **kwargs)

@@ -1,12 +1,14 @@
 """Faults of the machine: a full disk, a hung task, memory, broken input.
 
 The end-to-end tests run the trainer or the launcher in process groups of
-their own (tests/proc_testlib.py), bound every wait and kill what they
+their own (tests/support/proc_testlib.py), bound every wait and kill what they
 started (SIGCONT first for a stopped one); a filesystem a test mounts is
 unmounted in a `finally`.
 """
 
+import collections
 import contextlib
+import dataclasses
 import errno
 import glob
 import os
@@ -27,7 +29,7 @@ from lingvo_ext import memory_check
 from lingvo_ext import progress
 from lingvo_ext.distributed import launch_lib
 from lingvo_ext.tasks import input_files
-from tests import proc_testlib
+from tests.support import proc_testlib
 
 TIMEOUT = 300
 MODEL = '--model=lm.TransformerLmTiny'
@@ -441,6 +443,137 @@ def testMemoryWarningNamesTheNeedTheLimitAndAPlanThatFits():
   assert line.endswith('no plan fits; use more memory, more devices '
                        '(--devices) or bf16 (task.fprop_dtype).'), line
 
+
+
+def _Profile(kept, linear_loss=True):
+  """A planner ModelProfile of 4 layers, `kept` activation bytes each.
+
+  The weights are small beside the activations, so that the engine takes
+  each micro-batch's weight gradients alone (a run of 1, runs.py).
+  """
+  from lingvo_ext import planner  # pylint: disable=g-import-not-at-top
+  layers = tuple(planner.LayerProfile(
+      name=f'l{i}', flops=1e6, fwd_ops=0, bwd_ops=0, param_bytes=10,
+      num_vars=1, out_bytes=kept, kept_bytes=kept) for i in range(4))
+  return planner.ModelProfile(name='m', layers=layers, batch=16,
+                              in_bytes=0., optimizer_slots=2,
+                              linear_loss=linear_loss)
+
+
+def _Plan(schedule, m, recompute=False):
+  from lingvo_ext import planner  # pylint: disable=g-import-not-at-top
+  return planner.Plan(num_cells=2, sizes=(2, 2), devices_per_replica=2,
+                      num_micro_batches=m, schedule=schedule,
+                      recompute=recompute, replicas=1,
+                      gradient_sync='shared', global_batch=16)
+
+
+def testStartEstimateKeepsTheActivationsTheScheduleKeeps():
+  kept = 100.
+  profile = _Profile(kept)
+  # Per example: each cell keeps its 2 layers' activations, and cell 1 its
+  # input (cell 0's output) too; the last cell's output and its gradient
+  # (2 * kept per example) wait for the loss.
+  cells = [2 * kept, 2 * kept + kept]
+  loss = 2 * kept * 16
+  weights = 4 * 10 * (2 + 2)
+  for m in (1, 2, 4, 8, 16):
+    mb = 16 // m
+    # GPipe ('unrolled') keeps every micro-batch's activations on every
+    # cell: the whole batch's, whatever M.
+    got = memory_check.Estimate(profile, _Plan('unrolled', m))
+    assert got.activation_bytes == m * mb * sum(cells) + loss, m
+    assert got.process_bytes == got.activation_bytes + weights
+    # 1F1B keeps at most K - i + 1 micro-batches' in cell i (its next
+    # forward pass starts before the oldest's backward pass ends): fewer
+    # bytes with more M.
+    got = memory_check.Estimate(profile, _Plan('1f1b', m))
+    in_flight = [min(m, 3), min(m, 2)]
+    assert got.activation_bytes == sum(
+        n * mb * c for n, c in zip(in_flight, cells)) + loss, m
+  # Recompute keeps the cells' inputs of every micro-batch and one
+  # micro-batch's whole activations per cell.
+  got = memory_check.Estimate(profile, _Plan('unrolled', 8, True))
+  boundary = kept * 16  # Cell 1's input, every example.
+  assert got.activation_bytes == boundary + 2 * 2 * (2 * kept) + loss
+
+
+def testStartWarningNamesTheNeedTheLimitAndAnOverrideThatFits():
+  from lingvo_ext import planner  # pylint: disable=g-import-not-at-top
+  cfg = planner.ExperimentParams('lm.TransformerLmTinyGPipe')
+  profile = memory_check.Profile(cfg)
+  plan = memory_check.PlanOfParams(profile, cfg.task, 2, 2)
+  assert (plan.schedule, plan.num_cells, plan.num_micro_batches,
+          plan.devices_per_replica, plan.recompute) == ('unrolled', 2, 2, 2,
+                                                        False)
+  got = memory_check.Estimate(profile, plan)
+  assert got.activation_bytes > 0
+  assert memory_check.StartWarning(cfg, 2, 2, '', got.process_bytes,
+                                   'x') is None
+  limit = got.process_bytes * 0.9
+  line = memory_check.StartWarning(cfg, 2, 2, 'train.max_steps:5', limit,
+                                   "the cgroup's memory limit")
+  size = memory_check.task_health.FormatBytes
+  head = (f'warning: the model needs about {size(got.process_bytes)} '
+          f'({size(got.peak_bytes)} on its fullest device), of which '
+          f'{size(got.activation_bytes)} are the activations '
+          'task.schedule="unrolled" keeps over 2 micro-batch(es) without '
+          f"recompute, but the cgroup's memory limit is {size(limit)}: it "
+          'may be killed by the OOM killer; an override that fits (about ')
+  assert line.startswith(head), line
+  override = re.search(r"--model_params_override='([^']*)'\.$", line)[1]
+  assert override.startswith('train.max_steps:5; '), line
+  # The override it names fits, by the same estimate.
+  fixed = planner.ExperimentParams('lm.TransformerLmTinyGPipe',
+                                   overrides=override)
+  after = memory_check.Estimate(
+      profile, memory_check.PlanOfParams(profile, fixed.task, 2, 2))
+  assert after.process_bytes <= limit < got.process_bytes
+  assert memory_check.StartWarning(fixed, 2, 2, override, limit, 'x') is None
+  line = memory_check.StartWarning(cfg, 2, 2, '', 1000, 'x')
+  assert line.endswith('no override of micro-batches, recompute, schedule or '
+                       'bf16 fits; use more memory or more devices.'), line
+
+
+def testTheTrainersStartWarningBuildsNoModelAndNoLayerGraph(
+    monkeypatch, capsys):
+  from lingvo_ext import trainer  # pylint: disable=g-import-not-at-top
+  from lingvo_ext import trainer_flags  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.core import cost  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.planner import tf_profiling  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.tasks.lm import model as lm_model  # pylint: disable=g-import-not-at-top
+  counts = collections.Counter()
+
+  def Counted(name, fn):
+    def Wrapped(*args, **kwargs):
+      counts[name] += 1
+      return fn(*args, **kwargs)
+    return Wrapped
+
+  monkeypatch.setattr(memory_check, 'AvailableBytes',
+                      lambda: (64 << 10, "the cgroup's memory limit"))
+  monkeypatch.setattr(cost, 'Sandbox', Counted('graphs', cost.Sandbox))
+  monkeypatch.setattr(tf_profiling, '_LayerGraphStats',
+                      Counted('layer_graphs', tf_profiling._LayerGraphStats))  # pylint: disable=protected-access
+  monkeypatch.setattr(lm_model.TransformerLm, '__init__', Counted(
+      'models', lm_model.TransformerLm.__init__))
+  ops = len(tf.get_default_graph().get_operations())
+  o = trainer_flags.Options(model='lm.TransformerLmTinyGPipe',
+                            logdir='/nonexistent/x', run_locally='cpu',
+                            num_cpu_devices=2, worker_split_size=2)
+  error, _ = trainer._CheckParams(o)  # pylint: disable=protected-access
+  assert error is None
+  err = capsys.readouterr().err
+  lines = [l for l in err.splitlines() if l.startswith('warning: the model')]
+  assert len(lines) == 1 and "the cgroup's memory limit is 64 KB" in lines[0]
+  # No model built, no layer's FProp or gradients: only a throw-away graph
+  # per distinct layer for its variables' shapes (embedding, transformer
+  # layer, softmax), and nothing in the default graph.
+  assert counts == {'graphs': 3}, counts
+  assert len(tf.get_default_graph().get_operations()) == ops
+  # --plan=auto warns with its own estimate; an evaler trains nothing.
+  trainer._CheckParams(dataclasses.replace(o, job='evaler_dev'))  # pylint: disable=protected-access
+  assert 'warning: the model' not in capsys.readouterr().err
 
 # --- Input that breaks mid-run ------------------------------------------------
 

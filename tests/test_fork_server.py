@@ -10,9 +10,9 @@ import time
 import pytest
 
 from lingvo_ext.distributed import fork_server
+from tests.support import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PROBE = [sys.executable, '-m', 'tests.fork_probe']
+PROBE = [sys.executable, '-m', 'tests.support.fork_probe']
 
 
 def _Lines(path):
@@ -35,7 +35,7 @@ def _Gone(pid, timeout_s=10):
 def testForkedRunsEndAsAFreshInterpretersAndDieWithTheServer(
     tmp_path, monkeypatch):
   monkeypatch.chdir(ROOT)
-  server = fork_server.ForkServer('tests.fork_probe',
+  server = fork_server.ForkServer('tests.support.fork_probe',
                                   str(tmp_path / 'server.stderr'))
   assert server.Start(120) is None
   started = []
@@ -95,7 +95,7 @@ def testForkedRunsEndAsAFreshInterpretersAndDieWithTheServer(
 @pytest.mark.e2e
 def testClosingTheServerKillsItsRuns(tmp_path, monkeypatch):
   monkeypatch.chdir(ROOT)
-  server = fork_server.ForkServer('tests.fork_probe',
+  server = fork_server.ForkServer('tests.support.fork_probe',
                                   str(tmp_path / 'server.stderr'))
   assert server.Start(120) is None
   sleeper = None

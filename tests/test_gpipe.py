@@ -11,7 +11,7 @@ import pytest
 
 from lingvo_ext.core import gpipe
 from lingvo_ext.core import jit_random
-import gpipe_testlib as lib
+from tests.support import gpipe_testlib as lib
 
 B, D = 8, 6
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from lingvo_ext.core import gpipe
-import gpipe_testlib as lib
+from tests.support import gpipe_testlib as lib
 
 D = 4
 

@@ -332,9 +332,10 @@ def testSetModelImporter():
 def testSaveableVariables():
 
   def Check():
-    from lingvo_ext import registry  # pylint: disable=g-import-not-at-top
+    from lingvo_ext.tasks import experiment_params  # pylint: disable=g-import-not-at-top
     with tf.Graph().as_default():
-      model = registry.GetParams('lm.TransformerLmTiny', 'Train').Instantiate()
+      model = experiment_params.GetParams('lm.TransformerLmTiny',
+                                          'Train').Instantiate()
       saved = internal_lingvo.SaveableVariables([model])
     assert 'global_step' in saved and len(saved) > 2, sorted(saved)
 

@@ -10,8 +10,8 @@ import pytest
 
 from lingvo_ext.core import gpipe
 from lingvo_ext.core import jit_choice
-import gpipe_testlib as lib
-import test_gpipe
+from tests.support import gpipe_testlib as lib
+from tests import test_gpipe
 
 B, D = 8, 6
 
@@ -95,7 +95,7 @@ def test_auto_computes_what_the_build_it_takes_computes(cache, monkeypatch,
 
 
 def test_plans_carry_jit_compile_into_the_experiment():
-  from lingvo_ext.core import planner  # pylint: disable=g-import-not-at-top
+  from lingvo_ext import planner  # pylint: disable=g-import-not-at-top
   import test_plan  # pylint: disable=g-import-not-at-top
   profile = test_plan._Profile()  # pylint: disable=protected-access
   default = planner.Enumerate(profile, 2, schedules=('unrolled',))
@@ -115,16 +115,17 @@ def test_plans_carry_jit_compile_into_the_experiment():
 
 def test_task_default_is_false_and_an_override_takes_each_value():
   from lingvo.core import hyperparams  # pylint: disable=g-import-not-at-top
-  from lingvo_ext import registry  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.tasks import experiment_params  # pylint: disable=g-import-not-at-top
   from lingvo_ext.tasks import pipelined_task  # pylint: disable=g-import-not-at-top
   assert pipelined_task.PipelinedTask.Params().jit_compile is False
   for text, value in (('"auto"', 'auto'), ('auto', 'auto'), ('True', True),
                       ('False', False)):
     mp = hyperparams.Params()
     mp.Define('task', pipelined_task.PipelinedTask.Params(), '')
-    registry.ApplyOverrides(mp, 'task.jit_compile:' + text)
+    experiment_params.ApplyOverrides(mp, 'task.jit_compile:' + text)
     assert mp.task.jit_compile == value, text
   mp = hyperparams.Params()
   mp.Define('task', pipelined_task.PipelinedTask.Params(), '')
-  with pytest.raises(registry.OverrideError, match="True or False or 'auto'"):
-    registry.ApplyOverrides(mp, 'task.jit_compile:maybe')
+  with pytest.raises(experiment_params.OverrideError,
+                     match="True or False or 'auto'"):
+    experiment_params.ApplyOverrides(mp, 'task.jit_compile:maybe')

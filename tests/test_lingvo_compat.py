@@ -22,7 +22,7 @@ import pytest
 
 from lingvo_ext.core import gpipe
 from lingvo_ext.core import layers_with_gpipe as ext_stacks
-import gpipe_testlib as lib
+from tests.support import gpipe_testlib as lib
 
 # Lingvo's attention reads --tflite_compatible.
 flags.FLAGS.mark_as_parsed()

@@ -13,7 +13,7 @@ import pytest
 
 from lingvo_ext.core import layers_with_gpipe
 from lingvo_ext.core.engine import records
-from tests import gpipe_testlib
+from tests.support import gpipe_testlib
 
 _T, _B, _D, _VOCAB, _K, _M = 4, 8, 8, 5, 2, 4
 _STEPS = 3

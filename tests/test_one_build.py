@@ -18,9 +18,9 @@ import pytest
 
 from lingvo_ext import local_trainer
 from lingvo_ext import one_build
-from tests import zygote
+from tests.support import zygote
+from tests.support import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT = 300
 GPIPE = ['--num_cpu_devices=2', '--worker_split_size=2']
 

@@ -5,8 +5,8 @@ import subprocess
 import sys
 
 import pytest
+from tests.support import ROOT as _REPO
 
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _PROBE = ('import os, sys; import lingvo_ext; '
           'loaded = "tensorflow" in sys.modules; '
@@ -66,20 +66,57 @@ def test_no_upward_import():
   assert import_graph.Violations(import_graph.Edges()) == []
 
 
+def test_every_folder_is_on_one_floor():
+  """FLOORS names each folder and module right under the packages once."""
+  from tests import import_graph  # pylint: disable=g-import-not-at-top
+  assert import_graph.Unplaced(import_graph.Files()) == []
+
+
 def test_the_graph_sees_cycles_and_upward_imports():
   from tests import import_graph  # pylint: disable=g-import-not-at-top
   edges = {'lingvo_ext/core/a.py': {'lingvo_ext/core/b.py'},
            'lingvo_ext/core/b.py': {'lingvo_ext/core/a.py',
-                                    'lingvo_ext/runners.py'},
-           'lingvo_ext/runners.py': set()}
+                                    'lingvo_ext/trainer.py'},
+           'lingvo_ext/trainer.py': set()}
   assert import_graph.Cycles(edges) == [['lingvo_ext/core/a.py',
                                          'lingvo_ext/core/b.py']]
   assert import_graph.Violations(edges) == [('lingvo_ext/core/b.py',
-                                             'lingvo_ext/runners.py')]
-  # The real graph has the imports it should: the planner reads the registry.
+                                             'lingvo_ext/trainer.py')]
+  # The floor is the folder's, however deep the file: the engine reaching
+  # the planner runs upward, as the planner did when it lived in core/.
   real = import_graph.Edges()
+  real['lingvo_ext/core/engine/records.py'].add('lingvo_ext/planner/plans.py')
+  assert import_graph.Violations(real) == [(
+      'lingvo_ext/core/engine/records.py', 'lingvo_ext/planner/plans.py')]
+  # The real graph has the imports it should, function-level ones too: the
+  # planner reads the registry; the trainer runs --plan=auto in a function.
   assert 'lingvo_ext/registry.py' in real[
-      'lingvo_ext/core/planner/tf_profiling.py']
+      'lingvo_ext/planner/tf_profiling.py']
+  assert 'lingvo_ext/planner/auto.py' in real['lingvo_ext/trainer.py']
+  # The registry looks experiments up and nothing more: building params
+  # (the Lingvo rewrite, overrides, the dtype) is tasks/experiment_params.py.
+  assert {f.split('/')[1] for f in real['lingvo_ext/registry.py']} <= {
+      '__init__.py', '_internal'}
+
+
+def test_floors_name_folders_not_files_in_them():
+  from tests import import_graph  # pylint: disable=g-import-not-at-top
+  files = import_graph.Files() + ['lingvo_ext/newwing/x.py']
+  assert import_graph.Unplaced(files) == ['lingvo_ext/newwing/: on no floor']
+  with pytest.raises(ValueError, match='add lingvo_ext/newwing/ to FLOORS'):
+    import_graph.Floor('lingvo_ext/newwing/x.py')
+  floors = import_graph.FLOORS
+  try:
+    import_graph.FLOORS = floors + (('lingvo_ext/tools/plan.py',
+                                     'lingvo_ext/gone/'),)
+    assert import_graph.Unplaced(import_graph.Files()) == [
+        'lingvo_ext/tools/plan.py: not a folder or module right under its '
+        'package', 'lingvo_ext/gone/: no file lies there']
+    import_graph.FLOORS = floors + (('lingvo_ext/core/',),)
+    assert import_graph.Unplaced(import_graph.Files()) == [
+        'lingvo_ext/core/: listed twice']
+  finally:
+    import_graph.FLOORS = floors
 
 
 def test_old_import_paths_give_the_moved_modules():

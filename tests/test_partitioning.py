@@ -10,7 +10,7 @@ import pytest
 
 from lingvo_ext.core import gpipe
 from lingvo_ext.core import partitioning
-import gpipe_testlib as lib
+from tests.support import gpipe_testlib as lib
 
 
 def _BruteForce(costs, k):

@@ -29,9 +29,9 @@ import pytest
 from lingvo_ext.core import actions
 from lingvo_ext.core import gpipe
 from lingvo_ext.core import schedules
-import gpipe_testlib as lib
-import test_gpipe
-import test_schedules
+from tests.support import gpipe_testlib as lib
+from tests import test_gpipe
+from tests import test_schedules
 
 
 # Cells built inline, a copy per micro-batch (cell functions are the default).

@@ -19,7 +19,7 @@ import pytest
 from sklearn import datasets
 
 from lingvo_ext.core import gpipe
-import gpipe_testlib as lib
+from tests.support import gpipe_testlib as lib
 
 STEPS, BATCH, HIDDEN, CLASSES = 200, 32, 32, 10
 VARIANTS = (

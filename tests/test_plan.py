@@ -1,4 +1,4 @@
-"""The automatic plan (issue 24): lingvo_ext/core/planner/, tools/plan.py."""
+"""The automatic plan (issue 24): lingvo_ext/planner/, tools/plan.py."""
 
 import dataclasses
 import json
@@ -10,10 +10,10 @@ import pytest
 
 from lingvo_ext.core import actions
 from lingvo_ext.core import partitioning
-from lingvo_ext.core import planner
-from tests import zygote
+from lingvo_ext import planner
+from tests.support import zygote
+from tests.support import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = 'lm.TransformerLmTiny'
 
 
@@ -333,7 +333,7 @@ def _BuildTask(cfg, devices, split, train=False):
 
 @pytest.mark.parametrize('index', [0, 1])
 def test_override_string_builds_the_plan(index):
-  from lingvo_ext import registry  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.tasks import experiment_params  # pylint: disable=g-import-not-at-top
   cfg = planner.ExperimentParams(TINY)
   profile = planner.ProfileExperiment(cfg, TINY)
   plans = [p for p in planner.Enumerate(profile, 2)
@@ -341,8 +341,8 @@ def test_override_string_builds_the_plan(index):
   plan = [p for p in plans if p.num_cells == 2 and p.schedule == '1f1b'][0]
   if index:
     plan = [p for p in plans if p.replicas == 2][0]
-  cfg = registry.ApplyOverrides(planner.ExperimentParams(TINY),
-                                planner.OverrideString(plan))
+  cfg = experiment_params.ApplyOverrides(planner.ExperimentParams(TINY),
+                                         planner.OverrideString(plan))
   assert cfg.task.num_partitions == plan.num_cells
   assert cfg.task.num_micro_batches == plan.num_micro_batches
   assert cfg.task.schedule == plan.schedule
@@ -360,17 +360,17 @@ def test_override_string_builds_the_plan(index):
 
 
 def test_choose_and_apply():
-  from lingvo_ext.tools import plan as plan_tool  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.planner import auto  # pylint: disable=g-import-not-at-top
   cfg = planner.ExperimentParams(TINY)
   machine = planner.Machine(flops_per_s=1e10, s_per_op=1e-5, cores=2)
-  plan, flags = plan_tool.ChooseAndApply(cfg, TINY, 2, machine=machine)
+  plan, flags = auto.ChooseAndApply(cfg, TINY, 2, machine=machine)
   assert cfg.task.num_partitions == plan.num_cells
   assert cfg.task.num_micro_batches == plan.num_micro_batches
   assert flags == dict(num_cpu_devices=plan.devices,
                        worker_split_size=plan.devices_per_replica)
   with pytest.raises(planner.PlanError, match='smallest that fits'):
-    plan_tool.ChooseAndApply(planner.ExperimentParams(TINY), TINY, 2,
-                             memory_per_device=1024, machine=machine)
+    auto.ChooseAndApply(planner.ExperimentParams(TINY), TINY, 2,
+                        memory_per_device=1024, machine=machine)
 
 
 def _BuiltOps(model, plan, overrides=''):
@@ -471,9 +471,9 @@ def test_cli_json_parses_and_runs_the_best():
 @pytest.mark.parametrize('devices,memory,flag', [
     (0, None, '--devices'), (2, '2XB', '--memory_per_device')])
 def test_trainer_auto_plan_bad_flags(devices, memory, flag):
-  from lingvo_ext.tools import plan as plan_tool  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.planner import auto  # pylint: disable=g-import-not-at-top
   with pytest.raises(ValueError) as e:
-    plan_tool.TrainerAutoPlan(TINY, devices, memory)
+    auto.TrainerAutoPlan(TINY, devices, memory)
   assert str(e.value).startswith(flag) and '\n' not in str(e.value)
 
 
@@ -760,11 +760,11 @@ def test_measured_choice_never_picks_noise_for_recompute():
 
 
 def test_measure_candidates_add_the_twins():
-  from lingvo_ext.tools import plan as plan_tool  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.planner import measuring  # pylint: disable=g-import-not-at-top
   ranked = [_Predicted(p, t) for p, t in zip(
       [_Plan(2, 4, recompute=True), _Plan(1, 1), _Plan(2, 1), _Plan(2, 4)],
       (1.0, 1.1, 1.2, 1.3))]
-  out = plan_tool.MeasureCandidates(ranked, 2, within=1.)
+  out = measuring.MeasureCandidates(ranked, 2, within=1.)
   assert [p.Key() for p in out] == ['K2xR1 M4 unrolled+rc',
                                     'K1xR1 M1 unrolled', 'K2xR1 M4 unrolled']
 
@@ -772,19 +772,19 @@ def test_measure_candidates_add_the_twins():
 def test_measure_candidates_are_those_predicted_close_to_the_best():
   """--measure times the plans predicted within --measure_within of the
   best (at most --measure_top): the predictions cannot tell them apart."""
-  from lingvo_ext.tools import plan as plan_tool  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.planner import measuring  # pylint: disable=g-import-not-at-top
   ranked = [_Predicted(p, t) for p, t in zip(
       [_Plan(1, 1), _Plan(2, 1), _Plan(2, 2), _Plan(1, 2), _Plan(1, 4)],
       (1.0, 1.05, 1.14, 1.16, 1.5))]
   keys = lambda plans: [p.Key() for p in plans]
-  assert keys(plan_tool.MeasureCandidates(ranked, 8, within=0.15)) == keys(
+  assert keys(measuring.MeasureCandidates(ranked, 8, within=0.15)) == keys(
       ranked[:3])
-  assert keys(plan_tool.MeasureCandidates(ranked, 2, within=0.15)) == keys(
+  assert keys(measuring.MeasureCandidates(ranked, 2, within=0.15)) == keys(
       ranked[:2])
   # The predicted best always, alone where nothing is close.
-  assert keys(plan_tool.MeasureCandidates(ranked, 8, within=0.)) == keys(
+  assert keys(measuring.MeasureCandidates(ranked, 8, within=0.)) == keys(
       ranked[:1])
-  assert keys(plan_tool.MeasureCandidates(ranked, 8, within=1.)) == keys(
+  assert keys(measuring.MeasureCandidates(ranked, 8, within=1.)) == keys(
       ranked)
 
 
@@ -933,7 +933,7 @@ def test_bench_repredict_reads_runs_before_the_reference_keys():
 
 
 def test_tree_plans_keep_the_cells_and_share_the_devices():
-  from lingvo_ext.core.planner import tree  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.planner import tree  # pylint: disable=g-import-not-at-top
   lm = tree.TreePipeline(path='task.lm.stack', cls_name='Stack',
                          profile=_Profile(num_layers=2, batch=8,
                                           linear_loss=False))

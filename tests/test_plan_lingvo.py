@@ -1,8 +1,8 @@
 """The planner on Lingvo's flagship LM experiment (scaled down).
 
-tests/flagship_testlib.py's copy of `OneBWdsGPipeTransformer` (batch-major:
-its time axis trimmed to each batch's longest sentence at run time;
-`eval.samples_per_summary=0`), planned by `tools.plan` and the trainer's
+tests/support/flagship_testlib.py's copy of `OneBWdsGPipeTransformer`
+(batch-major: its time axis trimmed to each batch's longest sentence at run
+time; `eval.samples_per_summary=0`), planned by `tools.plan` and the trainer's
 `--plan=auto`.
 """
 
@@ -14,16 +14,16 @@ import sys
 
 import pytest
 
-from tests import flagship_testlib
-from tests import zygote
+from tests.support import flagship_testlib
+from tests.support import zygote
 
-from lingvo_ext import registry
-from lingvo_ext.core import planner
+from lingvo_ext.tasks import experiment_params
+from lingvo_ext import planner
 from lingvo_ext.core.engine import records
-from lingvo_ext.core.planner import tree
+from lingvo_ext.planner import tree
 from lingvo_ext.tools import plan as plan_tool
+from tests.support import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = flagship_testlib.MODEL
 STACK = 'task.lm.stack'
 # A fixed machine: the comparisons below are of the model, not the host.
@@ -95,7 +95,7 @@ def testTheOverrideIsPlannedAndItsTextParsesBackToThePlan(flagship, capsys):
   assert text.startswith('task.lm.stack.splits:4; ')
   assert f"--model_params_override='{text}'" in got['command']
   best = pipe['best']
-  cfg = registry.GetParams(MODEL, 'Train', text)
+  cfg = experiment_params.GetParams(MODEL, 'Train', text)
   stack = cfg.task.lm.stack
   assert stack.splits == 4
   assert stack.schedule == best['schedule']

@@ -10,8 +10,8 @@ from lingvo.core import py_utils
 import numpy as np
 
 from lingvo_ext import prepared_step
-from lingvo_ext import registry
-from tests import gpipe_testlib
+from lingvo_ext.tasks import experiment_params
+from tests.support import gpipe_testlib
 
 
 def _FakeTask():
@@ -63,7 +63,7 @@ def testPreparedStepReturnsWhatSessionRunReturns():
 
 def testARegisteredExperimentsStepsEqualSessionRuns():
   """lm.TransformerLmTinyGPipe, 2 devices: 3 steps, two sessions, one graph."""
-  params = registry.GetParams('lm.TransformerLmTinyGPipe', 'Train')
+  params = experiment_params.GetParams('lm.TransformerLmTinyGPipe', 'Train')
   with tf.Graph().as_default(), gpipe_testlib.Cluster(2):
     tf.random.set_seed(0)
     model = params.Instantiate()

@@ -20,8 +20,8 @@ import pytest
 from lingvo_ext.core import actions
 from lingvo_ext.core import gpipe
 from lingvo_ext.core import schedules
-import gpipe_testlib as lib
-import test_gpipe
+from tests.support import gpipe_testlib as lib
+from tests import test_gpipe
 
 B, D = 16, 6
 

@@ -24,8 +24,9 @@ import pytest
 
 from lingvo_ext.core import layers
 from lingvo_ext.core import sharding
-from tests import gpipe_testlib
-from tests import zygote
+from tests.support import gpipe_testlib
+from tests.support import zygote
+from tests.support import ROOT as _ROOT
 
 VOCAB = 50
 DIM = 4
@@ -426,12 +427,10 @@ def test_checkpoint_repartitions(saved, restored, opt_name):
 
 # The registered word LMs through lingvo_ext.trainer.
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 def _Trainer(model, logdir, *flags):
   """Runs the trainer (forked from the tests' pre-imported server where it
-  can be, tests/zygote.py); its stdout and stderr."""
+  can be, tests/support/zygote.py); its stdout and stderr."""
   proc = zygote.run(
       # --alsologtostderr: Lingvo's step lines (log_pplx) in the output.
       [sys.executable, '-m', 'lingvo_ext.trainer', '--alsologtostderr',

@@ -13,13 +13,13 @@ from lingvo.core import saver as lingvo_saver
 import numpy as np
 import pytest
 
-from tests import zygote
+from tests.support import zygote
 
 from lingvo_ext.core import gpipe
 from lingvo_ext.core import stacking
-from tests import gpipe_testlib
+from tests.support import gpipe_testlib
+from tests.support import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from params import lm  # pylint: disable=g-import-not-at-top,g-bad-import-order
 

@@ -8,8 +8,8 @@ import sys
 import pytest
 
 from lingvo_ext import _startup
+from tests.support import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _NOISE = [
     'WARNING: All log messages before absl::InitializeLog() is called are '

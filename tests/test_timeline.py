@@ -10,10 +10,11 @@ import sys
 import pytest
 
 from lingvo_ext.core import actions
-from lingvo_ext.tools import timeline
-from tests import zygote
+from lingvo_ext.tools import timeline as timeline_tool
+from lingvo_ext.tracing import timeline
+from tests.support import zygote
+from tests.support import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPECS = [
     ('unrolled', actions.StageSpec(4, 4, 8)),
     ('unrolled', actions.StageSpec(3, 3, 5, recompute=True)),
@@ -72,7 +73,7 @@ def testPlannedChromeTraceHasEveryAction(tmp_path):
 
 def testCommandLine(tmp_path):
   out = str(tmp_path / 'p.svg')
-  assert timeline.main(['--schedule=1f1b', '--num_stages=2',
+  assert timeline_tool.main(['--schedule=1f1b', '--num_stages=2',
                         '--num_micro_batches=3', '--out=' + out]) == 0
   assert os.path.getsize(out) > 0
   with open(str(tmp_path / 'p.trace.json')) as f:
@@ -89,7 +90,7 @@ def testCommandLine(tmp_path):
     ['--schedule=1f1b', '--num_micro_batches=0'],
 ])
 def testBadInputIsOneLineAndExit2(args, tmp_path, capsys):
-  assert timeline.main(args + ['--out=%s/x.png' % tmp_path]) == 2
+  assert timeline_tool.main(args + ['--out=%s/x.png' % tmp_path]) == 2
   err = capsys.readouterr().err.strip().split('\n')
   assert len(err) == 1 and err[0].startswith('error: '), err
   assert not os.path.exists(str(tmp_path / 'x.png'))
@@ -137,8 +138,8 @@ def testTracedTrainerRunGivesTheMeasuredPicture(tmp_path):
   assert tags == [('timeline', 2, b'\x89PNG'),
                   ('timeline_planned', 2, b'\x89PNG')]
   # The planned picture: the model's pipeline, its schedule simulated.
-  from lingvo_ext import registry  # pylint: disable=g-import-not-at-top
-  task = registry.GetParams('lm.TransformerLmTinyGPipe', 'Train').task
+  from lingvo_ext.tasks import experiment_params  # pylint: disable=g-import-not-at-top
+  task = experiment_params.GetParams('lm.TransformerLmTinyGPipe', 'Train').task
   assert os.path.getsize(os.path.join(train, 'timeline_planned.png')) > 0
   with open(os.path.join(train, 'timeline_planned.trace.json')) as f:
     planned = json.load(f)
@@ -147,13 +148,13 @@ def testTracedTrainerRunGivesTheMeasuredPicture(tmp_path):
                                        task.num_micro_batches))))
   # The command line, from the logdir.
   out = str(tmp_path / 'step.svg')
-  assert timeline.main(['--logdir=' + logdir, '--out=' + out]) == 0
+  assert timeline_tool.main(['--logdir=' + logdir, '--out=' + out]) == 0
   assert os.path.getsize(out) > 0
 
 
 def testDevicesOfSeveralTasksKeepTheirTask():
   from tensorflow.core.framework import step_stats_pb2  # pylint: disable=g-direct-tensorflow-import,g-import-not-at-top
-  from lingvo_ext.tools import step_trace  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.tracing import step_trace  # pylint: disable=g-import-not-at-top
   stats = step_stats_pb2.StepStats()
   for task in (0, 1):
     dev = stats.dev_stats.add()

@@ -10,7 +10,7 @@ import, and `python -m` runs it afresh as __main__), then forks each task
 from it. The task runs its MODULE as __main__ with its own argv,
 environment, working folder and output files, in its own process group, as
 `python -m` would. The tests' runs of the trainer and tools
-(tests/zygote.py) are forked by such a server too.
+(tests/support/zygote.py) are forked by such a server too.
 
 Why forking there is safe:
 * TensorFlow starts no thread at import (no op has run in the server; each
@@ -156,8 +156,8 @@ def RunAsMain(module: str, argv: Sequence[str], cwd: str,
     collect_at_exit: False: the exit's garbage collection skips what the run
       made (gc.freeze), saving about a CPU-second after a Transformer's
       graphs; objects left in reference cycles are then not finalized
-      (tests/zygote.py's choice; an object that only its module holds still
-      goes as the modules are cleared).
+      (tests/support/zygote.py's choice; an object that only its module
+      holds still goes as the modules are cleared).
   """
   signal.signal(signal.SIGCHLD, signal.SIG_DFL)
   devnull = os.open(os.devnull, os.O_RDONLY)

@@ -24,7 +24,7 @@ micro-batches, no cell functions, no other devices.
 
 from lingvo.core import hyperparams
 
-from lingvo_ext import registry
+from lingvo_ext.tasks import experiment_params
 from lingvo_ext.tasks import pipeline_tree
 
 # Pipeline params that make sense only for training several cells at once.
@@ -57,7 +57,8 @@ def SequentialParams(cfg):
   """A copy of model params `cfg` as its one-device sequential model.
 
   Args:
-    cfg: An experiment's model params (e.g. registry.GetParams(m, 'Train')).
+    cfg: An experiment's model params (e.g.
+      `experiment_params.GetParams(m, 'Train')`).
 
   Returns:
     The rewritten copy; `cfg` is left as it is.
@@ -95,7 +96,7 @@ def InferenceParams(model, overrides='', gpipe_engine='lingvo_ext',
     LookupError: `model` is not registered.
     ValueError: a bad override.
   """
-  cfg = registry.GetParams(model, 'Train', overrides, '', gpipe_engine)
+  cfg = experiment_params.GetParams(model, 'Train', overrides, '', gpipe_engine)
   if vocab_file and 'input' in cfg and cfg.input is not None and (
       'vocab_file' in cfg.input):
     cfg.input.vocab_file = vocab_file

@@ -105,7 +105,7 @@ def _BatchSizes(input_params):
   return [b for b in sizes if isinstance(b, int)]
 
 
-def _CheckTimeMajorLm(task):
+def CheckTimeMajorLm(task):
   """Raises for Lingvo's time-major LanguageModel feeding GPipeTransformerLm.
 
   LanguageModel gives its `lm` ids [time, batch]; GPipeTransformerLm takes
@@ -145,7 +145,7 @@ def CheckPipelines(cfg, num_replicas=1):
   if task is not None and 'fprop_dtype' in task:
     precision.ParseDtype(task.fprop_dtype, f'{task.name}: task.fprop_dtype')
   if pipelines:
-    _CheckTimeMajorLm(task)
+    CheckTimeMajorLm(task)
   input_params = cfg.input if 'input' in cfg else None
   batches = _BatchSizes(input_params)
   for path, p in pipelines:
@@ -198,7 +198,7 @@ def PlannerRefusal(cfg, model):
 
   The planner cuts a PipelinedTask's flat `LayerStack` into cells; any other
   experiment's pipelines it plans with their cells as cut
-  (lingvo_ext.core.planner.tree). An experiment with neither is refused.
+  (lingvo_ext.planner.tree). An experiment with neither is refused.
   """
   task = cfg.task if 'task' in cfg else None
   if task is not None and hasattr(task.cls, 'LayerStack'):

@@ -66,9 +66,9 @@ class ConversionError(ValueError):
 
 def ModelParams(model: str, override: str = ''):
   """Training params of registered `model`, with `override` ('a.b:v;...')."""
-  from lingvo_ext import registry  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.tasks import experiment_params  # pylint: disable=g-import-not-at-top
   try:
-    mp = registry.GetParams(model, 'Train').Copy()
+    mp = experiment_params.GetParams(model, 'Train').Copy()
   except LookupError as e:
     raise ConversionError('Model %r is not registered (%s); see '
                           '`python -m lingvo_ext.tools.list_models`.' %

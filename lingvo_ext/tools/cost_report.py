@@ -332,9 +332,9 @@ def ModelLayerStack(model: str, dataset: str = 'Train', overrides: str = ''):
 
   `overrides` is a --model_params_override text.
   """
-  from lingvo_ext import registry  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.tasks import experiment_params  # pylint: disable=g-import-not-at-top
   try:
-    mp = registry.GetParams(model, dataset, overrides)
+    mp = experiment_params.GetParams(model, dataset, overrides)
   except LookupError as e:
     raise ValueError(str(e)) from None
   task = mp.task.Copy()

@@ -1,0 +1,178 @@
+"""The best plan for a registered experiment: chosen, applied, described.
+
+The trainer's `--plan=auto` (`TrainerAutoPlan`) and `lingvo_ext.tools.plan`
+profile the experiment, probe (and calibrate) this host, rank the plans and
+apply the best to the params. An experiment whose pipelines come cut (not a
+PipelinedTask) is planned per pipeline (`tree`).
+"""
+
+from typing import Dict, List, Optional
+
+from lingvo_ext import planner
+from lingvo_ext.planner import measuring
+from lingvo_ext.planner import tree
+from lingvo_ext.tasks import pipeline_tree
+
+# Process memory besides the model, only for the process totals printed
+# (the budget is per device, without it): what bench/plan.py's calibration
+# found for lm.TransformerLmTiny on the development machine (its M=1
+# reference's peak RSS less the predicted model and graph bytes; see
+# docs/benchmarks.md, "Planner").
+PROCESS_OVERHEAD_BYTES = 730 * 2**20
+
+
+def Machine(num_devices: int, model: Optional[str] = None,
+            profile: Optional[planner.ModelProfile] = None,
+            overhead_bytes: float = PROCESS_OVERHEAD_BYTES,
+            overrides: str = ''):
+  """This host's Machine, probed under the trainer's session config.
+
+  With `model` and `profile`, calibrated (planner.Calibrate) on the model's
+  reference plans (after `overrides`, a --model_params_override text),
+  timed in turn in this process.
+  """
+  machine = planner.ProbeMachine(planner.SessionConfig(num_devices),
+                                 overhead_bytes=overhead_bytes)
+  if model and profile:
+    refs = planner.ReferencePlans(profile, devices=num_devices)
+    steps = [planner.BuildExperimentStep(model, ref, overrides)
+             for ref in refs]
+    times = measuring.RoundRobin(
+        [lambda s=s: s[0].run(s[1]) for s in steps], measuring.MEASURE_STEPS, 1)
+    for sess, _ in steps:
+      sess.close()
+    machine = planner.Calibrate(profile, machine, [min(t) for t in times])
+  return machine
+
+
+def ChooseForExperiment(model_params, name: str, devices: int,
+                        memory_per_device: Optional[float] = None,
+                        global_batch: Optional[int] = None,
+                        machine: Optional[planner.Machine] = None,
+                        calibrate: bool = True,
+                        overrides: str = '') -> List[planner.Candidate]:
+  """Ranked predicted plans of an experiment's params (PlanError if none).
+
+  Without `machine`, this host's, probed, and with `calibrate` calibrated on
+  the experiment `name`'s reference plans (see Machine), `overrides` (the
+  --model_params_override that made `model_params`) applied to them.
+  """
+  profile = planner.ProfileExperiment(model_params, name)
+  machine = machine or Machine(devices, name if calibrate else None, profile,
+                               overrides=overrides)
+  return planner.Choose(profile, devices, memory_per_device, global_batch,
+                        machine)
+
+
+def ChooseAndApply(model_params, name: str, devices: int,
+                   memory_per_device: Optional[float] = None,
+                   global_batch: Optional[int] = None,
+                   machine: Optional[planner.Machine] = None,
+                   overrides: str = ''):
+  """Picks the best predicted plan and sets it on `model_params`.
+
+  Returns:
+    (the plan, the trainer flags it needs: --num_cpu_devices and
+    --worker_split_size as a dict).
+  """
+  plan = ChooseForExperiment(model_params, name, devices, memory_per_device,
+                             global_batch, machine, overrides=overrides)[0]
+  planner.ApplyPlan(model_params, plan)
+  return plan, dict(num_cpu_devices=plan.devices,
+                    worker_split_size=plan.devices_per_replica)
+
+
+def ChooseTreeForExperiment(model_params, name: str, devices: int,
+                            memory_per_device: Optional[float] = None,
+                            machine: Optional[planner.Machine] = None):
+  """Each pipeline of a non-PipelinedTask experiment with its ranked plans.
+
+  Its cells as cut, one replica (planner.tree); the machine probed, not
+  calibrated (the reference plans cut a LayerStack).
+  """
+  # A time-major Lingvo LM feeding a batch-major pipeline: its one line, not
+  # the shape error profiling would meet.
+  pipeline_tree.CheckTimeMajorLm(model_params.task)
+  pipes = tree.ProfileTree(model_params, name)
+  machine = machine or planner.ProbeMachine(
+      planner.SessionConfig(devices), overhead_bytes=PROCESS_OVERHEAD_BYTES)
+  return tree.ChooseTree(pipes, devices, memory_per_device, machine)
+
+
+def TreeFlags(chosen) -> Dict[str, int]:
+  """The trainer flags the pipelines' chosen plans need (one replica)."""
+  devices = chosen[0][1].devices_per_replica
+  return dict(num_cpu_devices=devices, worker_split_size=devices)
+
+
+def TreeCommand(model: str, chosen, overrides: str = '') -> str:
+  """The trainer command line that runs the pipelines' chosen plans (after
+  `overrides`, the user's --model_params_override)."""
+  flags = ' '.join('--%s=%d' % kv for kv in TreeFlags(chosen).items())
+  return (".venv/bin/python -m lingvo_ext.trainer --model=%s %s "
+          "--model_params_override='%s' --logdir=LOGDIR" %
+          (model, flags, planner.JoinOverrides(
+              overrides, tree.TreeOverrideString(chosen))))
+
+
+def TrainerAutoPlan(model: str, devices: int,
+                    memory_per_device: Optional[str] = None,
+                    overrides: str = '', gpipe_engine: str = 'lingvo_ext'):
+  """The trainer's --plan=auto: the best plan for `model` on `devices`.
+
+  Args:
+    model: The registered experiment (--model).
+    devices: --devices.
+    memory_per_device: --memory_per_device text, or None.
+    overrides: The user's --model_params_override, applied first.
+    gpipe_engine: --gpipe_engine; the planner plans lingvo_ext's.
+
+  Returns:
+    (the plan (for an experiment other than a PipelinedTask: [(pipeline,
+    plan)]), its --model_params_override text, the trainer flags it needs as
+    a dict, one line to log).
+
+  Raises:
+    ValueError: a one-line message naming the flag (a bad size, or no plan
+      fits the budget).
+  """
+  if devices < 1:
+    raise ValueError('--devices=%d must be >= 1; pass the number of devices '
+                     'to plan for, e.g. --devices=2.' % devices)
+  budget = None
+  if memory_per_device:
+    try:
+      budget = planner.ParseSize(memory_per_device)
+    except ValueError as e:
+      raise ValueError('--memory_per_device=%s: %s' %
+                       (memory_per_device, e)) from None
+  if gpipe_engine != 'lingvo_ext':
+    raise ValueError(f'--plan=auto plans lingvo_ext\'s engine, not '
+                     f'--gpipe_engine={gpipe_engine}; pass '
+                     '--gpipe_engine=lingvo_ext or leave --plan out.')
+  cfg = planner.ExperimentParams(model, overrides=overrides)
+  refusal = pipeline_tree.PlannerRefusal(cfg, model)
+  if refusal:
+    raise ValueError('--plan=auto: ' + refusal)
+  if pipeline_tree.IsCut(cfg):
+    ranked = ChooseTreeForExperiment(cfg, model, devices, budget)
+    chosen = [(pipe, plans[0]) for pipe, plans in ranked]
+    text = tree.TreeOverrideString(chosen)
+    flags = TreeFlags(chosen)
+    described = '; '.join(
+        '%s %s%s' % (pipe.path, planner.Describe(plan),
+                     ' (sized for %s)' % pipe.length.Describe()
+                     if pipe.length else '')
+        for pipe, plan in chosen)
+    flag_text = ' '.join('--%s=%d' % kv for kv in flags.items())
+    plan = chosen
+  else:
+    plan, flags = ChooseAndApply(cfg, model, devices, budget,
+                                 overrides=overrides)
+    text = planner.OverrideString(plan)
+    described = planner.Describe(plan)
+    flag_text = ' '.join(planner.TrainerFlags(plan))
+  text = planner.JoinOverrides(overrides, text)
+  line = ('--plan=auto chose %s; running it with %s '
+          "--model_params_override='%s'" % (described, flag_text, text))
+  return plan, text, flags, line

@@ -1,0 +1,179 @@
+"""The machine's costs fitted to timed reference plans (pure Python).
+
+`ReferencePlans` are the few plans timed; `Calibrate` fits the probed
+`Machine` so that the prediction of each matches its measurement.
+"""
+
+import dataclasses
+from typing import List, Optional, Sequence
+
+from lingvo_ext.planner.model_profile import Machine
+from lingvo_ext.planner.model_profile import ModelProfile
+from lingvo_ext.planner.plans import Divisors
+from lingvo_ext.planner.plans import Plan
+from lingvo_ext.planner.prediction import GraphOps
+from lingvo_ext.planner.prediction import Predict
+
+
+def ReferencePlans(profile: ModelProfile,
+                   global_batch: Optional[int] = None,
+                   devices: int = 1) -> List[Plan]:
+  """The plans Calibrate measures: one cell, one replica, 'unrolled' at M=1
+  and at M=8 (or the largest divisor of the batch below it), 'recurrent' at
+  M=4 (likewise) and at M=1; with 2 or more devices and an even batch, a
+  fifth: 'unrolled' at M=1 over 2 replicas with 'all_reduce'.
+
+  'unrolled''s larger M is 8, not 4: on a host whose devices share its
+  cores, two of its micro-batches run at once from M=2 on, so the growth
+  from M=1 to 4 mixes that parallelism (predicted only roughly) with the
+  cost per micro-batch the fit is after. The longer lever fits the time per
+  op where M=4 alone can fit none (on bench/plan.py's FC model the step at
+  M=4 is shorter than at M=1).
+  """
+  batch = global_batch or profile.batch
+  m, m_unrolled = max(Divisors(batch, 4)), max(Divisors(batch, 8))
+  n = len(profile.layers)
+  out = []
+  for schedule, mb, rc in (('unrolled', 1, False),
+                           ('unrolled', m_unrolled, False),
+                           ('recurrent', m, True), ('recurrent', 1, True)):
+    out.append(Plan(num_cells=1, sizes=(n,), devices_per_replica=1,
+                    num_micro_batches=mb, schedule=schedule, recompute=rc,
+                    replicas=1, gradient_sync='shared', global_batch=batch))
+  if devices >= 2 and batch % 2 == 0:
+    out.append(dataclasses.replace(out[0], replicas=2,
+                                   gradient_sync='all_reduce'))
+  return out
+
+
+# Calibrate fits the memory per graph op from its two 'unrolled' references
+# only where cells are copied per micro-batch (not `cell_functions`) and the
+# larger M adds this share of the smaller one's ops. With cells built once
+# the graphs differ by a call per micro-batch (13-55% more ops at M=8 on the
+# shipped tiny models, whose cells are a few ops), and the RSS difference is
+# the activations' and the allocator's, not the graph's. Then it takes
+# DEFAULT_BYTES_PER_OP: about what that fit finds with a copy of each cell per
+# micro-batch counted (`bench/plan.py` over lm.TransformerLmTiny,
+# image.ConvClassifierTiny and the FC benchmark), so an uncalibrated plan
+# still charges each op its graph memory.
+MIN_FITTED_OP_GROWTH = 0.25
+DEFAULT_BYTES_PER_OP = 12 * 1024.
+
+
+def _Fit(profile: ModelProfile, plan: Plan, machine: Machine, **fields):
+  return Predict(profile, plan, dataclasses.replace(machine, **fields))
+
+
+def Calibrate(profile: ModelProfile, machine: Machine,
+              step_s: Sequence[float],
+              rss_bytes: Optional[Sequence[float]] = None,
+              refs: Optional[Sequence[Plan]] = None) -> Machine:
+  """`machine` fitted to measurements of the ReferencePlans.
+
+  See _CalibrateOneReplica for the first four references. The fifth, over
+  two replicas with 'all_reduce', fixes the time per variable and replica
+  of its gradients' collectives (`Machine.s_per_reduced_var`): the step's
+  time beyond what the other fitted constants predict for it.
+
+  Args:
+    profile: The model.
+    machine: The probed machine.
+    step_s: Measured step seconds of ReferencePlans(profile), in order.
+    rss_bytes: Their measured peak RSS (the first two are used), or None.
+    refs: The plans measured, if not ReferencePlans(profile) (a saved run's,
+      for one).
+  """
+  refs = list(refs or ReferencePlans(profile, devices=2))
+  out = _CalibrateOneReplica(profile, machine, step_s[:4], rss_bytes,
+                             refs[:4])
+  if len(step_s) > 4:
+    ref = refs[4]
+    base = _Fit(profile, ref, out, s_per_reduced_var=0.).step_s
+    out = dataclasses.replace(out, s_per_reduced_var=max(
+        step_s[4] - base, 0.) / max(profile.num_vars * ref.replicas, 1))
+  return out
+
+
+def _CalibrateOneReplica(profile: ModelProfile, machine: Machine,
+                         step_s: Sequence[float],
+                         rss_bytes: Optional[Sequence[float]],
+                         refs: Sequence[Plan]) -> Machine:
+  """`machine` fitted to the first four ReferencePlans' measurements.
+
+  The probe's per-op time is that of a chain of tiny ops; a model's graph
+  (allocation, several devices, Lingvo's bookkeeping) costs more per op. The
+  two 'unrolled' references fix the per-op time (from how the step grows with
+  M) and the fixed time of a step; the 'recurrent' ones the time of an op in
+  Lingvo's loop (`recurrent_op_factor`, from its one-step M=1 run) and what
+  each further step costs per byte of weights (`recurrent_s_per_byte`, from
+  the larger M; given only that one, it fits the factor alone). With their
+  peak RSS, the two
+  'unrolled' ones fix the bytes per graph op (where the larger M's graph is
+  larger, cells copied per micro-batch; else DEFAULT_BYTES_PER_OP) and the
+  process overhead. Everything else (FLOP rate from the
+  probe, schedules, cells, recompute, replicas) stays predicted.
+
+  Args:
+    profile: The model.
+    machine: The probed machine.
+    step_s: Measured step seconds of the first 2-4 ReferencePlans, in order.
+    rss_bytes: Their measured peak RSS (the first two are used), or None.
+  """
+  a, b, c, d = refs[:4]
+  zero = dict(s_per_op=0., step_s=0., recurrent_op_factor=1.,
+              recurrent_s_per_byte=0., bytes_per_op=0., overhead_bytes=0.)
+
+  def Time(plan, **fields):
+    return _Fit(profile, plan, machine, **dict(zero, **fields)).step_s
+
+  fa, fb = Time(a), Time(b)
+  oa, ob = Time(a, s_per_op=1.) - fa, Time(b, s_per_op=1.) - fb
+  ta, tb = step_s[0], step_s[1]
+  s_per_op = machine.s_per_op
+  if ob > oa:
+    s_per_op = max(((tb - fb) - (ta - fa)) / (ob - oa), machine.s_per_op)
+  fixed = ta - fa - s_per_op * oa
+  out = dataclasses.replace(machine, s_per_op=s_per_op, step_s=max(fixed, 0.))
+  if fixed < 0:
+    # The reference ran faster than the probe's FLOP rate allows (the probe
+    # is a small matmul, taken under whatever load there was): raise the
+    # rate until the FLOPs fit in the time the ops leave.
+    flops_s = Time(a) - Time(a, flops_per_s=1e30)
+    budget = ta - s_per_op * oa - Time(a, flops_per_s=1e30)
+    if flops_s > 0 and budget > 0:
+      out = dataclasses.replace(
+          out, flops_per_s=machine.flops_per_s * flops_s / budget)
+  if len(step_s) > 2:
+    # The factor from the one-step run if there is one, else from the
+    # larger M (then it carries the further steps' cost too).
+    ref, t = (d, step_s[3]) if len(step_s) > 3 else (c, step_s[2])
+    p0 = _Fit(profile, ref, out, recurrent_op_factor=0.).step_s
+    p1 = _Fit(profile, ref, out, recurrent_op_factor=1.).step_s
+    if p1 > p0:
+      # Bounded below only: where the fitted per-op time is tiny (a model
+      # whose steps are FLOP-bound) the loop's per-step cost is many ops'.
+      out = dataclasses.replace(out, recurrent_op_factor=min(
+          max((t - p0) / (p1 - p0), 0.05), 1e6))
+  if len(step_s) > 3:
+    q0 = _Fit(profile, c, out, recurrent_s_per_byte=0.).step_s
+    q1 = _Fit(profile, c, out, recurrent_s_per_byte=1e-9).step_s
+    per_byte = (step_s[2] - q0) / (q1 - q0) * 1e-9 if q1 > q0 else 0.
+    if per_byte > 0:
+      out = dataclasses.replace(out, recurrent_s_per_byte=per_byte)
+    else:
+      # The larger M ran faster than the one step allows (the loop's fixed
+      # cost, or noise in the one step): fit the factor on it alone.
+      return _CalibrateOneReplica(profile, machine, step_s[:3],
+                                  rss_bytes, refs)
+  if rss_bytes:
+    ma = _Fit(profile, a, out, bytes_per_op=0., overhead_bytes=0.)
+    mb = _Fit(profile, b, out, bytes_per_op=0., overhead_bytes=0.)
+    ga, gb = GraphOps(profile, a), GraphOps(profile, b)
+    per_op = machine.bytes_per_op or DEFAULT_BYTES_PER_OP
+    if not profile.cell_functions and gb - ga > MIN_FITTED_OP_GROWTH * ga:
+      per_op = max(((rss_bytes[1] - mb.process_bytes) -
+                    (rss_bytes[0] - ma.process_bytes)) / (gb - ga), 0.)
+    out = dataclasses.replace(
+        out, bytes_per_op=per_op,
+        overhead_bytes=max(rss_bytes[0] - ma.process_bytes - per_op * ga, 0.))
+  return out

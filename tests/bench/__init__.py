@@ -1,0 +1,1 @@
+"""Tests of bench/: the benchmarks run at tiny sizes."""

@@ -1,0 +1,1 @@
+"""Tests of docs/: what the docs show is current."""

@@ -1,0 +1,1 @@
+"""Whole-command runs: the trainer, the launcher, the docs examples."""

@@ -1,0 +1,1 @@
+"""Tests of lingvo_ext/tasks/: the tasks and the experiments on them."""
