@@ -9,7 +9,7 @@ import pytest
 from lingvo_ext._internal import tf as internal_tf
 from lingvo_ext.core import gpipe
 from lingvo_ext.core.engine import gemm_rewrite
-from tests import gpipe_testlib
+from tests.support import gpipe_testlib
 
 T, B, D, H = 5, 8, 6, 7
 
