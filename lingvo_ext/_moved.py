@@ -26,6 +26,19 @@ MOVED = {
     'lingvo_ext.tools.step_trace': 'lingvo_ext.tracing.step_trace',
 
     # The runtime wing.
+    'lingvo_ext.disk_space': 'lingvo_ext.runtime.disk_space',
+    'lingvo_ext.distributed.trainer_lib': 'lingvo_ext.runtime.trainer_lib',
+    'lingvo_ext.local_controller': 'lingvo_ext.runtime.local_controller',
+    'lingvo_ext.local_evaler': 'lingvo_ext.runtime.local_evaler',
+    'lingvo_ext.local_trainer': 'lingvo_ext.runtime.local_trainer',
+    'lingvo_ext.memory_check': 'lingvo_ext.runtime.memory_check',
+    'lingvo_ext.one_build': 'lingvo_ext.runtime.one_build',
+    'lingvo_ext.prepared_step': 'lingvo_ext.runtime.prepared_step',
+    'lingvo_ext.progress': 'lingvo_ext.runtime.progress',
+    'lingvo_ext.runner_state': 'lingvo_ext.runtime.runner_state',
+    'lingvo_ext.runners': 'lingvo_ext.runtime.runners',
+    'lingvo_ext.shutdown': 'lingvo_ext.runtime.shutdown',
+    'lingvo_ext.trainer_flags': 'lingvo_ext.runtime.trainer_flags',
 
     # The engine made whole.
 

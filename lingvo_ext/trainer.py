@@ -46,7 +46,7 @@ changes:
   cluster stopping the job) saves the current step and exits 0, Ctrl-C the
   same with 130; a second signal, or --shutdown_grace_secs, exits at once
   (143) with the last complete checkpoint as the latest
-  (lingvo_ext/shutdown.py, docs/preemption.md).
+  (lingvo_ext/runtime/shutdown.py, docs/preemption.md).
 - --eval_once (or --eval_checkpoint=PATH): evalers and decoders evaluate
   the newest (or that) checkpoint, print the metrics line and exit 0.
 - A model with partitioned variables (a layer's `partitioner` set, e.g.
@@ -74,28 +74,27 @@ _PROGRAM = (__name__ == '__main__' or os.path.basename(
 if _PROGRAM:
   gc.disable()
 
-import lingvo_ext  # pylint: disable=unused-import,g-bad-import-order,g-import-not-at-top,wrong-import-position
+from lingvo_ext import entry_point  # pylint: disable=unused-import,g-bad-import-order,g-import-not-at-top,wrong-import-position
 from absl import app
 import lingvo.compat as tf
-from lingvo.core import base_model_params
 from lingvo.core import hyperparams
 from lingvo.core import py_utils
 
 from lingvo_ext import _startup
 from lingvo_ext import checkpoints
-from lingvo_ext import memory_check
-from lingvo_ext import progress
+from lingvo_ext.runtime import memory_check
+from lingvo_ext.runtime import progress
 from lingvo_ext import registry
-from lingvo_ext.tasks import experiment_params
-from lingvo_ext import runners
-from lingvo_ext import shutdown
-from lingvo_ext import trainer_flags
+from lingvo_ext.runtime import run_params as run_params_lib
+from lingvo_ext.runtime import runners
+from lingvo_ext.runtime import shutdown
+from lingvo_ext.runtime import trainer_flags
 from lingvo_ext._internal import lingvo as internal_lingvo
 from lingvo_ext._internal import process
 from lingvo_ext.distributed import cluster
 from lingvo_ext.distributed import gradient_sync
 from lingvo_ext.distributed import server
-from lingvo_ext.distributed import trainer_lib
+from lingvo_ext.runtime import trainer_lib
 
 if _PROGRAM:
   gc.freeze()
@@ -135,37 +134,26 @@ def _TrainsHere(o):
   return 'controller' in o.jobs or 'trainer_client' in o.jobs
 
 
-def _Params(o):
-  return experiment_params.GetParams(
-      o.model, 'Train', o.model_params_override, o.model_params_file_override,
-      o.gpipe_engine)
-
-
-def _DatasetParams(o, dataset):
-  """The params of dataset `dataset` (as Lingvo, retried title-cased)."""
+def _TrainParams(o):
+  """(error or None, the experiment's training params): the run's one build."""
   try:
-    return experiment_params.GetParams(
-        o.model, dataset, o.model_params_override,
-        o.model_params_file_override, o.gpipe_engine)
-  except base_model_params.DatasetError:
-    try:
-      return experiment_params.GetParams(
-          o.model, dataset.title(), o.model_params_override,
-          o.model_params_file_override, o.gpipe_engine)
-    except base_model_params.DatasetError:
-      raise ValueError(
-          f'--job: --model={o.model} defines no dataset {dataset!r} (nor '
-          f'{dataset.title()!r}) for its evaler or decoder; use a job of a '
-          'dataset it defines, e.g. --job=evaler_dev.') from None
+    return None, run_params_lib.RunParams(o).Train()
+  except (ValueError, AttributeError, LookupError) as e:
+    return runners.FirstLine(e), None
 
 
-def _CheckParams(o):
+def _CheckParams(o, params=None):
   """Applies the overrides to the experiment's params, and checks them.
 
   Any experiment holding a pipeline (lingvo_ext's PipelinedTask, or a
   PipeliningLayer anywhere in its params, e.g. Lingvo's GPipeTransformerLm)
   gets the checks its layers make when built, here, before the logdir is
   touched; and with bf16 the warning and the work-around.
+
+  Args:
+    o: The options.
+    params: The run's RunParams, its training params built (and planned);
+      None: built here.
 
   Returns:
     (an error or None, the options with what the params decide).
@@ -174,7 +162,8 @@ def _CheckParams(o):
   from lingvo_ext.core import precision  # pylint: disable=g-import-not-at-top
   from lingvo_ext.tasks import dataset_checks  # pylint: disable=g-import-not-at-top
   try:
-    cfg = _Params(o)
+    params = params or run_params_lib.RunParams(o)
+    cfg = params.Train()
     task = cfg.task if 'task' in cfg else None
     batch = (cfg.input.batch_size if 'input' in cfg and cfg.input is not None
              and 'batch_size' in cfg.input else None)
@@ -195,7 +184,7 @@ def _CheckParams(o):
       raise ValueError(refusal)
     dataset_checks.CheckJobs(
         o.jobs, _TrainsHere(o),
-        lambda d: cfg if d == 'Train' else _DatasetParams(o, d), replicas)
+        params.Dataset, replicas)
     if pipelined and task is not None and 'fprop_dtype' in task:
       precision.WarnIfSlow(task.fprop_dtype)
       if precision.RemapperOff(task.fprop_dtype):  # A TF bug with bf16.
@@ -208,40 +197,45 @@ def _CheckParams(o):
   return None, o
 
 
-def _AutoPlan(o, argv):
-  """--plan=auto: (error or None, options and argv with the plan's flags)."""
+def _AutoPlan(o, cfg):
+  """--plan=auto on the built `cfg`: (error or None, options, planned params).
+
+  The plan is set on a copy of `cfg`, typed; the options (and FLAGS) get
+  its flags and its --model_params_override text, the reproducible record.
+  """
   if o.plan != 'auto':
     return (f"--plan={o.plan}: the only plan is 'auto'; pass --plan=auto or "
-            'leave it out.'), o, argv
+            'leave it out.'), o, cfg
   from lingvo_ext.planner import auto as plan_tool  # pylint: disable=g-import-not-at-top
+  devices = o.devices or o.num_cpu_devices
+  plan = lambda budget: plan_tool.PlanParams(  # pylint: disable=g-long-lambda
+      cfg, o.model, devices, budget, o.model_params_override, o.gpipe_engine)
   try:
-    plan, text, flags, line = plan_tool.TrainerAutoPlan(
-        o.model, o.devices or o.num_cpu_devices, o.memory_per_device or None,
-        o.model_params_override, o.gpipe_engine)
+    chosen = plan(o.memory_per_device or None)
   except (ValueError, LookupError) as e:
-    return runners.FirstLine(e), o, argv
-  print(line, flush=True)
+    return runners.FirstLine(e), o, cfg
+  print(chosen.line, flush=True)
+  # The re-plan within the memory there is starts from the same unplanned
+  # params: nothing is built again.
   warning = memory_check.CheckAutoPlan(
-      plan, o.devices or o.num_cpu_devices,
-      lambda budget: plan_tool.TrainerAutoPlan(
-          o.model, o.devices or o.num_cpu_devices, f'{budget}B',
-          o.model_params_override, o.gpipe_engine)[1:3])
+      chosen.plan, devices,
+      lambda budget: (lambda p: (p.override, p.flags))(plan(f'{budget}B')))
   if warning:
     print(warning, file=sys.stderr, flush=True)
-  flags['model_params_override'] = text
+  flags = dict(chosen.flags, model_params_override=chosen.override)
   for k, v in flags.items():  # Lingvo's RunnerManager reads them from FLAGS.
     FLAGS[k].value = v
-  return None, dataclasses.replace(o, **flags), argv
+  return None, dataclasses.replace(o, **flags), chosen.params
 
 
-def _AlreadyTrained(o):
+def _AlreadyTrained(o, cfg):
   """The 'nothing to do' line of a finished logdir, or None."""
   train_dir = os.path.join(o.logdir, 'train')
   path = runners.RepairCheckpoints(train_dir)
   step = checkpoints.CheckpointStep(path)
   max_steps = o.max_steps
   if max_steps is None:
-    max_steps = _Params(o).train.max_steps
+    max_steps = cfg.train.max_steps
   if step is None or step < max_steps:
     checkpoints.ClearTrainingFinished(train_dir)
     return None
@@ -340,7 +334,7 @@ def _HasPartitioner(p):
   return False
 
 
-def _UseSlicedCheckpoints(o):
+def _UseSlicedCheckpoints(cfg):
   """TF's Saver for models with partitioned variables.
 
   Lingvo's own saver writes each shard under its own name; tf.train.Saver
@@ -349,12 +343,12 @@ def _UseSlicedCheckpoints(o):
   """
   if FLAGS['use_custom_saver'].present:
     return
-  if _HasPartitioner(_Params(o)):
+  if _HasPartitioner(cfg):
     FLAGS.use_custom_saver = False  # Lingvo's Checkpointer reads it.
 
 
 def _StopOnSignals(o, run_state):
-  """SIGTERM, SIGHUP and Ctrl-C: stop safely (lingvo_ext/shutdown.py)."""
+  """SIGTERM, SIGHUP and Ctrl-C: stop safely (runtime/shutdown.py)."""
   train_dir = os.path.join(o.logdir, 'train') if o.logdir else ''
   owns = _TrainsHere(o)
 
@@ -391,12 +385,11 @@ def _ServeUntilClientsExit(cluster_spec):
   process.ExitNow(0)
 
 
-def _WatchInput(o):
+def _WatchInput(o, cfg):
   """Lingvo's record input files changed under a run: one line, exit 65."""
   from lingvo_ext.tasks import input_files  # pylint: disable=g-import-not-at-top
   if not (_TrainsHere(o) or 'trainer_client' in o.jobs) or not o.logdir:
     return
-  cfg = _Params(o)
   train_dir = os.path.join(o.logdir, 'train')
 
   def Stop(problem):
@@ -410,9 +403,13 @@ def _WatchInput(o):
   input_files.StartWatch(cfg.input if 'input' in cfg else None, Stop)
 
 
-def main(unused_argv, options=None, run_state=None):
-  """Runs Lingvo's runners (Run has checked and read the flags)."""
+def main(unused_argv, options=None, run_state=None, params=None):
+  """Runs Lingvo's runners (Run has checked and read the flags).
+
+  `params`: the run's RunParams (Run's one build), or None to build them.
+  """
   o = options or trainer_flags.Options.FromFlags()
+  params = params or run_params_lib.RunParams(o)
   internal_lingvo.InitTpuEmbeddingManager()  # As lingvo.trainer.main.
   if run_state is None:
     run_state = runners.RunState()
@@ -436,7 +433,7 @@ def main(unused_argv, options=None, run_state=None):
     # absl's log handler reads it: errors still reach stderr, unless the
     # user gave a threshold.
     FLAGS.stderrthreshold = o.stderrthreshold or 'error'
-  _WatchInput(o)
+  _WatchInput(o, params.Train())
   threads = o.IntraOpThreads()
   if threads:
     tf.logging.info('intra-op threads: %d (--intra_op_threads)', threads)
@@ -445,7 +442,7 @@ def main(unused_argv, options=None, run_state=None):
   # at exit, no longer walk them (docs/benchmarks.md, "gc.freeze").
   gc.freeze()
   try:
-    runners.RunnerManager(o.model, o, run_state).Start()
+    runners.RunnerManager(o.model, o, run_state, params).Start()
   except ValueError as e:  # Bad params, found while building the model.
     tf.logging.vlog(1, '%s', traceback.format_exc())
     print(f'error: {e}', file=sys.stderr, flush=True)
@@ -533,12 +530,15 @@ def Run(argv=None):
   error = _CheckFlags(o)
   if not error:
     _SetThreadPools(o)
+  if not error:  # The params: built once, here, and handed down.
+    error, cfg = _TrainParams(o)
   if not error and o.plan:
-    error, o, argv = _AutoPlan(o, argv)
+    error, o, cfg = _AutoPlan(o, cfg)
   if not error:
-    error, o = _CheckParams(o)
+    params = run_params_lib.RunParams(o, train=cfg)
+    error, o = _CheckParams(o, params)
   if not error:
-    _UseSlicedCheckpoints(o)
+    _UseSlicedCheckpoints(cfg)
   if not error and o.logdir:
     error = _CheckLogdir(o.logdir)
   local = o.logdir and '://' not in o.logdir
@@ -550,7 +550,7 @@ def Run(argv=None):
   if o.mode == 'write_inference_graph':
     return _WriteInferenceGraph(o)
   if local and _TrainsHere(o) and not o.distributed:
-    done = _AlreadyTrained(o)
+    done = _AlreadyTrained(o, cfg)
     if done:
       print(done, flush=True)
       return 0
@@ -559,7 +559,8 @@ def Run(argv=None):
   py_utils.SetEagerMode(FLAGS.use_eager)
   _startup.FilterGrapplerCycles()  # Checks passed: the run's console.
   # The flags were parsed once, above: absl's app.run keeps them as they are.
-  app.run(lambda unused_argv: main(unused_argv, o, run_state), argv=argv,
+  app.run(lambda unused_argv: main(unused_argv, o, run_state, params),
+          argv=argv,
           flags_parser=lambda args: args)
   return 0
 

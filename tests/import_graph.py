@@ -24,20 +24,14 @@ PACKAGES = ('lingvo_ext', 'params')
 # Every entry on disk is on one floor (`Unplaced`): a new folder needs a line.
 FLOORS = (
     ('lingvo_ext/__init__.py', 'lingvo_ext/_startup.py', 'lingvo_ext/_moved.py',
-     'lingvo_ext/_internal/'),
+     'lingvo_ext/entry_point.py', 'lingvo_ext/_internal/'),
     ('lingvo_ext/distributed/',),
     ('lingvo_ext/core/',),
     ('lingvo_ext/registry.py',),
-    ('lingvo_ext/tasks/', 'lingvo_ext/trainer_flags.py',
-     'lingvo_ext/one_build.py', 'lingvo_ext/progress.py',
-     'lingvo_ext/checkpoints.py', 'lingvo_ext/shutdown.py',
-     'lingvo_ext/disk_space.py'),
+    ('lingvo_ext/tasks/', 'lingvo_ext/checkpoints.py'),
     ('params/',),
     ('lingvo_ext/tracing/', 'lingvo_ext/planner/', 'lingvo_ext/serving/'),
-    ('lingvo_ext/runners.py', 'lingvo_ext/runner_state.py',
-     'lingvo_ext/local_controller.py', 'lingvo_ext/local_trainer.py',
-     'lingvo_ext/local_evaler.py', 'lingvo_ext/prepared_step.py',
-     'lingvo_ext/memory_check.py'),
+    ('lingvo_ext/runtime/',),
     ('lingvo_ext/trainer.py', 'lingvo_ext/launch.py', 'lingvo_ext/tools/',
      'lingvo_ext/examples/'),
 )

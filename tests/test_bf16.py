@@ -255,7 +255,7 @@ def test_cpu_bf16_units_from_cpuinfo(tmp_path, text, units):
 
 @pytest.mark.parametrize('onednn', [False, True])
 def test_bf16_warns_or_turns_the_remapper_off(onednn, monkeypatch, capsys):
-  from lingvo_ext import trainer_flags  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.runtime import trainer_flags  # pylint: disable=g-import-not-at-top
   from lingvo_ext.distributed import server  # pylint: disable=g-import-not-at-top
   monkeypatch.setattr(precision, '_warned', [])
   monkeypatch.setattr(precision, 'OneDnnEnabled', lambda: onednn)

@@ -408,8 +408,8 @@ def testClusterSpecErrorsNameTheFlagAndTheFix():
 @pytest.mark.e2e
 def testWorkerReplicasMustAgreeWithTheClusterSpec():
   # --worker_replicas reaches CheckFlags as a value (the trainer reads FLAGS).
-  from lingvo_ext import trainer_flags  # pylint: disable=g-import-not-at-top
-  from lingvo_ext.distributed import trainer_lib  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.runtime import trainer_flags  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.runtime import trainer_lib  # pylint: disable=g-import-not-at-top
   o = trainer_flags.Options(
       cluster_spec='controller=127.0.0.1:2220@trainer_client=127.0.0.1:2221'
       '@worker=127.0.0.1:2222,127.0.0.1:2223', job='worker', task=0)

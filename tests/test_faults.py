@@ -13,6 +13,7 @@ import errno
 import glob
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,9 +25,9 @@ from lingvo.tasks.lm import input_generator as lingvo_lm_input
 import pytest
 
 from lingvo_ext import checkpoints
-from lingvo_ext import disk_space
-from lingvo_ext import memory_check
-from lingvo_ext import progress
+from lingvo_ext.runtime import disk_space
+from lingvo_ext.runtime import memory_check
+from lingvo_ext.runtime import progress
 from lingvo_ext.distributed import launch_lib
 from lingvo_ext.tasks import input_files
 from tests.support import proc_testlib
@@ -228,6 +229,87 @@ def testDiskFullWhileSavingStopsAtOnceWith74AndTheSameCommandResumes(
         tf.train.latest_checkpoint(train_dir)) == step + 2
 
 
+
+# The evaler's and decoder's score file (their last output of a checkpoint)
+# finds the disk full: half of it written, then ENOSPC as TensorFlow raises
+# it.
+_INJECTED_OUTPUT_ENOSPC = '''
+import sys
+import lingvo.compat as tf
+from tensorflow.python.lib.io import file_io
+_write = file_io.FileIO.write
+def _Write(self, content):
+  if '/score-' in self.name:
+    _write(self, content[:len(content) // 2])
+    self.flush()
+    raise tf.errors.ResourceExhaustedError(
+        None, None, self.name + '; No space left on device')
+  return _write(self, content)
+file_io.FileIO.write = _Write
+from lingvo_ext import trainer
+sys.argv[0] = 'lingvo_ext.trainer'
+sys.exit(trainer.Run())
+'''
+
+
+def _Files(path):
+  """{name: bytes} of the files in `path`."""
+  out = {}
+  for name in sorted(os.listdir(path)):
+    with open(os.path.join(path, name), 'rb') as f:
+      out[name] = f.read()
+  return out
+
+
+@pytest.mark.e2e
+def testEvalerAndDecoderStopWith74WhenTheirOutputFindsTheDiskFull(tmp_path):
+  logdir = str(tmp_path / 'log')
+  train_dir = os.path.join(logdir, 'train')
+  trainer = [sys.executable, '-m', 'lingvo_ext.trainer', MODEL,
+             f'--logdir={logdir}']
+  with proc_testlib.Proc(trainer + ['--max_steps=2']) as run:
+    assert run.Wait(TIMEOUT) == 0, run.Text()[-3000:]
+  saved = _Files(train_dir)
+
+  def Stops(argv, job, written):
+    with proc_testlib.Proc(argv + [f'--job={job}', '--eval_once']) as run:
+      rc = run.Wait(TIMEOUT)
+    out = run.Text()
+    assert rc == disk_space.EXIT_DISK_FULL, out[-3000:]
+    errors = _ErrorLines(out)
+    assert len(errors) == 1 and re.fullmatch(
+        re.escape(f'error: {job}: disk full on --logdir={logdir} (') +
+        r'(\d+ B|\d+ KB|[\d.]+ [MG]B)' + re.escape(
+            f' free): could not write {written}. Free space and run the '
+            'same command.'), errors[0]), out[-3000:]
+    assert 'Traceback' not in out, out[-3000:]
+    # No half-written output left behind (a score file is written through
+    # a temporary file, which is removed).
+    assert not glob.glob(written + '.tmp*'), os.listdir(
+        os.path.dirname(written))
+    assert _Files(train_dir) == saved  # The checkpoints untouched.
+
+  # A write in the loop: the score file of the checkpoint, in every job.
+  injected = [sys.executable, '-c', _INJECTED_OUTPUT_ENOSPC] + trainer[3:]
+  for job, out_dir in (('evaler_dev', 'eval_dev'),
+                       ('decoder_dev', 'decoder_dev')):
+    score = os.path.join(logdir, out_dir, 'score-00000002.txt')
+    Stops(injected, job, score)
+    assert not os.path.exists(score)
+  # A disk full from the start: the evaler's first write (its params.txt)
+  # on a filesystem mounted over its output directory.
+  eval_dir = os.path.join(logdir, 'eval_dev')
+  shutil.rmtree(eval_dir)
+  with _SmallFilesystem(eval_dir, '64k') as mounted:
+    if mounted:
+      _Fill(mounted, 0)
+      Stops(trainer, 'evaler_dev', os.path.join(eval_dir, 'params.txt'))
+  # Space again: the same command evaluates the checkpoint.
+  with proc_testlib.Proc(trainer + ['--job=evaler_dev', '--eval_once']) as run:
+    assert run.Wait(TIMEOUT) == 0, run.Text()[-3000:]
+  assert os.path.exists(os.path.join(eval_dir, 'score-00000002.txt'))
+  assert _Files(train_dir) == saved
+
 # --- The launcher: a full disk, the OOM killer, a resumed run's old lines -----
 
 
@@ -315,6 +397,103 @@ def testLauncherSaysOomKilledWithTheLastRssAndDoesNotRestart(tmp_path):
   assert float(m.group(1)) >= 50, text
   assert launcher.restarts == 0
 
+
+
+@contextlib.contextmanager
+def _MemoryCgroup(limit):
+  """A memory cgroup limited to `limit` bytes, nested in this process's own
+  (so its limits still hold), removed at the end; (None, why) where this
+  machine does not let us make one."""
+  from lingvo_ext.distributed import task_health  # pylint: disable=g-import-not-at-top
+  parent = task_health.CgroupDir(os.getpid())
+  if not parent:
+    yield None, 'no memory cgroup found for this process'
+    return
+  path = os.path.join(parent, f'lingvo_ext_test_oom_{os.getpid()}')
+  limit_file = ('memory.max' if os.path.exists(
+      os.path.join(parent, 'memory.events')) else 'memory.limit_in_bytes')
+  try:
+    os.mkdir(path)
+  except OSError as e:
+    yield None, f'cannot make a cgroup under {parent} ({e.strerror})'
+    return
+  try:
+    try:
+      with open(os.path.join(path, limit_file), 'w') as f:
+        f.write(str(limit))
+      for name in ('memory.swap.max', 'memory.swappiness'):  # No swapping.
+        if os.path.exists(os.path.join(path, name)):
+          with open(os.path.join(path, name), 'w') as f:
+            f.write('0')
+    except OSError as e:
+      yield None, f'cannot limit the cgroup {path} ({e.strerror})'
+    else:
+      yield path, None
+  finally:
+    deadline = time.monotonic() + 30
+    while os.path.exists(path):
+      try:
+        with open(os.path.join(path, 'cgroup.procs')) as f:
+          for pid in f.read().split():  # Only this test's processes.
+            try:
+              os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+              pass
+        os.rmdir(path)  # Once its processes are gone.
+      except OSError:
+        if time.monotonic() > deadline:
+          raise
+        time.sleep(0.2)
+
+
+# The launcher in a process of its own, moved into the cgroup `argv[1]`
+# before it starts its task: the task's memory counts there from its start.
+_LAUNCHER_IN_CGROUP = '''
+import os, sys
+with open(os.path.join(sys.argv[1], 'cgroup.procs'), 'w') as f:
+  f.write(str(os.getpid()))
+from lingvo_ext.distributed import launch_lib
+grow = ('import time\\nx = []\\nwhile True:\\n'
+        '  x.append(bytearray(8 << 20))\\n  time.sleep(0.02)\\n')
+port = launch_lib.FreePorts(1)[0]
+task = launch_lib.Task('controller', 0, f'127.0.0.1:{port}',
+                       [sys.executable, '-c', grow])
+launcher = launch_lib.Launcher([task], sys.argv[2], 30, 3, sys.stdout,
+                               fork_tasks=False, task_timeout_s=60)
+try:
+  launcher.StartAll()
+  rc = launcher.Watch(poll_s=0.05)
+finally:
+  launcher.StopAll(grace_s=5)
+  launcher.Flush()
+print(f'restarts {launcher.restarts}', flush=True)
+sys.exit(rc)
+'''
+
+
+@pytest.mark.e2e
+def testARealOomKillUnderTheLauncherIsNamedAndNotRestarted(tmp_path):
+  """The kernel's OOM killer ends a task in a memory-limited cgroup."""
+  limit = 160 << 20
+  with _MemoryCgroup(limit) as (cgroup, why):
+    if cgroup is None:
+      pytest.skip(why)
+    # A fresh interpreter (not one forked from the tests' zygote, whose
+    # preloaded TensorFlow would count in the cgroup); whatever is left in
+    # the cgroup is killed on the way out.
+    run = subprocess.run([sys.executable, '-c', _LAUNCHER_IN_CGROUP, cgroup,
+                          str(tmp_path)], cwd=proc_testlib.ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True, timeout=TIMEOUT, check=False)
+    rc, text = run.returncode, run.stdout
+  assert rc == 137, text
+  m = re.search(r'launch: controller task 0 \(\S+\), pid (\d+), was killed by '
+                r"the kernel's OOM killer \(its last RSS ([\d.]+) MB, the "
+                r"cgroup's limit 160.0 MB\): not restarting it", text)
+  assert m, text
+  assert 50 <= float(m.group(2)) <= 160, text
+  assert not proc_testlib.Alive(int(m.group(1)))
+  assert 'restarts 0' in text, text
 
 @pytest.mark.e2e
 def testATaskThatSigkillsItselfIsNotOom(tmp_path):
@@ -500,6 +679,7 @@ def testStartEstimateKeepsTheActivationsTheScheduleKeeps():
 
 def testStartWarningNamesTheNeedTheLimitAndAnOverrideThatFits():
   from lingvo_ext import planner  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.planner import auto  # pylint: disable=g-import-not-at-top
   cfg = planner.ExperimentParams('lm.TransformerLmTinyGPipe')
   profile = memory_check.Profile(cfg)
   plan = memory_check.PlanOfParams(profile, cfg.task, 2, 2)
@@ -508,18 +688,20 @@ def testStartWarningNamesTheNeedTheLimitAndAnOverrideThatFits():
                                                         False)
   got = memory_check.Estimate(profile, plan)
   assert got.activation_bytes > 0
-  assert memory_check.StartWarning(cfg, 2, 2, '', got.process_bytes,
+  own = auto.PROCESS_OVERHEAD_BYTES
+  assert memory_check.StartWarning(cfg, 2, 2, '', got.process_bytes + own,
                                    'x') is None
-  limit = got.process_bytes * 0.9
+  limit = got.process_bytes * 0.9 + own
   line = memory_check.StartWarning(cfg, 2, 2, 'train.max_steps:5', limit,
                                    "the cgroup's memory limit")
   size = memory_check.task_health.FormatBytes
-  head = (f'warning: the model needs about {size(got.process_bytes)} '
-          f'({size(got.peak_bytes)} on its fullest device), of which '
-          f'{size(got.activation_bytes)} are the activations '
-          'task.schedule="unrolled" keeps over 2 micro-batch(es) without '
-          f"recompute, but the cgroup's memory limit is {size(limit)}: it "
-          'may be killed by the OOM killer; an override that fits (about ')
+  head = (f'warning: the run needs about {size(got.process_bytes + own)}: '
+          f'the model {size(got.process_bytes)} ({size(got.peak_bytes)} on '
+          f'its fullest device; {size(got.activation_bytes)} of it the '
+          'activations task.schedule="unrolled" keeps over 2 micro-batch(es) '
+          f'without recompute) and the process {size(own)}, but the '
+          f"cgroup's memory limit is {size(limit)}: it may be killed by the "
+          'OOM killer; an override that fits (about ')
   assert line.startswith(head), line
   override = re.search(r"--model_params_override='([^']*)'\.$", line)[1]
   assert override.startswith('train.max_steps:5; '), line
@@ -528,7 +710,7 @@ def testStartWarningNamesTheNeedTheLimitAndAnOverrideThatFits():
                                    overrides=override)
   after = memory_check.Estimate(
       profile, memory_check.PlanOfParams(profile, fixed.task, 2, 2))
-  assert after.process_bytes <= limit < got.process_bytes
+  assert after.process_bytes + own <= limit < got.process_bytes + own
   assert memory_check.StartWarning(fixed, 2, 2, override, limit, 'x') is None
   line = memory_check.StartWarning(cfg, 2, 2, '', 1000, 'x')
   assert line.endswith('no override of micro-batches, recompute, schedule or '
@@ -538,7 +720,7 @@ def testStartWarningNamesTheNeedTheLimitAndAnOverrideThatFits():
 def testTheTrainersStartWarningBuildsNoModelAndNoLayerGraph(
     monkeypatch, capsys):
   from lingvo_ext import trainer  # pylint: disable=g-import-not-at-top
-  from lingvo_ext import trainer_flags  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.runtime import trainer_flags  # pylint: disable=g-import-not-at-top
   from lingvo_ext.core import cost  # pylint: disable=g-import-not-at-top
   from lingvo_ext.planner import tf_profiling  # pylint: disable=g-import-not-at-top
   from lingvo_ext.tasks.lm import model as lm_model  # pylint: disable=g-import-not-at-top
@@ -564,7 +746,7 @@ def testTheTrainersStartWarningBuildsNoModelAndNoLayerGraph(
   error, _ = trainer._CheckParams(o)  # pylint: disable=protected-access
   assert error is None
   err = capsys.readouterr().err
-  lines = [l for l in err.splitlines() if l.startswith('warning: the model')]
+  lines = [l for l in err.splitlines() if l.startswith('warning: the run')]
   assert len(lines) == 1 and "the cgroup's memory limit is 64 KB" in lines[0]
   # No model built, no layer's FProp or gradients: only a throw-away graph
   # per distinct layer for its variables' shapes (embedding, transformer
@@ -573,7 +755,7 @@ def testTheTrainersStartWarningBuildsNoModelAndNoLayerGraph(
   assert len(tf.get_default_graph().get_operations()) == ops
   # --plan=auto warns with its own estimate; an evaler trains nothing.
   trainer._CheckParams(dataclasses.replace(o, job='evaler_dev'))  # pylint: disable=protected-access
-  assert 'warning: the model' not in capsys.readouterr().err
+  assert 'warning: the run' not in capsys.readouterr().err
 
 # --- Input that breaks mid-run ------------------------------------------------
 

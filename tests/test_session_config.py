@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from tensorflow.core.protobuf import rewriter_config_pb2
 
-from lingvo_ext import trainer_flags
+from lingvo_ext.runtime import trainer_flags
 from lingvo_ext.distributed import server
 from tests import test_loss_in_last_cell
 

@@ -2,7 +2,8 @@
 
 Each has a test in tests/test_internal.py. Lingvo's documented extension
 points (BaseRunner._CreateCheckpointer, RunnerManager.model_registry, Learner
-subclasses, task hooks) are used where they exist; these are the rest.
+subclasses, task hooks) are used where they exist; these are the rest. The
+internals the runtime's runner subclasses depend on are in lingvo_runtime.py.
 """
 
 import contextlib

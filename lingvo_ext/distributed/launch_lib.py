@@ -65,7 +65,7 @@ from lingvo_ext.distributed import task_health
 CLUSTER_FROM = ('flags', 'tf_config', 'slurm')
 EXIT_STOPPED = 0
 EXIT_NOT_SAVED = 143
-# A task's exit status for a full disk (lingvo_ext/disk_space.py: EX_IOERR).
+# A task's exit status for a full disk (runtime/disk_space.py: EX_IOERR).
 EXIT_DISK_FULL = 74
 # The launcher's exit status when the kernel's OOM killer ended a task.
 EXIT_OOM = 137
@@ -634,7 +634,7 @@ class Launcher:
   def Shutdown(self, signum: int, grace_s: float) -> bool:
     """Forwards stop signal `signum` to every task; waits for the save.
 
-    Each task stops safely (lingvo_ext/shutdown.py): the controller saves
+    Each task stops safely (runtime/shutdown.py): the controller saves
     the current step, the workers serve until the clients have exited.
     Returns whether the controller (or chief) saved its last step: it
     exited 0, or had finished before.

@@ -61,8 +61,26 @@ def Command(model: str, plan: Plan, overrides: str = '') -> str:
            JoinOverrides(overrides, OverrideString(plan))))
 
 
+def SetKeys(model_params, values: Dict[str, object]):
+  """Sets {dotted key: value} on params, typed: no text parsed back.
+
+  Returns:
+    model_params, changed in place.
+  """
+  for key, value in values.items():
+    node = model_params
+    parts = key.split('.')
+    for part in parts[:-1]:
+      node = node.Get(part)
+    node.Set(**{parts[-1]: value})
+  return model_params
+
+
 def ApplyPlan(model_params, plan: Plan):
-  """Sets the plan on an experiment's params (`model_registry.GetParams`).
+  """Sets the plan on an experiment's params (`experiment_params.GetParams`).
+
+  The values of `Overrides(plan)`, set as they are; `OverrideString(plan)`
+  is the same change as text, the record that reproduces it.
 
   Args:
     model_params: The experiment's params (with `task` and `input`).
@@ -71,13 +89,7 @@ def ApplyPlan(model_params, plan: Plan):
   Returns:
     model_params, changed in place.
   """
-  for key, value in Overrides(plan).items():
-    node = model_params
-    parts = key.split('.')
-    for part in parts[:-1]:
-      node = node.Get(part)
-    node.Set(**{parts[-1]: value})
-  return model_params
+  return SetKeys(model_params, Overrides(plan))
 
 
 def Describe(plan: Candidate) -> str:

@@ -6,6 +6,7 @@ apply the best to the params. An experiment whose pipelines come cut (not a
 PipelinedTask) is planned per pipeline (`tree`).
 """
 
+import dataclasses
 from typing import Dict, List, Optional
 
 from lingvo_ext import planner
@@ -24,18 +25,18 @@ PROCESS_OVERHEAD_BYTES = 730 * 2**20
 def Machine(num_devices: int, model: Optional[str] = None,
             profile: Optional[planner.ModelProfile] = None,
             overhead_bytes: float = PROCESS_OVERHEAD_BYTES,
-            overrides: str = ''):
+            overrides: str = '', model_params=None):
   """This host's Machine, probed under the trainer's session config.
 
   With `model` and `profile`, calibrated (planner.Calibrate) on the model's
-  reference plans (after `overrides`, a --model_params_override text),
-  timed in turn in this process.
+  reference plans (after `overrides`, a --model_params_override text; or on
+  copies of `model_params`, built with it), timed in turn in this process.
   """
   machine = planner.ProbeMachine(planner.SessionConfig(num_devices),
                                  overhead_bytes=overhead_bytes)
   if model and profile:
     refs = planner.ReferencePlans(profile, devices=num_devices)
-    steps = [planner.BuildExperimentStep(model, ref, overrides)
+    steps = [planner.BuildExperimentStep(model, ref, overrides, model_params)
              for ref in refs]
     times = measuring.RoundRobin(
         [lambda s=s: s[0].run(s[1]) for s in steps], measuring.MEASURE_STEPS, 1)
@@ -59,7 +60,7 @@ def ChooseForExperiment(model_params, name: str, devices: int,
   """
   profile = planner.ProfileExperiment(model_params, name)
   machine = machine or Machine(devices, name if calibrate else None, profile,
-                               overrides=overrides)
+                               overrides=overrides, model_params=model_params)
   return planner.Choose(profile, devices, memory_per_device, global_batch,
                         machine)
 
@@ -115,27 +116,26 @@ def TreeCommand(model: str, chosen, overrides: str = '') -> str:
               overrides, tree.TreeOverrideString(chosen))))
 
 
-def TrainerAutoPlan(model: str, devices: int,
-                    memory_per_device: Optional[str] = None,
-                    overrides: str = '', gpipe_engine: str = 'lingvo_ext'):
-  """The trainer's --plan=auto: the best plan for `model` on `devices`.
+@dataclasses.dataclass
+class AutoPlan:
+  """What --plan=auto chose, applied to a copy of the trainer's params."""
+  # The params with the plan set (typed, no text parsed back).
+  params: object
+  # A Candidate; for an experiment whose pipelines come cut, [(pipeline,
+  # Candidate)].
+  plan: object
+  # --model_params_override: the user's, then the plan's. The reproducible
+  # record: GetParams with it builds `params` again.
+  override: str
+  # The trainer flags the plan needs: {'num_cpu_devices': N, ...}.
+  flags: Dict[str, int]
+  # One line to log: the plan, its figures, how to run it again.
+  line: str
 
-  Args:
-    model: The registered experiment (--model).
-    devices: --devices.
-    memory_per_device: --memory_per_device text, or None.
-    overrides: The user's --model_params_override, applied first.
-    gpipe_engine: --gpipe_engine; the planner plans lingvo_ext's.
 
-  Returns:
-    (the plan (for an experiment other than a PipelinedTask: [(pipeline,
-    plan)]), its --model_params_override text, the trainer flags it needs as
-    a dict, one line to log).
-
-  Raises:
-    ValueError: a one-line message naming the flag (a bad size, or no plan
-      fits the budget).
-  """
+def _CheckFlags(devices: int, memory_per_device: Optional[str],
+                gpipe_engine: str) -> Optional[float]:
+  """The budget in bytes (or None); ValueError naming a bad flag."""
   if devices < 1:
     raise ValueError('--devices=%d must be >= 1; pass the number of devices '
                      'to plan for, e.g. --devices=2.' % devices)
@@ -150,13 +150,39 @@ def TrainerAutoPlan(model: str, devices: int,
     raise ValueError(f'--plan=auto plans lingvo_ext\'s engine, not '
                      f'--gpipe_engine={gpipe_engine}; pass '
                      '--gpipe_engine=lingvo_ext or leave --plan out.')
-  cfg = planner.ExperimentParams(model, overrides=overrides)
+  return budget
+
+
+def PlanParams(model_params, model: str, devices: int,
+               memory_per_device: Optional[str] = None,
+               overrides: str = '', gpipe_engine: str = 'lingvo_ext',
+               machine: Optional[planner.Machine] = None) -> AutoPlan:
+  """The trainer's --plan=auto on the params it built: the best plan.
+
+  Args:
+    model_params: The experiment's params as the trainer built them (with
+      `overrides`); left unchanged: the plan is set on a copy.
+    model: The registered experiment (--model), for messages and commands.
+    devices: --devices.
+    memory_per_device: --memory_per_device text, or None.
+    overrides: The user's --model_params_override that `model_params` holds.
+    gpipe_engine: --gpipe_engine; the planner plans lingvo_ext's.
+    machine: The machine to plan for (default: this host's, probed and, for
+      a PipelinedTask, calibrated on copies of `model_params`).
+
+  Raises:
+    ValueError: a one-line message naming the flag (a bad size, or no plan
+      fits the budget).
+  """
+  budget = _CheckFlags(devices, memory_per_device, gpipe_engine)
+  cfg = model_params.Copy()
   refusal = pipeline_tree.PlannerRefusal(cfg, model)
   if refusal:
     raise ValueError('--plan=auto: ' + refusal)
   if pipeline_tree.IsCut(cfg):
-    ranked = ChooseTreeForExperiment(cfg, model, devices, budget)
+    ranked = ChooseTreeForExperiment(cfg, model, devices, budget, machine)
     chosen = [(pipe, plans[0]) for pipe, plans in ranked]
+    tree.ApplyTree(cfg, chosen)
     text = tree.TreeOverrideString(chosen)
     flags = TreeFlags(chosen)
     described = '; '.join(
@@ -167,7 +193,7 @@ def TrainerAutoPlan(model: str, devices: int,
     flag_text = ' '.join('--%s=%d' % kv for kv in flags.items())
     plan = chosen
   else:
-    plan, flags = ChooseAndApply(cfg, model, devices, budget,
+    plan, flags = ChooseAndApply(cfg, model, devices, budget, machine=machine,
                                  overrides=overrides)
     text = planner.OverrideString(plan)
     described = planner.Describe(plan)
@@ -175,4 +201,24 @@ def TrainerAutoPlan(model: str, devices: int,
   text = planner.JoinOverrides(overrides, text)
   line = ('--plan=auto chose %s; running it with %s '
           "--model_params_override='%s'" % (described, flag_text, text))
-  return plan, text, flags, line
+  return AutoPlan(cfg, plan, text, flags, line)
+
+
+def TrainerAutoPlan(model: str, devices: int,
+                    memory_per_device: Optional[str] = None,
+                    overrides: str = '', gpipe_engine: str = 'lingvo_ext'):
+  """--plan=auto from the experiment's name: its params built, PlanParams.
+
+  Returns:
+    (the plan (for an experiment other than a PipelinedTask: [(pipeline,
+    plan)]), its --model_params_override text, the trainer flags it needs as
+    a dict, one line to log).
+
+  Raises:
+    ValueError: as PlanParams.
+  """
+  _CheckFlags(devices, memory_per_device, gpipe_engine)  # Before building.
+  chosen = PlanParams(planner.ExperimentParams(model, overrides=overrides),
+                      model, devices, memory_per_device, overrides,
+                      gpipe_engine)
+  return chosen.plan, chosen.override, chosen.flags, chosen.line

@@ -20,6 +20,7 @@ import io
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from lingvo_ext.core.engine import records
+from lingvo_ext.planner import application
 from lingvo_ext.planner import tf_profiling
 from lingvo_ext.planner.choice import Rank
 from lingvo_ext.planner.model_profile import LayerProfile
@@ -448,7 +449,8 @@ def TreeOverrideString(chosen: Sequence[Tuple[TreePipeline, object]]) -> str:
 
 
 def ApplyTree(model_params, chosen: Sequence[Tuple[TreePipeline, object]]):
-  """Sets each pipeline's chosen plan on `model_params` (changed in place)."""
-  from lingvo_ext.tasks import experiment_params  # pylint: disable=g-import-not-at-top
-  experiment_params.ApplyOverrides(model_params, TreeOverrideString(chosen))
+  """Sets each pipeline's chosen plan on `model_params` (changed in place),
+  typed: the values of `TreeOverrides`, whose text is TreeOverrideString."""
+  for pipe, plan in chosen:
+    application.SetKeys(model_params, TreeOverrides(pipe, plan))
   return model_params

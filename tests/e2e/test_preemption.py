@@ -255,8 +255,8 @@ def testSigtermToTheLauncherSavesOnceStopsEveryTaskAndResumes(tmp_path):
 
 
 def testStopOnSignalsExitCodes():
-  from lingvo_ext import runners  # pylint: disable=g-import-not-at-top
-  from lingvo_ext import shutdown  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.runtime import runners  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.runtime import shutdown  # pylint: disable=g-import-not-at-top
 
   def Run(signals, owns=True, saved=False, nothing=None):
     state, codes = runners.RunState(), []

@@ -277,7 +277,7 @@ def testBadSplitSizeIsAClearError(tmp_path):
 
 
 def testIntraOpThreadsDefaultToCoresPerDevice():
-  from lingvo_ext import trainer_flags  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.runtime import trainer_flags  # pylint: disable=g-import-not-at-top
   o = trainer_flags.Options
   local = dict(run_locally='cpu')
   assert o(num_cpu_devices=2, **local).IntraOpThreads(cores=2) == 1
@@ -316,7 +316,7 @@ def testNegativeIntraOpThreadsIsAClearError(tmp_path):
 def testControllerLooksAtOnceWhenItsTrainerStops():
   # Lingvo's controller looks at the step every 10 s, so a local run ended
   # up to 10 s after its last step; it now wakes when its trainer stops.
-  from lingvo_ext import runners  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.runtime import runners  # pylint: disable=g-import-not-at-top
   state = runners.RunState()
   trainer = object.__new__(runners.LocalTrainer)
   trainer._run_state = state  # pylint: disable=protected-access

@@ -84,6 +84,11 @@ def testNonFiniteLossStopsWithoutANonFiniteCheckpoint(tmp_path):
                 r'\(--max_nonfinite_steps=2\)\. First non-finite: variable '
                 r'(\S+)\. Last good checkpoint: (\S+)\. ', out)
   assert m, out[-3000:]
+  # One line for one fault on the console; the log file has it too.
+  said = [l for l in out.splitlines() if 'training stopped at step' in l]
+  assert said == [m.string[m.start():].splitlines()[0]], said
+  with open(os.path.join(logdir, 'log.controller+trainer_client.txt')) as f:
+    assert re.search(r'^E.*training stopped at step 2: ', f.read(), re.M)
   assert int(m.group(1)) == 2
   assert m.group(3) == _Latest(logdir)
   assert _Checkpoints(logdir)
@@ -217,7 +222,7 @@ def testEvalerAndDecoderUseTheTrainersSplits():
   # evaler and decoder must too, not two 1-device splits of a full batch
   # each (twice the training batch).
   from lingvo.core import cluster_factory  # pylint: disable=g-import-not-at-top
-  from lingvo_ext import runners  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.runtime import runners  # pylint: disable=g-import-not-at-top
   flags = tf.flags.FLAGS
   if not flags.is_parsed():
     flags.mark_as_parsed()
@@ -243,7 +248,7 @@ def testEvalerAndDecoderUseTheTrainersSplits():
 
 
 def testProgressLineHasStepLossRatesAndEta():
-  from lingvo_ext import progress  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.runtime import progress  # pylint: disable=g-import-not-at-top
   now = [100.0]
   p = progress.Progress(1000, clock=lambda: now[0])
   assert p.Line(1, 4.5, 8) == 'step 1/1000  loss 4.5000  (measuring speed)'

@@ -507,7 +507,7 @@ def testLostWorkerLinesAgree(saved, controller_step, trainer_last):
 
 def testTheControllerSeesTheTrainersReplicas():
   from lingvo.core import cluster_factory  # pylint: disable=g-import-not-at-top
-  from lingvo_ext import runners  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.runtime import runners  # pylint: disable=g-import-not-at-top
   flags = _Flags()
   names = ('num_cpu_devices', 'worker_split_size', 'run_locally', 'mode')
   saved = {n: flags[n].value for n in names}
@@ -532,7 +532,7 @@ def testTheControllerSeesTheTrainersReplicas():
 
 def testCostReportPlacesVariablesWhereTheTrainerDoes(capsys):
   from lingvo.core import cluster_factory  # pylint: disable=g-import-not-at-top
-  from lingvo_ext import runners  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.runtime import runners  # pylint: disable=g-import-not-at-top
   from lingvo_ext.tools import cost_report  # pylint: disable=g-import-not-at-top
   flags = _Flags()
   assert cost_report.main([f'--model={TINY}', '--json']) == 0

@@ -97,8 +97,8 @@ def CheckTrainerArgv(argv):
   # pylint: disable=g-import-not-at-top,protected-access
   import lingvo.compat as tf
   from lingvo_ext import trainer
-  from lingvo_ext import trainer_flags
-  from lingvo_ext.distributed import trainer_lib
+  from lingvo_ext.runtime import trainer_flags
+  from lingvo_ext.runtime import trainer_lib
   flags = trainer.FLAGS
   flags.unparse_flags()
   trainer_flags.SetTrainerDefaults()

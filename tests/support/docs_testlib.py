@@ -236,8 +236,7 @@ def BazelProblems(block) -> List[str]:
 
 # Modules whose messages reach the user as `error: ...` lines.
 _ERROR_MODULES = ['lingvo_ext/trainer.py', 'lingvo_ext/launch.py',
-                  'lingvo_ext/registry.py', 'lingvo_ext/runners.py',
-                  'lingvo_ext/runner_state.py', 'lingvo_ext/local_*.py',
+                  'lingvo_ext/registry.py', 'lingvo_ext/runtime/*.py',
                   'lingvo_ext/distributed/*.py', 'lingvo_ext/tools/*.py']
 # Functions whose returned strings the entry points print as `error: ...`.
 _CHECKERS = re.compile(r'^_?(Check|Resolve|Lock|UnknownModel|AutoPlan)')

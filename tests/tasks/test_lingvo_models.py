@@ -25,7 +25,7 @@ from tests.support import zygote
 
 from lingvo_ext.tasks import experiment_params
 from lingvo_ext import trainer
-from lingvo_ext import trainer_flags
+from lingvo_ext.runtime import trainer_flags
 from lingvo_ext.core import from_lingvo
 from lingvo_ext.core import gpipe
 from lingvo_ext.core import layers_with_gpipe
@@ -484,7 +484,8 @@ def testPlannerPlansTheLingvoLmsPipelineWithItsCells(experiment, capsys):
   assert profiled.profile.batch == 8
   # Lingvo's engine has no switches to plan.
   error, _, _ = trainer._AutoPlan(  # pylint: disable=protected-access
-      _Options(plan='auto', num_cpu_devices=2, gpipe_engine='lingvo'), [])
+      _Options(plan='auto', num_cpu_devices=2, gpipe_engine='lingvo'),
+      experiment_params.GetParams(MODEL, 'Train', gpipe_engine='lingvo'))
   assert error.startswith('--plan=auto plans lingvo_ext') and '\n' not in error
 
 

@@ -86,7 +86,8 @@ class SharedModelControllerMixin:
     if trainer is None:
       super().__init__(*args, **kwargs)
       return
-    # BaseRunner's set-up (params, cluster, devices), not Controller's build.
+    # BaseRunner's set-up (params, cluster, devices), not Controller's build;
+    # what that sets is _internal/lingvo_runtime.py CONTROLLER_INIT_SETS.
     super(lingvo_runners.Controller, self).__init__(*args, **kwargs)
     self._job_name = 'controller'
     assert not self._model_task_name, 'Controller needs all tasks!'

@@ -9,7 +9,7 @@ import lingvo.compat as tf
 from lingvo.core import py_utils
 import numpy as np
 
-from lingvo_ext import prepared_step
+from lingvo_ext.runtime import prepared_step
 from lingvo_ext.tasks import experiment_params
 from tests.support import gpipe_testlib
 

@@ -17,10 +17,10 @@ import lingvo.compat as tf
 import numpy as np
 
 from lingvo_ext import checkpoints
-from lingvo_ext import disk_space
-from lingvo_ext import memory_check
-from lingvo_ext import one_build
-from lingvo_ext import runner_state
+from lingvo_ext.runtime import disk_space
+from lingvo_ext.runtime import memory_check
+from lingvo_ext.runtime import one_build
+from lingvo_ext.runtime import runner_state
 from lingvo_ext.distributed import step_keeping
 
 
@@ -90,7 +90,8 @@ class LocalController(runner_state.RunnerMixin,
 
     Lingvo's loop sleeps until 10 s after each look at the step, so a local
     run ended up to 10 s after its last step; here that wait ends as soon as
-    this process's trainer stops (RunState.trainer_done).
+    this process's trainer stops (RunState.trainer_done). A copy: its hash
+    and the changes are in _internal/lingvo_runtime.py COPIED.
     """
     with tf.container(self._container_id), self._GetSession() as sess:
       if self._options.interactive:

@@ -24,6 +24,7 @@ import lingvo.compat as tf
 
 from lingvo_ext import checkpoints
 from lingvo_ext._internal import process
+from lingvo_ext.runtime import progress
 
 # sysexits.h's EX_IOERR: an error while doing I/O on a file.
 EXIT_DISK_FULL = 74
@@ -115,6 +116,11 @@ def _FailedFile(message: str) -> Optional[str]:
   return m.group(1) if m else None
 
 
+# A file written whole or not at all goes through `<name>.tmp<pid>` first
+# (local_evaler, tasks/decoding.py); the line names the file meant.
+_TEMP_SUFFIX = re.compile(r'\.tmp\d+$')
+
+
 def _Kind(message):
   return ('quota exceeded' if os.strerror(errno.EDQUOT) in message else
           'disk full')
@@ -131,7 +137,8 @@ def DiskFullLine(job: str, logdir: str, error: BaseException) -> str:
     what = f'checkpoint {os.path.basename(failed)} was not saved'
   else:
     path = _FailedFile(message)
-    what = f'could not write {path}' if path else 'a write failed'
+    what = (f'could not write {_TEMP_SUFFIX.sub("", path)}' if path else
+            'a write failed')
   newest = NewestComplete(train_dir)
   if not job.startswith(('controller', 'trainer', 'chief', 'worker', 'ps')):
     return (f'{job}: {_Kind(message)} on --logdir={logdir} ({free} free): '
@@ -151,10 +158,15 @@ def StopOnDiskFull(job: str, logdir: str, error: BaseException) -> None:
   train_dir = os.path.join(logdir, 'train')
   if os.path.isdir(train_dir):
     RemovePartialFiles(train_dir)
+  partial = _FailedFile(str(getattr(error, 'message', error))) or ''
+  if partial.endswith(f'.tmp{os.getpid()}') and os.path.isfile(partial):
+    try:
+      os.remove(partial)  # This process's half-written output.
+    except OSError:
+      pass
   line = DiskFullLine(job, logdir, error)
   try:
-    # Below absl's stderr threshold: the line is printed once, below.
-    tf.logging.warning('%s', line)
+    progress.LogToFileOnly(line)  # Printed once on stderr, below.
     tf.logging.flush()
   except Exception:  # pylint: disable=broad-except
     pass  # The log file is on the full disk too.
@@ -170,8 +182,20 @@ class StopOnDiskFullMixin:
   """Lingvo's runners: a loop whose write finds the disk full stops the
   process at once (StopOnDiskFull), before Lingvo's error handling.
 
-  The runner has `self._options` (trainer_flags.Options).
+  The runner has `self._options` (trainer_flags.Options), set before this
+  class's __init__: Lingvo's runners write there already (an evaler's
+  params.txt), and a full disk stops them the same way.
   """
+
+  def __init__(self, *args, **kwargs):
+    try:
+      super().__init__(*args, **kwargs)
+    except Exception as e:  # pylint: disable=broad-except
+      options = getattr(self, '_options', None)
+      if IsDiskFull(e) and options is not None and options.logdir:
+        job = getattr(self, '_job_name', None) or ','.join(options.jobs)
+        StopOnDiskFull(job, options.logdir, e)
+      raise
 
   def _RunLoop(self, job_name, loop_func, loop_args=(), cleanup_func=None):
 

@@ -102,6 +102,22 @@ def testTheOverrideIsPlannedAndItsTextParsesBackToThePlan(flagship, capsys):
   assert stack.num_micro_batches == best['num_micro_batches']
 
 
+def testPlanParamsSetsEachPipelinesPlanAsItsOverrideDoes(flagship):
+  del flagship
+  from lingvo_ext.planner import auto  # pylint: disable=g-import-not-at-top
+  built = experiment_params.GetParams(MODEL, 'Train')
+  before = built.ToText()
+  chosen = auto.PlanParams(built, MODEL, 2, machine=MACHINE)
+  assert built.ToText() == before
+  [(pipe, plan)] = chosen.plan
+  assert pipe.path == STACK
+  stack = chosen.params.task.lm.stack
+  assert (stack.schedule, stack.num_micro_batches) == (
+      plan.schedule, plan.num_micro_batches)
+  rebuilt = experiment_params.GetParams(MODEL, 'Train', chosen.override)
+  assert chosen.params.ToText() == rebuilt.ToText()
+
+
 def testNoPlanTheBuilderRefuses(flagship, capsys):
   del flagship
   for override in ('task.lm.stack.splits:2', 'task.lm.stack.splits:4'):

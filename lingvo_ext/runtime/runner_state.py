@@ -19,8 +19,9 @@ import time
 import lingvo.compat as tf
 
 from lingvo_ext import checkpoints
-from lingvo_ext import disk_space
-from lingvo_ext import one_build
+from lingvo_ext.runtime import disk_space
+from lingvo_ext.runtime import one_build
+from lingvo_ext.runtime import progress
 from lingvo_ext._internal import process
 from lingvo_ext.distributed import faults
 from lingvo_ext.distributed import server
@@ -60,8 +61,11 @@ class RunState:
 
 
 def Fail(message, code):
-  """Stops the whole process from a runner thread with a one-line error."""
-  tf.logging.error(message)
+  """Stops the whole process from a runner thread with a one-line error.
+
+  The line is printed once on stderr; the log file gets it too.
+  """
+  progress.LogToFileOnly(message)
   tf.logging.flush()
   sys.stdout.flush()
   print(f'error: {message}', file=sys.stderr, flush=True)

@@ -2,7 +2,7 @@
 
 `RunnerManager` is Lingvo's, with the trainer's registry (its
 `model_registry`), N logical CPU devices per local replica and the
-multi-process mode (distributed/trainer_lib.py). It owns the `RunState` its
+multi-process mode (runtime/trainer_lib.py). It owns the `RunState` its
 runners share (runner_state.py) and hands them, with the trainer's
 `Options`, to the runner classes it names (its Controller/Trainer/Evaler/
 Decoder attributes): `LocalController` (local_controller.py), `LocalTrainer`
@@ -18,16 +18,16 @@ from lingvo import trainer as lingvo_trainer
 import lingvo.compat as tf
 
 from lingvo_ext import checkpoints
-from lingvo_ext import local_controller
-from lingvo_ext import local_evaler
-from lingvo_ext import local_trainer
-from lingvo_ext import one_build
-from lingvo_ext.tasks import experiment_params
-from lingvo_ext import runner_state
-from lingvo_ext import trainer_flags
+from lingvo_ext.runtime import local_controller
+from lingvo_ext.runtime import local_evaler
+from lingvo_ext.runtime import local_trainer
+from lingvo_ext.runtime import one_build
+from lingvo_ext.runtime import run_params
+from lingvo_ext.runtime import runner_state
+from lingvo_ext.runtime import trainer_flags
 from lingvo_ext._internal import tf as internal_tf
 from lingvo_ext.distributed import server
-from lingvo_ext.distributed import trainer_lib
+from lingvo_ext.runtime import trainer_lib
 
 # The names the trainer, tests and docs use from here.
 RunState = runner_state.RunState
@@ -53,20 +53,19 @@ class RunnerManager(trainer_lib.DistributedRunnerManagerMixin,
     model: The registered experiment's name.
     options: trainer_flags.Options; read from the flags when None.
     run_state: The RunState its runners share; a new one when None.
+    params: The run's RunParams (the trainer's one build); new when None.
   """
 
-  def __init__(self, model, options=None, run_state=None):
+  def __init__(self, model, options=None, run_state=None, params=None):
     super().__init__(model)
     self._options = options or trainer_flags.Options.FromFlags()
     self.run_state = run_state or RunState()
     self._share_model = False
     self._trainer_here = None
-    # Lingvo's extension point for the registry: every runner's params come
-    # from lingvo_ext's lookup, with the checked overrides.
-    self.model_registry = experiment_params.ModelRegistry(
-        self._options.model_params_override,
-        self._options.model_params_file_override,
-        self._options.gpipe_engine)
+    # Lingvo's extension point for the registry: every runner's params are
+    # copies of the run's one build (run_params.py).
+    self.run_params = params or run_params.RunParams(self._options)
+    self.model_registry = run_params.ModelRegistry(self.run_params)
 
   def _Runner(self, cls):
     return functools.partial(cls, run_state=self.run_state,

@@ -1,4 +1,4 @@
-"""One build of the model per trainer process (lingvo_ext/one_build.py).
+"""One build of the model per trainer process (runtime/one_build.py).
 
 The in-process controller shares the trainer's graph and model: the task's
 forward pass is built once per process, the checkpoints hold the same keys
@@ -16,8 +16,8 @@ from lingvo.core import py_utils
 import numpy as np
 import pytest
 
-from lingvo_ext import local_trainer
-from lingvo_ext import one_build
+from lingvo_ext.runtime import local_trainer
+from lingvo_ext.runtime import one_build
 from tests.support import zygote
 from tests.support import ROOT
 
@@ -57,7 +57,8 @@ class CountedLmTinyGPipe(lm.TransformerLmTinyGPipe):
 # steps go through Session.run (no step built ahead, prepared_step.py).
 _TWO_BUILDS = (
     'import sys\n'
-    'from lingvo_ext import local_trainer, runners, trainer\n'
+    'from lingvo_ext import trainer\n'
+    'from lingvo_ext.runtime import local_trainer, runners\n'
     'runners.RunnerManager._SharesModel = lambda self, jobs: False\n'
     'local_trainer._TrainerSession.PrepareStep = lambda self, task: None\n'
     'sys.exit(trainer.Run(["trainer"] + sys.argv[1:]))\n')

@@ -18,9 +18,9 @@ import lingvo.compat as tf
 from lingvo.core import py_utils
 
 from lingvo_ext import checkpoints
-from lingvo_ext import prepared_step
-from lingvo_ext import progress
-from lingvo_ext import runner_state
+from lingvo_ext.runtime import prepared_step
+from lingvo_ext.runtime import progress
+from lingvo_ext.runtime import runner_state
 from lingvo_ext.core import cuts
 from lingvo_ext.distributed import server
 from lingvo_ext.distributed import step_keeping
@@ -75,6 +75,7 @@ class _TrainerSession(tf.Session):
       self._preparing = None
 
   def _IsTrainStep(self, fetches):
+    # Trainer._Loop's fetches: _internal/lingvo_runtime.py TRAIN_STEP_FETCHES.
     if not isinstance(fetches, (list, tuple)) or not fetches:
       return False
     return any(fetches[0] is t.train_op for t in self._model.tasks)

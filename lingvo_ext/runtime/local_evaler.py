@@ -16,7 +16,7 @@ import lingvo.compat as tf
 from lingvo.core import py_utils
 
 from lingvo_ext import checkpoints
-from lingvo_ext import runner_state
+from lingvo_ext.runtime import runner_state
 
 
 # Seconds between two looks for a new checkpoint of an evaler or decoder.

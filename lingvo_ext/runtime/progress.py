@@ -11,6 +11,7 @@ params, variable placement, per-step metrics) goes to <logdir>/log.<job>.txt.
 """
 
 import collections
+import logging
 import os
 import re
 import sys
@@ -135,3 +136,19 @@ def RouteLogToFile(path):
   os.makedirs(os.path.dirname(path), exist_ok=True)
   handler = absl_logging.get_absl_handler().python_handler
   handler.stream = _LogFile(open(path, 'a', encoding='utf-8'))  # pylint: disable=consider-using-with
+
+
+def LogToFileOnly(message, level=logging.ERROR):
+  """Writes `message` to the log file, never to stderr.
+
+  For a fault the caller says on stderr in its own one line (`error: ...`):
+  absl would echo an ERROR record there too (--stderrthreshold), two lines
+  for one fault. Nothing is logged when the log is stderr itself.
+  """
+  handler = absl_logging.get_absl_handler().python_handler
+  if not isinstance(handler.stream, _LogFile):
+    return
+  record = logging.LogRecord('absl', level, __file__, 0, '%s', (message,),
+                             None)
+  logging.StreamHandler.emit(handler, record)  # The file, not the echo.
+  handler.stream.flush()

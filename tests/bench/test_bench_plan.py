@@ -1,0 +1,85 @@
+"""bench/plan.py: the sweep and its re-prediction."""
+
+import dataclasses
+import json
+import sys
+
+import pytest
+
+from lingvo_ext import planner
+from tests.support import planner_testlib as lib
+from tests.support import ROOT
+
+
+def test_bench_sweep_takes_every_plan_the_planner_offers():
+  sys.path.insert(0, ROOT)
+  from bench import plan as bench_plan  # pylint: disable=g-import-not-at-top
+  profile = lib.Profile(num_layers=6, batch=16)
+  offered = [p.Key() for p in planner.Enumerate(profile, 2)]
+  swept = bench_plan.SweepPlans(lib.TINY, profile, 2)
+  assert [p.Key() for p in swept] == offered
+  # The FC benchmark runs one replica; --micro_batches narrows the sweep.
+  fc = bench_plan.SweepPlans(bench_plan.FC, profile, 2)
+  assert [p.Key() for p in fc] == [
+      p.Key() for p in planner.Enumerate(profile, 2) if p.replicas == 1]
+  some = bench_plan.SweepPlans(lib.TINY, profile, 2, micro_batches=[1, 4])
+  assert {p.num_micro_batches for p in some} == {1, 4}
+  assert len(some) < len(offered)
+
+
+def test_bench_repredict_gives_a_saved_run_the_same_predictions():
+  # bench/plan.py --from_jsonl F --repredict: a run's own probe and reference
+  # measurements, calibrated and predicted again, give back the run's
+  # predictions when the planner is the same.
+  sys.path.insert(0, ROOT)
+  from bench import plan as bench_plan  # pylint: disable=g-import-not-at-top
+  profile = bench_plan.Profile(bench_plan.FC)
+  probe = planner.Machine(flops_per_s=1e10, s_per_op=2e-5, cores=2)
+  truth = dataclasses.replace(probe, step_s=3e-3, overhead_bytes=7e8)
+  refs = planner.ReferencePlans(profile)
+  ref_s = [planner.Predict(profile, p, truth).step_s for p in refs]
+  ref_rss = [planner.Predict(profile, p, truth).process_bytes
+             for p in refs[:2]]
+  machine = planner.Calibrate(profile, probe, ref_s, ref_rss)
+  plans = planner.PredictAll(
+      profile, bench_plan.SweepPlans(bench_plan.FC, profile, 2), machine)
+  plans = [p.Measured(step_s=p.step_s * (1. + 0.1 * (i % 3)),
+                      rss_bytes=p.process_bytes * (1. + 0.01 * (i % 2)))
+           for i, p in enumerate(plans)]
+  record = json.loads(json.dumps(bench_plan.Summary(
+      bench_plan.FC, 2, plans, machine, {}, probe=dataclasses.asdict(probe),
+      reference_keys=[p.Key() for p in refs],
+      reference_ms=[1e3 * t for t in ref_s],
+      reference_rss_mb=[r / 2**20 for r in ref_rss])))
+  again = bench_plan.Repredict(record)
+  for key in ('spearman', 'chosen_key', 'best_key', 'rows'):
+    assert again[key] == record[key], key
+  for key in ('mem_err_mean', 'mem_err_max'):  # Rows keep 0.1 MB.
+    assert again[key] == pytest.approx(record[key], abs=1e-3), key
+  assert 0 < record['mem_err_max'] <= 0.0101
+
+
+def test_bench_repredict_reads_runs_before_the_reference_keys():
+  # Runs without reference_keys timed 'unrolled' at the 'recurrent'
+  # reference's M (4), not at 8: calibrated on those plans, not today's.
+  sys.path.insert(0, ROOT)
+  from bench import plan as bench_plan  # pylint: disable=g-import-not-at-top
+  profile = bench_plan.Profile(bench_plan.FC)
+  probe = planner.Machine(flops_per_s=1e10, s_per_op=2e-5, cores=2)
+  truth = dataclasses.replace(probe, s_per_op=5e-5, step_s=3e-3)
+  refs = planner.ReferencePlans(profile)
+  assert [p.num_micro_batches for p in refs] == [1, 8, 4, 1]
+  old = [refs[0], dataclasses.replace(refs[1], num_micro_batches=4)] + refs[2:]
+  ref_s = [planner.Predict(profile, p, truth).step_s for p in old]
+  plans = planner.PredictAll(
+      profile, bench_plan.SweepPlans(bench_plan.FC, profile, 2),
+      planner.Calibrate(profile, probe, ref_s, refs=old))
+  plans = [p.Measured(step_s=p.step_s, rss_bytes=p.process_bytes)
+           for p in plans]
+  record = json.loads(json.dumps(bench_plan.Summary(
+      bench_plan.FC, 2, plans, truth, {}, probe=dataclasses.asdict(probe),
+      reference_ms=[1e3 * t for t in ref_s], reference_rss_mb=[])))
+  again = bench_plan.Repredict(record)
+  assert again['rows'] == record['rows']
+  with pytest.raises(ValueError, match='references'):
+    bench_plan.Repredict(dict(record, reference_keys=[p.Key() for p in old]))

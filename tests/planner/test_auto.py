@@ -1,0 +1,68 @@
+"""--plan=auto (auto.py): the plan chosen, set on the trainer's params."""
+
+import os
+import sys
+
+import pytest
+
+from lingvo_ext import planner
+from tests.support import planner_testlib as lib
+from tests.support import zygote
+from tests.support import ROOT
+
+
+def test_plan_params_sets_the_plan_its_override_rebuilds():
+  """--plan=auto on params built once: the plan set typed on a copy; the
+  printed override, parsed from the experiment, builds the same params."""
+  from lingvo_ext.planner import auto  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.tasks import experiment_params  # pylint: disable=g-import-not-at-top
+  user = 'task.train.learning_rate:0.002'
+  built = experiment_params.GetParams(lib.TINY, 'Train', user)
+  before = built.ToText()
+  machine = planner.Machine(flops_per_s=1e10, s_per_op=1e-5, cores=2)
+  chosen = auto.PlanParams(built, lib.TINY, 2, overrides=user, machine=machine)
+  assert built.ToText() == before  # The trainer's params stay as built.
+  assert chosen.override.startswith(user + '; ')
+  rebuilt = experiment_params.GetParams(lib.TINY, 'Train', chosen.override)
+  assert chosen.params.ToText() == rebuilt.ToText()
+  assert chosen.params.task.num_partitions == chosen.plan.num_cells
+  assert chosen.params.task.train.learning_rate == 0.002
+  assert chosen.flags == dict(num_cpu_devices=chosen.plan.devices,
+                              worker_split_size=chosen.plan.devices_per_replica)
+  assert f"--model_params_override='{chosen.override}'" in chosen.line
+
+
+def test_choose_and_apply():
+  from lingvo_ext.planner import auto  # pylint: disable=g-import-not-at-top
+  cfg = planner.ExperimentParams(lib.TINY)
+  machine = planner.Machine(flops_per_s=1e10, s_per_op=1e-5, cores=2)
+  plan, flags = auto.ChooseAndApply(cfg, lib.TINY, 2, machine=machine)
+  assert cfg.task.num_partitions == plan.num_cells
+  assert cfg.task.num_micro_batches == plan.num_micro_batches
+  assert flags == dict(num_cpu_devices=plan.devices,
+                       worker_split_size=plan.devices_per_replica)
+  with pytest.raises(planner.PlanError, match='smallest that fits'):
+    auto.ChooseAndApply(planner.ExperimentParams(lib.TINY), lib.TINY, 2,
+                        memory_per_device=1024, machine=machine)
+
+
+@pytest.mark.parametrize('devices,memory,flag', [
+    (0, None, '--devices'), (2, '2XB', '--memory_per_device')])
+def test_trainer_auto_plan_bad_flags(devices, memory, flag):
+  from lingvo_ext.planner import auto  # pylint: disable=g-import-not-at-top
+  with pytest.raises(ValueError) as e:
+    auto.TrainerAutoPlan(lib.TINY, devices, memory)
+  assert str(e.value).startswith(flag) and '\n' not in str(e.value)
+
+
+@pytest.mark.e2e
+def test_trainer_plan_auto_bad_budget_exits_2(tmp_path):
+  env = dict(os.environ, PYTHONPATH=ROOT)
+  proc = zygote.run(
+      [sys.executable, '-m', 'lingvo_ext.trainer', '--model=%s' % lib.TINY,
+       '--plan=auto', '--devices=2', '--memory_per_device=2XB',
+       '--logdir=%s' % tmp_path], cwd=ROOT, env=env, capture_output=True,
+      text=True, timeout=300, check=False)
+  assert proc.returncode == 2
+  lines = proc.stderr.strip().splitlines()
+  assert lines[-1].startswith('error: --memory_per_device=2XB'), lines

@@ -1,0 +1,67 @@
+"""The planner's command line (lingvo_ext/tools/plan.py)."""
+
+import json
+import os
+import sys
+
+import pytest
+
+from lingvo_ext import planner
+from tests.support import planner_testlib as lib
+from tests.support import zygote
+from tests.support import ROOT
+
+
+@pytest.mark.parametrize('flags,names', [
+    (['--model=lm.NoSuchModel', '--devices=2'], '--model'),
+    (['--model=%s' % lib.TINY, '--devices=0'], '--devices'),
+    (['--model=%s' % lib.TINY, '--devices=2', '--memory_per_device=2XB'],
+     '--memory_per_device'),
+    (['--model=%s' % lib.TINY, '--devices=2', '--global_batch=0'],
+     '--global_batch'),
+    (['--model=%s' % lib.TINY, '--devices=2', '--measure_within=-0.1'],
+     '--measure_within'),
+    (['--model=%s' % lib.TINY, '--devices=2', '--measure', '--measure_steps=5'],
+     '--measure_steps'),
+])
+def test_bad_flags_exit_2_with_one_line(flags, names, capsys):
+  from lingvo_ext.tools import plan as plan_tool  # pylint: disable=g-import-not-at-top
+  assert plan_tool.main(flags) == 2
+  err = capsys.readouterr().err.strip()
+  assert len(err.splitlines()) == 1, err
+  assert err.startswith('error: ' + names), err
+
+
+def test_budget_too_small_exits_2_naming_the_least(capsys):
+  from lingvo_ext.tools import plan as plan_tool  # pylint: disable=g-import-not-at-top
+  assert plan_tool.main(['--model=%s' % lib.TINY, '--devices=2',
+                         '--memory_per_device=1KB', '--no-calibrate']) == 2
+  err = capsys.readouterr().err.strip()
+  assert len(err.splitlines()) == 1, err
+  assert 'the smallest that fits one is' in err
+  assert '--memory_per_device=' in err
+
+
+@pytest.mark.e2e
+def test_cli_json_parses_and_runs_the_best():
+  env = dict(os.environ, PYTHONPATH=ROOT)
+  proc = zygote.run(
+      [sys.executable, '-m', 'lingvo_ext.tools.plan', '--model=%s' % lib.TINY,
+       '--devices=2', '--memory_per_device=64MB', '--json',
+       '--no-calibrate'], cwd=ROOT, env=env, capture_output=True, text=True,
+      timeout=300, check=False)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  out = json.loads(proc.stdout)
+  assert out['plans'] and out['best'] == out['plans'][0]
+  for p in out['plans']:
+    assert p['devices'] <= 2
+    assert p['peak_bytes'] <= 64 * 2**20
+  assert out['model_params_override'] == planner.OverrideString(
+      planner.PlanFromDict(out['best']))
+  assert '--num_cpu_devices=%d' % out['best']['devices'] in out['command']
+  proc = zygote.run(
+      [sys.executable, '-m', 'lingvo_ext.tools.plan', '--model=%s' % lib.TINY,
+       '--devices=-1'], cwd=ROOT, env=env, capture_output=True, text=True,
+      timeout=300, check=False)
+  assert proc.returncode == 2
+  assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
