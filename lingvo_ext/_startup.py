@@ -5,8 +5,8 @@ TF_CPP_MIN_LOG_LEVEL does not reach them (absl's "All log messages before
 absl::InitializeLog()", cudart_stub's "Could not find cuda drivers", oneDNN's
 notice, once per library that loads them), and the first look at the devices
 an E-level "failed call to cuInit ... (303)" on a host without a GPU driver.
-None of them is about the user's run. `Install` (called by `lingvo_ext`'s
-`__init__`) makes the first `import tensorflow` of the process run with
+None of them is about the user's run. `Install` (called by the programs, through
+`lingvo_ext.entry_point`) makes the first `import tensorflow` of the process run with
 file descriptor 2 going through a filter that drops exactly those lines and
 passes every other line on as it comes; the filter also looks at the devices
 once (where the cuInit line comes from) and then steps aside. Lingvo's

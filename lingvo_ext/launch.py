@@ -29,6 +29,7 @@ import argparse
 import os
 import sys
 
+from lingvo_ext import entry_point  # pylint: disable=unused-import,g-bad-import-order
 from lingvo_ext.runtime import shutdown
 from lingvo_ext.distributed import cluster
 from lingvo_ext.distributed import launch_lib

@@ -72,7 +72,7 @@ _PROGRAM = (__name__ == '__main__' or os.path.basename(
 if _PROGRAM:
   gc.disable()
 
-import lingvo_ext  # pylint: disable=unused-import,g-bad-import-order,g-import-not-at-top,wrong-import-position
+from lingvo_ext import entry_point  # pylint: disable=unused-import,g-bad-import-order,g-import-not-at-top,wrong-import-position
 from absl import app
 import lingvo.compat as tf
 from lingvo.core import hyperparams

@@ -17,7 +17,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import lingvo_ext  # pylint: disable=unused-import,g-import-not-at-top
+from lingvo_ext import entry_point  # pylint: disable=unused-import,g-import-not-at-top
 from tests.support import ROOT as _ROOT  # pylint: disable=g-import-not-at-top
 from tests.support import zygote  # pylint: disable=g-import-not-at-top
 

@@ -679,6 +679,7 @@ def testStartEstimateKeepsTheActivationsTheScheduleKeeps():
 
 def testStartWarningNamesTheNeedTheLimitAndAnOverrideThatFits():
   from lingvo_ext import planner  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.planner import auto  # pylint: disable=g-import-not-at-top
   cfg = planner.ExperimentParams('lm.TransformerLmTinyGPipe')
   profile = memory_check.Profile(cfg)
   plan = memory_check.PlanOfParams(profile, cfg.task, 2, 2)
@@ -687,18 +688,20 @@ def testStartWarningNamesTheNeedTheLimitAndAnOverrideThatFits():
                                                         False)
   got = memory_check.Estimate(profile, plan)
   assert got.activation_bytes > 0
-  assert memory_check.StartWarning(cfg, 2, 2, '', got.process_bytes,
+  own = auto.PROCESS_OVERHEAD_BYTES
+  assert memory_check.StartWarning(cfg, 2, 2, '', got.process_bytes + own,
                                    'x') is None
-  limit = got.process_bytes * 0.9
+  limit = got.process_bytes * 0.9 + own
   line = memory_check.StartWarning(cfg, 2, 2, 'train.max_steps:5', limit,
                                    "the cgroup's memory limit")
   size = memory_check.task_health.FormatBytes
-  head = (f'warning: the model needs about {size(got.process_bytes)} '
-          f'({size(got.peak_bytes)} on its fullest device), of which '
-          f'{size(got.activation_bytes)} are the activations '
-          'task.schedule="unrolled" keeps over 2 micro-batch(es) without '
-          f"recompute, but the cgroup's memory limit is {size(limit)}: it "
-          'may be killed by the OOM killer; an override that fits (about ')
+  head = (f'warning: the run needs about {size(got.process_bytes + own)}: '
+          f'the model {size(got.process_bytes)} ({size(got.peak_bytes)} on '
+          f'its fullest device; {size(got.activation_bytes)} of it the '
+          'activations task.schedule="unrolled" keeps over 2 micro-batch(es) '
+          f'without recompute) and the process {size(own)}, but the '
+          f"cgroup's memory limit is {size(limit)}: it may be killed by the "
+          'OOM killer; an override that fits (about ')
   assert line.startswith(head), line
   override = re.search(r"--model_params_override='([^']*)'\.$", line)[1]
   assert override.startswith('train.max_steps:5; '), line
@@ -707,7 +710,7 @@ def testStartWarningNamesTheNeedTheLimitAndAnOverrideThatFits():
                                    overrides=override)
   after = memory_check.Estimate(
       profile, memory_check.PlanOfParams(profile, fixed.task, 2, 2))
-  assert after.process_bytes <= limit < got.process_bytes
+  assert after.process_bytes + own <= limit < got.process_bytes + own
   assert memory_check.StartWarning(fixed, 2, 2, override, limit, 'x') is None
   line = memory_check.StartWarning(cfg, 2, 2, '', 1000, 'x')
   assert line.endswith('no override of micro-batches, recompute, schedule or '
@@ -743,7 +746,7 @@ def testTheTrainersStartWarningBuildsNoModelAndNoLayerGraph(
   error, _ = param_checks.Check(o)
   assert error is None
   err = capsys.readouterr().err
-  lines = [l for l in err.splitlines() if l.startswith('warning: the model')]
+  lines = [l for l in err.splitlines() if l.startswith('warning: the run')]
   assert len(lines) == 1 and "the cgroup's memory limit is 64 KB" in lines[0]
   # No model built, no layer's FProp or gradients: only a throw-away graph
   # per distinct layer for its variables' shapes (embedding, transformer
@@ -752,7 +755,7 @@ def testTheTrainersStartWarningBuildsNoModelAndNoLayerGraph(
   assert len(tf.get_default_graph().get_operations()) == ops
   # --plan=auto warns with its own estimate; an evaler trains nothing.
   param_checks.Check(dataclasses.replace(o, job='evaler_dev'))
-  assert 'warning: the model' not in capsys.readouterr().err
+  assert 'warning: the run' not in capsys.readouterr().err
 
 # --- Input that breaks mid-run ------------------------------------------------
 

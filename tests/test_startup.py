@@ -229,3 +229,65 @@ def test_trainer_under_zero_bubble_notes_grappler_once(tmp_path):
   assert 'remapper failed' not in proc.stderr
   assert 'topological sort failed' not in proc.stderr
   assert proc.stderr.count(_startup.GRAPPLER_NOTE) == 1, proc.stderr
+
+
+def test_importing_lingvo_ext_leaves_the_console_alone():
+  # A library does not change its user's console: no filter, no logging
+  # filter, no TF_CPP_MIN_LOG_LEVEL (the programs install them:
+  # lingvo_ext/entry_point.py).
+  code = ('import logging, os, sys, lingvo_ext\n'
+          'from lingvo_ext import _startup\n'
+          'assert _startup._FINDER not in sys.meta_path\n'
+          'assert "TF_CPP_MIN_LOG_LEVEL" not in os.environ\n'
+          'for name in ("absl", "tensorflow"):\n'
+          '  assert not any(isinstance(f, _startup.RepeatFilter)\n'
+          '                 for f in logging.getLogger(name).filters), name\n'
+          'from lingvo_ext import entry_point\n'
+          'assert os.environ["TF_CPP_MIN_LOG_LEVEL"] == "2"\n'
+          'assert _startup._FINDER in sys.meta_path\n'
+          'print("ok")\n')
+  out = subprocess.run([sys.executable, '-c', code], cwd=ROOT, env=_Env(),
+                       capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0 and out.stdout == 'ok\n', out.stderr[-2000:]
+
+
+def _Programs():
+  """lingvo_ext's modules that run as programs, and the console scripts'."""
+  import glob  # pylint: disable=g-import-not-at-top
+  import re  # pylint: disable=g-import-not-at-top
+  out = set()
+  for path in glob.glob(os.path.join(ROOT, 'lingvo_ext', '**', '*.py'),
+                        recursive=True):
+    with open(path, encoding='utf-8') as f:
+      if "if __name__ == '__main__':" in f.read():
+        out.add(os.path.relpath(path, ROOT))
+  with open(os.path.join(ROOT, 'pyproject.toml'), encoding='utf-8') as f:
+    for module in re.findall(r'^[\w-]+ = "([\w.]+):\w+"$', f.read(), re.M):
+      out.add(module.replace('.', '/') + '.py')
+  return sorted(out)
+
+
+def test_every_program_imports_entry_point_before_anything_else():
+  import ast  # pylint: disable=g-import-not-at-top
+  programs = _Programs()
+  assert 'lingvo_ext/trainer.py' in programs and len(programs) >= 8, programs
+  wrong = []
+  for rel in programs:
+    with open(os.path.join(ROOT, rel), encoding='utf-8') as f:
+      tree = ast.parse(f.read(), rel)
+    first = None
+    for node in ast.walk(tree):
+      if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+      elif isinstance(node, ast.ImportFrom) and node.module:
+        names = [node.module + '.' + a.name for a in node.names]
+      else:
+        continue
+      names = [n for n in names
+               if n.split('.')[0] not in sys.stdlib_module_names]
+      if names:
+        first = (node.lineno, names[0])
+        break
+    if first is None or first[1] != 'lingvo_ext.entry_point':
+      wrong.append('%s: first import %s' % (rel, first))
+  assert not wrong, '\n'.join(wrong)

@@ -56,6 +56,7 @@ import sys
 import threading
 from typing import Dict, List, Mapping, Optional, Sequence
 
+from lingvo_ext import entry_point  # pylint: disable=unused-import
 from lingvo_ext._internal import process
 
 # Environment variables a library may read at import (TF_CONFIG excepted).

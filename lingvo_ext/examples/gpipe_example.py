@@ -10,7 +10,7 @@ compared with the same model run sequentially on the same weights.
 import argparse
 import sys
 
-import lingvo_ext  # pylint: disable=unused-import
+from lingvo_ext import entry_point  # pylint: disable=unused-import,g-bad-import-order
 import lingvo.compat as tf
 from lingvo.core import cluster_factory
 from lingvo.core import layers

@@ -38,6 +38,7 @@ first command (the trainer with this --model).
 
 import sys
 
+from lingvo_ext import entry_point  # pylint: disable=unused-import,g-bad-import-order
 from lingvo import model_registry
 import lingvo.compat as tf
 from lingvo.core import base_layer

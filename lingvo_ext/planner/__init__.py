@@ -6,8 +6,12 @@ Given a model's per-layer profile and N devices, the planner lists every plan
 (`choice`), and applies the chosen one to an experiment's params
 (`application`). `tf_profiling` is the TensorFlow half: it profiles an
 experiment's layers, probes this host and times plans; `calibration` fits the
-probed machine to timed reference plans. Every module but `tf_profiling` is
-pure Python. docs/architecture.md shows where the planner sits.
+probed machine to timed reference plans; `measuring` times plans for
+`--measure`; `auto` chooses and applies a plan for the trainer's --plan=auto
+(`auto.PlanParams`) and for `lingvo_ext.tools.plan`; `tree` plans pipelines
+that come cut. `application`, `calibration`, `choice`, `model_profile`,
+`plans` and `prediction` are pure Python. docs/architecture.md shows where the
+planner sits.
 
 The names below are the planner's interface (`planner.X`).
 """

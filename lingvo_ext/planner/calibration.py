@@ -7,6 +7,7 @@
 import dataclasses
 from typing import List, Optional, Sequence
 
+from lingvo_ext.core.engine import records
 from lingvo_ext.planner.model_profile import Machine
 from lingvo_ext.planner.model_profile import ModelProfile
 from lingvo_ext.planner.plans import Divisors
@@ -36,7 +37,8 @@ def ReferencePlans(profile: ModelProfile,
   out = []
   for schedule, mb, rc in (('unrolled', 1, False),
                            ('unrolled', m_unrolled, False),
-                           ('recurrent', m, True), ('recurrent', 1, True)):
+                           (records.LINGVO_ENGINE, m, True),
+                           (records.LINGVO_ENGINE, 1, True)):
     out.append(Plan(num_cells=1, sizes=(n,), devices_per_replica=1,
                     num_micro_batches=mb, schedule=schedule, recompute=rc,
                     replicas=1, gradient_sync='shared', global_batch=batch))

@@ -113,6 +113,11 @@ def WeightGradientRun(plan: Plan, stages: Sequence[_Stage]) -> int:
       sum(st.kept_bytes for st in stages) * mb, plan.num_micro_batches)
 
 
+def _InLoop(plan: Plan) -> bool:
+  """Whether the plan's schedule runs as Lingvo's loop, not action lists."""
+  return records.Get(plan.schedule).planner.lingvo_loop
+
+
 def ActionSchedule(plan: Plan, linear_loss: bool = True,
                    weight_gradient_run: int = 1
                   ) -> Tuple[actions.StageSpec, List]:
@@ -151,7 +156,7 @@ def Accumulations(plan: Plan, weight_gradient_run: int = 1) -> int:
   lists (`SummingActions`), as the step's price is, but for 'recurrent'.
   """
   k, m = plan.num_cells, plan.num_micro_batches
-  if plan.schedule == 'recurrent':
+  if _InLoop(plan):
     return m + k - 2
   _, schedule = ActionSchedule(plan, weight_gradient_run=weight_gradient_run)
   return len(SummingActions(plan, schedule)) // k
@@ -218,7 +223,7 @@ def SummingActions(plan: Plan, schedule: List) -> frozenset:
   each 'B' and the last 'W' of each run of 'W's
   (`actions.WeightGradientRuns`), but a stage's first, in its device's
   order."""
-  if plan.schedule == 'recurrent':
+  if _InLoop(plan):
     return frozenset()
   runs = {run[0]: run for run in actions.WeightGradientRuns(schedule)}
   out, seen = set(), set()
@@ -283,14 +288,14 @@ def Predict(profile: ModelProfile, plan: Plan,
   spec, schedule = ActionSchedule(plan, profile.linear_loss,
                                   WeightGradientRun(plan, stages))
   s_per_op = machine.s_per_op
-  if plan.schedule == 'recurrent':
+  if _InLoop(plan):
     s_per_op *= machine.recurrent_op_factor
   gated = GatedKinds(plan)
   cost = _Costs(stages, mb, machine, s_per_op, spec, gated,
                 SummingActions(plan, schedule))
   tl = actions.Simulate(spec, schedule, cost)
   r = plan.replicas
-  if plan.schedule == 'recurrent':
+  if _InLoop(plan):
     makespan, busy, useful = _RecurrentCompute(
         stages, spec, cost,
         [AccumulateSeconds(st, machine, s_per_op) for st in stages],
@@ -301,7 +306,7 @@ def Predict(profile: ModelProfile, plan: Plan,
     busy = sum(tl.end[a] - tl.start[a] for a in tl.start)
     bubble = tl.IdleFraction()
   parallel = machine.Parallel(plan.devices)
-  if machine.cores is not None and plan.schedule != 'recurrent' and not any(
+  if machine.cores is not None and not _InLoop(plan) and not any(
       a.kind in gated for acts in schedule for a in acts):
     # Nothing holds the actions to their lists, and the devices share the
     # host's cores: TensorFlow's executor runs whatever is ready, several
@@ -385,7 +390,7 @@ def GraphOps(profile: ModelProfile, plan: Plan) -> int:
   fwd = sum(l.fwd_ops for l in profile.layers)
   bwd = sum(l.bwd_ops for l in profile.layers)
   m = plan.num_micro_batches
-  if plan.schedule == 'recurrent':
+  if _InLoop(plan):
     per_replica = 2 * fwd + bwd
   elif profile.cell_functions:
     calls = CALL_OPS.get(plan.schedule, CALL_OPS_GATED)

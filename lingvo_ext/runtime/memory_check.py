@@ -233,6 +233,7 @@ def Estimate(profile, plan) -> StartEstimate:
 
 
 def _Fits(profile, plan, available: float) -> Optional[StartEstimate]:
+  """The plan's estimate if the builder takes it and it fits."""
   from lingvo_ext.core.engine import records  # pylint: disable=g-import-not-at-top
   if records.RecomputeError(plan.schedule, plan.recompute, '') or (
       records.Refusal(plan.schedule, plan.num_cells, plan.devices_per_replica,
@@ -245,6 +246,8 @@ def _Fits(profile, plan, available: float) -> Optional[StartEstimate]:
 def Overrides(profile, plan, fprop_dtype, available: float
               ) -> Optional[Tuple[str, StartEstimate]]:
   """The override (text, its estimate) of the least change that fits.
+
+  `available`: the bytes the model may take (the process's own taken off).
 
   Tried in turn: more micro-batches (the fewest that fit), recompute, each
   schedule that keeps fewer activations (with the micro-batches they need),
@@ -306,6 +309,7 @@ def StartWarning(model_params, num_cpu_devices: int, split: int,
     source: Where `available` comes from.
   """
   from lingvo_ext import planner  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.planner import auto  # pylint: disable=g-import-not-at-top
   from lingvo_ext.tasks import pipeline_tree  # pylint: disable=g-import-not-at-top
   task = model_params.task if 'task' in model_params else None
   if task is None or not pipeline_tree.IsPipelinedTask(task):
@@ -313,28 +317,29 @@ def StartWarning(model_params, num_cpu_devices: int, split: int,
   profile = Profile(model_params)
   plan = PlanOfParams(profile, task, num_cpu_devices, split)
   got = Estimate(profile, plan)
+  own = auto.PROCESS_OVERHEAD_BYTES  # TensorFlow's and the process's.
   if available is None:
     available, source = AvailableBytes()
-  if available is None or got.process_bytes <= available:
+  if available is None or got.process_bytes + own <= available:
     return None
   size = task_health.FormatBytes
   rc = 'with' if plan.recompute else 'without'
-  line = (f'warning: the model needs about {size(got.process_bytes)} '
-          f'({size(got.peak_bytes)} on its fullest device), of which '
-          f'{size(got.activation_bytes)} are the activations '
-          f'task.schedule="{plan.schedule}" keeps over '
-          f'{plan.num_micro_batches} micro-batch(es) {rc} recompute, but '
-          f'{source or "the memory"} is {size(available)}: it may be killed '
-          'by the OOM killer; ')
-  fit = Overrides(profile, plan, task.fprop_dtype, available)
+  line = (f'warning: the run needs about {size(got.process_bytes + own)}: '
+          f'the model {size(got.process_bytes)} ({size(got.peak_bytes)} on '
+          f'its fullest device; {size(got.activation_bytes)} of it the '
+          f'activations task.schedule="{plan.schedule}" keeps over '
+          f'{plan.num_micro_batches} micro-batch(es) {rc} recompute) and '
+          f'the process {size(own)}, but {source or "the memory"} is '
+          f'{size(available)}: it may be killed by the OOM killer; ')
+  fit = Overrides(profile, plan, task.fprop_dtype, available - own)
   if fit is None:
     return line + ('no override of micro-batches, recompute, schedule or '
                    'bf16 fits; use more memory or more devices.')
   text, fits = fit
-  return line + (f"an override that fits (about {size(fits.process_bytes)}): "
+  return line + (f'an override that fits (about '
+                 f"{size(fits.process_bytes + own)}): "
                  f"--model_params_override='"
                  f"{planner.JoinOverrides(overrides, text)}'.")
-
 
 def WarnAtStart(model_params, num_cpu_devices: int, split: int,
                 overrides: str) -> None:

@@ -46,7 +46,7 @@ import os
 import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
-import lingvo_ext  # pylint: disable=unused-import,g-bad-import-order
+from lingvo_ext import entry_point  # pylint: disable=unused-import,g-bad-import-order
 import lingvo.compat as tf
 from lingvo.core import cluster_factory
 from lingvo.core import gpipe as lingvo_gpipe

@@ -34,7 +34,7 @@ import statistics
 import sys
 from typing import Any, Dict, List, Optional, Sequence
 
-import lingvo_ext  # pylint: disable=unused-import,g-bad-import-order
+from lingvo_ext import entry_point  # pylint: disable=unused-import,g-bad-import-order
 import lingvo.compat as tf
 from lingvo.core import cluster_factory
 from lingvo.core import tshape

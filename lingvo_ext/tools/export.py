@@ -8,7 +8,7 @@ The library is lingvo_ext.serving.export; --help lists the flags.
 
 import sys
 
-import lingvo_ext  # pylint: disable=unused-import,g-bad-import-order
+from lingvo_ext import entry_point  # pylint: disable=unused-import,g-bad-import-order
 from lingvo_ext.serving import export
 
 

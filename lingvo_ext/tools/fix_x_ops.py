@@ -35,6 +35,8 @@ import subprocess
 import sys
 import tempfile
 
+from lingvo_ext import entry_point  # pylint: disable=unused-import
+
 # (symbol as built, version it needs, older replacement).
 RENAMES = (
     ('__isoc23_strtol', 'GLIBC_2.38', 'strtol'),

@@ -9,6 +9,7 @@ PYTHONPATH, as `--model=module.Class` does). Pass a name to --model of
 
 import sys
 
+from lingvo_ext import entry_point  # pylint: disable=unused-import,g-bad-import-order
 from lingvo_ext import registry
 
 

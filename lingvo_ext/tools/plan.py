@@ -30,6 +30,7 @@ import json
 import sys
 from typing import Dict, Optional
 
+from lingvo_ext import entry_point  # pylint: disable=unused-import,g-bad-import-order
 from lingvo_ext import planner
 from lingvo_ext.planner import auto
 from lingvo_ext.planner import measuring

@@ -22,6 +22,7 @@ import os
 import re
 import sys
 
+from lingvo_ext import entry_point  # pylint: disable=unused-import,g-bad-import-order
 from lingvo_ext.core import actions
 from lingvo_ext.tracing import step_trace
 from lingvo_ext.tracing import timeline

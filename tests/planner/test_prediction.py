@@ -340,3 +340,12 @@ def test_recurrent_pays_per_step_after_the_first():
   assert planner.Predict(profile, plan, lib.Machine(**per_byte)).step_s == (
       pytest.approx(planner.Predict(profile, dataclasses.replace(plan),
                                     lib.Machine()).step_s))
+
+
+def test_the_loop_is_a_record_fact():
+  """The planner prices Lingvo's loop by its record's fact, not its name."""
+  from lingvo_ext.core.engine import records  # pylint: disable=g-import-not-at-top
+  loops = [r.name for r in records.RECORDS if r.planner.lingvo_loop]
+  assert loops == [records.LINGVO_ENGINE]
+  assert all((r.generator is None) == r.planner.lingvo_loop
+             for r in records.RECORDS)

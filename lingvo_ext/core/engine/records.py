@@ -40,12 +40,15 @@ class PlannerFacts:
     micro_batches_multiple_of_devices: Whether M must be a multiple of D.
     simulated_as: The schedule whose lists the planner simulates for it
       (None: its own).
+    lingvo_loop: Whether it runs as Lingvo's loop (M + K - 1 steps, each
+      running every cell), which the planner prices per loop step.
   """
   cells_per_device: Optional[Tuple[int, ...]] = (1,)
   min_devices: int = 1
   min_cells: int = 1
   micro_batches_multiple_of_devices: bool = False
   simulated_as: Optional[str] = None
+  lingvo_loop: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +116,7 @@ RECORDS = (
         "Lingvo's StackedRecurrent loop; always recomputes; embedding "
         'gradients come out dense.',
         None, recompute=ALWAYS, static_shapes=True,
-        planner=PlannerFacts(simulated_as='unrolled')),
+        planner=PlannerFacts(simulated_as='unrolled', lingvo_loop=True)),
     Schedule(
         'interleaved_1f1b',
         "Megatron's interleaved 1F1B, V = K / D cells per device (K and M "
