@@ -14,7 +14,9 @@ run's controller also compares the built graph's variables (parameters,
 optimizer slots) with it, before a session allocates them.
 """
 
+import contextlib
 import dataclasses
+import logging
 import os
 import sys
 from typing import List, Optional, Tuple
@@ -341,6 +343,20 @@ def StartWarning(model_params, num_cpu_devices: int, split: int,
                  f"--model_params_override='"
                  f"{planner.JoinOverrides(overrides, text)}'.")
 
+@contextlib.contextmanager
+def _LingvoQuiet():
+  """Lingvo's and TensorFlow's Python warnings held back for the block."""
+  loggers = [logging.getLogger(n) for n in ('absl', 'tensorflow')]
+  levels = [l.level for l in loggers]
+  for l in loggers:
+    l.setLevel(logging.ERROR)
+  try:
+    yield
+  finally:
+    for l, level in zip(loggers, levels):
+      l.setLevel(level)
+
+
 def WarnAtStart(model_params, num_cpu_devices: int, split: int,
                 overrides: str) -> None:
   """Prints StartWarning's line, if any, to stderr (and the log).
@@ -350,7 +366,10 @@ def WarnAtStart(model_params, num_cpu_devices: int, split: int,
   """
   import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
   try:
-    line = StartWarning(model_params, num_cpu_devices, split, overrides)
+    # The estimate instantiates the layers: Lingvo's warnings about them
+    # belong to the real build, after the trainer's first line.
+    with _LingvoQuiet():
+      line = StartWarning(model_params, num_cpu_devices, split, overrides)
   except (ValueError, LookupError, AttributeError, NotImplementedError,
           TypeError) as e:
     tf.logging.info('No memory estimate at start: %s', e)
