@@ -48,7 +48,8 @@ def trained(shared_once):
 
 def testTheTrainerLockIsHeldAndNamesItsHolder(tmp_path):
   from lingvo_ext import trainer  # pylint: disable=g-import-not-at-top
-  assert trainer._LockLogdir(str(tmp_path)) is None  # pylint: disable=protected-access
+  from lingvo_ext.runtime import logdir  # pylint: disable=g-import-not-at-top
+  assert logdir.Lock(str(tmp_path)) is None
   try:
     path = str(tmp_path / trainer.LOCK_FILE)
     with open(path) as f:
@@ -60,7 +61,7 @@ def testTheTrainerLockIsHeldAndNamesItsHolder(tmp_path):
     rc, _, _ = lib.Run([sys.executable, '-c', code, path], module=False)
     assert rc == 7
   finally:
-    os.close(trainer._LOCK.pop('fd'))  # pylint: disable=protected-access
+    os.close(logdir._LOCK.pop('fd'))  # pylint: disable=protected-access
 
 
 @pytest.mark.e2e

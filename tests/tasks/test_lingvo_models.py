@@ -26,6 +26,7 @@ from tests.support import zygote
 
 from lingvo_ext.tasks import experiment_params
 from lingvo_ext import trainer
+from lingvo_ext.runtime import param_checks
 from lingvo_ext.runtime import trainer_flags
 from lingvo_ext.core import from_lingvo
 from lingvo_ext.core import gpipe
@@ -277,7 +278,7 @@ def _Options(override='', **kwargs):
 
 def testTrainerChecksEveryPipelineOfTheTree(experiment):
   del experiment
-  error, _ = trainer._CheckParams(_Options())  # pylint: disable=protected-access
+  error, _ = param_checks.Check(_Options())
   assert error is None
   for override, words in (
       ('task.lm.stack.num_micro_batches:3',
@@ -288,14 +289,14 @@ def testTrainerChecksEveryPipelineOfTheTree(experiment):
        ["--model_params_override='input.fixed_input_shape:True'"]),
       ('input.file_pattern:"text:/nonexistent/*.txt"',
        ['no file matches', '/nonexistent/*.txt'])):
-    error, _ = trainer._CheckParams(_Options(override))  # pylint: disable=protected-access
+    error, _ = param_checks.Check(_Options(override))
     assert error and '\n' not in error, (override, error)
     for word in words:
       assert word in error, (override, error)
     # The override the line suggests makes the check pass.
     fix = re.findall(r"--model_params_override='([^']*)'", error)
     if fix and 'fixed_input_shape' in fix[0]:
-      error, _ = trainer._CheckParams(  # pylint: disable=protected-access
+      error, _ = param_checks.Check(
           _Options(override + ';' + fix[0]))
       assert error is None, error
 
@@ -304,7 +305,7 @@ def testTimeMajorLanguageModelIsOneLineNamingBatchMajor(experiment):
   del experiment
   o = trainer_flags.Options(model=MODEL + 'TimeMajor', logdir='/nonexistent/x',
                             run_locally='cpu')
-  error, _ = trainer._CheckParams(o)  # pylint: disable=protected-access
+  error, _ = param_checks.Check(o)
   assert error and '\n' not in error
   assert '(LanguageModel) feeds task.lm (GPipeTransformerLm)' in error
   assert 'BatchMajorLanguageModel.Params()' in error
@@ -315,7 +316,7 @@ def testBf16OnALingvoTaskWarnsAndTakesTheWorkAround(experiment, capsys,
   del experiment
   monkeypatch.setattr(precision, '_warned', [])
   monkeypatch.setattr(precision, 'OneDnnEnabled', lambda: True)
-  error, o = trainer._CheckParams(  # pylint: disable=protected-access
+  error, o = param_checks.Check(
       _Options('task.fprop_dtype:bfloat16'))
   assert error is None
   expected = precision.SlowBf16Warning(tf.bfloat16)
