@@ -403,8 +403,10 @@ def test_every_schedule_table_derives_from_the_records():
 
 
 # The engine's modules, lower layers first (lingvo_ext/core/engine/__init__).
-_ENGINE_LAYERS = ('kinds', 'runs', 'simulate', 'transforms', 'generators',
-                  'records', 'tensors', 'randomness', 'custom_gradient',
+_ENGINE_LAYERS = ('kinds', 'runs', 'simulate', 'transforms', 'text',
+                  'generators', 'records', 'tensors', 'graph_state',
+                  'jit_random', 'matmul_grad', 'gemm_rewrite',
+                  'cell_function', 'randomness', 'custom_gradient',
                   'weight_gradients', 'loss', 'interpreter', 'recurrent',
                   'pipelines')
 _TF_FREE = _ENGINE_LAYERS[:_ENGINE_LAYERS.index('records') + 1]

@@ -29,8 +29,9 @@ _TEST_PATH = re.compile(r'(?<![\w/.])tests/[\w/]+\.py\b')
 def _TestFolders(root):
   tests = os.path.join(root, 'tests')
   for path, dirs, _ in os.walk(tests):
-    dirs[:] = sorted(d for d in dirs
-                     if d != '__pycache__' and not d.startswith('.'))
+    # testdata/: a test's files (golden text), not tests.
+    dirs[:] = sorted(d for d in dirs if d not in ('__pycache__', 'testdata')
+                     and not d.startswith('.'))
     if path != tests:
       yield os.path.relpath(path, tests).replace(os.sep, '/')
 

@@ -5,7 +5,8 @@ is a pure-Python function of a small stage description (`StageSpec`) that
 returns, for every device, the list of its actions; nothing here needs
 TensorFlow. A schedule's lists can be built (`Build`), printed
 (`FormatSchedule`), checked for completeness and deadlock (`CheckSchedule`)
-and simulated over action costs (`Simulate`) before any graph is built.
+and simulated over action costs (`Simulate`) before any graph is built, and
+written as text and read back (`FormatLists`, `ParseLists`).
 
 An action is (kind, stage, micro_batch), its kind a `Kind` equal to its
 letter:
@@ -33,5 +34,6 @@ from lingvo_ext.core.engine.runs import (
 from lingvo_ext.core.engine.simulate import (
     CheckSchedule, CriticalPath, Deps, FormatSchedule, Simulate, Timeline,
     UnitCost)
+from lingvo_ext.core.engine.text import FormatLists, ParseLists
 from lingvo_ext.core.engine.transforms import (
     FoldOntoDevices, ForwardsFirst, GroupWeightGradients)

@@ -4,14 +4,15 @@ One concept per module, lower layers first; no module imports one above it:
 
 - kinds: actions (`Kind`, `Action`) and the pipeline's description
   (`StageSpec`, stage placement).
-- runs, simulate, transforms: reading, checking, simulating and reshaping a
-  schedule's lists.
+- runs, simulate, transforms, text: reading, checking, simulating,
+  reshaping a schedule's lists, and writing them as text and back.
 - generators: one function per schedule from a `StageSpec` to its lists.
 - records: one `Schedule` record per schedule; every schedule table derives
   from them.
-- graph_state, jit_random, matmul_grad, cell_function (TensorFlow): graph
-  bookkeeping, random ops under XLA, the matmul gradient override, and a
-  cell as a function built once and called per micro-batch.
+- graph_state, jit_random, matmul_grad, gemm_rewrite, cell_function
+  (TensorFlow): graph bookkeeping, random ops under XLA, the matmul gradient
+  override, weight matmuls as one 2-D GEMM, and a cell as a function built
+  once and called per micro-batch.
 - randomness, custom_gradient, weight_gradients (TensorFlow): per-micro-batch
   random seeds, a pipeline's own backward function, and the one owner of
   weight gradients.
