@@ -43,6 +43,10 @@ MOVED = {
     # The engine made whole.
 
     # The bundled experiments and other splits.
+    'params': 'lingvo_ext.experiments',
+    'params.base': 'lingvo_ext.experiments.base',
+    'params.image': 'lingvo_ext.experiments.image',
+    'params.lm': 'lingvo_ext.experiments.lm',
 
 }
 
