@@ -49,13 +49,15 @@ if _probe:
 '''
 
 
-def _Run(args, pythonpath=None, cwd=ROOT, **extra_env):
+def _Run(args, pythonpath=None, cwd=ROOT, fresh=False, **extra_env):
   env = dict(os.environ, **extra_env)
   if pythonpath:
     env['PYTHONPATH'] = pythonpath
-  proc = zygote.run([sys.executable, '-m', *args], cwd=cwd, env=env,
-                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                    text=True, timeout=TIMEOUT, check=False)
+  # The fork server has imported the repository's lingvo_ext already.
+  run = subprocess.run if fresh else zygote.run
+  proc = run([sys.executable, '-m', *args], cwd=cwd, env=env,
+             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+             text=True, timeout=TIMEOUT, check=False)
   return proc.returncode, proc.stdout
 
 
@@ -94,11 +96,12 @@ def testOwnExperimentOnPythonpathTrainsAndIsCostReported(tmp_path):
 def testNewFileInExperimentsIsRegisteredWithoutOtherEdits(tmp_path):
   # A copy of the repository's lingvo_ext/ package, with one new file in
   # experiments/ and nothing else changed, found before the repository's
-  # (python -m puts the working directory first on sys.path).
+  # (python -m puts the working directory first on sys.path; a fresh
+  # interpreter, not the fork server's).
   shutil.copytree(os.path.join(ROOT, 'lingvo_ext'),
                   str(tmp_path / 'lingvo_ext'), ignore=shutil.ignore_patterns('__pycache__'))
   (tmp_path / 'lingvo_ext' / 'experiments' / 'mine.py').write_text(_EXPERIMENT)
-  copy = dict(pythonpath=ROOT, cwd=str(tmp_path))
+  copy = dict(pythonpath=ROOT, cwd=str(tmp_path), fresh=True)
   rc, out = _Run(['lingvo_ext.tools.list_models'], **copy)
   assert rc == 0, out
   assert 'mine.MyLm\n' in out and 'lm.TransformerLmTiny\n' in out
