@@ -54,7 +54,9 @@ as a multiple of it first. torch eager also runs in bf16 autocast when
 Variants: 'lingvo' (lingvo.core.gpipe), and lingvo_ext '<schedule>' with
 optional '+inline' (`cell_functions=False`: each (cell, micro-batch) its own
 copy of the cell's ops; the default, '+functions', builds each cell once as a
-TF function called per micro-batch) and '+jit' (`jit_compile=True`). With a torch venv
+TF function called per micro-batch), '+jit' (`jit_compile=True`) and '+bmm'
+(`flat_weight_matmuls=False`: TensorFlow's broadcasting BatchMatMul for a
+3-D activation times a weight, as before the rewrite). With a torch venv
 (`bash scripts/torch_venv.sh`, or `--torch_python PATH`), torch's rows at the
 same sizes follow each configuration's (bench/torch_baselines.py).
 """
@@ -128,6 +130,7 @@ def _Build(variant: str, num_layers: int, k: int, m: int, dtype: str,
       p.schedule = schedule
       p.cell_functions = 'inline' not in extras
       p.jit_compile = 'jit' in extras
+      p.flat_weight_matmuls = 'bmm' not in extras
       p.loss_in_last_cell = loss_placement == 'last_cell'
     net = p.Instantiate()
     rng = np.random.RandomState(0)
@@ -600,9 +603,10 @@ def main(argv=None) -> int:
     if v == FLOOR:
       continue
     if (schedule not in ('lingvo', 'unrolled', '1f1b', 'recurrent') or
-        not set(extras) <= {'functions', 'inline', 'jit'}):
+        not set(extras) <= {'functions', 'inline', 'jit', 'bmm'}):
       parser.error("--variants: %r is not 'lingvo' or "
-                   "'<unrolled|1f1b|recurrent>[+inline|+functions][+jit]'" % v)
+                   "'<unrolled|1f1b|recurrent>[+inline|+functions][+jit]"
+                   "[+bmm]'" % v)
   if args._child:  # pylint: disable=protected-access
     print(json.dumps(_Child(args._child, args.L[0], args.K[0], args.M[0],  # pylint: disable=protected-access
                             args.steps, args.dtype[0],

@@ -41,6 +41,10 @@ MOVED = {
     'lingvo_ext.trainer_flags': 'lingvo_ext.runtime.trainer_flags',
 
     # The engine made whole.
+    'lingvo_ext.core.cell_function': 'lingvo_ext.core.engine.cell_function',
+    'lingvo_ext.core.graph_state': 'lingvo_ext.core.engine.graph_state',
+    'lingvo_ext.core.jit_random': 'lingvo_ext.core.engine.jit_random',
+    'lingvo_ext.core.matmul_grad': 'lingvo_ext.core.engine.matmul_grad',
 
     # The bundled experiments and other splits.
     'params': 'lingvo_ext.experiments',

@@ -57,10 +57,8 @@ changes:
 """
 
 import dataclasses
-import fcntl
 import gc
 import os
-import socket
 import sys
 import threading
 import time
@@ -82,7 +80,9 @@ from lingvo.core import py_utils
 
 from lingvo_ext import _startup
 from lingvo_ext import checkpoints
+from lingvo_ext.runtime import logdir as logdir_lib
 from lingvo_ext.runtime import memory_check
+from lingvo_ext.runtime import param_checks
 from lingvo_ext.runtime import progress
 from lingvo_ext import registry
 from lingvo_ext.runtime import run_params as run_params_lib
@@ -92,7 +92,6 @@ from lingvo_ext.runtime import trainer_flags
 from lingvo_ext._internal import lingvo as internal_lingvo
 from lingvo_ext._internal import process
 from lingvo_ext.distributed import cluster
-from lingvo_ext.distributed import gradient_sync
 from lingvo_ext.distributed import server
 from lingvo_ext.runtime import trainer_lib
 
@@ -103,35 +102,8 @@ if _PROGRAM:
 FLAGS = tf.flags.FLAGS
 
 
-# The lock a training process holds on its logdir for its whole life (the
-# kernel drops it when the process ends, however it ends).
-LOCK_FILE = runners.TRAINER_LOCK
-_LOCK = {}
-
-
-def _LockLogdir(logdir):
-  """Takes the logdir's trainer lock; returns an error if another has it."""
-  path = os.path.join(logdir, LOCK_FILE)
-  fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-  try:
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-  except OSError:
-    with os.fdopen(fd) as f:
-      holder = f.read().strip() or 'another process'
-    return (f'--logdir={logdir} is in use by the trainer {holder} (it holds '
-            f'{path}); one trainer per logdir: wait for it, stop it, or '
-            'pass another --logdir.')
-  os.ftruncate(fd, 0)
-  os.write(fd, f'PID {os.getpid()} on host {socket.gethostname()}\n'.encode())
-  _LOCK['fd'] = fd  # Kept open (and locked) until the process exits.
-  return None
-
-
-def _TrainsHere(o):
-  """Whether this process runs the training (and writes checkpoints)."""
-  if o.distributed:
-    return 'controller' in o.jobs
-  return 'controller' in o.jobs or 'trainer_client' in o.jobs
+# The lock a training process holds on its logdir (runtime/logdir.py).
+LOCK_FILE = logdir_lib.LOCK_FILE
 
 
 def _TrainParams(o):
@@ -140,61 +112,6 @@ def _TrainParams(o):
     return None, run_params_lib.RunParams(o).Train()
   except (ValueError, AttributeError, LookupError) as e:
     return runners.FirstLine(e), None
-
-
-def _CheckParams(o, params=None):
-  """Applies the overrides to the experiment's params, and checks them.
-
-  Any experiment holding a pipeline (lingvo_ext's PipelinedTask, or a
-  PipeliningLayer anywhere in its params, e.g. Lingvo's GPipeTransformerLm)
-  gets the checks its layers make when built, here, before the logdir is
-  touched; and with bf16 the warning and the work-around.
-
-  Args:
-    o: The options.
-    params: The run's RunParams, its training params built (and planned);
-      None: built here.
-
-  Returns:
-    (an error or None, the options with what the params decide).
-  """
-  from lingvo_ext.tasks import pipeline_tree  # pylint: disable=g-import-not-at-top
-  from lingvo_ext.core import precision  # pylint: disable=g-import-not-at-top
-  from lingvo_ext.tasks import dataset_checks  # pylint: disable=g-import-not-at-top
-  try:
-    params = params or run_params_lib.RunParams(o)
-    cfg = params.Train()
-    task = cfg.task if 'task' in cfg else None
-    batch = (cfg.input.batch_size if 'input' in cfg and cfg.input is not None
-             and 'batch_size' in cfg.input else None)
-    local_training = o.run_locally == 'cpu' and _TrainsHere(o)
-    split = o.worker_split_size
-    replicas = max(1, o.num_cpu_devices // split)
-    if task is not None and pipeline_tree.IsPipelinedTask(task):
-      task.cls.CheckParams(task)
-      pipelined = True
-      if batch and local_training:
-        # The check the task makes when built, before the logdir is touched.
-        gradient_sync.CheckReplicas(task.name, task.gradient_sync, replicas,
-                                    split, batch, task.num_micro_batches)
-    else:
-      pipelined = bool(pipeline_tree.CheckPipelines(cfg, replicas))
-    refusal = pipeline_tree.ScheduleRefusal(cfg, split, o.gpipe_engine)
-    if refusal:
-      raise ValueError(refusal)
-    dataset_checks.CheckJobs(
-        o.jobs, _TrainsHere(o),
-        params.Dataset, replicas)
-    if pipelined and task is not None and 'fprop_dtype' in task:
-      precision.WarnIfSlow(task.fprop_dtype)
-      if precision.RemapperOff(task.fprop_dtype):  # A TF bug with bf16.
-        o = dataclasses.replace(o, grappler_remapping=False)
-  except (ValueError, AttributeError, LookupError) as e:
-    return runners.FirstLine(e), o
-  if local_training and not o.plan:  # --plan=auto warns with its own.
-    memory_check.WarnAtStart(cfg, o.num_cpu_devices, split,
-                             o.model_params_override)
-  return None, o
 
 
 def _AutoPlan(o, cfg):
@@ -228,41 +145,6 @@ def _AutoPlan(o, cfg):
   return None, dataclasses.replace(o, **flags), chosen.params
 
 
-def _AlreadyTrained(o, cfg):
-  """The 'nothing to do' line of a finished logdir, or None."""
-  train_dir = os.path.join(o.logdir, 'train')
-  path = runners.RepairCheckpoints(train_dir)
-  step = checkpoints.CheckpointStep(path)
-  max_steps = o.max_steps
-  if max_steps is None:
-    max_steps = cfg.train.max_steps
-  if step is None or step < max_steps:
-    checkpoints.ClearTrainingFinished(train_dir)
-    return None
-  checkpoints.MarkTrainingFinished(train_dir, step, max_steps)
-  return (f'already trained to step {step} (max_steps {max_steps}): nothing '
-          'to do; raise --max_steps to go on.')
-
-
-def _CheckLogdir(logdir):
-  """Creates `logdir` if missing; returns an error if it is not usable."""
-  if '://' in logdir:
-    return None  # A remote file system: Lingvo's gfile calls check it.
-  if os.path.exists(logdir) and not os.path.isdir(logdir):
-    return (f'--logdir={logdir} is a file, not a directory; pass a directory '
-            '(it is created when missing).')
-  try:
-    os.makedirs(os.path.join(logdir, 'train'), exist_ok=True)
-    probe = os.path.join(logdir, 'train', f'.write_test.{os.getpid()}')
-    with open(probe, 'w') as f:
-      f.write('')
-    os.remove(probe)
-  except OSError as e:
-    return (f'--logdir={logdir} is not writable ({e.strerror}); pass a '
-            'directory you can write to.')
-  return None
-
-
 def _CheckFlags(o):
   """Returns an error message for bad flags, or None."""
   if not o.model:
@@ -289,7 +171,7 @@ def _CheckFlags(o):
             f'{o.eval_checkpoint}.index); pass a prefix such as '
             'LOGDIR/train/ckpt-00000100.')
   train_dir = os.path.join(o.logdir, 'train')
-  if (o.eval_once and not o.eval_checkpoint and not _TrainsHere(o) and
+  if (o.eval_once and not o.eval_checkpoint and not o.trains_here and
       o.logdir and '://' not in o.logdir and
       not checkpoints.LatestCheckpoint(train_dir)):
     return (f'--eval_once: no checkpoint in {train_dir} to evaluate; train '
@@ -350,7 +232,7 @@ def _UseSlicedCheckpoints(cfg):
 def _StopOnSignals(o, run_state):
   """SIGTERM, SIGHUP and Ctrl-C: stop safely (runtime/shutdown.py)."""
   train_dir = os.path.join(o.logdir, 'train') if o.logdir else ''
-  owns = _TrainsHere(o)
+  owns = o.trains_here
 
   def Latest():
     return (tf.train.latest_checkpoint(train_dir) if train_dir else None) or (
@@ -388,7 +270,7 @@ def _ServeUntilClientsExit(cluster_spec):
 def _WatchInput(o, cfg):
   """Lingvo's record input files changed under a run: one line, exit 65."""
   from lingvo_ext.tasks import input_files  # pylint: disable=g-import-not-at-top
-  if not (_TrainsHere(o) or 'trainer_client' in o.jobs) or not o.logdir:
+  if not (o.trains_here or 'trainer_client' in o.jobs) or not o.logdir:
     return
   train_dir = os.path.join(o.logdir, 'train')
 
@@ -448,9 +330,9 @@ def main(unused_argv, options=None, run_state=None, params=None):
     print(f'error: {e}', file=sys.stderr, flush=True)
     return 2
   if run_state.interrupted.is_set():
-    saved = run_state.final_save.is_set() or not _TrainsHere(o)
+    saved = run_state.final_save.is_set() or not o.trains_here
     code = shutdown.ExitCode(run_state.stop_signal, saved)
-    if _TrainsHere(o):
+    if o.trains_here:
       last = tf.train.latest_checkpoint(os.path.join(o.logdir, 'train'))
       print(f'interrupted: the last checkpoint is {last}; run the same '
             'command to resume from it.', file=sys.stderr, flush=True)
@@ -536,21 +418,21 @@ def Run(argv=None):
     error, o, cfg = _AutoPlan(o, cfg)
   if not error:
     params = run_params_lib.RunParams(o, train=cfg)
-    error, o = _CheckParams(o, params)
+    error, o = param_checks.Check(o, params)
   if not error:
     _UseSlicedCheckpoints(cfg)
   if not error and o.logdir:
-    error = _CheckLogdir(o.logdir)
+    error = logdir_lib.Check(o.logdir)
   local = o.logdir and '://' not in o.logdir
-  if not error and local and _TrainsHere(o):
-    error = _LockLogdir(o.logdir)
+  if not error and local and o.trains_here:
+    error = logdir_lib.Lock(o.logdir)
   if error:
     print(f'error: {error}', file=sys.stderr)
     return 2
   if o.mode == 'write_inference_graph':
     return _WriteInferenceGraph(o)
-  if local and _TrainsHere(o) and not o.distributed:
-    done = _AlreadyTrained(o, cfg)
+  if local and o.trains_here and not o.distributed:
+    done = logdir_lib.AlreadyTrained(o, cfg)
     if done:
       print(done, flush=True)
       return 0

@@ -4,7 +4,7 @@
 #   bash scripts/test.sh --quick    all but the end-to-end tests and the
 #                                   numerics cases beyond the quick tier's
 #                                   share (markers e2e, slow; pytest.ini)
-# Other args go to pytest, e.g. a file: bash scripts/test.sh tests/test_cost.py
+# Other args go to pytest, e.g. bash scripts/test.sh tests/tasks/test_lm.py
 # TEST_JOBS sets the number of pytest-xdist workers (0: no workers).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -17,9 +17,12 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from lingvo_ext import entry_point  # pylint: disable=unused-import,g-import-not-at-top
-from tests.support import ROOT as _ROOT  # pylint: disable=g-import-not-at-top
-from tests.support import zygote  # pylint: disable=g-import-not-at-top
+# pylint: disable=g-import-not-at-top
+from lingvo_ext import entry_point  # pylint: disable=unused-import
+from tests.support import ROOT as _ROOT
+from tests.support import lingvo_lm_testlib
+from tests.support import zygote
+# pylint: enable=g-import-not-at-top
 
 
 class TrainedRun:
@@ -88,10 +91,13 @@ def shared_once(tmp_path_factory):
 
 @pytest.fixture(scope='session')
 def tiny_gpipe_run(shared_once):
-  """lm.TransformerLmTinyGPipe, K=2 cells on 2 CPU devices, 3 steps.
+  """lm.TransformerLmTinyGPipe, K=2 cells on 2 CPU devices under '1f1b', 3
+  steps.
 
   Shared by the tests that need a finished pipelined run: the K=2 vs K=1
-  loss, resuming across variable stacking, a damaged latest checkpoint.
+  loss, resuming across variable stacking, a damaged latest checkpoint,
+  serving's export of a model trained pipelined under '1f1b' (a resumed run
+  goes on under the default schedule: checkpoints do not depend on it).
   Tests only read it or continue in a copy (TrainedRun.Copy).
   """
   model = 'lm.TransformerLmTinyGPipe'
@@ -103,7 +109,8 @@ def tiny_gpipe_run(shared_once):
     proc = zygote.run(
         [sys.executable, '-m', 'lingvo_ext.trainer', f'--model={model}',
          f'--logdir={logdir}', '--max_steps=3', *flags,
-         '--model_params_override=train.save_interval_seconds:3600'],
+         '--model_params_override=task.schedule:"1f1b";'
+         'train.save_interval_seconds:3600'],
         cwd=_ROOT,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         timeout=300, check=False)
@@ -112,6 +119,38 @@ def tiny_gpipe_run(shared_once):
 
   logdir, output = shared_once('tiny_gpipe_run', Build)
   return TrainedRun(logdir, model, flags, output)
+
+
+@pytest.fixture(scope='session')
+def lingvo_lm_run(shared_once):
+  """Lingvo's own GPipe LM (tests/support/lingvo_lm_testlib.py), 2 cells on
+  2 CPU devices under '1f1b' on lingvo_ext's engine, 2 steps.
+
+  Shared by tests/tasks/test_lingvo_models.py (the checkpoint's names) and
+  tests/serving/test_serving.py (its export). run.pythonpath is the folder
+  of the experiment's module. Tests only read it or go on in a copy.
+  """
+  model = lingvo_lm_testlib.MODEL
+  flags = ['--num_cpu_devices=2', '--worker_split_size=2',
+           '--gpipe_engine=lingvo_ext',
+           '--model_params_override=task.lm.stack.schedule:"1f1b"']
+
+  def Build(path):
+    exp = lingvo_lm_testlib.Write(os.path.join(path, 'exp'))
+    logdir = os.path.join(path, 'logdir')
+    proc = zygote.run(
+        [sys.executable, '-m', 'lingvo_ext.trainer', f'--model={model}',
+         f'--logdir={logdir}', '--max_steps=2', *flags],
+        cwd=_ROOT, env=dict(os.environ, PYTHONPATH=exp),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout[-5000:]
+    return [exp, logdir, proc.stdout]
+
+  exp, logdir, output = shared_once('lingvo_lm_run', Build)
+  run = TrainedRun(logdir, model, flags, output)
+  run.pythonpath = exp
+  return run
 
 
 # Seconds each test took in the runs before (pytest's cache, .pytest_cache),

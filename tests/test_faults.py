@@ -719,7 +719,7 @@ def testStartWarningNamesTheNeedTheLimitAndAnOverrideThatFits():
 
 def testTheTrainersStartWarningBuildsNoModelAndNoLayerGraph(
     monkeypatch, capsys):
-  from lingvo_ext import trainer  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.runtime import param_checks  # pylint: disable=g-import-not-at-top
   from lingvo_ext.runtime import trainer_flags  # pylint: disable=g-import-not-at-top
   from lingvo_ext.core import cost  # pylint: disable=g-import-not-at-top
   from lingvo_ext.planner import tf_profiling  # pylint: disable=g-import-not-at-top
@@ -743,7 +743,7 @@ def testTheTrainersStartWarningBuildsNoModelAndNoLayerGraph(
   o = trainer_flags.Options(model='lm.TransformerLmTinyGPipe',
                             logdir='/nonexistent/x', run_locally='cpu',
                             num_cpu_devices=2, worker_split_size=2)
-  error, _ = trainer._CheckParams(o)  # pylint: disable=protected-access
+  error, _ = param_checks.Check(o)
   assert error is None
   err = capsys.readouterr().err
   lines = [l for l in err.splitlines() if l.startswith('warning: the run')]
@@ -754,7 +754,7 @@ def testTheTrainersStartWarningBuildsNoModelAndNoLayerGraph(
   assert counts == {'graphs': 3}, counts
   assert len(tf.get_default_graph().get_operations()) == ops
   # --plan=auto warns with its own estimate; an evaler trains nothing.
-  trainer._CheckParams(dataclasses.replace(o, job='evaler_dev'))  # pylint: disable=protected-access
+  param_checks.Check(dataclasses.replace(o, job='evaler_dev'))
   assert 'warning: the run' not in capsys.readouterr().err
 
 # --- Input that breaks mid-run ------------------------------------------------

@@ -501,9 +501,10 @@ def _Input3D():
 
 
 def test_cell_functions_batch_broadcast_weight_gradients():
-  # A weight broadcast over a BatchMatMul's leading dimensions: its gradient
-  # is also computed once, outside the function, from [B*T, D] rows; equal
-  # to the sequential model's and inline cells'.
+  # A weight broadcast over a BatchMatMul's leading dimensions (run as a
+  # 2-D MatMul, gemm_rewrite): its gradient is also computed once, outside
+  # the function, from [B*T, D] rows; equal to the sequential model's and
+  # inline cells'.
   g = tf.Graph()
   with g.as_default(), lib.Cluster(2):
     py_utils.GetOrCreateGlobalStepVar()
@@ -514,7 +515,13 @@ def test_cell_functions_batch_broadcast_weight_gradients():
     tf.gradients(tf.reduce_sum(out * out), net.vars.Flatten())
   graph_def = g.as_graph_def()
   body = [n for f in graph_def.library.function for n in f.node_def]
-  assert sum(n.op == 'BatchMatMulV2' for n in body) >= 4  # Forward, dx.
+  # Forward and dx as 2-D MatMuls (gemm_rewrite); the BatchMatMuls they
+  # replace are left unread (pruned when the function runs).
+  assert sum(n.op == 'MatMul' for n in body) >= 8
+  for f in graph_def.library.function:
+    read = {i.lstrip('^').split(':')[0] for n in f.node_def for i in n.input}
+    assert not [n.name for n in f.node_def
+                if n.op == 'BatchMatMulV2' and n.name in read]
   assert not [n.name for n in body if n.op == 'BatchMatMulV2' and
               n.attr['adj_x'].b], 'a weight gradient inside a function'
   outer = [n for n in graph_def.node

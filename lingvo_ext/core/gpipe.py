@@ -509,6 +509,10 @@ class PipeliningLayer(SeqLayer):
         '(the faster, timed once per model and machine, cached). Speed only: '
         'same dropout masks. See docs/performance.md.')
     p.Define(
+        'flat_weight_matmuls', True,
+        'Run [..., in] x [in, out] weight matmuls in the cells as one 2-D '
+        'GEMM, forward and backward. See docs/performance.md.')
+    p.Define(
         'recompute', None,
         "Recompute each cell's forward pass in its backward pass. None: the "
         "schedule's default; 'recurrent' always recomputes. See "

@@ -180,6 +180,13 @@ class Options:
     return bool(self.cluster_spec)
 
   @property
+  def trains_here(self):
+    """Whether this process runs the training (and writes checkpoints)."""
+    if self.distributed:
+      return 'controller' in self.jobs
+    return 'controller' in self.jobs or 'trainer_client' in self.jobs
+
+  @property
   def jobs(self):
     """This process's jobs; a local run's default as Lingvo sets it."""
     if self.job:

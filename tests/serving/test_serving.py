@@ -88,10 +88,12 @@ _1F1B = ['--model_params_override=task.schedule:"1f1b";'
 
 
 @pytest.fixture(scope='module')
-def lm_run(tmp_path_factory):
+def lm_run(tiny_gpipe_run, tmp_path_factory):
+  """tiny_gpipe_run (conftest.py: _LM trained 3 steps on 2 devices under
+  '1f1b'), exported both ways from a copy of its logdir."""
+  assert tiny_gpipe_run.model == _LM
   tmp = tmp_path_factory.mktemp('serving_lm')
-  logdir = str(tmp / 'logdir')
-  _Train(logdir, _LM, _1F1B)
+  logdir = tiny_gpipe_run.Copy(str(tmp / 'logdir'))
   export_dir = str(tmp / 'export')
   graph = _ExportBothWays(logdir, _LM, export_dir)
   return tmp, logdir, graph, export_dir
@@ -175,21 +177,13 @@ def testImagePredictorSavedModelAndEvalerAgree(tmp_path):
 
 
 @pytest.mark.e2e
-def testLingvoTaskLmRewrittenByTheTrainerAgrees(tmp_path):
-  # pylint: disable-next=g-import-not-at-top
-  from tests.tasks import test_lingvo_models
-  exp = tmp_path / 'exp'
-  exp.mkdir()
-  data = exp / 'train.txt'
-  data.write_text(test_lingvo_models._Text())  # pylint: disable=protected-access
-  (exp / 'lingvo_gpipe_lm.py').write_text(
-      test_lingvo_models._EXPERIMENT % str(data))  # pylint: disable=protected-access
-  env = {'PYTHONPATH': str(exp)}
-  model = test_lingvo_models.MODEL
-  logdir = str(tmp_path / 'logdir')
-  _Train(logdir, model, ['--max_steps=2',
-                         '--model_params_override='
-                         'task.lm.stack.schedule:"1f1b"'], env)
+def testLingvoTaskLmRewrittenByTheTrainerAgrees(tmp_path, lingvo_lm_run):
+  # lingvo_lm_run (conftest.py): Lingvo's GPipe LM trained 2 steps on 2
+  # devices under '1f1b'; exported from a copy.
+  assert '--num_cpu_devices=2' in lingvo_lm_run.flags
+  env = {'PYTHONPATH': lingvo_lm_run.pythonpath}
+  model = lingvo_lm_run.model
+  logdir = lingvo_lm_run.Copy(str(tmp_path / 'logdir'))
   export_dir = str(tmp_path / 'export')
   graph = _ExportBothWays(logdir, model, export_dir, env=env)
   ckpt = export.NewestCompleteCheckpoint(os.path.join(logdir, 'train'))

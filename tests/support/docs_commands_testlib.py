@@ -97,6 +97,7 @@ def CheckTrainerArgv(argv):
   # pylint: disable=g-import-not-at-top,protected-access
   import lingvo.compat as tf
   from lingvo_ext import trainer
+  from lingvo_ext.runtime import param_checks
   from lingvo_ext.runtime import trainer_flags
   from lingvo_ext.runtime import trainer_lib
   flags = trainer.FLAGS
@@ -120,7 +121,7 @@ def CheckTrainerArgv(argv):
   o = trainer_flags.Options.FromFlags()
   error = trainer._CheckFlags(o)
   if not error:
-    error, o = trainer._CheckParams(o)
+    error, o = param_checks.Check(o)
   return error
 
 

@@ -152,8 +152,8 @@ def test_tiny_gpipe_experiment_trains_like_the_unpipelined_model(
 # train 200 steps): under each schedule that trains any loss, and with cells
 # built inline, the same first loss (the same weights and batch) and the same
 # loss after one update (the same gradients) as 'unrolled' with cells built
-# once. tests/e2e/test_user_path.py runs the Tiny ones' schedules through the
-# trainer and its overrides.
+# once. tests/e2e/test_user_overrides.py runs the Tiny ones' schedules through
+# the trainer and its overrides.
 @pytest.mark.e2e
 @_PerVariant(FULL_EXPERIMENTS, FULL_VARIANTS)
 def test_full_gpipe_experiment_steps_alike_under_every_schedule(

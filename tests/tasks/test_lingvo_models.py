@@ -21,10 +21,12 @@ import numpy as np
 import pytest
 
 from tests.support import gpipe_testlib
+from tests.support import lingvo_lm_testlib
 from tests.support import zygote
 
 from lingvo_ext.tasks import experiment_params
 from lingvo_ext import trainer
+from lingvo_ext.runtime import param_checks
 from lingvo_ext.runtime import trainer_flags
 from lingvo_ext.core import from_lingvo
 from lingvo_ext.core import gpipe
@@ -35,68 +37,7 @@ from lingvo_ext.core import schedules
 from tests.support import ROOT
 
 TIMEOUT = 600
-MODEL = 'lingvo_gpipe_lm.GPipeLm'
-
-_EXPERIMENT = '''
-"""Lingvo's own GPipe Transformer LM, as a Lingvo user writes it."""
-import os
-from lingvo import model_registry
-from lingvo.core import base_model_params
-from lingvo.core import optimizer
-from lingvo.core import schedule
-from lingvo.tasks.lm import input_generator
-from lingvo.tasks.lm import layers
-from lingvo.tasks.lm import model
-
-
-def _Input():
-  p = input_generator.LmInput.Params()
-  p.file_pattern = 'text:' + os.environ.get('LINGVO_GPIPE_LM_DATA', %r)
-  p.file_random_seed = 301
-  p.file_parallelism = 1
-  p.file_buffer_size = 100
-  p.num_batcher_threads = 1
-  p.bucket_upper_bound = [16]
-  p.bucket_batch_limit = [8]
-  p.target_max_length = 16
-  p.fixed_input_shape = True  # The pipeline splits the batch statically.
-  p.tokenizer.vocab_size = 128
-  return p
-
-
-@model_registry.RegisterSingleTaskModel
-class GPipeLm(base_model_params.SingleTaskModelParams):
-
-  def Train(self):
-    return _Input()
-
-  def Dev(self):
-    return _Input()
-
-  def Task(self):
-    p = model.BatchMajorLanguageModel.Params()
-    p.name = 'lm'
-    p.lm = layers.GPipeTransformerLm.CommonParams(
-        vocab_size=128, model_dim=64, hidden_dim=128, num_heads=2,
-        num_layers=4, splits=2, num_micro_batches=4)
-    p.train.learning_rate = 1e-3
-    p.train.optimizer = optimizer.Adam.Params()
-    p.train.lr_schedule = schedule.ConstantOne.Params()
-    p.train.max_steps = 2
-    p.train.save_interval_steps = 1000
-    return p
-
-
-@model_registry.RegisterSingleTaskModel
-class GPipeLmTimeMajor(GPipeLm):
-
-  def Task(self):
-    p = super().Task()
-    lm = p.lm
-    p = model.LanguageModel.Params().Set(name='lm', lm=lm, train=p.train)
-    return p
-'''
-
+MODEL = lingvo_lm_testlib.MODEL
 
 # A second kind of Lingvo GPipe user: a stack from Lingvo's
 # batch_major_attention.Builder (num_splits/num_micro_batches), whose
@@ -168,21 +109,11 @@ class BuilderStack(base_model_params.SingleTaskModelParams):
 BUILDER_MODEL = 'lingvo_builder_stack.BuilderStack'
 
 
-def _Text():
-  """Lines of 8 words from the Python docs' topics (offline data)."""
-  import pydoc_data.topics  # pylint: disable=g-import-not-at-top
-  words = re.sub(r'[^a-z ]', ' ', ' '.join(
-      pydoc_data.topics.topics.values()).lower()).split()
-  return '\n'.join(' '.join(words[i:i + 8]) for i in range(0, 4000, 8)) + '\n'
-
-
 @pytest.fixture(scope='module')
 def experiment(tmp_path_factory):
   """The experiment's directory (for PYTHONPATH), registered in-process."""
   exp_dir = tmp_path_factory.mktemp('lingvo_gpipe_exp')
-  data = exp_dir / 'train.txt'
-  data.write_text(_Text())
-  (exp_dir / 'lingvo_gpipe_lm.py').write_text(_EXPERIMENT % str(data))
+  lingvo_lm_testlib.Write(exp_dir)
   (exp_dir / 'lingvo_builder_stack.py').write_text(_BUILDER_EXPERIMENT)
   sys.path.insert(0, str(exp_dir))
   yield exp_dir
@@ -347,7 +278,7 @@ def _Options(override='', **kwargs):
 
 def testTrainerChecksEveryPipelineOfTheTree(experiment):
   del experiment
-  error, _ = trainer._CheckParams(_Options())  # pylint: disable=protected-access
+  error, _ = param_checks.Check(_Options())
   assert error is None
   for override, words in (
       ('task.lm.stack.num_micro_batches:3',
@@ -358,14 +289,14 @@ def testTrainerChecksEveryPipelineOfTheTree(experiment):
        ["--model_params_override='input.fixed_input_shape:True'"]),
       ('input.file_pattern:"text:/nonexistent/*.txt"',
        ['no file matches', '/nonexistent/*.txt'])):
-    error, _ = trainer._CheckParams(_Options(override))  # pylint: disable=protected-access
+    error, _ = param_checks.Check(_Options(override))
     assert error and '\n' not in error, (override, error)
     for word in words:
       assert word in error, (override, error)
     # The override the line suggests makes the check pass.
     fix = re.findall(r"--model_params_override='([^']*)'", error)
     if fix and 'fixed_input_shape' in fix[0]:
-      error, _ = trainer._CheckParams(  # pylint: disable=protected-access
+      error, _ = param_checks.Check(
           _Options(override + ';' + fix[0]))
       assert error is None, error
 
@@ -374,7 +305,7 @@ def testTimeMajorLanguageModelIsOneLineNamingBatchMajor(experiment):
   del experiment
   o = trainer_flags.Options(model=MODEL + 'TimeMajor', logdir='/nonexistent/x',
                             run_locally='cpu')
-  error, _ = trainer._CheckParams(o)  # pylint: disable=protected-access
+  error, _ = param_checks.Check(o)
   assert error and '\n' not in error
   assert '(LanguageModel) feeds task.lm (GPipeTransformerLm)' in error
   assert 'BatchMajorLanguageModel.Params()' in error
@@ -385,7 +316,7 @@ def testBf16OnALingvoTaskWarnsAndTakesTheWorkAround(experiment, capsys,
   del experiment
   monkeypatch.setattr(precision, '_warned', [])
   monkeypatch.setattr(precision, 'OneDnnEnabled', lambda: True)
-  error, o = trainer._CheckParams(  # pylint: disable=protected-access
+  error, o = param_checks.Check(
       _Options('task.fprop_dtype:bfloat16'))
   assert error is None
   expected = precision.SlowBf16Warning(tf.bfloat16)
@@ -396,15 +327,16 @@ def testBf16OnALingvoTaskWarnsAndTakesTheWorkAround(experiment, capsys,
 
 
 @pytest.mark.e2e
-def testLingvoLmTrainsOnLingvoExtWithScheduleOverride(experiment, tmp_path):
-  logdir = tmp_path / 'logdir'
-  rc, out = _Run([f'--model={MODEL}', f'--logdir={logdir}', '--max_steps=2',
-                  '--gpipe_engine=lingvo_ext',
-                  '--model_params_override=task.lm.stack.schedule:"1f1b"'],
-                 experiment)
-  assert rc == 0, out[-3000:]
+def testLingvoLmTrainsOnLingvoExtWithScheduleOverride(experiment, tmp_path,
+                                                      lingvo_lm_run):
+  # lingvo_lm_run (conftest.py): MODEL trained 2 steps on lingvo_ext's engine
+  # with task.lm.stack.schedule:"1f1b".
+  assert lingvo_lm_run.model == MODEL
+  assert '--gpipe_engine=lingvo_ext' in lingvo_lm_run.flags
+  out = lingvo_lm_run.output
   assert 'step 2/2' in out, out[-3000:]
-  ckpt = tf.train.latest_checkpoint(str(logdir / 'train'))
+  logdir = lingvo_lm_run.Copy(str(tmp_path / 'logdir'))
+  ckpt = tf.train.latest_checkpoint(os.path.join(logdir, 'train'))
   assert ckpt.endswith('ckpt-00000002')
   keys = {name for name, _ in tf.train.list_variables(ckpt)}
   lingvo_cfg = experiment_params.GetParams(MODEL, 'Train',

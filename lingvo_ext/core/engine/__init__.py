@@ -9,6 +9,9 @@ One concept per module, lower layers first; no module imports one above it:
 - generators: one function per schedule from a `StageSpec` to its lists.
 - records: one `Schedule` record per schedule; every schedule table derives
   from them.
+- graph_state, jit_random, matmul_grad, cell_function (TensorFlow): graph
+  bookkeeping, random ops under XLA, the matmul gradient override, and a
+  cell as a function built once and called per micro-batch.
 - randomness, custom_gradient, weight_gradients (TensorFlow): per-micro-batch
   random seeds, a pipeline's own backward function, and the one owner of
   weight gradients.

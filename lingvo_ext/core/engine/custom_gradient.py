@@ -14,7 +14,7 @@ from typing import Callable, List
 
 import lingvo.compat as tf
 
-from lingvo_ext.core import graph_state
+from lingvo_ext.core.engine import graph_state
 
 # Gradient of the IdentityN that closes each engine-built pipeline; the
 # backward function of every such op is looked up by the op's name.

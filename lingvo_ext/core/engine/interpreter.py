@@ -28,9 +28,10 @@ from typing import Optional
 import lingvo.compat as tf
 
 from lingvo_ext._internal import tf as internal_tf
-from lingvo_ext.core import cell_function
-from lingvo_ext.core import matmul_grad
+from lingvo_ext.core.engine import cell_function
+from lingvo_ext.core.engine import matmul_grad
 from lingvo_ext.core import sharding
+from lingvo_ext.core.engine import gemm_rewrite
 from lingvo_ext.core.engine import loss
 from lingvo_ext.core.engine import records
 from lingvo_ext.core.engine import runs
@@ -130,7 +131,9 @@ class Interpreter:
         call = lambda: fn(self.thetas[i], ToTuple(x), step)
         scoped.enter_context(tf.name_scope(scope))
       else:
-        call = lambda: cell.FProp(self.thetas[i], *ToTuple(x))
+        call = lambda: gemm_rewrite.Flattened(
+            lambda: cell.FProp(self.thetas[i], *ToTuple(x)),
+            getattr(self.p, 'flat_weight_matmuls', True))
         scoped.enter_context(matmul_grad.PipelineMatMulGradients())
         scoped.enter_context(CellRandomness(step, scope))
       if not gate:
@@ -149,7 +152,7 @@ class Interpreter:
       if t == 0 and self.fn_jit[i] is not None:
         self.cell_fns[i] = cell_function.ForCell(
             cell, '%s_fprop' % name, self.fn_jit[i], self.thetas[i], x,
-            self.steps[t])
+            self.steps[t], getattr(self.p, 'flat_weight_matmuls', True))
         if self.cell_fns[i].HasUnexportedLookups(self.thetas[i], x,
                                                  self.steps[t]):
           # A lookup the function does not export (another axis,

@@ -20,9 +20,9 @@ weight of the cell (two activations) gets TensorFlow's gradient.
 import lingvo.compat as tf
 
 from lingvo_ext._internal import tf as internal_tf
-from lingvo_ext.core import cell_function
-from lingvo_ext.core import graph_state
-from lingvo_ext.core import matmul_grad
+from lingvo_ext.core.engine import cell_function
+from lingvo_ext.core.engine import graph_state
+from lingvo_ext.core.engine import matmul_grad
 from lingvo_ext.core.engine import runs
 from lingvo_ext.core.engine.tensors import IsFloat
 

@@ -1,4 +1,4 @@
-"""XLA-compiled draws equal TensorFlow's kernels' (core/jit_random.py)."""
+"""XLA-compiled draws equal TensorFlow's kernels' (core/engine/jit_random.py)."""
 
 import lingvo_ext  # pylint: disable=unused-import
 import lingvo.compat as tf
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import tensorflow as tf2
 
-from lingvo_ext.core import cell_function
-from lingvo_ext.core import jit_random
+from lingvo_ext.core.engine import cell_function
+from lingvo_ext.core.engine import jit_random
 
 
 def _Draws(shapes, rewrite):

@@ -36,10 +36,11 @@ from lingvo.core import py_utils
 import tensorflow as tf2
 
 from lingvo_ext._internal import tf as internal_tf
-from lingvo_ext.core import graph_state
-from lingvo_ext.core import jit_random
-from lingvo_ext.core import matmul_grad
+from lingvo_ext.core.engine import graph_state
+from lingvo_ext.core.engine import jit_random
+from lingvo_ext.core.engine import matmul_grad
 from lingvo_ext.core import nest_util
+from lingvo_ext.core.engine import gemm_rewrite
 
 # Graph state (graph_state): a call's op name -> its exported operands.
 _OPERANDS = 'cell_function_operands'
@@ -74,7 +75,8 @@ def _Signature(theta, inputs, step):
           tuple(Leaf(t) for t in nest_util.Flat((theta, inputs, step))))
 
 
-def ForCell(cell, name: str, jit_compile: bool, theta, inputs, step):
+def ForCell(cell, name: str, jit_compile: bool, theta, inputs, step,
+            flat_weight_matmuls: bool = True):
   """The graph's CellFunction of `cell` for inputs like these.
 
   Each FProp of a pipeline in one graph (a pipeline called twice, or the
@@ -83,9 +85,10 @@ def ForCell(cell, name: str, jit_compile: bool, theta, inputs, step):
   """
   cache = graph_state.Get(tf.get_default_graph(), _FUNCTIONS, dict)
   # The CellFunction holds `cell`, so its id stays its own while cached.
-  key = (id(cell), bool(jit_compile), _Signature(theta, inputs, step))
+  key = (id(cell), bool(jit_compile), bool(flat_weight_matmuls),
+         _Signature(theta, inputs, step))
   if key not in cache:
-    cache[key] = CellFunction(cell, name, jit_compile)
+    cache[key] = CellFunction(cell, name, jit_compile, flat_weight_matmuls)
   return cache[key]
 
 
@@ -100,17 +103,21 @@ class CellFunction:
   shapes (every micro-batch of a pipeline does).
   """
 
-  def __init__(self, cell, name: str, jit_compile: bool = False):
+  def __init__(self, cell, name: str, jit_compile: bool = False,
+               flat_weight_matmuls: bool = True):
     """Constructor.
 
     Args:
       cell: The cell layer (its FProp takes theta and the cell's inputs).
       name: Name of the function (unique per cell in a graph helps reading).
       jit_compile: Compile the function with XLA.
+      flat_weight_matmuls: Run broadcasting weight matmuls as 2-D GEMMs
+        (gemm_rewrite.py).
     """
     self._cell = cell
     self._name = name
     self._jit_compile = jit_compile
+    self._flat_weight_matmuls = flat_weight_matmuls
     self._fn = None
     self._global_step = None
     self._theta_struct = None
@@ -163,7 +170,10 @@ class CellFunction:
         stack.enter_context(py_utils.RemoveAssertContext(remove=True))
         stack.enter_context(matmul_grad.CellMatMulGradients())
         first_op = len(tf.get_default_graph().get_operations())
-        out = cell.FProp(theta_b, *nest_util.ToTuple(x_b))
+        # Before the exports: a rewritten product is a MatMul they see.
+        out = gemm_rewrite.Flattened(
+            lambda: cell.FProp(theta_b, *nest_util.ToTuple(x_b)),
+            self._flat_weight_matmuls)
       if self._jit_compile:
         # XLA turns Philox bits into floats otherwise than TF's kernels.
         jit_random.MatchStatelessUniforms(
@@ -201,6 +211,9 @@ class CellFunction:
       rows = op.type == 'GatherV2'
       if op.type == 'MatMul':
         skip = op.get_attr('transpose_a') or op.get_attr('transpose_b')
+      elif (self._flat_weight_matmuls and
+            gemm_rewrite.IsBroadcastWeightMatMul(op)):
+        continue  # Rewritten (gemm_rewrite): no consumer left.
       elif op.type == 'BatchMatMulV2':
         # x [..., in] @ w [in, out], w broadcast over x's leading dimensions.
         skip = (op.get_attr('adj_x') or op.get_attr('adj_y') or

@@ -19,7 +19,7 @@ import threading
 import lingvo.compat as tf
 
 from lingvo_ext._internal import tf as internal_tf
-from lingvo_ext.core import graph_state
+from lingvo_ext.core.engine import graph_state
 
 
 @functools.lru_cache(maxsize=None)

@@ -5,7 +5,7 @@ import lingvo.compat as tf
 import numpy as np
 import pytest
 
-from lingvo_ext.core import matmul_grad
+from lingvo_ext.core.engine import matmul_grad
 
 
 def _Grads(transpose_a, transpose_b, override, transposed_dx=True):

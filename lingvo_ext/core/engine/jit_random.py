@@ -11,7 +11,7 @@ Uint32ToFloat) puts a draw's low 23 bits in the mantissa of a float in
 
 `MatchStatelessUniforms` rewrites each StatelessRandomUniformV2 of a traced
 body as its raw bits plus TensorFlow's conversion, so a compiled cell draws
-the masks its uncompiled build draws, bit for bit (tests/test_jit_random.py).
+the masks its uncompiled build draws, bit for bit (tests/core/engine/test_jit_random.py).
 A random op this does not rewrite (another distribution or dtype) is named
 by `UnmatchedRandomOps`; the cell function is then built uncompiled.
 """
