@@ -197,13 +197,15 @@ def testPipInstallGivesThePackagesAndEntryPoints(tmp_path):
     # Importable from anywhere, from the install. In the editable one the
     # experiments are found, not imported again (importing them imports
     # TensorFlow, seconds of CPU): the same finder resolves both. No
-    # top-level `params` package is installed (the name is not ours).
+    # top-level `params` package is installed (the name is not ours; once
+    # lingvo_ext is imported, `params` is its alias).
     exps = ('importlib.util.find_spec("lingvo_ext.experiments").origin'
             if editable else
             'importlib.import_module("lingvo_ext.experiments").__file__')
-    rc, out, err = lib.Run([py, '-c', 'import importlib.util, lingvo_ext; '
-                            f'print(lingvo_ext.__file__, {exps}, '
-                            'importlib.util.find_spec("params"))'],
+    rc, out, err = lib.Run([py, '-c', 'import importlib.util; '
+                            'top = importlib.util.find_spec("params"); '
+                            'import lingvo_ext; '
+                            f'print(lingvo_ext.__file__, {exps}, top)'],
                         cwd='/', module=False, pythonpath=os.devnull)
     assert rc == 0, err[-3000:]
     where = str(src) if editable else purelib
