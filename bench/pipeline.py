@@ -70,6 +70,7 @@ from bench import torch_baselines  # pylint: disable=g-import-not-at-top
 from bench import transformer  # pylint: disable=g-import-not-at-top
 from lingvo_ext.core import gpipe as ext_gpipe  # pylint: disable=g-import-not-at-top
 from lingvo_ext.core import precision  # pylint: disable=g-import-not-at-top
+from lingvo_ext.core.engine import records  # pylint: disable=g-import-not-at-top
 
 py_utils.SetEagerMode(False)
 
@@ -215,13 +216,13 @@ def VariantParams(variant: str) -> Dict:
   flags = {'recompute': ('recompute', True),
            'functions': ('cell_functions', True),
            'inline': ('cell_functions', False), 'jit': ('jit_compile', True)}
-  if schedule not in ext_gpipe.PipeliningLayer._SCHEDULES or not set(  # pylint: disable=protected-access
+  if schedule not in records.NAMES or not set(
       extras) <= set(flags):
     raise ValueError('Unknown lingvo_ext variant %r; use <schedule> with '
                      'optional +recompute, +functions (cell_functions, the '
                      'default), +inline (cell_functions=False) or +jit '
                      '(jit_compile), schedule one of %s.' %
-                     (variant, ext_gpipe.PipeliningLayer._SCHEDULES))  # pylint: disable=protected-access
+                     (variant, records.NAMES))
   params = dict(schedule=schedule)
   for extra in extras:
     name, value = flags[extra]

@@ -343,8 +343,8 @@ def test_random_wide_pipelines_take_1f1b_runs_longer_than_k(seed,
   if 'micro_batch_size' in kwargs:
     kwargs['micro_batch_size'] = 1
   runs = []
-  sized = schedules._Engine._WeightGradientRun  # pylint: disable=protected-access
-  monkeypatch.setattr(schedules._Engine, '_WeightGradientRun',  # pylint: disable=protected-access
+  sized = schedules.Interpreter._WeightGradientRun  # pylint: disable=protected-access
+  monkeypatch.setattr(schedules.Interpreter, '_WeightGradientRun',  # pylint: disable=protected-access
                       lambda self: runs.append(sized(self)) or runs[-1])
   results, seq, names = lib.RunVariants(
       cells, num_devices, inputs_fn, variants=[('1f1b', None)], **kwargs)

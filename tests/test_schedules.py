@@ -20,6 +20,7 @@ import pytest
 from lingvo_ext.core import actions
 from lingvo_ext.core import gpipe
 from lingvo_ext.core import schedules
+from lingvo_ext.core.engine import records
 from tests.support import gpipe_testlib as lib
 from tests import test_gpipe
 
@@ -29,7 +30,15 @@ B, D = 16, 6
 def test_every_schedule_is_one_registry_entry():
   assert set(schedules.SCHEDULES) == {'unrolled', '1f1b', 'recurrent',
                                       'interleaved_1f1b', 'zero_bubble', 'zbv'}
-  assert gpipe.PipeliningLayer._SCHEDULES == tuple(schedules.SCHEDULES)  # pylint: disable=protected-access
+  # One validator of names, the records': every table derives from them.
+  assert tuple(schedules.SCHEDULES) == records.NAMES
+  records.CheckName('zbv', 'pipe')
+  with pytest.raises(ValueError) as e:
+    records.CheckName('x', 't', 'task.schedule', 'task.schedule')
+  assert str(e.value) == (
+      "t: task.schedule='x'; use one of %s, e.g. "
+      "--model_params_override='task.schedule:\"1f1b\"'." %
+      sorted(schedules.SCHEDULES))
   with tf.Graph().as_default(), lib.Cluster(2):
     with pytest.raises(ValueError, match="schedule='gpipe'.*1f1b"):
       gpipe.PipeliningLayer.Params().Set(
@@ -189,7 +198,7 @@ def test_1f1b_keeps_at_most_k_micro_batches_alive(num_cells, functions):
 def test_1f1b_without_its_control_edges_keeps_all_m(monkeypatch):
   """The measure is not bounded by construction: without the edges, M."""
   num_micro = 8
-  monkeypatch.setattr(schedules._Engine, '_Wire',  # pylint: disable=protected-access
+  monkeypatch.setattr(schedules.Interpreter, '_Wire',  # pylint: disable=protected-access
                       lambda *unused_args: None)
   g, fetches = _BackwardGraph(2, num_micro, '1f1b', None, lib._Loss)  # pylint: disable=protected-access
   assert MaxLiveMicroBatches(
@@ -289,7 +298,7 @@ def test_1f1b_takes_weight_gradient_runs_longer_than_k(batch):
 def test_recomputation_without_its_control_edges_keeps_all_m(monkeypatch):
   """The measure is not bounded by construction: without the edges, M."""
   num_micro = 8
-  monkeypatch.setattr(schedules._Engine, '_Wire',  # pylint: disable=protected-access
+  monkeypatch.setattr(schedules.Interpreter, '_Wire',  # pylint: disable=protected-access
                       lambda *unused_args: None)
   for schedule in ('1f1b', 'unrolled'):
     g, fetches = _BackwardGraph(2, num_micro, schedule, True)

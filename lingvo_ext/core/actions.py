@@ -35,5 +35,3 @@ from lingvo_ext.core.engine.simulate import (
     UnitCost)
 from lingvo_ext.core.engine.transforms import (
     FoldOntoDevices, ForwardsFirst, GroupWeightGradients)
-
-_Deps = Deps

@@ -481,7 +481,6 @@ class PipeliningLayer(SeqLayer):
   of the sequential model.
   """
 
-  _SCHEDULES = tuple(schedules.SCHEDULES)
 
   @classmethod
   def Params(cls):
@@ -539,9 +538,7 @@ class PipeliningLayer(SeqLayer):
     if p.micro_batch_size is not None and p.micro_batch_size < 1:
       raise ValueError('%s: micro_batch_size=%r must be >= 1 or None.' %
                        (p.name, p.micro_batch_size))
-    if p.schedule not in self._SCHEDULES:
-      raise ValueError('%s: schedule=%r; use one of %s.' %
-                       (p.name, p.schedule, sorted(self._SCHEDULES)))
+    records.CheckName(p.schedule, p.name)
     jit_choice.CheckValue(p.name, p.jit_compile)
     error = records.RecomputeError(p.schedule, p.recompute, '')
     if error:

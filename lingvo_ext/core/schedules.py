@@ -15,5 +15,3 @@ from lingvo_ext.core.engine.records import LINEAR_LOSS_ONLY
 from lingvo_ext.core.engine.recurrent import Recurrent
 from lingvo_ext.core.engine.tensors import CastHere
 from lingvo_ext.core.nest_util import ToTuple
-
-_Engine = Interpreter

@@ -157,11 +157,8 @@ def CheckPipelines(cfg, num_replicas=1):
           f'{where} splits the batch into micro-batches statically, but '
           f'{key}=False gives batches of unknown shape; set it: '
           f"--model_params_override='{key}:True'.")
-    if 'schedule' in p and p.schedule not in schedules.SCHEDULES:
-      raise ValueError(
-          f'{where}: schedule={p.schedule!r}; use one of '
-          f'{sorted(schedules.SCHEDULES)}, e.g. '
-          f"--model_params_override='{path}.schedule:\"1f1b\"'.")
+    if 'schedule' in p:
+      records.CheckName(p.schedule, where, override=f'{path}.schedule')
     if 'jit_compile' in p:
       jit_choice.CheckValue(f'{where}', p.jit_compile)
     if 'recompute' in p:

@@ -13,7 +13,6 @@ from lingvo_ext._internal import lingvo as internal_lingvo
 from lingvo_ext.core import gpipe
 from lingvo_ext.core import jit_choice
 from lingvo_ext.core import precision
-from lingvo_ext.core import schedules
 from lingvo_ext.core import stacking
 from lingvo_ext.core.engine import records
 from lingvo_ext.distributed import gradient_sync
@@ -125,11 +124,7 @@ class PipelinedTask(base_model.BaseTask):
     """
     p = task_params
     precision.ParseDtype(p.fprop_dtype, f'{p.name}: task.fprop_dtype')
-    if p.schedule not in schedules.SCHEDULES:
-      raise ValueError(
-          f'{p.name}: task.schedule={p.schedule!r}; use one of '
-          f'{sorted(schedules.SCHEDULES)}, e.g. '
-          "--model_params_override='task.schedule:\"1f1b\"'.")
+    records.CheckName(p.schedule, p.name, 'task.schedule', 'task.schedule')
     if p.recompute not in (None, True, False):
       raise ValueError(f'{p.name}: task.recompute={p.recompute!r}; use None, '
                        'True or False.')

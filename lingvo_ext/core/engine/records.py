@@ -164,6 +164,22 @@ def Get(name: str) -> Schedule:
   return BY_NAME[name]
 
 
+def CheckName(name, where: str, key: str = 'schedule',
+              override: str = '') -> None:
+  """ValueError naming `where`, `key` and the schedules, unless one is `name`.
+
+  The one check of a schedule's name: the layer, the task, the trainer's
+  pre-check and the benches call it. `override` (a params path) adds the
+  --model_params_override that would set one.
+  """
+  if name in BY_NAME:
+    return
+  fix = (f", e.g. --model_params_override='{override}:\"1f1b\"'"
+         if override else '')
+  raise ValueError(f'{where}: {key}={name!r}; use one of '
+                   f'{sorted(NAMES)}{fix}.')
+
+
 def Build(name: str, spec: StageSpec) -> ScheduleLists:
   """The named schedule's lists for `spec`, checked.
 
