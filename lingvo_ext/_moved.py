@@ -47,6 +47,10 @@ MOVED = {
     'lingvo_ext.core.matmul_grad': 'lingvo_ext.core.engine.matmul_grad',
 
     # The bundled experiments and other splits.
+    'params': 'lingvo_ext.experiments',
+    'params.base': 'lingvo_ext.experiments.base',
+    'params.image': 'lingvo_ext.experiments.image',
+    'params.lm': 'lingvo_ext.experiments.lm',
 
 }
 

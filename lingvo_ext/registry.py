@@ -2,19 +2,21 @@
 
 Experiments are Lingvo param classes registered with
 `@model_registry.RegisterSingleTaskModel`; Lingvo keys each by its module path
-(less a `params.` prefix) and class name. Two places are searched:
+(less the experiments package's prefix) and class name. Two places are
+searched:
 
-- every module in the repository's `params/` package (`params/mine.py`
-  registers `mine.<Class>`), found by listing the package: nothing else needs
-  editing;
+- every module in the package `lingvo_ext/experiments/`
+  (`experiments/mine.py` registers `mine.<Class>`), found by listing the
+  package: nothing else needs editing;
 - a module named by --model itself, imported from `sys.path` (PYTHONPATH):
   `--model=myexp.MyModel` imports `myexp`, `--model=a.b.MyModel` imports
   `a.b`.
 
 It looks experiments up and nothing more: `tasks.experiment_params` builds
 an experiment's params (the Lingvo rewrite, checked overrides, the dtype).
-Importing `params/` also points Lingvo's `model_registry.GetParams` at
-`ImportParams`, for code that calls Lingvo's registry directly.
+Importing `lingvo_ext.experiments` also points Lingvo's
+`model_registry.GetParams` at `ImportParams`, for code that calls Lingvo's
+registry directly.
 """
 
 import difflib
@@ -28,10 +30,11 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # The package whose modules register the experiments: the repository's
-# params/, which imports this module (to point Lingvo's lookup here). The
+# lingvo_ext/experiments/, which imports this module (to point Lingvo's
+# lookup here). The
 # registry takes it by name, as its callers set it (`SetExperimentsPackage`),
 # so that it does not import the package that imports it.
-_EXPERIMENTS = {'package': 'params'}
+_EXPERIMENTS = {'package': 'lingvo_ext.experiments'}
 
 
 def SetExperimentsPackage(package: str):
@@ -72,10 +75,11 @@ def ImportModule(module):
 
 
 def ImportExperiments(model=None):
-  """Registers params/'s experiments, and `model`'s module if it names one.
+  """Registers the bundled experiments, and `model`'s module if it names one.
 
   Args:
-    model: A --model value; when it is not registered by params/, its module
+    model: A --model value; when it is not registered by experiments/, its
+      module
       (everything before the last '.') is imported from sys.path.
 
   Returns:
@@ -110,7 +114,8 @@ def UnknownModelMessage(name):
   else:
     msg += ' Registered models:\n' + ''.join(f'  {n}\n' for n in names)
   msg += ('List them with: .venv/bin/python -m lingvo_ext.tools.list_models. '
-          'Your own experiment: put it in params/ or pass --model=module.Class '
+          'Your own experiment: put it in lingvo_ext/experiments/ or pass '
+          '--model=module.Class '
           'with module on PYTHONPATH (README, "Your own experiment").')
   return msg
 
@@ -161,10 +166,10 @@ def InstallImportParams():
 
   Lingvo's own lookup tries six modules under lingvo.tasks for each model
   name, printing `model_imports.py: Importing ...` for each, and does not
-  find params/'s experiments; ImportParams imports the experiment's module
-  (or params/) and prints nothing. Only for code that calls Lingvo's
-  model_registry directly (importing `params` does this); lingvo_ext's
-  trainer and tools use GetParams.
+  find lingvo_ext/experiments/'s; ImportParams imports the experiment's
+  module (or experiments/) and prints nothing. Only for code that calls
+  Lingvo's model_registry directly (importing `lingvo_ext.experiments`
+  does); lingvo_ext's trainer and tools use GetParams.
   """
   from lingvo_ext._internal import lingvo as internal_lingvo  # pylint: disable=g-import-not-at-top
   internal_lingvo.SetModelImporter(ImportParams)

@@ -1,4 +1,4 @@
-"""The import graph of lingvo_ext/ and params/, read from the source (ast).
+"""The import graph of lingvo_ext/, read from the source (ast).
 
 Nodes are files; an edge A -> B says A imports B (at module level or inside a
 function: both tie the files together). `Cycles` lists the strongly connected
@@ -15,7 +15,7 @@ import sys
 from typing import Dict, List, Set, Tuple
 from tests.support import ROOT
 
-PACKAGES = ('lingvo_ext', 'params')
+PACKAGES = ('lingvo_ext',)
 
 # The floors of the house, bottom up, drawn from the folders: an entry is a
 # folder or a module right under lingvo_ext/ (or another package of PACKAGES,
@@ -29,7 +29,7 @@ FLOORS = (
     ('lingvo_ext/core/',),
     ('lingvo_ext/registry.py',),
     ('lingvo_ext/tasks/', 'lingvo_ext/checkpoints.py'),
-    ('params/',),
+    ('lingvo_ext/experiments/',),
     ('lingvo_ext/tracing/', 'lingvo_ext/planner/', 'lingvo_ext/serving/'),
     ('lingvo_ext/runtime/',),
     ('lingvo_ext/trainer.py', 'lingvo_ext/launch.py', 'lingvo_ext/tools/',
@@ -55,7 +55,7 @@ def _ModuleFile(module: str, files: Set[str]):
 
 
 def Edges() -> Dict[str, Set[str]]:
-  """{file: the files of lingvo_ext/ and params/ it imports}."""
+  """{file: the files of lingvo_ext/ it imports}."""
   files = Files()
   known = set(files)
   out = {}

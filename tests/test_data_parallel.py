@@ -12,8 +12,8 @@ import pytest
 from tests.support import gpipe_testlib as lib
 from lingvo_ext.distributed import gradient_sync
 from lingvo_ext.distributed import server
-from params import image
-from params import lm
+from lingvo_ext.experiments import image
+from lingvo_ext.experiments import lm
 
 STRATEGIES = gradient_sync.STRATEGIES
 B = 4  # Examples per replica.

@@ -292,6 +292,27 @@ def testRegisteredModelClasses():
   _Check('model_registry._ModelRegistryHelper._MODEL_PARAMS', Check)
 
 
+def testRekeyRegisteredModels():
+
+  def Check():
+    from lingvo_ext import registry  # pylint: disable=g-import-not-at-top
+    registry.ImportExperiments()
+    models = internal_lingvo.RegisteredModelClasses()
+    # The bundled experiments are keyed as --model names them.
+    assert not [k for k in models if k.startswith('lingvo_ext.experiments.')]
+    models['some.pkg.mod.RekeyMe'] = models['lm.TransformerLmTiny']
+    try:
+      assert 'some.pkg.mod.RekeyMe' in models
+      internal_lingvo.RekeyRegisteredModels('some.pkg')
+      assert 'mod.RekeyMe' in models
+      assert 'some.pkg.mod.RekeyMe' not in models
+    finally:
+      models.pop('mod.RekeyMe', None)
+      models.pop('some.pkg.mod.RekeyMe', None)
+
+  _Check('model_registry._ModelRegistryHelper._MODEL_PARAMS (rekey)', Check)
+
+
 def testDatasetParamsAppliesNoFlagOverride():
 
   def Check():

@@ -27,6 +27,18 @@ def RegisteredModelClasses():
   return model_registry._ModelRegistryHelper._MODEL_PARAMS  # pylint: disable=protected-access
 
 
+def RekeyRegisteredModels(package):
+  """Keys the models registered from `package`'s modules without its prefix.
+
+  Lingvo keys a model by its module path less 'lingvo.tasks.' and 'params.';
+  `package.lm.X` becomes `lm.X`, as --model names it.
+  """
+  registered = RegisteredModelClasses()
+  prefix = package + '.'
+  for key in [k for k in registered if k.startswith(prefix)]:
+    registered[key[len(prefix):]] = registered.pop(key)
+
+
 class _NoFlagOverrides(model_registry._ModelRegistryHelper):  # pylint: disable=protected-access
   """Lingvo's registry helper without applying --model_params_override."""
 
@@ -49,9 +61,10 @@ def SetModelImporter(import_params):
   """Points Lingvo's model_registry.Get* lookups at `import_params`.
 
   Lingvo's model_imports.ImportParams tries six modules under lingvo.tasks
-  for each name, printing a line each, and cannot find `params/`'s
-  experiments (keyed `lm.X`, module `params.lm`). For code that calls
-  model_registry.GetParams directly after `import params`; the trainer and
+  for each name, printing a line each, and cannot find the bundled
+  experiments (keyed `lm.X`, module `lingvo_ext.experiments.lm`). For code
+  that calls model_registry.GetParams directly after `import
+  lingvo_ext.experiments`; the trainer and
   the tools use lingvo_ext.registry instead.
   """
   model_imports.ImportParams = import_params

@@ -12,9 +12,9 @@ cells over 4 micro-batches. The three parts a new model needs:
    task cuts it into `num_partitions` cells and builds the pipeline as the
    child `self.pipeline`. `ComputePredictions` runs it, `ComputeLoss`
    returns Lingvo's metrics (each `(value, weight)`; `loss` is minimized).
-3. An experiment on `params.base.PipelinedExperiment` (`ResidualMlpDigits`):
-   `_InputParams(split)` and `_TaskParams()`, with the pipeline and training
-   settings as class attributes, registered with
+3. An experiment on `lingvo_ext.experiments.base.PipelinedExperiment`
+   (`ResidualMlpDigits`): `_InputParams(split)` and `_TaskParams()`, with
+   the pipeline and training settings as class attributes, registered with
    `@model_registry.RegisterSingleTaskModel`.
 
 Train it (here, or copied outside the repository with its directory on
@@ -47,9 +47,9 @@ from lingvo.core import tshape
 
 from lingvo_ext.core import flops
 from lingvo_ext.core import layers
+from lingvo_ext.experiments import base
 from lingvo_ext.tasks import pipelined_task
 from lingvo_ext.tasks.image import input_generator
-from params import base
 
 MODEL = 'lingvo_ext.examples.own_model.ResidualMlpDigits'
 

@@ -2,9 +2,9 @@ r"""Prints every registered lingvo_ext experiment name, one per line.
 
   .venv/bin/python -m lingvo_ext.tools.list_models [module ...]
 
-Lists params/'s experiments, plus those of each named module (imported from
-PYTHONPATH, as `--model=module.Class` does). Pass a name to --model of
-`.venv/bin/python -m lingvo_ext.trainer`.
+Lists the bundled experiments (lingvo_ext/experiments/), plus those of each
+named module (imported from PYTHONPATH, as `--model=module.Class` does).
+Pass a name to --model of `.venv/bin/python -m lingvo_ext.trainer`.
 """
 
 import sys
@@ -14,7 +14,7 @@ from lingvo_ext import registry
 
 
 def RegisteredModels():
-  """Sorted names of the registered experiments (imports `params`)."""
+  """Sorted names of the registered experiments (imports the bundled ones)."""
   return registry.RegisteredModels()
 
 

@@ -341,7 +341,7 @@ def testScheduleValuesInDocsAreTheSchedules():
 
 # Every library file: a param or flag help is 1-3 lines; the detail is in
 # docs/.
-_SHORT_HELP_FILES = ['lingvo_ext/**/*.py', 'bench/**/*.py', 'params/**/*.py']
+_SHORT_HELP_FILES = ['lingvo_ext/**/*.py', 'bench/**/*.py']
 # About 3 lines of 80 characters.
 _MAX_HELP = 240
 
@@ -381,8 +381,8 @@ def testParamAndFlagHelpsAreShort():
 # docs/benchmarks.md, never in the code (comments say why, not when).
 _WHEN = re.compile(r'\b20\d\d-[01]\d-[0-3]\d\b|\b[0-2]?\d:[0-5]\d ?UTC\b|\bUTC\b'
                    r'|\bcommit [0-9a-f]{7,40}\b|\b[0-9a-f]{40}\b')
-_CODE_DIRS = ['lingvo_ext/**/*.py', 'bench/**/*.py', 'params/**/*.py',
-              'scripts/*.py', 'scripts/*.sh']
+_CODE_DIRS = ['lingvo_ext/**/*.py', 'bench/**/*.py', 'scripts/*.py',
+              'scripts/*.sh']
 
 
 def testNoDatesTimesOrHashesInCode():

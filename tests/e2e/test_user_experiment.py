@@ -26,7 +26,7 @@ TIMEOUT = 300
 
 _EXPERIMENT = '''
 from lingvo import model_registry
-from params import lm
+from lingvo_ext.experiments import lm
 
 
 @model_registry.RegisterSingleTaskModel
@@ -49,13 +49,15 @@ if _probe:
 '''
 
 
-def _Run(args, pythonpath=None, cwd=ROOT, **extra_env):
+def _Run(args, pythonpath=None, cwd=ROOT, fresh=False, **extra_env):
   env = dict(os.environ, **extra_env)
   if pythonpath:
     env['PYTHONPATH'] = pythonpath
-  proc = zygote.run([sys.executable, '-m', *args], cwd=cwd, env=env,
-                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                    text=True, timeout=TIMEOUT, check=False)
+  # The fork server has imported the repository's lingvo_ext already.
+  run = subprocess.run if fresh else zygote.run
+  proc = run([sys.executable, '-m', *args], cwd=cwd, env=env,
+             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+             text=True, timeout=TIMEOUT, check=False)
   return proc.returncode, proc.stdout
 
 
@@ -91,14 +93,15 @@ def testOwnExperimentOnPythonpathTrainsAndIsCostReported(tmp_path):
 
 
 @pytest.mark.e2e
-def testNewFileInParamsIsRegisteredWithoutOtherEdits(tmp_path):
-  # A copy of the repository's params/ package, with one new file in it and
-  # nothing else changed, found before the repository's (python -m puts the
-  # working directory first on sys.path).
-  shutil.copytree(os.path.join(ROOT, 'params'), str(tmp_path / 'params'),
-                  ignore=shutil.ignore_patterns('__pycache__'))
-  (tmp_path / 'params' / 'mine.py').write_text(_EXPERIMENT)
-  copy = dict(pythonpath=ROOT, cwd=str(tmp_path))
+def testNewFileInExperimentsIsRegisteredWithoutOtherEdits(tmp_path):
+  # A copy of the repository's lingvo_ext/ package, with one new file in
+  # experiments/ and nothing else changed, found before the repository's
+  # (python -m puts the working directory first on sys.path; a fresh
+  # interpreter, not the fork server's).
+  shutil.copytree(os.path.join(ROOT, 'lingvo_ext'),
+                  str(tmp_path / 'lingvo_ext'), ignore=shutil.ignore_patterns('__pycache__'))
+  (tmp_path / 'lingvo_ext' / 'experiments' / 'mine.py').write_text(_EXPERIMENT)
+  copy = dict(pythonpath=ROOT, cwd=str(tmp_path), fresh=True)
   rc, out = _Run(['lingvo_ext.tools.list_models'], **copy)
   assert rc == 0, out
   assert 'mine.MyLm\n' in out and 'lm.TransformerLmTiny\n' in out
@@ -118,8 +121,7 @@ def testTrainerAndListModelsSeeOneRegistry():
 
 # --model_params_override values printed in the docs, docstrings and
 # messages: each must set what it names on a registered experiment.
-_DOC_FILES = ['README.md', 'docs/*.md', 'params/*.py', 'lingvo_ext/**/*.py',
-              'scripts/*.sh']
+_DOC_FILES = ['README.md', 'docs/*.md', 'lingvo_ext/**/*.py', 'scripts/*.sh']
 _OVERRIDE_RE = re.compile(r"--model_params_override=\\?'([^'{}\\]*)\\?'")
 
 
@@ -181,7 +183,8 @@ def testDocumentedOverridesSetWhatTheyName():
   found = _DocumentedOverrides()
   where = {path for path, _ in found}
   # The LM's and the image experiments' docstrings show one each.
-  assert {'params/lm.py', 'params/image.py'} <= where, found
+  assert {'lingvo_ext/experiments/lm.py',
+          'lingvo_ext/experiments/image.py'} <= where, found
   for _, text in found:
     _CheckOverride(text)
 

@@ -176,9 +176,8 @@ def testPipInstallGivesThePackagesAndEntryPoints(tmp_path):
   src.mkdir()
   for name in ('pyproject.toml', 'README.md'):
     shutil.copy(os.path.join(ROOT, name), str(src / name))
-  for name in ('lingvo_ext', 'params'):
-    shutil.copytree(os.path.join(ROOT, name), str(src / name),
-                    ignore=shutil.ignore_patterns('__pycache__'))
+  shutil.copytree(os.path.join(ROOT, 'lingvo_ext'), str(src / 'lingvo_ext'),
+                  ignore=shutil.ignore_patterns('__pycache__'))
   for editable in ([], ['-e']):
     venv = tmp_path / f'venv{len(editable)}'
     subprocess.run([sys.executable, '-m', 'venv', '--without-pip', str(venv)],
@@ -195,18 +194,25 @@ def testPipInstallGivesThePackagesAndEntryPoints(tmp_path):
                             '--no-build-isolation', *editable, str(src)],
                         cwd=str(tmp_path), module=False)
     assert rc == 0, err[-3000:]
-    # Importable from anywhere, from the install. In the editable one params
-    # is found, not imported again (importing it imports TensorFlow, seconds
-    # of CPU): the same finder resolves both.
-    params = ('importlib.util.find_spec("params").origin' if editable else
-              'importlib.import_module("params").__file__')
-    rc, out, err = lib.Run([py, '-c', 'import importlib.util, lingvo_ext; '
-                            f'print(lingvo_ext.__file__, {params})'],
+    # Importable from anywhere, from the install. In the editable one the
+    # experiments are found, not imported again (importing them imports
+    # TensorFlow, seconds of CPU): the same finder resolves both. No
+    # top-level `params` package is installed (the name is not ours; once
+    # lingvo_ext is imported, `params` is its alias).
+    exps = ('importlib.util.find_spec("lingvo_ext.experiments").origin'
+            if editable else
+            'importlib.import_module("lingvo_ext.experiments").__file__')
+    rc, out, err = lib.Run([py, '-c', 'import importlib.util; '
+                            'top = importlib.util.find_spec("params"); '
+                            'import lingvo_ext; '
+                            f'print(lingvo_ext.__file__, {exps}, top)'],
                         cwd='/', module=False, pythonpath=os.devnull)
     assert rc == 0, err[-3000:]
     where = str(src) if editable else purelib
-    assert out.split() == [os.path.join(where, 'lingvo_ext', '__init__.py'),
-                           os.path.join(where, 'params', '__init__.py')], out
+    assert out.split() == [
+        os.path.join(where, 'lingvo_ext', '__init__.py'),
+        os.path.join(where, 'lingvo_ext', 'experiments', '__init__.py'),
+        'None'], out
     if editable:
       continue  # The same entry points; the first install ran them.
     for script, expected in (('lingvo-ext-train', '--max_steps'),
@@ -317,7 +323,7 @@ def testCostReportPlacesVariablesWhereTheTrainerDoes(capsys):
 @pytest.mark.e2e  # A fresh interpreter.
 def testLookingUpAnExperimentPrintsNoLingvoImportLines(tmp_path):
   code = ('import lingvo.compat as tf; from lingvo import model_registry; '
-          'import params; tf.flags.FLAGS.mark_as_parsed(); '
+          'import lingvo_ext.experiments; tf.flags.FLAGS.mark_as_parsed(); '
           f'print(model_registry.GetParams("{lib.TINY}", "Train").task.name); '
           'from lingvo_ext.tools import convert_checkpoint; '
           f'print(convert_checkpoint.ModelParams("{lib.TINY}").task.name)')

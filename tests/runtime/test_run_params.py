@@ -68,7 +68,7 @@ import os
 
 from lingvo import model_registry
 
-from params import lm
+from lingvo_ext.experiments import lm
 
 
 @model_registry.RegisterSingleTaskModel

@@ -47,8 +47,8 @@ import pytest
 
 from tests.support import gpipe_testlib as lib
 from lingvo_ext.core import schedules
-from params import image
-from params import lm
+from lingvo_ext.experiments import image
+from lingvo_ext.experiments import lm
 
 STEPS = 200
 EXPERIMENTS = {'lm': lm.TransformerLmTinyGPipe, 'image':

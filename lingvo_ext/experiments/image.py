@@ -12,7 +12,7 @@ from lingvo import model_registry
 from lingvo_ext.tasks.image import input_generator
 from lingvo_ext.tasks.image import model
 
-from params import base
+from lingvo_ext.experiments import base
 
 
 class _ConvClassifierBase(base.PipelinedExperiment):

@@ -10,7 +10,7 @@ from lingvo import model_registry
 from lingvo_ext.tasks.lm import input_generator
 from lingvo_ext.tasks.lm import model
 
-from params import base
+from lingvo_ext.experiments import base
 
 
 class _TransformerLmBase(base.PipelinedExperiment):
