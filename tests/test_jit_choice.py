@@ -96,8 +96,9 @@ def test_auto_computes_what_the_build_it_takes_computes(cache, monkeypatch,
 
 def test_plans_carry_jit_compile_into_the_experiment():
   from lingvo_ext import planner  # pylint: disable=g-import-not-at-top
-  import test_plan  # pylint: disable=g-import-not-at-top
-  profile = test_plan._Profile()  # pylint: disable=protected-access
+  # pylint: disable-next=g-import-not-at-top
+  from tests.support import planner_testlib
+  profile = planner_testlib.Profile()
   default = planner.Enumerate(profile, 2, schedules=('unrolled',))
   both = planner.Enumerate(profile, 2, schedules=('unrolled',),
                            jit_choices=(False, True))
