@@ -23,6 +23,7 @@ import numpy as np
 
 from lingvo_ext._internal import lingvo as internal_lingvo
 from lingvo_ext._internal import tf as internal_tf
+from lingvo_ext.core import cut_checkpoints
 from lingvo_ext.core import cuts
 
 
@@ -237,7 +238,7 @@ class CrossCutCheckpointer(lingvo_checkpointer.Checkpointer):
       # variables, stacked views): Lingvo's restore.
       return super().RestoreFromPath(sess, checkpoint_path)
     try:
-      plan = cuts.PlanRestore(self._models, keys, variables,
+      plan = cut_checkpoints.PlanRestore(self._models, keys, variables,
                               source=checkpoint_path)
     except ValueError as e:
       tf.logging.warning('Not a checkpoint of another cut: %s', e)

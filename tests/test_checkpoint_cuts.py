@@ -25,6 +25,7 @@ import pytest
 
 from tests.support import zygote
 
+from lingvo_ext.core import cut_checkpoints
 from lingvo_ext.core import cuts
 from lingvo_ext.core import gpipe
 from lingvo_ext.tasks.lm import model as lm_model
@@ -295,7 +296,7 @@ def test_the_issue_16_equal_layers_in_4_cells(tmp_path):
   y = _Built(_Pipeline(theirs, lingvo=True), x, 0).Run(save=path)
   built = _Built(_Pipeline(ours), x, 1)
   reader = tf.train.load_checkpoint(path)
-  plan = cuts.PlanRestore(built.layer, reader.get_variable_to_shape_map(),
+  plan = cut_checkpoints.PlanRestore(built.layer, reader.get_variable_to_shape_map(),
                           built.names)
   assert plan.Describe() == ('d1/cell_003 -> d0/cell_003, d2/cell_007 -> '
                              'd1/cell_007, d3/cell_011 -> d2/cell_011')

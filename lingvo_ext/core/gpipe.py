@@ -29,6 +29,7 @@ from lingvo.core import py_utils
 from lingvo.core import tshape
 
 from lingvo_ext.core import cost as cost_lib
+from lingvo_ext.core import cut_checkpoints
 from lingvo_ext.core import cuts
 from lingvo_ext.core import jit_choice
 from lingvo_ext.core import nest_util
@@ -270,9 +271,9 @@ def CheckpointVarMap(layer, checkpoint_path, variables=None):
 
   A checkpoint written under another cut of the same layers into cells
   (e.g. lingvo.core.gpipe's), or the other naming, restores into `layer`.
-  See `lingvo_ext.core.cuts.CheckpointVarMap`.
+  See `lingvo_ext.core.cut_checkpoints.CheckpointVarMap`.
   """
-  return cuts.CheckpointVarMap(layer, checkpoint_path, variables)
+  return cut_checkpoints.CheckpointVarMap(layer, checkpoint_path, variables)
 
 
 def CellVariableDevices(cluster, num_cells: int,

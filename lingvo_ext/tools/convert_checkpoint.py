@@ -52,6 +52,7 @@ from lingvo.core import cluster_factory
 from lingvo.core import gpipe as lingvo_gpipe
 
 from lingvo_ext._internal import lingvo as internal_lingvo
+from lingvo_ext.core import cut_checkpoints
 from lingvo_ext.core import cuts
 from lingvo_ext.core import gpipe
 
@@ -183,12 +184,12 @@ def Plan(ckpt_shapes: Dict[str, List[int]], from_renames: Dict[str, str],
 
 def LeafPlan(ckpt_shapes: Dict[str, List[int]], to_shapes: Dict[str, List[int]],
              to_leaves) -> Dict[str, str]:
-  """As Plan, pairing keys by pipeline leaf (cuts.PlanRestore).
+  """As Plan, pairing keys by pipeline leaf (cut_checkpoints.PlanRestore).
 
   That pairs `cell_NNN` with the user's layer names too, under any cut.
   """
   try:
-    keys = cuts.PlanRestore(None, ckpt_shapes, to_shapes, required=(),
+    keys = cut_checkpoints.PlanRestore(None, ckpt_shapes, to_shapes, required=(),
                             leaves=to_leaves).keys
   except ValueError as e:
     raise ConversionError(str(e)) from e
@@ -238,15 +239,15 @@ def Convert(from_checkpoint: str, from_model: str, to_checkpoint: str,
   return plan
 
 
-def ConvertLayouts(from_checkpoint: str, from_layout: cuts.Layout,
+def ConvertLayouts(from_checkpoint: str, from_layout: cut_checkpoints.Layout,
                    to_checkpoint: str,
-                   to_layout: cuts.Layout) -> Dict[str, str]:
+                   to_layout: cut_checkpoints.Layout) -> Dict[str, str]:
   """Converts between two layouts of a stack, no model needed; the plan."""
   reader = tf.train.load_checkpoint(from_checkpoint)
   keys = [k for k in reader.get_variable_to_shape_map()
           if not k.startswith('_CHECKPOINTABLE')]
   try:
-    plan = cuts.RenameKeys(keys, from_layout, to_layout)
+    plan = cut_checkpoints.RenameKeys(keys, from_layout, to_layout)
   except ValueError as e:
     raise ConversionError(str(e)) from e
   if keys and all(k == v for k, v in plan.items()):
@@ -343,7 +344,7 @@ def _Names(text):
 def _LayoutOf(args, side):
   names = getattr(args, side + '_names')
   keep = getattr(args, side + '_keep_layer_names')
-  return cuts.Layout(getattr(args, side + '_cut'),
+  return cut_checkpoints.Layout(getattr(args, side + '_cut'),
                      independent=names == 'partition_independent',
                      layer_names=args.layer_names if keep else None)
 
