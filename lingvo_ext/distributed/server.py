@@ -35,7 +35,7 @@ def WithoutIdlePasses(config):
   The TFG pipeline (toposort, shape inference, conditional code motion) and
   the memory optimizer (recomputation where a graph asks for it, swapping to
   a GPU's host) cost start-up; on the CPU graphs tested they change nothing,
-  bit for bit (tests/test_session_config.py; docs/benchmarks.md).
+  bit for bit (tests/runtime/test_session_config.py; docs/benchmarks.md).
   """
   rewrite = config.graph_options.rewrite_options
   rewrite.disable_tfg_optimizer = True

@@ -255,7 +255,7 @@ def testSlurmAndKubernetesExamplesPassTheTrainersChecks(tmp_path):
   # pylint: disable=g-import-not-at-top,protected-access
   import stat
   from lingvo_ext.distributed import resolvers
-  from tests import test_cluster_resolver as cluster_test
+  from tests.distributed import test_cluster_resolver as cluster_test
   items = []
   for job in [d for d in cluster_test._K8sDocuments() if d['kind'] == 'Job']:
     (container,) = job['spec']['template']['spec']['containers']

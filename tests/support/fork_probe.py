@@ -1,4 +1,4 @@
-"""Run by tests/test_fork_server.py: `python -m tests.support.fork_probe`.
+"""Run by tests/distributed/test_fork_server.py: `python -m tests.support.fork_probe`.
 
 Prints, as one JSON line, what a program sees of how it was started; then
 exits as its first argument says: an exit code, 'signal' (SIGTERM itself),

@@ -1,6 +1,6 @@
 """The trainer's Grappler passes off (server.WithoutIdlePasses) change nothing.
 
-A pipelined Transformer (tests/test_loss_in_last_cell.py's, on 2 devices)
+A pipelined Transformer (tests/core/test_loss_in_last_cell.py's, on 2 devices)
 trained a few steps under TensorFlow's default config and under the one
 without the idle passes: the same partition graphs after Grappler, and the
 same losses and variables bit for bit.
@@ -14,7 +14,7 @@ from tensorflow.core.protobuf import rewriter_config_pb2
 
 from lingvo_ext.runtime import trainer_flags
 from lingvo_ext.distributed import server
-from tests import test_loss_in_last_cell
+from tests.core import test_loss_in_last_cell
 
 
 def _Train(schedule, lean, steps=3):

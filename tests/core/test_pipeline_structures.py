@@ -30,8 +30,8 @@ from lingvo_ext.core import actions
 from lingvo_ext.core import gpipe
 from lingvo_ext.core import schedules
 from tests.support import gpipe_testlib as lib
-from tests import test_gpipe
-from tests import test_schedules
+from tests.core import test_gpipe
+from tests.core import test_schedules
 
 
 # Cells built inline, a copy per micro-batch (cell functions are the default).

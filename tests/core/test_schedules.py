@@ -22,7 +22,7 @@ from lingvo_ext.core import gpipe
 from lingvo_ext.core import schedules
 from lingvo_ext.core.engine import records
 from tests.support import gpipe_testlib as lib
-from tests import test_gpipe
+from tests.core import test_gpipe
 
 B, D = 16, 6
 

@@ -11,7 +11,7 @@ import pytest
 from lingvo_ext.core import gpipe
 from lingvo_ext.core import jit_choice
 from tests.support import gpipe_testlib as lib
-from tests import test_gpipe
+from tests.core import test_gpipe
 
 B, D = 8, 6
 
