@@ -48,6 +48,7 @@ CellFnFPropOpReplacementWrapper = (
     lingvo_gpipe.CellFnFPropOpReplacementWrapper)
 SetOverWriteGlobalStep = lingvo_gpipe.SetOverWriteGlobalStep
 GetOverWriteGlobalStep = lingvo_gpipe.GetOverWriteGlobalStep
+GenerateStepSeedPair = lingvo_gpipe.GenerateStepSeedPair
 
 
 def _LingvoOutputs(outputs):

@@ -362,3 +362,19 @@ def test_cell_variables_live_on_their_cells_device():
   assert {d for n, d in spread.items() if 'cell0/' in n} == {'CPU:0', 'CPU:1'}
   # Variables on a ps device that is not a worker device stay there.
   assert set(_VariableDevices('trainer_client', True, 1).values()) == {'CPU:0'}
+
+
+@pytest.mark.parametrize('name', ['gpipe', 'layers_with_gpipe'])
+def test_drop_in_keeps_every_public_name_of_lingvos_module(name):
+  # Code written against lingvo.core.<name> runs with only the import
+  # changed: every public name Lingvo's module has, ours has too.
+  import importlib  # pylint: disable=g-import-not-at-top
+  import types  # pylint: disable=g-import-not-at-top
+
+  def Public(module):
+    return {n for n in dir(module) if not n.startswith('_') and
+            not isinstance(getattr(module, n), types.ModuleType)}
+
+  theirs = importlib.import_module('lingvo.core.' + name)
+  ours = importlib.import_module('lingvo_ext.core.' + name)
+  assert sorted(Public(theirs) - Public(ours)) == []
