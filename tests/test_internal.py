@@ -740,3 +740,21 @@ def testTheRuntimeUsesNoUnlistedLingvoInternal():
   assert not unlisted, (
       'Lingvo internals not in _internal/lingvo_runtime.py: ' +
       ', '.join(sorted(set(unlisted))))
+
+
+def testEagerModeExecutesEagerlyInAGraphModeProcess():
+  # A fresh interpreter: eager execution off for the process, on inside.
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  code = ('import tensorflow as tf\n'
+          'tf.compat.v1.disable_eager_execution()\n'
+          'from lingvo_ext._internal import tf as internal_tf\n'
+          'assert not tf.executing_eagerly()\n'
+          'with internal_tf.EagerMode():\n'
+          '  assert tf.executing_eagerly()\n'
+          '  assert float(tf.constant(2.0) * 3) == 6.0\n'
+          'assert not tf.executing_eagerly()\n'
+          'print("ok")\n')
+  out = subprocess.run([sys.executable, '-c', code], capture_output=True,
+                       text=True, timeout=300)
+  assert out.returncode == 0 and out.stdout == 'ok\n', out.stderr[-2000:]

@@ -156,6 +156,16 @@ def CallsOptimizedOnce():
     ctx.function_call_options = saved
 
 
+def EagerMode():
+  """A context that executes eagerly, even where the process disabled it.
+
+  TF2's SavedModel writer needs eager execution; a caller in graph mode
+  (Lingvo's `SetEagerMode(False)`, `disable_eager_execution`) otherwise gets
+  "Unable to save checkpoint ... in graph mode without a default session".
+  """
+  return tf_context.eager_mode()
+
+
 def AddControlInput(op, dependency) -> None:
   """Adds a control input to an op that is already built."""
   op._add_control_input(dependency)  # pylint: disable=protected-access

@@ -234,6 +234,11 @@ def WriteSavedModel(frozen, export_dir, assets=None):
     assets: {file name: text} written under assets/ (e.g. vocab.json) and
       tracked by the SavedModel (its `assets` attribute).
   """
+  with internal_tf.EagerMode():  # Also for callers in graph mode.
+    _WriteSavedModel(frozen, export_dir, assets)
+
+
+def _WriteSavedModel(frozen, export_dir, assets):
   module = tf.Module()
 
   def Import():

@@ -25,11 +25,13 @@ _K = 2
 
 # Ops run per (cell, micro-batch), forward and backward, at most: what
 # these models run now (FC cells below: 'unrolled' 28.5, '1f1b' 29.5; the
-# 2-layer Transformer's cells, 'unrolled': 405). A change that adds ops per
+# 2-layer Transformer's cells, 'unrolled': 415.5, the reshapes around each
+# weight matmul's 2-D GEMM included: flat_weight_matmuls, far cheaper than
+# the broadcasting BatchMatMulV2 they replace). A change that adds ops per
 # micro-batch (bookkeeping, a cast, an identity) fails here; lower a bound
 # when a change removes some.
 FC_BOUND = {'unrolled': 28.5, '1f1b': 29.5}
-TRANSFORMER_BOUND = 405
+TRANSFORMER_BOUND = 415.5
 
 
 def _FcOpsRun(schedule: str, num_micro: int):
