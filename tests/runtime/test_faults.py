@@ -30,6 +30,7 @@ from lingvo_ext.runtime import memory_check
 from lingvo_ext.runtime import progress
 from lingvo_ext.distributed import launch_lib
 from lingvo_ext.tasks import input_files
+from tests.support import lingvo_lm_testlib
 from tests.support import proc_testlib
 
 TIMEOUT = 300
@@ -815,57 +816,19 @@ def testFileWatchLeavesInputsWithoutLocalFilesAlone():
   assert input_files.StartWatch(_TextInput('iota:'), stop=None) is None
 
 
-_LINGVO_LM = '''
-import os
-from lingvo import model_registry
-from lingvo.core import base_model_params
-from lingvo.core import optimizer
-from lingvo.core import schedule
-from lingvo.tasks.lm import input_generator
-from lingvo.tasks.lm import layers
-from lingvo.tasks.lm import model
-
-
-@model_registry.RegisterSingleTaskModel
-class TinyLm(base_model_params.SingleTaskModelParams):
-
-  def Train(self):
-    p = input_generator.LmInput.Params()
-    p.file_pattern = 'text:' + os.environ['FAULTS_LM_DATA']
-    p.file_parallelism = 1
-    p.file_buffer_size = 100
-    p.num_batcher_threads = 1
-    p.bucket_upper_bound = [16]
-    p.bucket_batch_limit = [8]
-    p.target_max_length = 16
-    p.fixed_input_shape = True
-    p.tokenizer.vocab_size = 128
-    return p
-
-  def Task(self):
-    p = model.BatchMajorLanguageModel.Params()
-    p.name = 'lm'
-    p.lm = layers.GPipeTransformerLm.CommonParams(
-        vocab_size=128, model_dim=64, hidden_dim=128, num_heads=2,
-        num_layers=4, splits=2, num_micro_batches=4)
-    p.train.learning_rate = 1e-3
-    p.train.optimizer = optimizer.Adam.Params()
-    p.train.lr_schedule = schedule.ConstantOne.Params()
-    p.train.save_interval_seconds = 3600
-    return p
-'''
-
-
 @pytest.mark.e2e
 def testLingvosLmInputFileDeletedMidRunIsOneLineNotAHang(tmp_path):
-  (tmp_path / 'faults_lm.py').write_text(_LINGVO_LM)
+  # Lingvo's own GPipe LM on LmInput, as a user writes it (one module for
+  # the tests that run it).
+  folder = lingvo_lm_testlib.Write(tmp_path / 'exp')
   data = str(tmp_path / 'data.txt')
   _Lines(data)
   logdir = str(tmp_path / 'log')
-  env = dict(FAULTS_LM_DATA=data, PYTHONPATH=str(tmp_path) + os.pathsep +
+  env = dict(LINGVO_GPIPE_LM_DATA=data, PYTHONPATH=folder + os.pathsep +
              os.environ.get('PYTHONPATH', ''))
   with proc_testlib.Proc([sys.executable, '-m', 'lingvo_ext.trainer',
-                          '--model=faults_lm.TinyLm', f'--logdir={logdir}',
+                          f'--model={lingvo_lm_testlib.MODEL}',
+                          f'--logdir={logdir}',
                           '--max_steps=1000000'], env=env) as run:
     run.WaitFor(r'^step \d+/', TIMEOUT)
     os.remove(data)
