@@ -43,6 +43,10 @@ class AllReduceSync(base.GradientSync, strategy='all_reduce'):
     return 'replicated'
 
   def _SyncVariable(self, path, per_replica, var):
+    return self._AllReduce(path, per_replica, var)
+
+  def _AllReduce(self, path, per_replica, var):
+    """Each replica's Pending mean of `per_replica`, on its own devices."""
     devices = [self._devices[r][path] for r in range(self._r)]
     group = self._GroupKey(self._stages[path])
     key = self._InstanceKey(var.op.name)

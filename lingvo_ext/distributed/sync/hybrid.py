@@ -18,10 +18,8 @@ class HybridSync(all_reduce.AllReduceSync,
 
   def _SyncVariable(self, path, per_replica, var):
     if self._plans[path] == 'ps':
-      strategy = parameter_server.ParameterServerSync
-    else:
-      strategy = all_reduce.AllReduceSync
-    return strategy._SyncVariable(self, path, per_replica, var)  # pylint: disable=protected-access
+      return self._PushToPs(per_replica, var)
+    return self._AllReduce(path, per_replica, var)
 
 
 def _ReadOnlyByGathers(read):

@@ -18,6 +18,10 @@ class ParameterServerSync(base.GradientSync, strategy='parameter_server'):
     return 'ps'
 
   def _SyncVariable(self, path, per_replica, var):
+    return self._PushToPs(per_replica, var)
+
+  def _PushToPs(self, per_replica, var):
+    """One Pending mean of `per_replica` (every replica's), with `var`."""
     g0 = per_replica[0]
     if isinstance(g0, tf.IndexedSlices):
       self.stats.ps_push_bytes += (

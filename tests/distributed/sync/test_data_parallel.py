@@ -238,6 +238,20 @@ def _Build(replicas, k=1, **kwargs):
     return p.Instantiate()
 
 
+@pytest.mark.parametrize('strategy', STRATEGIES)
+def testGradientSyncMakesTheClassOfItsStrategy(strategy):
+  got = sync.GradientSync('t', strategy, 2, accumulate_steps=3)
+  assert isinstance(got, sync.GradientSync)
+  assert type(got).STRATEGY == strategy
+  assert got.num_replicas == 2
+
+
+def testGradientSyncNamesTheStrategiesForAnUnknownOne():
+  with pytest.raises(ValueError, match='gradient_sync=.allreduce. is not a '
+                     'strategy; .* one of .*all_reduce'):
+    sync.GradientSync('t', 'allreduce', 2)
+
+
 def testBadDataParallelParamsAreClearErrors():
   with pytest.raises(ValueError, match='gradient_sync=.allreduce.*one of'):
     _Build(2, gradient_sync='allreduce')
