@@ -13,6 +13,7 @@ from lingvo_ext.planner import tree_memory
 from lingvo_ext.runtime import memory_check
 from lingvo_ext.runtime import start_memory
 from lingvo_ext.tasks import experiment_params
+from tests.support import flagship_testlib
 from tests.support import lingvo_lm_testlib
 
 
@@ -256,3 +257,24 @@ def testTheTrainerWarnsForLingvosLmBeforeItsBuild(lingvo_lm, monkeypatch,
   assert 'task.lm.stack.schedule=' in lines[0]
   assert "the cgroup's memory limit is 64 KB" in lines[0]
   assert len(tf.get_default_graph().get_operations()) == ops
+
+
+flagship = pytest.fixture(scope='module', name='flagship')(
+    flagship_testlib.Fixture)
+
+
+def testTheFlagshipsEstimateSizesItsBucketedTimeAxis(flagship):
+  del flagship
+  from lingvo_ext.planner import auto  # pylint: disable=g-import-not-at-top
+  cfg = experiment_params.GetParams(flagship_testlib.MODEL, 'Train')
+  got, plan = _TreeEstimate(cfg)
+  (pipe,) = tree_memory.ProfileTaskMemory(cfg).pipes
+  # Its one Train bucket bounds the time axis the task trims at run time;
+  # cell 1 gives the logits, [T, vocab] float32 per example.
+  longest = max(cfg.input.bucket_upper_bound)
+  assert pipe.profile.layers[-1].out_bytes == (
+      longest * flagship_testlib.VOCAB_SIZE * 4)
+  own = auto.PROCESS_OVERHEAD_BYTES
+  line = start_memory.StartWarning(cfg, 2, 2, '', got.process_bytes + own - 1,
+                                   'x')
+  assert 'task.lm.stack.schedule=' in line, line
