@@ -7,7 +7,7 @@ anything is written: a bad param is one `error:` line and exit 2.
 import dataclasses
 
 from lingvo_ext.distributed import sync
-from lingvo_ext.runtime import memory_check
+from lingvo_ext.runtime import start_memory
 from lingvo_ext.runtime import run_params
 from lingvo_ext.runtime import runner_state
 
@@ -62,6 +62,6 @@ def Check(o, params=None):
   except (ValueError, AttributeError, LookupError) as e:
     return runner_state.FirstLine(e), o
   if local_training and not o.plan:  # --plan=auto warns with its own.
-    memory_check.WarnAtStart(cfg, o.num_cpu_devices, split,
+    start_memory.WarnAtStart(cfg, o.num_cpu_devices, split,
                              o.model_params_override)
   return None, o
