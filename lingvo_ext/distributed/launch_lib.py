@@ -438,7 +438,7 @@ def Launch(num_workers: int, trainer_flags: Sequence[str], logdir: str,
 
   if network == 'private':
     try:
-      network.EnterPrivateNetwork()
+      EnterPrivateNetwork()  # The `network` argument hides the module.
     except OSError as e:
       Say(f'error: --network=private: cannot make a private network '
           f'namespace here ({e}); run with --network=host to run the cluster '
