@@ -176,6 +176,13 @@ def _CheckFlags(o):
       not checkpoints.LatestCheckpoint(train_dir)):
     return (f'--eval_once: no checkpoint in {train_dir} to evaluate; train '
             'with the same --logdir first, or pass --eval_checkpoint.')
+  other = {'sync': ('trainer', 'trainer_client'),
+           'async': ('trainer_client', 'trainer')}.get(o.mode)
+  if other and other[0] in o.jobs:
+    # Lingvo's cluster asserts on the pair; its traceback names neither.
+    jobs = ','.join(other[1] if j == other[0] else j for j in o.jobs)
+    return (f'--job={o.job} has job {other[0]}, which --mode={o.mode} does '
+            f'not run; its trainer job is {other[1]}: pass --job={jobs}.')
   if o.distributed:
     return trainer_lib.CheckFlags(o, (FLAGS.worker_replicas if
                                       FLAGS['worker_replicas'].present

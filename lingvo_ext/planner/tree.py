@@ -87,7 +87,7 @@ class SequenceLength:
             f"({', '.join(map(str, self.read))}){most}")
 
 
-def _Child(layer, part):
+def Child(layer, part):
   """The child layer of `layer` that the params path part names."""
   name, _, index = part.partition('[')
   try:
@@ -99,17 +99,19 @@ def _Child(layer, part):
                      'children of the task.') from None
 
 
-def _Bytes(tensors) -> float:
+def TensorBytes(tensors) -> float:
+  """The bytes of the tensors (or variables) of fully known shape."""
   return float(sum(t.shape.num_elements() * t.dtype.size for t in tensors
                    if t is not None and t.shape.is_fully_defined()))
 
 
-def _Tensors(nest):
+def Tensors(nest):
+  """The tensors of a nest (None and other values left out)."""
   import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
   return [t for t in tf.nest.flatten(nest) if isinstance(t, tf.Tensor)]
 
 
-def _MaxLength(input_params) -> Optional[int]:
+def MaxLength(input_params) -> Optional[int]:
   """The input's longest sequence, if its params say (Lingvo's inputs)."""
   for key in ('target_max_length', 'source_max_length'):
     if key in input_params and input_params.Get(key):
@@ -121,7 +123,7 @@ def _MaxLength(input_params) -> Optional[int]:
 
 def _Dynamic(args) -> bool:
   """Whether a tensor of `args` has dims known only at run time."""
-  return any(not t.shape.is_fully_defined() for t in _Tensors(args))
+  return any(not t.shape.is_fully_defined() for t in Tensors(args))
 
 
 def ReadLengths(input_params, batches: int = READ_BATCHES,
@@ -188,10 +190,10 @@ def RealLength(input_params, batches: int = READ_BATCHES
   if not read:
     return None
   return SequenceLength(length=max(1, -(-sum(read) // len(read))),
-                        read=tuple(read), maximum=_MaxLength(input_params))
+                        read=tuple(read), maximum=MaxLength(input_params))
 
 
-def _Static(args, length, where):
+def Static(args, length, where):
   """`args` with each tensor of unknown dims replaced by zeros of `length`
   there (Lingvo's LM tasks trim the time axis to the batch's longest
   sequence)."""
@@ -231,19 +233,19 @@ def _ProfileCells(graph, layer, theta, args, batch, cluster):
     with tf.name_scope(scope), cluster:
       outs = cell.FProp(theta[name], *inputs)
     fwd = graph.get_operations()[n0:]
-    floats = [o for o in _Tensors(outs) if o.dtype.is_floating]
+    floats = [o for o in Tensors(outs) if o.dtype.is_floating]
     n1 = len(graph.get_operations())
     loss = tf.add_n([tf.reduce_sum(tf.cast(o, tf.float32)) for o in floats])
     xs = theta[name].Flatten() + [
-        x for x in _Tensors(inputs) if x.dtype.is_floating]
+        x for x in Tensors(inputs) if x.dtype.is_floating]
     tf.gradients(loss, xs)
     bwd = graph.get_operations()[n1:]
     variables = cell.vars.Flatten()
-    out_bytes = _Bytes(_Tensors(outs)) / batch
+    out_bytes = TensorBytes(Tensors(outs)) / batch
     stats.append(dict(
         name=name, fwd_ops=tf_profiling.CountedOps(fwd),
         bwd_ops=tf_profiling.CountedOps(bwd), num_vars=len(variables),
-        param_bytes=int(_Bytes(variables)), out_bytes=out_bytes,
+        param_bytes=int(TensorBytes(variables)), out_bytes=out_bytes,
         kept_bytes=max(tf_profiling.KeptBytes(fwd, bwd) / batch,
                        out_bytes)))
     scopes.append(scope)
@@ -261,7 +263,7 @@ def _ProfileCells(graph, layer, theta, args, batch, cluster):
   return out
 
 
-def _EvalSettingsForProfiling(task_p):
+def EvalSettingsForProfiling(task_p):
   """Makes the eval settings of `task_p` (a throw-away copy) build in eval
   mode on the Train input.
 
@@ -308,7 +310,7 @@ def ProfileTree(model_params, name: str = '',
   py_utils.SetEagerMode(False)
   task_p = model_params.task.Copy()
   task_p.input = model_params.input.Copy()
-  _EvalSettingsForProfiling(task_p)
+  EvalSettingsForProfiling(task_p)
   # Eval on one device: each pipeline runs its cells in turn
   # (FPropSequential) on the inputs the task gives it, recorded here; its
   # cells are then profiled as they train.
@@ -326,7 +328,7 @@ def ProfileTree(model_params, name: str = '',
       for path, _ in pipelines:
         layer = task
         for part in path.split('.'):
-          layer = _Child(layer, part)
+          layer = Child(layer, part)
         layers[path] = layer
 
         def Capture(theta, *args, _path=path, _fprop=layer.FPropSequential):
@@ -340,12 +342,12 @@ def ProfileTree(model_params, name: str = '',
     if any(_Dynamic(args) for _, args in got.values()):
       if length is not None:
         seq = SequenceLength(int(length), given=True,
-                             maximum=_MaxLength(model_params.input))
+                             maximum=MaxLength(model_params.input))
       else:
         seq = RealLength(model_params.input)
-      if seq is None and _MaxLength(model_params.input):
-        seq = SequenceLength(_MaxLength(model_params.input),
-                             maximum=_MaxLength(model_params.input))
+      if seq is None and MaxLength(model_params.input):
+        seq = SequenceLength(MaxLength(model_params.input),
+                             maximum=MaxLength(model_params.input))
     for path, p in pipelines:
       if path not in got:
         raise ValueError(f'task.{path} ({p.cls.__name__}) is not run by the '
@@ -353,10 +355,10 @@ def ProfileTree(model_params, name: str = '',
                          'pipelines it runs.')
       theta, args = got[path]
       dynamic = _Dynamic(args)
-      args = _Static(args, seq.length if seq else None, f'task.{path}')
-      batch = [t for t in _Tensors(args) if t.shape.rank][0].shape.as_list()[
+      args = Static(args, seq.length if seq else None, f'task.{path}')
+      batch = [t for t in Tensors(args) if t.shape.rank][0].shape.as_list()[
           p.batch_dim]
-      first = [t for t in _Tensors(args) if t.dtype.is_floating]
+      first = [t for t in Tensors(args) if t.dtype.is_floating]
       out.append(TreePipeline(
           path='task.' + path, cls_name=p.cls.__name__,
           micro_batch_size=p.micro_batch_size,
@@ -365,7 +367,7 @@ def ProfileTree(model_params, name: str = '',
               name=f'{name or task_p.name}:task.{path}',
               layers=tuple(_ProfileCells(graph, layers[path], theta, args,
                                          batch, trainer)),
-              batch=int(batch), in_bytes=_Bytes(first) / batch,
+              batch=int(batch), in_bytes=TensorBytes(first) / batch,
               optimizer_slots=tf_profiling.OptimizerSlots(task_p),
               linear_loss=False, cell_functions=bool(p.cell_functions))))
   return out

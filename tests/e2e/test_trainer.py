@@ -313,6 +313,20 @@ def testNegativeIntraOpThreadsIsAClearError(tmp_path):
   assert not os.listdir(str(tmp_path))
 
 
+@pytest.mark.e2e
+def testAJobTheModeDoesNotRunIsAClearError(tmp_path):
+  # Lingvo's cluster asserted on the pair, a traceback naming neither flag.
+  rc, out = _Run('lingvo_ext.trainer', '--model=lm.TransformerLmTiny',
+                 f'--logdir={tmp_path}', '--mode=sync',
+                 '--job=controller,trainer')
+  assert rc == 2
+  assert ('error: --job=controller,trainer has job trainer, which '
+          '--mode=sync does not run; its trainer job is trainer_client: pass '
+          '--job=controller,trainer_client.') in out, out
+  assert 'Traceback' not in out
+  assert not os.listdir(str(tmp_path))
+
+
 def testControllerLooksAtOnceWhenItsTrainerStops():
   # Lingvo's controller looks at the step every 10 s, so a local run ended
   # up to 10 s after its last step; it now wakes when its trainer stops.

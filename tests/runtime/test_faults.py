@@ -6,9 +6,7 @@ started (SIGCONT first for a stopped one); a filesystem a test mounts is
 unmounted in a `finally`.
 """
 
-import collections
 import contextlib
-import dataclasses
 import errno
 import glob
 import os
@@ -26,9 +24,10 @@ import pytest
 
 from lingvo_ext import checkpoints
 from lingvo_ext.runtime import disk_space
-from lingvo_ext.runtime import memory_check
 from lingvo_ext.runtime import progress
+from lingvo_ext.distributed import cluster_tasks
 from lingvo_ext.distributed import launch_lib
+from lingvo_ext.distributed import network
 from lingvo_ext.tasks import input_files
 from tests.support import lingvo_lm_testlib
 from tests.support import proc_testlib
@@ -327,9 +326,9 @@ def _Launcher(tmp_path, programs, max_restarts=0):
     def flush(self):
       pass
 
-  port = launch_lib.FreePorts(1)[0]
-  tasks = [launch_lib.Task(job, 0, f'127.0.0.1:{port}',
-                           [sys.executable, '-c', code])
+  port = network.FreePorts(1)[0]
+  tasks = [cluster_tasks.Task(job, 0, f'127.0.0.1:{port}',
+                              [sys.executable, '-c', code])
            for job, code in programs]
   launcher = launch_lib.Launcher(tasks, str(tmp_path), 30, max_restarts,
                                  Out(), fork_tasks=False, task_timeout_s=60)
@@ -453,12 +452,14 @@ _LAUNCHER_IN_CGROUP = '''
 import os, sys
 with open(os.path.join(sys.argv[1], 'cgroup.procs'), 'w') as f:
   f.write(str(os.getpid()))
+from lingvo_ext.distributed import cluster_tasks
 from lingvo_ext.distributed import launch_lib
+from lingvo_ext.distributed import network
 grow = ('import time\\nx = []\\nwhile True:\\n'
         '  x.append(bytearray(8 << 20))\\n  time.sleep(0.02)\\n')
-port = launch_lib.FreePorts(1)[0]
-task = launch_lib.Task('controller', 0, f'127.0.0.1:{port}',
-                       [sys.executable, '-c', grow])
+port = network.FreePorts(1)[0]
+task = cluster_tasks.Task('controller', 0, f'127.0.0.1:{port}',
+                          [sys.executable, '-c', grow])
 launcher = launch_lib.Launcher([task], sys.argv[2], 30, 3, sys.stdout,
                                fork_tasks=False, task_timeout_s=60)
 try:
@@ -587,176 +588,6 @@ def testAStoppedWorkerAndAStoppedPsAreKilledAndRestartedWithinTheBound(
   out = run.Text()
   assert out.rstrip().endswith('launch: stopped all 4 processes.'), out[-3000:]
 
-
-# --- Memory -------------------------------------------------------------------
-
-
-def testMemoryWarningNamesTheNeedTheLimitAndAPlanThatFits():
-  available, source = memory_check.AvailableBytes()
-  assert available and available > 0 and source
-  chosen = types.SimpleNamespace(process_bytes=3 << 30)
-  budgets = []
-
-  def Replan(budget):
-    budgets.append(budget)
-    return ('task.num_micro_batches:8; task.recompute:True',
-            dict(num_cpu_devices=2, worker_split_size=2))
-
-  # Enough memory: no line, no replanning.
-  assert memory_check.CheckAutoPlan(chosen, 2, Replan, 4 << 30, 'x') is None
-  assert not budgets
-  line = memory_check.CheckAutoPlan(chosen, 2, Replan, 1 << 30,
-                                    "the cgroup's memory limit")
-  assert budgets == [1 << 29]  # Per device.
-  assert line == (
-      'warning: the plan needs about 3.0 GB (1.5 GB per device, 2 device(s)) '
-      "but the cgroup's memory limit is 1.0 GB: it may be killed by the OOM "
-      'killer; a plan that fits: --num_cpu_devices=2 --worker_split_size=2 '
-      "--model_params_override='task.num_micro_batches:8; "
-      "task.recompute:True'."), line
-
-  def NoneFits(budget):
-    raise ValueError(f'--memory_per_device={budget} fits no plan')
-
-  line = memory_check.CheckAutoPlan([('lm', chosen)], 2, NoneFits, 1 << 30,
-                                    'x')
-  assert line.endswith('no plan fits; use more memory, more devices '
-                       '(--devices) or bf16 (task.fprop_dtype).'), line
-
-
-
-def _Profile(kept, linear_loss=True):
-  """A planner ModelProfile of 4 layers, `kept` activation bytes each.
-
-  The weights are small beside the activations, so that the engine takes
-  each micro-batch's weight gradients alone (a run of 1, runs.py).
-  """
-  from lingvo_ext import planner  # pylint: disable=g-import-not-at-top
-  layers = tuple(planner.LayerProfile(
-      name=f'l{i}', flops=1e6, fwd_ops=0, bwd_ops=0, param_bytes=10,
-      num_vars=1, out_bytes=kept, kept_bytes=kept) for i in range(4))
-  return planner.ModelProfile(name='m', layers=layers, batch=16,
-                              in_bytes=0., optimizer_slots=2,
-                              linear_loss=linear_loss)
-
-
-def _Plan(schedule, m, recompute=False):
-  from lingvo_ext import planner  # pylint: disable=g-import-not-at-top
-  return planner.Plan(num_cells=2, sizes=(2, 2), devices_per_replica=2,
-                      num_micro_batches=m, schedule=schedule,
-                      recompute=recompute, replicas=1,
-                      gradient_sync='shared', global_batch=16)
-
-
-def testStartEstimateKeepsTheActivationsTheScheduleKeeps():
-  kept = 100.
-  profile = _Profile(kept)
-  # Per example: each cell keeps its 2 layers' activations, and cell 1 its
-  # input (cell 0's output) too; the last cell's output and its gradient
-  # (2 * kept per example) wait for the loss.
-  cells = [2 * kept, 2 * kept + kept]
-  loss = 2 * kept * 16
-  weights = 4 * 10 * (2 + 2)
-  for m in (1, 2, 4, 8, 16):
-    mb = 16 // m
-    # GPipe ('unrolled') keeps every micro-batch's activations on every
-    # cell: the whole batch's, whatever M.
-    got = memory_check.Estimate(profile, _Plan('unrolled', m))
-    assert got.activation_bytes == m * mb * sum(cells) + loss, m
-    assert got.process_bytes == got.activation_bytes + weights
-    # 1F1B keeps at most K - i + 1 micro-batches' in cell i (its next
-    # forward pass starts before the oldest's backward pass ends): fewer
-    # bytes with more M.
-    got = memory_check.Estimate(profile, _Plan('1f1b', m))
-    in_flight = [min(m, 3), min(m, 2)]
-    assert got.activation_bytes == sum(
-        n * mb * c for n, c in zip(in_flight, cells)) + loss, m
-  # Recompute keeps the cells' inputs of every micro-batch and one
-  # micro-batch's whole activations per cell.
-  got = memory_check.Estimate(profile, _Plan('unrolled', 8, True))
-  boundary = kept * 16  # Cell 1's input, every example.
-  assert got.activation_bytes == boundary + 2 * 2 * (2 * kept) + loss
-
-
-def testStartWarningNamesTheNeedTheLimitAndAnOverrideThatFits():
-  from lingvo_ext import planner  # pylint: disable=g-import-not-at-top
-  from lingvo_ext.planner import auto  # pylint: disable=g-import-not-at-top
-  cfg = planner.ExperimentParams('lm.TransformerLmTinyGPipe')
-  profile = memory_check.Profile(cfg)
-  plan = memory_check.PlanOfParams(profile, cfg.task, 2, 2)
-  assert (plan.schedule, plan.num_cells, plan.num_micro_batches,
-          plan.devices_per_replica, plan.recompute) == ('unrolled', 2, 2, 2,
-                                                        False)
-  got = memory_check.Estimate(profile, plan)
-  assert got.activation_bytes > 0
-  own = auto.PROCESS_OVERHEAD_BYTES
-  assert memory_check.StartWarning(cfg, 2, 2, '', got.process_bytes + own,
-                                   'x') is None
-  limit = got.process_bytes * 0.9 + own
-  line = memory_check.StartWarning(cfg, 2, 2, 'train.max_steps:5', limit,
-                                   "the cgroup's memory limit")
-  size = memory_check.task_health.FormatBytes
-  head = (f'warning: the run needs about {size(got.process_bytes + own)}: '
-          f'the model {size(got.process_bytes)} ({size(got.peak_bytes)} on '
-          f'its fullest device; {size(got.activation_bytes)} of it the '
-          'activations task.schedule="unrolled" keeps over 2 micro-batch(es) '
-          f'without recompute) and the process {size(own)}, but the '
-          f"cgroup's memory limit is {size(limit)}: it may be killed by the "
-          'OOM killer; an override that fits (about ')
-  assert line.startswith(head), line
-  override = re.search(r"--model_params_override='([^']*)'\.$", line)[1]
-  assert override.startswith('train.max_steps:5; '), line
-  # The override it names fits, by the same estimate.
-  fixed = planner.ExperimentParams('lm.TransformerLmTinyGPipe',
-                                   overrides=override)
-  after = memory_check.Estimate(
-      profile, memory_check.PlanOfParams(profile, fixed.task, 2, 2))
-  assert after.process_bytes + own <= limit < got.process_bytes + own
-  assert memory_check.StartWarning(fixed, 2, 2, override, limit, 'x') is None
-  line = memory_check.StartWarning(cfg, 2, 2, '', 1000, 'x')
-  assert line.endswith('no override of micro-batches, recompute, schedule or '
-                       'bf16 fits; use more memory or more devices.'), line
-
-
-def testTheTrainersStartWarningBuildsNoModelAndNoLayerGraph(
-    monkeypatch, capsys):
-  from lingvo_ext.runtime import param_checks  # pylint: disable=g-import-not-at-top
-  from lingvo_ext.runtime import trainer_flags  # pylint: disable=g-import-not-at-top
-  from lingvo_ext.core import cost  # pylint: disable=g-import-not-at-top
-  from lingvo_ext.planner import tf_profiling  # pylint: disable=g-import-not-at-top
-  from lingvo_ext.tasks.lm import model as lm_model  # pylint: disable=g-import-not-at-top
-  counts = collections.Counter()
-
-  def Counted(name, fn):
-    def Wrapped(*args, **kwargs):
-      counts[name] += 1
-      return fn(*args, **kwargs)
-    return Wrapped
-
-  monkeypatch.setattr(memory_check, 'AvailableBytes',
-                      lambda: (64 << 10, "the cgroup's memory limit"))
-  monkeypatch.setattr(cost, 'Sandbox', Counted('graphs', cost.Sandbox))
-  monkeypatch.setattr(tf_profiling, '_LayerGraphStats',
-                      Counted('layer_graphs', tf_profiling._LayerGraphStats))  # pylint: disable=protected-access
-  monkeypatch.setattr(lm_model.TransformerLm, '__init__', Counted(
-      'models', lm_model.TransformerLm.__init__))
-  ops = len(tf.get_default_graph().get_operations())
-  o = trainer_flags.Options(model='lm.TransformerLmTinyGPipe',
-                            logdir='/nonexistent/x', run_locally='cpu',
-                            num_cpu_devices=2, worker_split_size=2)
-  error, _ = param_checks.Check(o)
-  assert error is None
-  err = capsys.readouterr().err
-  lines = [l for l in err.splitlines() if l.startswith('warning: the run')]
-  assert len(lines) == 1 and "the cgroup's memory limit is 64 KB" in lines[0]
-  # No model built, no layer's FProp or gradients: only a throw-away graph
-  # per distinct layer for its variables' shapes (embedding, transformer
-  # layer, softmax), and nothing in the default graph.
-  assert counts == {'graphs': 3}, counts
-  assert len(tf.get_default_graph().get_operations()) == ops
-  # --plan=auto warns with its own estimate; an evaler trains nothing.
-  param_checks.Check(dataclasses.replace(o, job='evaler_dev'))
-  assert 'warning: the run' not in capsys.readouterr().err
 
 # --- Input that breaks mid-run ------------------------------------------------
 
@@ -925,17 +756,3 @@ def testALogFileThatCannotBeWrittenSaysSoOnceAndKeepsQuiet(capsys):
   err = capsys.readouterr().err
   assert err == ('note: cannot write the log file /full/log.txt (No space '
                  'left on device); its lines are dropped from now on.\n'), err
-
-
-def testVariablesWarningCountsTheBuiltGraphsVariables():
-  with tf.Graph().as_default() as graph:
-    tf.Variable(tf.zeros([1000, 250]), name='w')  # 1 MB of float32.
-    tf.Variable(tf.zeros([10], tf.int64), name='n')
-  size = memory_check.GraphVariableBytes(graph)
-  assert size == 1000 * 250 * 4 + 80
-  assert memory_check.VariablesWarning(size, 2 << 20, 'x') is None
-  line = memory_check.VariablesWarning(size, 512 << 10,
-                                       "the cgroup's memory limit")
-  assert line.startswith("warning: the model's variables and optimizer slots "
-                         "alone take 977 KB, more than the cgroup's memory "
-                         'limit (512 KB): '), line

@@ -1,0 +1,161 @@
+"""What an experiment's pipelines and other variables hold, cheaply (TF).
+
+The start-up memory check of an experiment that is not a lingvo_ext
+`PipelinedTask` (runtime/memory_check.py): Lingvo's own task code, e.g.
+`GPipeTransformerLm`, holds its PipeliningLayers in its Params tree, already
+cut into cells (tasks/pipeline_tree.py). The task is built once in a
+throw-away graph on one CPU device, in eval mode: no session, no variable
+initialised, no input read. As the task's forward pass runs each pipeline's
+cells, their outputs are recorded; a time axis the task trims at run time is
+sized by the input params' longest sequence. A cell gives its variables'
+bytes and its outputs' (the activations it keeps: a lower bound, as
+memory_check.Profile's for a PipelinedTask); the task's variables outside its pipelines (an
+embedding, a softmax) are counted apart. No gradient and no profiler run,
+unlike the planner's `tree.ProfileTree` for --plan=auto.
+"""
+
+import dataclasses
+import math
+from typing import Optional, Tuple
+
+from lingvo_ext.planner import tf_profiling
+from lingvo_ext.planner import tree
+from lingvo_ext.planner.model_profile import LayerProfile
+from lingvo_ext.planner.model_profile import ModelProfile
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskMemory:
+  """What the estimate reads of a task.
+
+  Attributes:
+    pipes: Each pipeline (tree.TreePipeline), its cells' variables and
+      outputs per example; op counts and FLOPs are not read (0).
+    params: Each pipeline's layer params, in the order of `pipes`.
+    param_bytes: All the task's variables' bytes, pipelines' included.
+    optimizer_slots: Slot variables per parameter of the task's optimizer.
+  """
+  pipes: Tuple[tree.TreePipeline, ...]
+  params: Tuple[object, ...]
+  param_bytes: float
+  optimizer_slots: int
+
+  @property
+  def other_param_bytes(self) -> float:
+    """The bytes of the variables outside every pipeline."""
+    return self.param_bytes - sum(p.profile.param_bytes for p in self.pipes)
+
+
+def _Bytes(tensors, length: Optional[int], where: str) -> float:
+  """The tensors' bytes, each dim known only at run time taken as `length`
+  (Lingvo's LM tasks trim the time axis to the batch's longest sequence)."""
+  total = 0.
+  for t in tensors:
+    if t is None or t.shape.rank is None:
+      continue
+    dims = t.shape.as_list()
+    if None in dims and length is None:
+      raise ValueError(f'{where}: a tensor of shape {t.shape} has dims known '
+                       'only at run time and the input params name no max '
+                       'length.')
+    total += math.prod(length if d is None else d for d in dims) * t.dtype.size
+  return total
+
+
+def _RecordOutputs(layer, record):
+  """Makes each cell of pipeline `layer` (this instance) record its outputs
+  in `record[cell name]` when the task runs it."""
+  for name, cell in layer.Cells():
+
+    def FProp(theta, *args, _name=name, _fprop=cell.FProp):
+      outs = _fprop(theta, *args)
+      record.setdefault(_name, outs)
+      return outs
+
+    cell.FProp = FProp
+
+
+def ProfileTaskMemory(model_params, name: str = '',
+                      length: Optional[int] = None) -> TaskMemory:
+  """The TaskMemory of an experiment's params (TF; builds no session).
+
+  Args:
+    model_params: The experiment's params (overrides applied), with `task`
+      and `input`.
+    name: The experiment's name, for its profiles.
+    length: The time axis to size for; None: the input params' longest
+      sequence.
+
+  Raises:
+    ValueError: a pipeline of Lingvo's engine, or a time axis the input
+      params do not bound (one line).
+  """
+  from lingvo.core import cluster_factory  # pylint: disable=g-import-not-at-top
+  from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.core import cost  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.core import gpipe  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.tasks import pipeline_tree  # pylint: disable=g-import-not-at-top
+  pipelines = pipeline_tree.Pipelines(model_params.task)
+  for path, p in pipelines:
+    if not issubclass(p.cls, gpipe.PipeliningLayer):
+      raise ValueError(f'task.{path} ({p.cls.__name__}) runs on Lingvo\'s '
+                       'engine; the estimate reads lingvo_ext\'s.')
+  task_p = model_params.task.Copy()
+  task_p.input = model_params.input.Copy()
+  tree.EvalSettingsForProfiling(task_p)
+  cluster = cluster_factory.ForTestingWorker(
+      mode='sync', job='trainer_client', cpus=1, split_size=1, do_eval=True)
+  got, outputs = {}, {}
+  pipes, params = [], []
+  with cost.Sandbox(), cluster:
+    py_utils.GetOrCreateGlobalStepVar()
+    task = task_p.Instantiate()
+    layers = {}
+    for path, _ in pipelines:
+      layer = task
+      for part in path.split('.'):
+        layer = tree.Child(layer, part)
+      layers[path] = layer
+
+      def Capture(theta, *args, _path=path, _fprop=layer.FPropSequential):
+        got.setdefault(_path, args)
+        return _fprop(theta, *args)
+
+      # On this throw-away instance only.
+      layer.FPropSequential = Capture
+      _RecordOutputs(layer, outputs.setdefault(path, {}))
+    if pipelines:
+      task.FPropDefaultTheta()
+    elif hasattr(task, 'InstantiateVariables'):
+      task.InstantiateVariables()
+    param_bytes = tree.TensorBytes(task.vars.Flatten())
+  seq = length or tree.MaxLength(model_params.input)
+  slots = tf_profiling.OptimizerSlots(task_p)
+  for path, p in pipelines:
+    if path not in got:
+      continue  # Not run by the task's forward pass: holds no activation.
+    where = f'task.{path}'
+    args = tree.Tensors(got[path])
+    batch = [t for t in args if t.shape.rank][0].shape.as_list()[p.batch_dim]
+    if batch is None:
+      raise ValueError(f'{where}: its batch size is known only at run time.')
+    cells = []
+    for name, cell in layers[path].Cells():
+      variables = cell.vars.Flatten()
+      out_bytes = _Bytes(tree.Tensors(outputs[path][name]), seq, where) / batch
+      cells.append(LayerProfile(
+          name=name, flops=0., fwd_ops=0, bwd_ops=0, num_vars=len(variables),
+          param_bytes=int(tree.TensorBytes(variables)), out_bytes=out_bytes,
+          kept_bytes=out_bytes))
+    floats = [t for t in args if t.dtype.is_floating]
+    pipes.append(tree.TreePipeline(
+        path='task.' + path, cls_name=p.cls.__name__,
+        micro_batch_size=p.micro_batch_size,
+        profile=ModelProfile(
+            name=f'{name or task_p.name}:task.{path}', layers=tuple(cells),
+            batch=int(batch), in_bytes=_Bytes(floats, seq, where) / batch,
+            optimizer_slots=slots, linear_loss=False,
+            cell_functions=bool(p.cell_functions))))
+    params.append(p)
+  return TaskMemory(pipes=tuple(pipes), params=tuple(params),
+                    param_bytes=param_bytes, optimizer_slots=slots)

@@ -1,0 +1,369 @@
+"""The memory estimate at start, before the model is built (no --plan=auto).
+
+The trainer estimates the plan the experiment's params give, with the
+planner's prediction (`Estimate`): parameters, their gradients, optimizer
+slots and the activations the schedule and recompute keep. A lingvo_ext
+`PipelinedTask` is read from its layers' FPropMeta and variables, no graph
+built (`Profile`); an experiment holding pipelines in its Params tree (e.g.
+Lingvo's GPipeTransformerLm) from one forward build of its task in a
+throw-away graph (planner/tree_memory.py), each pipeline with its own
+switches, e.g. task.lm.stack.num_micro_batches. When the estimate exceeds
+the memory this process may use (memory_check.AvailableBytes), one line warns
+with the least override that fits (`Overrides`). docs/faults.md, "Memory".
+"""
+
+import contextlib
+import dataclasses
+import logging
+import sys
+from typing import List, Optional, Tuple
+
+from lingvo_ext.distributed import task_health
+from lingvo_ext.runtime import memory_check
+
+
+
+@dataclasses.dataclass(frozen=True)
+class StartEstimate:
+  """The planner's memory prediction for the plan an experiment's params give.
+
+  Attributes:
+    plan: The planner's Plan read off the params.
+    process_bytes: All the process's devices: parameters, their gradients,
+      optimizer slots and the activations the schedule keeps.
+    peak_bytes: The fullest device's share.
+    activation_bytes: The part of process_bytes that is kept activations.
+  """
+  plan: object
+  process_bytes: float
+  peak_bytes: float
+  activation_bytes: float
+
+
+def Profile(model_params):
+  """The planner's ModelProfile of a PipelinedTask experiment, cheaply.
+
+  FLOPs and outputs from each layer's FPropMeta, parameter bytes from its
+  variables (each distinct layer instantiated once in a throw-away graph);
+  no FProp is built, so the kept activations are each layer's outputs (a
+  lower bound: the planner's --plan=auto profile counts what the backward
+  pass reads) and the graph's ops are not counted.
+  """
+  import math  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.core import cost  # pylint: disable=g-import-not-at-top
+  from lingvo_ext import planner  # pylint: disable=g-import-not-at-top
+  task = model_params.task.Copy()
+  task.input = model_params.input.Copy()
+  stack, shapes = task.cls.LayerStack(task)
+  metas = cost.LayerMetas(stack, *shapes)
+  in_shape = shapes[0].ToTensorShape().as_list()
+  batch = int(in_shape[0])
+  sizes = {}
+  layers = []
+  for p, meta in zip(stack, metas):
+    key = p.Copy().Set(name='x').ToText()
+    if key not in sizes:
+      variables = cost.LayerVariables(p)
+      sizes[key] = (sum(math.prod(s) * d.size for _, s, d in variables),
+                    len(variables))
+    out_bytes = cost.ActivationBytes(meta.out_shapes) / batch
+    layers.append(planner.LayerProfile(
+        name=p.name, flops=float(meta.flops) / batch, fwd_ops=0, bwd_ops=0,
+        param_bytes=int(sizes[key][0]), num_vars=sizes[key][1],
+        out_bytes=out_bytes, kept_bytes=out_bytes))
+  return planner.ModelProfile(
+      name=task.name, layers=tuple(layers), batch=batch,
+      in_bytes=4. * math.prod(in_shape[1:]),
+      optimizer_slots=planner.OptimizerSlots(task), linear_loss=False,
+      cell_functions=bool(task.Get('cell_functions')))
+
+
+def DefaultRecompute(record, linear_loss: bool) -> bool:
+  """What recompute=None means for a schedule (records.Schedule)."""
+  from lingvo_ext.core.engine import records  # pylint: disable=g-import-not-at-top
+  return record.recompute == records.ALWAYS or (
+      record.recompute == records.WHEN_NEEDED and not linear_loss)
+
+
+def PlanOfParams(profile, task, num_cpu_devices: int, split: int):
+  """The planner's Plan of the task's params on the trainer's devices."""
+  from lingvo_ext.core import partitioning  # pylint: disable=g-import-not-at-top
+  from lingvo_ext import planner  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.core.engine import records  # pylint: disable=g-import-not-at-top
+  k = min(task.num_partitions, len(profile.layers))
+  costs = [l.param_bytes if task.partition_cost == 'params' else l.flops
+           for l in profile.layers]
+  recompute = task.recompute
+  if recompute is None:
+    recompute = DefaultRecompute(records.Get(task.schedule),
+                                  profile.linear_loss)
+  replicas = max(1, num_cpu_devices // max(1, split))
+  return planner.Plan(
+      num_cells=k, sizes=tuple(partitioning.MinMaxPartition(costs, k)),
+      devices_per_replica=max(1, min(split, k)),
+      num_micro_batches=task.num_micro_batches, schedule=task.schedule,
+      recompute=bool(recompute), replicas=replicas,
+      gradient_sync=task.gradient_sync,
+      global_batch=profile.batch * replicas)
+
+
+def _Half(profile):
+  """The profile with its activations in a 2-byte dtype (bf16)."""
+  layers = tuple(dataclasses.replace(l, out_bytes=l.out_bytes / 2,
+                                     kept_bytes=l.kept_bytes / 2)
+                 for l in profile.layers)
+  return dataclasses.replace(profile, layers=layers,
+                             in_bytes=profile.in_bytes / 2)
+
+
+def Estimate(profile, plan) -> StartEstimate:
+  """The planner's memory prediction of `plan` (prediction.Predict)."""
+  from lingvo_ext import planner  # pylint: disable=g-import-not-at-top
+  got = planner.Predict(profile, plan)
+  layers = tuple(dataclasses.replace(l, out_bytes=0., kept_bytes=0.)
+                 for l in profile.layers)
+  bare = planner.Predict(
+      dataclasses.replace(profile, layers=layers, in_bytes=0.), plan)
+  return StartEstimate(plan, got.process_bytes, got.peak_bytes,
+                       got.process_bytes - bare.process_bytes)
+
+
+def _Fits(profile, plan, available: float) -> Optional[StartEstimate]:
+  """The plan's estimate if the builder takes it and it fits."""
+  from lingvo_ext.core.engine import records  # pylint: disable=g-import-not-at-top
+  if records.RecomputeError(plan.schedule, plan.recompute, '') or (
+      records.Refusal(plan.schedule, plan.num_cells, plan.devices_per_replica,
+                      plan.num_micro_batches)):
+    return None
+  got = Estimate(profile, plan)
+  return got if got.process_bytes <= available else None
+
+
+def Overrides(profile, plan, fprop_dtype, available: float,
+              prefix: str = 'task', bf16: bool = True,
+              micro_batch_size: bool = False
+              ) -> Optional[Tuple[str, StartEstimate]]:
+  """The override (text, its estimate) of the least change that fits.
+
+  Tried in turn: more micro-batches (the fewest that fit), recompute, each
+  schedule that keeps fewer activations (with the micro-batches they need),
+  then bf16 activations (task.fprop_dtype) with each of those.
+
+  Args:
+    profile: The planner's ModelProfile.
+    plan: The plan the params give.
+    fprop_dtype: The params' activation dtype.
+    available: The bytes the model may take (the process's own taken off).
+    prefix: The params path of the pipeline's switches, e.g. 'task.lm.stack'.
+    bf16: Whether to try bf16 activations (`task.fprop_dtype`).
+    micro_batch_size: Whether the pipeline's params set micro_batch_size
+      (reset to None when the micro-batches change).
+  """
+  from lingvo_ext import planner  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.core.engine import records  # pylint: disable=g-import-not-at-top
+  rb = plan.replica_batch
+  more = [m for m in range(plan.num_micro_batches + 1, rb + 1) if rb % m == 0]
+  changes: List[Tuple[dict, object]] = [({}, plan)]
+  if not plan.recompute:
+    changes.append(({f'{prefix}.recompute': True},
+                    dataclasses.replace(plan, recompute=True)))
+  for name in records.NAMES:
+    if name != plan.schedule:
+      record = records.Get(name)
+      rc = record.RecomputeChoices(profile.linear_loss)[0]
+      change = {f'{prefix}.schedule': name}
+      if rc != DefaultRecompute(record, profile.linear_loss):
+        change[f'{prefix}.recompute'] = rc
+      changes.append((change, dataclasses.replace(plan, schedule=name,
+                                                  recompute=rc)))
+  dtypes = [({}, profile)]
+  if bf16 and str(fprop_dtype) not in ('bfloat16', "<dtype: 'bfloat16'>"):
+    dtypes.append(({'task.fprop_dtype': 'bfloat16'}, _Half(profile)))
+  for dtype, prof in dtypes:
+    for change, base in changes:
+      for m in [base.num_micro_batches] + more:
+        candidate = dataclasses.replace(base, num_micro_batches=m)
+        got = _Fits(prof, candidate, available)
+        if got is None:
+          continue
+        keys = dict(change, **dtype)
+        if m != plan.num_micro_batches:
+          keys[f'{prefix}.num_micro_batches'] = m
+          if micro_batch_size:
+            keys[f'{prefix}.micro_batch_size'] = None
+        if not keys:
+          continue
+        text = '; '.join(
+            f'{k}:"{v}"' if isinstance(v, str) else f'{k}:{v}'
+            for k, v in sorted(keys.items()))
+        return text, got
+  return None
+
+
+def StartWarning(model_params, num_cpu_devices: int, split: int,
+                 overrides: str = '', available=None,
+                 source: str = '') -> Optional[str]:
+  """The one warning line when the params' plan may not fit, or None.
+
+  Args:
+    model_params: The experiment's params (overrides applied): a
+      PipelinedTask's, or any holding pipelines in its Params tree.
+    num_cpu_devices: --num_cpu_devices.
+    split: --worker_split_size.
+    overrides: The user's --model_params_override (the line's override
+      follows it).
+    available: The bytes the process may use (tests pass a value); None:
+      memory_check.AvailableBytes().
+    source: Where `available` comes from.
+  """
+  from lingvo_ext.planner import auto  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.tasks import pipeline_tree  # pylint: disable=g-import-not-at-top
+  task = model_params.task if 'task' in model_params else None
+  if task is None:
+    return None
+  if not pipeline_tree.IsPipelinedTask(task):
+    return TreeWarning(model_params, num_cpu_devices, split, overrides,
+                       available, source)
+  profile = Profile(model_params)
+  plan = PlanOfParams(profile, task, num_cpu_devices, split)
+  got = Estimate(profile, plan)
+  own = auto.PROCESS_OVERHEAD_BYTES  # TensorFlow's and the process's.
+  if available is None:
+    available, source = memory_check.AvailableBytes()
+  if available is None or got.process_bytes + own <= available:
+    return None
+  line = NeedLine(got.process_bytes, got.peak_bytes,
+                  f'{Size(got.activation_bytes)} of it '
+                  f'{Kept("task", plan)}', own, available, source)
+  fit = Overrides(profile, plan, task.fprop_dtype, available - own)
+  if fit is None:
+    return line + ('no override of micro-batches, recompute, schedule or '
+                   'bf16 fits; use more memory or more devices.')
+  text, fits = fit
+  return line + FitLine(fits.process_bytes + own, overrides, text)
+
+
+Size = task_health.FormatBytes
+
+
+def Kept(prefix: str, plan) -> str:
+  """What the plan's kept activations are, in the params' words."""
+  rc = 'with' if plan.recompute else 'without'
+  return (f'the activations {prefix}.schedule="{plan.schedule}" keeps over '
+          f'{plan.num_micro_batches} micro-batch(es) {rc} recompute')
+
+
+def NeedLine(model: float, peak: float, what: str, own: float,
+             available: float, source: str) -> str:
+  """The warning's first half: the need, what it is, and the memory."""
+  return (f'warning: the run needs about {Size(model + own)}: '
+          f'the model {Size(model)} ({Size(peak)} on its fullest device; '
+          f'{what}) and the process {Size(own)}, but '
+          f'{source or "the memory"} is {Size(available)}: it may be killed '
+          'by the OOM killer; ')
+
+
+def FitLine(need: float, overrides: str, text: str) -> str:
+  """The warning's second half: the override that fits."""
+  from lingvo_ext import planner  # pylint: disable=g-import-not-at-top
+  return (f'an override that fits (about {Size(need)}): '
+          f"--model_params_override='"
+          f"{planner.JoinOverrides(overrides, text)}'.")
+
+def PlanOfPipeline(pipe, params, num_cpu_devices: int, split: int):
+  """The planner's Plan of a pipeline's own params (its cells as cut)."""
+  from lingvo_ext import planner  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.core.engine import records  # pylint: disable=g-import-not-at-top
+  k = len(pipe.profile.layers)
+  recompute = params.recompute
+  if recompute is None:
+    recompute = DefaultRecompute(records.Get(params.schedule),
+                                 pipe.profile.linear_loss)
+  replicas = max(1, num_cpu_devices // max(1, split))
+  return planner.Plan(
+      num_cells=k, sizes=(1,) * k, devices_per_replica=max(1, min(split, k)),
+      num_micro_batches=params.num_micro_batches, schedule=params.schedule,
+      recompute=bool(recompute), replicas=replicas, gradient_sync='shared',
+      global_batch=pipe.profile.batch * replicas)
+
+
+def TreeWarning(model_params, num_cpu_devices: int, split: int,
+                overrides: str = '', available=None,
+                source: str = '') -> Optional[str]:
+  """StartWarning for an experiment whose pipelines sit in its Params tree.
+
+  Each pipeline is estimated under its own params; the task's variables
+  outside them count with their gradients and optimizer slots. The override
+  sets one pipeline's switches. None for an experiment with no pipeline (the
+  controller checks its built variables).
+  """
+  from lingvo_ext.planner import auto  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.planner import tree_memory  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.tasks import pipeline_tree  # pylint: disable=g-import-not-at-top
+  if not pipeline_tree.Pipelines(model_params.task):
+    return None
+  mem = tree_memory.ProfileTaskMemory(model_params)
+  plans = [PlanOfPipeline(pipe, p, num_cpu_devices, split)
+           for pipe, p in zip(mem.pipes, mem.params)]
+  got = [Estimate(pipe.profile, plan) for pipe, plan in zip(mem.pipes, plans)]
+  others = mem.other_param_bytes * (2 + mem.optimizer_slots)
+  model = others + sum(g.process_bytes for g in got)
+  own = auto.PROCESS_OVERHEAD_BYTES  # TensorFlow's and the process's.
+  if available is None:
+    available, source = memory_check.AvailableBytes()
+  if available is None or model + own <= available:
+    return None
+  kept = ' and '.join(Kept(pipe.path, plan)
+                      for pipe, plan in zip(mem.pipes, plans))
+  line = NeedLine(model, others + max(g.peak_bytes for g in got),
+                  f'{Size(sum(g.activation_bytes for g in got))} of it {kept}',
+                  own, available, source)
+  for pipe, plan, g in zip(mem.pipes, plans, got):
+    rest = model - g.process_bytes
+    fit = Overrides(pipe.profile, plan, None, available - own - rest,
+                    prefix=pipe.path, bf16=False,
+                    micro_batch_size=bool(pipe.micro_batch_size))
+    if fit is not None:
+      text, fits = fit
+      return line + FitLine(rest + fits.process_bytes + own, overrides, text)
+  return line + ('no override of micro-batches, recompute or schedule fits; '
+                 'use more memory or more devices.')
+
+
+@contextlib.contextmanager
+def _LingvoQuiet():
+  """Lingvo's and TensorFlow's Python warnings held back for the block."""
+  loggers = [logging.getLogger(n) for n in ('absl', 'tensorflow')]
+  levels = [l.level for l in loggers]
+  for l in loggers:
+    l.setLevel(logging.ERROR)
+  try:
+    yield
+  finally:
+    for l, level in zip(loggers, levels):
+      l.setLevel(level)
+
+
+def WarnAtStart(model_params, num_cpu_devices: int, split: int,
+                overrides: str) -> None:
+  """Prints StartWarning's line, if any, to stderr (and the log).
+
+  An experiment the estimate cannot read (a layer without FPropMeta, a task
+  whose throw-away build fails) gets no line, a note in the log: the real
+  build reports its own errors, and the controller's check of the built
+  variables still runs.
+  """
+  import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
+  try:
+    # The estimate instantiates the layers: Lingvo's warnings about them
+    # belong to the real build, after the trainer's first line.
+    with _LingvoQuiet():
+      line = StartWarning(model_params, num_cpu_devices, split, overrides)
+  except Exception as e:  # pylint: disable=broad-except
+    # A warning's estimate never stops the run it warns about.
+    tf.logging.info('No memory estimate at start: %s: %s',
+                    type(e).__name__, e)
+    return
+  if line:
+    print(line, file=sys.stderr, flush=True)
+    tf.logging.warning('%s', line)

@@ -1,0 +1,280 @@
+"""The memory estimate at start, before the model is built
+(runtime/start_memory.py, planner/tree_memory.py)."""
+
+import collections
+import collections
+import dataclasses
+import re
+
+import lingvo.compat as tf
+import pytest
+
+from lingvo_ext.planner import tree_memory
+from lingvo_ext.runtime import memory_check
+from lingvo_ext.runtime import start_memory
+from lingvo_ext.tasks import experiment_params
+from tests.support import flagship_testlib
+from tests.support import lingvo_lm_testlib
+
+
+def _Profile(kept, linear_loss=True):
+  """A planner ModelProfile of 4 layers, `kept` activation bytes each.
+
+  The weights are small beside the activations, so that the engine takes
+  each micro-batch's weight gradients alone (a run of 1, runs.py).
+  """
+  from lingvo_ext import planner  # pylint: disable=g-import-not-at-top
+  layers = tuple(planner.LayerProfile(
+      name=f'l{i}', flops=1e6, fwd_ops=0, bwd_ops=0, param_bytes=10,
+      num_vars=1, out_bytes=kept, kept_bytes=kept) for i in range(4))
+  return planner.ModelProfile(name='m', layers=layers, batch=16,
+                              in_bytes=0., optimizer_slots=2,
+                              linear_loss=linear_loss)
+
+
+def _Plan(schedule, m, recompute=False):
+  from lingvo_ext import planner  # pylint: disable=g-import-not-at-top
+  return planner.Plan(num_cells=2, sizes=(2, 2), devices_per_replica=2,
+                      num_micro_batches=m, schedule=schedule,
+                      recompute=recompute, replicas=1,
+                      gradient_sync='shared', global_batch=16)
+
+
+def testStartEstimateKeepsTheActivationsTheScheduleKeeps():
+  kept = 100.
+  profile = _Profile(kept)
+  # Per example: each cell keeps its 2 layers' activations, and cell 1 its
+  # input (cell 0's output) too; the last cell's output and its gradient
+  # (2 * kept per example) wait for the loss.
+  cells = [2 * kept, 2 * kept + kept]
+  loss = 2 * kept * 16
+  weights = 4 * 10 * (2 + 2)
+  for m in (1, 2, 4, 8, 16):
+    mb = 16 // m
+    # GPipe ('unrolled') keeps every micro-batch's activations on every
+    # cell: the whole batch's, whatever M.
+    got = start_memory.Estimate(profile, _Plan('unrolled', m))
+    assert got.activation_bytes == m * mb * sum(cells) + loss, m
+    assert got.process_bytes == got.activation_bytes + weights
+    # 1F1B keeps at most K - i + 1 micro-batches' in cell i (its next
+    # forward pass starts before the oldest's backward pass ends): fewer
+    # bytes with more M.
+    got = start_memory.Estimate(profile, _Plan('1f1b', m))
+    in_flight = [min(m, 3), min(m, 2)]
+    assert got.activation_bytes == sum(
+        n * mb * c for n, c in zip(in_flight, cells)) + loss, m
+  # Recompute keeps the cells' inputs of every micro-batch and one
+  # micro-batch's whole activations per cell.
+  got = start_memory.Estimate(profile, _Plan('unrolled', 8, True))
+  boundary = kept * 16  # Cell 1's input, every example.
+  assert got.activation_bytes == boundary + 2 * 2 * (2 * kept) + loss
+
+
+def testStartWarningNamesTheNeedTheLimitAndAnOverrideThatFits():
+  from lingvo_ext import planner  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.planner import auto  # pylint: disable=g-import-not-at-top
+  cfg = planner.ExperimentParams('lm.TransformerLmTinyGPipe')
+  profile = start_memory.Profile(cfg)
+  plan = start_memory.PlanOfParams(profile, cfg.task, 2, 2)
+  assert (plan.schedule, plan.num_cells, plan.num_micro_batches,
+          plan.devices_per_replica, plan.recompute) == ('unrolled', 2, 2, 2,
+                                                        False)
+  got = start_memory.Estimate(profile, plan)
+  assert got.activation_bytes > 0
+  own = auto.PROCESS_OVERHEAD_BYTES
+  assert start_memory.StartWarning(cfg, 2, 2, '', got.process_bytes + own,
+                                   'x') is None
+  limit = got.process_bytes * 0.9 + own
+  line = start_memory.StartWarning(cfg, 2, 2, 'train.max_steps:5', limit,
+                                   "the cgroup's memory limit")
+  size = start_memory.task_health.FormatBytes
+  head = (f'warning: the run needs about {size(got.process_bytes + own)}: '
+          f'the model {size(got.process_bytes)} ({size(got.peak_bytes)} on '
+          f'its fullest device; {size(got.activation_bytes)} of it the '
+          'activations task.schedule="unrolled" keeps over 2 micro-batch(es) '
+          f'without recompute) and the process {size(own)}, but the '
+          f"cgroup's memory limit is {size(limit)}: it may be killed by the "
+          'OOM killer; an override that fits (about ')
+  assert line.startswith(head), line
+  override = re.search(r"--model_params_override='([^']*)'\.$", line)[1]
+  assert override.startswith('train.max_steps:5; '), line
+  # The override it names fits, by the same estimate.
+  fixed = planner.ExperimentParams('lm.TransformerLmTinyGPipe',
+                                   overrides=override)
+  after = start_memory.Estimate(
+      profile, start_memory.PlanOfParams(profile, fixed.task, 2, 2))
+  assert after.process_bytes + own <= limit < got.process_bytes + own
+  assert start_memory.StartWarning(fixed, 2, 2, override, limit, 'x') is None
+  line = start_memory.StartWarning(cfg, 2, 2, '', 1000, 'x')
+  assert line.endswith('no override of micro-batches, recompute, schedule or '
+                       'bf16 fits; use more memory or more devices.'), line
+
+
+def testTheTrainersStartWarningBuildsNoModelAndNoLayerGraph(
+    monkeypatch, capsys):
+  from lingvo_ext.runtime import param_checks  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.runtime import trainer_flags  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.core import cost  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.planner import tf_profiling  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.tasks.lm import model as lm_model  # pylint: disable=g-import-not-at-top
+  counts = collections.Counter()
+
+  def Counted(name, fn):
+    def Wrapped(*args, **kwargs):
+      counts[name] += 1
+      return fn(*args, **kwargs)
+    return Wrapped
+
+  monkeypatch.setattr(memory_check, 'AvailableBytes',
+                      lambda: (64 << 10, "the cgroup's memory limit"))
+  monkeypatch.setattr(cost, 'Sandbox', Counted('graphs', cost.Sandbox))
+  monkeypatch.setattr(tf_profiling, '_LayerGraphStats',
+                      Counted('layer_graphs', tf_profiling._LayerGraphStats))  # pylint: disable=protected-access
+  monkeypatch.setattr(lm_model.TransformerLm, '__init__', Counted(
+      'models', lm_model.TransformerLm.__init__))
+  ops = len(tf.get_default_graph().get_operations())
+  o = trainer_flags.Options(model='lm.TransformerLmTinyGPipe',
+                            logdir='/nonexistent/x', run_locally='cpu',
+                            num_cpu_devices=2, worker_split_size=2)
+  error, _ = param_checks.Check(o)
+  assert error is None
+  err = capsys.readouterr().err
+  lines = [l for l in err.splitlines() if l.startswith('warning: the run')]
+  assert len(lines) == 1 and "the cgroup's memory limit is 64 KB" in lines[0]
+  # No model built, no layer's FProp or gradients: only a throw-away graph
+  # per distinct layer for its variables' shapes (embedding, transformer
+  # layer, softmax), and nothing in the default graph.
+  assert counts == {'graphs': 3}, counts
+  assert len(tf.get_default_graph().get_operations()) == ops
+  # --plan=auto warns with its own estimate; an evaler trains nothing.
+  param_checks.Check(dataclasses.replace(o, job='evaler_dev'))
+  assert 'warning: the run' not in capsys.readouterr().err
+
+
+# --- Lingvo's own GPipe LM: its pipeline in its Params tree --------------------
+
+
+@pytest.fixture
+def lingvo_lm(tmp_path, monkeypatch):
+  """Lingvo's GPipe LM experiment (tests/support/lingvo_lm_testlib), its
+  params on lingvo_ext's engine: time axis 16, batch 8, width 64, vocab 128,
+  2 cells over 4 layers, 4 micro-batches."""
+  lingvo_lm_testlib.Write(str(tmp_path))
+  monkeypatch.syspath_prepend(str(tmp_path))
+  return experiment_params.GetParams(lingvo_lm_testlib.MODEL, 'Train')
+
+
+def testTreeEstimateReadsTheTasksVariablesAndEachCellsOutputs(lingvo_lm):
+  from lingvo.core import cluster_factory  # pylint: disable=g-import-not-at-top
+  from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
+  mem = tree_memory.ProfileTaskMemory(lingvo_lm)
+  assert [p.path for p in mem.pipes] == ['task.lm.stack']
+  profile = mem.pipes[0].profile
+  assert (profile.batch, mem.optimizer_slots) == (8, 2)  # Adam: 2 slots.
+  # Per example, cell 0 hands on the vectors [T, D] and paddings [T] of the
+  # time axis the task trims, sized by the input's longest (16); cell 1
+  # gives the logits [T, vocab], float32.
+  assert [(l.name, l.out_bytes) for l in profile.layers] == [
+      ('cell_0', 16 * (64 + 1) * 4), ('cell_1', 16 * 128 * 4)]
+  assert profile.in_bytes == 16 * 4  # The paddings (the ids are int).
+  # Its variables are the built task's, all in the pipeline here (the
+  # embedding and softmax are cells' layers).
+  cluster = cluster_factory.ForTestingWorker(mode='sync', job='trainer_client',
+                                             cpus=1, split_size=1)
+  with tf.Graph().as_default() as graph, cluster:
+    step = py_utils.GetOrCreateGlobalStepVar()
+    task_p = lingvo_lm.task.Copy()
+    task_p.input = lingvo_lm.input.Copy()
+    task = task_p.Instantiate()
+    task.FPropDefaultTheta()
+    built = memory_check.GraphVariableBytes(graph) - step.dtype.size
+  assert mem.param_bytes == built > 0
+  assert profile.param_bytes == built and mem.other_param_bytes == 0
+
+
+def _TreeEstimate(cfg, devices=2, split=2):
+  """(the model's estimated bytes, the plan) of the LM's pipeline."""
+  mem = tree_memory.ProfileTaskMemory(cfg)
+  (pipe,), (p,) = mem.pipes, mem.params
+  plan = start_memory.PlanOfPipeline(pipe, p, devices, split)
+  got = start_memory.Estimate(pipe.profile, plan)
+  return got, plan
+
+
+def testTreeWarningNamesThePipelinesOwnOverrideThatFits(lingvo_lm):
+  from lingvo_ext.planner import auto  # pylint: disable=g-import-not-at-top
+  got, plan = _TreeEstimate(lingvo_lm)
+  assert (plan.num_cells, plan.num_micro_batches,
+          plan.devices_per_replica) == (2, 4, 2)
+  own = auto.PROCESS_OVERHEAD_BYTES
+  assert start_memory.StartWarning(lingvo_lm, 2, 2, '',
+                                   got.process_bytes + own, 'x') is None
+  # The weights dominate this small model, and the logits and their
+  # gradient wait for the loss whatever the plan: a fifth of its
+  # activations less (recompute keeps a quarter less).
+  limit = got.process_bytes - got.activation_bytes / 5 + own
+  line = start_memory.StartWarning(lingvo_lm, 2, 2, 'train.max_steps:5',
+                                   limit, "the cgroup's memory limit")
+  size = start_memory.Size
+  rc = 'with' if plan.recompute else 'without'
+  head = (f'warning: the run needs about {size(got.process_bytes + own)}: '
+          f'the model {size(got.process_bytes)} ({size(got.peak_bytes)} on '
+          f'its fullest device; {size(got.activation_bytes)} of it the '
+          f'activations task.lm.stack.schedule="{plan.schedule}" keeps over '
+          f'4 micro-batch(es) {rc} recompute) and the process {size(own)}, '
+          f"but the cgroup's memory limit is {size(limit)}: it may be killed "
+          'by the OOM killer; an override that fits (about ')
+  assert line.startswith(head), line
+  override = re.search(r"--model_params_override='([^']*)'\.$", line)[1]
+  assert override == 'train.max_steps:5; task.lm.stack.recompute:True', line
+  # The override is the experiment's own param path, and it fits by the
+  # same estimate of the params it gives.
+  fixed = experiment_params.GetParams(lingvo_lm_testlib.MODEL, 'Train',
+                                      override)
+  after, _ = _TreeEstimate(fixed)
+  assert after.process_bytes + own <= limit < got.process_bytes + own
+  assert start_memory.StartWarning(fixed, 2, 2, override, limit, 'x') is None
+  line = start_memory.StartWarning(lingvo_lm, 2, 2, '', 1000, 'x')
+  assert line.endswith('no override of micro-batches, recompute or schedule '
+                       'fits; use more memory or more devices.'), line
+
+
+def testTheTrainerWarnsForLingvosLmBeforeItsBuild(lingvo_lm, monkeypatch,
+                                                  capsys):
+  from lingvo_ext.runtime import param_checks  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.runtime import trainer_flags  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(memory_check, 'AvailableBytes',
+                      lambda: (64 << 10, "the cgroup's memory limit"))
+  ops = len(tf.get_default_graph().get_operations())
+  o = trainer_flags.Options(model=lingvo_lm_testlib.MODEL,
+                            logdir='/nonexistent/x', run_locally='cpu',
+                            num_cpu_devices=2, worker_split_size=2)
+  error, _ = param_checks.Check(o)
+  assert error is None
+  lines = [l for l in capsys.readouterr().err.splitlines()
+           if l.startswith('warning: the run')]
+  assert len(lines) == 1, lines
+  assert 'task.lm.stack.schedule=' in lines[0]
+  assert "the cgroup's memory limit is 64 KB" in lines[0]
+  assert len(tf.get_default_graph().get_operations()) == ops
+
+
+flagship = pytest.fixture(scope='module', name='flagship')(
+    flagship_testlib.Fixture)
+
+
+def testTheFlagshipsEstimateSizesItsBucketedTimeAxis(flagship):
+  del flagship
+  from lingvo_ext.planner import auto  # pylint: disable=g-import-not-at-top
+  cfg = experiment_params.GetParams(flagship_testlib.MODEL, 'Train')
+  got, plan = _TreeEstimate(cfg)
+  (pipe,) = tree_memory.ProfileTaskMemory(cfg).pipes
+  # Its one Train bucket bounds the time axis the task trims at run time;
+  # cell 1 gives the logits, [T, vocab] float32 per example.
+  longest = max(cfg.input.bucket_upper_bound)
+  assert pipe.profile.layers[-1].out_bytes == (
+      longest * flagship_testlib.VOCAB_SIZE * 4)
+  own = auto.PROCESS_OVERHEAD_BYTES
+  line = start_memory.StartWarning(cfg, 2, 2, '', got.process_bytes + own - 1,
+                                   'x')
+  assert 'task.lm.stack.schedule=' in line, line
