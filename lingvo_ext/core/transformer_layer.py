@@ -122,7 +122,7 @@ class TransformerLayer(base_layer.BaseLayer):
     num_flops = 0
     for _, child in cls._ChildParams(p):
       child_in = inputs
-      if child.cls is FCLayer:
+      if child.cls is dense_layers.FCLayer:
         child_in = tshape.Shape(inputs[:-1] + [child.input_dim])
       num_flops += child.cls.FPropMeta(child, child_in).flops
     num_flops += flops.AttentionFlops(batch, seq_len, seq_len, p.model_dim,
