@@ -48,7 +48,7 @@ if _REPO not in sys.path:
   sys.path.insert(0, _REPO)
 
 # Before TensorFlow starts any thread: the namespace needs one thread.
-from lingvo_ext.distributed import launch_lib  # pylint: disable=g-import-not-at-top,g-bad-import-order
+from lingvo_ext.distributed import network  # pylint: disable=g-import-not-at-top,g-bad-import-order
 
 _WORKER = r'''
 import sys, time
@@ -86,7 +86,7 @@ def _Args(argv=None):
 def main(argv=None):
   args = _Args(argv)
   if args.network == 'private':
-    launch_lib.EnterPrivateNetwork()
+    network.EnterPrivateNetwork()
   # pylint: disable=g-import-not-at-top
   import lingvo_ext  # pylint: disable=unused-import
   import lingvo.compat as tf
@@ -101,7 +101,7 @@ def main(argv=None):
   py_utils.SetEagerMode(False)
   k, m = 2, args.micro_batches
 
-  ports = launch_lib.FreePorts(3)
+  ports = network.FreePorts(3)
   client = f'127.0.0.1:{ports[0]}'
   workers = [f'127.0.0.1:{p}' for p in ports[1:]]
   jobs = {'client': [client], 'worker': workers}

@@ -38,13 +38,13 @@ from lingvo.core import optimizer  # pylint: disable=g-import-not-at-top
 from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
 import numpy as np  # pylint: disable=g-import-not-at-top
 
-from lingvo_ext.distributed import gradient_sync  # pylint: disable=g-import-not-at-top
+from lingvo_ext.distributed import sync  # pylint: disable=g-import-not-at-top
 from lingvo_ext.experiments import lm  # pylint: disable=g-import-not-at-top
 
 py_utils.SetEagerMode(False)
 
 REPLICAS = 2
-CONFIGS = [(s, 'none') for s in gradient_sync.STRATEGIES] + [('all_reduce',
+CONFIGS = [(s, 'none') for s in sync.STRATEGIES] + [('all_reduce',
                                                                'fp16')]
 
 
@@ -101,8 +101,8 @@ class Run:
     """The result row and the weights; closes the session."""
     weights = {v.op.name: self.sess.run(v) for v in self.task.vars.Flatten()}
     self.sess.close()
-    sync = self.task.gradient_sync
-    stats = sync.stats if sync else gradient_sync.CommunicationStats()
+    task_sync = self.task.gradient_sync
+    stats = task_sync.stats if task_sync else sync.CommunicationStats()
     row = dict(
         strategy=self.strategy,
         compression=self.compression,

@@ -49,6 +49,7 @@ MOVED = {
     'lingvo_ext.core.matmul_grad': 'lingvo_ext.core.engine.matmul_grad',
 
     # The bundled experiments and other splits.
+    'lingvo_ext.distributed.gradient_sync': 'lingvo_ext.distributed.sync',
     'params': 'lingvo_ext.experiments',
     'params.base': 'lingvo_ext.experiments.base',
     'params.image': 'lingvo_ext.experiments.image',

@@ -32,6 +32,7 @@ import sys
 from lingvo_ext import entry_point  # pylint: disable=unused-import,g-bad-import-order
 from lingvo_ext.runtime import shutdown
 from lingvo_ext.distributed import cluster
+from lingvo_ext.distributed import cluster_tasks
 from lingvo_ext.distributed import launch_lib
 
 
@@ -56,7 +57,7 @@ def _Parser():
                  'its name (default: state changes, the progress line and '
                  'the tasks\' own messages; the logs are in '
                  'LOGDIR/launch/JOB.TASK.log either way).')
-  p.add_argument('--cluster_from', choices=launch_lib.CLUSTER_FROM,
+  p.add_argument('--cluster_from', choices=cluster_tasks.CLUSTER_FROM,
                  default='flags',
                  help='How each task learns its place: flags (--cluster_spec, '
                  '--job, --task), tf_config (TF_CONFIG) or slurm (SLURM_* '

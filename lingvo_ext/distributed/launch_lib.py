@@ -2,14 +2,8 @@
 
 `lingvo_ext.launch` is the command line; `Launch` does the work:
 
-1. picks free ports on 127.0.0.1 and tells each task its place in the
-   cluster, as --cluster_from says: flags (default: --cluster_spec, --job,
-   --task; a controller, a trainer client, the workers), tf_config (a
-   TF_CONFIG variable per task and --cluster_resolver=tf_config, as
-   Kubernetes operators do: a chief running the controller and trainer
-   client, the workers) or slurm (SLURM_* variables as srun sets them for
-   --nodes nodes, 127.0.0.1, 127.0.0.2, ..., and --cluster_resolver=slurm);
-   --ps adds ps tasks, which then hold the variables;
+1. lays the cluster out on free ports of 127.0.0.1, each task told its
+   place as --cluster_from says (cluster_tasks.py); --ps adds ps tasks;
 2. runs each as `python -m lingvo_ext.trainer ...` plus the user's trainer
    flags (forked from a server that has imported TensorFlow and Lingvo once,
    `fork_server`; with fork_tasks=False, or where it cannot, a fresh
@@ -20,7 +14,7 @@
 3. prints each task's state changes (started, ready, lost, restarted,
    finished), the trainer's progress line and the tasks' own one-line
    messages (errors, lost contact, restores); --stream_logs prints every
-   line of every task, prefixed with its name;
+   line of every task, prefixed with its name (task_output.py);
 4. waits (--ready_timeout_secs) until every task's port answers;
 5. restarts a task that dies (at most --max_restarts times in all): the
    controller restores the weights of the last checkpoint when it finds
@@ -32,37 +26,40 @@
    failure it cannot restart, or when a task fails to come up, stops every
    process it started and exits non-zero.
 
-TensorFlow's gRPC server listens on every interface of its host (it binds
-the wildcard address; TensorFlow has no option for a bind address) and does
-no authentication. So by default (--network=private) the launcher first
-moves itself into a new network namespace that has only a loopback
-interface: its tasks talk over 127.0.0.1 and nothing outside can connect to
-them. --network=host skips that (for systems without namespaces) and warns.
+By default (--network=private) the launcher first moves itself into a
+network namespace with only a loopback interface (network.py: TensorFlow's
+gRPC servers listen on every interface and do no authentication).
+--network=host skips that (for systems without namespaces) and warns.
 """
 
 import collections
-import ctypes
-import dataclasses
-import fcntl
 import os
-import random
-import re
 import shlex
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import threading
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 from lingvo_ext.distributed import cluster
+from lingvo_ext.distributed import cluster_tasks
 from lingvo_ext.distributed import fork_server
-from lingvo_ext.distributed import resolvers
+from lingvo_ext.distributed import network
 from lingvo_ext.distributed import task_health
+from lingvo_ext.distributed import task_output
 
-CLUSTER_FROM = ('flags', 'tf_config', 'slurm')
+# Kept where callers found them (the cluster's layout and network moved out).
+CLUSTER_FROM = cluster_tasks.CLUSTER_FROM
+ClusterJobs = cluster_tasks.ClusterJobs
+ClusterTasks = cluster_tasks.ClusterTasks
+Task = cluster_tasks.Task
+TaskCommand = cluster_tasks.TaskCommand
+EnterPrivateNetwork = network.EnterPrivateNetwork
+FreePortRange = network.FreePortRange
+FreePorts = network.FreePorts
+
 EXIT_STOPPED = 0
 EXIT_NOT_SAVED = 143
 # A task's exit status for a full disk (runtime/disk_space.py: EX_IOERR).
@@ -78,100 +75,6 @@ NOT_RESTARTED = {2: 'it refused its input', 4: 'its evaluation failed',
 # Jobs whose exit 0 means training is done.
 CLIENT_JOBS = ('controller', 'trainer_client', 'chief')
 
-_CLONE_NEWUSER = 0x10000000
-_CLONE_NEWNET = 0x40000000
-_SIOCGIFFLAGS = 0x8913
-_SIOCSIFFLAGS = 0x8914
-_IFF_UP = 0x1
-
-
-def EnterPrivateNetwork() -> None:
-  """Moves this process into a new network namespace with only loopback.
-
-  Must be called before any thread starts (unshare(CLONE_NEWUSER) fails in a
-  multi-threaded process). Children inherit the namespace.
-
-  Raises:
-    OSError: if the kernel or its policy does not allow it.
-  """
-  libc = ctypes.CDLL(None, use_errno=True)
-  uid, gid = os.getuid(), os.getgid()
-  if libc.unshare(_CLONE_NEWNET) != 0:
-    # Without CAP_SYS_ADMIN: a user namespace gives it, for this namespace.
-    if libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNET) != 0:
-      e = ctypes.get_errno()
-      raise OSError(e, os.strerror(e))
-    with open('/proc/self/setgroups', 'w') as f:
-      f.write('deny')
-    with open('/proc/self/uid_map', 'w') as f:
-      f.write(f'{uid} {uid} 1')
-    with open('/proc/self/gid_map', 'w') as f:
-      f.write(f'{gid} {gid} 1')
-  # A new namespace's loopback interface is down: bring it up.
-  with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-    ifr = struct.pack('16sh', b'lo', 0)
-    flags = struct.unpack('16sh', fcntl.ioctl(s, _SIOCGIFFLAGS, ifr))[1]
-    fcntl.ioctl(s, _SIOCSIFFLAGS, struct.pack('16sh', b'lo', flags | _IFF_UP))
-
-
-def FreePorts(n: int, host: str = '127.0.0.1') -> List[int]:
-  """n distinct ports that are free on `host` now."""
-  socks = []
-  try:
-    for _ in range(n):
-      s = socket.socket()
-      s.bind((host, 0))
-      socks.append(s)
-    return [s.getsockname()[1] for s in socks]
-  finally:
-    for s in socks:
-      s.close()
-
-
-def FreePortRange(n: int, host: str = '127.0.0.1', tries: int = 100) -> int:
-  """The first of n consecutive ports that are free on `host` now."""
-  for _ in range(tries):
-    base = random.randint(20000, 60000 - n)
-    try:
-      socks = []
-      for p in range(base, base + n):
-        s = socket.socket()
-        socks.append(s)
-        s.bind((host, p))
-      return base
-    except OSError:
-      pass
-    finally:
-      for s in socks:
-        s.close()
-  raise RuntimeError(f'found no {n} consecutive free ports on {host}.')
-
-
-def ClusterJobs(num_workers: int, host: str = '127.0.0.1',
-                num_ps: int = 0) -> Dict[str, List[str]]:
-  """{job: [host:port]} of a local cluster with free ports."""
-  ports = FreePorts(num_workers + num_ps + 2, host)
-  jobs = {
-      'controller': [f'{host}:{ports[0]}'],
-      'trainer_client': [f'{host}:{ports[1]}'],
-      'worker': [f'{host}:{p}' for p in ports[2:2 + num_workers]],
-  }
-  if num_ps:
-    jobs['ps'] = [f'{host}:{p}' for p in ports[2 + num_workers:]]
-  return jobs
-
-
-def TaskCommand(jobs: Dict[str, List[str]], job: str, task: int,
-                trainer_flags: Sequence[str]) -> List[str]:
-  """The trainer command line of one task of the cluster `jobs`."""
-  # --logtostderr: the task's whole log goes to its LOGDIR/launch file (the
-  # trainer's own log file is per job, and the workers share a job).
-  return [
-      sys.executable, '-m', 'lingvo_ext.trainer',
-      f'--cluster_spec={cluster.FormatClusterSpec(jobs)}', '--mode=sync',
-      f'--job={job}', f'--task={task}', '--logtostderr', *trainer_flags
-  ]
-
 
 def _SignalName(rc: int) -> str:
   if rc < 0:
@@ -180,161 +83,6 @@ def _SignalName(rc: int) -> str:
     except ValueError:
       return f'signal {-rc}'
   return f'exit code {rc}'
-
-
-@dataclasses.dataclass
-class Task:
-  """One process of the cluster."""
-  job: str
-  task: int
-  address: str
-  argv: List[str]
-  env: Dict[str, str] = dataclasses.field(default_factory=dict)
-  # subprocess.Popen, or fork_server.ForkedProcess.
-  proc: Optional[subprocess.Popen] = None
-  done: bool = False  # Exited 0 at the end of training.
-  ready: bool = False
-  started_at: float = 0.0
-  log_path: str = ''
-  log_pos: int = 0  # Bytes of the log already read.
-  partial: bytes = b''
-  last_answer: float = 0.0  # time.monotonic() of its last answer.
-  hung: bool = False  # Killed by the launcher for not answering.
-  rss: Optional[int] = None  # Its last resident memory seen.
-  cgroup: Optional[str] = None  # Its memory cgroup's directory.
-  oom_kills: Optional[int] = None  # The cgroup's OOM kills at its start.
-
-  @property
-  def name(self) -> str:
-    return self.job if self.job != 'worker' else f'worker{self.task}'
-
-  @property
-  def what(self) -> str:
-    return f'{self.job} task {self.task} ({self.address})'
-
-
-def ClusterTasks(num_workers: int, trainer_flags: Sequence[str],
-                 cluster_from: str = 'flags', num_ps: int = 0,
-                 nodes: int = 1, host: str = '127.0.0.1') -> List[Task]:
-  """The tasks of a local cluster, told their place as `cluster_from` says.
-
-  Args:
-    num_workers: Worker tasks.
-    trainer_flags: The user's trainer flags, passed to every task.
-    cluster_from: 'flags', 'tf_config' or 'slurm' (see the module doc).
-    num_ps: ps tasks ('flags' and 'tf_config').
-    nodes: 'slurm': the step's nodes; node n is 127.0.0.(n+1).
-    host: 'flags' and 'tf_config': every task's host.
-
-  Returns:
-    Workers and ps first (the clients wait for them), then the clients.
-  """
-  tail = ['--mode=sync', '--logtostderr', *trainer_flags]
-  trainer = [sys.executable, '-m', 'lingvo_ext.trainer']
-  tasks = []
-  if cluster_from == 'flags':
-    jobs = ClusterJobs(num_workers, host, num_ps)
-    for job in ('worker', 'ps', 'controller', 'trainer_client'):
-      for t, address in enumerate(jobs.get(job, ())):
-        tasks.append(Task(job, t, address, TaskCommand(jobs, job, t,
-                                                       trainer_flags)))
-    return tasks
-  if cluster_from == 'tf_config':
-    ports = FreePorts(1 + num_workers + num_ps, host)
-    spec = {'chief': [f'{host}:{ports[0]}'],
-            'worker': [f'{host}:{p}' for p in ports[1:1 + num_workers]]}
-    if num_ps:
-      spec['ps'] = [f'{host}:{p}' for p in ports[1 + num_workers:]]
-    argv = trainer + ['--cluster_resolver=tf_config', *tail]
-    for job in ('worker', 'ps', 'chief'):
-      for t, address in enumerate(spec.get(job, ())):
-        tasks.append(Task(job, t, address, argv,
-                          {'TF_CONFIG': resolvers.TFConfig(spec, job, t)}))
-    return tasks
-  if cluster_from == 'slurm':
-    hosts = [f'127.0.0.{n + 1}' for n in range(nodes)]
-    # The chief (rank 0) on the first node, then the workers in order.
-    per_node = [num_workers // nodes] * nodes
-    per_node[0] += 1
-    base = FreePortRange(1 + num_workers)
-    argv = trainer + ['--cluster_resolver=slurm',
-                      f'--slurm_port_base={base}', *tail]
-    for rank in range(1 + num_workers):
-      env = resolvers.SlurmEnv(hosts, per_node, rank)
-      # What resolvers.FromSlurm makes of it (without importing TensorFlow
-      # here): rank 0 the chief, rank 1+i worker i, port base + rank.
-      address = f'{env["SLURMD_NODENAME"]}:{base + rank}'
-      tasks.append(Task('chief' if rank == 0 else 'worker', max(rank - 1, 0),
-                        address, argv, env))
-    return tasks[1:] + tasks[:1]
-  raise ValueError(f'--cluster_from={cluster_from} is not one of '
-                   f'{", ".join(CLUSTER_FROM)}.')
-
-
-# Lines of a task's log shown without --stream_logs: the trainer's progress
-# line and the tasks' own one-line messages (not Lingvo's and TensorFlow's
-# INFO log records).
-_SHOWN = re.compile(
-    r'^(step \d+/\d+ |error:|warning:|note:|interrupted|TF_CONFIG:|Slurm:|'
-    r'(controller|trainer_client|trainer|worker|ps|evaler_\w+|decoder_\w+)'
-    r'(,\w+)*( task \d+)?:)')
-
-
-class _Output:
-  """Writes lines to `out` from a thread of its own.
-
-  Put never blocks: when the reader is slow and --stream_logs lines pile up
-  beyond max_lines, the newest task lines are dropped (and counted); the
-  launcher's own lines are always kept.
-  """
-
-  def __init__(self, out, logdir: str, max_lines: int = 20000):
-    self._out = out
-    self._logdir = logdir
-    self._max = max_lines
-    self._lines = collections.deque()
-    self._dropped = 0
-    self._busy = False
-    self._cv = threading.Condition()
-    threading.Thread(target=self._Run, daemon=True, name='output').start()
-
-  def Put(self, line: str, keep: bool = True) -> None:
-    with self._cv:
-      if not keep and len(self._lines) >= self._max:
-        self._dropped += 1
-        return
-      self._lines.append(line if line.endswith('\n') else line + '\n')
-      self._cv.notify_all()
-
-  def _Run(self):
-    while True:
-      with self._cv:
-        while not self._lines:
-          self._busy = False
-          self._cv.notify_all()
-          self._cv.wait()
-        self._busy = True
-        line = self._lines.popleft()
-        dropped, self._dropped = self._dropped, 0
-      try:
-        if dropped:
-          self._out.write(f'launch: {dropped} log line(s) not shown (the '
-                          'output is read slowly); every line is in '
-                          f'{self._logdir}\n')
-        self._out.write(line)
-        self._out.flush()
-      except (OSError, ValueError):
-        pass  # A closed reader: the logs still have every line.
-
-  def Flush(self, timeout_s: float = 5) -> None:
-    """Waits (at most timeout_s) until every line is written."""
-    deadline = time.monotonic() + timeout_s
-    with self._cv:
-      while self._lines or self._busy:
-        left = deadline - time.monotonic()
-        if left <= 0:
-          return
-        self._cv.wait(left)
 
 
 class Launcher:
@@ -350,7 +98,7 @@ class Launcher:
     self._fork_tasks = fork_tasks
     self._fork_server = None
     os.makedirs(self._logdir, exist_ok=True)
-    self._output = _Output(out or sys.stdout, self._logdir)
+    self._output = task_output.Output(out or sys.stdout, self._logdir)
     self._stream_logs = stream_logs
     self._ready_timeout_s = ready_timeout_s
     self._max_restarts = max_restarts
@@ -377,20 +125,7 @@ class Launcher:
     """Shows the lines the tasks wrote to their logs since the last call."""
     with self._tail_lock:
       for task in self.tasks:
-        if not task.log_path or not os.path.exists(task.log_path):
-          continue
-        with open(task.log_path, 'rb') as f:
-          f.seek(task.log_pos)
-          data = f.read(1 << 22)
-        task.log_pos += len(data)
-        lines = (task.partial + data).split(b'\n')
-        task.partial = lines.pop()
-        for raw in lines:
-          line = raw.decode('utf-8', 'replace')
-          if self._stream_logs:
-            self._output.Put(f'[{task.name}] {line}', keep=False)
-          elif _SHOWN.match(line):
-            self._output.Put(f'[{task.name}] {line}')
+        task_output.ShowNewLines(task, self._output, self._stream_logs)
 
   def _TailLoop(self) -> None:
     while not self._stop_tail.wait(0.2):
@@ -449,15 +184,6 @@ class Launcher:
     for task in self.tasks:
       self.Start(task)
 
-  def _LastLines(self, task: Task, n: int = 8) -> str:
-    try:
-      with open(task.log_path, 'rb') as f:
-        f.seek(max(0, os.path.getsize(task.log_path) - 16384))
-        lines = f.read().decode('utf-8', 'replace').splitlines()
-    except OSError:
-      return ''
-    return ''.join(f'  | {l}\n' for l in lines[-n:])
-
   def _Answers(self, task: Task) -> bool:
     try:
       with socket.create_connection(
@@ -479,7 +205,7 @@ class Launcher:
           raise RuntimeError(
               f'{task.what} exited with {_SignalName(rc)} before it was '
               f'ready; the end of its log ({task.log_path}):\n' +
-              self._LastLines(task).rstrip())
+              task_output.LastLines(task.log_path).rstrip())
         if self._Answers(task):
           pending.remove(task)
           task.ready = True
@@ -586,7 +312,7 @@ class Launcher:
                      f'already restarted {self.restarts} task(s) '
                      f'(--max_restarts={self._max_restarts}): giving up. The '
                      f'end of its log ({task.log_path}):\n' +
-                     self._LastLines(task).rstrip())
+                     task_output.LastLines(task.log_path).rstrip())
           return 1
         self.restarts += 1
         gone = 'was killed, hung' if task.hung else 'is gone'
@@ -595,7 +321,7 @@ class Launcher:
                    f'{self.restarts} of --max_restarts={self._max_restarts}); '
                    'training resumes from the last checkpoint. The end of '
                    f'its log ({task.log_path}):\n' +
-                   self._LastLines(task, 3).rstrip())
+                   task_output.LastLines(task.log_path, 3).rstrip())
         self.Start(task)
       # A new controller restores the last checkpoint (its own server's
       # variables are new), so the step may fall back below --max_steps: a
@@ -712,7 +438,7 @@ def Launch(num_workers: int, trainer_flags: Sequence[str], logdir: str,
 
   if network == 'private':
     try:
-      EnterPrivateNetwork()
+      EnterPrivateNetwork()  # The `network` argument hides the module.
     except OSError as e:
       Say(f'error: --network=private: cannot make a private network '
           f'namespace here ({e}); run with --network=host to run the cluster '
@@ -732,7 +458,8 @@ def Launch(num_workers: int, trainer_flags: Sequence[str], logdir: str,
             f'replica {r} cell {i} on {layout.Device(r, i)}'
             for r in range(layout.num_replicas)
             for i in range(layout.split_size))))
-  tasks = ClusterTasks(num_workers, trainer_flags, cluster_from, num_ps, nodes)
+  tasks = cluster_tasks.ClusterTasks(num_workers, trainer_flags, cluster_from,
+                                     num_ps, nodes)
   launcher = Launcher(tasks, logdir, ready_timeout_s, max_restarts, out,
                       stream_logs, fork_tasks, task_timeout_s)
   interrupted = []

@@ -16,7 +16,7 @@ from lingvo_ext.planner.model_profile import ModelProfile
 
 
 # gradient_sync strategies the planner offers for R > 1 (the ps strategies
-# need a ps job; see gradient_sync.py).
+# need a ps job; see distributed/sync/).
 SYNC_CHOICES = ('shared', 'all_reduce')
 MAX_MICRO_BATCHES = 32
 

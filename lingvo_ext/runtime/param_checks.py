@@ -6,7 +6,7 @@ anything is written: a bad param is one `error:` line and exit 2.
 
 import dataclasses
 
-from lingvo_ext.distributed import gradient_sync
+from lingvo_ext.distributed import sync
 from lingvo_ext.runtime import start_memory
 from lingvo_ext.runtime import run_params
 from lingvo_ext.runtime import runner_state
@@ -45,8 +45,8 @@ def Check(o, params=None):
       pipelined = True
       if batch and local_training:
         # The check the task makes when built, before the logdir is touched.
-        gradient_sync.CheckReplicas(task.name, task.gradient_sync, replicas,
-                                    split, batch, task.num_micro_batches)
+        sync.CheckReplicas(task.name, task.gradient_sync, replicas,
+                           split, batch, task.num_micro_batches)
     else:
       pipelined = bool(pipeline_tree.CheckPipelines(cfg, replicas))
     refusal = pipeline_tree.ScheduleRefusal(cfg, split, o.gpipe_engine)

@@ -15,7 +15,7 @@ from lingvo_ext.core import jit_choice
 from lingvo_ext.core import precision
 from lingvo_ext.core import stacking
 from lingvo_ext.core.engine import records
-from lingvo_ext.distributed import gradient_sync
+from lingvo_ext.distributed import sync
 
 # PipeliningLayer params that the task sets itself (from its layer stack and
 # its own params), so they are not task params of their own.
@@ -137,8 +137,8 @@ class PipelinedTask(base_model.BaseTask):
     if not isinstance(p.num_partitions, int) or p.num_partitions < 1:
       raise ValueError(f'{p.name}: task.num_partitions={p.num_partitions!r} '
                        'must be an int >= 1.')
-    gradient_sync.CheckParams(p.name, p.gradient_sync, p.accumulate_steps,
-                              p.gradient_compression, p.ps_placement)
+    sync.CheckParams(p.name, p.gradient_sync, p.accumulate_steps,
+                     p.gradient_compression, p.ps_placement)
 
   @classmethod
   def _CheckHasInput(cls, task_params):
@@ -188,7 +188,7 @@ class PipelinedTask(base_model.BaseTask):
     # Its learners apply through the GradientSync made below, if any, and
     # clip by the norm of the gradients with duplicate rows summed, so that
     # every schedule clips alike (SyncLearnerMixin.ScaleGradients).
-    params = gradient_sync.WithSyncLearners(params)
+    params = sync.WithSyncLearners(params)
     # An override gives the dtype as text ('bfloat16'); Lingvo's layers take
     # a tf.DType, which the children then copy (BaseLayer.CopyBaseParams).
     params = params.Copy()
@@ -205,8 +205,8 @@ class PipelinedTask(base_model.BaseTask):
               'bprop_variable_exclusion): a stacked variable holds several '
               'layers\' variables under one name. Drop the filter or set '
               'task.stack_variables=False.')
-    gradient_sync.CheckParams(p.name, p.gradient_sync, p.accumulate_steps,
-                              p.gradient_compression, p.ps_placement)
+    sync.CheckParams(p.name, p.gradient_sync, p.accumulate_steps,
+                     p.gradient_compression, p.ps_placement)
     if p.stack_variables and p.gradient_sync != 'shared':
       raise ValueError(
           f'{p.name}: stack_variables=True is not supported with '
@@ -222,13 +222,13 @@ class PipelinedTask(base_model.BaseTask):
     controller_only = (self.cluster.job == 'controller' and num_replicas == 1
                        and self.cluster.params.worker.replicas > 1)
     if training and not controller_only:
-      gradient_sync.CheckReplicas(
+      sync.CheckReplicas(
           p.name, p.gradient_sync, num_replicas,
           self.cluster.num_devices_per_split,
           p.input.batch_size if p.input else p.num_micro_batches,
           p.num_micro_batches)
       if p.gradient_sync != 'shared' or p.accumulate_steps > 1:
-        self._sync = gradient_sync.GradientSync(
+        self._sync = sync.GradientSync(
             p.name, p.gradient_sync, num_replicas, p.accumulate_steps,
             p.gradient_compression)
     placer = contextlib.nullcontext()
@@ -299,7 +299,7 @@ class PipelinedTask(base_model.BaseTask):
       return super()._BPropGenTrainOps(vmap, metrics, add_summary)
     # Lingvo's train ops (EMA, global step...); its learners (SyncLearners)
     # apply through the synchronised update.
-    with gradient_sync.Applying(self._sync):
+    with sync.Applying(self._sync):
       return super()._BPropGenTrainOps(vmap, metrics, add_summary)
 
   def _LearnerParams(self):

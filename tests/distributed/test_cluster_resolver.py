@@ -338,8 +338,8 @@ def testTrainerRejectsAMissingOrConflictingEnvironment():
 
 @pytest.mark.e2e
 def testAWorkerWhoseChiefNeverAnswersExitsOnItsOwn():
-  from lingvo_ext.distributed import launch_lib  # pylint: disable=g-import-not-at-top
-  chief, worker = launch_lib.FreePorts(2)
+  from lingvo_ext.distributed import network  # pylint: disable=g-import-not-at-top
+  chief, worker = network.FreePorts(2)
   spec = {'chief': [f'127.0.0.1:{chief}'], 'worker': [f'127.0.0.1:{worker}']}
   # Its wait for the chief's word outlasts --worker_timeout_secs (the
   # deadline of each of its session calls); it ends within _Trainer's

@@ -423,8 +423,8 @@ def testWorkerReplicasMustAgreeWithTheClusterSpec():
 # Runs the trainer and the launcher (forked): end-to-end by pytest.ini.
 @pytest.mark.e2e
 def testTrainerAndLaunchReportBadInputInOneLine():
-  import lingvo_ext.distributed.launch_lib as launch_lib  # pylint: disable=g-import-not-at-top
-  free = launch_lib.FreePorts(3)
+  from lingvo_ext.distributed import network  # pylint: disable=g-import-not-at-top
+  free = network.FreePorts(3)
   # The trainer: exit code 2 and one line naming the flag.
   spec = f'trainer_client=127.0.0.1:{free[1]}'
   rc, out = _Trainer(f'--cluster_spec={spec}', '--job=trainer_client')

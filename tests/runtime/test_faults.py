@@ -25,7 +25,9 @@ import pytest
 from lingvo_ext import checkpoints
 from lingvo_ext.runtime import disk_space
 from lingvo_ext.runtime import progress
+from lingvo_ext.distributed import cluster_tasks
 from lingvo_ext.distributed import launch_lib
+from lingvo_ext.distributed import network
 from lingvo_ext.tasks import input_files
 from tests.support import lingvo_lm_testlib
 from tests.support import proc_testlib
@@ -324,9 +326,9 @@ def _Launcher(tmp_path, programs, max_restarts=0):
     def flush(self):
       pass
 
-  port = launch_lib.FreePorts(1)[0]
-  tasks = [launch_lib.Task(job, 0, f'127.0.0.1:{port}',
-                           [sys.executable, '-c', code])
+  port = network.FreePorts(1)[0]
+  tasks = [cluster_tasks.Task(job, 0, f'127.0.0.1:{port}',
+                              [sys.executable, '-c', code])
            for job, code in programs]
   launcher = launch_lib.Launcher(tasks, str(tmp_path), 30, max_restarts,
                                  Out(), fork_tasks=False, task_timeout_s=60)
@@ -450,12 +452,14 @@ _LAUNCHER_IN_CGROUP = '''
 import os, sys
 with open(os.path.join(sys.argv[1], 'cgroup.procs'), 'w') as f:
   f.write(str(os.getpid()))
+from lingvo_ext.distributed import cluster_tasks
 from lingvo_ext.distributed import launch_lib
+from lingvo_ext.distributed import network
 grow = ('import time\\nx = []\\nwhile True:\\n'
         '  x.append(bytearray(8 << 20))\\n  time.sleep(0.02)\\n')
-port = launch_lib.FreePorts(1)[0]
-task = launch_lib.Task('controller', 0, f'127.0.0.1:{port}',
-                       [sys.executable, '-c', grow])
+port = network.FreePorts(1)[0]
+task = cluster_tasks.Task('controller', 0, f'127.0.0.1:{port}',
+                          [sys.executable, '-c', grow])
 launcher = launch_lib.Launcher([task], sys.argv[2], 30, 3, sys.stdout,
                                fork_tasks=False, task_timeout_s=60)
 try:

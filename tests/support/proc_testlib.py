@@ -22,8 +22,8 @@ TIMEOUT = 300
 # FLAGS...` in a private network namespace (only 127.0.0.1): the trainer runs
 # in the same process (tests/support/zygote.py forks it, TensorFlow imported).
 PRIVATE_TRAINER = (
-    'import runpy, sys; from lingvo_ext.distributed import launch_lib; '
-    'launch_lib.EnterPrivateNetwork(); sys.argv[0] = "-m"; '
+    'import runpy, sys; from lingvo_ext.distributed import network; '
+    'network.EnterPrivateNetwork(); sys.argv[0] = "-m"; '
     'runpy.run_module("lingvo_ext.trainer", run_name="__main__", '
     'alter_sys=True)')
 _STARTED = re.compile(r'launch: started (\w+ task \d+) \(\S+\) as pid (\d+)')

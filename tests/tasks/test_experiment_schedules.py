@@ -32,7 +32,7 @@ sums the squares of a tf.IndexedSlices' rows, counting a row looked up twice
 in a batch twice; 'recurrent' hands the learner the embedding's gradient
 dense, the others sparse, so the norms differed by about 1% and the clipped
 steps by as much. The task's learners now sum duplicate rows before they
-measure the norm (gradient_sync.SyncLearnerMixin.ScaleGradients).
+measure the norm (sync.SyncLearnerMixin.ScaleGradients).
 
 The full-size GPipe experiments (`lm.TransformerLmGPipe`,
 `image.ConvClassifierGPipe`) take two steps under each schedule that trains

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 
 from tests.support import gpipe_testlib as lib
-from lingvo_ext.distributed import gradient_sync
+from lingvo_ext.distributed import sync
 from lingvo_ext.distributed import server
 from lingvo_ext.experiments import image
 from lingvo_ext.experiments import lm
 
-STRATEGIES = gradient_sync.STRATEGIES
+STRATEGIES = sync.STRATEGIES
 B = 4  # Examples per replica.
 
 
@@ -76,11 +76,11 @@ def _Run(model, replicas, batch, steps=3, k=1, m=1, adam=False, save=None,
       # One run each: a run per variable costs an executor per variable.
       weights = sess.run({v.op.name: v for v in task.vars.Flatten()})
       copies = {}
-      sync = task.gradient_sync
-      if sync is not None:
+      task_sync = task.gradient_sync
+      if task_sync is not None:
         copies = sess.run({(r, task.vars.GetItem(path).op.name): var
                            for (r, path), var in
-                           sync.MirrorVariables().items()})
+                           task_sync.MirrorVariables().items()})
   return collections.namedtuple('Run', 'losses weights copies task graph')(
       losses, weights, copies, task, graph)
 
@@ -202,19 +202,19 @@ def testAllReduceGroupsArePipelineStages():
 @pytest.mark.e2e
 def testParameterServerAccumulatorsAreOnTheVariablesPsDevices():
   got = _Cached('lm', 2, B, gradient_sync='parameter_server')
-  sync = got.task.gradient_sync
+  task_sync = got.task.gradient_sync
   ps_devices = {f'/job:localhost/replica:0/task:0/device:CPU:{i}'
                 for i in range(2)}
-  assert len(sync.accumulators) == len(got.weights)
+  assert len(task_sync.accumulators) == len(got.weights)
   kinds = collections.Counter()
-  for var, acc in sync.accumulators:
+  for var, acc in task_sync.accumulators:
     assert acc.accumulator_ref.device == var.device
     assert var.device in ps_devices
     kinds[type(acc).__name__] += 1
   assert kinds == {'ConditionalAccumulator': len(got.weights) - 1,
                    'SparseConditionalAccumulator': 1}
   # Placed by size over both ps devices.
-  assert {var.device for var, _ in sync.accumulators} == ps_devices
+  assert {var.device for var, _ in task_sync.accumulators} == ps_devices
   types = _OpTypes(got.graph)
   assert types['CollectiveReduceV2'] == types['CollectiveGatherV2'] == 0
 
@@ -236,6 +236,20 @@ def _Build(replicas, k=1, **kwargs):
   with tf.Graph().as_default(), _Cluster(replicas, k):
     py_utils.GetOrCreateGlobalStepVar()
     return p.Instantiate()
+
+
+@pytest.mark.parametrize('strategy', STRATEGIES)
+def testGradientSyncMakesTheClassOfItsStrategy(strategy):
+  got = sync.GradientSync('t', strategy, 2, accumulate_steps=3)
+  assert isinstance(got, sync.GradientSync)
+  assert type(got).STRATEGY == strategy
+  assert got.num_replicas == 2
+
+
+def testGradientSyncNamesTheStrategiesForAnUnknownOne():
+  with pytest.raises(ValueError, match='gradient_sync=.allreduce. is not a '
+                     'strategy; .* one of .*all_reduce'):
+    sync.GradientSync('t', 'allreduce', 2)
 
 
 def testBadDataParallelParamsAreClearErrors():
