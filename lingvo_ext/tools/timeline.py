@@ -1,6 +1,6 @@
 r"""Draws a pipeline's per-device timeline: planned, or measured in training.
 
-Planned: a schedule's action lists (`lingvo_ext.core.actions`) for K cells,
+Planned: a schedule's action lists (`lingvo_ext.core.schedules`) for K cells,
 M micro-batches and D devices, simulated with unit costs (forward 1,
 backward 2), with its idle fraction:
 

@@ -1,6 +1,6 @@
 """A pipeline's per-device timeline: planned, or measured in training.
 
-Planned: a schedule's action lists (`lingvo_ext.core.actions`) simulated with
+Planned: a schedule's action lists (`lingvo_ext.core.schedules`) simulated with
 unit costs (forward 1, backward 2). Measured: a step traced with
 `RunOptions.FULL_TRACE` (`step_trace`). Each draws a picture (PNG or SVG) and
 a Chrome trace. The command line is `lingvo_ext.tools.timeline`; the
