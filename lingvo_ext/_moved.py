@@ -40,8 +40,10 @@ MOVED = {
     'lingvo_ext.shutdown': 'lingvo_ext.runtime.shutdown',
     'lingvo_ext.trainer_flags': 'lingvo_ext.runtime.trainer_flags',
 
-    # The engine made whole.
+    # The engine made whole, with one public face (core/schedules.py).
+    'lingvo_ext.core.actions': 'lingvo_ext.core.schedules',
     'lingvo_ext.core.cell_function': 'lingvo_ext.core.engine.cell_function',
+    'lingvo_ext.core.engine.pipelines': 'lingvo_ext.core.schedules',
     'lingvo_ext.core.graph_state': 'lingvo_ext.core.engine.graph_state',
     'lingvo_ext.core.jit_random': 'lingvo_ext.core.engine.jit_random',
     'lingvo_ext.core.matmul_grad': 'lingvo_ext.core.engine.matmul_grad',

@@ -14,7 +14,8 @@ import os
 import sys
 import tempfile
 
-from lingvo_ext.core import actions
+from lingvo_ext.core.engine import kinds
+from lingvo_ext.core.engine import records
 from lingvo_ext.tracing import timeline
 
 DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
@@ -26,14 +27,14 @@ def Pictures(out_dir):
   """Draws each schedule's planned timeline; returns the paths, relative."""
   written = []
   os.makedirs(os.path.join(out_dir, SUBDIR), exist_ok=True)
-  for name in sorted(actions.ACTION_SCHEDULES):
+  for name in sorted(records.ACTION_SCHEDULES):
     # 4 cells on 4 devices; schedules that need more cells than devices
     # (interleaved) get 2 per device.
     for stages in (4, 8):
-      spec = actions.StageSpec(num_stages=stages, num_devices=4,
+      spec = kinds.StageSpec(num_stages=stages, num_devices=4,
                                num_micro_batches=8)
       try:
-        actions.Build(name, spec)
+        records.Build(name, spec)
       except ValueError:
         continue
       if name == 'interleaved_1f1b' and stages == 4:

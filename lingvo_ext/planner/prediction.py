@@ -11,15 +11,15 @@ pass, per example) and N devices, `Enumerate` lists every plan
   data-parallel replicas with D * R <= N, and a gradient_sync strategy,
 
 and `Predict` gives, for each, the step time and the peak memory per device
-from the schedule's own action lists (`actions.Build`) simulated over the
-per-stage costs (`actions.Simulate`):
+from the schedule's own action lists (`records.Build`) simulated over the
+per-stage costs (`simulate.Simulate`):
 
 - Action cost: ops x seconds per op + FLOPs / FLOP rate (`Machine`), for the
   stage's layers at the micro-batch size; a backward pass is 2x the forward
   FLOPs and its own op count; 'R' is a forward pass again. What the engines
   add: a hand-off (`Machine.s_per_handoff` and the bytes) for each tensor an
   action receives from another device, a gate (`Machine.s_per_gate`) per
-  enforced action (`GatedKinds`, `actions.ORDERED_KINDS`), and the sums of
+  enforced action (`GatedKinds`, `records.ORDERED_KINDS`), and the sums of
   the weight gradients over micro-batches (`Accumulations`). Lingvo's
   'recurrent' loop runs M + K - 1 steps, each running every cell
   (`_RecurrentCompute`).
@@ -40,14 +40,17 @@ recomputes). With a loss that is not linear in the pipeline's outputs no
 backward pass can start before every forward pass ends (schedules.py):
 '1f1b' then recomputes, so the planner offers it only with recompute there,
 and '1f1b', 'interleaved_1f1b' and 'zero_bubble' run each device's forward
-actions first (`actions.ForwardsFirst`), which is what is simulated.
+actions first (`transforms.ForwardsFirst`), which is what is simulated.
 """
 
 import dataclasses
 from typing import List, Optional, Sequence, Tuple
 
-from lingvo_ext.core import actions
+from lingvo_ext.core.engine import kinds
 from lingvo_ext.core.engine import records
+from lingvo_ext.core.engine import runs
+from lingvo_ext.core.engine import simulate
+from lingvo_ext.core.engine import transforms
 from lingvo_ext.planner.model_profile import Machine
 from lingvo_ext.planner.model_profile import ModelProfile
 from lingvo_ext.planner.plans import Candidate
@@ -99,16 +102,16 @@ def Stages(profile: ModelProfile, sizes: Sequence[int]) -> List[_Stage]:
 def WeightGradientRun(plan: Plan, stages: Sequence[_Stage]) -> int:
   """'unrolled' with recompute, '1f1b' without: how many micro-batches'
   weight gradients its engine computes at once
-  (`actions.StageSpec.weight_gradient_run`).
+  (`kinds.StageSpec.weight_gradient_run`).
 
-  `actions.WeightGradientRunLength`, as the engine, with the stages' kept
+  `runs.WeightGradientRunLength`, as the engine, with the stages' kept
   activations standing in for the MatMul operands. 1 for other plans.
   """
   if (plan.schedule,
-      bool(plan.recompute)) not in actions.SIZED_WEIGHT_GRADIENT_RUNS:
+      bool(plan.recompute)) not in records.SIZED_WEIGHT_GRADIENT_RUNS:
     return 1
   mb = plan.replica_batch // plan.num_micro_batches
-  return actions.WeightGradientRunLength(
+  return runs.WeightGradientRunLength(
       sum(st.param_bytes for st in stages),
       sum(st.kept_bytes for st in stages) * mb, plan.num_micro_batches)
 
@@ -120,26 +123,26 @@ def _InLoop(plan: Plan) -> bool:
 
 def ActionSchedule(plan: Plan, linear_loss: bool = True,
                    weight_gradient_run: int = 1
-                  ) -> Tuple[actions.StageSpec, List]:
+                  ) -> Tuple[kinds.StageSpec, List]:
   """The plan's action lists, as its engine runs them: the schedule's own
   (GPipe's for 'recurrent', whose loop runs all forward passes first); for a
   loss not linear in the outputs, forward actions first. `weight_gradient_run`
   is `WeightGradientRun`'s."""
   name = records.Get(plan.schedule).planner.simulated_as or plan.schedule
-  spec = records.Placed(name, actions.StageSpec(
+  spec = records.Placed(name, kinds.StageSpec(
       plan.num_cells, plan.devices_per_replica, plan.num_micro_batches,
       recompute=plan.recompute, weight_gradient_run=weight_gradient_run))
-  schedule = actions.Build(name, spec)
+  schedule = records.Build(name, spec)
   if not linear_loss:  # GPipe's lists are in that order already.
-    schedule = actions.ForwardsFirst(schedule)
+    schedule = transforms.ForwardsFirst(schedule)
   return spec, schedule
 
 
 def GatedKinds(plan: Plan) -> Tuple[str, ...]:
   """Action kinds the plan's engine gates (holds behind a NoOp that waits
-  for the action before it): `actions.ORDERED_KINDS`, none for
+  for the action before it): `records.ORDERED_KINDS`, none for
   'recurrent'."""
-  return tuple(actions.ORDERED_KINDS.get(plan.schedule, ()))
+  return tuple(records.ORDERED_KINDS.get(plan.schedule, ()))
 
 
 def Accumulations(plan: Plan, weight_gradient_run: int = 1) -> int:
@@ -170,8 +173,8 @@ def AccumulateSeconds(stage: _Stage, machine: Machine,
           3. * stage.param_bytes / machine.add_bytes_per_s)
 
 
-def HandoffBytes(stages: Sequence[_Stage], spec: actions.StageSpec,
-                 a: actions.Action, micro_batch: int) -> Optional[float]:
+def HandoffBytes(stages: Sequence[_Stage], spec: kinds.StageSpec,
+                 a: kinds.Action, micro_batch: int) -> Optional[float]:
   """Bytes action `a` receives from another device, or None if it receives
   nothing across devices: a forward pass its input from the stage before it,
   a backward pass ('B' or 'I') its output's gradient from the stage after."""
@@ -185,14 +188,14 @@ def HandoffBytes(stages: Sequence[_Stage], spec: actions.StageSpec,
 
 
 def _Costs(stages: Sequence[_Stage], micro_batch: int, machine: Machine,
-           s_per_op: float, spec: Optional[actions.StageSpec] = None,
+           s_per_op: float, spec: Optional[kinds.StageSpec] = None,
            gated: Sequence[str] = (), summing=frozenset()):
   """Action -> seconds for the stages at `micro_batch` examples: compute,
   plus with `spec` the hand-off of what it receives from another device,
   plus a gate if its kind is `gated`, plus a sum of the stage's weight
   gradients if it is in `summing`."""
 
-  def Cost(a: actions.Action) -> float:
+  def Cost(a: kinds.Action) -> float:
     st = stages[a.stage]
     fwd = st.fwd_ops * s_per_op + (
         st.flops * micro_batch / machine.flops_per_s)
@@ -221,23 +224,23 @@ def SummingActions(plan: Plan, schedule: List) -> frozenset:
   """The actions after which a stage adds weight gradients to their sums
   (`Accumulations` per stage; 'recurrent' prices its own per loop step):
   each 'B' and the last 'W' of each run of 'W's
-  (`actions.WeightGradientRuns`), but a stage's first, in its device's
+  (`runs.WeightGradientRuns`), but a stage's first, in its device's
   order."""
   if _InLoop(plan):
     return frozenset()
-  runs = {run[0]: run for run in actions.WeightGradientRuns(schedule)}
+  by_first = {run[0]: run for run in runs.WeightGradientRuns(schedule)}
   out, seen = set(), set()
   for acts in schedule:
     for a in acts:
-      if a.kind == 'B' or a in runs:
-        last = runs[a][-1] if a in runs else a
+      if a.kind == 'B' or a in by_first:
+        last = by_first[a][-1] if a in by_first else a
         if a.stage in seen:
           out.add(last)
         seen.add(a.stage)
   return frozenset(out)
 
 
-def _RecurrentCompute(stages: Sequence[_Stage], spec: actions.StageSpec,
+def _RecurrentCompute(stages: Sequence[_Stage], spec: kinds.StageSpec,
                       cost, summing: Sequence[float] = (),
                       s_per_byte: float = 0.) -> Tuple[float, float, float]:
   """(makespan, busy, useful busy) of Lingvo's StackedRecurrent loop.
@@ -251,8 +254,8 @@ def _RecurrentCompute(stages: Sequence[_Stage], spec: actions.StageSpec,
   byte of its weights (`Machine.recurrent_s_per_byte`).
   """
   steps = spec.num_micro_batches + spec.num_stages - 1
-  fwd = [cost(actions.Action('F', s, 0)) for s in range(len(stages))]
-  bwd = [cost(actions.Action('R', s, 0)) + cost(actions.Action('B', s, 0))
+  fwd = [cost(kinds.Action('F', s, 0)) for s in range(len(stages))]
+  bwd = [cost(kinds.Action('R', s, 0)) + cost(kinds.Action('B', s, 0))
          for s in range(len(stages))]
   more = [(summing[s] if summing else 0.) + s_per_byte * st.param_bytes
           for s, st in enumerate(stages)]
@@ -293,7 +296,7 @@ def Predict(profile: ModelProfile, plan: Plan,
   gated = GatedKinds(plan)
   cost = _Costs(stages, mb, machine, s_per_op, spec, gated,
                 SummingActions(plan, schedule))
-  tl = actions.Simulate(spec, schedule, cost)
+  tl = simulate.Simulate(spec, schedule, cost)
   r = plan.replicas
   if _InLoop(plan):
     makespan, busy, useful = _RecurrentCompute(
@@ -312,7 +315,7 @@ def Predict(profile: ModelProfile, plan: Plan,
     # host's cores: TensorFlow's executor runs whatever is ready, several
     # actions of one device at once (one cell over two micro-batches keeps
     # two cores busy).
-    makespan = actions.CriticalPath(spec, schedule, cost)
+    makespan = simulate.CriticalPath(spec, schedule, cost)
     parallel = max(1., machine.cores)
   # The replicas' work over the compute that can run at once.
   compute = max(makespan, r * busy / parallel)

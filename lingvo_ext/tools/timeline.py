@@ -1,6 +1,6 @@
 r"""Draws a pipeline's per-device timeline: planned, or measured in training.
 
-Planned: a schedule's action lists (`lingvo_ext.core.actions`) for K cells,
+Planned: a schedule's action lists (`lingvo_ext.core.schedules`) for K cells,
 M micro-batches and D devices, simulated with unit costs (forward 1,
 backward 2), with its idle fraction:
 
@@ -23,7 +23,8 @@ import re
 import sys
 
 from lingvo_ext import entry_point  # pylint: disable=unused-import,g-bad-import-order
-from lingvo_ext.core import actions
+from lingvo_ext.core.engine import kinds
+from lingvo_ext.core.engine import records
 from lingvo_ext.tracing import step_trace
 from lingvo_ext.tracing import timeline
 
@@ -34,7 +35,7 @@ def _Parser():
       description=__doc__.split('\n')[0],
       formatter_class=argparse.RawDescriptionHelpFormatter,
       epilog='Schedules: %s. Details: docs/schedules.md.' %
-      ', '.join(sorted(actions.ACTION_SCHEDULES)))
+      ', '.join(sorted(records.ACTION_SCHEDULES)))
   parser.add_argument('--schedule', help='The schedule to plan, e.g. 1f1b.')
   parser.add_argument('--num_stages', type=int, default=4,
                       help='Pipeline cells, K.')
@@ -74,15 +75,15 @@ def main(argv=None) -> int:
   trace_json = args.trace_json or re.sub(r'\.(png|svg)$', '.trace.json',
                                          args.out)
   if args.schedule:
-    if args.schedule not in actions.ACTION_SCHEDULES:
+    if args.schedule not in records.ACTION_SCHEDULES:
       return _Fail(f'--schedule={args.schedule} has no action list; use one '
-                   f'of {", ".join(sorted(actions.ACTION_SCHEDULES))}.')
+                   f'of {", ".join(sorted(records.ACTION_SCHEDULES))}.')
     try:
-      spec = actions.StageSpec(
+      spec = kinds.StageSpec(
           num_stages=args.num_stages, num_devices=args.devices or
           args.num_stages, num_micro_batches=args.num_micro_batches,
           recompute=args.recompute)
-      actions.Build(args.schedule, spec)
+      records.Build(args.schedule, spec)
     except ValueError as e:
       return _Fail(str(e))
     idle = timeline.DrawPlanned(args.schedule, spec, args.out)

@@ -1,6 +1,6 @@
 """A pipeline's per-device timeline: planned, or measured in training.
 
-Planned: a schedule's action lists (`lingvo_ext.core.actions`) simulated with
+Planned: a schedule's action lists (`lingvo_ext.core.schedules`) simulated with
 unit costs (forward 1, backward 2). Measured: a step traced with
 `RunOptions.FULL_TRACE` (`step_trace`). Each draws a picture (PNG or SVG) and
 a Chrome trace. The command line is `lingvo_ext.tools.timeline`; the
@@ -14,7 +14,9 @@ import struct
 import time
 from typing import Dict, List, Optional, Tuple
 
-from lingvo_ext.core import actions
+from lingvo_ext.core.engine import kinds
+from lingvo_ext.core.engine import records
+from lingvo_ext.core.engine import simulate
 from lingvo_ext.tracing import step_trace
 
 # Colours per action kind, as in the schedule papers' figures.
@@ -29,22 +31,22 @@ _KIND_NAMES = {'F': 'forward', 'R': 'recompute', 'B': 'backward (I + W)',
                'I': 'input gradient', 'W': 'weight gradient'}
 
 # (start, end, action) in time units of a forward pass.
-Bar = Tuple[float, float, actions.Action]
+Bar = Tuple[float, float, kinds.Action]
 
 
-def PlannedBars(name: str, spec: actions.StageSpec
+def PlannedBars(name: str, spec: kinds.StageSpec
                ) -> Tuple[List[List[Bar]], float]:
   """Per device, the simulated bars of a schedule, in the order they run.
 
   Args:
-    name: A key of `actions.ACTION_SCHEDULES`.
+    name: A key of `records.ACTION_SCHEDULES`.
     spec: The pipeline.
 
   Returns:
     ([[(start, end, action)] per device], idle fraction).
   """
-  schedule = actions.Build(name, spec)
-  tl = actions.Simulate(spec, schedule)
+  schedule = records.Build(name, spec)
+  tl = simulate.Simulate(spec, schedule)
   bars = [[(tl.start[a], tl.end[a], a) for a in acts] for acts in schedule]
   return bars, tl.IdleFraction()
 
@@ -62,7 +64,7 @@ def _Save(fig, path: str) -> None:
       '.png') else {'Date': None, 'Creator': None})
 
 
-def PlannedFigure(name: str, spec: actions.StageSpec):
+def PlannedFigure(name: str, spec: kinds.StageSpec):
   """The planned timeline as a matplotlib figure; returns (figure, idle).
 
   One row per device (device d at y = d); each action a bar from its
@@ -70,7 +72,7 @@ def PlannedFigure(name: str, spec: actions.StageSpec):
   a device holds several), coloured by kind.
 
   Args:
-    name: A key of `actions.ACTION_SCHEDULES`.
+    name: A key of `records.ACTION_SCHEDULES`.
     spec: The pipeline.
   """
   from matplotlib import patches  # pylint: disable=g-import-not-at-top
@@ -94,10 +96,10 @@ def PlannedFigure(name: str, spec: actions.StageSpec):
   ax.invert_yaxis()
   ax.set_xlim(0, span)
   ax.set_xlabel('time (forward pass = 1)')
-  kinds = sorted({b[2].kind for dev in bars for b in dev},
-                 key=actions.KINDS.index)
+  shown = sorted({b[2].kind for dev in bars for b in dev},
+                 key=kinds.KINDS.index)
   ax.legend(handles=[patches.Patch(color=KIND_COLORS[k],
-                                   label=_KIND_NAMES[k]) for k in kinds],
+                                   label=_KIND_NAMES[k]) for k in shown],
             loc='upper left', bbox_to_anchor=(1.0, 1.0), fontsize=7,
             frameon=False)
   ax.set_title('%s: K=%d cells, M=%d micro-batches, %d devices; idle %.1f%%'
@@ -107,7 +109,7 @@ def PlannedFigure(name: str, spec: actions.StageSpec):
   return fig, idle
 
 
-def DrawPlanned(name: str, spec: actions.StageSpec, path: str) -> float:
+def DrawPlanned(name: str, spec: kinds.StageSpec, path: str) -> float:
   """Writes `PlannedFigure` to `path` (.png or .svg); returns idle fraction."""
   plt = _Pyplot()
   plt.rcParams['svg.hashsalt'] = 'lingvo_ext'  # Stable ids: same plan, bytes.
@@ -117,7 +119,7 @@ def DrawPlanned(name: str, spec: actions.StageSpec, path: str) -> float:
   return idle
 
 
-def PlannedChromeTrace(name: str, spec: actions.StageSpec) -> Dict:
+def PlannedChromeTrace(name: str, spec: kinds.StageSpec) -> Dict:
   """The planned timeline as a Chrome trace: a thread per device, 1 ms/unit."""
   bars, idle = PlannedBars(name, spec)
   events = [dict(ph='M', name='process_name', pid=0, tid=0,
@@ -192,7 +194,7 @@ def DrawMeasured(run_metadata, out: str, trace_json: str,
 
 
 def PipelineSpecs(layer, path: str = ''
-                 ) -> List[Tuple[str, str, actions.StageSpec]]:
+                 ) -> List[Tuple[str, str, kinds.StageSpec]]:
   """[(path, schedule, spec)] of each lingvo_ext pipeline in a built layer.
 
   The schedule whose lists the engine runs for the layer's `schedule`
@@ -201,7 +203,6 @@ def PipelineSpecs(layer, path: str = ''
   """
   # pylint: disable=g-import-not-at-top
   from lingvo_ext.core import gpipe
-  from lingvo_ext.core.engine import records
   found = []
   if isinstance(layer, gpipe.PipeliningLayer):
     p = layer.params
@@ -209,7 +210,7 @@ def PipelineSpecs(layer, path: str = ''
     name = record.planner.simulated_as or p.schedule
     recompute = (record.recompute == records.ALWAYS if p.recompute is None
                  else bool(p.recompute))
-    spec = records.Placed(name, actions.StageSpec(
+    spec = records.Placed(name, kinds.StageSpec(
         len(layer.Cells()), len(set(layer.Devices())), p.num_micro_batches,
         recompute))
     found.append((path or p.name, name, spec))

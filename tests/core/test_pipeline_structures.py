@@ -26,7 +26,6 @@ from lingvo.core import py_utils
 import numpy as np
 import pytest
 
-from lingvo_ext.core import actions
 from lingvo_ext.core import gpipe
 from lingvo_ext.core import schedules
 from tests.support import gpipe_testlib as lib
@@ -335,7 +334,7 @@ def test_random_wide_pipelines_take_1f1b_runs_longer_than_k(seed,
   # Random pipelines whose weights outweigh their micro-batches' MatMul
   # operands (widths 24-32, one row per micro-batch, M = 8, a loss linear in
   # the outputs): '1f1b' with cell functions computes each cell's weight
-  # gradients in runs longer than K (actions.WeightGradientRunLength) and
+  # gradients in runs longer than K (schedules.WeightGradientRunLength) and
   # still equals the sequential model.
   cells, num_devices, inputs_fn, _, kwargs, desc = _RandomCase(
       seed, widths=(24, 33), batches=(8,))
@@ -734,8 +733,8 @@ def _ListGraph(schedule, num_cells, num_devices, num_micro, loss='sum'):
 def test_each_device_runs_its_action_list_in_order(schedule, num_cells,
                                                    num_devices, num_micro):
   g = _ListGraph(schedule, num_cells, num_devices, num_micro)
-  spec = actions.StageSpec(num_cells, num_devices, num_micro)
-  _AssertGatesFollow(g, actions.Build(schedule, spec))
+  spec = schedules.StageSpec(num_cells, num_devices, num_micro)
+  _AssertGatesFollow(g, schedules.Build(schedule, spec))
 
 
 def _AssertGatesFollow(g, schedule):
@@ -756,12 +755,12 @@ def _AssertGatesFollow(g, schedule):
 
 def test_list_schedules_run_forwards_first_for_a_nonlinear_loss():
   # The output gradient needs every forward pass: each device's gates follow
-  # actions.ForwardsFirst of the schedule (the linear case is tested above).
+  # schedules.ForwardsFirst of the schedule (the linear case is tested above).
   for schedule, num_cells in (('zero_bubble', 2), ('interleaved_1f1b', 4)):
     g = _ListGraph(schedule, num_cells, 2, 4, loss='square')
-    spec = actions.StageSpec(num_cells, 2, 4)
-    order = actions.ForwardsFirst(actions.Build(schedule, spec))
-    assert order != actions.Build(schedule, spec)
+    spec = schedules.StageSpec(num_cells, 2, 4)
+    order = schedules.ForwardsFirst(schedules.Build(schedule, spec))
+    assert order != schedules.Build(schedule, spec)
     _AssertGatesFollow(g, order)
 
 

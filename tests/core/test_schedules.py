@@ -11,20 +11,51 @@ same way and have M: the count is not bounded by construction of the test.
 """
 
 import re
+import subprocess
+import sys
 
 import lingvo_ext  # pylint: disable=unused-import
 import lingvo.compat as tf
 from lingvo.core import py_utils
 import pytest
 
-from lingvo_ext.core import actions
 from lingvo_ext.core import gpipe
 from lingvo_ext.core import schedules
 from lingvo_ext.core.engine import records
+from tests.support import ROOT
 from tests.support import gpipe_testlib as lib
 from tests.core import test_gpipe
 
 B, D = 16, 6
+
+
+def test_one_face_lists_without_tensorflow_schedules_on_first_use():
+  # The lists half imports no TensorFlow; SCHEDULES comes on first use, once;
+  # the old paths (core.actions, engine.pipelines) are this one module.
+  code = (
+      'import sys\n'
+      'from lingvo_ext.core import schedules as s\n'
+      'spec = s.StageSpec(num_stages=2, num_devices=2, num_micro_batches=2)\n'
+      'assert s.Build("1f1b", spec) and s.ParseLists(s.FormatLists(\n'
+      '    s.Build("1f1b", spec))) == s.Build("1f1b", spec)\n'
+      'assert "tensorflow" not in sys.modules\n'
+      'from lingvo_ext.core import actions\n'
+      'from lingvo_ext.core.engine import pipelines\n'
+      'from lingvo_ext.core.engine.pipelines import SCHEDULES\n'
+      'assert actions is s and pipelines is s and SCHEDULES is s.SCHEDULES\n'
+      'assert s.SCHEDULES["recurrent"] is s.Recurrent\n'
+      'assert s.SCHEDULES["zbv"].__name__ == "zbv"\n'
+      'assert {"SCHEDULES", "Interpreter"} <= set(dir(s))\n'
+      'try:\n'
+      '  s.NoSuchName\n'
+      '  sys.exit(3)\n'
+      'except AttributeError:\n'
+      '  pass\n'
+      'print("ok")\n')
+  out = subprocess.run([sys.executable, '-c', code], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert out.stdout.endswith('ok\n'), out.stdout
 
 
 def test_every_schedule_is_one_registry_entry():
@@ -252,9 +283,9 @@ def test_unrolled_recomputes_with_weight_gradients_in_runs(batch):
   g, fetches = _BackwardGraph(2, m, 'unrolled', True, functions=True,
                               batch=batch)
   assert _HasRecomputation(g)
-  spec = actions.StageSpec(2, 2, m, True, weight_gradient_run=run)
+  spec = schedules.StageSpec(2, 2, m, True, weight_gradient_run=run)
   built = _WeightGradientScopes(g)
-  assert built == _ListedWeightGradientScopes(actions.Build('unrolled', spec))
+  assert built == _ListedWeightGradientScopes(schedules.Build('unrolled', spec))
   assert len(built) == 2 * -(-m // run), sorted(built)
   # A run's micro-batches' recomputations are alive together, no more.
   for cell in range(2):
@@ -278,14 +309,14 @@ def test_1f1b_takes_weight_gradient_runs_longer_than_k(batch):
   g, fetches = _BackwardGraph(2, m, '1f1b', None, lib._Loss, functions=True,  # pylint: disable=protected-access
                               batch=batch)
   assert not _HasRecomputation(g)
-  spec = actions.StageSpec(2, 2, m, weight_gradient_run=run)
-  schedule = actions.Build('1f1b', spec)
+  spec = schedules.StageSpec(2, 2, m, weight_gradient_run=run)
+  schedule = schedules.Build('1f1b', spec)
   built = _WeightGradientScopes(g)
   assert built == _ListedWeightGradientScopes(schedule)
   assert len(built) == 2 * -(-m // max(2, run)), sorted(built)
   # Each cell keeps its micro-batches' operands until their run, as the
   # lists' simulation says: all M for runs of M, K - i + K - 1 for runs of K.
-  tl = actions.Simulate(spec, schedule)
+  tl = schedules.Simulate(spec, schedule)
   for cell in range(2):
     assert MaxLiveMicroBatches(g, fetches, cell, m, recomputed=False) == (
         tl.PeakInFlight(cell)), cell
@@ -350,7 +381,7 @@ def _ListedWeightGradientScopes(lists):
   """The scopes the engine gives the lists' 'B's and runs of 'W's."""
   want = {'cell%d_mb%d' % (a.stage, a.micro_batch)
           for acts in lists for a in acts if a.kind == 'B'}
-  for run in actions.WeightGradientRuns(lists):
+  for run in schedules.WeightGradientRuns(lists):
     first, last = run[0].micro_batch, run[-1].micro_batch
     want.add('cell%d_mb%s' % (run[0].stage, first if first == last else
                               '%d-%d' % (first, last)))
@@ -364,15 +395,15 @@ def _ListedWeightGradientScopes(lists):
     ('interleaved_1f1b', True, 4)])
 def test_the_engine_builds_the_lists_weight_gradients(schedule, recompute,
                                                       num_cells):
-  # Each run of 'W' actions of a cell (actions.WeightGradientRuns), and each
+  # Each run of 'W' actions of a cell (schedules.WeightGradientRuns), and each
   # 'B', is one weight-gradient scope in the graph, and nothing else is.
   m = 4
   devices = 2 if schedule == 'interleaved_1f1b' else num_cells
   g, _ = _BackwardGraph(num_cells, m, schedule, recompute, lib._Loss,  # pylint: disable=protected-access
                         devices=devices)
   built = _WeightGradientScopes(g)
-  spec = actions.StageSpec(num_cells, devices, m, bool(recompute))
-  assert built == _ListedWeightGradientScopes(actions.Build(schedule, spec))
+  spec = schedules.StageSpec(num_cells, devices, m, bool(recompute))
+  assert built == _ListedWeightGradientScopes(schedules.Build(schedule, spec))
   assert _HasRecomputation(g) == bool(recompute)
   # 'unrolled' batches all M; '1f1b' runs of K; the others one per action.
   per_cell = {'unrolled': 1, '1f1b': -(-m // num_cells)}.get(schedule, m)

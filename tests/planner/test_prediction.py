@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from lingvo_ext.core import actions
+from lingvo_ext.core import schedules
 from lingvo_ext import planner
 from tests.support import planner_testlib as lib
 
@@ -14,16 +14,16 @@ from tests.support import planner_testlib as lib
 @pytest.mark.parametrize('k,m', [(2, 1), (2, 4), (4, 4), (4, 8), (3, 16)])
 def test_gpipe_bubble(k, m):
   # Whole backward passes: GPipe's (K - 1) / (M + K - 1).
-  spec = actions.StageSpec(k, k, m, recompute=True)
-  no_r = lambda a: 0. if a.kind == 'R' else actions.UnitCost(a)
-  tl = actions.Simulate(spec, actions.Build('unrolled', spec), no_r)
+  spec = schedules.StageSpec(k, k, m, recompute=True)
+  no_r = lambda a: 0. if a.kind == 'R' else schedules.UnitCost(a)
+  tl = schedules.Simulate(spec, schedules.Build('unrolled', spec), no_r)
   assert tl.IdleFraction() == pytest.approx((k - 1) / (m + k - 1))
   # 'unrolled' runs the input gradients first and the weight gradients
   # after them (F = I = W = 1): the weight gradients fill part of the
   # drain, (K - 1)(F + I) idle per device over M(F + I + W) + (K - 1)(F + I).
-  spec = actions.StageSpec(k, k, m)
-  tl = actions.Simulate(spec, actions.Build('unrolled', spec),
-                        actions.UnitCost)
+  spec = schedules.StageSpec(k, k, m)
+  tl = schedules.Simulate(spec, schedules.Build('unrolled', spec),
+                        schedules.UnitCost)
   split = 2 * (k - 1) / (3 * m + 2 * (k - 1))
   assert tl.IdleFraction() == pytest.approx(split)
   # The planner's own simulation (equal stages, compute only) agrees.
@@ -134,9 +134,9 @@ def test_bytes_between_devices():
 def test_handoff_bytes_only_across_devices():
   profile = lib.Profile(out=100.)
   stages = planner.Stages(profile, (2, 2, 2, 2))
-  folded = actions.StageSpec(4, 2, 4)  # Stage s on device s % 2.
-  one = actions.StageSpec(4, 1, 4)
-  a = actions.Action
+  folded = schedules.StageSpec(4, 2, 4)  # Stage s on device s % 2.
+  one = schedules.StageSpec(4, 1, 4)
+  a = schedules.Action
   # A forward pass receives its input (100 B per example, 8 examples), a
   # backward pass its output's gradient; never the first cell's forward or
   # the last cell's backward, nor anything on one device.
@@ -172,8 +172,8 @@ def test_handoffs_priced_on_the_critical_path():
     ('unrolled', False, ('R',)), ('unrolled', True, ('R',)),
     ('recurrent', True, ()),
     ('1f1b', False, ('F', 'R')), ('1f1b', True, ('F', 'R')),
-    ('zero_bubble', False, actions.KINDS),
-    ('interleaved_1f1b', False, actions.KINDS)])
+    ('zero_bubble', False, schedules.KINDS),
+    ('interleaved_1f1b', False, schedules.KINDS)])
 def test_gated_kinds(schedule, recompute, kinds):
   k = 4 if schedule == 'interleaved_1f1b' else 2
   plan = lib.Plan(k, 4, schedule, recompute, devices=2)
@@ -239,7 +239,7 @@ def test_weight_gradient_runs_and_their_sums(schedule, param_bytes, run,
   # 'unrolled'; 1F1B's K - d in flight and a run's group - 1 before it.
   spec, lists = planner.ActionSchedule(plan, True, run)
   assert spec.weight_gradient_run == run
-  timeline = actions.Simulate(spec, lists)
+  timeline = schedules.Simulate(spec, lists)
   want = ([run, run] if schedule == 'unrolled' else
           [min(8, 2 - d + group - 1) for d in range(2)])
   assert [timeline.PeakInFlight(d) for d in range(2)] == want
@@ -282,7 +282,7 @@ def test_zero_bubble_folds_cells_onto_fewer_devices():
   assert planner.TrainerFlags(plan) == ['--num_cpu_devices=2',
                                         '--worker_split_size=2']
   assert planner.Overrides(plan)['task.num_partitions'] == 4
-  # Simulated on 2 devices as the engine folds it (actions.FoldOntoDevices):
+  # Simulated on 2 devices as the engine folds it (schedules.FoldOntoDevices):
   # less idle than one cell per device at the same M.
   flat = planner.Predict(profile, lib.Plan(2, 4, 'zero_bubble'), lib.FLOPS_ONLY)
   four = planner.Predict(profile, plan, lib.FLOPS_ONLY)

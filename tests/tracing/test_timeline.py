@@ -9,19 +9,19 @@ import sys
 
 import pytest
 
-from lingvo_ext.core import actions
+from lingvo_ext.core import schedules
 from lingvo_ext.tools import timeline as timeline_tool
 from lingvo_ext.tracing import timeline
 from tests.support import zygote
 from tests.support import ROOT
 
 SPECS = [
-    ('unrolled', actions.StageSpec(4, 4, 8)),
-    ('unrolled', actions.StageSpec(3, 3, 5, recompute=True)),
-    ('1f1b', actions.StageSpec(4, 4, 8)),
-    ('interleaved_1f1b', actions.StageSpec(8, 4, 8)),
-    ('zero_bubble', actions.StageSpec(4, 4, 6)),
-    ('zero_bubble', actions.StageSpec(4, 2, 4)),
+    ('unrolled', schedules.StageSpec(4, 4, 8)),
+    ('unrolled', schedules.StageSpec(3, 3, 5, recompute=True)),
+    ('1f1b', schedules.StageSpec(4, 4, 8)),
+    ('interleaved_1f1b', schedules.StageSpec(8, 4, 8)),
+    ('zero_bubble', schedules.StageSpec(4, 4, 6)),
+    ('zero_bubble', schedules.StageSpec(4, 2, 4)),
 ]
 
 
@@ -40,8 +40,8 @@ def _FigureBars(fig):
                          ids=['%s-%d' % (n, i) for i, (n, _) in
                               enumerate(SPECS)])
 def testPlannedPictureIsTheSimulatedActions(name, spec):
-  schedule = actions.Build(name, spec)
-  sim = actions.Simulate(spec, schedule)
+  schedule = schedules.Build(name, spec)
+  sim = schedules.Simulate(spec, schedule)
   fig, idle = timeline.PlannedFigure(name, spec)
   try:
     drawn = _FigureBars(fig)
@@ -62,9 +62,9 @@ def testPlannedPictureIsTheSimulatedActions(name, spec):
 
 
 def testPlannedChromeTraceHasEveryAction(tmp_path):
-  spec = actions.StageSpec(4, 4, 8)
+  spec = schedules.StageSpec(4, 4, 8)
   trace = timeline.PlannedChromeTrace('zero_bubble', spec)
-  schedule = actions.Build('zero_bubble', spec)
+  schedule = schedules.Build('zero_bubble', spec)
   for d, acts in enumerate(schedule):
     names = [e['name'] for e in trace['traceEvents']
              if e['ph'] == 'X' and e['tid'] == d]
@@ -79,7 +79,7 @@ def testCommandLine(tmp_path):
   with open(str(tmp_path / 'p.trace.json')) as f:
     events = json.load(f)['traceEvents']
   assert sum(e['ph'] == 'X' for e in events) == len(
-      [a for acts in actions.Build('1f1b', actions.StageSpec(2, 2, 3))
+      [a for acts in schedules.Build('1f1b', schedules.StageSpec(2, 2, 3))
        for a in acts])
 
 
@@ -99,7 +99,7 @@ def testBadInputIsOneLineAndExit2(args, tmp_path, capsys):
 def testReadmePictureIsCurrent(tmp_path):
   # README.md shows docs/img/pipeline-1f1b.png: the plan as drawn today.
   out = str(tmp_path / 'pipeline-1f1b.png')
-  timeline.DrawPlanned('1f1b', actions.StageSpec(4, 4, 8), out)
+  timeline.DrawPlanned('1f1b', schedules.StageSpec(4, 4, 8), out)
   with open(out, 'rb') as f, open(
       os.path.join(ROOT, 'docs', 'img', 'pipeline-1f1b.png'), 'rb') as g:
     assert f.read() == g.read(), (
@@ -144,7 +144,7 @@ def testTracedTrainerRunGivesTheMeasuredPicture(tmp_path):
   with open(os.path.join(train, 'timeline_planned.trace.json')) as f:
     planned = json.load(f)
   assert planned == json.loads(json.dumps(timeline.PlannedChromeTrace(
-      task.schedule, actions.StageSpec(task.num_partitions, 2,
+      task.schedule, schedules.StageSpec(task.num_partitions, 2,
                                        task.num_micro_batches))))
   # The command line, from the logdir.
   out = str(tmp_path / 'step.svg')

@@ -19,7 +19,9 @@ One concept per module, lower layers first; no module imports one above it:
 - loss: what the caller's loss lets the backward lists do.
 - interpreter: builds a schedule's lists as a graph, one method per kind.
 - recurrent: Lingvo's StackedRecurrent loop ('recurrent').
-- pipelines: `SCHEDULES`, the schedule function of each record.
+
+The public face is `lingvo_ext.core.schedules` (the lists API and
+`SCHEDULES`, the schedule function of each record).
 
 The modules up to records need no TensorFlow (the planner imports them);
 this package's __init__ imports nothing.

@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from lingvo_ext.core import actions
+from lingvo_ext.core import schedules
 from lingvo_ext.core.engine import records
 
 _GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'testdata')
@@ -23,7 +23,7 @@ _NAME = re.compile(r'^(\w+)_K(\d+)_D(\d+)_M(\d+)(_recompute)?\.txt$')
 
 
 def _Spec(name, k, d, m, recompute):
-  return actions.StageSpec(k, d, m, recompute=recompute)
+  return schedules.StageSpec(k, d, m, recompute=recompute)
 
 
 def _Lists(name, k, d, m, recompute):
@@ -52,7 +52,7 @@ def _File(name, k, d, m, recompute):
 @pytest.mark.parametrize('case', _Cases(), ids=lambda c: os.path.basename(
     _File(*c))[:-4])
 def test_generators_match_their_golden_text(case):
-  text = actions.FormatLists(_Lists(*case)) + '\n'
+  text = schedules.FormatLists(_Lists(*case)) + '\n'
   path = _File(*case)
   if os.environ.get('LINGVO_EXT_REGOLDEN'):
     os.makedirs(_GOLDEN, exist_ok=True)
@@ -61,7 +61,7 @@ def test_generators_match_their_golden_text(case):
   with open(path) as f:
     golden = f.read()
   assert text == golden, path
-  assert actions.ParseLists(golden) == _Lists(*case)
+  assert schedules.ParseLists(golden) == _Lists(*case)
 
 
 def test_every_schedule_has_golden_files_and_every_file_a_case():
@@ -85,9 +85,9 @@ def test_lists_round_trip_through_text():
     except ValueError:
       continue
     tried += 1
-    assert actions.ParseLists(actions.FormatLists(lists)) == lists
-    assert all(isinstance(a.kind, actions.Kind)
-               for acts in actions.ParseLists(actions.FormatLists(lists))
+    assert schedules.ParseLists(schedules.FormatLists(lists)) == lists
+    assert all(isinstance(a.kind, schedules.Kind)
+               for acts in schedules.ParseLists(schedules.FormatLists(lists))
                for a in acts)
   assert tried > 100
 
@@ -100,11 +100,11 @@ def test_lists_round_trip_through_text():
 ])
 def test_bad_text_names_its_line(text, error):
   with pytest.raises(ValueError, match=re.escape(error)):
-    actions.ParseLists(text)
+    schedules.ParseLists(text)
 
 
 def test_text_form():
-  lists = actions.ParseLists('# a comment\ndev0: F0.0 B0.0\n\ndev1:\n')
-  assert lists == [[actions.Action(actions.Kind.F, 0, 0),
-                    actions.Action(actions.Kind.B, 0, 0)], []]
-  assert actions.FormatLists(lists) == 'dev0: F0.0 B0.0\ndev1:'
+  lists = schedules.ParseLists('# a comment\ndev0: F0.0 B0.0\n\ndev1:\n')
+  assert lists == [[schedules.Action(schedules.Kind.F, 0, 0),
+                    schedules.Action(schedules.Kind.B, 0, 0)], []]
+  assert schedules.FormatLists(lists) == 'dev0: F0.0 B0.0\ndev1:'
