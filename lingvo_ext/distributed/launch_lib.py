@@ -46,6 +46,7 @@ from typing import List, Optional, Sequence
 from lingvo_ext.distributed import cluster
 from lingvo_ext.distributed import cluster_tasks
 from lingvo_ext.distributed import fork_server
+from lingvo_ext.distributed import fork_serving
 from lingvo_ext.distributed import network
 from lingvo_ext.distributed import task_health
 from lingvo_ext.distributed import task_output
@@ -156,7 +157,7 @@ class Launcher:
               stderr=subprocess.STDOUT,
               stdin=subprocess.DEVNULL,
               env=env,
-              preexec_fn=fork_server.DieWithParent(os.getpid()),
+              preexec_fn=fork_serving.DieWithParent(os.getpid()),
               start_new_session=True)  # Its own process group.
     task.started_at = time.monotonic()
     task.last_answer = task.started_at

@@ -1,4 +1,4 @@
-"""lingvo_ext.distributed.fork_server: runs forked as `python -m` runs them."""
+"""fork_server and fork_serving: runs forked as `python -m` runs them."""
 
 import json
 import os
@@ -10,6 +10,7 @@ import time
 import pytest
 
 from lingvo_ext.distributed import fork_server
+from lingvo_ext.distributed import fork_serving
 from tests.support import ROOT
 
 PROBE = [sys.executable, '-m', 'tests.support.fork_probe']
@@ -67,7 +68,7 @@ def testForkedRunsEndAsAFreshInterpretersAndDieWithTheServer(
       assert ('finalized' in a) == ('finalized' in b), (a, b)
       assert ('ValueError: probe raised' in a) == (
           'ValueError: probe raised' in b) == (what == 'raise')
-    assert [fork_server.ReturnCode(s) for s in (3 << 8, signal.SIGTERM)] == [
+    assert [fork_serving.ReturnCode(s) for s in (3 << 8, signal.SIGTERM)] == [
         3, -signal.SIGTERM]
     # A variable read at import that differs from the server's: not forked.
     assert server.Spawn(PROBE + ['0'], dict(
