@@ -42,7 +42,7 @@ changes:
   non-finite tensor and the last good checkpoint; no checkpoint holding
   NaN/Inf is written. A damaged latest checkpoint is skipped for the newest
   intact one, and a damaged `checkpoint` state file is rebuilt from the
-  checkpoints on disk (lingvo_ext/checkpoints.py). SIGTERM or SIGHUP (a
+  checkpoints on disk (lingvo_ext/checkpoints/). SIGTERM or SIGHUP (a
   cluster stopping the job) saves the current step and exits 0, Ctrl-C the
   same with 130; a second signal, or --shutdown_grace_secs, exits at once
   (143) with the last complete checkpoint as the latest

@@ -28,7 +28,7 @@ FLOORS = (
     ('lingvo_ext/distributed/',),
     ('lingvo_ext/core/',),
     ('lingvo_ext/registry.py',),
-    ('lingvo_ext/tasks/', 'lingvo_ext/checkpoints.py'),
+    ('lingvo_ext/tasks/', 'lingvo_ext/checkpoints/'),
     ('lingvo_ext/experiments/',),
     ('lingvo_ext/tracing/', 'lingvo_ext/planner/', 'lingvo_ext/serving/'),
     ('lingvo_ext/runtime/',),

@@ -1,0 +1,18 @@
+"""Checkpoint safety for the trainer: intact restores, finite saves.
+
+Two parts, one concept each: `files` (a logdir's checkpoints on disk and its
+`checkpoint` state file: intact restores, repairs, a moved logdir, the
+training-finished mark) and `checkpointers` (Lingvo's Checkpointer with
+finite saves and restores across cuts). Their public names are here too:
+`lingvo_ext.checkpoints.X` is the path users hold.
+"""
+
+# pylint: disable=unused-import,g-multiple-import
+from lingvo_ext.checkpoints.checkpointers import (
+    CrossCutCheckpointer, FiniteChecks, NewCheckpointer, NonFiniteVariables,
+    TrainingCheckpointer)
+from lingvo_ext.checkpoints.files import (
+    CheckpointPaths, CheckpointProblem, CheckpointStep, ClearTrainingFinished,
+    DropLatestIfNonFinite, FallBackToIntactCheckpoint, LatestCheckpoint,
+    LocalizeStateFile, MarkTrainingFinished, RebuildStateFile,
+    StateFileProblem, TrainingFinished)
