@@ -242,7 +242,8 @@ class PipeliningLayer(seq_layer.SeqLayer):
         shapes = nest_util.ToTuple(l.FPropMeta(l.params, *shapes).out_shapes)
     state_shapes = [shapes[0] if p.nested_map_fprop else shapes]
     for (_, cell) in self._cells:
-      shapes = nest_util.ToTuple(cell.FPropMeta(cell.params, *shapes).out_shapes)
+      meta = cell.FPropMeta(cell.params, *shapes)
+      shapes = nest_util.ToTuple(meta.out_shapes)
       state_shapes.append(shapes[0] if p.nested_map_fprop else shapes)
     return state_shapes
 
@@ -253,7 +254,7 @@ class PipeliningLayer(seq_layer.SeqLayer):
     return [t for t in self._InputTensors(args) if t is not None][0].dtype
 
   def ToState(self, values):
-    """Packs cell inputs/outputs into the NestedMap that StackedRecurrent uses."""
+    """Packs cell inputs/outputs into StackedRecurrent's NestedMap."""
     return recurrent.ToState(self.params.nested_map_fprop, values)
 
   def FromState(self, state, shapes, fn):
