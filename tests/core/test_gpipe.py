@@ -124,25 +124,6 @@ def test_batch_dim_1():
   lib.AssertVariantsMatch(results, seq, names)
 
 
-def test_act_fetch_layers():
-  # Cell 0 fetches the activation after its first FC layer; cell 1 passes it
-  # through, so the pipeline returns (final output, fetched activation).
-  fetch = layers.FetchLayer.Params().Set(name='fetch')
-  cell0 = gpipe.FeatureExtractionLayer.Params().Set(
-      name='cell0', sub=[lib.Fc('fc0', D, D, 1), fetch, lib.Fc('fc1', D, D, 2)],
-      act_fetch_layers=['fetch'], num_act_outputs=1)
-  cell1 = gpipe.FeatureExtractionLayer.Params().Set(
-      name='cell1', sub=[lib.Fc('fc2', D, D, 3)], num_act_inputs=1,
-      num_act_outputs=1)
-  results, seq, names = lib.RunVariants(
-      [cell0, cell1], 2, lambda: (_Input(B, D),), num_micro_batches=2)
-  lib.AssertVariantsMatch(results, seq, names)
-  for out, _ in results.values():
-    assert len(out) == 2
-    # The fetched activation is tanh(x W0 + b0), not the final output.
-    assert not np.allclose(out[0], out[1])
-
-
 # XLA-compiled cell functions, as the schedule tests run them.
 JIT = (('cell_functions', True), ('jit_compile', True))
 JIT_VARIANTS = (('unrolled', False, JIT), ('1f1b', True, JIT))
@@ -215,14 +196,6 @@ def test_recompute_false_is_an_error_where_always_recomputed():
       gpipe.PipeliningLayer.Params().Set(
           name='pipe', cell_tpl=_FcCells(2), schedule='recurrent',
           recompute=False).Instantiate()
-
-
-def test_feature_extraction_meta_threads_shapes():
-  p = _FcCells(1, layers_per_cell=3)[0]
-  meta = p.cls.FPropMeta(p, lib.Shape(B, D))
-  one = layers.FCLayer.FPropMeta(p.sub[0], lib.Shape(B, D)).flops
-  assert meta.flops == pytest.approx(3 * one)
-  assert [s.ToTensorShape().as_list() for s in meta.out_shapes] == [[B, D]]
 
 
 def _FunctionsCalled(node):
@@ -329,39 +302,6 @@ def test_eval_with_one_device_runs_plainly():
     sess.run(init)
     a, b = sess.run([out, seq])
   np.testing.assert_allclose(a, b, atol=1e-6)
-
-
-def _VariableDevices(job, colocate, ps_devices=2):
-  """{variable name: device} of a 2-cell pipeline under Lingvo's placer."""
-  from lingvo.core import cluster_factory  # pylint: disable=g-import-not-at-top
-  cp = cluster_factory.ForTestingWorker(
-      mode='sync', job=job, cpus=2, split_size=2).params
-  cp.ps.cpus_per_replica = ps_devices  # The trainer's --num_cpu_devices.
-  c = cp.Instantiate()
-  g = tf.Graph()
-  with g.as_default(), c, tf.device(c.GetPlacer()):
-    gpipe.PipeliningLayer.Params().Set(
-        name='pipe', cell_tpl=_FcCells(2, layers_per_cell=3),
-        num_micro_batches=2, colocate_cell_variables=colocate).Instantiate()
-    return {
-        v.op.name: v.device.split('device:')[-1] for v in tf.global_variables()
-    }
-
-
-def test_cell_variables_live_on_their_cells_device():
-  # The controller's graph and the trainer's must agree: they share the
-  # variables by device and name.
-  for job in ('trainer_client', 'controller'):
-    devices = _VariableDevices(job, True)
-    assert len(devices) == 12
-    for name, device in devices.items():
-      cell = int(re.search(r'cell(\d)/', name).group(1))
-      assert device == 'CPU:%d' % cell, (job, name, device)
-  # Lingvo's least-loaded placer alone spreads each cell over both devices.
-  spread = _VariableDevices('trainer_client', False)
-  assert {d for n, d in spread.items() if 'cell0/' in n} == {'CPU:0', 'CPU:1'}
-  # Variables on a ps device that is not a worker device stay there.
-  assert set(_VariableDevices('trainer_client', True, 1).values()) == {'CPU:0'}
 
 
 @pytest.mark.parametrize('name', ['gpipe', 'layers_with_gpipe'])

@@ -1,0 +1,135 @@
+"""TransformerLayer: a pre-LayerNorm Transformer layer, with accurate FPropMeta.
+
+The conventions of every layer here are in `lingvo_ext.core.layers`.
+"""
+
+import lingvo.compat as tf
+from lingvo.core import base_layer
+from lingvo.core import py_utils
+from lingvo.core import tshape
+import numpy as np
+
+from lingvo_ext.core import dense_layers
+from lingvo_ext.core import flops
+from lingvo_ext.core import layer_util
+
+class TransformerLayer(base_layer.BaseLayer):
+  """Pre-LayerNorm Transformer layer on [B, T, model_dim].
+
+    h = x + Proj(SelfAttention(LN(x)))
+    y = h + FFN(LN(h))
+
+  The self-attention uses a fused QKV projection; no dropout.
+  """
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.Define('model_dim', 0, 'Model depth D.')
+    p.Define('num_heads', 0, 'Number of attention heads; must divide D.')
+    p.Define('hidden_dim', 0, 'Hidden depth F of the feed-forward net.')
+    p.Define('mask_self_atten', False,
+             'Whether self-attention is causal (each position sees itself '
+             'and earlier ones only).')
+    p.Define('activation', 'RELU',
+             'Feed-forward activation: NONE, RELU, TANH or GELU.')
+    p.Define('ln_epsilon', 1e-6, 'Epsilon of the layer norms.')
+    return p
+
+  @classmethod
+  def _ChildParams(cls, p):
+    """The sub-layers' params, used by __init__ and FPropMeta alike."""
+    d, f = p.model_dim, p.hidden_dim
+    ln = dense_layers.LayerNormLayer.Params().Set(input_dim=d,
+                                                  epsilon=p.ln_epsilon)
+    fc = dense_layers.FCLayer.Params()
+    return [
+        ('ln_atten', ln.Copy()),
+        ('qkv', fc.Copy().Set(input_dim=d, output_dim=3 * d)),
+        ('atten_out', fc.Copy().Set(input_dim=d, output_dim=d)),
+        ('ln_ffn', ln.Copy()),
+        ('ffn_in',
+         fc.Copy().Set(input_dim=d, output_dim=f, activation=p.activation)),
+        ('ffn_out', fc.Copy().Set(input_dim=f, output_dim=d)),
+    ]
+
+  @classmethod
+  def _CheckParams(cls, p):
+    layer_util.CheckPositive(p, 'model_dim', 'num_heads', 'hidden_dim')
+    layer_util.CheckChoice(p, 'activation', layer_util.ACTIVATIONS)
+    if p.model_dim % p.num_heads:
+      raise ValueError(
+          'TransformerLayer: num_heads=%d does not divide model_dim=%d; pick '
+          'num_heads that divides model_dim.' % (p.num_heads, p.model_dim))
+
+  def __init__(self, params):
+    super().__init__(params)
+    p = self.params
+    self._CheckParams(p)
+    for name, child in self._ChildParams(p):
+      self.CreateChild(name, child)
+
+  def _SplitHeads(self, x, batch, seq_len):
+    p = self.params
+    x = tf.reshape(
+        x, [batch, seq_len, p.num_heads, p.model_dim // p.num_heads])
+    return tf.transpose(x, [0, 2, 1, 3])
+
+  def _CausalBias(self, seq_len, dtype):
+    """[T, T] bias: 0 where a query may attend, a large negative elsewhere."""
+    if isinstance(seq_len, int):
+      # A constant, so that building the mask costs no FLOPs.
+      allowed = np.tril(np.ones([seq_len, seq_len], dtype=np.bool_))
+      bias = np.where(allowed, 0.0, -0.7 * dtype.max).astype(
+          dtype.as_numpy_dtype)
+      return tf.constant(bias, dtype=dtype)
+    allowed = tf.linalg.band_part(tf.ones([seq_len, seq_len], dtype), -1, 0)
+    return (1.0 - allowed) * (-0.7 * dtype.max)
+
+  def FProp(self, theta, inputs):
+    """Applies the layer to inputs [B, T, model_dim]."""
+    p = self.params
+    batch, seq_len, _ = layer_util.Shape(inputs)
+    head_dim = p.model_dim // p.num_heads
+
+    x = self.ln_atten.FProp(theta.ln_atten, inputs)
+    qkv = self.qkv.FProp(theta.qkv, x)
+    q, k, v = tf.split(qkv, 3, axis=-1)
+    q = self._SplitHeads(q, batch, seq_len) * head_dim**-0.5
+    k = self._SplitHeads(k, batch, seq_len)
+    v = self._SplitHeads(v, batch, seq_len)
+    logits = tf.matmul(q, k, transpose_b=True)  # [B, N, T, T]
+    if p.mask_self_atten:
+      logits += self._CausalBias(seq_len, logits.dtype)
+    probs = tf.nn.softmax(logits)
+    ctx = tf.matmul(probs, v)  # [B, N, T, H]
+    ctx = tf.reshape(
+        tf.transpose(ctx, [0, 2, 1, 3]), [batch, seq_len, p.model_dim])
+    h = inputs + self.atten_out.FProp(theta.atten_out, ctx)
+
+    y = self.ln_ffn.FProp(theta.ln_ffn, h)
+    y = self.ffn_in.FProp(theta.ffn_in, y)
+    y = self.ffn_out.FProp(theta.ffn_out, y)
+    return h + y
+
+  @classmethod
+  def FPropMeta(cls, p, inputs):
+    py_utils.CheckShapes((inputs,))
+    cls._CheckParams(p)
+    layer_util.CheckRank(p, inputs, 3, 'inputs')
+    layer_util.CheckLastDim(p, inputs, p.model_dim, 'model_dim')
+    batch, seq_len, _ = inputs
+    num_flops = 0
+    for _, child in cls._ChildParams(p):
+      child_in = inputs
+      if child.cls is dense_layers.FCLayer:
+        child_in = tshape.Shape(inputs[:-1] + [child.input_dim])
+      num_flops += child.cls.FPropMeta(child, child_in).flops
+    num_flops += flops.AttentionFlops(batch, seq_len, seq_len, p.model_dim,
+                                      p.num_heads, p.mask_self_atten)
+    num_flops += 2 * inputs.num_elements()  # The two residual adds.
+    return layer_util.Meta(num_flops, inputs)
+
+  # FLOPs FPropMeta counts that TF's profiler does not: the FFN activation's.
+  UnprofiledFlops = layer_util.UnprofiledActivation(
+      lambda cls, p, x: x.num_elements() // p.model_dim * p.hidden_dim)
