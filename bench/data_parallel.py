@@ -19,12 +19,9 @@ from the float32 'all_reduce' run after the timed steps.
 See docs/benchmarks.md for the recorded table.
 """
 
-import argparse
-import json
 import os
 import statistics
 import sys
-import time
 import zlib
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -40,6 +37,7 @@ import numpy as np  # pylint: disable=g-import-not-at-top
 
 from lingvo_ext.distributed import sync  # pylint: disable=g-import-not-at-top
 from lingvo_ext.experiments import lm  # pylint: disable=g-import-not-at-top
+from bench import harness  # pylint: disable=g-import-not-at-top
 
 py_utils.SetEagerMode(False)
 
@@ -92,10 +90,8 @@ class Run:
     self.Step()  # Warm-up (and the replicas' first copy).
     self.times = []
 
-  def Step(self) -> float:
-    start = time.perf_counter()
+  def Step(self):
     self.sess.run(self.task.train_op)
-    return time.perf_counter() - start
 
   def Row(self, args):
     """The result row and the weights; closes the session."""
@@ -117,14 +113,13 @@ class Run:
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser = harness.Parser(__doc__)
   parser.add_argument('--vocab_size', type=int, default=16384)
   parser.add_argument('--model_dim', type=int, default=64)
   parser.add_argument('--seq_len', type=int, default=32)
   parser.add_argument('--batch_size', type=int, default=8,
                       help='Examples per replica.')
   parser.add_argument('--steps', type=int, default=20)
-  parser.add_argument('--markdown', action='store_true')
   parser.add_argument('--quick', action='store_true',
                       help='Tiny sizes and 3 steps (for tests).')
   args = parser.parse_args(argv)
@@ -133,9 +128,9 @@ def main(argv=None):
     args.batch_size, args.steps = 2, 3
   runs = [Run(args, strategy, compression) for strategy, compression in CONFIGS]
   # Round robin: load that comes and goes on the machine hits every strategy.
-  for _ in range(args.steps):
-    for run in runs:
-      run.times.append(run.Step())
+  for run, times in zip(runs, harness.RoundRobin([r.Step for r in runs],
+                                                 args.steps)):
+    run.times = times
   rows, reference = [], None
   for run in runs:
     row, weights = run.Row(args)
@@ -146,22 +141,26 @@ def main(argv=None):
       row['fp16_max_weight_error'] = float(
           max(np.abs(weights[k] - reference[k]).max() for k in weights))
     rows.append(row)
-    if not args.markdown:
-      print(json.dumps(row), flush=True)
-  if args.markdown:
-    print('| gradient_sync | step (ms) | dense all-reduce B | sparse '
-          'all-gather B | sparse densified B | ps push B |')
-    print('|---|---:|---:|---:|---:|---:|')
-    for r in rows:
-      name = r['strategy'] + (' + fp16' if r['compression'] == 'fp16' else '')
-      print(f"| {name} | {r['step_ms']} | {r['dense_all_reduce_bytes']:,} | "
-            f"{r['sparse_all_gather_bytes']:,} | "
-            f"{r['sparse_densified_bytes']:,} | {r['ps_push_bytes']:,} |")
-    for r in rows:
-      if 'fp16_max_weight_error' in r:
-        print(f"\nfp16: largest weight difference from float32 all_reduce "
-              f"after {args.steps + 1} steps: {r['fp16_max_weight_error']:.2e}")
+  harness.Emit(args, rows, lambda rows: Markdown(rows, args.steps))
   return 0
+
+
+def Markdown(rows, steps: int) -> str:
+  """The table, and the fp16 run's largest weight difference."""
+  table = harness.Table(
+      ('gradient_sync', 'step (ms)', 'dense all-reduce B',
+       'sparse all-gather B', 'sparse densified B', 'ps push B'),
+      [(r['strategy'] + (' + fp16' if r['compression'] == 'fp16' else ''),
+        r['step_ms'], f"{r['dense_all_reduce_bytes']:,}",
+        f"{r['sparse_all_gather_bytes']:,}",
+        f"{r['sparse_densified_bytes']:,}", f"{r['ps_push_bytes']:,}")
+       for r in rows])
+  for r in rows:
+    if 'fp16_max_weight_error' in r:
+      table += (f'\n\nfp16: largest weight difference from float32 '
+                f'all_reduce after {steps + 1} steps: '
+                f"{r['fp16_max_weight_error']:.2e}")
+  return table
 
 
 if __name__ == '__main__':

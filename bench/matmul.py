@@ -15,8 +15,6 @@ whether `task.fprop_dtype:bfloat16` trains faster here.
 See docs/benchmarks.md ("bf16") for the numbers.
 """
 
-import argparse
-import json
 import os
 import statistics
 import sys
@@ -31,6 +29,7 @@ import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
 from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
 
 from lingvo_ext.core import precision  # pylint: disable=g-import-not-at-top
+from bench import harness  # pylint: disable=g-import-not-at-top
 
 CHAIN = 10  # Matmuls per step.
 
@@ -75,34 +74,26 @@ def Measure(width=1536, batch=128, threads=1, steps=10, warmup=2):
 
 
 def Markdown(records):
-  lines = ['| width | batch | threads | dtype | GFLOP/s | x float32 | oneDNN |'
-           ' CPU bf16 units |', '|---|---|---|---|---|---|---|---|']
-  for r in records:
-    lines.append('| %(width)d | %(batch)d | %(threads)d | %(dtype)s | '
-                 '%(gflops).1f | %(vs_float32).2f | %(onednn)s | '
-                 '%(cpu_bf16_units)s |' % r)
-  return '\n'.join(lines)
+  return harness.Table(
+      ('width', 'batch', 'threads', 'dtype', 'GFLOP/s', 'x float32', 'oneDNN',
+       'CPU bf16 units'),
+      [(r['width'], r['batch'], r['threads'], r['dtype'],
+        '%.1f' % r['gflops'], '%.2f' % r['vs_float32'], r['onednn'],
+        r['cpu_bf16_units']) for r in records])
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser = harness.Parser(__doc__)
   parser.add_argument('--width', type=int, default=1536)
   parser.add_argument('--batch', type=int, default=128)
   parser.add_argument('--threads', type=int, default=1,
                       help='Intra-op threads.')
   parser.add_argument('--steps', type=int, default=10,
                       help='Timed steps per dtype.')
-  parser.add_argument('--markdown', action='store_true')
   args = parser.parse_args(argv)
-  for name in ('width', 'batch', 'threads', 'steps'):
-    if getattr(args, name) < 1:
-      parser.error(f'--{name} must be >= 1, got {getattr(args, name)}.')
+  harness.CheckPositive(parser, args, ('width', 'batch', 'threads', 'steps'))
   records = Measure(args.width, args.batch, args.threads, args.steps)
-  if args.markdown:
-    print(Markdown(records))
-  else:
-    for r in records:
-      print(json.dumps(r))
+  harness.Emit(args, records, Markdown)
   return 0
 
 

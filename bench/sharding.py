@@ -24,9 +24,7 @@ Memory per device, from one traced step of each model:
 See docs/benchmarks.md for what the numbers mean.
 """
 
-import argparse
 import collections
-import json
 import os
 import statistics
 import sys
@@ -45,6 +43,7 @@ from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
 import numpy as np  # pylint: disable=g-import-not-at-top
 
 import lingvo_ext.experiments  # pylint: disable=unused-import,g-import-not-at-top
+from bench import harness  # pylint: disable=g-import-not-at-top
 
 py_utils.SetEagerMode(False)
 
@@ -171,26 +170,21 @@ def RunBench(model: str, num_steps: int) -> List[Dict]:
 
 
 def Markdown(records: List[Dict]) -> str:
-  head = ('| shards | step (ms) | ' + ' | '.join(
-      'dev %d peak MB (resident + step)' % d for d in range(NUM_DEVICES)) +
-          ' |')
-  lines = [head, '|' + '---|' * (2 + NUM_DEVICES)]
-  for r in records:
-    cells = ['%.1f (%.1f + %.1f)' % (d['peak_mb'], d['resident_mb'],
-                                     d['peak_step_mb'])
-             for d in r['devices']]
-    lines.append('| %d | %.1f | %s |' % (r['num_shards'], r['step_ms'],
-                                         ' | '.join(cells)))
-  return '\n'.join(lines)
+  header = ['shards', 'step (ms)'] + [
+      'dev %d peak MB (resident + step)' % d for d in range(NUM_DEVICES)]
+  return harness.Table(header, [
+      [r['num_shards'], '%.1f' % r['step_ms']] +
+      ['%.1f (%.1f + %.1f)' % (d['peak_mb'], d['resident_mb'],
+                               d['peak_step_mb']) for d in r['devices']]
+      for r in records])
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = harness.Parser(__doc__)
   parser.add_argument('--model', default='lm.WordLm')
   parser.add_argument('--num_steps', type=int, default=20)
   parser.add_argument('--quick', action='store_true',
                       help='lm.WordLmTiny, 3 steps.')
-  parser.add_argument('--markdown', action='store_true')
   args = parser.parse_args(argv)
   flags = tf.flags.FLAGS
   if not flags.is_parsed():
@@ -199,11 +193,7 @@ def main(argv=None) -> int:
   if args.quick:
     model, num_steps = 'lm.WordLmTiny', 3
   records = RunBench(model, num_steps)
-  if args.markdown:
-    print(Markdown(records))
-  else:
-    for r in records:
-      print(json.dumps(r))
+  harness.Emit(args, records, Markdown)
   return 0
 
 

@@ -27,8 +27,6 @@ AssignSubVariableOp time of the pipeline.
 See docs/benchmarks.md for the numbers.
 """
 
-import argparse
-import json
 import os
 import statistics
 import sys
@@ -51,6 +49,7 @@ from bench import pipeline as pipeline_bench  # pylint: disable=g-import-not-at-
 from lingvo_ext.core import gpipe  # pylint: disable=g-import-not-at-top
 from lingvo_ext.core import stacking  # pylint: disable=g-import-not-at-top
 from lingvo_ext.experiments import lm  # pylint: disable=g-import-not-at-top
+from bench import harness  # pylint: disable=g-import-not-at-top
 
 py_utils.SetEagerMode(False)
 
@@ -203,14 +202,11 @@ def Run(args):
 
 def Markdown(rows):
   keys = list(rows[0])
-  lines = ['| ' + ' | '.join(keys) + ' |',
-           '|' + '---|' * len(keys)]
-  lines += ['| ' + ' | '.join(str(r[k]) for k in keys) + ' |' for r in rows]
-  return '\n'.join(lines)
+  return harness.Table(keys, [[r[k] for k in keys] for r in rows])
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser = harness.Parser(__doc__)
   parser.add_argument('--model', choices=('lm', 'pipeline_fc'), default='lm')
   parser.add_argument('--num_layers', type=int, default=48)
   parser.add_argument('--model_dim', type=int, default=64)
@@ -222,17 +218,12 @@ def main(argv=None):
   parser.add_argument('--checkpoint_repeats', type=int, default=3)
   parser.add_argument('--quick', action='store_true',
                       help='4 layers, 2 steps: a smoke test.')
-  parser.add_argument('--markdown', action='store_true')
   args = parser.parse_args(argv)
   if args.quick:
     args.num_layers, args.steps, args.warmup = 4, 2, 1
     args.checkpoint_repeats = 1
   rows = Run(args)
-  if args.markdown:
-    print(Markdown(rows))
-  else:
-    for r in rows:
-      print(json.dumps(r))
+  harness.Emit(args, rows, Markdown)
   return rows
 
 

@@ -16,6 +16,9 @@ profiled at all; the MAX reduction is 100% unprofiled and checked only
 analytically.
 """
 
+import ast
+import inspect
+
 import lingvo.compat as tf
 from lingvo.core import gpipe as lingvo_gpipe
 from lingvo.core import py_utils
@@ -24,9 +27,14 @@ import numpy as np
 import pytest
 import sympy
 
+from lingvo_ext.core import conv_layers
 from lingvo_ext.core import cost
+from lingvo_ext.core import dense_layers
 from lingvo_ext.core import flops
+from lingvo_ext.core import layer_util
 from lingvo_ext.core import layers
+from lingvo_ext.core import transformer_layer
+from lingvo_ext.core import vocab_layers
 
 
 def _FC(**kw):
@@ -322,3 +330,26 @@ def test_as_gpipe_cell():
   assert meta.out_shapes[0].ToTensorShape().as_list() == [2, 8, 30]
   assert isinstance(meta.out_shapes, tuple)
   py_utils.CheckShapes(meta.out_shapes)
+
+
+def test_layers_module_keeps_every_layer_of_the_kind_modules():
+  # Users import layers from lingvo_ext.core.layers; each kind lives in a
+  # module of its own, whose every public top-level name it re-exports.
+
+  def TopLevel(module):
+    out = set()
+    for node in ast.parse(inspect.getsource(module)).body:
+      if isinstance(node, (ast.ClassDef, ast.FunctionDef)):
+        out.add(node.name)
+      elif isinstance(node, ast.Assign):
+        out |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+    return {n for n in out if not n.startswith('_')}
+
+  names = {'ACTIVATIONS', 'Activate'}  # What users need of layer_util.
+  for module in (dense_layers, transformer_layer, vocab_layers, conv_layers):
+    names |= TopLevel(module)
+    for name in TopLevel(module):
+      assert getattr(layers, name, None) is getattr(module, name), name
+  assert 'EmbeddingLayer' in names and len(names) == 15, sorted(names)
+  for name in ('ACTIVATIONS', 'Activate'):
+    assert getattr(layers, name) is getattr(layer_util, name)
