@@ -97,7 +97,7 @@ class CrossCutCheckpointer(lingvo_checkpointer.Checkpointer):
       return super().RestoreFromPath(sess, checkpoint_path)
     try:
       plan = cut_checkpoints.PlanRestore(self._models, keys, variables,
-                              source=checkpoint_path)
+                                         source=checkpoint_path)
     except ValueError as e:
       tf.logging.warning('Not a checkpoint of another cut: %s', e)
       return super().RestoreFromPath(sess, checkpoint_path)

@@ -31,6 +31,7 @@ from lingvo_ext.core import gpipe
 from lingvo_ext.tasks.lm import model as lm_model
 from lingvo_ext.tools import convert_checkpoint as cc
 from tests.support import ROOT
+from tests.support import lm_loss_testlib as lm_loss_lib
 
 BATCH = 4
 
@@ -434,18 +435,7 @@ def _LmLoss(override, cls=None, restore=None, save=None):
   g = tf.Graph()
   with g.as_default(), cluster_factory.Cluster(mp.cluster):
     tf.random.set_seed(1)
-    model = mp.Instantiate()
-    model.ConstructFPropBPropGraph()
-    task = model.GetTask()
-    rng = np.random.RandomState(0)
-    b, t = mp.input.batch_size, mp.input.seq_len
-    batch = py_utils.NestedMap(
-        ids=tf.constant(rng.randint(0, 128, [b, t]), tf.int32),
-        labels=tf.constant(rng.randint(0, 128, [b, t]), tf.int32),
-        weights=tf.ones([b, t]), example_ids=tf.range(b))
-    with tf.name_scope('eval'):
-      predictions = task.ComputePredictions(task.theta, batch)
-      loss = task.ComputeLoss(task.theta, predictions, batch)[0]['loss'][0]
+    _, loss = lm_loss_lib.BuildWithLoss(mp, scope='eval')
     saver = tf.train.Saver()
     with tf.Session(graph=g) as sess:
       if restore:

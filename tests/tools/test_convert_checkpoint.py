@@ -13,6 +13,7 @@ import pytest
 from lingvo_ext.tools import convert_checkpoint as cc
 from tests.support import zygote
 from tests.support import ROOT
+from tests.support import lm_loss_testlib as lm_loss_lib
 
 MODEL = 'lm.TransformerLmTinyGPipe'  # K=2.
 # Lingvo's names: cell scopes and leaves named cell_NNN.
@@ -26,18 +27,7 @@ def _Build(override):
   mp = cc.ModelParams(MODEL, override)
   g = tf.Graph()
   with g.as_default(), cluster_factory.Cluster(mp.cluster):
-    model = mp.Instantiate()
-    model.ConstructFPropBPropGraph()
-    task = model.GetTask()
-    rng = np.random.RandomState(0)
-    b, t = mp.input.batch_size, mp.input.seq_len
-    batch = py_utils.NestedMap(
-        ids=tf.constant(rng.randint(0, 128, [b, t]), tf.int32),
-        labels=tf.constant(rng.randint(0, 128, [b, t]), tf.int32),
-        weights=tf.ones([b, t]),
-        example_ids=tf.range(b))
-    predictions = task.ComputePredictions(task.theta, batch)
-    loss = task.ComputeLoss(task.theta, predictions, batch)[0]['loss'][0]
+    task, loss = lm_loss_lib.BuildWithLoss(mp)
     gs = py_utils.GetGlobalStep()
     ops = py_utils.NestedMap(
         g=g, loss=loss, train=task.train_op, gs=gs,
