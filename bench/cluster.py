@@ -34,8 +34,6 @@ one record per dtype is printed, the bfloat16 one with its ratios to
 float32's.
 """
 
-import argparse
-import json
 import os
 import re
 import statistics
@@ -49,6 +47,7 @@ if _REPO not in sys.path:
 
 # Before TensorFlow starts any thread: the namespace needs one thread.
 from lingvo_ext.distributed import network  # pylint: disable=g-import-not-at-top,g-bad-import-order
+from bench import harness  # pylint: disable=g-import-not-at-top,g-bad-import-order
 
 _WORKER = r'''
 import sys, time
@@ -62,8 +61,14 @@ tf.distribute.Server(cluster, job_name='worker', task_index=int(sys.argv[3]),
 '''
 
 
+def Markdown(records) -> str:
+  """Every field of the records (float32, then bfloat16), a row each."""
+  keys = list(records[0])
+  return harness.Table(keys, [[r.get(k, '-') for k in keys] for r in records])
+
+
 def _Args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  p = harness.Parser(__doc__)
   p.add_argument('--quick', action='store_true')
   p.add_argument('--width', type=int, default=None)
   p.add_argument('--batch', type=int, default=None)
@@ -235,8 +240,7 @@ def main(argv=None):
                   'measured_cross_process_bytes_per_step'):
         b[key.replace('_per_step', '') + '_vs_float32'] = round(
             b[key] / f[key], 4) if f[key] else None
-    for r in records.values():
-      print(json.dumps(r))
+    harness.Emit(args, list(records.values()), Markdown)
     return 0
   finally:
     for p in procs:

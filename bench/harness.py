@@ -26,15 +26,16 @@ import time
 from typing import Callable, Dict, List, Sequence
 
 
-def Parser(doc: str, raw: bool = False) -> argparse.ArgumentParser:
+def Parser(doc: str, raw: bool = False,
+           markdown_help: str = 'Print a markdown table instead of JSON lines.'
+           ) -> argparse.ArgumentParser:
   """The bench's parser with --markdown; `raw` keeps the epilog's layout."""
   kwargs = {}
   if raw:
     kwargs['formatter_class'] = argparse.RawDescriptionHelpFormatter
   parser = argparse.ArgumentParser(description=doc.strip().split('\n')[0],
                                    **kwargs)
-  parser.add_argument('--markdown', action='store_true',
-                      help='Print a markdown table instead of JSON lines.')
+  parser.add_argument('--markdown', action='store_true', help=markdown_help)
   return parser
 
 

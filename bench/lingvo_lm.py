@@ -29,7 +29,6 @@ take the figures as the ratio of one run. See docs/benchmarks.md ("Lingvo's
 GPipe LM on both engines").
 """
 
-import argparse
 import json
 import os
 import re
@@ -40,6 +39,9 @@ import tempfile
 import time
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _REPO not in sys.path:
+  sys.path.insert(0, _REPO)
+from bench import harness  # pylint: disable=g-import-not-at-top,g-bad-import-order
 ENGINES = ('lingvo_ext', 'lingvo')
 MODEL = 'lingvo_lm_bench.GPipeLm'
 _STEP = re.compile(r'^step (\d+)/(\d+)\s+loss (\S+)')
@@ -195,37 +197,35 @@ def Summary(records: list) -> list:
 
 def Markdown(summary: list) -> str:
   """The summary as a Markdown table."""
-  lines = ['| engine | runs | time to first step | steps/s | step-1 loss | '
-           'vs lingvo_ext |', '|---|---|---|---|---|---|']
+  rows = []
   for r in summary:
     if not r['ok']:
-      lines.append('| %s | %d | - | - | - | %s |' % (
-          r['engine'], r['runs'], r['error'].replace('|', '/')))
+      rows.append((r['engine'], r['runs'], '-', '-', '-',
+                   r['error'].replace('|', '/')))
       continue
     vs = []
     if 'first_step_vs_lingvo_ext' in r:
       vs.append('first step x%.2f' % r['first_step_vs_lingvo_ext'])
     if 'lingvo_ext_speedup' in r:
       vs.append("lingvo_ext's steps/s x%.2f" % r['lingvo_ext_speedup'])
-    lines.append('| %s | %d | %.1f s | %s | %.4f | %s |' % (
-        r['engine'], r['ok'], r['first_step_s'],
-        '-' if r['steps_per_s'] is None else '%.2f' % r['steps_per_s'],
-        r['loss_1'], ', '.join(vs) or '-'))
-  return '\n'.join(lines)
+    rows.append((r['engine'], r['ok'], '%.1f s' % r['first_step_s'],
+                 '-' if r['steps_per_s'] is None else
+                 '%.2f' % r['steps_per_s'], '%.4f' % r['loss_1'],
+                 ', '.join(vs) or '-'))
+  return harness.Table(('engine', 'runs', 'time to first step', 'steps/s',
+                        'step-1 loss', 'vs lingvo_ext'), rows)
 
 
 def ParseArgs(argv):
-  parser = argparse.ArgumentParser(
-      prog='.venv/bin/python bench/lingvo_lm.py',
-      description=__doc__.splitlines()[0])
+  parser = harness.Parser(__doc__,
+                          markdown_help='Print a markdown table (the default).')
+  parser.prog = '.venv/bin/python bench/lingvo_lm.py'
   parser.add_argument('--steps', type=int, default=30,
                       help='Training steps per run (default %(default)s).')
   parser.add_argument('--rounds', type=int, default=2,
                       help='Runs per engine (default %(default)s).')
   parser.add_argument('--engines', nargs='+', default=list(ENGINES),
                       choices=ENGINES, help='Engines (default both).')
-  parser.add_argument('--markdown', action='store_true',
-                      help='Print a Markdown table.')
   parser.add_argument('--json', action='store_true',
                       help='Print the runs and the summary as JSON.')
   args = parser.parse_args(argv)

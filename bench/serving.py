@@ -24,7 +24,6 @@ One JSON line per row on stdout; --markdown adds the table. See
 docs/benchmarks.md ("Serving").
 """
 
-import argparse
 import json
 import os
 import statistics
@@ -34,9 +33,14 @@ import time
 
 import numpy as np
 
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _REPO not in sys.path:
+  sys.path.insert(0, _REPO)
+from bench import harness  # pylint: disable=g-import-not-at-top,g-bad-import-order
+
 
 def ParseArgs(argv):
-  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser = harness.Parser(__doc__, markdown_help='Print a markdown table too.')
   parser.add_argument('--model', default='lm.TransformerLmTinyGPipe',
                       help='A registered experiment.')
   parser.add_argument('--batches', default='1,32',
@@ -47,8 +51,6 @@ def ParseArgs(argv):
                       help='Timed calls per row.')
   parser.add_argument('--warmup', type=int, default=5,
                       help='Untimed calls first.')
-  parser.add_argument('--markdown', action='store_true',
-                      help='Print a Markdown table too.')
   args = parser.parse_args(argv)
   try:
     args.batches = [int(b) for b in args.batches.split(',') if b]
@@ -160,14 +162,13 @@ def main(argv=None):
   for r in rows:
     print(json.dumps(r), flush=True)
   if args.markdown:
-    print('\n| batch | SavedModel ms | SavedModel examples/s | training '
-          'forward (batch) ms | training forward examples/s |')
-    print('| --- | --- | --- | --- | --- |')
-    for r in rows:
-      print(f"| {r['batch']} | {r['saved_model_ms']:.2f} | "
-            f"{r['saved_model_examples_per_s']:.0f} | "
-            f"({r['training_forward_batch']}) {r['training_forward_ms']:.2f} "
-            f"| {r['training_forward_examples_per_s']:.0f} |")
+    print('\n' + harness.Table(
+        ('batch', 'SavedModel ms', 'SavedModel examples/s',
+         'training forward (batch) ms', 'training forward examples/s'),
+        [(r['batch'], f"{r['saved_model_ms']:.2f}",
+          f"{r['saved_model_examples_per_s']:.0f}",
+          f"({r['training_forward_batch']}) {r['training_forward_ms']:.2f}",
+          f"{r['training_forward_examples_per_s']:.0f}") for r in rows]))
     print(f'\npipeline ops: training graph {train_ops}, exported graph '
           f'{exported_ops}')
   return 0

@@ -40,6 +40,9 @@ import time
 
 _START = time.time()
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _REPO not in sys.path:
+  sys.path.insert(0, _REPO)
+from bench import harness  # pylint: disable=g-import-not-at-top,g-bad-import-order
 
 # (experiment, its trainer flags): the default model and a GPipe one.
 DEFAULT_MODELS = (
@@ -250,15 +253,10 @@ def _Fmt(v):
 def Markdown(records):
   cols = ('engine', 'model', 'flags', 'first_step_s', 'imports_s', 'params_s',
           'build_s', 'first_run_s', 'vs_script', 'vs_lingvo')
-  lines = ['| ' + ' | '.join(cols) + ' |', '|' + '---|' * len(cols)]
-  for r in records:
-    if 'error' in r:
-      lines.append('| %s | %s | %s | %s |' % (r['engine'], r['model'],
-                                              r['flags'], r['error']) +
-                   ' |' * (len(cols) - 4))
-      continue
-    lines.append('| ' + ' | '.join(_Fmt(r.get(c)) for c in cols) + ' |')
-  return '\n'.join(lines)
+  return harness.Table(cols, [
+      [r['engine'], r['model'], r['flags'], r['error']] + [''] *
+      (len(cols) - 4) if 'error' in r else [_Fmt(r.get(c)) for c in cols]
+      for r in records])
 
 
 def _Median(values):
@@ -316,7 +314,7 @@ def Run(models, transformer_layers, emit=lambda r: None, rounds=1):
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser = harness.Parser(__doc__)
   parser.add_argument(
       '--models', nargs='+',
       help='Registered experiments, run with no extra flags (default: '
@@ -326,7 +324,6 @@ def main(argv=None):
   parser.add_argument('--rounds', type=int, default=1,
                       help='Runs of each experiment\'s engines, in turn; '
                       'each figure the median.')
-  parser.add_argument('--markdown', action='store_true')
   parser.add_argument('--_child', help=argparse.SUPPRESS)
   parser.add_argument('--_lingvo_child', help=argparse.SUPPRESS)
   parser.add_argument('--child_flag', action='append', default=[],
@@ -351,11 +348,7 @@ def main(argv=None):
                 emit=lambda r: print('[bench] ' + json.dumps(r),
                                      file=sys.stderr, flush=True),
                 rounds=args.rounds)
-  if args.markdown:
-    print(Markdown(records))
-  else:
-    for r in records:
-      print(json.dumps(r))
+  harness.Emit(args, records, Markdown)
   return 0
 
 
