@@ -66,6 +66,7 @@ from lingvo.core import tshape  # pylint: disable=g-import-not-at-top
 import numpy as np  # pylint: disable=g-import-not-at-top
 
 from lingvo_ext.tracing import step_trace  # pylint: disable=g-import-not-at-top
+from bench import harness  # pylint: disable=g-import-not-at-top
 from bench import torch_baselines  # pylint: disable=g-import-not-at-top
 from bench import transformer  # pylint: disable=g-import-not-at-top
 from lingvo_ext.core import gpipe as ext_gpipe  # pylint: disable=g-import-not-at-top
@@ -876,10 +877,8 @@ def MarkdownSchedules(records: Sequence[Dict]) -> str:
 
 
 def ParseArgs(argv=None):
-  parser = argparse.ArgumentParser(
-      description=__doc__.splitlines()[0],
-      formatter_class=argparse.RawDescriptionHelpFormatter,
-      epilog='\n'.join(__doc__.splitlines()[1:]))
+  parser = harness.Parser(__doc__, raw=True)
+  parser.epilog = '\n'.join(__doc__.splitlines()[1:])
   parser.add_argument(
       '--quick', action='store_true',
       help='Reduced sweep: width %(w)d, batch %(b)d, K in %(K)s, M in %(M)s, '
@@ -922,8 +921,6 @@ def ParseArgs(argv=None):
                       'no 7 s import each), or not at all.')
   parser.add_argument('--rss_steps', type=int, default=3,
                       help='Steps the peak-RSS child runs.')
-  parser.add_argument('--markdown', action='store_true',
-                      help='Print a markdown table instead of JSON lines.')
   parser.add_argument('--jsonl', help='Also append the JSON lines here.')
   parser.add_argument('--from_jsonl',
                       help='Only render --markdown from a saved --jsonl file.')

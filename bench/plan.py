@@ -38,7 +38,6 @@ sweep in their own sessions, and the peak RSS of two of them
   .venv/bin/python bench/plan.py --micro_batches 1 4   # a shorter sweep
 """
 
-import argparse
 import dataclasses
 import importlib
 import json
@@ -54,6 +53,7 @@ if _REPO not in sys.path:
   sys.path.insert(0, _REPO)
 
 from lingvo_ext import planner  # pylint: disable=g-import-not-at-top
+from bench import harness  # pylint: disable=g-import-not-at-top,g-bad-import-order
 from lingvo_ext.core.engine import records  # pylint: disable=g-import-not-at-top
 from lingvo_ext.planner import measuring  # pylint: disable=g-import-not-at-top
 
@@ -471,7 +471,9 @@ def Markdown(records: Sequence[Dict]) -> str:
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = harness.Parser(__doc__,
+                          markdown_help='Print markdown tables instead of '
+                          'JSON lines.')
   parser.add_argument('--models', nargs='+', default=list(DEFAULT_MODELS),
                       help='Registered experiments and/or "fc" (default '
                       '%(default)s).')
@@ -494,8 +496,6 @@ def main(argv=None) -> int:
   parser.add_argument('--micro_batches', type=int, nargs='+',
                       help='Only plans with these M (default: every M the '
                       'planner offers).')
-  parser.add_argument('--markdown', action='store_true',
-                      help='Print markdown tables instead of JSON lines.')
   parser.add_argument('--jsonl', help='Also append each model\'s record '
                       'to this file as it is done.')
   parser.add_argument('--from_jsonl',

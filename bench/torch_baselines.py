@@ -80,6 +80,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _REPO not in sys.path:
+  sys.path.insert(0, _REPO)
+from bench import harness  # pylint: disable=g-import-not-at-top,g-bad-import-order
+
 SCHEDULES = ('gpipe', '1f1b')
 MODELS = ('homogeneous', 'transformer')
 IMPL_PREFIX = 'torch/'
@@ -94,7 +99,6 @@ TRANSFORMER = dict(time_steps=16, model_dim=64, hidden=128, heads=2, vocab=32)
 TORCH_MISSING = ('torch is not installed for %s; run this file with the '
                  'python of a torch venv (bash scripts/torch_venv.sh makes '
                  '.venv-torch).')
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The torch baselines' python when --torch_python is not given.
 VENV_PYTHON = os.path.join(_REPO, '.venv-torch', 'bin', 'python')
 
@@ -638,10 +642,8 @@ def RunJob(job: Dict, args, torch_info: Dict) -> Dict:
 
 
 def ParseArgs(argv=None):
-  parser = argparse.ArgumentParser(
-      description=__doc__.splitlines()[0],
-      formatter_class=argparse.RawDescriptionHelpFormatter,
-      epilog='\n'.join(__doc__.splitlines()[1:]))
+  parser = harness.Parser(__doc__, raw=True)
+  parser.epilog = '\n'.join(__doc__.splitlines()[1:])
   d = DEFAULTS
   parser.add_argument('--model', choices=MODELS, default=MODELS[0],
                       help='bench/pipeline.py\'s FC model (default) or '
@@ -677,8 +679,6 @@ def ParseArgs(argv=None):
                       '(homogeneous only).')
   parser.add_argument('--timeout_s', type=int, default=600,
                       help='Bound on each job and each collective wait.')
-  parser.add_argument('--markdown', action='store_true',
-                      help='Print a markdown table instead of JSON lines.')
   for name, value in TRANSFORMER.items():
     if name != 'vocab':
       parser.add_argument('--' + name, type=int,

@@ -520,7 +520,9 @@ def Markdown(records) -> str:
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  sys.path.insert(0, _REPO)
+  from bench import harness  # pylint: disable=g-import-not-at-top
+  parser = harness.Parser(__doc__)
   parser.add_argument('--L', type=int, nargs='+', default=[8],
                       help='Encoder layers.')
   parser.add_argument('--K', type=int, nargs='+', default=[2],
@@ -532,8 +534,6 @@ def main(argv=None) -> int:
                       help="'lingvo' or '<schedule>[+inline][+jit]'.")
   parser.add_argument('--steps', type=int, default=5,
                       help='Timed steps after the first.')
-  parser.add_argument('--markdown', action='store_true',
-                      help='Print a markdown table instead of JSON lines.')
   parser.add_argument('--torch_python', metavar='PATH',
                       help='A python with torch: also time '
                       'bench/torch_baselines.py --model transformer (torch '
