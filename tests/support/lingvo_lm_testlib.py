@@ -1,7 +1,8 @@
 """Lingvo's own GPipe Transformer LM as a user's experiment module.
 
-`Write(folder)` writes it (`lingvo_gpipe_lm.py`, registering MODEL and its
-time-major twin, MODEL + 'TimeMajor') and its text data into folder, for
+`Write(folder)` writes it (`lingvo_gpipe_lm.py`, registering MODEL, its
+time-major twin MODEL + 'TimeMajor' and UNTRIMMED_MODEL) and its text data
+into folder, for
 PYTHONPATH: Lingvo's `BatchMajorLanguageModel` with
 `GPipeTransformerLm.CommonParams(...)` (2 cells, 4 micro-batches), fed by
 Lingvo's `LmInput` on a text file (LINGVO_GPIPE_LM_DATA overrides the file).
@@ -13,6 +14,9 @@ import os
 import re
 
 MODEL = 'lingvo_gpipe_lm.GPipeLm'
+# bench/lingvo_lm.py's: the task keeps the input's fixed length, as Lingvo
+# does on TPU, so that Lingvo's own engine builds its pipeline off TPU too.
+UNTRIMMED_MODEL = MODEL + 'Untrimmed'
 
 EXPERIMENT = '''
 """Lingvo's own GPipe Transformer LM, as a Lingvo user writes it."""
@@ -62,6 +66,22 @@ class GPipeLm(base_model_params.SingleTaskModelParams):
     p.train.max_steps = 2
     p.train.save_interval_steps = 1000
     return p
+
+
+class UntrimmedLm(model.BatchMajorLanguageModel):
+  """Keeps the input's fixed length (Lingvo off TPU trims it to the batch's
+  longest sentence, a length its own engine cannot pipeline)."""
+
+  def _TrimIfPossible(self, ids, paddings, labels, weights):
+    return ids, paddings, labels, weights
+
+
+@model_registry.RegisterSingleTaskModel
+class GPipeLmUntrimmed(GPipeLm):
+
+  def Task(self):
+    p = super().Task()
+    return UntrimmedLm.Params().Set(name='lm', lm=p.lm, train=p.train)
 
 
 @model_registry.RegisterSingleTaskModel
