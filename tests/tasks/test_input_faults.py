@@ -1,0 +1,136 @@
+"""Input that breaks mid-run: a text file deleted, emptied or replaced by
+binary data while training, in lingvo_ext's inputs and through Lingvo's
+LmInput (tasks/input_files.py)."""
+
+import os
+import sys
+
+import lingvo.compat as tf
+from lingvo.tasks.lm import input_generator as lingvo_lm_input
+import pytest
+
+from lingvo_ext import checkpoints
+from lingvo_ext.tasks import input_files
+from tests.support import lingvo_lm_testlib
+from tests.support import proc_testlib
+
+TIMEOUT = 300
+MODEL = '--model=lm.TransformerLmTiny'
+
+
+def _ErrorLines(text):
+  return [l for l in text.splitlines() if l.startswith('error:')]
+
+
+def _TextInput(pattern):
+  p = lingvo_lm_input.LmInput.Params()
+  p.file_pattern = pattern
+  return p
+
+
+def _Lines(path, n=200):
+  with open(path, 'w') as f:
+    for i in range(n):
+      f.write(f'the cat sat on mat number {i}\n')
+
+
+@pytest.mark.parametrize('change, expected', [
+    ('delete', 'was deleted during the run'),
+    ('empty', 'became empty during the run (was '),
+    ('binary', 'changed during the run and now holds binary data'),
+    ('latin1', 'changed during the run and now is not UTF-8 text'),
+    ('shorter', None),
+    ('longer', None),
+])
+def testFileWatchNamesADeletedEmptiedOrBinaryFile(tmp_path, change, expected):
+  a, b = str(tmp_path / 'a.txt'), str(tmp_path / 'b.txt')
+  _Lines(a)
+  _Lines(b)
+  watch = input_files.FileWatch(_TextInput(f'text:{tmp_path}/*.txt'))
+  assert watch.files == [a, b]
+  assert watch.Problem() is None
+  if change == 'delete':
+    os.remove(b)
+  elif change == 'empty':
+    open(b, 'w').close()
+  elif change == 'binary':
+    with open(b, 'wb') as f:
+      f.write(bytes(range(256)) * 40)
+  elif change == 'latin1':
+    with open(b, 'wb') as f:
+      f.write('caf\xe9 au lait\n'.encode('latin-1') * 100)
+  elif change == 'shorter':
+    _Lines(b, 10)
+  else:
+    _Lines(b, 400)
+  problem = watch.Problem()
+  if expected is None:
+    assert problem is None, problem
+    return
+  assert problem.startswith(
+      f"input.file_pattern='text:{tmp_path}/*.txt': {b} "), problem
+  assert expected in problem, problem
+
+
+def testFileWatchLeavesInputsWithoutLocalFilesAlone():
+  assert input_files.StartWatch(None, stop=None) is None
+  assert input_files.StartWatch(_TextInput('iota:'), stop=None) is None
+
+
+@pytest.mark.e2e
+def testLingvosLmInputFileDeletedMidRunIsOneLineNotAHang(tmp_path):
+  # Lingvo's own GPipe LM on LmInput, as a user writes it (one module for
+  # the tests that run it).
+  folder = lingvo_lm_testlib.Write(tmp_path / 'exp')
+  data = str(tmp_path / 'data.txt')
+  _Lines(data)
+  logdir = str(tmp_path / 'log')
+  env = dict(LINGVO_GPIPE_LM_DATA=data, PYTHONPATH=folder + os.pathsep +
+             os.environ.get('PYTHONPATH', ''))
+  with proc_testlib.Proc([sys.executable, '-m', 'lingvo_ext.trainer',
+                          f'--model={lingvo_lm_testlib.MODEL}',
+                          f'--logdir={logdir}',
+                          '--max_steps=1000000'], env=env) as run:
+    run.WaitFor(r'^step \d+/', TIMEOUT)
+    os.remove(data)
+    # The watch looks every second.
+    rc = run.Wait(60)
+  out = run.Text()
+  assert rc == 65, out[-3000:]
+  errors = _ErrorLines(out)
+  assert len(errors) == 1, out[-3000:]
+  assert errors[0].startswith(
+      f"error: input.file_pattern='text:{data}': {data} was deleted during "
+      'the run: '), errors[0]
+  assert 'Put the data back and run the same command' in errors[0]
+
+
+@pytest.mark.e2e
+def testLingvoExtInputChangedMidRunTrainsOnItsDataInMemory(tmp_path):
+  data = str(tmp_path / 'data.txt')
+  _Lines(data, 400)
+  logdir = str(tmp_path / 'log')
+  with proc_testlib.Proc([
+      sys.executable, '-m', 'lingvo_ext.trainer', MODEL,
+      f'--logdir={logdir}', '--max_steps=300',
+      f'--model_params_override=input.text_file:"{data}"']) as run:
+    run.WaitFor(r'^step \d+/', TIMEOUT)
+    with open(data, 'wb') as f:
+      f.write(bytes(range(256)) * 40)
+    rc = run.Wait(TIMEOUT)
+  out = run.Text()
+  assert rc == 0, out[-3000:]
+  assert not _ErrorLines(out), out[-3000:]
+  assert checkpoints.CheckpointStep(tf.train.latest_checkpoint(
+      os.path.join(logdir, 'train'))) == 300
+  # The next start reads the file again: one line naming it.
+  with proc_testlib.Proc([
+      sys.executable, '-m', 'lingvo_ext.trainer', MODEL,
+      f'--logdir={logdir}', '--max_steps=400',
+      f'--model_params_override=input.text_file:"{data}"']) as run:
+    rc = run.Wait(TIMEOUT)
+  out = run.Text()
+  assert rc == 2, out[-3000:]
+  assert _ErrorLines(out) == [
+      f"error: text_file='{data}' is not UTF-8 text (byte 0x80 at offset "
+      "128); point text_file at a UTF-8 text file."], out[-3000:]
