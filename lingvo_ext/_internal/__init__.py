@@ -1,7 +1,7 @@
 """The private TensorFlow and Lingvo symbols lingvo_ext relies on, in one place.
 
 Everything else in lingvo_ext uses public APIs only. Each symbol here has a
-test in tests/test_internal.py that fails, naming the symbol, when an upgrade
+test in tests/_internal/ that fails, naming the symbol, when an upgrade
 removes or changes it; `PINNED` names the versions they were checked against
 (requirements.txt, requirements-nodeps.txt).
 
@@ -17,7 +17,7 @@ removes or changes it; `PINNED` names the versions they were checked against
 
 from importlib import metadata
 
-# The versions whose internals tests/test_internal.py checks.
+# The versions whose internals tests/_internal/ checks.
 PINNED = {'tensorflow': '2.21.0', 'lingvo': '0.14.2'}
 
 

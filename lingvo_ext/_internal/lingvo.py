@@ -1,6 +1,6 @@
 """Lingvo internals lingvo_ext needs, each behind one small function.
 
-Each has a test in tests/test_internal.py. Lingvo's documented extension
+Each has a test in tests/_internal/. Lingvo's documented extension
 points (BaseRunner._CreateCheckpointer, RunnerManager.model_registry, Learner
 subclasses, task hooks) are used where they exist; these are the rest. The
 internals the runtime's runner subclasses depend on are in lingvo_runtime.py.

@@ -3,7 +3,7 @@
 The runtime's runners subclass Lingvo's (lingvo/runners.py,
 lingvo/base_runner.py, lingvo/trainer.py), override some of their private
 methods, read and set their private attributes, and copy two methods whole.
-tests/test_internal.py checks every entry against the installed Lingvo (it
+tests/_internal/ checks every entry against the installed Lingvo (it
 exists, its signature, the copied sources' hashes) and that the runtime's
 classes use no other private name of Lingvo's, so an upgrade fails with a
 name, not by behaviour. docs/architecture.md lists them for readers.

@@ -1,6 +1,6 @@
 """TensorFlow internals lingvo_ext needs, each behind one small function.
 
-Each has a test in tests/test_internal.py. Where TensorFlow has a public
+Each has a test in tests/_internal/. Where TensorFlow has a public
 equivalent, lingvo_ext uses it instead (tf.raw_ops.CollectiveReduceV2,
 tf.compat.v1.ConditionalAccumulator, tf.register_tensor_conversion_function,
 tf.compat.v1.train.update_checkpoint_state, graph.colocate_with,
