@@ -34,6 +34,7 @@ from lingvo_ext.core import jit_choice
 from lingvo_ext.core import nest_util
 from lingvo_ext.core import schedules
 from lingvo_ext.core import seq_layer
+from lingvo_ext.core.engine import gemm_rewrite
 from lingvo_ext.core.engine import kinds
 from lingvo_ext.core.engine import records
 from lingvo_ext.core.engine import recurrent
@@ -103,8 +104,9 @@ class PipeliningLayer(seq_layer.SeqLayer):
         'same dropout masks. See docs/performance.md.')
     p.Define(
         'flat_weight_matmuls', True,
-        'Run [..., in] x [in, out] weight matmuls in the cells as one 2-D '
-        'GEMM, forward and backward. See docs/performance.md.')
+        'Run [..., in] x [in, out] weight matmuls in the cells and '
+        'before_tpl layers as one 2-D GEMM, forward and backward. See '
+        'docs/performance.md.')
     p.Define(
         'recompute', None,
         "Recompute each cell's forward pass in its backward pass. None: the "
@@ -332,7 +334,10 @@ class PipeliningLayer(seq_layer.SeqLayer):
     with tf.device(self.Devices()[0]):
       inputs = nest_util.ToTuple(args)
       for (name, l) in self._before_layers:
-        inputs = nest_util.ToTuple(l.FProp(theta[name], *inputs))
+        # Run once on the whole batch; their weight matmuls as the cells'.
+        inputs = nest_util.ToTuple(gemm_rewrite.Flattened(
+            lambda l=l, x=inputs, name=name: l.FProp(theta[name], *x),
+            p.flat_weight_matmuls))
     if records.Get(p.schedule).static_shapes and not all(
         t.shape.is_fully_defined() for t in py_utils.Flatten(inputs)
         if t is not None):

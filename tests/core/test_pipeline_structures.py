@@ -188,7 +188,7 @@ def test_lingvo_dummy_pipeline_cnn_accumulators(schedule, functions, recompute):
 # --- Random pipelines ---------------------------------------------------------
 
 
-def _RandomCase(seed, widths=(2, 6), batches=(4, 8, 12)):
+def RandomCase(seed, widths=(2, 6), batches=(4, 8, 12)):
   """A random pipeline: cells, inputs, PipeliningLayer kwargs, loss.
 
   Layer widths are drawn from range(*widths), the batch from `batches`.
@@ -285,7 +285,7 @@ def _Variants(seed, part):
   least one case; test_random_cases_cover_the_structures checks), the whole
   suite runs the rest too (marked slow).
   """
-  variants = ALL_VARIANTS + _ListVariants(_RandomCase(seed)[-1])
+  variants = ALL_VARIANTS + _ListVariants(RandomCase(seed)[-1])
   return tuple(v for i, v in enumerate(variants)
                if ((i + seed + 1) % 4 == 0) == (part == 'quick'))
 
@@ -293,7 +293,7 @@ def _Variants(seed, part):
 @pytest.mark.parametrize('seed,part', [(s, 'quick') for s in range(10)] + [
     pytest.param(s, 'rest', marks=pytest.mark.slow) for s in range(10)])
 def test_random_pipelines_match_sequential(seed, part):
-  cells, num_devices, inputs_fn, loss_fn, kwargs, desc = _RandomCase(seed)
+  cells, num_devices, inputs_fn, loss_fn, kwargs, desc = RandomCase(seed)
   variants = _Variants(seed, part)
   results, seq, names = lib.RunVariants(
       cells, num_devices, inputs_fn, variants=variants, loss_fn=loss_fn,
@@ -309,7 +309,7 @@ def test_random_pipelines_match_sequential(seed, part):
 # of cells, at least twice the devices (4 cells on 2 devices).
 @pytest.mark.parametrize('seed', [3, 9])
 def test_random_pipelines_match_sequential_under_zbv(seed):
-  cells, num_devices, inputs_fn, loss_fn, kwargs, desc = _RandomCase(seed)
+  cells, num_devices, inputs_fn, loss_fn, kwargs, desc = RandomCase(seed)
   assert len(cells) % 2 == 0 and 2 * num_devices <= len(cells), desc
   variants = (('zbv', None), ('zbv', True, _INLINE))
   results, seq, names = lib.RunVariants(
@@ -331,7 +331,7 @@ def test_random_wide_pipelines_take_1f1b_runs_longer_than_k(seed,
   # the outputs): '1f1b' with cell functions computes each cell's weight
   # gradients in runs longer than K (schedules.WeightGradientRunLength) and
   # still equals the sequential model.
-  cells, num_devices, inputs_fn, _, kwargs, desc = _RandomCase(
+  cells, num_devices, inputs_fn, _, kwargs, desc = RandomCase(
       seed, widths=(24, 33), batches=(8,))
   kwargs['num_micro_batches'] = 8
   if 'micro_batch_size' in kwargs:
@@ -351,7 +351,7 @@ def test_random_wide_pipelines_take_1f1b_runs_longer_than_k(seed,
 
 def test_random_cases_cover_the_structures():
   """The generator reaches every structure it is meant to (not only FC)."""
-  descs = [_RandomCase(s)[-1] for s in range(10)]
+  descs = [RandomCase(s)[-1] for s in range(10)]
   assert any(d['fetches'] for d in descs)
   assert any(d['batch_dim'] == 1 for d in descs)
   assert any(d['before'] for d in descs)

@@ -9,6 +9,7 @@ import pytest
 from lingvo_ext._internal import tf as internal_tf
 from lingvo_ext.core import gpipe
 from lingvo_ext.core.engine import gemm_rewrite
+from tests.core import test_pipeline_structures as structures
 from tests.support import gpipe_testlib
 
 T, B, D, H = 5, 8, 6, 7
@@ -115,3 +116,73 @@ def test_pipeline_step_rewritten_equals_unrewritten(cell_functions):
 
 def test_layer_param_defaults_on():
   assert gpipe.PipeliningLayer.Params().flat_weight_matmuls is True
+
+
+# Generated structures (tests/core/test_pipeline_structures.py) whose inputs
+# are [T, B, D] (batch_dim 1): every FC layer is a broadcasting weight matmul,
+# so the rewrite runs in every cell, fetched activations, before_tpl layers
+# and micro_batch_size included.
+_TBD_SEEDS = (3, 8, 15)
+_TBD_VARIANTS = (('unrolled', False), ('1f1b', None), ('1f1b', True),
+                 ('zero_bubble', None),
+                 ('unrolled', None, (('cell_functions', False),)))
+
+
+def _LiveInCase(case, flat):
+  """Live broadcasting weight matmuls in the case's '1f1b' pipeline step."""
+  cells, num_devices, inputs_fn, loss_fn, kwargs, _ = case
+  with tf.Graph().as_default() as g, gpipe_testlib.Cluster(num_devices):
+    py_utils.GetOrCreateGlobalStepVar()
+    net = gpipe.PipeliningLayer.Params().Set(
+        name='pipe', cell_tpl=cells, schedule='1f1b',
+        flat_weight_matmuls=flat, **kwargs).Instantiate()
+    tf.gradients(loss_fn(net.FPropDefaultTheta(*inputs_fn())),
+                 net.vars.Flatten(), unconnected_gradients='zero')
+    return _LiveBroadcastMatMuls(g)
+
+
+@pytest.mark.parametrize('seed', _TBD_SEEDS)
+def test_generated_tbd_pipelines_rewritten_match_sequential(seed):
+  case = structures.RandomCase(seed)
+  cells, num_devices, inputs_fn, loss_fn, kwargs, desc = case
+  assert desc['batch_dim'] == 1, desc
+  assert _LiveInCase(case, False) and not _LiveInCase(case, True)
+  results, seq, names = gpipe_testlib.RunVariants(
+      cells, num_devices, inputs_fn, variants=_TBD_VARIANTS,
+      loss_fn=loss_fn, flat_weight_matmuls=True, **kwargs)
+  gpipe_testlib.AssertVariantsMatch(results, seq, names)
+
+
+def test_a_tbd_pipeline_trains_as_the_sequential_model():
+  # 200 SGD steps of a 3-cell FC pipeline on [T, B, D] inputs, the weight
+  # matmuls rewritten, from the same weights as the sequential model: the
+  # loss curves agree at every step (float32 rounding grown by training).
+  steps, lr = 200, 0.01
+  curves = {}
+  for schedule in ('sequential', 'unrolled', '1f1b'):
+    with tf.Graph().as_default() as g, gpipe_testlib.Cluster(2):
+      py_utils.GetOrCreateGlobalStepVar()
+      cells = [gpipe_testlib.Fc('fc%d' % i, D, D, seed=i) for i in range(3)]
+      net = gpipe.PipeliningLayer.Params().Set(
+          name='pipe', cell_tpl=cells, num_micro_batches=2, batch_dim=1,
+          schedule='1f1b' if schedule == 'sequential' else schedule
+      ).Instantiate()
+      rng = np.random.RandomState(0)
+      x = tf.constant(rng.randn(T, B, D).astype(np.float32))
+      target = tf.constant(rng.uniform(-1, 1, [T, B, D]).astype(np.float32))
+      out = (net.FPropSequential(net.theta, x) if schedule == 'sequential'
+             else net.FPropDefaultTheta(x))
+      loss = tf.reduce_mean(tf.square(out - target))
+      variables = net.vars.Flatten()
+      grads = tf.gradients(loss, variables, colocate_gradients_with_ops=True)
+      train = tf.group(*[v.assign_sub(lr * gr)
+                         for v, gr in zip(variables, grads)])
+      init = tf.global_variables_initializer()
+    with gpipe_testlib.Session(g, 2) as sess:
+      sess.run(init)
+      curves[schedule] = [sess.run([loss, train])[0] for _ in range(steps)]
+  seq = np.array(curves['sequential'])
+  assert seq[-1] < 0.9 * seq[0], seq[[0, -1]]  # It trains.
+  for schedule in ('unrolled', '1f1b'):
+    np.testing.assert_allclose(curves[schedule], seq, rtol=1e-4, atol=1e-5,
+                               err_msg=schedule)
