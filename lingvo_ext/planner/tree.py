@@ -263,6 +263,28 @@ def _ProfileCells(graph, layer, theta, args, batch, cluster):
   return out
 
 
+def CapturePipelineInputs(task, pipelines, got):
+  """{path: layer} of the task's pipelines (`pipeline_tree.Pipelines`), each
+  made to record (theta, inputs) of its first run in got[path].
+
+  On this throw-away instance only: each pipeline's eval path
+  (FPropSequential) is wrapped.
+  """
+  layers = {}
+  for path, _ in pipelines:
+    layer = task
+    for part in path.split('.'):
+      layer = Child(layer, part)
+    layers[path] = layer
+
+    def Capture(theta, *args, _path=path, _fprop=layer.FPropSequential):
+      got.setdefault(_path, (theta, args))
+      return _fprop(theta, *args)
+
+    layer.FPropSequential = Capture
+  return layers
+
+
 def EvalSettingsForProfiling(task_p):
   """Makes the eval settings of `task_p` (a throw-away copy) build in eval
   mode on the Train input.
@@ -324,19 +346,7 @@ def ProfileTree(model_params, name: str = '',
     with evaler:
       py_utils.GetOrCreateGlobalStepVar()
       task = task_p.Instantiate()
-      layers = {}
-      for path, _ in pipelines:
-        layer = task
-        for part in path.split('.'):
-          layer = Child(layer, part)
-        layers[path] = layer
-
-        def Capture(theta, *args, _path=path, _fprop=layer.FPropSequential):
-          got.setdefault(_path, (theta, args))
-          return _fprop(theta, *args)
-
-        # On this throw-away instance only.
-        layer.FPropSequential = Capture
+      layers = CapturePipelineInputs(task, pipelines, got)
       task.FPropDefaultTheta()
     seq = None
     if any(_Dynamic(args) for _, args in got.values()):

@@ -110,19 +110,8 @@ def ProfileTaskMemory(model_params, name: str = '',
   with cost.Sandbox(), cluster:
     py_utils.GetOrCreateGlobalStepVar()
     task = task_p.Instantiate()
-    layers = {}
-    for path, _ in pipelines:
-      layer = task
-      for part in path.split('.'):
-        layer = tree.Child(layer, part)
-      layers[path] = layer
-
-      def Capture(theta, *args, _path=path, _fprop=layer.FPropSequential):
-        got.setdefault(_path, args)
-        return _fprop(theta, *args)
-
-      # On this throw-away instance only.
-      layer.FPropSequential = Capture
+    layers = tree.CapturePipelineInputs(task, pipelines, got)
+    for path, layer in layers.items():
       _RecordOutputs(layer, outputs.setdefault(path, {}))
     if pipelines:
       task.FPropDefaultTheta()
@@ -135,7 +124,7 @@ def ProfileTaskMemory(model_params, name: str = '',
     if path not in got:
       continue  # Not run by the task's forward pass: holds no activation.
     where = f'task.{path}'
-    args = tree.Tensors(got[path])
+    args = tree.Tensors(got[path][1])
     batch = [t for t in args if t.shape.rank][0].shape.as_list()[p.batch_dim]
     if batch is None:
       raise ValueError(f'{where}: its batch size is known only at run time.')
