@@ -10,13 +10,24 @@ from lingvo_ext.checkpoints import files
 
 
 def _Logdir(path, values):
-  """train_dir with ckpt-N for each N: value, the state file naming them."""
+  """train_dir with ckpt-N for each N: value, the state file naming them.
+
+  Written in a graph and session of its own, as the trainer's saver writes:
+  a test run earlier in the process may have left TensorFlow in graph mode.
+  """
   train_dir = str(path)
   os.makedirs(train_dir, exist_ok=True)
   prefixes = []
   for step, value in values.items():
     prefix = os.path.join(train_dir, 'ckpt-%08d' % step)
-    tf.train.Checkpoint(w=tf.Variable(np.float32(value))).write(prefix)
+    with tf.Graph().as_default():
+      w = tf.compat.v1.get_variable(
+          'w', initializer=tf.constant(np.float32(value)))
+      saver = tf.compat.v1.train.Saver([w])
+      with tf.compat.v1.Session() as sess:
+        sess.run(w.initializer)
+        saver.save(sess, prefix, write_meta_graph=False,
+                   write_state=False)
     prefixes.append(prefix)
   tf.compat.v1.train.update_checkpoint_state(
       train_dir, prefixes[-1], all_model_checkpoint_paths=prefixes)
