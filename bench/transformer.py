@@ -54,7 +54,9 @@ as a multiple of it first. torch eager also runs in bf16 autocast when
 Variants: 'lingvo' (lingvo.core.gpipe), and lingvo_ext '<schedule>' with
 optional '+inline' (`cell_functions=False`: each (cell, micro-batch) its own
 copy of the cell's ops; the default, '+functions', builds each cell once as a
-TF function called per micro-batch), '+jit' (`jit_compile=True`) and '+bmm'
+TF function called per micro-batch), '+jit' (`jit_compile=True`), '+auto'
+(`jit_compile='auto'`, the trainer's default for a long run: the faster,
+timed in the child's build, the record's `jit_taken` says which) and '+bmm'
 (`flat_weight_matmuls=False`: TensorFlow's broadcasting BatchMatMul for a
 3-D activation times a weight, as before the rewrite). With a torch venv
 (`bash scripts/torch_venv.sh`, or `--torch_python PATH`), torch's rows at the
@@ -129,7 +131,8 @@ def _Build(variant: str, num_layers: int, k: int, m: int, dtype: str,
     if schedule != 'lingvo':
       p.schedule = schedule
       p.cell_functions = 'inline' not in extras
-      p.jit_compile = 'jit' in extras
+      # '+auto': the trainer's default for a long run (the faster, timed).
+      p.jit_compile = 'auto' if 'auto' in extras else 'jit' in extras
       p.flat_weight_matmuls = 'bmm' not in extras
       p.loss_in_last_cell = loss_placement == 'last_cell'
     net = p.Instantiate()
@@ -146,6 +149,8 @@ def _Build(variant: str, num_layers: int, k: int, m: int, dtype: str,
         [tf.assign_sub(v, 1e-4 * tf.convert_to_tensor(dv))
          for v, dv in zip(variables, grads)] + [tf.assign_add(global_step, 1)])
     init = tf.global_variables_initializer()
+  # The build taken: 'auto' resolves when the pipeline is built.
+  g.jit_taken = schedule != 'lingvo' and net.JitCompile()
   return g, loss, train, init
 
 
@@ -242,6 +247,7 @@ def _Child(variant: str, num_layers: int, k: int, m: int, steps: int,
   from tensorflow.python.util import _pywrap_util_port  # pylint: disable=g-import-not-at-top,g-direct-tensorflow-import
   return dict(
       variant=variant, dtype=dtype, L=num_layers, K=k, M=m, ops=ops, **dims,
+      jit_taken=bool(g.jit_taken),
       loss='after' if variant == 'lingvo' else loss_placement,
       # Call ops in the graph: with recompute, a backward pass calls each
       # cell's forward function again.
@@ -531,7 +537,7 @@ def main(argv=None) -> int:
   parser.add_argument('--M', type=int, nargs='+', default=[4],
                       help='Micro-batches.')
   parser.add_argument('--variants', nargs='+', default=list(DEFAULT_VARIANTS),
-                      help="'lingvo' or '<schedule>[+inline][+jit]'.")
+                      help="'lingvo' or '<schedule>[+inline][+jit|+auto]'.")
   parser.add_argument('--steps', type=int, default=5,
                       help='Timed steps after the first.')
   parser.add_argument('--torch_python', metavar='PATH',
@@ -603,10 +609,10 @@ def main(argv=None) -> int:
     if v == FLOOR:
       continue
     if (schedule not in ('lingvo', 'unrolled', '1f1b', 'recurrent') or
-        not set(extras) <= {'functions', 'inline', 'jit', 'bmm'}):
+        not set(extras) <= {'functions', 'inline', 'jit', 'auto', 'bmm'}):
       parser.error("--variants: %r is not 'lingvo' or "
-                   "'<unrolled|1f1b|recurrent>[+inline|+functions][+jit]"
-                   "[+bmm]'" % v)
+                   "'<unrolled|1f1b|recurrent>[+inline|+functions]"
+                   "[+jit|+auto][+bmm]'" % v)
   if args._child:  # pylint: disable=protected-access
     print(json.dumps(_Child(args._child, args.L[0], args.K[0], args.M[0],  # pylint: disable=protected-access
                             args.steps, args.dtype[0],

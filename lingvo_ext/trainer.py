@@ -80,6 +80,7 @@ from lingvo.core import py_utils
 
 from lingvo_ext import _startup
 from lingvo_ext import checkpoints
+from lingvo_ext.runtime import jit_default
 from lingvo_ext.runtime import logdir as logdir_lib
 from lingvo_ext.runtime import memory_check
 from lingvo_ext.runtime import param_checks
@@ -162,6 +163,9 @@ def _CheckFlags(o):
             "TensorFlow's default, a thread per core).")
   if o.max_steps is not None and o.max_steps < 0:
     return f'--max_steps={o.max_steps} must be >= 0.'
+  error = jit_default.CheckFlags(o.jit_auto_min_steps)
+  if error:
+    return error
   if o.shutdown_grace_secs <= 0:
     return (f'--shutdown_grace_secs={o.shutdown_grace_secs:g} must be > 0, '
             'e.g. 20 (below the cluster\'s grace period).')
@@ -194,6 +198,20 @@ def _CheckFlags(o):
               f'--num_cpu_devices={n}; to pipeline over {split} CPU devices '
               f'pass --num_cpu_devices={split}.')
   return None
+
+
+def _ChooseJit(o, cfg):
+  """Sets the unset jit_compile of the run's pipelines (--jit_compile).
+
+  `cfg`: the run's training params, changed in place before any build.
+  """
+  max_steps = cfg.train.max_steps if o.max_steps is None else o.max_steps
+  step = checkpoints.CheckpointStep(checkpoints.LatestCheckpoint(
+      os.path.join(o.logdir, 'train'))) or 0
+  decision = jit_default.Apply(cfg, o.jit_compile, max(max_steps - step, 0),
+                               o.jit_auto_min_steps)
+  if decision:
+    tf.logging.info('%s', decision.Line())
 
 
 def _SetThreadPools(o):
@@ -323,6 +341,8 @@ def main(unused_argv, options=None, run_state=None, params=None):
     # user gave a threshold.
     FLAGS.stderrthreshold = o.stderrthreshold or 'error'
   _WatchInput(o, params.Train())
+  if o.trains_here and not o.distributed:
+    _ChooseJit(o, params.Train())
   threads = o.IntraOpThreads()
   if threads:
     tf.logging.info('intra-op threads: %d (--intra_op_threads)', threads)

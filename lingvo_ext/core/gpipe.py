@@ -98,10 +98,11 @@ class PipeliningLayer(seq_layer.SeqLayer):
         "micro-batch; False copies its ops per micro-batch (not for "
         "'recurrent'). See docs/schedules.md.")
     p.Define(
-        'jit_compile', False,
-        "XLA-compile each cell (not 'recurrent'): True, False or 'auto' "
-        '(the faster, timed once per model and machine, cached). Speed only: '
-        'same dropout masks. See docs/performance.md.')
+        'jit_compile', None,
+        "XLA-compile each cell (not 'recurrent'): True, False, 'auto' (the "
+        'faster, timed once per model and machine, cached) or None: False, '
+        "or the trainer's --jit_compile. Speed only: same dropout masks. See "
+        'docs/performance.md.')
     p.Define(
         'flat_weight_matmuls', True,
         'Run [..., in] x [in, out] weight matmuls in the cells and '

@@ -30,7 +30,9 @@ import tensorflow as tf2
 from lingvo_ext.core import nest_util
 from lingvo_ext.core.engine import records
 
-VALUES = (False, True, 'auto')
+# None: unset, built as False; the trainer sets it for a local training run
+# (runtime/jit_default.py).
+VALUES = (False, True, 'auto', None)
 _CACHE_FILE = 'jit_compile.json'
 # Steps each build runs before timing (the first compiles), then timed ones,
 # alternating between the builds so a load on the machine hits both.
@@ -39,12 +41,13 @@ _TIMED_ROUNDS = 5
 
 
 def Normalize(name: str, value):
-  """True, False or 'auto'; 'True' and 'False' (as an override of an 'auto'
-  param parses them) as bools. Raises ValueError for anything else."""
-  text = {'True': True, 'False': False}
+  """True, False, 'auto' or None (unset); 'True' and 'False' (as an override
+  of an 'auto' param parses them) as bools. Raises ValueError for anything
+  else."""
+  text = {'True': True, 'False': False, 'None': None}
   if isinstance(value, str) and value in text:
     return text[value]
-  if value is True or value is False or value == 'auto':
+  if value is True or value is False or value is None or value == 'auto':
     return value
   raise ValueError("%s: jit_compile=%r; use True, False or 'auto'." %
                    (name, value))
@@ -188,11 +191,12 @@ def Measure(params, args, do_eval: bool, num_devices: int):
 
 
 def Resolve(layer, args) -> bool:
-  """The layer's jit_compile as a bool: 'auto' taken from cache or timing."""
+  """The layer's jit_compile as a bool: 'auto' taken from cache or timing,
+  None (unset) as False."""
   p = layer.params
   value = Normalize(p.name, p.jit_compile)
   if value != 'auto':
-    return value
+    return bool(value)
   if records.Get(p.schedule).generator is None:
     return False  # Lingvo's own loop ('recurrent'): no cell functions.
   num_devices = layer.cluster.num_devices_per_split

@@ -83,6 +83,15 @@ tf.flags.DEFINE_enum(
     "The engine of Lingvo's GPipe layers in the experiment (lingvo.core.gpipe,"
     ' layers_with_gpipe, GPipeTransformerLm...): lingvo_ext (the default, '
     "runs off TPU) or lingvo. See docs/coming-from-lingvo.md.")
+tf.flags.DEFINE_enum(
+    'jit_compile', 'auto', ['auto', 'True', 'False'],
+    "A local training run's XLA build of pipelines whose jit_compile is "
+    "unset: 'auto' takes the faster (timed once per model and machine) for "
+    'runs of --jit_auto_min_steps or more. See docs/performance.md.')
+tf.flags.DEFINE_integer(
+    'jit_auto_min_steps', 10000,
+    "--jit_compile=auto: the fewest steps to go for which the trainer "
+    'times XLA against no XLA; shorter runs build without XLA.')
 
 # The trainer's defaults for Lingvo's flags: one process runs the controller
 # and the trainer client on CPU; variables start from name-seeded stateless
@@ -133,6 +142,8 @@ class Options:
   eval_once: bool = False
   eval_checkpoint: str = ''
   gpipe_engine: str = 'lingvo_ext'
+  jit_compile: str = 'auto'
+  jit_auto_min_steps: int = 10000
   # Lingvo's --interactive: the controller opens a shell instead of looping.
   interactive: bool = False
   # absl's --stderrthreshold as given; '' when not given (then a run that

@@ -92,7 +92,8 @@ def _Lookup(cfg, key):
 
 _BOOLS = {'True': True, 'true': True, '1': True,
           'False': False, 'false': False, '0': False}
-# Bool params that also take a word (PipeliningLayer.jit_compile: 'auto').
+# Bool params that also take a word (PipeliningLayer.jit_compile: 'auto'),
+# typed so even where unset (None).
 _BOOL_WORDS = {'jit_compile': ('auto',)}
 
 
@@ -113,8 +114,9 @@ def _ParseValue(key, old, default, text):
       return None
     kind = type(old).__name__
     raise Bad(f'{"an" if kind[0] in "aeiou" else "a"} {kind}, not None')
-  if isinstance(old, bool):
-    words = _BOOL_WORDS.get(key.rsplit('.', 1)[-1], ())
+  words = _BOOL_WORDS.get(key.rsplit('.', 1)[-1])
+  if isinstance(old, bool) or (old is None and words):
+    words = words or ()
     if _Unquote(text) in words:
       return _Unquote(text)
     if text not in _BOOLS:

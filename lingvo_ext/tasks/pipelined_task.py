@@ -27,9 +27,10 @@ _PIPELINE_PARAMS_SET_BY_TASK = frozenset([
 ])
 
 
-# Where a task's default differs from the layer's. None: 'auto' times both
-# builds at every first build of a model on a machine (an XLA compile and
-# steps of each), a cost every run and test would pay; it is opt-in.
+# Where a task's default differs from the layer's. None: jit_compile stays
+# unset, so that the trainer chooses it for the run's length
+# (runtime/jit_default.py); 'auto' here would time both builds at every
+# first build of a model, a cost every short run and test would pay.
 TASK_DEFAULTS = {}
 
 

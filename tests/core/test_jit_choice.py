@@ -36,7 +36,7 @@ def _Build(jit, batch=B):
   return g, net, out
 
 
-@pytest.mark.parametrize('value', ['yes', 1, None])
+@pytest.mark.parametrize('value', ['yes', 1, 'none'])
 def test_a_bad_value_names_the_param(value):
   with tf.Graph().as_default(), lib.Cluster(2):
     with pytest.raises(ValueError, match=r"pipe: jit_compile=.*'auto'"):
@@ -114,13 +114,13 @@ def test_plans_carry_jit_compile_into_the_experiment():
   assert planner.PlanFromDict(old) == default[0]
 
 
-def test_task_default_is_false_and_an_override_takes_each_value():
+def test_task_default_is_unset_and_an_override_takes_each_value():
   from lingvo.core import hyperparams  # pylint: disable=g-import-not-at-top
   from lingvo_ext.tasks import experiment_params  # pylint: disable=g-import-not-at-top
   from lingvo_ext.tasks import pipelined_task  # pylint: disable=g-import-not-at-top
-  assert pipelined_task.PipelinedTask.Params().jit_compile is False
+  assert pipelined_task.PipelinedTask.Params().jit_compile is None
   for text, value in (('"auto"', 'auto'), ('auto', 'auto'), ('True', True),
-                      ('False', False)):
+                      ('False', False), ('None', None)):
     mp = hyperparams.Params()
     mp.Define('task', pipelined_task.PipelinedTask.Params(), '')
     experiment_params.ApplyOverrides(mp, 'task.jit_compile:' + text)
