@@ -11,9 +11,13 @@ step time of each) is taken. The choice is cached in
 the layer's params, the input shapes, the mode and the machine (CPU model,
 cores, TensorFlow version, oneDNN setting), so a model rebuilt on the same
 machine takes the same build without timing it again; deleting the file
-measures again. Either build draws the same dropout masks (jit_random.py).
+measures again; processes building the same model at once measure it once
+(a lock file beside the cache). Either build draws the same dropout masks
+(jit_random.py). The trainer sets 'auto' for long runs (runtime/jit_default.py).
 """
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -38,6 +42,8 @@ _CACHE_FILE = 'jit_compile.json'
 # alternating between the builds so a load on the machine hits both.
 _WARMUP_STEPS = 2
 _TIMED_ROUNDS = 5
+# How long a process waits for another measuring the same cache.
+_LOCK_WAIT_S = 600
 
 
 def Normalize(name: str, value):
@@ -202,6 +208,44 @@ def Resolve(layer, args) -> bool:
   num_devices = layer.cluster.num_devices_per_split
   key = Signature(p, args, layer.do_eval, num_devices)
   path = CachePath()
+  with _MeasuringLock(path):
+    entry, how = _CachedOrMeasured(layer, args, key, path)
+  tf.logging.info(
+      "%s: jit_compile='auto' took %s: %.1f ms per step with XLA, %.1f "
+      'without (%s %s).', p.name, entry['jit_compile'], entry['ms_xla'],
+      entry['ms_tf'], how, path)
+  return bool(entry['jit_compile'])
+
+
+@contextlib.contextmanager
+def _MeasuringLock(path):
+  """Held while a process reads the cache and maybe measures: processes
+  building the same model at once (a test suite's, a machine's replicas)
+  measure it once, the others read the entry. Waits at most
+  _LOCK_WAIT_S, then measures without it."""
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with open(path + '.lock', 'a') as f:
+    deadline = time.monotonic() + _LOCK_WAIT_S
+    locked = False
+    while not locked:
+      try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        locked = True
+      except OSError:
+        if time.monotonic() > deadline:
+          break
+        time.sleep(0.2)
+    try:
+      yield
+    finally:
+      if locked:
+        fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _CachedOrMeasured(layer, args, key, path):
+  """(cache entry, how it was had): read, else measured and written."""
+  p = layer.params
+  num_devices = layer.cluster.num_devices_per_split
   entry = _ReadCache(path).get(key)
   how = 'cached in'
   if entry is None:
@@ -218,8 +262,4 @@ def Resolve(layer, args) -> bool:
                  ms_tf=ms[False], machine=Machine())
     _WriteCache(path, key, entry)
     how = 'measured now, cached in'
-  tf.logging.info(
-      "%s: jit_compile='auto' took %s: %.1f ms per step with XLA, %.1f "
-      'without (%s %s).', p.name, entry['jit_compile'], entry['ms_xla'],
-      entry['ms_tf'], how, path)
-  return bool(entry['jit_compile'])
+  return entry, how

@@ -1,6 +1,8 @@
 """jit_compile='auto': the faster build, timed once and cached."""
 
 import json
+import threading
+import time
 
 import lingvo_ext  # pylint: disable=unused-import
 import lingvo.compat as tf
@@ -71,6 +73,27 @@ def test_auto_measures_once_then_takes_the_cached_choice(cache, monkeypatch):
   # Other input shapes are another model: measured again.
   _Build('auto', batch=2 * B)
   assert len(measured) == 2 and len(json.loads(cache.read_text())) == 2
+
+
+def test_models_built_at_once_are_measured_once(cache, monkeypatch):
+  """Processes (here threads, each with its own open lock file) building the
+  same model at once: one measures, the others wait and read its entry."""
+  calls = []
+
+  def SlowMeasure(*unused_args):
+    calls.append(1)
+    time.sleep(1.)
+    return {True: 1.0, False: 2.0}
+
+  monkeypatch.setattr(jit_choice, 'Measure', SlowMeasure)
+  taken = []
+  threads = [threading.Thread(target=lambda: taken.append(
+      _Build('auto')[1].JitCompile())) for _ in range(3)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(120)
+  assert taken == [True] * 3 and len(calls) == 1
 
 
 @pytest.mark.parametrize('choice', [True, False])
