@@ -28,7 +28,6 @@ import time
 import lingvo.compat as tf
 from lingvo.core import cluster_factory
 from lingvo.core import py_utils
-import numpy as np
 import tensorflow as tf2
 
 from lingvo_ext.core import nest_util
@@ -116,17 +115,16 @@ def _WriteCache(path, key, entry):
 
 
 def _Like(t):
-  """A tensor shaped and typed as `t`: floats in [0, 1), zero ints.
+  """Zeros shaped and typed as `t`, held in a variable.
 
-  Both read as valid ids or paddings where a model casts them to ints.
+  Zeros read as valid ids, as unpadded paddings (Lingvo's layers assert
+  paddings are 0 or 1) and as data; a variable, so that Grappler does not
+  fold the first layers' ops into constants and leave them out of the step.
   """
   if t is None:
     return None
-  shape = t.shape.as_list()
-  if t.dtype.is_floating:
-    values = np.random.RandomState(0).uniform(size=shape).astype(np.float32)
-    return tf.cast(tf.constant(values), t.dtype)
-  return tf.zeros(shape, t.dtype)
+  return tf.Variable(tf.zeros(t.shape.as_list(), t.dtype), trainable=False,
+                     name='jit_choice_input')
 
 
 def _Build(params, args, jit: bool, do_eval: bool, num_devices: int):
@@ -136,7 +134,11 @@ def _Build(params, args, jit: bool, do_eval: bool, num_devices: int):
     py_utils.GetOrCreateGlobalStepVar()
     net = params.Copy().Set(jit_compile=jit).Instantiate()
     inputs = tf.nest.map_structure(_Like, args)
-    out = net.FPropDefaultTheta(*nest_util.ToTuple(inputs))
+    # The pipeline's own FProp, which took `args`: a subclass's (e.g.
+    # GPipeTransformerStack's, with its embedding and softmax) takes others.
+    from lingvo_ext.core import gpipe  # pylint: disable=g-import-not-at-top
+    out = gpipe.PipeliningLayer.FProp(net, net.theta,
+                                      *nest_util.ToTuple(inputs))
     loss = tf.add_n([tf.reduce_sum(tf.cast(t, tf.float32))
                      for t in nest_util.Flat(out)
                      if t is not None and t.dtype.is_floating])

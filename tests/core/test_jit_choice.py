@@ -96,6 +96,25 @@ def test_models_built_at_once_are_measured_once(cache, monkeypatch):
   assert taken == [True] * 3 and len(calls) == 1
 
 
+def test_auto_times_a_subclass_with_its_own_fprop(cache):
+  """Lingvo's GPipeTransformerStack (its embedding, softmax and paddings
+  around the pipeline): 'auto' times the pipeline on the inputs the
+  pipeline took, whichever the subclass's FProp takes."""
+  from tests.core import test_loss_in_last_cell as stack_lib  # pylint: disable=g-import-not-at-top
+  g = tf.Graph()
+  with g.as_default(), lib.Cluster(2):
+    py_utils.GetOrCreateGlobalStepVar()
+    net = stack_lib._Params('unrolled', False, layers=2, micro=2).Set(  # pylint: disable=protected-access
+        jit_compile='auto').Instantiate()
+    t, b = 4, 8
+    ids = tf.zeros([t, b], tf.int32)
+    net.FPropDefaultTheta(ids, tf.zeros([t, b]), labels=ids,
+                          label_weights=tf.ones([t, b]))
+  (entry,) = json.loads(cache.read_text()).values()
+  assert net.JitCompile() is entry['jit_compile']
+  assert entry['ms_xla'] > 0 and entry['ms_tf'] > 0
+
+
 @pytest.mark.parametrize('choice', [True, False])
 def test_auto_computes_what_the_build_it_takes_computes(cache, monkeypatch,
                                                         choice):
