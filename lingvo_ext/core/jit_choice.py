@@ -207,6 +207,16 @@ def Resolve(layer, args) -> bool:
     return bool(value)
   if records.Get(p.schedule).generator is None:
     return False  # Lingvo's own loop ('recurrent'): no cell functions.
+  unknown = [t.shape for t in nest_util.Flat(args)
+             if t is not None and not t.shape.is_fully_defined()]
+  if unknown:
+    # E.g. a time axis trimmed per batch: XLA would compile again for each
+    # new length, and the timing has no shape to build.
+    tf.logging.info(
+        "%s: jit_compile='auto' took False: an input's shape is not known "
+        'when the graph is built (%s); XLA would compile again per shape.',
+        p.name, unknown[0])
+    return False
   num_devices = layer.cluster.num_devices_per_split
   key = Signature(p, args, layer.do_eval, num_devices)
   path = CachePath()

@@ -115,6 +115,22 @@ def test_auto_times_a_subclass_with_its_own_fprop(cache):
   assert entry['ms_xla'] > 0 and entry['ms_tf'] > 0
 
 
+def test_auto_takes_no_xla_for_a_shape_unknown_at_build(cache, monkeypatch):
+  """A time axis trimmed per batch (Lingvo's LM off TPU): nothing to time,
+  and XLA would compile per length."""
+  from tests.core import test_loss_in_last_cell as stack_lib  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(jit_choice, 'Measure', lambda *a: pytest.fail('timed'))
+  g = tf.Graph()
+  with g.as_default(), lib.Cluster(2):
+    py_utils.GetOrCreateGlobalStepVar()
+    net = stack_lib._Params('unrolled', False, layers=2, micro=2).Set(  # pylint: disable=protected-access
+        jit_compile='auto').Instantiate()
+    ids = tf.placeholder(tf.int32, [None, 8])
+    net.FPropDefaultTheta(ids, tf.zeros_like(ids, tf.float32), labels=ids,
+                          label_weights=tf.ones_like(ids, tf.float32))
+  assert net.JitCompile() is False and not cache.exists()
+
+
 @pytest.mark.parametrize('choice', [True, False])
 def test_auto_computes_what_the_build_it_takes_computes(cache, monkeypatch,
                                                         choice):
