@@ -331,7 +331,7 @@ class PipeliningLayer(seq_layer.SeqLayer):
       return self.FPropSequential(theta, *args)
 
     _, _, num_micro = self._MicroBatching(args)
-    self._jit_compile = jit_choice.Resolve(self, args)
+    self._jit_compile = jit_choice.Resolve(self, args, PipeliningLayer.FProp)
     with tf.device(self.Devices()[0]):
       inputs = nest_util.ToTuple(args)
       for (name, l) in self._before_layers:

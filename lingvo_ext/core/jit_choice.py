@@ -127,18 +127,19 @@ def _Like(t):
                      name='jit_choice_input')
 
 
-def _Build(params, args, jit: bool, do_eval: bool, num_devices: int):
-  """(session, step op) of the pipeline built with `jit`, in its own graph."""
+def _Build(params, args, jit: bool, do_eval: bool, num_devices: int, fprop):
+  """(session, step op) of the pipeline built with `jit`, in its own graph.
+
+  `fprop`: PipeliningLayer.FProp, the pipeline's own, which took `args` (a
+  subclass's, e.g. GPipeTransformerStack's with its embedding and softmax,
+  takes others).
+  """
   g = tf.Graph()
   with g.as_default():
     py_utils.GetOrCreateGlobalStepVar()
     net = params.Copy().Set(jit_compile=jit).Instantiate()
     inputs = tf.nest.map_structure(_Like, args)
-    # The pipeline's own FProp, which took `args`: a subclass's (e.g.
-    # GPipeTransformerStack's, with its embedding and softmax) takes others.
-    from lingvo_ext.core import gpipe  # pylint: disable=g-import-not-at-top
-    out = gpipe.PipeliningLayer.FProp(net, net.theta,
-                                      *nest_util.ToTuple(inputs))
+    out = fprop(net, net.theta, *nest_util.ToTuple(inputs))
     loss = tf.add_n([tf.reduce_sum(tf.cast(t, tf.float32))
                      for t in nest_util.Flat(out)
                      if t is not None and t.dtype.is_floating])
@@ -178,9 +179,9 @@ def _InOwnThread(fn, cluster):
   return result['value']
 
 
-def Measure(params, args, do_eval: bool, num_devices: int):
+def Measure(params, args, do_eval: bool, num_devices: int, fprop):
   """{False: ms, True: ms}: each build's lowest step time."""
-  built = {jit: _Build(params, args, jit, do_eval, num_devices)
+  built = {jit: _Build(params, args, jit, do_eval, num_devices, fprop)
            for jit in (False, True)}
   try:
     for sess, step in built.values():
@@ -198,9 +199,9 @@ def Measure(params, args, do_eval: bool, num_devices: int):
       sess.close()
 
 
-def Resolve(layer, args) -> bool:
+def Resolve(layer, args, fprop) -> bool:
   """The layer's jit_compile as a bool: 'auto' taken from cache or timing,
-  None (unset) as False."""
+  None (unset) as False. `fprop`: PipeliningLayer.FProp (see _Build)."""
   p = layer.params
   value = Normalize(p.name, p.jit_compile)
   if value != 'auto':
@@ -220,8 +221,8 @@ def Resolve(layer, args) -> bool:
   num_devices = layer.cluster.num_devices_per_split
   key = Signature(p, args, layer.do_eval, num_devices)
   path = CachePath()
-  with _MeasuringLock(path):
-    entry, how = _CachedOrMeasured(layer, args, key, path)
+  with _MeasuringLock(path, key):
+    entry, how = _CachedOrMeasured(layer, args, key, path, fprop)
   tf.logging.info(
       "%s: jit_compile='auto' took %s: %.1f ms per step with XLA, %.1f "
       'without (%s %s).', p.name, entry['jit_compile'], entry['ms_xla'],
@@ -230,13 +231,13 @@ def Resolve(layer, args) -> bool:
 
 
 @contextlib.contextmanager
-def _MeasuringLock(path):
-  """Held while a process reads the cache and maybe measures: processes
-  building the same model at once (a test suite's, a machine's replicas)
-  measure it once, the others read the entry. Waits at most
-  _LOCK_WAIT_S, then measures without it."""
+def _MeasuringLock(path, key):
+  """Held while a process reads the cache and maybe measures model `key`:
+  processes building the same model at once (a test suite's, a machine's
+  replicas) measure it once, the others read the entry; other models do not
+  wait. Waits at most _LOCK_WAIT_S, then measures without it."""
   os.makedirs(os.path.dirname(path), exist_ok=True)
-  with open(path + '.lock', 'a') as f:
+  with open('%s.%s.lock' % (path, key), 'a') as f:
     deadline = time.monotonic() + _LOCK_WAIT_S
     locked = False
     while not locked:
@@ -254,7 +255,7 @@ def _MeasuringLock(path):
         fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _CachedOrMeasured(layer, args, key, path):
+def _CachedOrMeasured(layer, args, key, path, fprop):
   """(cache entry, how it was had): read, else measured and written."""
   p = layer.params
   num_devices = layer.cluster.num_devices_per_split
@@ -269,7 +270,7 @@ def _CachedOrMeasured(layer, args, key, path):
         mode='sync', job='trainer_client', cpus=num_devices,
         split_size=num_devices, do_eval=layer.do_eval)
     ms = _InOwnThread(
-        lambda: Measure(p, like, layer.do_eval, num_devices), cluster)
+        lambda: Measure(p, like, layer.do_eval, num_devices, fprop), cluster)
     entry = dict(jit_compile=ms[True] < ms[False], ms_xla=ms[True],
                  ms_tf=ms[False], machine=Machine())
     _WriteCache(path, key, entry)

@@ -28,7 +28,7 @@ _PIPELINE_PARAMS_SET_BY_TASK = frozenset([
 
 
 # Where a task's default differs from the layer's. None: jit_compile stays
-# unset, so that the trainer chooses it for the run's length
+# unset, so that the trainer's --jit_compile chooses it
 # (runtime/jit_default.py); 'auto' here would time both builds at every
 # first build of a model, a cost every short run and test would pay.
 TASK_DEFAULTS = {}
