@@ -55,7 +55,7 @@ Variants: 'lingvo' (lingvo.core.gpipe), and lingvo_ext '<schedule>' with
 optional '+inline' (`cell_functions=False`: each (cell, micro-batch) its own
 copy of the cell's ops; the default, '+functions', builds each cell once as a
 TF function called per micro-batch), '+jit' (`jit_compile=True`), '+auto'
-(`jit_compile='auto'`, the trainer's default for a long run: the faster,
+(`jit_compile='auto'`, what --jit_compile=auto sets for a long run: the faster,
 timed in the child's build, the record's `jit_taken` says which) and '+bmm'
 (`flat_weight_matmuls=False`: TensorFlow's broadcasting BatchMatMul for a
 3-D activation times a weight, as before the rewrite). With a torch venv
@@ -131,7 +131,7 @@ def _Build(variant: str, num_layers: int, k: int, m: int, dtype: str,
     if schedule != 'lingvo':
       p.schedule = schedule
       p.cell_functions = 'inline' not in extras
-      # '+auto': the trainer's default for a long run (the faster, timed).
+      # '+auto': what --jit_compile=auto sets for a long run (the faster).
       p.jit_compile = 'auto' if 'auto' in extras else 'jit' in extras
       p.flat_weight_matmuls = 'bmm' not in extras
       p.loss_in_last_cell = loss_placement == 'last_cell'
