@@ -205,10 +205,9 @@ def _ChooseJit(o, cfg):
 
   `cfg`: the run's training params, changed in place before any build.
   """
-  max_steps = cfg.train.max_steps if o.max_steps is None else o.max_steps
-  step = checkpoints.CheckpointStep(checkpoints.LatestCheckpoint(
-      os.path.join(o.logdir, 'train'))) or 0
-  decision = jit_default.Apply(cfg, o.jit_compile, max(max_steps - step, 0),
+  step, max_steps = logdir_lib.ResumeStep(o, cfg)
+  decision = jit_default.Apply(cfg, o.jit_compile,
+                               max(max_steps - (step or 0), 0),
                                o.jit_auto_min_steps)
   if decision:
     tf.logging.info('%s', decision.Line())

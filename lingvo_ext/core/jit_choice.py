@@ -12,8 +12,9 @@ the layer's params, the input shapes, the mode and the machine (CPU model,
 cores, TensorFlow version, oneDNN setting), so a model rebuilt on the same
 machine takes the same build without timing it again; deleting the file
 measures again; processes building the same model at once measure it once
-(a lock file beside the cache). Either build draws the same dropout masks
-(jit_random.py). The trainer sets 'auto' for long runs (runtime/jit_default.py).
+(a lock file per model beside the cache). Either build draws the same
+dropout masks (jit_random.py). The trainer's --jit_compile=auto sets 'auto'
+for long runs (runtime/jit_default.py).
 """
 
 import contextlib
@@ -33,15 +34,15 @@ import tensorflow as tf2
 from lingvo_ext.core import nest_util
 from lingvo_ext.core.engine import records
 
-# None: unset, built as False; the trainer sets it for a local training run
-# (runtime/jit_default.py).
+# None: unset, built as False; the trainer's --jit_compile sets it in a local
+# training run (runtime/jit_default.py).
 VALUES = (False, True, 'auto', None)
 _CACHE_FILE = 'jit_compile.json'
 # Steps each build runs before timing (the first compiles), then timed ones,
 # alternating between the builds so a load on the machine hits both.
 _WARMUP_STEPS = 2
 _TIMED_ROUNDS = 5
-# How long a process waits for another measuring the same cache.
+# How long a process waits for another measuring the same model.
 _LOCK_WAIT_S = 600
 
 
@@ -222,7 +223,7 @@ def Resolve(layer, args, fprop) -> bool:
   key = Signature(p, args, layer.do_eval, num_devices)
   path = CachePath()
   with _MeasuringLock(path, key):
-    entry, how = _CachedOrMeasured(layer, args, key, path, fprop)
+    entry, how = _CachedOrMeasured(layer, args, key, path, fprop, num_devices)
   tf.logging.info(
       "%s: jit_compile='auto' took %s: %.1f ms per step with XLA, %.1f "
       'without (%s %s).', p.name, entry['jit_compile'], entry['ms_xla'],
@@ -255,10 +256,9 @@ def _MeasuringLock(path, key):
         fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _CachedOrMeasured(layer, args, key, path, fprop):
+def _CachedOrMeasured(layer, args, key, path, fprop, num_devices):
   """(cache entry, how it was had): read, else measured and written."""
   p = layer.params
-  num_devices = layer.cluster.num_devices_per_split
   entry = _ReadCache(path).get(key)
   how = 'cached in'
   if entry is None:

@@ -5,10 +5,9 @@ False). In a local training run the trainer sets every unset one from its
 `--jit_compile` flag (default False); with `auto`, to `'auto'`, the faster
 of the two builds for this model on this machine (core/jit_choice.py: timed
 once, cached across processes), when the run has at least
-`--jit_auto_min_steps` steps to go;
-fewer steps than that would not win back XLA's compile and the timing, so
-they build without XLA and time nothing. A value the experiment or an
-override sets is the user's and is kept. docs/performance.md, "XLA".
+`--jit_auto_min_steps` steps to go; fewer steps than that would not win back
+XLA's compile and the timing, so they build without XLA and time nothing.
+A value the experiment or an override sets is the user's and is kept. docs/performance.md, "XLA".
 """
 
 import dataclasses

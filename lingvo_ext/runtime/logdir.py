@@ -52,14 +52,21 @@ def Check(logdir):
   return None
 
 
+def ResumeStep(o, cfg):
+  """(the step training resumes from, or None; the run's max_steps).
+
+  The step of the logdir's latest intact checkpoint (the repair runs once
+  per process: runners.RepairCheckpoints).
+  """
+  path = runners.RepairCheckpoints(os.path.join(o.logdir, 'train'))
+  max_steps = cfg.train.max_steps if o.max_steps is None else o.max_steps
+  return checkpoints.CheckpointStep(path), max_steps
+
+
 def AlreadyTrained(o, cfg):
   """The 'nothing to do' line of a finished logdir, or None."""
   train_dir = os.path.join(o.logdir, 'train')
-  path = runners.RepairCheckpoints(train_dir)
-  step = checkpoints.CheckpointStep(path)
-  max_steps = o.max_steps
-  if max_steps is None:
-    max_steps = cfg.train.max_steps
+  step, max_steps = ResumeStep(o, cfg)
   if step is None or step < max_steps:
     checkpoints.ClearTrainingFinished(train_dir)
     return None
