@@ -49,7 +49,7 @@ import signal
 import subprocess
 import sys
 import threading
-from typing import Dict, Mapping, Optional, Sequence
+from typing import Dict, Mapping, Optional, Sequence, Tuple
 
 from lingvo_ext.distributed import fork_serving
 
@@ -85,20 +85,22 @@ def ImportEnv(env: Mapping[str, str]) -> Dict[str, str]:
 class ForkedProcess:
   """A task forked by the server: the part of subprocess.Popen we use."""
 
-  def __init__(self, server: 'ForkServer', pid: int, args: Sequence[str]):
+  def __init__(self, server: 'ForkServer', pid: int, args: Sequence[str],
+               key: Tuple[int, int]):
     self._server = server
     self.pid = pid
+    self._key = key  # (pid, serial): a later task may reuse the pid.
     self.args = list(args)
     self.returncode = None
 
   def poll(self) -> Optional[int]:  # pylint: disable=invalid-name
     if self.returncode is None:
-      self.returncode = self._server.ExitCode(self.pid)
+      self.returncode = self._server.ExitCode(self._key)
     return self.returncode
 
   def wait(self, timeout: Optional[float] = None) -> int:  # pylint: disable=invalid-name
     if self.returncode is None:
-      rc = self._server.WaitExit(self.pid, timeout)
+      rc = self._server.WaitExit(self._key, timeout)
       if rc is None:
         raise subprocess.TimeoutExpired(self.args, timeout)
       self.returncode = rc
@@ -129,8 +131,11 @@ class ForkServer:
     self._env = None  # The server's, from Start.
     self._cv = threading.Condition()
     self._replies = []  # Answers to requests, in order.
-    self._exits = {}  # pid: return code.
-    self._alive = set()  # Forked pids not reported yet.
+    # A long run forks thousands of tasks, and the kernel reuses pids: a
+    # task is known by (pid, serial), serial counting the forks.
+    self._exits = {}  # (pid, serial): return code.
+    self._alive = {}  # pid: serial of the task not reported yet.
+    self._serial = 0
     self._lost = False  # The server's output ended, or it stopped answering.
     self._reader = None
 
@@ -166,17 +171,19 @@ class ForkServer:
         continue
       with self._cv:
         if 'exited' in msg:
-          self._exits[msg['exited']] = msg['returncode']
-          self._alive.discard(msg['exited'])
+          pid = msg['exited']
+          if pid in self._alive:
+            self._exits[pid, self._alive.pop(pid)] = msg['returncode']
         else:
           if 'pid' in msg:  # Before its exit can be reported.
-            self._alive.add(msg['pid'])
+            self._serial += 1
+            msg['serial'] = self._alive[msg['pid']] = self._serial
           self._replies.append(msg)
         self._cv.notify_all()
     with self._cv:
       # Its tasks die with it (PR_SET_PDEATHSIG).
-      for pid in self._alive:
-        self._exits.setdefault(pid, -int(signal.SIGKILL))
+      for pid, serial in self._alive.items():
+        self._exits.setdefault((pid, serial), -int(signal.SIGKILL))
       self._alive.clear()
       self._lost = True
       self._cv.notify_all()
@@ -224,16 +231,19 @@ class ForkServer:
       self._lost = True
     if not reply or 'pid' not in reply:
       return None
-    return ForkedProcess(self, reply['pid'], argv)
+    return ForkedProcess(self, reply['pid'], argv,
+                         (reply['pid'], reply['serial']))
 
-  def ExitCode(self, pid: int) -> Optional[int]:
+  def ExitCode(self, key: Tuple[int, int]) -> Optional[int]:
+    """The exit code of task `key` ((pid, serial)), None while it runs."""
     with self._cv:
-      return self._exits.get(pid)
+      return self._exits.get(key)
 
-  def WaitExit(self, pid: int, timeout_s: Optional[float]) -> Optional[int]:
+  def WaitExit(self, key: Tuple[int, int],
+               timeout_s: Optional[float]) -> Optional[int]:
     with self._cv:
-      self._cv.wait_for(lambda: pid in self._exits, timeout_s)
-      return self._exits.get(pid)
+      self._cv.wait_for(lambda: key in self._exits, timeout_s)
+      return self._exits.get(key)
 
   def Close(self, timeout_s: float = 10) -> None:
     """Stops the server; it kills the tasks still running first."""

@@ -4,7 +4,9 @@ import json
 import os
 import signal
 import subprocess
+import queue
 import sys
+import threading
 import time
 
 import pytest
@@ -112,3 +114,58 @@ def testClosingTheServerKillsItsRuns(tmp_path, monkeypatch):
       except OSError:
         pass
     server.Close()
+
+
+class _FakeServerProc:
+  """A server's side of the protocol, played by the test: Say(msg) writes a
+  line on its stdout, End() closes it."""
+
+  def __init__(self):
+    self._lines = queue.Queue()
+    self.stdin = self
+
+  @property
+  def stdout(self):
+    return iter(self._lines.get, None)
+
+  def Say(self, msg):
+    self._lines.put(json.dumps(msg).encode() + b'\n')
+
+  def End(self):
+    self._lines.put(None)
+
+  def write(self, data):
+    del data
+
+  def flush(self):
+    pass
+
+
+def testAReusedPidIsANewTaskNotTheOneThatExited():
+  # The kernel reuses pids (pid_max is 32768 on many machines), and a long
+  # test run forks thousands of tasks: the second task with pid 7 must not
+  # take the first one's exit code.
+  server = fork_server.ForkServer(['m'], os.devnull)
+  fake = _FakeServerProc()
+  server._env = dict(os.environ)  # pylint: disable=protected-access
+  server._proc = fake  # pylint: disable=protected-access
+  reader = threading.Thread(target=server._Read, daemon=True)  # pylint: disable=protected-access
+  reader.start()
+  argv = [sys.executable, '-m', 'm']
+  fake.Say({'pid': 7})
+  first = server.Spawn(argv, os.environ, os.devnull)
+  fake.Say({'exited': 7, 'returncode': 0})
+  assert first.wait(10) == 0
+  fake.Say({'pid': 7})
+  second = server.Spawn(argv, os.environ, os.devnull)
+  assert (first.pid, second.pid) == (7, 7)
+  assert second.poll() is None
+  with pytest.raises(subprocess.TimeoutExpired):
+    second.wait(0.1)
+  fake.Say({'exited': 7, 'returncode': 3})
+  assert second.wait(10) == 3 and first.poll() == 0
+  fake.Say({'pid': 7})
+  third = server.Spawn(argv, os.environ, os.devnull)
+  fake.End()  # The server died: so did its task.
+  reader.join(10)
+  assert third.wait(10) == -int(signal.SIGKILL)
