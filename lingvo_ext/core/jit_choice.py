@@ -136,7 +136,8 @@ def _Build(params, args, jit: bool, do_eval: bool, num_devices: int, fprop):
   takes others).
   """
   g = tf.Graph()
-  with g.as_default():
+  # Placed as Lingvo's runners place the model: Grappler fuses placed ops.
+  with g.as_default(), tf.device(cluster_factory.Current().GetPlacer()):
     py_utils.GetOrCreateGlobalStepVar()
     net = params.Copy().Set(jit_compile=jit).Instantiate()
     inputs = tf.nest.map_structure(_Like, args)

@@ -129,6 +129,33 @@ class _TrainerSession(tf.Session):
 
 _NONFINITE = re.compile(r'not finite|NaN|Inf', re.IGNORECASE)
 _GRADIENT_OF = re.compile(r'Gradient for (\S+?)(?::\d+)? is not finite')
+# A step that can never run: an op with no kernel where it is placed (in an
+# XLA cell, one XLA cannot compile). Lingvo retries InvalidArgumentError as
+# transient, so it would be retried for minutes, then end the job.
+_CANNOT_RUN = re.compile(
+    r"No registered '[^']+' OpKernel|Detected unsupported operations when "
+    r'trying to compile|Cannot assign a device for operation')
+EXIT_STEP_CANNOT_RUN = 70  # EX_SOFTWARE
+
+
+def CannotRunLine(job, error):
+  """The one-line error for a step that can never run, else None."""
+  text = str(getattr(error, 'message', error))
+  match = _CANNOT_RUN.search(text)
+  if not match:
+    return None
+  start = text.rfind('\n', 0, match.start()) + 1
+  end = text.find('\n', match.start())
+  cause = text[start:] if end < 0 else text[start:end]
+  # XLA's line goes on with each op's kernel lookup: its ops are enough.
+  cause = re.split(r' \(No registered|\{\{', cause)[0].strip()
+  if 'XLA_' in cause:
+    fix = ('an XLA-compiled pipeline cell holds an op XLA cannot compile: '
+           'build it without XLA (--jit_compile=False, or the pipeline\'s '
+           'jit_compile:False)')
+  else:
+    fix = 'an op of the step has no kernel on its device'
+  return f'{job}: the training step cannot run: {cause}; {fix}.'
 
 
 class LocalTrainer(runner_state.RunnerMixin, lingvo_runners.Trainer):
@@ -228,6 +255,9 @@ class LocalTrainer(runner_state.RunnerMixin, lingvo_runners.Trainer):
         try:
           return loop_func(*args)
         except tf.errors.InvalidArgumentError as e:
+          line = CannotRunLine(job_name, e)
+          if line:
+            runner_state.Fail(line, EXIT_STEP_CANNOT_RUN)
           if not _NONFINITE.search(str(e)):
             raise
           self._OnNonFiniteStep(e)

@@ -185,11 +185,19 @@ class CellFunction:
       out_flat = [t for t in nest_util.Flat(out) if t is not None]
       return out_flat + new_accs + xs
 
+    def Unplaced(*args):
+      # XLA runs the body on the call's device. A device inside it (Lingvo's
+      # placer) lets Grappler's remapper fuse ops into kernels XLA lacks
+      # (_FusedConv2D) when it optimizes the function library.
+      with tf.device(None):
+        return Body(*args)
+
     # Not inlined into the calling graph when the session lowers function
     # calls: each call stays one node, so the graph TensorFlow places and
     # optimizes stays small: a faster first step and step than inlined
     # (docs/benchmarks.md).
-    self._fn = tf2.function(Body, autograph=False,
+    self._fn = tf2.function(Unplaced if self._jit_compile else Body,
+                            autograph=False,
                             jit_compile=self._jit_compile or None,
                             experimental_attributes={'_noinline': True})
     self._fn.__name__ = self._name
