@@ -59,7 +59,8 @@ def test_auto_measures_once_then_takes_the_cached_choice(cache, monkeypatch):
   _, net, _ = _Build('auto')
   (entry,) = json.loads(cache.read_text()).values()
   assert len(measured) == 1 and set(measured[0]) == {False, True}
-  assert entry['jit_compile'] == (measured[0][True] < measured[0][False])
+  assert entry['jit_compile'] == (
+      measured[0][True] <= jit_choice.XLA_MARGIN * measured[0][False])
   assert net.JitCompile() is entry['jit_compile']
   assert entry['ms_xla'] > 0 and entry['ms_tf'] > 0
 
@@ -188,3 +189,16 @@ def test_task_default_is_unset_and_an_override_takes_each_value():
   with pytest.raises(experiment_params.OverrideError,
                      match="True or False or 'auto'"):
     experiment_params.ApplyOverrides(mp, 'task.jit_compile:maybe')
+
+
+@pytest.mark.parametrize('ms_xla,taken', [(0.97, False), (0.95, True),
+                                          (0.5, True), (1.2, False)])
+def test_auto_takes_xla_only_when_clearly_faster(cache, monkeypatch, ms_xla,
+                                                  taken):
+  # Each process compiles XLA's cells again; a near tie is timing noise.
+  monkeypatch.setattr(jit_choice, 'Measure', lambda *a: {
+      True: ms_xla, False: 1.0})
+  _, net, _ = _Build('auto')
+  assert net.JitCompile() is taken
+  [entry] = json.loads(cache.read_text()).values()
+  assert (entry['jit_compile'], entry['ms_xla']) == (taken, ms_xla)
