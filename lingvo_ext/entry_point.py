@@ -7,8 +7,12 @@ start-up lines and shows Lingvo's repeated warnings once
 TensorFlow. `import lingvo_ext` alone leaves the process's stderr, logging
 and TF_CPP_MIN_LOG_LEVEL as they were: a library does not change its
 user's console. Nothing is filtered where the user set TF_CPP_MIN_LOG_LEVEL.
+It also keeps XLA's compiled cells across the programs' processes
+(`lingvo_ext/xla_cache.py`), which TensorFlow reads at its import.
 """
 
 from lingvo_ext import _startup
+from lingvo_ext import xla_cache
 
 _startup.Install()
+xla_cache.Install()

@@ -17,6 +17,21 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# XLA's compiled cells (lingvo_ext/xla_cache.py) are kept in a folder of this
+# run's, shared by its workers and the programs they start, not in ~/.cache:
+# set before TensorFlow is imported, which reads the flag once. The pytest
+# process that made it removes it at exit.
+_XLA_OWNER = 'LINGVO_EXT_TEST_XLA_CACHE_OWNER'
+if 'TF_XLA_FLAGS' not in os.environ:
+  import atexit
+  import tempfile
+  _xla_dir = tempfile.mkdtemp(prefix='lingvo_ext_test_xla_')
+  os.environ['TF_XLA_FLAGS'] = (
+      '--tf_xla_persistent_cache_directory=' + _xla_dir)
+  os.environ[_XLA_OWNER] = str(os.getpid())
+  atexit.register(
+      lambda: os.environ.get(_XLA_OWNER) == str(os.getpid()) and
+      shutil.rmtree(_xla_dir, ignore_errors=True))
 # pylint: disable=g-import-not-at-top
 from lingvo_ext import entry_point  # pylint: disable=unused-import
 from tests.support import ROOT as _ROOT
@@ -76,7 +91,7 @@ def _SharedOnce(tmp_path_factory, name, build):
 @pytest.fixture(scope='session', autouse=True)
 def _jit_choice_cache(tmp_path_factory):
   """jit_compile='auto' caches its choices in the run's temp folder (shared
-  by the workers and the trainers they start), not in ~/.cache."""
+  by the workers and the programs they start), not in ~/.cache."""
   shared = tmp_path_factory.getbasetemp()
   if os.environ.get('PYTEST_XDIST_WORKER'):
     shared = shared.parent

@@ -24,7 +24,8 @@ PACKAGES = ('lingvo_ext',)
 # Every entry on disk is on one floor (`Unplaced`): a new folder needs a line.
 FLOORS = (
     ('lingvo_ext/__init__.py', 'lingvo_ext/_startup.py', 'lingvo_ext/_moved.py',
-     'lingvo_ext/entry_point.py', 'lingvo_ext/_internal/'),
+     'lingvo_ext/entry_point.py', 'lingvo_ext/xla_cache.py',
+     'lingvo_ext/_internal/'),
     ('lingvo_ext/distributed/',),
     ('lingvo_ext/core/',),
     ('lingvo_ext/registry.py',),

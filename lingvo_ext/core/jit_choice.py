@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import threading
 import time
 
@@ -33,6 +34,7 @@ import tensorflow as tf2
 
 from lingvo_ext.core import nest_util
 from lingvo_ext.core.engine import records
+from lingvo_ext import xla_cache
 
 # None: unset, built as False; the trainer's --jit_compile sets it in a local
 # training run (runtime/jit_default.py).
@@ -70,9 +72,7 @@ def CheckValue(name: str, value) -> None:
 
 def CachePath() -> str:
   """Where 'auto' keeps its choices."""
-  root = os.environ.get('XDG_CACHE_HOME') or os.path.join(
-      os.path.expanduser('~'), '.cache')
-  return os.path.join(root, 'lingvo_ext', _CACHE_FILE)
+  return os.path.join(xla_cache.CacheRoot(), _CACHE_FILE)
 
 
 def Machine() -> str:
@@ -85,8 +85,9 @@ def Machine() -> str:
     model = names[0] if names else model
   except OSError:
     pass
-  return '%s x%d, TF %s, oneDNN=%s' % (
-      model, os.cpu_count() or 1, tf2.__version__,
+  # The key tells CPUs of one model name with other instruction sets apart.
+  return '%s x%d (cpu %s), TF %s, oneDNN=%s' % (
+      model, os.cpu_count() or 1, xla_cache.CpuKey(), tf2.__version__,
       os.environ.get('TF_ENABLE_ONEDNN_OPTS', 'default'))
 
 
@@ -185,11 +186,32 @@ def _InOwnThread(fn, cluster):
   return result['value']
 
 
+def _Cause(error) -> str:
+  """The line of TensorFlow's error that names what failed."""
+  lines = [l.strip() for l in str(error.message).splitlines() if l.strip()]
+  for line in lines:
+    if 'Detected unsupported operations' in line or 'No registered' in line:
+      line = re.sub(r'^\(\d+\) [A-Z_]+: ', '', line)  # One of several.
+      return re.split(r' \(No registered|\{\{', line)[0].strip()
+  useful = [l for l in lines if l not in ('Graph execution error:',) and
+            not l.startswith('From /job')]
+  return (useful or lines or [type(error).__name__])[0]
+
+
 def Measure(params, args, do_eval: bool, num_devices: int, fprop):
-  """{False: ms, True: ms}: each build's lowest step time."""
-  built = {jit: _Build(params, args, jit, do_eval, num_devices, fprop)
-           for jit in (False, True)}
+  """{False: ms, True: ms}: each build's lowest step time. Where XLA cannot
+  compile a cell (an op with no XLA kernel), True is None and 'xla_error'
+  holds the first line of TensorFlow's error."""
+  built = {False: _Build(params, args, False, do_eval, num_devices, fprop)}
+  out = {True: None}
   try:
+    try:
+      built[True] = _Build(params, args, True, do_eval, num_devices, fprop)
+      built[True][0].run(built[True][1])  # Compiles.
+    except tf.errors.OpError as e:
+      out['xla_error'] = _Cause(e)
+      if True in built:
+        built.pop(True)[0].close()
     for sess, step in built.values():
       for _ in range(_WARMUP_STEPS):
         sess.run(step)
@@ -199,7 +221,8 @@ def Measure(params, args, do_eval: bool, num_devices: int, fprop):
         start = time.perf_counter()
         sess.run(step)
         best[jit] = min(best[jit], 1e3 * (time.perf_counter() - start))
-    return best
+    out.update(best)
+    return out
   finally:
     for sess, _ in built.values():
       sess.close()
@@ -229,10 +252,16 @@ def Resolve(layer, args, fprop) -> bool:
   path = CachePath()
   with _MeasuringLock(path, key):
     entry, how = _CachedOrMeasured(layer, args, key, path, fprop, num_devices)
-  tf.logging.info(
-      "%s: jit_compile='auto' took %s: %.1f ms per step with XLA, %.1f "
-      'without (%s %s).', p.name, entry['jit_compile'], entry['ms_xla'],
-      entry['ms_tf'], how, path)
+  if entry.get('xla_error'):
+    tf.logging.info(
+        "%s: jit_compile='auto' took False: XLA cannot compile the cells "
+        '(%s); %.1f ms per step without (%s %s).', p.name,
+        entry['xla_error'], entry['ms_tf'], how, path)
+  else:
+    tf.logging.info(
+        "%s: jit_compile='auto' took %s: %.1f ms per step with XLA, %.1f "
+        'without (%s %s).', p.name, entry['jit_compile'], entry['ms_xla'],
+        entry['ms_tf'], how, path)
   return bool(entry['jit_compile'])
 
 
@@ -276,9 +305,11 @@ def _CachedOrMeasured(layer, args, key, path, fprop, num_devices):
         split_size=num_devices, do_eval=layer.do_eval)
     ms = _InOwnThread(
         lambda: Measure(p, like, layer.do_eval, num_devices, fprop), cluster)
-    entry = dict(jit_compile=ms[True] <= XLA_MARGIN * ms[False],
-                 ms_xla=ms[True],
-                 ms_tf=ms[False], machine=Machine())
+    entry = dict(jit_compile=(ms[True] is not None and
+                              ms[True] <= XLA_MARGIN * ms[False]),
+                 ms_xla=ms[True], ms_tf=ms[False], machine=Machine())
+    if ms.get('xla_error'):
+      entry['xla_error'] = ms['xla_error']
     _WriteCache(path, key, entry)
     how = 'measured now, cached in'
   return entry, how

@@ -2,7 +2,7 @@
 
 A `PipeliningLayer`'s `jit_compile` defaults to None (unset, built as
 False). In a local training run the trainer sets every unset one from its
-`--jit_compile` flag (default False); with `auto`, to `'auto'`, the faster
+`--jit_compile` flag (default auto): with `auto`, to `'auto'`, the faster
 of the two builds for this model on this machine (core/jit_choice.py: timed
 once, cached across processes), when the run has at least
 `--jit_auto_min_steps` steps to go; fewer steps than that would not win back

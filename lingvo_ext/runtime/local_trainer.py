@@ -149,6 +149,7 @@ def CannotRunLine(job, error):
   cause = text[start:] if end < 0 else text[start:end]
   # XLA's line goes on with each op's kernel lookup: its ops are enough.
   cause = re.split(r' \(No registered|\{\{', cause)[0].strip()
+  cause = re.sub(r'^\(\d+\) [A-Z_]+: ', '', cause)  # One of several errors.
   if 'XLA_' in cause:
     fix = ('an XLA-compiled pipeline cell holds an op XLA cannot compile: '
            'build it without XLA (--jit_compile=False, or the pipeline\'s '

@@ -84,7 +84,7 @@ tf.flags.DEFINE_enum(
     ' layers_with_gpipe, GPipeTransformerLm...): lingvo_ext (the default, '
     "runs off TPU) or lingvo. See docs/coming-from-lingvo.md.")
 tf.flags.DEFINE_enum(
-    'jit_compile', 'False', ['auto', 'True', 'False'],
+    'jit_compile', 'auto', ['auto', 'True', 'False'],
     "A local training run's XLA build of pipelines whose jit_compile is "
     "unset: 'auto' takes the faster (timed once per model and machine) for "
     'runs of --jit_auto_min_steps or more. See docs/performance.md.')
@@ -142,7 +142,7 @@ class Options:
   eval_once: bool = False
   eval_checkpoint: str = ''
   gpipe_engine: str = 'lingvo_ext'
-  jit_compile: str = 'False'
+  jit_compile: str = 'auto'
   jit_auto_min_steps: int = 10000
   # Lingvo's --interactive: the controller opens a shell instead of looping.
   interactive: bool = False

@@ -6,6 +6,7 @@ import time
 
 import lingvo_ext  # pylint: disable=unused-import
 import lingvo.compat as tf
+from lingvo.core import base_layer
 from lingvo.core import py_utils
 import numpy as np
 import pytest
@@ -202,3 +203,40 @@ def test_auto_takes_xla_only_when_clearly_faster(cache, monkeypatch, ms_xla,
   assert net.JitCompile() is taken
   [entry] = json.loads(cache.read_text()).values()
   assert (entry['jit_compile'], entry['ms_xla']) == (taken, ms_xla)
+
+
+class _HostCopy(base_layer.BaseLayer):
+  """x, copied through numpy: an op XLA has no kernel for."""
+
+  def FProp(self, theta, x):
+    y = tf.numpy_function(np.copy, [x], x.dtype)
+    y.set_shape(x.shape)
+    return y
+
+  @classmethod
+  def FPropMeta(cls, p, x):
+    return py_utils.NestedMap(flops=0, out_shapes=(x,))
+
+
+def test_auto_takes_no_xla_where_xla_cannot_compile_a_cell(cache):
+  g = tf.Graph()
+  with g.as_default(), lib.Cluster(2):
+    py_utils.GetOrCreateGlobalStepVar()
+    cells = test_gpipe._FcCells(2)  # pylint: disable=protected-access
+    net = gpipe.PipeliningLayer.Params().Set(
+        name='pipe', num_micro_batches=2, jit_compile='auto',
+        cell_tpl=[_HostCopy.Params().Set(name='host_copy')] + cells
+    ).Instantiate()
+    x = tf.constant(np.ones([B, D], np.float32))
+    out = net.FPropDefaultTheta(x)
+    init = tf.global_variables_initializer()
+  assert net.JitCompile() is False
+  [entry] = json.loads(cache.read_text()).values()
+  assert entry['jit_compile'] is False and entry['ms_xla'] is None
+  assert entry['ms_tf'] > 0
+  assert entry['xla_error'].startswith(
+      'Detected unsupported operations when trying to compile'), entry
+  assert 'PyFunc' in entry['xla_error']
+  with lib.Session(g, 2) as sess:  # The build taken runs.
+    sess.run(init)
+    assert sess.run(out).shape == (B, D)

@@ -74,9 +74,9 @@ def test_bad_flags_are_one_line(tmp_path, flags, error):
 
 
 def test_the_trainer_times_xla_only_for_a_run_long_enough(tmp_path):
-  """By default and for a short run it builds without XLA and times nothing;
-  resumed with enough steps to go, it times both builds once and caches the
-  choice."""
+  """For a short run (by default) or with --jit_compile=False it builds
+  without XLA and times nothing; resumed with enough steps to go, it times
+  both builds once and caches the choice."""
   cache = tmp_path / 'cache'
   env = dict(os.environ, XDG_CACHE_HOME=str(cache))
   logdir = tmp_path / 'log'
@@ -92,13 +92,13 @@ def test_the_trainer_times_xla_only_for_a_run_long_enough(tmp_path):
     with open(logdir / 'log.controller+trainer_client.txt') as f:
       return f.read()
 
-  log = Train('--max_steps=2')  # The flag's default.
-  assert 'jit_compile: False for task.jit_compile (--jit_compile=False)' in log
-  log = Train('--max_steps=3', '--jit_compile=auto')
-  assert ('jit_compile: False for task.jit_compile (1 steps to go < '
+  log = Train('--max_steps=2')  # The flag's default: auto.
+  assert ('jit_compile: False for task.jit_compile (2 steps to go < '
           '--jit_auto_min_steps=10000') in log
+  log = Train('--max_steps=3', '--jit_compile=False')
+  assert 'jit_compile: False for task.jit_compile (--jit_compile=False)' in log
   assert not cache_file.exists()
-  log = Train('--max_steps=5', '--jit_compile=auto', '--jit_auto_min_steps=2')
+  log = Train('--max_steps=5', '--jit_auto_min_steps=2')
   assert ("jit_compile: 'auto' for task.jit_compile (2 steps to go >= "
           '--jit_auto_min_steps=2') in log
   assert "jit_compile='auto' took" in log and 'measured now' in log
