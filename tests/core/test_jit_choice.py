@@ -6,7 +6,6 @@ import time
 
 import lingvo_ext  # pylint: disable=unused-import
 import lingvo.compat as tf
-from lingvo.core import base_layer
 from lingvo.core import py_utils
 import numpy as np
 import pytest
@@ -14,6 +13,7 @@ import pytest
 from lingvo_ext.core import gpipe
 from lingvo_ext.core import jit_choice
 from tests.support import gpipe_testlib as lib
+from tests.support import host_copy
 from tests.core import test_gpipe
 
 B, D = 8, 6
@@ -205,19 +205,6 @@ def test_auto_takes_xla_only_when_clearly_faster(cache, monkeypatch, ms_xla,
   assert (entry['jit_compile'], entry['ms_xla']) == (taken, ms_xla)
 
 
-class _HostCopy(base_layer.BaseLayer):
-  """x, copied through numpy: an op XLA has no kernel for."""
-
-  def FProp(self, theta, x):
-    y = tf.numpy_function(np.copy, [x], x.dtype)
-    y.set_shape(x.shape)
-    return y
-
-  @classmethod
-  def FPropMeta(cls, p, x):
-    return py_utils.NestedMap(flops=0, out_shapes=(x,))
-
-
 def test_auto_takes_no_xla_where_xla_cannot_compile_a_cell(cache):
   g = tf.Graph()
   with g.as_default(), lib.Cluster(2):
@@ -225,7 +212,7 @@ def test_auto_takes_no_xla_where_xla_cannot_compile_a_cell(cache):
     cells = test_gpipe._FcCells(2)  # pylint: disable=protected-access
     net = gpipe.PipeliningLayer.Params().Set(
         name='pipe', num_micro_batches=2, jit_compile='auto',
-        cell_tpl=[_HostCopy.Params().Set(name='host_copy')] + cells
+        cell_tpl=[host_copy.HostCopy.Params().Set(name='host_copy')] + cells
     ).Instantiate()
     x = tf.constant(np.ones([B, D], np.float32))
     out = net.FPropDefaultTheta(x)

@@ -21,30 +21,14 @@ from tests.support import ROOT
 
 TIMEOUT = 300
 
-# A classifier whose first pipeline cell copies its input through numpy: an
-# op (PyFunc) that XLA cannot compile.
+# A classifier whose first pipeline cell copies its input through numpy
+# (tests/support/host_copy.py): an op (PyFunc) that XLA cannot compile.
 _EXPERIMENT = '''
-import numpy as np
-import lingvo.compat as tf
 from lingvo import model_registry
-from lingvo.core import base_layer
-from lingvo.core import py_utils
 
 from lingvo_ext.experiments import image
 from lingvo_ext.tasks.image import model
-
-
-class HostCopy(base_layer.BaseLayer):
-  """x, copied through numpy."""
-
-  def FProp(self, theta, x):
-    y = tf.numpy_function(np.copy, [x], x.dtype)
-    y.set_shape(x.shape)
-    return y
-
-  @classmethod
-  def FPropMeta(cls, p, x):
-    return py_utils.NestedMap(flops=0, out_shapes=(x,))
+from tests.support.host_copy import HostCopy
 
 
 class HostCopyClassifier(model.ConvClassifier):
