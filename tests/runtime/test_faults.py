@@ -160,10 +160,28 @@ sys.exit(trainer.Run())
 
 
 def _Fill(path, leave):
-  """Fills `path`'s filesystem up to `leave` free bytes."""
-  free = disk_space.FreeBytes(path)
-  with open(os.path.join(path, 'filler'), 'wb') as f:
-    f.write(b'\0' * max(0, free - leave))
+  """Fills `path`'s filesystem up to about `leave` free bytes.
+
+  The trainer saves meanwhile (every second): where its save takes the
+  space first, the filler stops at the full disk and gives back what
+  leaves `leave` bytes free.
+  """
+  fd = os.open(os.path.join(path, 'filler'),
+               os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+  try:
+    chunk = 1 << 16
+    while disk_space.FreeBytes(path) > leave + chunk:
+      try:
+        os.write(fd, b'\0' * chunk)
+      except OSError as e:
+        if e.errno != errno.ENOSPC:
+          raise
+        break
+    lack = leave - disk_space.FreeBytes(path)
+    if lack > 0:
+      os.ftruncate(fd, max(0, os.fstat(fd).st_size - lack))
+  finally:
+    os.close(fd)
 
 
 @pytest.mark.e2e
