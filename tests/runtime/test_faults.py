@@ -169,10 +169,12 @@ def _Fill(path, leave):
   fd = os.open(os.path.join(path, 'filler'),
                os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
   try:
-    chunk = 1 << 16
-    while disk_space.FreeBytes(path) > leave + chunk:
+    while True:
+      room = disk_space.FreeBytes(path) - leave
+      if room <= 0:
+        break
       try:
-        os.write(fd, b'\0' * chunk)
+        os.write(fd, b'\0' * min(room, 1 << 16))
       except OSError as e:
         if e.errno != errno.ENOSPC:
           raise
