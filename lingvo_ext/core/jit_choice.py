@@ -26,6 +26,7 @@ import platform
 import re
 import threading
 import time
+from typing import Optional
 
 import lingvo.compat as tf
 from lingvo.core import cluster_factory
@@ -186,13 +187,34 @@ def _InOwnThread(fn, cluster):
   return result['value']
 
 
+# An op with no kernel where it is placed (in an XLA cell: one XLA cannot
+# compile): the step fails the same way each time it runs.
+_CANNOT_RUN = re.compile(
+    r"No registered '[^']+' OpKernel|Detected unsupported operations when "
+    r'trying to compile|Cannot assign a device for operation')
+
+
+def CannotRunCause(error) -> Optional[str]:
+  """The line of TensorFlow's `error` naming an op with no kernel where it is
+  placed, trimmed to its ops; None if the error is not that."""
+  text = str(getattr(error, 'message', error))
+  match = _CANNOT_RUN.search(text)
+  if not match:
+    return None
+  start = text.rfind('\n', 0, match.start()) + 1
+  end = text.find('\n', match.start())
+  cause = text[start:] if end < 0 else text[start:end]
+  # XLA's line goes on with each op's kernel lookup: its ops are enough.
+  cause = re.split(r' \(No registered|\{\{', cause)[0].strip()
+  return re.sub(r'^\(\d+\) [A-Z_]+: ', '', cause)  # One of several errors.
+
+
 def _Cause(error) -> str:
   """The line of TensorFlow's error that names what failed."""
+  cause = CannotRunCause(error)
+  if cause:
+    return cause
   lines = [l.strip() for l in str(error.message).splitlines() if l.strip()]
-  for line in lines:
-    if 'Detected unsupported operations' in line or 'No registered' in line:
-      line = re.sub(r'^\(\d+\) [A-Z_]+: ', '', line)  # One of several.
-      return re.split(r' \(No registered|\{\{', line)[0].strip()
   useful = [l for l in lines if l not in ('Graph execution error:',) and
             not l.startswith('From /job')]
   return (useful or lines or [type(error).__name__])[0]

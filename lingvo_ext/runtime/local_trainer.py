@@ -22,6 +22,7 @@ from lingvo_ext.runtime import prepared_step
 from lingvo_ext.runtime import progress
 from lingvo_ext.runtime import runner_state
 from lingvo_ext.core import cuts
+from lingvo_ext.core import jit_choice
 from lingvo_ext.distributed import server
 from lingvo_ext.distributed import step_keeping
 from lingvo_ext.tracing import timeline
@@ -129,27 +130,17 @@ class _TrainerSession(tf.Session):
 
 _NONFINITE = re.compile(r'not finite|NaN|Inf', re.IGNORECASE)
 _GRADIENT_OF = re.compile(r'Gradient for (\S+?)(?::\d+)? is not finite')
-# A step that can never run: an op with no kernel where it is placed (in an
-# XLA cell, one XLA cannot compile). Lingvo retries InvalidArgumentError as
-# transient, so it would be retried for minutes, then end the job.
-_CANNOT_RUN = re.compile(
-    r"No registered '[^']+' OpKernel|Detected unsupported operations when "
-    r'trying to compile|Cannot assign a device for operation')
+# A step that can never run (jit_choice.CannotRunCause): Lingvo retries
+# InvalidArgumentError as transient, so it would be retried for minutes, then
+# end the job.
 EXIT_STEP_CANNOT_RUN = 70  # EX_SOFTWARE
 
 
 def CannotRunLine(job, error):
   """The one-line error for a step that can never run, else None."""
-  text = str(getattr(error, 'message', error))
-  match = _CANNOT_RUN.search(text)
-  if not match:
+  cause = jit_choice.CannotRunCause(error)
+  if not cause:
     return None
-  start = text.rfind('\n', 0, match.start()) + 1
-  end = text.find('\n', match.start())
-  cause = text[start:] if end < 0 else text[start:end]
-  # XLA's line goes on with each op's kernel lookup: its ops are enough.
-  cause = re.split(r' \(No registered|\{\{', cause)[0].strip()
-  cause = re.sub(r'^\(\d+\) [A-Z_]+: ', '', cause)  # One of several errors.
   if 'XLA_' in cause:
     fix = ('an XLA-compiled pipeline cell holds an op XLA cannot compile: '
            'build it without XLA (--jit_compile=False, or the pipeline\'s '
