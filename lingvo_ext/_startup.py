@@ -255,6 +255,14 @@ GRAPPLER_CYCLES = (
     r"topological sort failed with message: The graph couldn't be sorted in "
     r'topological order\.$',
 )
+# TensorFlow's XLA compile cache (xla_cache.py) reads each entry as text,
+# then as the binary it is: protobuf logs the text attempt's failure at E
+# level on every cache hit. Dropped without a note.
+QUIET = '(?#quiet)'
+XLA_CACHE_READS = (
+    QUIET + r'^E\d{4} [\d:. ]+\d+ text_format\.cc:\d+\] Error parsing '
+    r'text-format tensorflow\.XlaSerializedCacheEntry: ',
+)
 GRAPPLER_NOTE = (
     "note: TensorFlow's Grappler reads the schedule's ordering edges between "
     'micro-batches as cycles, so it skips its remapper and its dependency '
@@ -297,8 +305,9 @@ while True:
   lines = (held + data).split(b'\n')
   held = lines.pop()
   for line in lines:
-    if any(p.match(line.decode('utf-8', 'replace')) for p in pats):
-      if not noted:
+    hit = [p for p in pats if p.match(line.decode('utf-8', 'replace'))]
+    if hit:
+      if not noted and not hit[0].pattern.startswith('(?#quiet)'):
         noted = True
         Out(note)
       continue
@@ -310,11 +319,12 @@ Out(held)
 """
 
 
-def FilterGrapplerCycles():
+def FilterHarmlessLines():
   """Runs the rest of the process with fd 2 through a filter of its own.
 
   The filter drops Grappler's cycle lines (GRAPPLER_CYCLES), says once what
-  they mean (GRAPPLER_NOTE) and passes every other byte on as it comes.
+  they mean (GRAPPLER_NOTE), drops the XLA cache's reads (XLA_CACHE_READS)
+  and passes every other byte on as it comes.
   Nothing is filtered where the user set TF_CPP_MIN_LOG_LEVEL. For entry
   points only (the trainer calls it once its checks passed).
 
@@ -329,7 +339,8 @@ def FilterGrapplerCycles():
   try:
     proc = subprocess.Popen(
         [sys.executable, '-S', '-c', _FILTER_PROGRAM, GRAPPLER_NOTE,
-         *GRAPPLER_CYCLES], stdin=read_fd, stdout=2, close_fds=True)
+         *GRAPPLER_CYCLES, *XLA_CACHE_READS], stdin=read_fd, stdout=2,
+        close_fds=True)
   except OSError:
     os.close(read_fd)
     os.close(write_fd)

@@ -465,7 +465,7 @@ def Run(argv=None):
   if FLAGS.disable_tf2:
     tf.disable_v2_behavior()
   py_utils.SetEagerMode(FLAGS.use_eager)
-  _startup.FilterGrapplerCycles()  # Checks passed: the run's console.
+  _startup.FilterHarmlessLines()  # Checks passed: the run's console.
   # The flags were parsed once, above: absl's app.run keeps them as they are.
   app.run(lambda unused_argv: main(unused_argv, o, run_state, params),
           argv=argv,

@@ -167,7 +167,8 @@ def _GrapplerFiltered(data, chunks=1):
   """What the Grappler filter's process passes on of `data`, fed in parts."""
   proc = subprocess.Popen(
       [sys.executable, '-S', '-c', _startup._FILTER_PROGRAM,  # pylint: disable=protected-access
-       _startup.GRAPPLER_NOTE, *_startup.GRAPPLER_CYCLES],
+       _startup.GRAPPLER_NOTE, *_startup.GRAPPLER_CYCLES,
+       *_startup.XLA_CACHE_READS],
       stdin=subprocess.PIPE, stdout=subprocess.PIPE)
   step = -(-len(data) // chunks)
   for i in range(0, len(data), step):
@@ -186,6 +187,17 @@ def test_grappler_filter_drops_the_cycle_lines_and_notes_them_once(chunks):
   assert _GrapplerFiltered(data, chunks) == (
       _startup.GRAPPLER_NOTE + '\nerror: kept\n' + real + '\nerror: kept\n' +
       real + '\nno newline at the end')
+
+
+def test_the_xla_caches_text_reads_are_dropped_without_a_note():
+  read = ('E0000 00:00:1795937223.125424   13015 text_format.cc:378] Error '
+          'parsing text-format tensorflow.XlaSerializedCacheEntry: 2:1: '
+          'Expected identifier, got: 6')
+  other = ('E0000 00:00:1.0 1 text_format.cc:378] Error parsing text-format '
+           'tensorflow.GraphDef: 1:1: a user\'s file')
+  assert _GrapplerFiltered('\n'.join(['step 1', read, other, read, 'step 2',
+                                       '']).encode()) == (
+                                           'step 1\n%s\nstep 2\n' % other)
 
 
 def test_grappler_filter_passes_a_partial_line_on_at_once():
@@ -209,7 +221,7 @@ def test_grappler_filter_passes_a_partial_line_on_at_once():
 def test_grappler_filter_is_off_where_the_user_set_the_level(monkeypatch):
   monkeypatch.setenv(_startup.LEVEL_VAR, '1')
   monkeypatch.delenv(_startup._MARK, raising=False)  # pylint: disable=protected-access
-  assert _startup.FilterGrapplerCycles() is None
+  assert _startup.FilterHarmlessLines() is None
 
 
 @pytest.mark.e2e
