@@ -27,9 +27,11 @@ from lingvo_ext.planner.application import SetKeys
 from lingvo_ext.planner.application import Table
 from lingvo_ext.planner.application import TrainerFlags
 from lingvo_ext.planner.calibration import Calibrate
+from lingvo_ext.planner.calibration import CalibrateXla
 from lingvo_ext.planner.calibration import DEFAULT_BYTES_PER_OP
 from lingvo_ext.planner.calibration import MIN_FITTED_OP_GROWTH
 from lingvo_ext.planner.calibration import ReferencePlans
+from lingvo_ext.planner.calibration import XlaReferencePlans
 from lingvo_ext.planner.choice import Choose
 from lingvo_ext.planner.choice import MEASURE_ALPHA
 from lingvo_ext.planner.choice import MeasuredChoice
@@ -68,6 +70,7 @@ from lingvo_ext.planner.prediction import Stages
 from lingvo_ext.planner.prediction import SummingActions
 from lingvo_ext.planner.prediction import SYNC_OPS_PER_VAR
 from lingvo_ext.planner.prediction import WeightGradientRun
+from lingvo_ext.planner.prediction import Xla
 from lingvo_ext.planner.tf_profiling import BuildExperimentStep
 from lingvo_ext.planner.tf_profiling import ExperimentParams
 from lingvo_ext.planner.tf_profiling import MeasureJob

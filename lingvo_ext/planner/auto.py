@@ -25,12 +25,14 @@ PROCESS_OVERHEAD_BYTES = 730 * 2**20
 def Machine(num_devices: int, model: Optional[str] = None,
             profile: Optional[planner.ModelProfile] = None,
             overhead_bytes: float = PROCESS_OVERHEAD_BYTES,
-            overrides: str = '', model_params=None):
+            overrides: str = '', model_params=None, xla: bool = False):
   """This host's Machine, probed under the trainer's session config.
 
   With `model` and `profile`, calibrated (planner.Calibrate) on the model's
   reference plans (after `overrides`, a --model_params_override text; or on
-  copies of `model_params`, built with it), timed in turn in this process.
+  copies of `model_params`, built with it), timed in turn in this process;
+  with `xla` too, XLA's costs on its XLA references (planner.CalibrateXla),
+  unless XLA cannot compile the model's cells (then they stay unset, logged).
   """
   machine = planner.ProbeMachine(planner.SessionConfig(num_devices),
                                  overhead_bytes=overhead_bytes)
@@ -38,12 +40,41 @@ def Machine(num_devices: int, model: Optional[str] = None,
     refs = planner.ReferencePlans(profile, devices=num_devices)
     steps = [planner.BuildExperimentStep(model, ref, overrides, model_params)
              for ref in refs]
+    xla_refs = _XlaSteps(model, profile, overrides, model_params) if xla else []
+    timed = steps + [s for _, s in xla_refs]
     times = measuring.RoundRobin(
-        [lambda s=s: s[0].run(s[1]) for s in steps], measuring.MEASURE_STEPS, 1)
-    for sess, _ in steps:
+        [lambda s=s: s[0].run(s[1]) for s in timed], measuring.MEASURE_STEPS, 1)
+    for sess, _ in timed:
       sess.close()
-    machine = planner.Calibrate(profile, machine, [min(t) for t in times])
+    best = [min(t) for t in times]
+    machine = planner.Calibrate(profile, machine, best[:len(steps)])
+    if xla_refs:
+      machine = planner.CalibrateXla(profile, machine, best[len(steps):],
+                                     [ref for ref, _ in xla_refs])
   return machine
+
+
+def _XlaSteps(model, profile, overrides, model_params):
+  """[(plan, (session, train op))] of the XLA references, each run once (XLA
+  compiles); [] where XLA cannot compile the cells."""
+  import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.core import jit_choice  # pylint: disable=g-import-not-at-top
+  out = []
+  try:
+    for ref in planner.XlaReferencePlans(profile):
+      out.append((ref, planner.BuildExperimentStep(model, ref, overrides,
+                                                   model_params)))
+      out[-1][1][0].run(out[-1][1][1])
+  except tf.errors.OpError as e:
+    cause = jit_choice.CannotRunCause(e)
+    if cause is None:
+      raise
+    tf.logging.warning('planner: XLA cannot compile the cells of %s (%s); '
+                       'plans with XLA are not offered.', model, cause)
+    for _, (sess, _) in out:
+      sess.close()
+    return []
+  return out
 
 
 def ChooseForExperiment(model_params, name: str, devices: int,
@@ -51,18 +82,27 @@ def ChooseForExperiment(model_params, name: str, devices: int,
                         global_batch: Optional[int] = None,
                         machine: Optional[planner.Machine] = None,
                         calibrate: bool = True,
-                        overrides: str = '') -> List[planner.Candidate]:
+                        overrides: str = '',
+                        xla: bool = False) -> List[planner.Candidate]:
   """Ranked predicted plans of an experiment's params (PlanError if none).
 
   Without `machine`, this host's, probed, and with `calibrate` calibrated on
   the experiment `name`'s reference plans (see Machine), `overrides` (the
-  --model_params_override that made `model_params`) applied to them.
+  --model_params_override that made `model_params`) applied to them. With
+  `xla`, each plan with jit_compile False and True (XLA calibrated too),
+  else 'auto', left to the timing when the model is built.
   """
   profile = planner.ProfileExperiment(model_params, name)
   machine = machine or Machine(devices, name if calibrate else None, profile,
-                               overrides=overrides, model_params=model_params)
+                               overrides=overrides, model_params=model_params,
+                               xla=xla)
+  jit_choices = ('auto',)
+  if xla:
+    # Calibrated without XLA's costs: XLA cannot compile the cells.
+    cannot = calibrate and machine.xla_s_per_call is None
+    jit_choices = (False,) if cannot else (False, True)
   return planner.Choose(profile, devices, memory_per_device, global_batch,
-                        machine)
+                        machine, jit_choices=jit_choices)
 
 
 def ChooseAndApply(model_params, name: str, devices: int,

@@ -1,7 +1,8 @@
 """The machine's costs fitted to timed reference plans (pure Python).
 
 `ReferencePlans` are the few plans timed; `Calibrate` fits the probed
-`Machine` so that the prediction of each matches its measurement.
+`Machine` so that the prediction of each matches its measurement;
+`XlaReferencePlans` and `CalibrateXla` do the same for XLA-compiled cells.
 """
 
 import dataclasses
@@ -179,3 +180,64 @@ def _CalibrateOneReplica(profile: ModelProfile, machine: Machine,
         out, bytes_per_op=per_op,
         overhead_bytes=max(rss_bytes[0] - ma.process_bytes - per_op * ga, 0.))
   return out
+
+
+# Bounds of the fitted XLA FLOP rate over TensorFlow's: beyond them a fit
+# says more about the timing's noise than about XLA's kernels.
+XLA_FLOP_FACTOR_RANGE = (0.05, 20.)
+
+
+def XlaReferencePlans(profile: ModelProfile,
+                      global_batch: Optional[int] = None) -> List[Plan]:
+  """The plans CalibrateXla measures: ReferencePlans' two 'unrolled' ones
+  (one cell, M=1 and the larger M) with jit_compile True."""
+  refs = ReferencePlans(profile, global_batch)[:2]
+  return [dataclasses.replace(p, jit_compile=True) for p in refs]
+
+
+def CalibrateXla(profile: ModelProfile, machine: Machine,
+                 step_s: Sequence[float],
+                 refs: Optional[Sequence[Plan]] = None) -> Machine:
+  """`machine` (Calibrate's) with XLA's costs fitted to XlaReferencePlans.
+
+  Both references run the same FLOPs in 2 and 2M compiled calls (a forward
+  and a backward per micro-batch), so the step's growth with M fixes the
+  time of a call (`Machine.xla_s_per_call`) and its level the FLOP rate
+  (`Machine.xla_flop_factor`). Where the two disagree with that (noise, a
+  step at M=8 shorter than its calls allow) the call time is taken as 0 or
+  the factor bounded (XLA_FLOP_FACTOR_RANGE), and the other fitted alone.
+
+  Args:
+    profile: The model.
+    machine: Calibrate's machine.
+    step_s: Measured step seconds of the two references, in order.
+    refs: The plans measured, if not XlaReferencePlans(profile).
+  """
+  a, b = list(refs or XlaReferencePlans(profile))[:2]
+  lo, hi = XLA_FLOP_FACTOR_RANGE
+  unit = machine.XlaSecondsPerCall() or 1e-5
+
+  def Time(plan, call, factor):
+    return _Fit(profile, plan, machine, xla_s_per_call=call,
+                xla_flop_factor=factor).step_s
+
+  # Each step as base + call * calls + flops / factor (linear in both).
+  base = [Time(p, 0., 1e30) for p in (a, b)]
+  calls = [(Time(p, unit, 1e30) - t0) / unit for p, t0 in zip((a, b), base)]
+  flops = [Time(p, 0., 1.) - t0 for p, t0 in zip((a, b), base)]
+  left = [t - t0 for t, t0 in zip(step_s, base)]
+  det = calls[0] * flops[1] - calls[1] * flops[0]
+  call = inverse = None
+  if abs(det) > 1e-9 * abs(calls[0] * flops[1]):
+    call = (left[0] * flops[1] - left[1] * flops[0]) / det
+    inverse = (calls[0] * left[1] - calls[1] * left[0]) / det
+  if call is None or call < 0 or not 1. / hi <= inverse <= 1. / lo:
+    # Out of bounds: the call time at 0 (or as solved, if not negative),
+    # the factor fitted to the M=1 step and bounded, then the call time to
+    # what that leaves of it.
+    call = max(call or 0., 0.)
+    inverse = (left[0] - call * calls[0]) / max(flops[0], 1e-30)
+    inverse = min(max(inverse, 1. / hi), 1. / lo)
+    call = max((left[0] - inverse * flops[0]) / max(calls[0], 1e-30), 0.)
+  return dataclasses.replace(machine, xla_s_per_call=call,
+                             xla_flop_factor=1. / inverse)

@@ -112,6 +112,12 @@ class ModelProfile:
     return sum(l.num_vars for l in self.layers)
 
 
+# An uncalibrated XLA cell call costs this many ops' time (s_per_op):
+# about what CalibrateXla fits on lm.TransformerLmTiny (docs/benchmarks.md,
+# "Planner").
+DEFAULT_XLA_OPS_PER_CALL = 10.
+
+
 @dataclasses.dataclass(frozen=True)
 class Machine:
   """The costs of compute on the devices planned for.
@@ -155,6 +161,13 @@ class Machine:
       spends synchronising gradients beyond their bytes (a collective per
       variable and its rendezvous across the replicas' devices); None:
       SYNC_OPS_PER_VAR ops of s_per_op. Calibrate fits it.
+    xla_s_per_call: Fixed time of one call of an XLA-compiled cell (a plan
+      with jit_compile True): the launch of its executable, in place of the
+      per-op time of the cell's ops, whose elementwise ones XLA fuses; None:
+      DEFAULT_XLA_OPS_PER_CALL of s_per_op. CalibrateXla fits it.
+    xla_flop_factor: XLA's FLOP rate in a compiled cell over flops_per_s
+      (its own GEMM and convolution kernels, and its fused loops' memory
+      traffic). CalibrateXla fits it.
   """
   flops_per_s: float = 2e10
   s_per_op: float = 2e-5
@@ -170,6 +183,13 @@ class Machine:
   s_per_gate: float = 0.
   add_bytes_per_s: float = 5e10
   s_per_reduced_var: Optional[float] = None
+  xla_s_per_call: Optional[float] = None
+  xla_flop_factor: float = 1.
+
+  def XlaSecondsPerCall(self) -> float:
+    if self.xla_s_per_call is not None:
+      return self.xla_s_per_call
+    return DEFAULT_XLA_OPS_PER_CALL * self.s_per_op
 
   def Parallel(self, devices: int) -> float:
     return devices if self.cores is None else max(1., min(devices, self.cores))

@@ -203,8 +203,10 @@ def Enumerate(profile: ModelProfile, devices: int,
     max_micro_batches: Largest M considered.
     sync_choices: gradient_sync strategies considered when R > 1.
     micro_batches: If given, only these M.
-    jit_choices: jit_compile values considered. The prediction does not
-      model XLA; 'auto' leaves it to the timing when the model is built.
+    jit_choices: jit_compile values considered: 'auto' leaves it to the
+      timing when the model is built; (False, True) predicts both
+      (prediction.Predict). Lingvo's loop has no XLA build: its plans take
+      the choices but True.
     static_shapes: Whether the pipeline's inputs have every dim known when
       the graph is built (False: a time axis trimmed at run time).
 
@@ -232,6 +234,9 @@ def Enumerate(profile: ModelProfile, devices: int,
       for name in schedules:
         record = records.Get(name)
         facts = record.planner
+        jits = list(jit_choices)
+        if facts.lingvo_loop:
+          jits = [j for j in jits if j is not True] or [False]
         if d < facts.min_devices:
           continue  # E.g. one stage: nothing to overlap.
         if facts.cells_per_device is None:
@@ -253,7 +258,7 @@ def Enumerate(profile: ModelProfile, devices: int,
                     num_cells=k, sizes=cuts[k], devices_per_replica=d,
                     num_micro_batches=m, schedule=name, recompute=rc,
                     replicas=r, gradient_sync=sync, global_batch=batch,
-                    jit_compile=jit) for jit in jit_choices]
+                    jit_compile=jit) for jit in jits]
   # The builder's own conditions, so that no plan offered is refused.
   return [p for p in plans if records.Refusal(
       p.schedule, p.num_cells, p.devices_per_replica, p.num_micro_batches,

@@ -16,8 +16,10 @@ per-stage costs (`simulate.Simulate`):
 
 - Action cost: ops x seconds per op + FLOPs / FLOP rate (`Machine`), for the
   stage's layers at the micro-batch size; a backward pass is 2x the forward
-  FLOPs and its own op count; 'R' is a forward pass again. What the engines
-  add: a hand-off (`Machine.s_per_handoff` and the bytes) for each tensor an
+  FLOPs and its own op count; 'R' is a forward pass again. An XLA-compiled
+  cell (jit_compile True) pays one call (`Machine.xla_s_per_call`) for its
+  ops, and its FLOPs at XLA's rate (`Machine.xla_flop_factor`). What the
+  engines add: a hand-off (`Machine.s_per_handoff` and the bytes) for each tensor an
   action receives from another device, a gate (`Machine.s_per_gate`) per
   enforced action (`GatedKinds`, `records.ORDERED_KINDS`), and the sums of
   the weight gradients over micro-batches (`Accumulations`). Lingvo's
@@ -189,18 +191,24 @@ def HandoffBytes(stages: Sequence[_Stage], spec: kinds.StageSpec,
 
 def _Costs(stages: Sequence[_Stage], micro_batch: int, machine: Machine,
            s_per_op: float, spec: Optional[kinds.StageSpec] = None,
-           gated: Sequence[str] = (), summing=frozenset()):
+           gated: Sequence[str] = (), summing=frozenset(), xla: bool = False):
   """Action -> seconds for the stages at `micro_batch` examples: compute,
   plus with `spec` the hand-off of what it receives from another device,
   plus a gate if its kind is `gated`, plus a sum of the stage's weight
-  gradients if it is in `summing`."""
+  gradients if it is in `summing`. With `xla` a cell's pass is one compiled
+  call (`Machine.xla_s_per_call`) and its FLOPs at XLA's rate."""
+  rate = machine.flops_per_s
+  if xla:
+    rate *= machine.xla_flop_factor
 
   def Cost(a: kinds.Action) -> float:
     st = stages[a.stage]
-    fwd = st.fwd_ops * s_per_op + (
-        st.flops * micro_batch / machine.flops_per_s)
-    bwd = st.bwd_ops * s_per_op + (
-        2 * st.flops * micro_batch / machine.flops_per_s)
+    if xla:
+      fwd_fixed = bwd_fixed = machine.XlaSecondsPerCall()
+    else:
+      fwd_fixed, bwd_fixed = st.fwd_ops * s_per_op, st.bwd_ops * s_per_op
+    fwd = fwd_fixed + st.flops * micro_batch / rate
+    bwd = bwd_fixed + 2 * st.flops * micro_batch / rate
     if a.kind in ('F', 'R'):
       out = fwd
     elif a.kind == 'B':
@@ -283,9 +291,30 @@ def _SyncBytes(plan: Plan, param_bytes: float) -> float:
   return 2. * (r - 1) * param_bytes
 
 
+def Xla(plan: Plan) -> bool:
+  """Whether the plan's cells are XLA-compiled (Lingvo's loop never is)."""
+  return plan.jit_compile is True and not _InLoop(plan)
+
+
 def Predict(profile: ModelProfile, plan: Plan,
             machine: Machine = Machine()) -> Prediction:
-  """The plan's predicted step time, bubble, memory and bytes."""
+  """The plan's predicted step time, bubble, memory and bytes.
+
+  jit_compile 'auto' (the faster build, timed when the model is built) is
+  predicted as the faster of False and True where XLA is calibrated
+  (`Machine.xla_s_per_call` set), else as False.
+  """
+  if (plan.jit_compile == 'auto' and machine.xla_s_per_call is not None and
+      not _InLoop(plan)):
+    return min((_Predict(profile, dataclasses.replace(plan, jit_compile=jit),
+                         machine) for jit in (False, True)),
+               key=lambda p: p.step_s)
+  return _Predict(profile, plan, machine)
+
+
+def _Predict(profile: ModelProfile, plan: Plan,
+             machine: Machine) -> Prediction:
+  """Predict, for a plan built with jit_compile as it says."""
   stages = Stages(profile, plan.sizes)
   mb = plan.replica_batch // plan.num_micro_batches
   spec, schedule = ActionSchedule(plan, profile.linear_loss,
@@ -295,7 +324,7 @@ def Predict(profile: ModelProfile, plan: Plan,
     s_per_op *= machine.recurrent_op_factor
   gated = GatedKinds(plan)
   cost = _Costs(stages, mb, machine, s_per_op, spec, gated,
-                SummingActions(plan, schedule))
+                SummingActions(plan, schedule), xla=Xla(plan))
   tl = simulate.Simulate(spec, schedule, cost)
   r = plan.replicas
   if _InLoop(plan):

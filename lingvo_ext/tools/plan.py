@@ -7,8 +7,9 @@ r"""Chooses how to pipeline a registered experiment on N devices.
 Enumerates the plans (K cells and their exact min-max cut, M micro-batches,
 schedule, recompute, R data-parallel replicas with K * R <= N, gradient_sync),
 predicts each one's step time and peak memory per device
-(lingvo_ext/planner/), drops those over --memory_per_device and prints
-them fastest first, with the trainer command that runs the best. --measure
+(lingvo_ext/planner/; with --xla, each with and without XLA-compiled cells),
+drops those over --memory_per_device and prints them fastest first, with
+the trainer command that runs the best. --measure
 times the plans predicted within --measure_within of the best, at most
 --measure_top of them (and the twin without recompute of each that
 recomputes), round robin in this process, --measure_steps rounds (each
@@ -31,6 +32,7 @@ import sys
 from typing import Dict, Optional
 
 from lingvo_ext import entry_point  # pylint: disable=unused-import,g-bad-import-order
+from lingvo_ext import _startup
 from lingvo_ext import planner
 from lingvo_ext.planner import auto
 from lingvo_ext.planner import measuring
@@ -63,6 +65,10 @@ def _MainTree(args, cfg) -> int:
   if args.measure:
     return _Fail('--measure times PipelinedTask plans; --model=%s holds its '
                  'pipelines already cut: leave --measure out.' % args.model)
+  if args.xla:
+    return _Fail('--xla plans PipelinedTask experiments; --model=%s holds its '
+                 'pipelines already cut: leave --xla out (their jit_compile '
+                 "is the trainer's --jit_compile)." % args.model)
   if args.global_batch is not None:
     return _Fail('--global_batch: --model=%s takes its batch from its input '
                  'params; leave --global_batch out.' % args.model)
@@ -153,6 +159,11 @@ def _ParseArgs(argv):
       '--calibrate', action=argparse.BooleanOptionalAction, default=True,
       help='Time the model\'s reference plans first to fit the cost model '
       '(default); --no-calibrate uses the machine probe alone.')
+  parser.add_argument(
+      '--xla', action='store_true',
+      help='Plan each choice with and without XLA-compiled cells '
+      '(task.jit_compile True, False), XLA timed too; else left to the '
+      "trainer's timing (docs/performance.md).")
   parser.add_argument('--json', action='store_true',
                       help='Print one JSON object: the ranked plans and the '
                       'best one\'s override and flags.')
@@ -199,6 +210,7 @@ def main(argv=None) -> int:
   error = _CheckArgs(args)
   if error:
     return _Fail(error)
+  _startup.FilterHarmlessLines()  # Checks passed: the run's console.
   from lingvo_ext import registry  # pylint: disable=g-import-not-at-top
   if registry.CheckModel(args.model):
     return _Fail(_UnknownModel(args.model))
@@ -214,7 +226,8 @@ def main(argv=None) -> int:
     plans = auto.ChooseForExperiment(cfg, args.model, args.devices,
                                      args.memory_bytes, args.global_batch,
                                      calibrate=args.calibrate,
-                                     overrides=args.model_params_override)
+                                     overrides=args.model_params_override,
+                                     xla=args.xla)
   except ValueError as e:  # PlanError, or a bad param: one line.
     return _Fail(str(e).strip().split('\n')[0])
   noise = None
