@@ -36,6 +36,7 @@ sweep in their own sessions, and the peak RSS of two of them
   .venv/bin/python bench/plan.py --markdown         # tables for docs
   .venv/bin/python bench/plan.py --models fc --devices 2 --markdown
   .venv/bin/python bench/plan.py --micro_batches 1 4   # a shorter sweep
+  .venv/bin/python bench/plan.py --xla --markdown      # XLA's effect
 """
 
 import dataclasses
@@ -153,6 +154,8 @@ def BuildFcStep(plan: planner.Plan):
     x = tf.constant(np.random.RandomState(0).randn(FC_BATCH, FC_WIDTH),
                     dtype=tf.float32)
     params = dict(schedule=plan.schedule)
+    if plan.jit_compile != 'auto':
+      params['jit_compile'] = plan.jit_compile
     if plan.schedule not in records.ALWAYS_RECOMPUTE + (
         records.LINEAR_LOSS_ONLY):
       params['recompute'] = plan.recompute
@@ -311,6 +314,72 @@ def RunModel(model: str, devices: int, rounds: int, warmup: int,
       reference_ms=[round(1e3 * t, 3) for t in times[:len(refs)]],
       reference_rss_mb=[round(r / 2**20, 1) for r in ref_rss if r],
       seconds=round(time.time() - t0))
+
+
+# --xla: the plans compared with and without XLA-compiled cells, one
+# replica, 'unrolled' (the choice is the cells' build, the same for every
+# schedule that calls cell functions).
+XLA_PLANS = ((1, 1), (2, 2), (2, 4), (2, 8))
+
+
+def RunXla(model: str, devices: int, rounds: int, warmup: int) -> Dict:
+  """XLA's effect predicted (planner.CalibrateXla) against measured.
+
+  The reference plans and XLA's two, and XLA_PLANS (K, M) with jit_compile
+  False and True, all timed round robin in one process; the machine
+  calibrated on the references; per plan, the predicted and measured
+  XLA / no-XLA step ratio and whether the predicted faster build is the
+  measured faster one.
+  """
+  profile = Profile(model)
+  config = (FcSessionConfig(devices) if model == FC
+            else planner.SessionConfig(devices))
+  machine = planner.ProbeMachine(config)
+  refs = planner.ReferencePlans(profile, devices=1)
+  xla_refs = planner.XlaReferencePlans(profile)
+  base = [p for p in planner.Enumerate(profile, devices,
+                                       schedules=('unrolled',),
+                                       sync_choices=('shared',))
+          if p.replicas == 1 and not p.recompute and
+          (p.num_cells, p.num_micro_batches) in XLA_PLANS]
+  pairs = [dataclasses.replace(p, jit_compile=j) for p in base
+           for j in (False, True)]
+  _Log('%s: %d references, %d plans with and without XLA; building (XLA '
+       'compiles) and timing them (%d rounds)' % (
+           model, len(refs) + len(xla_refs), len(pairs), rounds))
+  times = TimePlans(model, refs + xla_refs + pairs, rounds, warmup)
+  n = len(refs)
+  machine = planner.Calibrate(profile, machine, times[:n])
+  machine = planner.CalibrateXla(profile, machine, times[n:n + 2], xla_refs)
+  rows = []
+  measured = times[n + 2:]
+  for i, p in enumerate(base):
+    pred = [planner.Predict(profile, pairs[2 * i + j], machine).step_s
+            for j in (0, 1)]
+    meas = measured[2 * i:2 * i + 2]
+    rows.append(dict(plan=p.Key(), predicted_ms=[round(1e3 * t, 3)
+                                                  for t in pred],
+                     measured_ms=[round(1e3 * t, 3) for t in meas],
+                     predicted_ratio=round(pred[1] / pred[0], 3),
+                     measured_ratio=round(meas[1] / meas[0], 3),
+                     agree=(pred[1] < pred[0]) == (meas[1] < meas[0])))
+    _Log('  %-22s XLA / no XLA: predicted %.2f, measured %.2f' % (
+        p.Key(), rows[-1]['predicted_ratio'], rows[-1]['measured_ratio']))
+  return dict(model=model, devices=devices, xla=True, rows=rows,
+              xla_s_per_call=machine.xla_s_per_call,
+              xla_flop_factor=machine.xla_flop_factor,
+              s_per_op=machine.s_per_op, machine=harness.Machine())
+
+
+def XlaMarkdown(records: Sequence[Dict]) -> str:
+  out = ['| model | plan | XLA / no XLA predicted | measured | faster '
+         'build predicted |', '|---|---|---|---|---|']
+  for r in records:
+    for row in r['rows']:
+      out.append('| %s | %s | %.2f | %.2f | %s |' % (
+          r['model'], row['plan'], row['predicted_ratio'],
+          row['measured_ratio'], 'yes' if row['agree'] else 'no'))
+  return '\n'.join(out)
 
 
 def Summary(model: str, devices: int, plans: Sequence[planner.Plan],
@@ -496,6 +565,9 @@ def main(argv=None) -> int:
   parser.add_argument('--micro_batches', type=int, nargs='+',
                       help='Only plans with these M (default: every M the '
                       'planner offers).')
+  parser.add_argument('--xla', action='store_true',
+                      help='Instead of the sweep: XLA\'s effect predicted '
+                      'against measured (RunXla).')
   parser.add_argument('--jsonl', help='Also append each model\'s record '
                       'to this file as it is done.')
   parser.add_argument('--from_jsonl',
@@ -530,6 +602,10 @@ def main(argv=None) -> int:
   records = []
   t = time.time()
   for model in args.models:
+    if args.xla:
+      records.append(RunXla(model, args.devices, args.rounds, args.warmup))
+      print(json.dumps(records[-1]), flush=True)
+      continue
     records.append(RunModel(model, args.devices, args.rounds, args.warmup,
                             args.measure_top, measurer, args.micro_batches,
                             args.measure_within))
@@ -539,7 +615,7 @@ def main(argv=None) -> int:
     if not args.markdown:
       print(json.dumps(records[-1]), flush=True)
   if args.markdown:
-    print(Markdown(records))
+    print(XlaMarkdown(records) if args.xla else Markdown(records))
   _Log('done in %.0f s' % (time.time() - t))
   return 0
 

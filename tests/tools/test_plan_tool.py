@@ -65,3 +65,29 @@ def test_cli_json_parses_and_runs_the_best():
       timeout=300, check=False)
   assert proc.returncode == 2
   assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+@pytest.mark.e2e
+def test_cli_xla_plans_both_builds_with_xla_calibrated():
+  env = dict(os.environ, PYTHONPATH=ROOT)
+  proc = zygote.run(
+      [sys.executable, '-m', 'lingvo_ext.tools.plan', '--model=%s' % lib.TINY,
+       '--devices=2', '--xla', '--json'], cwd=ROOT, env=env,
+      capture_output=True, text=True, timeout=600, check=False)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  out = json.loads(proc.stdout)
+  builds = {}
+  for p in out['plans']:
+    builds.setdefault(p['schedule'], set()).add(p['jit_compile'])
+  assert builds.pop('recurrent') == {False}  # Lingvo's loop: no XLA build.
+  assert builds and all(b == {False, True} for b in builds.values()), builds
+  best = out['best']
+  assert 'task.jit_compile:%s' % best['jit_compile'] in (
+      out['model_params_override'])
+  # The same plan predicted in both builds differs: XLA was calibrated.
+  twins = {}
+  for p in out['plans']:
+    if p['schedule'] == 'unrolled':
+      key = p['key'].rsplit(' ', 1)[0]
+      twins.setdefault(key, {})[p['jit_compile']] = p['step_s']
+  assert any(len(t) == 2 and t[True] != t[False] for t in twins.values())
