@@ -210,7 +210,6 @@ def main(argv=None) -> int:
   error = _CheckArgs(args)
   if error:
     return _Fail(error)
-  _startup.FilterHarmlessLines()  # Checks passed: the run's console.
   from lingvo_ext import registry  # pylint: disable=g-import-not-at-top
   if registry.CheckModel(args.model):
     return _Fail(_UnknownModel(args.model))
@@ -274,4 +273,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == '__main__':
+  _startup.FilterHarmlessLines()  # The program's console, not a caller's.
   sys.exit(main())
