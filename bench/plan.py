@@ -336,7 +336,7 @@ def RunXla(model: str, devices: int, rounds: int, warmup: int) -> Dict:
             else planner.SessionConfig(devices))
   machine = planner.ProbeMachine(config)
   refs = planner.ReferencePlans(profile, devices=1)
-  xla_refs = planner.XlaReferencePlans(profile)
+  xla_refs = planner.XlaReferencePlans(profile, devices=devices)
   base = [p for p in planner.Enumerate(profile, devices,
                                        schedules=('unrolled',),
                                        sync_choices=('shared',))
@@ -348,11 +348,11 @@ def RunXla(model: str, devices: int, rounds: int, warmup: int) -> Dict:
        'compiles) and timing them (%d rounds)' % (
            model, len(refs) + len(xla_refs), len(pairs), rounds))
   times = TimePlans(model, refs + xla_refs + pairs, rounds, warmup)
-  n = len(refs)
+  n, x = len(refs), len(xla_refs)
   machine = planner.Calibrate(profile, machine, times[:n])
-  machine = planner.CalibrateXla(profile, machine, times[n:n + 2], xla_refs)
+  machine = planner.CalibrateXla(profile, machine, times[n:n + x], xla_refs)
   rows = []
-  measured = times[n + 2:]
+  measured = times[n + x:]
   for i, p in enumerate(base):
     pred = [planner.Predict(profile, pairs[2 * i + j], machine).step_s
             for j in (0, 1)]
@@ -367,6 +367,7 @@ def RunXla(model: str, devices: int, rounds: int, warmup: int) -> Dict:
         p.Key(), rows[-1]['predicted_ratio'], rows[-1]['measured_ratio']))
   return dict(model=model, devices=devices, xla=True, rows=rows,
               xla_s_per_call=machine.xla_s_per_call,
+              xla_s_per_param_byte=machine.xla_s_per_param_byte,
               xla_flop_factor=machine.xla_flop_factor,
               s_per_op=machine.s_per_op, machine=harness.Machine())
 

@@ -40,7 +40,8 @@ def Machine(num_devices: int, model: Optional[str] = None,
     refs = planner.ReferencePlans(profile, devices=num_devices)
     steps = [planner.BuildExperimentStep(model, ref, overrides, model_params)
              for ref in refs]
-    xla_refs = _XlaSteps(model, profile, overrides, model_params) if xla else []
+    xla_refs = (_XlaSteps(model, profile, num_devices, overrides,
+                          model_params) if xla else [])
     timed = steps + [s for _, s in xla_refs]
     times = measuring.RoundRobin(
         [lambda s=s: s[0].run(s[1]) for s in timed], measuring.MEASURE_STEPS, 1)
@@ -54,14 +55,14 @@ def Machine(num_devices: int, model: Optional[str] = None,
   return machine
 
 
-def _XlaSteps(model, profile, overrides, model_params):
+def _XlaSteps(model, profile, num_devices, overrides, model_params):
   """[(plan, (session, train op))] of the XLA references, each run once (XLA
   compiles); [] where XLA cannot compile the cells."""
   import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
   from lingvo_ext.core import jit_choice  # pylint: disable=g-import-not-at-top
   out = []
   try:
-    for ref in planner.XlaReferencePlans(profile):
+    for ref in planner.XlaReferencePlans(profile, devices=num_devices):
       out.append((ref, planner.BuildExperimentStep(model, ref, overrides,
                                                    model_params)))
       out[-1][1][0].run(out[-1][1][1])

@@ -8,6 +8,7 @@
 import dataclasses
 from typing import List, Optional, Sequence
 
+from lingvo_ext.core import partitioning
 from lingvo_ext.core.engine import records
 from lingvo_ext.planner.model_profile import Machine
 from lingvo_ext.planner.model_profile import ModelProfile
@@ -188,11 +189,38 @@ XLA_FLOP_FACTOR_RANGE = (0.05, 20.)
 
 
 def XlaReferencePlans(profile: ModelProfile,
-                      global_batch: Optional[int] = None) -> List[Plan]:
+                      global_batch: Optional[int] = None,
+                      devices: int = 1) -> List[Plan]:
   """The plans CalibrateXla measures: ReferencePlans' two 'unrolled' ones
-  (one cell, M=1 and the larger M) with jit_compile True."""
-  refs = ReferencePlans(profile, global_batch)[:2]
-  return [dataclasses.replace(p, jit_compile=True) for p in refs]
+  (one cell, M=1 and the larger M) with jit_compile True; with 2 or more
+  devices and layers, a third: the larger M over two cells on two devices.
+  """
+  refs = [dataclasses.replace(p, jit_compile=True)
+          for p in ReferencePlans(profile, global_batch)[:2]]
+  if devices >= 2 and len(profile.layers) >= 2:
+    sizes = tuple(partitioning.MinMaxPartition(
+        [l.flops for l in profile.layers], 2))
+    refs.append(dataclasses.replace(refs[1], num_cells=2, sizes=sizes,
+                                    devices_per_replica=2))
+  return refs
+
+
+def _Solve(rows: Sequence[Sequence[float]],
+           rhs: Sequence[float]) -> Optional[List[float]]:
+  """x with rows . x = rhs (Gaussian elimination); None if singular."""
+  n = len(rhs)
+  a = [list(r) + [b] for r, b in zip(rows, rhs)]
+  for c in range(n):
+    pivot = max(range(c, n), key=lambda r: abs(a[r][c]))
+    scale = max(abs(v) for row in a for v in row[:n]) or 1.
+    if abs(a[pivot][c]) < 1e-12 * scale:
+      return None
+    a[c], a[pivot] = a[pivot], a[c]
+    for r in range(n):
+      if r != c:
+        f = a[r][c] / a[c][c]
+        a[r] = [x - f * y for x, y in zip(a[r], a[c])]
+  return [a[r][n] / a[r][r] for r in range(n)]
 
 
 def CalibrateXla(profile: ModelProfile, machine: Machine,
@@ -200,44 +228,65 @@ def CalibrateXla(profile: ModelProfile, machine: Machine,
                  refs: Optional[Sequence[Plan]] = None) -> Machine:
   """`machine` (Calibrate's) with XLA's costs fitted to XlaReferencePlans.
 
-  Both references run the same FLOPs in 2 and 2M compiled calls (a forward
-  and a backward per micro-batch), so the step's growth with M fixes the
-  time of a call (`Machine.xla_s_per_call`) and its level the FLOP rate
-  (`Machine.xla_flop_factor`). Where the two disagree with that (noise, a
-  step at M=8 shorter than its calls allow) the call time is taken as 0 or
-  the factor bounded (XLA_FLOP_FACTOR_RANGE), and the other fitted alone.
+  The one-cell references run the same FLOPs in 2 and 2M compiled calls (a
+  forward and a backward per micro-batch), so the step's growth with M fixes
+  the time of a call and its level the FLOP rate
+  (`Machine.xla_flop_factor`). The two-cell reference, where given, makes
+  twice the calls over the same weights, which tells the time per call
+  (`xla_s_per_call`) from the time per byte of the cell's weights per call
+  (`xla_s_per_param_byte`); without it that is 0. A fit out of bounds
+  (noise: a negative time, a factor outside XLA_FLOP_FACTOR_RANGE) falls
+  back to fewer constants: no time per byte, then no time per call and the
+  factor bounded.
 
   Args:
     profile: The model.
     machine: Calibrate's machine.
-    step_s: Measured step seconds of the two references, in order.
-    refs: The plans measured, if not XlaReferencePlans(profile).
+    step_s: Measured step seconds of the references, in order.
+    refs: The plans measured, if not XlaReferencePlans(profile) (whose
+      length is that of `step_s`: 2, or 3 with the two-cell one).
   """
-  a, b = list(refs or XlaReferencePlans(profile))[:2]
+  refs = list(refs or XlaReferencePlans(
+      profile, devices=2 if len(step_s) > 2 else 1))[:len(step_s)]
   lo, hi = XLA_FLOP_FACTOR_RANGE
   unit = machine.XlaSecondsPerCall() or 1e-5
+  per_byte_unit = unit / max(profile.param_bytes, 1)
 
-  def Time(plan, call, factor):
+  def Time(plan, call=0., per_byte=0., factor=1e30):
     return _Fit(profile, plan, machine, xla_s_per_call=call,
+                xla_s_per_param_byte=per_byte,
                 xla_flop_factor=factor).step_s
 
-  # Each step as base + call * calls + flops / factor (linear in both).
-  base = [Time(p, 0., 1e30) for p in (a, b)]
-  calls = [(Time(p, unit, 1e30) - t0) / unit for p, t0 in zip((a, b), base)]
-  flops = [Time(p, 0., 1.) - t0 for p, t0 in zip((a, b), base)]
+  # Each step as base + call * calls + per_byte * bytes + flops / factor
+  # (linear in the three).
+  base = [Time(p) for p in refs]
+  calls = [(Time(p, call=unit) - t0) / unit for p, t0 in zip(refs, base)]
+  nbytes = [(Time(p, per_byte=per_byte_unit) - t0) / per_byte_unit
+            for p, t0 in zip(refs, base)]
+  flops = [Time(p, factor=1.) - t0 for p, t0 in zip(refs, base)]
   left = [t - t0 for t, t0 in zip(step_s, base)]
-  det = calls[0] * flops[1] - calls[1] * flops[0]
-  call = inverse = None
-  if abs(det) > 1e-9 * abs(calls[0] * flops[1]):
-    call = (left[0] * flops[1] - left[1] * flops[0]) / det
-    inverse = (calls[0] * left[1] - calls[1] * left[0]) / det
-  if call is None or call < 0 or not 1. / hi <= inverse <= 1. / lo:
-    # Out of bounds: the call time at 0 (or as solved, if not negative),
-    # the factor fitted to the M=1 step and bounded, then the call time to
-    # what that leaves of it.
-    call = max(call or 0., 0.)
+
+  def Valid(call, per_byte, inverse):
+    # Within rounding of 0 is 0.
+    return (call >= -1e-6 * unit and per_byte >= -1e-6 * per_byte_unit and
+            1. / hi <= inverse <= 1. / lo)
+
+  if len(refs) > 2:
+    x = _Solve([list(r) for r in zip(calls, nbytes, flops)], left[:3])
+    if x and Valid(*x):
+      return dataclasses.replace(machine, xla_s_per_call=max(x[0], 0.),
+                                 xla_s_per_param_byte=max(x[1], 0.),
+                                 xla_flop_factor=1. / x[2])
+  x = _Solve([[calls[0], flops[0]], [calls[1], flops[1]]], left[:2])
+  if x and Valid(x[0], 0., x[1]):
+    call, inverse = max(x[0], 0.), x[1]
+  else:
+    # The call time at 0 (or as solved, if not negative), the factor fitted
+    # to the M=1 step and bounded, then the call time to what that leaves.
+    call = max(x[0], 0.) if x else 0.
     inverse = (left[0] - call * calls[0]) / max(flops[0], 1e-30)
     inverse = min(max(inverse, 1. / hi), 1. / lo)
     call = max((left[0] - inverse * flops[0]) / max(calls[0], 1e-30), 0.)
   return dataclasses.replace(machine, xla_s_per_call=call,
+                             xla_s_per_param_byte=0.,
                              xla_flop_factor=1. / inverse)

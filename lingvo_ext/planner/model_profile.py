@@ -168,6 +168,10 @@ class Machine:
     xla_flop_factor: XLA's FLOP rate in a compiled cell over flops_per_s
       (its own GEMM and convolution kernels, and its fused loops' memory
       traffic). CalibrateXla fits it.
+    xla_s_per_param_byte: Time of one call of an XLA-compiled cell per byte
+      of the cell's weights, whatever its micro-batch (what the compiled
+      call does with its weights beyond the FLOPs). CalibrateXla fits it
+      where it times a plan of two cells.
   """
   flops_per_s: float = 2e10
   s_per_op: float = 2e-5
@@ -185,6 +189,7 @@ class Machine:
   s_per_reduced_var: Optional[float] = None
   xla_s_per_call: Optional[float] = None
   xla_flop_factor: float = 1.
+  xla_s_per_param_byte: float = 0.
 
   def XlaSecondsPerCall(self) -> float:
     if self.xla_s_per_call is not None:

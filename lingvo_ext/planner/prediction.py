@@ -17,8 +17,9 @@ per-stage costs (`simulate.Simulate`):
 - Action cost: ops x seconds per op + FLOPs / FLOP rate (`Machine`), for the
   stage's layers at the micro-batch size; a backward pass is 2x the forward
   FLOPs and its own op count; 'R' is a forward pass again. An XLA-compiled
-  cell (jit_compile True) pays one call (`Machine.xla_s_per_call`) for its
-  ops, and its FLOPs at XLA's rate (`Machine.xla_flop_factor`). What the
+  cell (jit_compile True) pays one call (`Machine.xla_s_per_call`, and
+  `xla_s_per_param_byte` of its weights) for its ops, and its FLOPs at XLA's
+  rate (`Machine.xla_flop_factor`). What the
   engines add: a hand-off (`Machine.s_per_handoff` and the bytes) for each tensor an
   action receives from another device, a gate (`Machine.s_per_gate`) per
   enforced action (`GatedKinds`, `records.ORDERED_KINDS`), and the sums of
@@ -204,7 +205,8 @@ def _Costs(stages: Sequence[_Stage], micro_batch: int, machine: Machine,
   def Cost(a: kinds.Action) -> float:
     st = stages[a.stage]
     if xla:
-      fwd_fixed = bwd_fixed = machine.XlaSecondsPerCall()
+      fwd_fixed = bwd_fixed = machine.XlaSecondsPerCall() + (
+          machine.xla_s_per_param_byte * st.param_bytes)
     else:
       fwd_fixed, bwd_fixed = st.fwd_ops * s_per_op, st.bwd_ops * s_per_op
     fwd = fwd_fixed + st.flops * micro_batch / rate

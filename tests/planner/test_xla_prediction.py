@@ -76,9 +76,35 @@ def test_calibrate_xla_recovers_the_call_and_the_factor(call, factor, flops,
   fitted = planner.CalibrateXla(profile, probed, times)
   assert fitted.xla_s_per_call == pytest.approx(call, rel=1e-6)
   assert fitted.xla_flop_factor == pytest.approx(factor, rel=1e-6)
+  assert fitted.xla_s_per_param_byte == 0.
   for p in refs:
     assert planner.Predict(profile, p, fitted).step_s == pytest.approx(
         planner.Predict(profile, p, truth).step_s)
+
+
+@pytest.mark.parametrize('call,per_byte,factor', [
+    (2e-4, 0., 0.8), (2e-5, 1e-8, 1.3), (0., 5e-8, 0.5), (1e-4, 2e-9, 2.)])
+def test_calibrate_xla_tells_the_weights_cost_from_the_calls_on_two_cells(
+    call, per_byte, factor):
+  profile = _Profile(flops=2e6, ops=60)
+  truth = dataclasses.replace(_MACHINE, xla_s_per_call=call,
+                              xla_s_per_param_byte=per_byte,
+                              xla_flop_factor=factor)
+  refs = planner.XlaReferencePlans(profile, devices=2)
+  assert [(p.num_cells, p.devices_per_replica, p.num_micro_batches)
+          for p in refs] == [(1, 1, 1), (1, 1, 8), (2, 2, 8)]
+  times = [planner.Predict(profile, p, truth).step_s for p in refs]
+  probed = dataclasses.replace(_MACHINE, xla_s_per_call=None,
+                               xla_flop_factor=1.)
+  fitted = planner.CalibrateXla(profile, probed, times)
+  assert fitted.xla_s_per_call == pytest.approx(call, abs=1e-9)
+  assert fitted.xla_s_per_param_byte == pytest.approx(per_byte, abs=1e-14)
+  assert fitted.xla_flop_factor == pytest.approx(factor, rel=1e-6)
+  # Four cells on two devices at M=4: not a reference, predicted as true.
+  other = dataclasses.replace(lib.Plan(4, 4, profile=profile, devices=2),
+                              jit_compile=True)
+  assert planner.Predict(profile, other, fitted).step_s == pytest.approx(
+      planner.Predict(profile, other, truth).step_s)
 
 
 def test_calibrate_xla_bounds_what_noise_cannot_explain():
