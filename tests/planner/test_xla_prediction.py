@@ -59,6 +59,14 @@ def test_an_uncalibrated_call_costs_the_default_ops():
       planner.model_profile.DEFAULT_XLA_OPS_PER_CALL * machine.s_per_op)
 
 
+def _Refitted(profile, truth, refs):
+  """CalibrateXla's machine from the references' steps under `truth`."""
+  times = [planner.Predict(profile, p, truth).step_s for p in refs]
+  probed = dataclasses.replace(_MACHINE, xla_s_per_call=None,
+                               xla_flop_factor=1.)
+  return planner.CalibrateXla(profile, probed, times)
+
+
 @pytest.mark.parametrize('call,factor', [(2e-4, 0.8), (5e-5, 1.3),
                                          (1e-3, 0.5)])
 @pytest.mark.parametrize('flops,ops', [(2e5, 150), (2e7, 20)])
@@ -70,10 +78,7 @@ def test_calibrate_xla_recovers_the_call_and_the_factor(call, factor, flops,
   refs = planner.XlaReferencePlans(profile)
   assert [(p.num_cells, p.num_micro_batches, p.jit_compile)
           for p in refs] == [(1, 1, True), (1, 8, True)]
-  times = [planner.Predict(profile, p, truth).step_s for p in refs]
-  probed = dataclasses.replace(_MACHINE, xla_s_per_call=None,
-                               xla_flop_factor=1.)
-  fitted = planner.CalibrateXla(profile, probed, times)
+  fitted = _Refitted(profile, truth, refs)
   assert fitted.xla_s_per_call == pytest.approx(call, rel=1e-6)
   assert fitted.xla_flop_factor == pytest.approx(factor, rel=1e-6)
   assert fitted.xla_s_per_param_byte == 0.
@@ -93,10 +98,7 @@ def test_calibrate_xla_tells_the_weights_cost_from_the_calls_on_two_cells(
   refs = planner.XlaReferencePlans(profile, devices=2)
   assert [(p.num_cells, p.devices_per_replica, p.num_micro_batches)
           for p in refs] == [(1, 1, 1), (1, 1, 8), (2, 2, 8)]
-  times = [planner.Predict(profile, p, truth).step_s for p in refs]
-  probed = dataclasses.replace(_MACHINE, xla_s_per_call=None,
-                               xla_flop_factor=1.)
-  fitted = planner.CalibrateXla(profile, probed, times)
+  fitted = _Refitted(profile, truth, refs)
   assert fitted.xla_s_per_call == pytest.approx(call, abs=1e-9)
   assert fitted.xla_s_per_param_byte == pytest.approx(per_byte, abs=1e-14)
   assert fitted.xla_flop_factor == pytest.approx(factor, rel=1e-6)
