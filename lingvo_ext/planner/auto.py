@@ -63,17 +63,18 @@ def _XlaSteps(model, profile, num_devices, overrides, model_params):
   out = []
   try:
     for ref in planner.XlaReferencePlans(profile, devices=num_devices):
-      out.append((ref, planner.BuildExperimentStep(model, ref, overrides,
-                                                   model_params)))
-      out[-1][1][0].run(out[-1][1][1])
+      sess, step = planner.BuildExperimentStep(model, ref, overrides,
+                                               model_params)
+      out.append((ref, (sess, step)))
+      sess.run(step)
   except tf.errors.OpError as e:
+    for _, (sess, _) in out:
+      sess.close()
     cause = jit_choice.CannotRunCause(e)
     if cause is None:
       raise
     tf.logging.warning('planner: XLA cannot compile the cells of %s (%s); '
                        'plans with XLA are not offered.', model, cause)
-    for _, (sess, _) in out:
-      sess.close()
     return []
   return out
 
