@@ -257,7 +257,8 @@ GRAPPLER_CYCLES = (
 )
 # TensorFlow's XLA compile cache (xla_cache.py) reads each entry as text,
 # then as the binary it is: protobuf logs the text attempt's failure at E
-# level on every cache hit. Dropped without a note.
+# level on every cache hit. Dropped without a note: a pattern that starts
+# with QUIET (a regex comment; _FILTER_PROGRAM spells it out) is not noted.
 QUIET = '(?#quiet)'
 XLA_CACHE_READS = (
     QUIET + r'^E\d{4} [\d:. ]+\d+ text_format\.cc:\d+\] Error parsing '
@@ -305,9 +306,10 @@ while True:
   lines = (held + data).split(b'\n')
   held = lines.pop()
   for line in lines:
-    hit = [p for p in pats if p.match(line.decode('utf-8', 'replace'))]
+    hit = next((p for p in pats if p.match(line.decode('utf-8', 'replace'))),
+               None)
     if hit:
-      if not noted and not hit[0].pattern.startswith('(?#quiet)'):
+      if not noted and not hit.pattern.startswith('(?#quiet)'):
         noted = True
         Out(note)
       continue
