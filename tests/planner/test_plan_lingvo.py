@@ -147,6 +147,17 @@ def testSplitsBeyondTheLayersAreRefusedNamingTheEmptyCells(flagship, capsys):
   assert 'cells cell_4, cell_5, cell_6 hold no layer (8 cells' in line, line
 
 
+def testXlaIsRefusedForPipelinesThatComeCutInOneLine(flagship, capsys):
+  del flagship
+  rc = plan_tool.main([f'--model={MODEL}', '--devices=2', '--xla'])
+  out = capsys.readouterr()
+  assert rc == 2 and not out.out
+  [line] = out.err.strip().splitlines()[-1:]
+  assert line == (f'error: --xla plans PipelinedTask experiments; --model='
+                  f'{MODEL} holds its pipelines already cut: leave --xla out '
+                  "(their jit_compile is the trainer's --jit_compile).")
+
+
 def testABadOverrideIsOneLine(flagship, capsys):
   del flagship
   rc = plan_tool.main([f'--model={MODEL}', '--devices=2',

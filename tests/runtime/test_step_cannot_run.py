@@ -16,39 +16,11 @@ import pytest
 import tensorflow as tf2
 
 from lingvo_ext.runtime import local_trainer
+from tests.support import host_copy
 from tests.support import zygote
 from tests.support import ROOT
 
 TIMEOUT = 300
-
-# A classifier whose first pipeline cell copies its input through numpy
-# (tests/support/host_copy.py): an op (PyFunc) that XLA cannot compile.
-_EXPERIMENT = '''
-from lingvo import model_registry
-
-from lingvo_ext.experiments import image
-from lingvo_ext.tasks.image import model
-from tests.support.host_copy import HostCopy
-
-
-class HostCopyClassifier(model.ConvClassifier):
-
-  @classmethod
-  def LayerStack(cls, task_params):
-    stack, shapes = super().LayerStack(task_params)
-    return [HostCopy.Params().Set(name='host_copy')] + stack, shapes
-
-
-@model_registry.RegisterSingleTaskModel
-class HostCopyTiny(image.ConvClassifierTiny):
-  MAX_STEPS = 3
-
-  def _TaskParams(self):
-    p = super()._TaskParams()
-    p.cls = HostCopyClassifier
-    return p
-'''
-
 
 def _CompileError():
   """The error TensorFlow raises for an XLA function holding a PyFunc."""
@@ -86,7 +58,7 @@ def test_other_errors_are_not_such_a_step():
 
 @pytest.mark.e2e
 def test_trainer_stops_at_once_with_one_line(tmp_path):
-  (tmp_path / 'host_copy_exp.py').write_text(_EXPERIMENT)
+  (tmp_path / 'host_copy_exp.py').write_text(host_copy.EXPERIMENT)
   logdir = tmp_path / 'logdir'
   env = dict(os.environ, PYTHONPATH=str(tmp_path))
   proc = zygote.run(

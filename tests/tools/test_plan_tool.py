@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from lingvo_ext import planner
+from tests.support import host_copy
 from tests.support import planner_testlib as lib
 from tests.support import zygote
 from tests.support import ROOT
@@ -91,3 +92,21 @@ def test_cli_xla_plans_both_builds_with_xla_calibrated():
       key = p['key'].rsplit(' ', 1)[0]
       twins.setdefault(key, {})[p['jit_compile']] = p['step_s']
   assert any(len(t) == 2 and t[True] != t[False] for t in twins.values())
+
+
+@pytest.mark.e2e
+def test_cli_xla_where_xla_cannot_compile_plans_without_it(tmp_path):
+  (tmp_path / 'host_copy_exp.py').write_text(host_copy.EXPERIMENT)
+  env = dict(os.environ, PYTHONPATH=str(tmp_path))
+  proc = zygote.run(
+      [sys.executable, '-m', 'lingvo_ext.tools.plan',
+       '--model=host_copy_exp.HostCopyTiny', '--devices=2', '--xla', '--json'],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+      check=False)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  out = json.loads(proc.stdout)
+  assert out['plans'] and {p['jit_compile'] for p in out['plans']} == {False}
+  assert 'task.jit_compile:False' in out['model_params_override']
+  [warning] = [l for l in proc.stderr.splitlines()
+               if 'XLA cannot compile the cells' in l]
+  assert 'PyFunc' in warning and 'plans with XLA are not offered' in warning
