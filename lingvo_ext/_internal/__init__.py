@@ -6,7 +6,8 @@ removes or changes it; `PINNED` names the versions they were checked against
 (requirements.txt, requirements-nodeps.txt).
 
 - `tf.py`: TensorFlow internals (a control-flow switch, MatMul's gradient,
-  SaveableObject, a local server's config, variable slices, op ids).
+  SaveableObject, a local server's config, variable slices, op ids,
+  tf.function names that XLA's compile cache finds again).
 - `lingvo.py`: Lingvo internals (the model registry's map, the layer stack,
   the checkpointer's saveable variables, layers' private variables, param
   descriptions).

@@ -8,11 +8,16 @@ tf.distribute.cluster_resolver.*).
 """
 
 import contextlib
+import itertools
+import threading
+import weakref
 
 import tensorflow as tf
 # pylint: disable=g-direct-tensorflow-import
 from tensorflow.core.protobuf import config_pb2
 from tensorflow.python.eager import context as tf_context
+from tensorflow.python.eager.polymorphic_function import concrete_function
+from tensorflow.python.framework import func_graph as tf_func_graph
 from tensorflow.python.framework import ops as tf_ops
 from tensorflow.python.ops import control_flow_util
 from tensorflow.python.ops import math_grad
@@ -45,6 +50,86 @@ def V1ControlFlow():
     yield
   finally:
     control_flow_util.ENABLE_CONTROL_FLOW_V2 = saved
+
+
+# A tf.function named with this prefix (see StableFunctionName) has names that
+# do not depend on what the process traced before.
+_STABLE = 'lx_stable_'
+_stable_counts = weakref.WeakKeyDictionary()  # Root graph -> {name: count}.
+_stable_lock = threading.Lock()
+
+
+def StableFunctionName(name: str) -> str:
+  """A Python function name whose tf.function, and the forward and backward
+  functions TensorFlow derives from it, are numbered by their order in their
+  graph rather than by the process's id counter.
+
+  XLA's persistent compile cache keys a compiled function by its name and its
+  HLO (which holds the name). With TensorFlow's numbering, whatever a process
+  traced before (jit_choice.py's timing graphs) renames every function after
+  it, and the next process compiles them again. Graph mode only; a name
+  another graph of the process already holds with another body takes
+  TensorFlow's numbering.
+  """
+  _InstallStableNames()
+  return _STABLE + name
+
+
+def _Root(graph):
+  while isinstance(graph, tf_func_graph.FuncGraph) and graph.outer_graph:
+    graph = graph.outer_graph
+  return graph
+
+
+def _StableNamer(prefix, uid_namer):
+
+  def Name(n):
+    root = _Root(tf_ops.get_default_graph())
+    if (_STABLE not in n or tf_context.executing_eagerly() or
+        isinstance(root, tf_func_graph.FuncGraph)):
+      return uid_namer(n)
+    with _stable_lock:
+      counts = _stable_counts.setdefault(root, {})
+      k = counts.get(prefix + n, 0)
+      counts[prefix + n] = k + 1
+    return '%s%s_s%d' % (prefix, n, k)
+
+  Name.lingvo_ext_stable = True
+  return Name
+
+
+def _OrUniqueName(from_func_graph):
+  """from_func_graph that renames a stable name another graph of the process
+  holds with another body (the process's function registry is shared)."""
+
+  def FromFuncGraph(name, graph, *args, **kwargs):
+    try:
+      return from_func_graph(name, graph, *args, **kwargs)
+    except tf.errors.InvalidArgumentError as e:
+      text = name.decode() if isinstance(name, bytes) else name
+      if _STABLE not in text or 'duplicate function' not in str(e):
+        raise
+      return from_func_graph('%s_u%d' % (text, tf_ops.uid()), graph, *args,
+                             **kwargs)
+
+  FromFuncGraph.lingvo_ext_stable = True
+  return FromFuncGraph
+
+
+def _InstallStableNames():
+  """Wraps TensorFlow's namers of a tf.function's inference, forward and
+  backward functions (once per process; other names are left as they are)."""
+  cf = concrete_function
+  with _stable_lock:
+    # pylint: disable=protected-access
+    if getattr(cf._inference_name, 'lingvo_ext_stable', False):
+      return
+    cf._inference_name = _StableNamer(cf._INFERENCE_PREFIX, cf._inference_name)
+    cf._forward_name = _StableNamer(cf._FORWARD_PREFIX, cf._forward_name)
+    cf._backward_name = _StableNamer(cf._BACKWARD_PREFIX, cf._backward_name)
+    # pylint: enable=protected-access
+    atomic = cf.atomic_function
+    atomic.from_func_graph = _OrUniqueName(atomic.from_func_graph)
 
 
 def MatMulGrad(op, grad):

@@ -166,6 +166,52 @@ def testOpGradients():
   _Check('ops.get_gradient_function', Check)
 
 
+def _StableGraph(scale, name='cell', warm_up=0):
+  """(function names, y, dy/dx) of a graph calling a jit tf.function named
+  StableFunctionName(name) that scales its input, and its gradient; after
+  `warm_up` other traced functions (they move TensorFlow's numbering)."""
+  import tensorflow as tf2  # pylint: disable=g-import-not-at-top
+  with tf.Graph().as_default() as g:
+    for _ in range(warm_up):
+      tf2.function(lambda a: a + 1.0, autograph=False)(tf.constant(1.0))
+
+    def Scale(x):
+      return x * scale
+
+    Scale.__name__ = internal_tf.StableFunctionName(name)
+    fn = tf2.function(Scale, autograph=False, jit_compile=True)
+    x = tf.constant([1.0, 2.0])
+    y = fn(x)
+    dx = tf.gradients(tf.reduce_sum(y), x)[0]
+    names = sorted(f.signature.name for f in g.as_graph_def().library.function
+                   if 'lx_stable_' in f.signature.name)
+    with tf.Session() as sess:
+      return names, *sess.run([y, dx])
+
+
+def testStableFunctionNames():
+
+  def Check():
+    before, y, dx = _StableGraph(2.0, 'stable_names_test')
+    # The forward, its rewrite for the gradient and the backward function.
+    assert len(before) == 3, before
+    assert all(n.startswith(('__inference_', '__forward_')) for n in before)
+    # Functions traced before do not rename them.
+    after, y2, dx2 = _StableGraph(2.0, 'stable_names_test', warm_up=3)
+    assert after == before, (after, before)
+    np.testing.assert_allclose(y, [2.0, 4.0])
+    np.testing.assert_allclose(y2, [2.0, 4.0])
+    np.testing.assert_allclose(dx, [2.0, 2.0])
+    # Another body under the same name: TensorFlow's numbering, no clash.
+    other, y3, dx3 = _StableGraph(3.0, 'stable_names_test')
+    assert other != before and len(other) == 3, other
+    np.testing.assert_allclose(y3, [3.0, 6.0])
+    np.testing.assert_allclose(dx3, [3.0, 3.0])
+
+  _Check('concrete_function._inference_name, atomic_function.from_func_graph',
+         Check)
+
+
 def testCallsOptimizedOnce():
 
   def Check():
