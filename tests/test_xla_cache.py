@@ -92,3 +92,29 @@ def test_the_trainer_keeps_compiled_cells_in_the_cpus_folder(tmp_path):
   # docs/benchmarks.md, "XLA as a speed choice".)
   assert compiled == first
   assert losses[0] and losses[0][0].split()[:4] == losses[1][0].split()[:4]
+
+
+@pytest.mark.e2e
+def test_the_cells_auto_timed_are_the_ones_a_later_xla_run_reads(tmp_path):
+  # jit_compile='auto' compiles the cells in graphs of its own before the
+  # trainer's: named by their order in their graph and built with the
+  # trainer's session config, they are the trainer's XLA cells, so a later
+  # XLA run compiles nothing (and an 'auto' run taking XLA compiles once).
+  env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / 'cache'))
+  env.pop('TF_XLA_FLAGS', None)
+  compiled = []
+  for run, flags in (('auto', ['--jit_auto_min_steps=0']),
+                     ('xla', ['--model_params_override=task.jit_compile:True'])):
+    proc = subprocess.run(
+        [sys.executable, '-m', 'lingvo_ext.trainer',
+         '--model=lm.TransformerLmTiny', f'--logdir={tmp_path / run}',
+         '--max_steps=2'] + flags,
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, timeout=TIMEOUT, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    if run == 'auto':
+      log = (tmp_path / run / 'log.controller+trainer_client.txt').read_text()
+      assert "jit_compile='auto' took" in log, log[-3000:]
+    folder, = (tmp_path / 'cache' / 'lingvo_ext' / 'xla').iterdir()
+    compiled.append(sorted(p.name for p in folder.iterdir()))
+  assert compiled[0] and compiled[1] == compiled[0], compiled

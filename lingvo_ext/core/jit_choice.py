@@ -35,6 +35,7 @@ import tensorflow as tf2
 
 from lingvo_ext.core import nest_util
 from lingvo_ext.core.engine import records
+from lingvo_ext.distributed import server
 from lingvo_ext import xla_cache
 
 # None: unset, built as False; the trainer's --jit_compile sets it in a local
@@ -156,8 +157,11 @@ def _Build(params, args, jit: bool, do_eval: bool, num_devices: int, fprop):
       fetch += [t for t in tf.gradients(loss, net.vars.Flatten())
                 if t is not None]
     init = tf.global_variables_initializer()
-  config = tf.config_pb2.ConfigProto(
-      device_count={'CPU': max(num_devices, 1)})
+  # The trainer's session config: its graph optimizations shape what XLA
+  # compiles, so the compiled cells are the ones its compile cache serves the
+  # trainer's own session (xla_cache.py).
+  config = server.WithoutIdlePasses(py_utils.SessionConfig())
+  config.device_count['CPU'] = max(num_devices, 1)
   sess = tf.Session(graph=g, config=config)
   sess.run(init)
   return sess, fetch

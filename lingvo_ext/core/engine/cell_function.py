@@ -27,6 +27,7 @@ global step (`lingvo.core.gpipe.SetOverWriteGlobalStep`).
 
 import collections
 import contextlib
+import re
 from typing import List
 
 import lingvo.compat as tf
@@ -196,7 +197,13 @@ class CellFunction:
     # calls: each call stays one node, so the graph TensorFlow places and
     # optimizes stays small: a faster first step and step than inlined
     # (docs/benchmarks.md).
-    self._fn = tf2.function(Unplaced if self._jit_compile else Body,
+    fn = Unplaced if self._jit_compile else Body
+    # Named by its order in the graph, not the process's traces before it:
+    # XLA's compile cache then finds it again in the next process.
+    fn.__name__ = internal_tf.StableFunctionName(
+        re.sub(r'[^A-Za-z0-9_]', '_', self._name) +
+        ('_xla' if self._jit_compile else ''))
+    self._fn = tf2.function(fn,
                             autograph=False,
                             jit_compile=self._jit_compile or None,
                             experimental_attributes={'_noinline': True})
