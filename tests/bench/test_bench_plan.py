@@ -83,3 +83,42 @@ def test_bench_repredict_reads_runs_before_the_reference_keys():
   assert again['rows'] == record['rows']
   with pytest.raises(ValueError, match='references'):
     bench_plan.Repredict(dict(record, reference_keys=[p.Key() for p in old]))
+
+
+def test_bench_xla_calibrates_on_its_references_and_compares_each_pair(
+    monkeypatch):
+  # bench/plan.py --xla, its timings stood in for by a machine with known
+  # XLA costs: the fit recovers them, and each plan's predicted XLA / no-XLA
+  # ratio is the measured one.
+  sys.path.insert(0, ROOT)
+  from bench import plan as bench_plan  # pylint: disable=g-import-not-at-top
+  probe = planner.Machine(flops_per_s=1e10, s_per_op=2e-5, cores=2)
+  truth = dataclasses.replace(probe, step_s=3e-3, xla_s_per_call=4e-4,
+                              xla_flop_factor=0.6, xla_s_per_param_byte=2e-12)
+  profile = bench_plan.Profile(bench_plan.FC)
+  timed = []
+
+  def TimePlans(model, plans, rounds, warmup):
+    del model, rounds, warmup
+    timed.extend(plans)
+    return [planner.Predict(profile, p, truth).step_s for p in plans]
+
+  monkeypatch.setattr(bench_plan, 'TimePlans', TimePlans)
+  monkeypatch.setattr(bench_plan.planner, 'ProbeMachine', lambda *a: probe)
+  record = bench_plan.RunXla(bench_plan.FC, 2, rounds=1, warmup=0)
+  # References first, then XLA's, then each plan without and with XLA.
+  refs = planner.ReferencePlans(profile, devices=1)
+  xla_refs = planner.XlaReferencePlans(profile, devices=2)
+  assert [p.Key() for p in timed[:len(refs) + len(xla_refs)]] == [
+      p.Key() for p in refs + xla_refs]
+  assert [p.jit_compile for p in timed[len(refs) + len(xla_refs):]] == [
+      False, True] * len(record['rows'])
+  assert record['xla_flop_factor'] == pytest.approx(0.6, rel=1e-3)
+  assert record['xla_s_per_call'] == pytest.approx(4e-4, rel=1e-3)
+  assert len(record['rows']) == len(bench_plan.XLA_PLANS)
+  for row in record['rows']:
+    assert row['predicted_ratio'] == pytest.approx(row['measured_ratio'],
+                                                   abs=2e-3), row
+    assert row['agree'], row
+  table = bench_plan.XlaMarkdown([record])
+  assert table.count('| %s |' % bench_plan.FC) == len(record['rows'])
