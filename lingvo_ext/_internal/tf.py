@@ -8,7 +8,6 @@ tf.distribute.cluster_resolver.*).
 """
 
 import contextlib
-import itertools
 import threading
 import weakref
 
