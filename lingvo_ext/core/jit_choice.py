@@ -160,9 +160,8 @@ def _Build(params, args, jit: bool, do_eval: bool, num_devices: int, fprop):
   # The trainer's session config: its graph optimizations shape what XLA
   # compiles, so the compiled cells are the ones its compile cache serves the
   # trainer's own session (xla_cache.py).
-  config = server.WithoutIdlePasses(py_utils.SessionConfig())
-  config.device_count['CPU'] = max(num_devices, 1)
-  sess = tf.Session(graph=g, config=config)
+  sess = tf.Session(graph=g,
+                    config=server.LocalSessionConfig(max(num_devices, 1)))
   sess.run(init)
   return sess, fetch
 

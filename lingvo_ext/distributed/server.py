@@ -43,6 +43,15 @@ def WithoutIdlePasses(config):
   return config
 
 
+def LocalSessionConfig(num_devices: int):
+  """A local trainer's session config on CPU (Lingvo's, without the idle
+  passes), `num_devices` CPU devices: what the planner and the XLA timing
+  build their probe sessions with."""
+  config = WithoutIdlePasses(py_utils.SessionConfig())
+  config.device_count['CPU'] = num_devices
+  return config
+
+
 def SessionConfig(options, client=True, **kwargs):
   """Lingvo's session config with this run's devices and step deadline,
   Grappler's idle passes off on CPU (`WithoutIdlePasses`; a run with GPUs

@@ -273,11 +273,8 @@ def ExperimentParams(model: str, dataset: str = 'Train',
 
 def SessionConfig(num_devices: int):
   """The trainer's session config (distributed.server's), N CPU devices."""
-  from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
   from lingvo_ext.distributed import server  # pylint: disable=g-import-not-at-top
-  config = server.WithoutIdlePasses(py_utils.SessionConfig())
-  config.device_count['CPU'] = num_devices
-  return config
+  return server.LocalSessionConfig(num_devices)
 
 
 def RssBytes(field: str = 'VmHWM') -> Optional[float]:
