@@ -83,9 +83,10 @@ def _Root(graph):
 def _StableNamer(prefix, uid_namer):
 
   def Name(n):
+    if _STABLE not in n or tf_context.executing_eagerly():
+      return uid_namer(n)
     root = _Root(tf_ops.get_default_graph())
-    if (_STABLE not in n or tf_context.executing_eagerly() or
-        isinstance(root, tf_func_graph.FuncGraph)):
+    if isinstance(root, tf_func_graph.FuncGraph):
       return uid_namer(n)
     with _stable_lock:
       counts = _stable_counts.setdefault(root, {})
