@@ -145,8 +145,11 @@ def _Build(variant: str, num_layers: int, k: int, m: int, dtype: str,
     loss = tf.reduce_sum(tf.cast(xent, tf.float32))
     variables = net.vars.Flatten()
     grads = tf.gradients(loss, variables, colocate_gradients_with_ops=True)
+    # The loss is summed over tokens: a step size that shrinks with the
+    # width keeps wide stacks from diverging to NaN within a run's steps.
+    lr = 1e-4 * D / d
     train = tf.group(
-        [tf.assign_sub(v, 1e-4 * tf.convert_to_tensor(dv))
+        [tf.assign_sub(v, lr * tf.convert_to_tensor(dv))
          for v, dv in zip(variables, grads)] + [tf.assign_add(global_step, 1)])
     init = tf.global_variables_initializer()
   # The build taken: 'auto' resolves when the pipeline is built.
