@@ -97,6 +97,19 @@ def test_loss_in_last_cell_same_loss_no_recompute():
   assert last['ops_run'] < after['ops_run']
 
 
+@pytest.mark.e2e
+def test_a_real_width_trains_its_timed_steps_without_diverging():
+  # The loss is summed over 1024 tokens: at d_model 512 a step size that
+  # does not shrink with the width reached NaN (Lingvo's CheckNumerics
+  # error) by the fourteenth step of a 2-layer stack.
+  dims = dict(d_model=512, hidden=2048, seq=64, batch=16, heads=8)
+  records = transformer.Run(['unrolled'], [2], [(2, 2)], steps=12,
+                            timeout_s=600, runner=_Forked,
+                            dims_list=(dims,))
+  assert all('error' not in r for r in records), records
+  assert records[0]['d_model'] == 512 and records[0]['step_ms'] > 0
+
+
 def _SmallStep(dtype='float32'):
   """A small stack's training step, cells inline: (graph, train op)."""
   from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
