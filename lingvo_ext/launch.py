@@ -146,6 +146,14 @@ def Main(argv=None):
     print('error: --shutdown_grace_secs must be a number of seconds > 0, '
           'e.g. 20.', file=sys.stderr)
     return 2
+  raw = _FlagValue(trainer_flags, 'preempted_exit_code', '0')
+  preempted = int(raw) if raw.lstrip('-').isdigit() else None
+  error = (shutdown.CheckPreemptedCode(preempted) if preempted is not None
+           else f'--preempted_exit_code={raw} must be a whole number, e.g. '
+           '75.')
+  if error:
+    print(f'error: {error}', file=sys.stderr)
+    return 2
   if args.task_timeout_secs <= 0:
     print(f'error: --task_timeout_secs={args.task_timeout_secs:g} must be > '
           '0, e.g. 60.', file=sys.stderr)
@@ -157,7 +165,8 @@ def Main(argv=None):
       stream_logs=args.stream_logs, cluster_from=args.cluster_from,
       num_ps=args.ps, nodes=args.nodes, layout=layout,
       fork_tasks=args.fork_tasks,
-      shutdown_grace_s=grace_s, task_timeout_s=args.task_timeout_secs)
+      shutdown_grace_s=grace_s, task_timeout_s=args.task_timeout_secs,
+      preempted_code=preempted)
 
 
 if __name__ == '__main__':

@@ -169,6 +169,9 @@ def _CheckFlags(o):
   if o.shutdown_grace_secs <= 0:
     return (f'--shutdown_grace_secs={o.shutdown_grace_secs:g} must be > 0, '
             'e.g. 20 (below the cluster\'s grace period).')
+  error = shutdown.CheckPreemptedCode(o.preempted_exit_code)
+  if error:
+    return error
   if o.eval_checkpoint and not tf.io.gfile.exists(o.eval_checkpoint +
                                                   '.index'):
     return (f'--eval_checkpoint={o.eval_checkpoint}: no such checkpoint (no '
@@ -271,16 +274,18 @@ def _StopOnSignals(o, run_state):
   on_stop = None
   if o.distributed and o.jobs[0] in server.SERVER_JOBS:
     on_stop = lambda: threading.Thread(
-        target=_ServeUntilClientsExit, args=(o.cluster_spec,),
-        daemon=True).start()
+        target=_ServeUntilClientsExit,
+        args=(o.cluster_spec, o.preempted_exit_code), daemon=True).start()
   return shutdown.StopOnSignals(run_state, o.shutdown_grace_secs,
-                                NothingToSave, Latest, owns, on_stop)
+                                NothingToSave, Latest, owns, on_stop,
+                                preempted_code=o.preempted_exit_code)
 
 
-def _ServeUntilClientsExit(cluster_spec):
+def _ServeUntilClientsExit(cluster_spec, code):
   """A worker or ps after a stop signal: serves until the clients exit.
 
-  The controller's last save reads the variables this task holds.
+  The controller's last save reads the variables this task holds; then the
+  task exits with `code` (--preempted_exit_code).
   """
   jobs = cluster.ParseClusterSpec(cluster_spec)
   clients = [a for j in ('controller', 'trainer_client')
@@ -288,7 +293,7 @@ def _ServeUntilClientsExit(cluster_spec):
   while any(cluster.Answers(a) for a in clients):
     time.sleep(0.2)
   print('the clients have exited: exiting.', file=sys.stderr, flush=True)
-  process.ExitNow(0)
+  process.ExitNow(code)
 
 
 def _WatchInput(o, cfg):
@@ -357,7 +362,8 @@ def main(unused_argv, options=None, run_state=None, params=None):
     return 2
   if run_state.interrupted.is_set():
     saved = run_state.final_save.is_set() or not o.trains_here
-    code = shutdown.ExitCode(run_state.stop_signal, saved)
+    code = shutdown.ExitCode(run_state.stop_signal, saved,
+                             o.preempted_exit_code)
     if o.trains_here:
       last = tf.train.latest_checkpoint(os.path.join(o.logdir, 'train'))
       print(f'interrupted: the last checkpoint is {last}; run the same '

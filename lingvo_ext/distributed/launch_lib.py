@@ -61,7 +61,6 @@ EnterPrivateNetwork = network.EnterPrivateNetwork
 FreePortRange = network.FreePortRange
 FreePorts = network.FreePorts
 
-EXIT_STOPPED = 0
 EXIT_NOT_SAVED = 143
 # A task's exit status for a full disk (runtime/disk_space.py: EX_IOERR).
 EXIT_DISK_FULL = 74
@@ -358,13 +357,14 @@ class Launcher:
 
     cluster.PollUntil(AllDone, timeout_s, 0.2)
 
-  def Shutdown(self, signum: int, grace_s: float) -> bool:
+  def Shutdown(self, signum: int, grace_s: float,
+               preempted_code: int = 0) -> bool:
     """Forwards stop signal `signum` to every task; waits for the save.
 
     Each task stops safely (runtime/shutdown.py): the controller saves
     the current step, the workers serve until the clients have exited.
     Returns whether the controller (or chief) saved its last step: it
-    exited 0, or had finished before.
+    exited 0 (or `preempted_code`), or had finished before.
     """
     live = [t for t in self.tasks if t.proc and t.proc.poll() is None]
     self.Print(f'launch: {signal.Signals(signum).name}: stopping safely: '
@@ -377,7 +377,8 @@ class Launcher:
         lambda: all(t.proc.poll() is not None for t in self.tasks),
         grace_s + 5, 0.1)  # Each task exits by its own deadline.
     self._TailOnce()
-    saved = all(t.done or t.proc.poll() == 0 for t in clients)
+    saved = all(t.done or t.proc.poll() in (0, preempted_code)
+                for t in clients)
     self.Print('launch: the last checkpoint was saved.' if saved else
                'launch: the controller did not save the last step; the last '
                'complete checkpoint is the latest.')
@@ -421,7 +422,7 @@ def Launch(num_workers: int, trainer_flags: Sequence[str], logdir: str,
            cluster_from: str = 'flags', num_ps: int = 0, nodes: int = 1,
            layout: Optional[cluster.WorkerLayout] = None,
            fork_tasks: bool = True, shutdown_grace_s: float = 20,
-           task_timeout_s: float = 60) -> int:
+           task_timeout_s: float = 60, preempted_code: int = 0) -> int:
   """Runs a local cluster until training ends; returns the exit code.
 
   Exit codes: 0 training finished, or stopped by SIGTERM/SIGHUP after the
@@ -429,7 +430,8 @@ def Launch(num_workers: int, trainer_flags: Sequence[str], logdir: str,
   refused its input; 4 an evaluation failed; 65 input files broke; 74 a task
   found the disk full; 130 Ctrl-C; 137 the OOM killer ended a task; 143
   SIGTERM/SIGHUP without the last save (docs/preemption.md,
-  docs/faults.md).
+  docs/faults.md). `preempted_code` (--preempted_exit_code, which the
+  tasks exit with too) takes 0's place after a stop signal's save.
   """
   out = out or sys.stdout
 
@@ -485,12 +487,12 @@ def Launch(num_workers: int, trainer_flags: Sequence[str], logdir: str,
     except KeyboardInterrupt:
       signum = interrupted[0] if interrupted else signal.SIGINT
       try:
-        saved = launcher.Shutdown(signum, shutdown_grace_s)
+        saved = launcher.Shutdown(signum, shutdown_grace_s, preempted_code)
       except KeyboardInterrupt:  # A second signal: stopped at once.
         saved = False
       if signum == signal.SIGINT:
         return 130
-      return EXIT_STOPPED if saved else EXIT_NOT_SAVED
+      return preempted_code if saved else EXIT_NOT_SAVED
   except (RuntimeError, TimeoutError) as e:
     launcher.Print(f'error: {e}')
     return 1

@@ -16,6 +16,8 @@ handler would run only after it returns.
 
 Exit codes (docs/preemption.md):
   0   stopped on SIGTERM/SIGHUP, the current step saved (or nothing to save);
+      --preempted_exit_code in place of 0 where given, so that a cluster
+      that restarts failed tasks only (a Kubernetes Job) restarts this one;
   130 stopped on Ctrl-C, the current step saved;
   143 SIGTERM/SIGHUP: the deadline or a second signal came first; the last
       complete checkpoint is the latest.
@@ -33,13 +35,29 @@ SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 EXIT_STOPPED = 0
 EXIT_INTERRUPTED = 130
 EXIT_NOT_SAVED = 143
+# Codes with a meaning of their own (docs/preemption.md): not a preempted
+# run's status.
+RESERVED_CODES = (1, 2, 3, 65, 74, 130, 137, EXIT_NOT_SAVED)
 
 
-def ExitCode(signum, saved):
-  """The exit code after stop signal `signum`; `saved`: the final save."""
+def ExitCode(signum, saved, preempted=EXIT_STOPPED):
+  """The exit code after stop signal `signum`; `saved`: the final save.
+
+  `preempted`: the code of a SIGTERM/SIGHUP stop whose save is done
+  (--preempted_exit_code).
+  """
   if signum == signal.SIGINT:
     return EXIT_INTERRUPTED
-  return EXIT_STOPPED if saved else EXIT_NOT_SAVED
+  return preempted if saved else EXIT_NOT_SAVED
+
+
+def CheckPreemptedCode(code):
+  """An error message for a bad --preempted_exit_code, or None."""
+  if 0 <= code <= 255 and code not in RESERVED_CODES:
+    return None
+  return (f'--preempted_exit_code={code} must be 0-255 and none of '
+          f'{", ".join(map(str, RESERVED_CODES))} (codes with their own '
+          'meaning), e.g. 75.')
 
 
 def Name(signum):
@@ -60,12 +78,16 @@ class StopOnSignals:
     owns_checkpoints: Whether this process saves the checkpoints; a process
       that does not (a worker, an evaler) exits 0 at the deadline too.
     on_stop: Called (from the reader thread) after the first signal.
+    preempted_code: The exit code of a SIGTERM/SIGHUP stop that lost
+      nothing (--preempted_exit_code).
   """
 
   def __init__(self, run_state, grace_s, nothing_to_save=lambda: None,
                last_checkpoint=lambda: None, owns_checkpoints=True,
-               on_stop=None, exit_now=process.ExitNow):
+               on_stop=None, exit_now=process.ExitNow,
+               preempted_code=EXIT_STOPPED):
     self._state = run_state
+    self._preempted_code = preempted_code
     self._owns = owns_checkpoints
     self._on_stop = on_stop
     self._grace_s = grace_s
@@ -106,14 +128,13 @@ class StopOnSignals:
       first = state.stop_signal or signum
       self._Say(f'\n{Name(signum)} again: exiting at once, without the final '
                 f'checkpoint; the last checkpoint is {self._last_checkpoint()}.')
-      self._exit_now(ExitCode(first, not self._owns))
+      self._exit_now(ExitCode(first, not self._owns, self._preempted_code))
       return
     state.stop_signal = signum
     reason = self._nothing_to_save()
     if reason:
       self._Say(f'{Name(signum)}: {reason}; exiting.')
-      self._exit_now(EXIT_STOPPED if signum != signal.SIGINT else
-                     EXIT_INTERRUPTED)
+      self._exit_now(ExitCode(signum, True, self._preempted_code))
       return
     state.interrupted.set()
     if signum == signal.SIGINT:
@@ -135,7 +156,7 @@ class StopOnSignals:
       self._Say(f'{Name(signum)}: not done within --shutdown_grace_secs='
                 f'{self._grace_s:g}: exiting without the final checkpoint; '
                 f'the last checkpoint is {self._last_checkpoint()}.')
-    self._exit_now(ExitCode(signum, saved))
+    self._exit_now(ExitCode(signum, saved, self._preempted_code))
 
 
 def SetTitle(title):

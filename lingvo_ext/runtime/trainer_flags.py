@@ -70,6 +70,10 @@ tf.flags.DEFINE_float(
     'After SIGTERM, SIGHUP or Ctrl-C: seconds to save the current step and '
     'exit before exiting at once. Keep it below the cluster\'s grace period '
     '(Kubernetes: terminationGracePeriodSeconds, 30 s by default).')
+tf.flags.DEFINE_integer(
+    'preempted_exit_code', 0,
+    'Exit status after SIGTERM/SIGHUP stopped a job safely, e.g. 75 for a '
+    "Kubernetes Job's podFailurePolicy to restart it (docs/preemption.md).")
 tf.flags.DEFINE_bool(
     'eval_once', False,
     'Evalers and decoders: evaluate the newest checkpoint once, print the '
@@ -139,6 +143,7 @@ class Options:
   devices: int = None
   memory_per_device: str = ''
   shutdown_grace_secs: float = 20
+  preempted_exit_code: int = 0
   eval_once: bool = False
   eval_checkpoint: str = ''
   gpipe_engine: str = 'lingvo_ext'

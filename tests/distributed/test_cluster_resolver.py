@@ -16,6 +16,7 @@ import pytest
 
 from lingvo_ext.distributed import cluster
 from lingvo_ext.distributed import resolvers
+from tests.support import k8s_testlib
 from tests.support import proc_testlib
 from tests.support import zygote
 from tests.support import ROOT
@@ -151,49 +152,8 @@ def testSlurmErrorsNameTheVariableAndWhatItMustHold(change, message):
   assert '\n' not in str(e.value)
 
 
-def _Flags(args):
-  out = {}
-  for a in args:
-    assert a.startswith('--') and '=' in a, a
-    name, value = a[2:].split('=', 1)
-    out[name] = value
-  return out
-
-
-def _K8sDocuments():
-  """The manifest's documents; it is YAML in JSON's flow style."""
-  with open(os.path.join(ROOT, 'docs', 'kubernetes',
-                         'lingvo_ext_job.yaml')) as f:
-    text = f.read()
-  docs = []
-  for doc in text.split('\n---\n'):
-    lines = [l for l in doc.splitlines() if not l.strip().startswith('#')]
-    docs.append(json.loads('\n'.join(lines)))
-  return docs
-
-
-def _PodEnv(container, index, job_name):
-  """A container's env as Kubernetes sets it in pod `index`.
-
-  $(NAME) refers to an entry defined before it; the Job controller sets the
-  completion-index annotation of an Indexed Job's pods.
-  """
-  annotations = {'batch.kubernetes.io/job-completion-index': str(index)}
-  env = {}
-  for e in container.get('env', []):
-    if 'value' in e:
-      env[e['name']] = re.sub(r'\$\((\w+)\)', lambda m: env[m.group(1)],
-                              e['value'])
-    else:
-      path = e['valueFrom']['fieldRef']['fieldPath']
-      m = re.fullmatch(r"metadata\.annotations\['([^']+)'\]", path)
-      assert m, (job_name, path)
-      env[e['name']] = annotations[m.group(1)]
-  return env
-
-
 def testKubernetesManifestGivesEachPodItsTask():
-  docs = _K8sDocuments()
+  docs = k8s_testlib.Documents()
   by_kind = {}
   for d in docs:
     by_kind.setdefault(d['kind'], []).append(d)
@@ -215,7 +175,7 @@ def testKubernetesManifestGivesEachPodItsTask():
       # An Indexed Job's pod is named JOB-INDEX; with the Service as its
       # subdomain it resolves as JOB-INDEX.SERVICE.
       dns = f'{name}-{index}.{service["metadata"]["name"]}'
-      env = _PodEnv(container, index, name)
+      env = k8s_testlib.PodEnv(container, index, name)
       resolved = resolvers.FromTFConfig(env)
       pods[dns] = (resolved, container['command'] + container['args'], ports)
   # Same command and flags everywhere; only TF_CONFIG differs.
@@ -223,7 +183,7 @@ def testKubernetesManifestGivesEachPodItsTask():
   assert len(commands) == 1, commands
   command = list(commands.pop())
   assert command[:3] == ['python', '-m', 'lingvo_ext.trainer']
-  flags = _Flags(command[3:])
+  flags = k8s_testlib.Flags(command[3:])
   assert flags['cluster_resolver'] == 'tf_config'
   assert not {'cluster_spec', 'job', 'task'} & set(flags)
   # Every pod resolves the same cluster, whose addresses are the pods.
@@ -279,7 +239,7 @@ def testSbatchScriptGivesEachTaskItsTask(tmp_path):
   i = argv.index('python')
   assert argv[i:i + 3] == ['python', '-m', 'lingvo_ext.trainer']
   assert all(a.startswith('--') for a in argv[:i]), argv[:i]
-  flags = _Flags(argv[i + 3:])
+  flags = k8s_testlib.Flags(argv[i + 3:])
   assert flags['cluster_resolver'] == 'slurm'
   assert flags['logdir'] == f'{tmp_path}/lingvo_ext/lm_slurm'
   assert not {'cluster_spec', 'job', 'task'} & set(flags)

@@ -196,8 +196,9 @@ def _CheckCommands(items, env=None):
 def _Commands(block, tmp_path):
   """[(PYTHONPATH, argv)] of the python commands a `checked` block runs.
 
-  The block runs with fakes for the venv's python and for bash that record
-  their arguments; a script that bash would run must exist.
+  The block runs with fakes for the venv's python, bash and docker that
+  record their arguments; a script that bash would run must exist, and
+  docker builds from the repository's Dockerfile.
   """
   lx = str(tmp_path / 'lx')
   os.makedirs(lx, exist_ok=True)
@@ -206,7 +207,8 @@ def _Commands(block, tmp_path):
   fakes = tmp_path / 'fakes'
   os.makedirs(str(work / '.venv' / 'bin'))
   os.makedirs(str(fakes))
-  for fake in (str(work / '.venv' / 'bin' / 'python'), str(fakes / 'bash')):
+  for fake in (str(work / '.venv' / 'bin' / 'python'), str(fakes / 'bash'),
+               str(fakes / 'docker')):
     with open(fake, 'w', encoding='utf-8') as f:
       f.write(commands_lib.FAKE_PYTHON % os.path.join(ROOT, '.venv', 'bin',
                                                   'python'))
@@ -230,6 +232,14 @@ def _Commands(block, tmp_path):
       if name == 'bash':
         assert os.path.exists(os.path.join(ROOT, argv[0])), (block.id, argv)
         scripts.append(argv[0])
+      elif name == 'docker':
+        # Built at the repository's root, from its Dockerfile, under the
+        # image name the Kubernetes manifest runs (tests/test_dockerfile.py).
+        assert argv[0] in ('build', 'run', 'tag', 'push'), (block.id, argv)
+        if argv[0] == 'build':
+          assert argv[-1] == '.' and os.path.exists(
+              os.path.join(ROOT, 'Dockerfile')), (block.id, argv)
+        scripts.append(argv[0])
       else:
         commands.append((pythonpath, argv))
   assert commands or scripts, '%s runs no command' % block.id
@@ -252,17 +262,17 @@ def testCheckedCommandsPassTheirParsersAndChecks(block, tmp_path):
 @pytest.mark.e2e
 def testSlurmAndKubernetesExamplesPassTheTrainersChecks(tmp_path):
   """Each task's trainer command, in the environment it gets there."""
-  # pylint: disable=g-import-not-at-top,protected-access
+  # pylint: disable=g-import-not-at-top
   import stat
   from lingvo_ext.distributed import resolvers
-  from tests.distributed import test_cluster_resolver as cluster_test
+  from tests.support import k8s_testlib
   items = []
-  for job in [d for d in cluster_test._K8sDocuments() if d['kind'] == 'Job']:
+  for job in [d for d in k8s_testlib.Documents() if d['kind'] == 'Job']:
     (container,) = job['spec']['template']['spec']['containers']
     command = container['command'] + container['args']
     assert command[:3] == ['python', '-m', 'lingvo_ext.trainer'], command
     for index in range(job['spec']['completions']):
-      env = cluster_test._PodEnv(container, index, job['metadata']['name'])
+      env = k8s_testlib.PodEnv(container, index, job['metadata']['name'])
       items.append(dict(env=env, argv=command[1:]))
   # The sbatch script, with an srun that records its command.
   srun = tmp_path / 'bin' / 'srun'

@@ -258,11 +258,12 @@ def testStopOnSignalsExitCodes():
   from lingvo_ext.runtime import runners  # pylint: disable=g-import-not-at-top
   from lingvo_ext.runtime import shutdown  # pylint: disable=g-import-not-at-top
 
-  def Run(signals, owns=True, saved=False, nothing=None):
+  def Run(signals, owns=True, saved=False, nothing=None, preempted=0):
     state, codes = runners.RunState(), []
     stop = shutdown.StopOnSignals(state, 1e-3, lambda: nothing,
                                   lambda: 'ckpt-5', owns,
-                                  exit_now=codes.append)
+                                  exit_now=codes.append,
+                                  preempted_code=preempted)
     if saved:
       state.final_save.set()
     for s in signals:
@@ -283,6 +284,17 @@ def testStopOnSignalsExitCodes():
   assert Run([term, sigint])[1][0] == 143
   state, codes = Run([term], nothing='no checkpoint yet')
   assert codes == [0] and not state.interrupted.is_set()
+  # --preempted_exit_code takes 0's place after a stop that lost nothing.
+  assert Run([term], saved=True, preempted=75)[1] == [75]
+  assert Run([term], owns=False, preempted=75)[1] == [75]
+  assert Run([term], nothing='no checkpoint yet', preempted=75)[1] == [75]
+  assert Run([term], preempted=75)[1] == [143]
+  assert Run([sigint], saved=True, preempted=75)[1] == [130]
+  assert shutdown.ExitCode(term, True, 75) == 75
+  assert shutdown.CheckPreemptedCode(75) is None
+  for bad in (-1, 256, 2, 143):
+    assert shutdown.CheckPreemptedCode(bad).startswith(
+        f'--preempted_exit_code={bad} must be 0-255'), bad
 
 
 @pytest.mark.e2e
