@@ -336,11 +336,15 @@ def main(unused_argv, options=None, run_state=None, params=None):
             flush=True)
   if o.logdir and not FLAGS.logtostderr:
     job = ','.join(o.jobs) if not o.job else o.job
-    log_file = progress.LogFilePath(o.logdir, job)
+    log_file = progress.LogFilePath(o.logdir, job,
+                                    o.task if o.distributed else None)
     print(f'lingvo_ext.trainer: --model={o.model} --job={job}; '
           f'the full log is in {log_file} (--alsologtostderr to print it '
           'here too).', flush=True)
     progress.RouteLogToFile(log_file)
+    if o.distributed:
+      threading.excepthook = progress.SessionCloseErrorsToLogFile(
+          threading.excepthook)
     # absl's log handler reads it: errors still reach stderr, unless the
     # user gave a threshold.
     FLAGS.stderrthreshold = o.stderrthreshold or 'error'

@@ -10,6 +10,7 @@ import sys
 import threading
 
 import lingvo.compat as tf
+from lingvo.core import py_utils
 from tensorflow.core.protobuf import config_pb2
 
 from lingvo_ext.distributed import cluster
@@ -49,22 +50,64 @@ def SilentTasks(jobs, timeout_s=5.0):
   return [(j, t) for j, t, _ in tasks if (j, t) not in answered]
 
 
+class _NamesLostTasksOnExit:
+  """A session whose `with` block names a lost task as the block fails.
+
+  tf.Session's own exit then closes the session, which waits on the lost
+  task for as long again (--worker_timeout_secs): the line comes first.
+  """
+
+  def __init__(self, sess, report):
+    self._sess = sess
+    self._report = report
+
+  def __enter__(self):
+    return self._sess.__enter__()
+
+  def __exit__(self, exc_type, exc_value, exc_tb):
+    if exc_value is not None:
+      # Lingvo retries the errors it deems transient (base_runner._RunLoop).
+      self._report(exc_value,
+                   isinstance(exc_value, py_utils.transient_tf_errors))
+    return self._sess.__exit__(exc_type, exc_value, exc_tb)
+
+  def __getattr__(self, name):
+    return getattr(self._sess, name)
+
+
 class LostTaskReportMixin:
   """Runners say in one line which task they lost when a step fails.
 
-  The runner has `self._options` (trainer_flags.Options).
+  The runner has `self._options` (trainer_flags.Options). The line is said
+  once per error: as the session's block fails (`NamingLostTasks`), or
+  from Lingvo's status message.
   """
+
+  _reported_error = None
+
+  def NamingLostTasks(self, sess):
+    """`sess`, which names a lost task as soon as its `with` block fails."""
+    if not self._options.distributed:
+      return sess
+    return _NamesLostTasksOnExit(sess, self._ReportLostTask)
 
   def _SetStatusMessage(self, message, retrying=False):
     super()._SetStatusMessage(message, retrying=retrying)
     # Lingvo calls this from its except block, so the error is at hand.
-    error = sys.exc_info()[1]
+    self._ReportLostTask(sys.exc_info()[1], retrying)
+
+  def _ReportLostTask(self, error, retrying):
+    """Says the line for `error` once; whether it said one that ends the job."""
     deadline = isinstance(error, tf.errors.DeadlineExceededError)
     o = self._options
     if not (o.distributed and (retrying or deadline) and isinstance(
         error, (tf.errors.UnavailableError, tf.errors.DeadlineExceededError))):
-      return
+      return False
+    if error is self._reported_error:
+      return False
+    self._reported_error = error
     print(LostTaskLine(o, error, retrying), file=sys.stderr, flush=True)
+    return not retrying
 
 
 def LostTaskLine(options, error, retrying):

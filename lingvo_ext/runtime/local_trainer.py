@@ -215,13 +215,13 @@ class LocalTrainer(runner_state.RunnerMixin, lingvo_runners.Trainer):
       return ahead
     config = server.SessionConfig(self._options, **kwargs)
     o = self._options
-    return _TrainerSession(
+    return self.NamingLostTasks(_TrainerSession(
         self._tf_master, graph=self._graph, config=config, model=model,
         on_step=self._OnStep if self._progress else None,
         trace_step=o.trace_train_step,
         summaries=self._run_state.train_summaries,
         trace_path=os.path.join(o.logdir, 'train',
-                                f'run_metadata_step_{o.trace_train_step}.pb'))
+                                f'run_metadata_step_{o.trace_train_step}.pb')))
 
   def _OnStep(self, global_step, metrics):
     self._keep_step.Ran(global_step)

@@ -16,8 +16,12 @@ import os
 import re
 import sys
 import time
+import traceback
 
+from absl import flags
 from absl import logging as absl_logging
+
+FLAGS = flags.FLAGS
 
 # Seconds over which steps/s is averaged, and between two progress lines.
 RATE_WINDOW_S = 30.0
@@ -79,9 +83,15 @@ class Progress:
       print(line, file=stream, flush=True)
 
 
-def LogFilePath(logdir, job):
-  """<logdir>/log.<job>.txt, the job's commas made '+'."""
-  return os.path.join(logdir, 'log.%s.txt' % re.sub(r'[^\w.+-]', '+', job))
+def LogFilePath(logdir, job, task=None):
+  """<logdir>/log.<job>.txt, the job's commas made '+'.
+
+  A cluster's task (`task` given) has its own: <logdir>/log.<job>.<task>.txt.
+  """
+  name = re.sub(r'[^\w.+-]', '+', job)
+  if task is not None:
+    name = f'{name}.{task}'
+  return os.path.join(logdir, f'log.{name}.txt')
 
 
 class _LogFile:
@@ -136,6 +146,38 @@ def RouteLogToFile(path):
   os.makedirs(os.path.dirname(path), exist_ok=True)
   handler = absl_logging.get_absl_handler().python_handler
   handler.stream = _LogFile(open(path, 'a', encoding='utf-8'))  # pylint: disable=consider-using-with
+
+
+def KeepErrorsInLogFile():
+  """From now on, errors the log gets go to the log file only.
+
+  For a job that said its fault in its own one line and is ending: the
+  traceback Lingvo logs at ERROR would follow it on stderr
+  (--stderrthreshold). Nothing changes when the log is stderr itself or
+  --alsologtostderr is given.
+  """
+  handler = absl_logging.get_absl_handler().python_handler
+  if isinstance(handler.stream, _LogFile) and not FLAGS.alsologtostderr:
+    FLAGS.stderrthreshold = 'fatal'
+
+
+def SessionCloseErrorsToLogFile(hook):
+  """A threading.excepthook: TensorFlow's SessionCloseThread to the log.
+
+  A session left by a failed step is closed in that thread (tf.Session's
+  exit), which fails too when a task of the cluster is lost; the step's own
+  error has its line. Other threads' exceptions go to `hook`.
+  """
+
+  def Hook(args):
+    if args.thread is None or args.thread.name != 'SessionCloseThread':
+      hook(args)
+      return
+    text = ''.join(traceback.format_exception(args.exc_type, args.exc_value,
+                                              args.exc_traceback))
+    LogToFileOnly(f'Closing a session failed:\n{text}')
+
+  return Hook
 
 
 def LogToFileOnly(message, level=logging.ERROR):

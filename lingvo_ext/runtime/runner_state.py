@@ -136,7 +136,15 @@ class RunnerMixin(disk_space.StopOnDiskFullMixin,
     # BaseRunner._GetSession with device_count; it matters for in-process
     # sessions (tf_master=''), e.g. an evaler running beside the trainer.
     config = server.SessionConfig(self._options, **kwargs)
-    return tf.Session(self._tf_master, graph=self._graph, config=config)
+    return self.NamingLostTasks(
+        tf.Session(self._tf_master, graph=self._graph, config=config))
+
+  def _ReportLostTask(self, error, retrying):
+    ends_job = super()._ReportLostTask(error, retrying)
+    if ends_job and not self._options.stderrthreshold:
+      # Its one line said: the traceback Lingvo logs next stays in the file.
+      progress.KeepErrorsInLogFile()
+    return ends_job
 
   def _CreateCheckpointer(self, train_dir, model, *args, **kwargs):
     # Restores a checkpoint of another cut of the pipeline too.

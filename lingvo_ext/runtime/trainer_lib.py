@@ -18,9 +18,10 @@ gRPC servers and its sessions do the rest. On top of Lingvo this adds:
   process running the controller and the trainer client;
 - no process outlives its cluster: a task whose peers (a server's clients,
   a client's servers and other client) do not answer for
-  --cluster_wait_secs exits (`ClusterWatch`), and when a chief that runs both
-  clients finishes training it tells the workers and ps tasks, which then
-  exit 0 (`SignalDone`, `ServeUntilDone`).
+  --cluster_wait_secs exits (`ClusterWatch`), and when the controller (or a
+  chief that runs both clients) finishes training it tells the workers and
+  ps tasks, which then exit 0 once the clients have (`SignalDone`,
+  `ServeUntilDone`).
 """
 
 import os
@@ -224,11 +225,11 @@ class DistributedRunnerManagerMixin:
   def StartRunners(self, all_runners):
     super().StartRunners(all_runners)
     o = self._options
-    if not (o.distributed and 'controller' in o.jobs and
-            'trainer_client' in o.jobs):
+    if not (o.distributed and 'controller' in o.jobs):
       return
-    # This process ran both clients: training is over once the controller
-    # saved the checkpoint of the last step (not after Ctrl-C).
+    # This process ran the controller: training is over once it saved the
+    # checkpoint of the last step (not after Ctrl-C). The workers serve on
+    # until the trainer client has exited too.
     max_steps = [r.params.train.max_steps for r in all_runners
                  if hasattr(r, 'params')]
     path = tf.train.latest_checkpoint(os.path.join(o.logdir, 'train'))
