@@ -3,16 +3,22 @@ task, started by the user, all on 127.0.0.1 (free ports).
 
 At the end of training every task exits 0 (the controller tells the
 workers), each task writes a log file of its own, and a hung worker is named
-on the trainer client in one line, its traceback in the log file only.
-Every process runs in its own group and is killed when the test ends.
+on the trainer client in one line, its traceback in the log file only. On
+two hosts of their own (network namespaces joined by a veth pair, made by
+the test) the cluster trains to the one-process numbers. Every process runs
+in its own group and is killed when the test ends.
 """
 
 import contextlib
+import glob
 import os
 import re
 import signal
+import subprocess
 import sys
 
+import lingvo.compat as tf
+import numpy as np
 import pytest
 
 from lingvo_ext.distributed import network
@@ -25,20 +31,31 @@ TASKS = (('worker', 0), ('worker', 1), ('controller', 0),
 
 
 @contextlib.contextmanager
-def _Cluster(logdir, *flags):
-  """{'worker.0': Proc, ...}: each task's command, as docs/clusters.md's."""
-  ports = network.FreePorts(4)
-  spec = (f'controller=127.0.0.1:{ports[0]}@'
-          f'trainer_client=127.0.0.1:{ports[1]}@'
-          f'worker=127.0.0.1:{ports[2]},127.0.0.1:{ports[3]}')
-  common = [sys.executable, '-m', 'lingvo_ext.trainer', f'--model={MODEL}',
+def _Cluster(logdir, *flags, hosts=None):
+  """{'worker.0': Proc, ...}: each task's command, as docs/clusters.md's.
+
+  hosts: {task name: (network namespace, address)}; default: all on
+  127.0.0.1 of this network, on free ports.
+  """
+  if hosts is None:
+    ports = iter(network.FreePorts(len(TASKS)))
+    where = {f'{j}.{t}': ([], f'127.0.0.1:{next(ports)}') for j, t in TASKS}
+  else:
+    where = {name: (['ip', 'netns', 'exec', ns], f'{address}:{2222 + i}')
+             for i, (name, (ns, address)) in enumerate(hosts.items())}
+  spec = '@'.join(
+      f'{job}=' + ','.join(where[f'{j}.{t}'][1] for j, t in TASKS if j == job)
+      for job in ('controller', 'trainer_client', 'worker'))
+  common = ['-m', 'lingvo_ext.trainer', f'--model={MODEL}',
             f'--logdir={logdir}', '--mode=sync', f'--cluster_spec={spec}',
             '--worker_split_size=2', *flags]
   with contextlib.ExitStack() as stack:
     tasks = {}
     for job, task in TASKS:
+      prefix = where[f'{job}.{task}'][0]
       tasks[f'{job}.{task}'] = stack.enter_context(proc_testlib.Proc(
-          [*common, f'--job={job}', f'--task={task}']))
+          [*prefix, sys.executable, *common, f'--job={job}',
+           f'--task={task}']))
     try:
       yield tasks
     finally:
@@ -88,3 +105,90 @@ def testAHungWorkerIsOneLineOnTheTrainerClientAndItsTracebackIsInTheLog(
   with open(os.path.join(logdir, 'log.trainer_client.0.txt')) as f:
     log = f.read()
   assert 'Traceback' in log and 'DeadlineExceededError' in log
+
+
+def _Ip(*args):
+  return subprocess.run(['ip', *args], capture_output=True, text=True,
+                        timeout=30)
+
+
+@pytest.fixture
+def two_hosts():
+  """Two network namespaces joined by a veth pair: {name: address}.
+
+  198.18.0.0/15 is the range set aside for benchmarking networks (RFC
+  2544): the hosts' addresses exist only inside these namespaces. A 2 ms
+  netem delay each way where the kernel has netem.
+  """
+  tag = f'lx{os.getpid() % 100000}'
+  hosts = {f'{tag}a': '198.18.0.1', f'{tag}b': '198.18.0.2'}
+  made = []
+  try:
+    for ns in hosts:
+      r = _Ip('netns', 'add', ns)
+      if r.returncode:
+        pytest.skip(f'cannot make network namespaces here: {r.stderr.strip()}')
+      made.append(ns)
+    (a, b) = hosts
+    steps = [('link', 'add', f'{a}v', 'type', 'veth', 'peer', 'name', f'{b}v')]
+    for ns, address in hosts.items():
+      steps += [('link', 'set', f'{ns}v', 'netns', ns),
+                ('-n', ns, 'addr', 'add', f'{address}/24', 'dev', f'{ns}v'),
+                ('-n', ns, 'link', 'set', 'lo', 'up'),
+                ('-n', ns, 'link', 'set', f'{ns}v', 'up')]
+    for step in steps:
+      r = _Ip(*step)
+      if r.returncode:
+        pytest.skip(f'cannot join namespaces by veth here: ip {" ".join(step)}:'
+                    f' {r.stderr.strip()}')
+    for ns in hosts:  # Optional: where netem is missing, no delay.
+      subprocess.run(['ip', 'netns', 'exec', ns, 'tc', 'qdisc', 'add', 'dev',
+                      f'{ns}v', 'root', 'netem', 'delay', '2ms'],
+                     capture_output=True, timeout=30, check=False)
+    yield hosts
+  finally:
+    for ns in made:
+      _Ip('netns', 'del', ns)  # Its end of the veth pair goes with it.
+
+
+def _Scalars(event_dir, tag):
+  values = {}
+  for path in sorted(glob.glob(os.path.join(event_dir, 'events.out.*'))):
+    for event in tf.train.summary_iterator(path):
+      for v in event.summary.value:
+        if v.tag == tag:
+          values[event.step] = v.simple_value
+  return values
+
+
+@pytest.mark.e2e
+def testAClusterAcrossNetworkNamespacesTrainsAsOneProcess(tmp_path, two_hosts):
+  (a, b), (addr_a, addr_b) = list(two_hosts), list(two_hosts.values())
+  # head (a): the clients and cell 0; node (b): cell 1, over the veth pair.
+  hosts = {'worker.0': (a, addr_a), 'worker.1': (b, addr_b),
+           'controller.0': (a, addr_a), 'trainer_client.0': (a, addr_a)}
+  logdir = str(tmp_path / 'cluster')
+  with _Cluster(logdir, '--max_steps=3', hosts=hosts) as tasks:
+    codes = {name: t.Wait(TIMEOUT) for name, t in tasks.items()}
+  assert codes == {name: 0 for name in tasks}, {
+      n: t.Text()[-2000:] for n, t in tasks.items()}
+  single = str(tmp_path / 'single')
+  proc = subprocess.run(
+      [sys.executable, '-m', 'lingvo_ext.trainer', f'--model={MODEL}',
+       f'--logdir={single}', '--num_cpu_devices=2', '--worker_split_size=2',
+       '--max_steps=3'], cwd=proc_testlib.ROOT, capture_output=True,
+      text=True, timeout=TIMEOUT, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  loss = _Scalars(os.path.join(logdir, 'train'), 'loss')
+  ref = _Scalars(os.path.join(single, 'train'), 'loss')
+  assert loss and sorted(loss) == sorted(ref), (loss, ref)
+  np.testing.assert_allclose([loss[s] for s in sorted(loss)],
+                             [ref[s] for s in sorted(ref)], atol=1e-5)
+  got = tf.train.load_checkpoint(os.path.join(logdir, 'train', 'ckpt-00000003'))
+  want = tf.train.load_checkpoint(os.path.join(single, 'train',
+                                               'ckpt-00000003'))
+  names = sorted(want.get_variable_to_shape_map())
+  assert sorted(got.get_variable_to_shape_map()) == names
+  for name in names:
+    np.testing.assert_allclose(got.get_tensor(name), want.get_tensor(name),
+                               atol=1e-5, err_msg=name)
