@@ -174,10 +174,16 @@ def _CheckFlags(o):
     return (f'--eval_checkpoint={o.eval_checkpoint}: no such checkpoint (no '
             f'{o.eval_checkpoint}.index); pass a prefix such as '
             'LOGDIR/train/ckpt-00000100.')
+  if o.eval_checkpoint and '://' not in o.eval_checkpoint:
+    problem = checkpoints.reader.Problem(o.eval_checkpoint)
+    if problem:
+      return (f'--eval_checkpoint={o.eval_checkpoint} is a damaged '
+              f'checkpoint ({problem}); pass an intact one, or --eval_once '
+              'for the newest intact one.')
   train_dir = os.path.join(o.logdir, 'train')
   if (o.eval_once and not o.eval_checkpoint and not o.trains_here and
       o.logdir and '://' not in o.logdir and
-      not checkpoints.LatestCheckpoint(train_dir)):
+      not checkpoints.NewestIntactCheckpoint(train_dir)):
     return (f'--eval_once: no checkpoint in {train_dir} to evaluate; train '
             'with the same --logdir first, or pass --eval_checkpoint.')
   other = {'sync': ('trainer', 'trainer_client'),
