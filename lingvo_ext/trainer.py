@@ -94,6 +94,7 @@ from lingvo_ext._internal import lingvo as internal_lingvo
 from lingvo_ext._internal import process
 from lingvo_ext.distributed import cluster
 from lingvo_ext.distributed import server
+from lingvo_ext.distributed import task_output
 from lingvo_ext.runtime import trainer_lib
 
 if _PROGRAM:
@@ -410,6 +411,7 @@ def _Help(full):
 def Run(argv=None):
   """Parses flags, checks them, then runs Lingvo's trainer main."""
   argv = list(sys.argv if argv is None else argv)
+  task_output.RelayErrorLines()  # A launcher's task: also over its pipe.
   # The trainer's defaults for Lingvo's flags: set here, at the entry point,
   # never at import.
   trainer_flags.SetTrainerDefaults()
