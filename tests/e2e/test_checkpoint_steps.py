@@ -39,11 +39,18 @@ def _Check(run, train_dir):
 
 
 @pytest.mark.e2e
-def testEveryCheckpointOfALocalRunStoresTheStepItIsNamedBy(tmp_path):
+@pytest.mark.parametrize('model,flags', [
+    ('lm.TransformerLmTiny', []),
+    # Pipelined: 2 cells on 2 CPU devices under a schedule of its own.
+    ('lm.TransformerLmTinyGPipe', ['--num_cpu_devices=2',
+                                   '--worker_split_size=2']),
+])
+def testEveryCheckpointOfALocalRunStoresTheStepItIsNamedBy(tmp_path, model,
+                                                            flags):
   logdir = str(tmp_path / 'log')
-  argv = [sys.executable, '-m', 'lingvo_ext.trainer',
-          '--model=lm.TransformerLmTiny', f'--logdir={logdir}',
-          '--max_steps=400', _SAVE_OFTEN]
+  override = _SAVE_OFTEN + (';task.schedule:"zero_bubble"' if flags else '')
+  argv = [sys.executable, '-m', 'lingvo_ext.trainer', f'--model={model}',
+          f'--logdir={logdir}', '--max_steps=300', *flags, override]
   with proc_testlib.Proc(argv) as run:
     _Check(run, os.path.join(logdir, 'train'))
 
