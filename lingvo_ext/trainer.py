@@ -176,7 +176,7 @@ def _CheckFlags(o):
             f'{o.eval_checkpoint}.index); pass a prefix such as '
             'LOGDIR/train/ckpt-00000100.')
   if o.eval_checkpoint and '://' not in o.eval_checkpoint:
-    problem = checkpoints.reader.Problem(o.eval_checkpoint)
+    problem = checkpoints.ReadProblem(o.eval_checkpoint)
     if problem:
       return (f'--eval_checkpoint={o.eval_checkpoint} is a damaged '
               f'checkpoint ({problem}); pass an intact one, or --eval_once '

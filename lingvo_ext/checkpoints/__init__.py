@@ -15,7 +15,7 @@ from lingvo_ext.checkpoints.checkpointers import (
 from lingvo_ext.checkpoints.files import (
     CheckpointPaths, CheckpointProblem, CheckpointStep, ClearTrainingFinished,
     DropLatestIfNonFinite, FallBackToIntactCheckpoint, LatestCheckpoint,
-    LocalizeStateFile, MarkTrainingFinished, RebuildStateFile,
-    StateFileProblem, TrainingFinished)
+    LocalizeStateFile, MarkTrainingFinished, OwnCopy, PointStatePast,
+    RebuildStateFile, StateFileProblem, TrainingFinished)
 from lingvo_ext.checkpoints.reader import (
-    NewestIntactCheckpoint, SkippedLine)
+    NewestIntactCheckpoint, ReadProblem, SkippedLine)

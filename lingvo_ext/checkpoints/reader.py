@@ -38,7 +38,7 @@ def _Stamp(path):
       for s in [os.stat(f)]))
 
 
-def Problem(path: str) -> Optional[str]:
+def ReadProblem(path: str) -> Optional[str]:
   """Why checkpoint `path` does not read back ('unreadable: ...'), or None.
 
   Each tensor is read once per version of the checkpoint's files.
@@ -86,11 +86,11 @@ def NewestIntactCheckpoint(train_dir: str, say: bool = True,
       intact one (files.FallBackToIntactCheckpoint).
   """
   if repair:
-    found, skipped = files.FallBackToIntactCheckpoint(train_dir, Problem)
+    found, skipped = files.FallBackToIntactCheckpoint(train_dir, ReadProblem)
   else:
     found, skipped = None, []
     for path in _Candidates(train_dir):
-      why = Problem(path)
+      why = ReadProblem(path)
       if why is None:
         found = path
         break

@@ -365,7 +365,7 @@ def _FromCheckpoint(path):
     return found, None
   if not tf.io.gfile.exists(path + '.index'):
     return path, None  # Reading it names what is missing.
-  problem = checkpoints.reader.Problem(path)
+  problem = checkpoints.ReadProblem(path)
   if problem:
     return None, (f'error: --from_checkpoint={path} is a damaged checkpoint '
                   f'({problem}); pass an intact one, or its directory '

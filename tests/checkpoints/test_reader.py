@@ -71,7 +71,7 @@ def testAProblemIsReadOncePerVersionOfTheFiles(tmp_path, monkeypatch):
   monkeypatch.setattr(checkpoints.files, 'CheckpointProblem',
                       lambda p: reads.append(p) or real(p))
   for _ in range(3):
-    assert checkpoints.reader.Problem(path) is None
+    assert checkpoints.ReadProblem(path) is None
   _Truncate(path)
-  assert checkpoints.reader.Problem(path).startswith('unreadable: ')
+  assert checkpoints.ReadProblem(path).startswith('unreadable: ')
   assert reads == [path, path], reads
