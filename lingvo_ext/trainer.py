@@ -94,6 +94,7 @@ from lingvo_ext._internal import lingvo as internal_lingvo
 from lingvo_ext._internal import process
 from lingvo_ext.distributed import cluster
 from lingvo_ext.distributed import server
+from lingvo_ext.distributed import task_output
 from lingvo_ext.runtime import trainer_lib
 
 if _PROGRAM:
@@ -177,10 +178,16 @@ def _CheckFlags(o):
     return (f'--eval_checkpoint={o.eval_checkpoint}: no such checkpoint (no '
             f'{o.eval_checkpoint}.index); pass a prefix such as '
             'LOGDIR/train/ckpt-00000100.')
+  if o.eval_checkpoint and '://' not in o.eval_checkpoint:
+    problem = checkpoints.ReadProblem(o.eval_checkpoint)
+    if problem:
+      return (f'--eval_checkpoint={o.eval_checkpoint} is a damaged '
+              f'checkpoint ({problem}); pass an intact one, or --eval_once '
+              'for the newest intact one.')
   train_dir = os.path.join(o.logdir, 'train')
   if (o.eval_once and not o.eval_checkpoint and not o.trains_here and
       o.logdir and '://' not in o.logdir and
-      not checkpoints.LatestCheckpoint(train_dir)):
+      not checkpoints.NewestIntactCheckpoint(train_dir)):
     return (f'--eval_once: no checkpoint in {train_dir} to evaluate; train '
             'with the same --logdir first, or pass --eval_checkpoint.')
   other = {'sync': ('trainer', 'trainer_client'),
@@ -414,6 +421,7 @@ def _Help(full):
 def Run(argv=None):
   """Parses flags, checks them, then runs Lingvo's trainer main."""
   argv = list(sys.argv if argv is None else argv)
+  task_output.RelayErrorLines()  # A launcher's task: also over its pipe.
   # The trainer's defaults for Lingvo's flags: set here, at the entry point,
   # never at import.
   trainer_flags.SetTrainerDefaults()

@@ -231,3 +231,34 @@ def OverridesTimeAxisTrim(task_cls) -> bool:
   from lingvo.tasks.lm import model as lm_model  # pylint: disable=g-import-not-at-top
   own = lm_model.BatchMajorLanguageModel._TrimIfPossible  # pylint: disable=protected-access
   return getattr(task_cls, '_TrimIfPossible', own) is not own
+
+
+def NameSavesFromSnapshot(ckpt):
+  """A Checkpointer's async saves are named by the step they store.
+
+  Lingvo's async saver copies the variables in one session run and reads the
+  step that names the checkpoint in the next: a training step run between
+  the two named `ckpt-N` a checkpoint holding step N-1 or earlier. Here the
+  name comes from the copy of `global_step` the checkpoint holds (its save
+  op is rebuilt over that prefix). A no-op for other savers.
+  """
+  # pylint: disable=protected-access
+  inner = getattr(ckpt._saver, '_saver', None)
+  if not isinstance(inner, lingvo_saver.Saver) or not inner._async_save:
+    return
+  key = lingvo_saver._VarKey
+  copies = {key(v): c for v, c in zip(inner._vars, inner._copied_vars)}
+  if 'global_step' not in copies:
+    return
+  originals = {id(c): v for v, c in zip(inner._vars, inner._copied_vars)}
+  graph = inner._var_graph
+  with graph.as_default():
+    with graph.device(copies['global_step'].device):
+      step = tf.reshape(copies['global_step'].read_value(), [])
+    prefix = tf.strings.join([inner._logdir_ph, '/ckpt-',
+                              tf.as_string(step, width=8, fill='0')])
+  inner._save_global_step = step
+  inner._save_prefix = prefix
+  inner._save_op = inner._AddShardedSaveOps(
+      inner._copied_vars, prefix, lambda c: key(originals[id(c)]))
+  # pylint: enable=protected-access

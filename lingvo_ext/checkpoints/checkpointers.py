@@ -6,6 +6,7 @@ pipeline's layers into cells; `TrainingCheckpointer` is the controller's;
 `NewCheckpointer` picks a runner's.
 """
 
+import contextlib
 import os
 from typing import List
 
@@ -139,15 +140,24 @@ class TrainingCheckpointer(CrossCutCheckpointer):
     for the first one, so that a new run's first checkpoint holds the initial
     weights);
   - `finite_checks` (FiniteChecks of the same graph, e.g. the trainer's whose
-    model a controller shares) are used for the variables they cover.
+    model a controller shares) are used for the variables they cover;
+  - a checkpoint is named by the step it stores: Lingvo's async saver names
+    it from its copy of `global_step` (internal_lingvo.NameSavesFromSnapshot),
+    and with `snapshot_lock` (held by the trainer of this process around each
+    step) the copy, or a synchronous save, and the step it is named by are
+    taken between two steps.
 
   Built in the controller's graph, after its model.
   """
 
   def __init__(self, train_dir, models, *args, on_save_attempt=None,
-               step_keeper=None, finite_checks=None, **kwargs):
+               step_keeper=None, finite_checks=None, snapshot_lock=None,
+               **kwargs):
     super().__init__(train_dir, models, *args, **kwargs)
     self._on_save_attempt = on_save_attempt
+    self._snapshot_lock = snapshot_lock or contextlib.nullcontext()
+    internal_lingvo.NameSavesFromSnapshot(self)
+    self._global_step = py_utils.GetGlobalStep()
     # What the checkpoint holds (not, e.g., Lingvo's async-save copies,
     # refilled from these at each save).
     saved = list(self._SavedVariables().values())
@@ -169,9 +179,13 @@ class TrainingCheckpointer(CrossCutCheckpointer):
             'Not saving a checkpoint at step %s: variable %s (and %d more) '
             'holds NaN or Inf.', gsteps, bad[0], len(bad) - 1)
         return
-      super().Save(sess, gsteps, sync)
+      with self._snapshot_lock:
+        # The step it stores (a training step may have run since `gsteps`
+        # was read): tf.train.Saver names the checkpoint by it.
+        gsteps = int(sess.run(self._global_step))
+        super().Save(sess, gsteps, sync=False)
       if sync:
-        self._DropLatestIfNonFinite()
+        self.FinishSave()
     finally:
       if self._on_save_attempt:
         self._on_save_attempt()

@@ -64,11 +64,13 @@ def _Step(path: str) -> int:
 
 
 def FallBackToIntactCheckpoint(
-    train_dir: str) -> Tuple[Optional[str], List[Tuple[str, str]]]:
+    train_dir: str, problem=CheckpointProblem
+) -> Tuple[Optional[str], List[Tuple[str, str]]]:
   """Points `train_dir`'s latest checkpoint at the newest intact one.
 
   Args:
     train_dir: The directory with the `checkpoint` state file.
+    problem: problem(path): why a checkpoint does not read back, or None.
 
   Returns:
     (the newest intact checkpoint or None, [(skipped path, why)] newest
@@ -78,18 +80,29 @@ def FallBackToIntactCheckpoint(
   """
   paths = sorted(_AllCheckpoints(train_dir), key=_Step, reverse=True)
   skipped = []
-  for i, path in enumerate(paths):
-    problem = CheckpointProblem(path)
-    if problem is None:
-      if skipped:
-        _WriteState(train_dir, path, {p for p, _ in skipped})
+  for path in paths:
+    why = problem(path)
+    if why is None:
+      PointStatePast(train_dir, path, skipped)
       return path, skipped
-    skipped.append((path, problem))
-  if skipped:
-    # None is intact: remove the state file, so training starts afresh
-    # rather than failing on every restore.
-    tf.io.gfile.remove(os.path.join(train_dir, 'checkpoint'))
+    skipped.append((path, why))
+  PointStatePast(train_dir, None, skipped)
   return None, skipped
+
+
+def PointStatePast(train_dir: str, latest: Optional[str], skipped) -> None:
+  """Names `latest` the latest checkpoint, without the `skipped` [(path, _)].
+
+  With no `latest` (none is intact) the state file is removed, so training
+  starts afresh rather than failing on every restore. Nothing is written
+  when nothing was skipped.
+  """
+  if not skipped:
+    return
+  if latest:
+    _WriteState(train_dir, latest, {p for p, _ in skipped})
+  else:
+    tf.io.gfile.remove(os.path.join(train_dir, 'checkpoint'))
 
 
 def _WriteState(train_dir, latest, dropped):
@@ -276,7 +289,7 @@ def CheckpointStep(path: Optional[str]) -> Optional[int]:
 # --- A logdir that moved ----------------------------------------------------------
 
 
-def _OwnCopy(train_dir: str, path: str) -> Optional[str]:
+def OwnCopy(train_dir: str, path: str) -> Optional[str]:
   """`train_dir`'s checkpoint named as `path` when `path` is elsewhere."""
   if not os.path.isabs(path) or os.path.dirname(
       os.path.normpath(path)) == os.path.normpath(train_dir):
@@ -293,7 +306,7 @@ def LatestCheckpoint(train_dir: str) -> Optional[str]:
   files of the same names when they are here.
   """
   state = tf.train.get_checkpoint_state(train_dir)
-  own = state and state.model_checkpoint_path and _OwnCopy(
+  own = state and state.model_checkpoint_path and OwnCopy(
       train_dir, state.model_checkpoint_path)
   if own and tf.io.gfile.exists(own + '.index'):
     return own
@@ -321,17 +334,17 @@ def LocalizeStateFile(train_dir: str) -> Optional[str]:
   except Exception:  # pylint: disable=broad-except
     return None  # RebuildStateFile repairs it.
   paths = [state.model_checkpoint_path, *state.all_model_checkpoint_paths]
-  moved = [p for p in paths if p and _OwnCopy(train_dir, p)]
+  moved = [p for p in paths if p and OwnCopy(train_dir, p)]
   if not moved:
     return None
   elsewhere = os.path.dirname(moved[0])
   missing = [p for p in moved
-             if not tf.io.gfile.exists(_OwnCopy(train_dir, p) + '.index')]
+             if not tf.io.gfile.exists(OwnCopy(train_dir, p) + '.index')]
   if missing:
     return (f'{state_file} names checkpoints in {elsewhere}, outside this '
             f'logdir, and {os.path.basename(missing[0])} is not in '
             f'{train_dir}; using the paths as written.')
-  own = lambda p: _OwnCopy(train_dir, p) or p
+  own = lambda p: OwnCopy(train_dir, p) or p
   _WriteStateFile(train_dir, own(state.model_checkpoint_path),
                   [own(p) for p in state.all_model_checkpoint_paths],
                   list(state.all_model_checkpoint_timestamps),

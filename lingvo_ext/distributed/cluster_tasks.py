@@ -12,7 +12,7 @@ and --cluster_resolver=slurm); ps tasks then hold the variables.
 import dataclasses
 import subprocess
 import sys
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 from lingvo_ext.distributed import cluster
 from lingvo_ext.distributed import network
@@ -68,6 +68,7 @@ class Task:
   rss: Optional[int] = None  # Its last resident memory seen.
   cgroup: Optional[str] = None  # Its memory cgroup's directory.
   oom_kills: Optional[int] = None  # The cgroup's OOM kills at its start.
+  errors: Any = None  # Its task_output.ErrorPipe.
 
   @property
   def name(self) -> str:

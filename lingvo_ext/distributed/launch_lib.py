@@ -111,6 +111,7 @@ class Launcher:
       # A resumed run appends to the logs: only this run's lines are shown.
       t.log_pos = (os.path.getsize(t.log_path)
                    if os.path.exists(t.log_path) else 0)
+    self._pipes = task_output.OpenErrorPipes(tasks)  # Each task's errors.
     self._tail = threading.Thread(target=self._TailLoop, daemon=True,
                                   name='tail')
     self._tail.start()
@@ -137,7 +138,8 @@ class Launcher:
   def Start(self, task: Task) -> None:
     """Starts `task`; call from the main thread only (PR_SET_PDEATHSIG is
     tied to the thread that forks)."""
-    env = dict(os.environ, **task.env)
+    env = dict(os.environ, **task.env,
+               **{task_output.ERROR_PIPE_ENV: task.errors.path})
     with self._tail_lock:
       with open(task.log_path, 'ab') as log:
         shown = ' '.join(f'{k}={shlex.quote(v)}' for k, v in task.env.items())
@@ -405,6 +407,7 @@ class Launcher:
     self._stop_tail.set()
     self._tail.join(5)
     self._TailOnce()
+    task_output.CloseErrorPipes(self.tasks, self._pipes)
 
 
 def _KillGroup(proc, sig: int) -> None:

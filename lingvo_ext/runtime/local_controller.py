@@ -74,7 +74,7 @@ class LocalController(runner_state.RunnerMixin,
         lambda: super(LocalController, self)._CreateCheckpointer(
             train_dir, model, *args, **kwargs),
         on_save_attempt=self._run_state.first_save_done.set,
-        step_keeper=keeper,
+        step_keeper=keeper, snapshot_lock=self._run_state.step_lock,
         finite_checks=getattr(self._shared_with, 'finite_checks', None))
 
   def _ShouldStop(self, sess=None, step=None, check_early_stop=True):

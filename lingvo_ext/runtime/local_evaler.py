@@ -64,7 +64,7 @@ class _WaitsForCheckpointsMixin:
     if self._OnceOnly():
       return False  # Evaluates the checkpoint, processed or not.
     train_dir = self._checkpointer.checkpoint_dir
-    path = checkpoints.LatestCheckpoint(train_dir)
+    path = checkpoints.NewestIntactCheckpoint(train_dir)
     if self._Finished(path):
       runner_dir = getattr(self, '_eval_dir', None) or getattr(
           self, '_decoder_dir', None)
@@ -130,7 +130,7 @@ class _WaitsForCheckpointsMixin:
         return None
       self._evaluated_once = True
       path = (self._options.eval_checkpoint or
-              checkpoints.LatestCheckpoint(train_dir))
+              checkpoints.NewestIntactCheckpoint(train_dir))
       if not path:
         print(f'{self._job_name}: --eval_once: no checkpoint in {train_dir}: '
               'nothing to evaluate.', file=sys.stderr, flush=True)
@@ -140,7 +140,7 @@ class _WaitsForCheckpointsMixin:
         return None  # SIGTERM / Ctrl-C: between two checkpoints.
       if self._ShouldStop(sess, step=0):  # Lingvo's early stop.
         return None
-      path = checkpoints.LatestCheckpoint(train_dir)
+      path = checkpoints.NewestIntactCheckpoint(train_dir)
       if path and path not in processed:
         return path
       if self._Finished(path):

@@ -8,6 +8,7 @@ the model asks for (one_build.py) and runs the step built while the trainer
 waited for the controller (prepared_step.py).
 """
 
+import contextlib
 import os
 import re
 import threading
@@ -36,13 +37,16 @@ class _TrainerSession(tf.Session):
   then. The n-th train step (`trace_step`) runs with FULL_TRACE and its
   RunMetadata is written to `trace_path`. A step also fetches the train
   summaries a controller sharing the model asked for (`summaries`, a
-  one_build.TrainSummaries), delivered with the global step after it.
+  one_build.TrainSummaries), delivered with the global step after it. Each
+  train step holds `step_lock` (RunState.step_lock: a controller here takes
+  a checkpoint's snapshot between steps).
   """
 
   def __init__(self, *args, model, on_step=None, trace_step=0,
-               trace_path='', summaries=None, **kwargs):
+               trace_path='', summaries=None, step_lock=None, **kwargs):
     super().__init__(*args, **kwargs)
     self._model = model
+    self._step_lock = step_lock or contextlib.nullcontext()
     self._on_step = on_step
     self._summaries = summaries
     self._summary = None
@@ -99,7 +103,9 @@ class _TrainerSession(tf.Session):
     summary_op = self._summaries.Fetch() if self._summaries else None
     if summary_op is not None:
       fetches = list(fetches) + [summary_op]
-    out = self._RunTrainStep(fetches, feed_dict, options, run_metadata)
+    self._WaitPrepared()  # Not holding the lock: the build takes a while.
+    with self._step_lock:
+      out = self._RunTrainStep(fetches, feed_dict, options, run_metadata)
     if summary_op is not None:
       self._summary, out = out[-1], out[:-1]
     if self._on_step and len(out) > 1:
@@ -220,6 +226,7 @@ class LocalTrainer(runner_state.RunnerMixin, lingvo_runners.Trainer):
         on_step=self._OnStep if self._progress else None,
         trace_step=o.trace_train_step,
         summaries=self._run_state.train_summaries,
+        step_lock=self._run_state.step_lock,
         trace_path=os.path.join(o.logdir, 'train',
                                 f'run_metadata_step_{o.trace_train_step}.pb')))
 

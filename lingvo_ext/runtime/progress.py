@@ -26,6 +26,11 @@ FLAGS = flags.FLAGS
 # Seconds over which steps/s is averaged, and between two progress lines.
 RATE_WINDOW_S = 30.0
 PRINT_INTERVAL_S = 2.0
+# A gap between two steps longer than this, and than PAUSE_STEPS of the
+# window's steps, is a pause (a stalled input, a slow save): it is named on
+# the line and left out of the rate, which goes on from the steps after it.
+PAUSE_S = 10.0
+PAUSE_STEPS = 10
 
 
 def FormatDuration(seconds: float) -> str:
@@ -41,7 +46,13 @@ def FormatDuration(seconds: float) -> str:
 
 
 class Progress:
-  """Prints step/max, loss, steps/s, examples/s and ETA, now and then."""
+  """Prints step/max, loss, steps/s, examples/s and ETA, now and then.
+
+  The rates are those of the last RATE_WINDOW_S seconds of steps; a pause
+  (PAUSE_S) restarts the window, the rate before it standing until two steps
+  after it are in, so one stall neither drags the ETA out for a window's
+  length nor hides in it.
+  """
 
   def __init__(self, max_steps, stream=None, interval_s=PRINT_INTERVAL_S,
                clock=time.time):
@@ -52,24 +63,46 @@ class Progress:
     self._window = collections.deque()  # (time, step, examples so far)
     self._examples = 0.0
     self._last_print = None
+    self._rates = None  # (steps/s, examples/s) of the window before a pause.
+    self._pause = 0.0  # Seconds of the pause not yet named on a line.
+
+  def _IsPause(self, now):
+    if len(self._window) < 2:
+      return False
+    (t0, s0, _), (t1, s1, _) = self._window[0], self._window[-1]
+    per_step = (t1 - t0) / max(s1 - s0, 1)
+    return now - t1 > max(PAUSE_S, PAUSE_STEPS * per_step)
+
+  def _Rates(self, now, step):
+    """(steps/s, examples/s) of the window, or None."""
+    t0, s0, e0 = self._window[0]
+    if now > t0 and step > s0:
+      return (step - s0) / (now - t0), (self._examples - e0) / (now - t0)
+    return None
 
   def Line(self, step, loss, examples_in_batch):
     """Records a finished step; returns its progress line."""
     now = self._clock()
+    if self._IsPause(now):
+      self._rates = self._Rates(*self._window[-1][:2]) or self._rates
+      self._pause = max(self._pause, now - self._window[-1][0])
+      self._window.clear()
     self._examples += examples_in_batch
     self._window.append((now, step, self._examples))
     while len(self._window) > 2 and now - self._window[0][0] > RATE_WINDOW_S:
       self._window.popleft()
-    t0, s0, e0 = self._window[0]
+    rates = self._Rates(now, step) or self._rates
     parts = [f'step {step}/{self._max_steps}', f'loss {loss:.4f}']
-    if now > t0 and step > s0:
-      steps_per_s = (step - s0) / (now - t0)
+    if rates:
+      steps_per_s, examples_per_s = rates
       parts.append(f'{steps_per_s:.2f} steps/s')
-      parts.append(f'{(self._examples - e0) / (now - t0):.1f} examples/s')
+      parts.append(f'{examples_per_s:.1f} examples/s')
       left = max(self._max_steps - step, 0)
       parts.append(f'ETA {FormatDuration(left / steps_per_s)}')
     else:
       parts.append('(measuring speed)')
+    if self._pause:
+      parts.append(f'(after a {FormatDuration(self._pause)} pause)')
     return '  '.join(parts)
 
   def Update(self, step, loss, examples_in_batch):
@@ -79,6 +112,7 @@ class Progress:
     if (self._last_print is None or now - self._last_print >= self._interval_s
         or step >= self._max_steps):
       self._last_print = now
+      self._pause = 0.0  # Named once.
       stream = self._stream or sys.stdout
       print(line, file=stream, flush=True)
 

@@ -44,6 +44,9 @@ class RunState:
   trainer_done: this process's trainer loop has ended (max_steps, Ctrl-C,
     early stop): the controller, which looks at the step every 10 s, looks
     at once and saves the last checkpoint.
+  step_lock: held by this process's trainer around each training step and
+    by its controller around a checkpoint's snapshot of the variables and
+    step, so that a checkpoint holds the weights of the step it is named by.
   """
   interrupted: threading.Event = dataclasses.field(
       default_factory=threading.Event)
@@ -57,6 +60,8 @@ class RunState:
       default_factory=threading.Event)
   train_summaries: one_build.TrainSummaries = dataclasses.field(
       default_factory=one_build.TrainSummaries)
+  step_lock: threading.Lock = dataclasses.field(
+      default_factory=threading.Lock)
   stop_signal: int = 0
 
 

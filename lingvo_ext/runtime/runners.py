@@ -197,10 +197,7 @@ def RepairCheckpoints(train_dir):
     latest = tf.train.latest_checkpoint(train_dir)
     print(f'warning: {problem}; rebuilt it from the checkpoints on disk '
           f'(latest: {latest}).', file=sys.stderr, flush=True)
-  path, skipped = checkpoints.FallBackToIntactCheckpoint(train_dir)
-  for bad, why in skipped:
-    print(f'warning: skipped damaged checkpoint {bad} (unreadable: {why}); '
-          f'restoring {path or "nothing: starting afresh"}.',
-          file=sys.stderr, flush=True)
+  path = checkpoints.NewestIntactCheckpoint(
+      train_dir, none='nothing: starting afresh', repair=True)
   _REPAIRED[train_dir] = path
   return path

@@ -14,9 +14,7 @@ line and exit 2, before anything is written. See docs/serving.md.
 """
 
 import argparse
-import glob
 import os
-import re
 import shutil
 import sys
 from typing import Optional
@@ -37,18 +35,11 @@ class ExportError(ValueError):
 
 
 def NewestCompleteCheckpoint(train_dir: str) -> Optional[str]:
-  """The newest checkpoint in `train_dir` whose every tensor reads back."""
-  paths = [p[:-len('.index')]
-           for p in glob.glob(os.path.join(train_dir, 'ckpt-*.index'))]
+  """The newest checkpoint in `train_dir` whose every tensor reads back.
 
-  def Step(path):
-    m = re.search(r'-(\d+)$', path)
-    return int(m.group(1)) if m else -1
-
-  for path in sorted(paths, key=Step, reverse=True):
-    if checkpoints.CheckpointProblem(path) is None:
-      return path
-  return None
+  Each newer damaged one is named on stderr (checkpoints.reader).
+  """
+  return checkpoints.NewestIntactCheckpoint(train_dir)
 
 
 def ResolveCheckpoint(logdir: str, checkpoint: str) -> str:

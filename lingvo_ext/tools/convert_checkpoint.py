@@ -38,7 +38,10 @@ layouts alone: the leaves per cell of each cut, and the naming:
 user's names.) In one's own program, `lingvo_ext.core.gpipe.CheckpointVarMap`
 restores such a checkpoint directly, without converting it.
 It exits non-zero with a message naming the variables when one has no
-counterpart in the other model or their shapes differ.
+counterpart in the other model or their shapes differ. --from_checkpoint
+may be a directory (LOGDIR/train): its newest intact checkpoint is read, a
+damaged newer one named (lingvo_ext/checkpoints/reader.py); a damaged
+prefix is refused (exit 2).
 """
 
 import argparse
@@ -51,6 +54,7 @@ import lingvo.compat as tf
 from lingvo.core import cluster_factory
 from lingvo.core import gpipe as lingvo_gpipe
 
+from lingvo_ext import checkpoints
 from lingvo_ext._internal import lingvo as internal_lingvo
 from lingvo_ext.core import cut_checkpoints
 from lingvo_ext.core import cuts
@@ -277,7 +281,8 @@ def _ParseArgs(argv):
       description=__doc__.splitlines()[0])
   parser.add_argument('--from_checkpoint', required=True,
                       help='Checkpoint prefix to read, e.g. '
-                      'LOGDIR/train/ckpt-00000020.')
+                      'LOGDIR/train/ckpt-00000020, or a directory '
+                      '(LOGDIR/train): its newest intact checkpoint.')
   parser.add_argument('--to_checkpoint', required=True,
                       help='Checkpoint prefix to write; a `checkpoint` '
                       'state file pointing at it is written beside it.')
@@ -349,8 +354,31 @@ def _LayoutOf(args, side):
                      layer_names=args.layer_names if keep else None)
 
 
+def _FromCheckpoint(path):
+  """(the checkpoint prefix to read, or None; the error line, or None)."""
+  if tf.io.gfile.isdir(path):
+    found = checkpoints.NewestIntactCheckpoint(path)
+    if not found:
+      return None, (f'error: --from_checkpoint={path}: no intact checkpoint '
+                    'in this directory; pass a checkpoint prefix such as '
+                    f'{os.path.join(path, "ckpt-00000020")}.')
+    return found, None
+  if not tf.io.gfile.exists(path + '.index'):
+    return path, None  # Reading it names what is missing.
+  problem = checkpoints.ReadProblem(path)
+  if problem:
+    return None, (f'error: --from_checkpoint={path} is a damaged checkpoint '
+                  f'({problem}); pass an intact one, or its directory '
+                  f'({os.path.dirname(path)}) for the newest intact one.')
+  return path, None
+
+
 def main(argv=None) -> int:
   args = _ParseArgs(sys.argv[1:] if argv is None else argv)
+  args.from_checkpoint, error = _FromCheckpoint(args.from_checkpoint)
+  if error:
+    print(error, file=sys.stderr)
+    return 2
   try:
     if args.from_cut is not None:
       plan = ConvertLayouts(args.from_checkpoint, _LayoutOf(args, 'from'),

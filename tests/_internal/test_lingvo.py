@@ -275,3 +275,52 @@ def testOverridesTimeAxisTrimSeesASubclassesOwnTrim():
   assert not internal_lingvo.OverridesTimeAxisTrim(Plain)
   assert not internal_lingvo.OverridesTimeAxisTrim(
       lm_model.BatchMajorLanguageModel)
+
+
+def testNameSavesFromSnapshotNamesACheckpointByTheStepItHolds(tmp_path):
+  """A training step between the async saver's copy of the variables and its
+  read of the step: the checkpoint is named by the copied step."""
+
+  def Check():
+    import glob  # pylint: disable=g-import-not-at-top
+    import os  # pylint: disable=g-import-not-at-top
+    import types  # pylint: disable=g-import-not-at-top
+    from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
+    from lingvo.core import saver as lingvo_saver  # pylint: disable=g-import-not-at-top
+    for fixed in (False, True):
+      logdir = str(tmp_path / f'fixed_{fixed}')
+      os.makedirs(logdir)
+      with tf.Graph().as_default(), tf.Session() as sess:
+        step = py_utils.GetOrCreateGlobalStepVar()
+        var = tf.get_variable('w', initializer=0.0)
+        train = tf.group(step.assign_add(1), var.assign_add(1.0))
+        inner = lingvo_saver.Saver(logdir, [step, var], async_save=True)
+        if fixed:
+          internal_lingvo.NameSavesFromSnapshot(types.SimpleNamespace(
+              _saver=types.SimpleNamespace(_saver=inner)))
+        sess.run(tf.global_variables_initializer())
+
+        class _StepsAfterTheCopy:
+
+          def run(self, fetches, feed_dict=None):  # pylint: disable=invalid-name
+            out = sess.run(fetches, feed_dict)
+            if fetches is inner._copying_op:  # pylint: disable=protected-access
+              sess.run(train)  # The trainer steps meanwhile.
+            return out
+
+        for _ in range(3):
+          inner.Save(_StepsAfterTheCopy())
+          inner.Sync()
+        names = {}
+        for index in sorted(glob.glob(f'{logdir}/ckpt-*.index')):
+          prefix = index[:-len('.index')]
+          names[int(prefix.rsplit('-', 1)[1])] = (
+              int(tf.train.load_variable(prefix, 'global_step')),
+              float(tf.train.load_variable(prefix, 'w')))
+      if fixed:
+        assert names == {0: (0, 0.0), 1: (1, 1.0), 2: (2, 2.0)}, names
+      else:  # Lingvo's own: each named one step past what it holds.
+        assert names == {1: (0, 0.0), 2: (1, 1.0), 3: (2, 2.0)}, names
+
+  _Check('saver.Saver._save_op/_save_prefix/_save_global_step/_copied_vars/'
+         '_AddShardedSaveOps', Check)

@@ -10,6 +10,7 @@ import tensorflow as tf
 from lingvo_ext import checkpoints
 from lingvo_ext.checkpoints import checkpointers
 from lingvo_ext.checkpoints import files
+from lingvo_ext.checkpoints import reader
 
 
 def test_finite_checks_name_the_variables_holding_nan_or_inf():
@@ -30,7 +31,7 @@ def test_finite_checks_name_the_variables_holding_nan_or_inf():
 
 
 def test_the_package_keeps_every_public_name():
-  for module in (files, checkpointers):
+  for module in (files, checkpointers, reader):
     for name in dir(module):
       if name[0].isupper() and getattr(module, name).__module__ == (
           module.__name__):

@@ -75,6 +75,36 @@ def testLauncherStopsTheClusterWhenATaskFindsTheDiskFull(tmp_path):
   assert all(t.proc.poll() is not None for t in launcher.tasks)
 
 
+# A task of the launcher whose log (its stdout and stderr) cannot be written:
+# /dev/full fails every write with ENOSPC, as a full disk does.
+_LOG_FULL = ('import os, sys; from lingvo_ext.distributed import task_output; '
+             'task_output.RelayErrorLines(); '
+             'full = os.open("/dev/full", os.O_WRONLY); '
+             '[os.dup2(full, fd) for fd in (1, 2)]; ')
+_ERROR = ('print("error: controller: disk full on --logdir=/x (0 B free): '
+          '...", file=sys.stderr, flush=True); ')
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize('log_full', [True, False])
+def testATasksErrorLineReachesTheConsoleOnceWhenItsLogCannotBeWritten(
+    tmp_path, log_full):
+  relay = _LOG_FULL if log_full else (
+      'import sys; from lingvo_ext.distributed import task_output; '
+      'task_output.RelayErrorLines(); ')
+  launcher, lines = _Launcher(tmp_path, [
+      ('worker', 'import time; time.sleep(60)'),
+      ('controller', relay + _ERROR + 'sys.exit(74)')])
+  assert _RunLauncher(launcher) == 74
+  shown = [l for l in lines if 'error: controller: disk full' in l]
+  assert shown == ['[controller] error: controller: disk full on '
+                   '--logdir=/x (0 B free): ...'], lines
+  with open(launcher.tasks[1].log_path) as f:
+    logged = [l for l in f if l.startswith('error:')]
+  assert len(logged) == (0 if log_full else 1), logged
+  assert any('(exit 74; its error line above)' in l for l in lines), lines
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize('rc', sorted(launch_lib.NOT_RESTARTED))
 def testLauncherDoesNotRestartATaskThatWouldFailAgain(tmp_path, rc):
