@@ -90,6 +90,7 @@ from lingvo_ext.runtime import run_params as run_params_lib
 from lingvo_ext.runtime import runners
 from lingvo_ext.runtime import shutdown
 from lingvo_ext.runtime import trainer_flags
+from lingvo_ext.runtime import training_end
 from lingvo_ext._internal import lingvo as internal_lingvo
 from lingvo_ext._internal import process
 from lingvo_ext.distributed import cluster
@@ -340,6 +341,10 @@ def main(unused_argv, options=None, run_state=None, params=None):
     # user gave a threshold.
     FLAGS.stderrthreshold = o.stderrthreshold or 'error'
   _WatchInput(o, params.Train())
+  if o.trains_here and o.logdir:  # Evalers and decoders follow it.
+    training_end.Record(os.path.join(o.logdir, 'train'), (
+        params.Train().train.max_steps if o.max_steps is None else
+        o.max_steps))
   if o.trains_here and not o.distributed:
     _ChooseJit(o, params.Train())
   threads = o.IntraOpThreads()
