@@ -80,6 +80,7 @@ from lingvo.core import py_utils
 
 from lingvo_ext import _startup
 from lingvo_ext import checkpoints
+from lingvo_ext.runtime import input_guard
 from lingvo_ext.runtime import jit_default
 from lingvo_ext.runtime import logdir as logdir_lib
 from lingvo_ext.runtime import memory_check
@@ -292,24 +293,6 @@ def _ServeUntilClientsExit(cluster_spec):
   process.ExitNow(0)
 
 
-def _WatchInput(o, cfg):
-  """Lingvo's record input files changed under a run: one line, exit 65."""
-  from lingvo_ext.tasks import input_files  # pylint: disable=g-import-not-at-top
-  if not (o.trains_here or 'trainer_client' in o.jobs) or not o.logdir:
-    return
-  train_dir = os.path.join(o.logdir, 'train')
-
-  def Stop(problem):
-    latest = checkpoints.LatestCheckpoint(train_dir) or 'none yet'
-    print(f'error: {problem}: Lingvo\'s reader would wait for records '
-          'forever or read it as text. Put the data back and run the same '
-          f'command (the last checkpoint is {latest}).', file=sys.stderr,
-          flush=True)
-    process.ExitNow(input_files.EXIT_INPUT_BROKE)
-
-  input_files.StartWatch(cfg.input if 'input' in cfg else None, Stop)
-
-
 def main(unused_argv, options=None, run_state=None, params=None):
   """Runs Lingvo's runners (Run has checked and read the flags).
 
@@ -340,7 +323,7 @@ def main(unused_argv, options=None, run_state=None, params=None):
     # absl's log handler reads it: errors still reach stderr, unless the
     # user gave a threshold.
     FLAGS.stderrthreshold = o.stderrthreshold or 'error'
-  _WatchInput(o, params.Train())
+  input_fault = input_guard.Watch(o, params.Train(), run_state)
   if o.trains_here and o.logdir:  # Evalers and decoders follow it.
     training_end.Record(os.path.join(o.logdir, 'train'), (
         params.Train().train.max_steps if o.max_steps is None else
@@ -360,6 +343,8 @@ def main(unused_argv, options=None, run_state=None, params=None):
     tf.logging.vlog(1, '%s', traceback.format_exc())
     print(f'error: {e}', file=sys.stderr, flush=True)
     return 2
+  if input_fault and run_state.input_problem:
+    input_fault.Exit()  # Exits 65.
   if run_state.interrupted.is_set():
     saved = run_state.final_save.is_set() or not o.trains_here
     code = shutdown.ExitCode(run_state.stop_signal, saved)

@@ -35,6 +35,8 @@ class RunState:
     trainer stops after its step, the controller saves a checkpoint and
     stops, evalers and decoders stop after the checkpoint they are on.
   stop_signal: the signal that set `interrupted`.
+  input_problem: the line of an input fault that set `interrupted`
+    (input_guard.py): the run saves, then exits 65.
   final_save: the controller saved the step it stopped at.
   train_summaries: the controller's train summaries, run with a step of the
     trainer whose model it shares (one_build.py).
@@ -58,6 +60,7 @@ class RunState:
   train_summaries: one_build.TrainSummaries = dataclasses.field(
       default_factory=one_build.TrainSummaries)
   stop_signal: int = 0
+  input_problem: str = ''
 
 
 def Fail(message, code):
