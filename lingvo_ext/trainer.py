@@ -378,7 +378,7 @@ _HELP_FLAGS = ('model', 'logdir', 'max_steps', 'num_cpu_devices',
                'worker_split_size', 'intra_op_threads', 'job',
                'model_params_override', 'plan', 'devices', 'memory_per_device',
                'jit_compile', 'max_nonfinite_steps', 'shutdown_grace_secs',
-               'eval_once', 'eval_checkpoint')
+               'eval_once', 'eval_checkpoint', 'accept_changed_input')
 
 
 def _Help(full):
@@ -442,6 +442,9 @@ def Run(argv=None):
   local = o.logdir and '://' not in o.logdir
   if not error and local and o.trains_here:
     error = logdir_lib.Lock(o.logdir)
+  if not error and local and o.trains_here and o.mode != (
+      'write_inference_graph'):
+    error = input_guard.CheckFingerprint(o, cfg)
   if error:
     print(f'error: {error}', file=sys.stderr)
     return 2

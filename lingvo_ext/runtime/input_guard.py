@@ -1,4 +1,9 @@
-"""The trainer's input: a fault mid-run saves the last step before exit 65.
+"""The trainer's input: checked against its fingerprint; a fault saves first.
+
+`CheckFingerprint`: at a logdir's first start the trainer records what it
+trains on (tasks/input_fingerprint.py); on resume a changed input file is
+one `warning:` line (--accept_changed_input records it and silences it), a
+changed vocab a refusal.
 
 Lingvo's record input files that break under a run (deleted, emptied,
 binary: tasks/input_files.py) stop it with one `error:` line and exit 65
@@ -18,6 +23,7 @@ import lingvo.compat as tf
 from lingvo_ext import checkpoints
 from lingvo_ext._internal import process
 from lingvo_ext.tasks import input_files
+from lingvo_ext.tasks import input_fingerprint
 
 EXIT_INPUT_BROKE = input_files.EXIT_INPUT_BROKE
 
@@ -96,3 +102,28 @@ def Watch(o, cfg, run_state):
                             fault.Stop) is None:
     return None
   return fault
+
+
+def CheckFingerprint(o, cfg):
+  """Compares the training input with the logdir's record; records it.
+
+  Returns:
+    The refusal of a changed vocab (one line: exit 2), or None; a changed
+    input file is printed as one warning line.
+  """
+  train_dir = os.path.join(o.logdir, 'train')
+  inp = cfg.input if 'input' in cfg else None
+  current = input_fingerprint.Current(inp, o.logdir)
+  recorded = input_fingerprint.Read(train_dir)
+  if recorded is not None:
+    warning, refusal = input_fingerprint.Compare(recorded, current)
+    if refusal:
+      return refusal
+    if warning and not o.accept_changed_input:
+      print(f'warning: {warning}', file=sys.stderr, flush=True)
+  elif not current['files'] and not current['vocab']:
+    return None  # Nothing on disk to record (e.g. the bundled corpus).
+  os.makedirs(train_dir, exist_ok=True)
+  input_fingerprint.Write(train_dir, input_fingerprint.Updated(
+      recorded, current, o.accept_changed_input))
+  return None
