@@ -70,7 +70,8 @@ def testASignalDuringTheFaultsSaveDoesNotCutIt():
 def testTheControllerLooksAtOnceOnAStopRequest():
   state = runners.RunState()
   controller = object.__new__(runners.LocalController)
-  controller._run_state, controller._woken = state, False  # pylint: disable=protected-access
+  # pylint: disable-next=protected-access
+  controller._run_state, controller._woken = state, False
   threading.Timer(0.2, state.interrupted.set).start()
   look = threading.Thread(target=controller.WaitForNextLook,
                           args=(time.time() + 3600,), daemon=True)

@@ -14,6 +14,9 @@ from lingvo_ext.tasks.lm import input_generator
 from tests.support import user_path_testlib as lib
 
 MODEL = '--model=lm.TransformerLmTiny'
+# pylint: disable=protected-access
+_When = input_fingerprint._When
+_SampleHash = input_fingerprint._SampleHash
 
 
 def _Text(path, n=400):
@@ -49,8 +52,8 @@ def testAFileIsNamedWithWhatChanged(tmp_path):
   assert warning == (
       "the training input changed since this logdir's first start: "
       f'{data}: size {old["size"]} -> 2048 bytes, mtime '
-      f'{input_fingerprint._When(old["mtime_ns"])} -> '  # pylint: disable=protected-access
-      f'{input_fingerprint._When(new["mtime_ns"])}, content (sampled blocks) '  # pylint: disable=protected-access
+      f'{_When(old["mtime_ns"])} -> {_When(new["mtime_ns"])}, content '
+      '(sampled blocks) '
       'differs; training goes on with it as it is now (--accept_changed_input '
       'records it and silences this).')
   # Same size and mtime, other bytes: the sampled blocks tell.
@@ -70,15 +73,15 @@ def testTheHashReadsAFewBlocksNotTheWholeFile(tmp_path):
   big = tmp_path / 'big.txt'
   size = 64 * input_fingerprint.BLOCK_BYTES
   big.write_bytes(b'a' * size)
-  before = input_fingerprint._SampleHash(str(big), size)  # pylint: disable=protected-access
+  before = _SampleHash(str(big), size)
   with open(big, 'r+b') as f:  # Between two sampled blocks: not seen.
     f.seek(size // 6)
     f.write(b'b')
-  assert input_fingerprint._SampleHash(str(big), size) == before  # pylint: disable=protected-access
+  assert _SampleHash(str(big), size) == before
   with open(big, 'r+b') as f:  # In the last block.
     f.seek(size - 1)
     f.write(b'b')
-  assert input_fingerprint._SampleHash(str(big), size) != before  # pylint: disable=protected-access
+  assert _SampleHash(str(big), size) != before
 
 
 def testAVocabThatChangedIsARefusal(tmp_path):
@@ -125,11 +128,10 @@ def testAResumeOnChangedInputWarnsOnceTheFlagSilencesAVocabChangeRefuses(
   new = os.stat(data)
   rc, _, err = lib.Train(*flags, '--max_steps=4')
   assert rc == 0, err[-3000:]
-  when = input_fingerprint._When  # pylint: disable=protected-access
   assert _Warnings(err) == [
       "warning: the training input changed since this logdir's first start: "
       f'{data}: size {old.st_size} -> 2048 bytes, mtime '
-      f'{when(old.st_mtime_ns)} -> {when(new.st_mtime_ns)}, content (sampled '
+      f'{_When(old.st_mtime_ns)} -> {_When(new.st_mtime_ns)}, content (sampled '
       'blocks) differs; training goes on with it as it is now '
       '(--accept_changed_input records it and silences this).'], err[-3000:]
   # The flag: silent, and the file recorded as it is now.
@@ -137,7 +139,7 @@ def testAResumeOnChangedInputWarnsOnceTheFlagSilencesAVocabChangeRefuses(
   assert rc == 0, err[-3000:]
   assert not _Warnings(err), err[-3000:]
   with open(record) as f:
-    assert json.load(f)['files'][data] == input_fingerprint._FileEntry(data)  # pylint: disable=protected-access
+    assert json.load(f)['files'][data] == input_fingerprint._FileEntry(data)
   # A text with tokens its vocab lacks: the vocab's refusal, as before.
   with open(data, 'w') as f:
     f.write('QZXJKV WQY 0123456789 {}[]<>\n' * 50)
