@@ -26,8 +26,9 @@ changes:
   (summaries in DIR/eval_dev); add it to the training jobs
   (--job=controller,trainer_client,evaler_dev) to evaluate as training goes.
   Evalers and decoders print each result (`evaler_dev: step 30  log_pplx
-  3.26 ...`) and stop after the checkpoint of the trainer's last step once
-  training has finished, whatever --max_steps it ran with.
+  3.26 ...`) and stop after the checkpoint of the trainer's last step:
+  the --max_steps it records in DIR/train/training_max_steps, or its
+  training_finished (runtime/training_end.py).
 - One trainer per logdir (a lock on DIR/trainer.lock for the process's
   life); a finished logdir says `already trained to step N (max_steps N):
   nothing to do` and exits with 0.
@@ -42,7 +43,11 @@ changes:
   non-finite tensor and the last good checkpoint; no checkpoint holding
   NaN/Inf is written. A damaged latest checkpoint is skipped for the newest
   intact one, and a damaged `checkpoint` state file is rebuilt from the
-  checkpoints on disk (lingvo_ext/checkpoints/). SIGTERM or SIGHUP (a
+  checkpoints on disk (lingvo_ext/checkpoints/). A resume on training
+  input files that changed since the logdir's first start is one warning
+  line (--accept_changed_input silences it), on a changed vocab a refusal
+  (runtime/input_guard.py); input files that break mid-run save the step,
+  then exit 65. SIGTERM or SIGHUP (a
   cluster stopping the job) saves the current step and exits 0, Ctrl-C the
   same with 130; a second signal, or --shutdown_grace_secs, exits at once
   (143) with the last complete checkpoint as the latest
