@@ -163,13 +163,14 @@ class LocalController(runner_state.RunnerMixin,
 
     Only the first wait after the trainer stopped is cut short: should the
     controller go on (its own stop rule not met), it looks every 10 s again.
-    A stop request (a signal, an input fault) ends it too: the save is next.
+    A cluster's controller (its trainer in another process) also wakes on
+    a stop request (a signal, an input fault): the save is next.
     """
     state = self._run_state
     if self._woken:
       time.sleep(max(0.0, deadline - time.time()))
       return
-    while not state.interrupted.is_set():
+    while not (state.interrupted.is_set() and self._options.distributed):
       left = deadline - time.time()
       if left <= 0:
         return

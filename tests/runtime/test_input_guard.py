@@ -8,6 +8,7 @@ import time
 from lingvo_ext.runtime import input_guard
 from lingvo_ext.runtime import runners
 from lingvo_ext.runtime import shutdown
+from lingvo_ext.runtime import trainer_flags
 
 
 def _Fault(tmp_path, owns=True, grace_s=300):
@@ -67,14 +68,35 @@ def testASignalDuringTheFaultsSaveDoesNotCutIt():
   assert codes == [143]
 
 
-def testTheControllerLooksAtOnceOnAStopRequest():
+def _Controller(distributed):
   state = runners.RunState()
   controller = object.__new__(runners.LocalController)
-  # pylint: disable-next=protected-access
+  # pylint: disable=protected-access
   controller._run_state, controller._woken = state, False
+  controller._options = trainer_flags.Options(
+      cluster_spec='controller=127.0.0.1:1' if distributed else '')
+  return state, controller
+
+
+def testAClustersControllerLooksAtOnceOnAStopRequest():
+  state, controller = _Controller(distributed=True)
   threading.Timer(0.2, state.interrupted.set).start()
   look = threading.Thread(target=controller.WaitForNextLook,
                           args=(time.time() + 3600,), daemon=True)
   look.start()
+  look.join(300)
+  assert not look.is_alive()
+
+
+def testALocalControllerWaitsForItsTrainersStepOnAStopRequest():
+  # Its trainer stops after the step it is on: the save holds that step.
+  state, controller = _Controller(distributed=False)
+  state.interrupted.set()
+  look = threading.Thread(target=controller.WaitForNextLook,
+                          args=(time.time() + 3600,), daemon=True)
+  look.start()
+  look.join(1)
+  assert look.is_alive()
+  state.trainer_done.set()
   look.join(300)
   assert not look.is_alive()
