@@ -5,6 +5,7 @@ LmInput (tasks/input_files.py)."""
 import os
 import re
 import sys
+import time
 
 import lingvo.compat as tf
 from lingvo.tasks.lm import input_generator as lingvo_lm_input
@@ -85,6 +86,11 @@ def _LastLoggedStep(logdir, log='log.controller+trainer_client.txt'):
   with open(os.path.join(logdir, log)) as f:
     steps = re.findall(r'step:\s*(\d+), steps/sec', f.read())
   return max(int(s) for s in steps)
+
+
+def _Read(path):
+  with open(path, errors='replace') as f:
+    return f.read()
 
 
 def _CheckpointGlobalStep(path):
@@ -169,13 +175,19 @@ def testUnderTheLauncherTheInputDeletedMidRunSavesTheLastStepAndExits65(
                           f'--model={lingvo_lm_testlib.MODEL}',
                           f'--logdir={logdir}', '--workers=1',
                           '--network=host', '--max_steps=1000000',
-                          # The controller's own summaries read the input:
-                          # Lingvo's reader aborts a run of them on a
-                          # deleted file (docs/faults.md).
+                          # The controller's summaries read the input:
+                          # Lingvo's reader aborts one run on a deleted
+                          # file (docs/faults.md). One, at its first look.
                           NO_PERIODIC_SAVE +
                           ';train.summary_interval_steps:1000000'],
                          env=env) as run:
     run.WaitFor(r'^\[\w+\] step (\d*[1-9]\d)/', TIMEOUT)
+    # After the controller's one summary run (the first look's).
+    log = os.path.join(logdir, 'launch', 'controller.0.log')
+    deadline = time.monotonic() + TIMEOUT
+    while 'Write summary @' not in _Read(log):
+      assert time.monotonic() < deadline, run.Text()[-3000:]
+      time.sleep(0.5)
     os.remove(data)
     rc = run.Wait(120)
     pids = list(run.Pids().values())
