@@ -26,8 +26,9 @@ changes:
   (summaries in DIR/eval_dev); add it to the training jobs
   (--job=controller,trainer_client,evaler_dev) to evaluate as training goes.
   Evalers and decoders print each result (`evaler_dev: step 30  log_pplx
-  3.26 ...`) and stop after the checkpoint of the trainer's last step once
-  training has finished, whatever --max_steps it ran with.
+  3.26 ...`) and stop after the checkpoint of the trainer's last step:
+  the --max_steps it records in DIR/train/training_max_steps, or its
+  training_finished (runtime/training_end.py).
 - One trainer per logdir (a lock on DIR/trainer.lock for the process's
   life); a finished logdir says `already trained to step N (max_steps N):
   nothing to do` and exits with 0.
@@ -42,7 +43,11 @@ changes:
   non-finite tensor and the last good checkpoint; no checkpoint holding
   NaN/Inf is written. A damaged latest checkpoint is skipped for the newest
   intact one, and a damaged `checkpoint` state file is rebuilt from the
-  checkpoints on disk (lingvo_ext/checkpoints/). SIGTERM or SIGHUP (a
+  checkpoints on disk (lingvo_ext/checkpoints/). A resume on training
+  input files that changed since the logdir's first start is one warning
+  line (--accept_changed_input silences it), on a changed vocab a refusal
+  (runtime/input_guard.py); input files that break mid-run save the step,
+  then exit 65. SIGTERM or SIGHUP (a
   cluster stopping the job) saves the current step and exits 0, Ctrl-C the
   same with 130; a second signal, or --shutdown_grace_secs, exits at once
   (143) with the last complete checkpoint as the latest
@@ -80,6 +85,7 @@ from lingvo.core import py_utils
 
 from lingvo_ext import _startup
 from lingvo_ext import checkpoints
+from lingvo_ext.runtime import input_guard
 from lingvo_ext.runtime import jit_default
 from lingvo_ext.runtime import logdir as logdir_lib
 from lingvo_ext.runtime import memory_check
@@ -90,6 +96,7 @@ from lingvo_ext.runtime import run_params as run_params_lib
 from lingvo_ext.runtime import runners
 from lingvo_ext.runtime import shutdown
 from lingvo_ext.runtime import trainer_flags
+from lingvo_ext.runtime import training_end
 from lingvo_ext._internal import lingvo as internal_lingvo
 from lingvo_ext._internal import process
 from lingvo_ext.distributed import cluster
@@ -303,24 +310,6 @@ def _ServeUntilClientsExit(cluster_spec, code):
   process.ExitNow(code)
 
 
-def _WatchInput(o, cfg):
-  """Lingvo's record input files changed under a run: one line, exit 65."""
-  from lingvo_ext.tasks import input_files  # pylint: disable=g-import-not-at-top
-  if not (o.trains_here or 'trainer_client' in o.jobs) or not o.logdir:
-    return
-  train_dir = os.path.join(o.logdir, 'train')
-
-  def Stop(problem):
-    latest = checkpoints.LatestCheckpoint(train_dir) or 'none yet'
-    print(f'error: {problem}: Lingvo\'s reader would wait for records '
-          'forever or read it as text. Put the data back and run the same '
-          f'command (the last checkpoint is {latest}).', file=sys.stderr,
-          flush=True)
-    process.ExitNow(input_files.EXIT_INPUT_BROKE)
-
-  input_files.StartWatch(cfg.input if 'input' in cfg else None, Stop)
-
-
 def main(unused_argv, options=None, run_state=None, params=None):
   """Runs Lingvo's runners (Run has checked and read the flags).
 
@@ -355,7 +344,11 @@ def main(unused_argv, options=None, run_state=None, params=None):
     # absl's log handler reads it: errors still reach stderr, unless the
     # user gave a threshold.
     FLAGS.stderrthreshold = o.stderrthreshold or 'error'
-  _WatchInput(o, params.Train())
+  input_fault = input_guard.Watch(o, params.Train(), run_state)
+  if o.trains_here and o.logdir:  # Evalers and decoders follow it.
+    training_end.Record(os.path.join(o.logdir, 'train'), (
+        params.Train().train.max_steps if o.max_steps is None else
+        o.max_steps))
   if o.trains_here and not o.distributed:
     _ChooseJit(o, params.Train())
   threads = o.IntraOpThreads()
@@ -371,6 +364,8 @@ def main(unused_argv, options=None, run_state=None, params=None):
     tf.logging.vlog(1, '%s', traceback.format_exc())
     print(f'error: {e}', file=sys.stderr, flush=True)
     return 2
+  if input_fault and run_state.input_problem:
+    input_fault.Exit()  # Exits 65.
   if run_state.interrupted.is_set():
     saved = run_state.final_save.is_set() or not o.trains_here
     code = shutdown.ExitCode(run_state.stop_signal, saved,
@@ -405,7 +400,7 @@ _HELP_FLAGS = ('model', 'logdir', 'max_steps', 'num_cpu_devices',
                'worker_split_size', 'intra_op_threads', 'job',
                'model_params_override', 'plan', 'devices', 'memory_per_device',
                'jit_compile', 'max_nonfinite_steps', 'shutdown_grace_secs',
-               'eval_once', 'eval_checkpoint')
+               'eval_once', 'eval_checkpoint', 'accept_changed_input')
 
 
 def _Help(full):
@@ -470,6 +465,9 @@ def Run(argv=None):
   local = o.logdir and '://' not in o.logdir
   if not error and local and o.trains_here:
     error = logdir_lib.Lock(o.logdir)
+  if not error and local and o.trains_here and o.mode != (
+      'write_inference_graph'):
+    error = input_guard.CheckFingerprint(o, cfg)
   if error:
     print(f'error: {error}', file=sys.stderr)
     return 2

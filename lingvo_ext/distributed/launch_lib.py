@@ -64,6 +64,7 @@ FreePorts = network.FreePorts
 EXIT_NOT_SAVED = 143
 # A task's exit status for a full disk (runtime/disk_space.py: EX_IOERR).
 EXIT_DISK_FULL = 74
+EXIT_INPUT_BROKE = 65  # Its input files broke (tasks/input_files.py).
 # The launcher's exit status when the kernel's OOM killer ended a task.
 EXIT_OOM = 137
 # Exits that the same task would repeat if restarted: the launcher stops the
@@ -386,6 +387,16 @@ class Launcher:
                'complete checkpoint is the latest.')
     return saved
 
+  def SaveAfterInputFault(self, grace_s: float) -> None:
+    """Input broke (exit 65): the controller saves (SIGTERM), then exits."""
+    clients = [t for t in self.tasks if t.job in ('controller', 'chief') and
+               t.proc and t.proc.poll() is None]
+    for t in clients:
+      _KillGroup(t.proc, signal.SIGTERM)
+    cluster.PollUntil(lambda: all(t.proc.poll() is not None for t in clients),
+                      grace_s + 5, 0.1)
+    self._TailOnce()
+
   def StopAll(self, grace_s: float = 10) -> None:
     """Stops every process this launcher started."""
     live = [t for t in self.tasks if t.proc and t.proc.poll() is None]
@@ -486,7 +497,10 @@ def Launch(num_workers: int, trainer_flags: Sequence[str], logdir: str,
     try:
       launcher.StartAll()
       launcher.WaitReady()
-      return launcher.Watch()
+      rc = launcher.Watch()
+      if rc == EXIT_INPUT_BROKE:
+        launcher.SaveAfterInputFault(shutdown_grace_s)
+      return rc
     except KeyboardInterrupt:
       signum = interrupted[0] if interrupted else signal.SIGINT
       try:

@@ -163,12 +163,20 @@ class LocalController(runner_state.RunnerMixin,
 
     Only the first wait after the trainer stopped is cut short: should the
     controller go on (its own stop rule not met), it looks every 10 s again.
+    A cluster's controller (its trainer in another process) also wakes on
+    a stop request (a signal, an input fault): the save is next.
     """
+    state = self._run_state
     if self._woken:
       time.sleep(max(0.0, deadline - time.time()))
-    else:
-      self._woken = self._run_state.trainer_done.wait(
-          max(0.0, deadline - time.time()))
+      return
+    while not (state.interrupted.is_set() and self._options.distributed):
+      left = deadline - time.time()
+      if left <= 0:
+        return
+      if state.trainer_done.wait(min(left, 0.25)):
+        self._woken = True
+        return
 
   def _DequeueThreadComplete(self):
     super()._DequeueThreadComplete()

@@ -2,7 +2,7 @@
 
 Lingvo's Evaler and Decoder, which process the trainer's checkpoints as they
 come, say what they wait for, print each result, and stop after the last
-checkpoint once training has finished.
+checkpoint of training as the trainer defines it (training_end.py).
 """
 
 import os
@@ -17,6 +17,7 @@ from lingvo.core import py_utils
 
 from lingvo_ext import checkpoints
 from lingvo_ext.runtime import runner_state
+from lingvo_ext.runtime import training_end
 
 
 # Seconds between two looks for a new checkpoint of an evaler or decoder.
@@ -49,10 +50,31 @@ class _WaitsForCheckpointsMixin:
   """An evaler or decoder that finishes, and says what it waits for.
 
   It processes the trainer's checkpoints as they come and stops after the
-  last one once training has finished (the controller's `training_finished`
-  file, see checkpoints.MarkTrainingFinished), whatever --max_steps the
-  trainer ran with. Each result is printed on stdout.
+  last one of training: the checkpoint of the trainer's recorded max_steps,
+  or the one the controller's `training_finished` file names
+  (training_end.py), whatever --max_steps the trainer ran with. Each result
+  is printed on stdout.
   """
+
+  def _End(self):
+    if not hasattr(self, '_end'):
+      self._end = training_end.End(
+          self._job_name, self._checkpointer.checkpoint_dir,
+          self._options.max_steps, self.params.train.max_steps,
+          quiet=self._run_state.controller_here.is_set())
+    return self._end
+
+  def _ShouldStop(self, sess=None, step=None, check_early_stop=True):
+    """Lingvo's stops, at the trainer's end instead of the experiment's."""
+    if self._OnceOnly():
+      return super()._ShouldStop(sess, step, check_early_stop)
+    if step is None:
+      step = (py_utils.GetGlobalStep().numpy() if py_utils.IsEagerMode() else
+              sess.run(py_utils.GetGlobalStep()))
+    if step >= self._End().Step():
+      return True
+    # Lingvo's early stops and trials; its max_steps rule is the one above.
+    return super()._ShouldStop(sess, -1, check_early_stop)
 
   def _Finished(self, path):
     """Whether training finished with checkpoint `path` as its last."""
@@ -162,8 +184,8 @@ class _WaitsForCheckpointsMixin:
       else:
         self._waiting.Say(
             path, f'{self._job_name}: done with {path}; waiting for a newer '
-            f'checkpoint in {train_dir} (it stops after the last one of '
-            'training).')
+            f'checkpoint in {train_dir} ({self._End().Says()}, or at '
+            'training_finished).')
       time.sleep(CHECKPOINT_POLL_S)
 
   def _WriteSummaries(self, summary_writer, job_name, global_step, summaries,

@@ -35,6 +35,8 @@ class RunState:
     trainer stops after its step, the controller saves a checkpoint and
     stops, evalers and decoders stop after the checkpoint they are on.
   stop_signal: the signal that set `interrupted`.
+  input_problem: the line of an input fault that set `interrupted`
+    (input_guard.py): the run saves, then exits 65.
   final_save: the controller saved the step it stopped at.
   train_summaries: the controller's train summaries, run with a step of the
     trainer whose model it shares (one_build.py).
@@ -63,6 +65,7 @@ class RunState:
   step_lock: threading.Lock = dataclasses.field(
       default_factory=threading.Lock)
   stop_signal: int = 0
+  input_problem: str = ''
 
 
 def Fail(message, code):

@@ -124,6 +124,12 @@ class StopOnSignals:
     state = self._state
     if signum not in SIGNALS:
       return
+    if state.interrupted.is_set() and not state.stop_signal:
+      # The input broke (input_guard.py): already saving, then exiting.
+      state.stop_signal = signum
+      self._Say(f'{Name(signum)}: already stopping safely (the input broke): '
+                'saving the current step, then exiting.')
+      return
     if state.interrupted.is_set():
       first = state.stop_signal or signum
       self._Say(f'\n{Name(signum)} again: exiting at once, without the final '

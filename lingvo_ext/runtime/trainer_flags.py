@@ -82,6 +82,11 @@ tf.flags.DEFINE_string(
     'eval_checkpoint', '',
     'Evalers and decoders: evaluate this checkpoint (a prefix, e.g. '
     'LOGDIR/train/ckpt-00000100) once and exit.')
+tf.flags.DEFINE_bool(
+    'accept_changed_input', False,
+    'Resume on training input files that changed since the logdir\'s first '
+    'start without the warning, recording them as they are now (a changed '
+    'vocab is still refused). See docs/faults.md.')
 tf.flags.DEFINE_enum(
     'gpipe_engine', 'lingvo_ext', ['lingvo_ext', 'lingvo'],
     "The engine of Lingvo's GPipe layers in the experiment (lingvo.core.gpipe,"
@@ -146,6 +151,7 @@ class Options:
   preempted_exit_code: int = 0
   eval_once: bool = False
   eval_checkpoint: str = ''
+  accept_changed_input: bool = False
   gpipe_engine: str = 'lingvo_ext'
   jit_compile: str = 'auto'
   jit_auto_min_steps: int = 10000

@@ -56,11 +56,21 @@ def _VocabEntries(path, ids_in_file):
   return size
 
 
+_VOCAB_KEYS = ('token_vocab_filepath', 'ngram_vocab_filepath', 'spm_model')
+
+
+def VocabFiles(input_params):
+  """[(override path, file)] of the vocab files an input's tokenizers read."""
+  return [(f'{path_key}.{key}', tok.Get(key))
+          for path_key, tok in _Tokenizers(input_params)
+          for key in _VOCAB_KEYS if key in tok and tok.Get(key)]
+
+
 def CheckVocab(input_params, where):
   """Raises ValueError for a tokenizer vocab file that is missing,
   unreadable, empty or not of the tokenizer's `vocab_size`."""
   for path_key, tok in _Tokenizers(input_params):
-    for key in ('token_vocab_filepath', 'ngram_vocab_filepath', 'spm_model'):
+    for key in _VOCAB_KEYS:
       if key not in tok or not tok.Get(key):
         continue
       path = tok.Get(key)

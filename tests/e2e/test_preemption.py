@@ -162,9 +162,13 @@ def testSigtermBeforeAnyCheckpointSaysSoAndExits0(tmp_path):
 
 
 def _Unfinished(tiny_gpipe_run, dst):
-  """A copy of a finished run as a stopped run leaves it (not finished)."""
+  """A copy of a finished run as a stopped run leaves it (not finished):
+  no training_finished, its recorded max_steps beyond its last step."""
+  # pylint: disable-next=g-import-not-at-top
+  from lingvo_ext.runtime import training_end
   logdir = tiny_gpipe_run.Copy(dst)
   os.remove(os.path.join(logdir, 'train', 'training_finished'))
+  training_end.Record(os.path.join(logdir, 'train'), 1000)
   return logdir
 
 
