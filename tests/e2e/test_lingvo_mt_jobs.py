@@ -70,3 +70,26 @@ def testPlanAutoPlansAndTrainsTheMtStack(lingvo_mt_run, tmp_path):
     key, value = item.strip().split(':', 1)
     assert re.search(r'^%s : %s$' % (re.escape(key), re.escape(
         value.replace('"', "'"))), params, re.M), (item, line)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize('override,expected', [
+    ('input.bucket_upper_bound:[2];input.bucket_batch_limit:[8]',
+     'error: the Train input (input): input.bucket_upper_bound=[2]: none of '
+     'the 600 examples sampled from input.file_pattern fits'),
+    ('input.bucket_upper_bound:[6, 8, 12];input.bucket_batch_limit:[8, 8, 8]',
+     'error: the Train input (input): input.bucket_upper_bound ends at 12, '
+     'above input.source_max_length=10'),
+], ids=['nothing_fits', 'bound_beyond_max_length'])
+def testLengthsAgainstTheBucketsAreOneLineBeforeAnythingIsWritten(
+    lingvo_mt_run, tmp_path, override, expected):
+  # Before: the trainer hung with nothing printed, or retried the failing
+  # batches silently and exited 0.
+  logdir = tmp_path / 'logdir'
+  rc, out = _Run(lingvo_mt_run.pythonpath, [
+      f'--model={mt_testlib.MODEL}', f'--logdir={logdir}', '--max_steps=1',
+      *lingvo_mt_run.flags, f'--model_params_override={override}'])
+  errors = [l for l in out.splitlines() if l.startswith('error:')]
+  assert rc == 2 and len(errors) == 1, out[-3000:]
+  assert errors[0].startswith(expected), errors
+  assert not logdir.exists()
