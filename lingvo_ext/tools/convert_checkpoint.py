@@ -49,7 +49,7 @@ import os
 import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from lingvo_ext import entry_point  # pylint: disable=unused-import,g-bad-import-order
+from lingvo_ext import entry_point  # pylint: disable=g-bad-import-order
 import lingvo.compat as tf
 from lingvo.core import cluster_factory
 from lingvo.core import gpipe as lingvo_gpipe
@@ -375,6 +375,10 @@ def _FromCheckpoint(path):
 
 def main(argv=None) -> int:
   args = _ParseArgs(sys.argv[1:] if argv is None else argv)
+  error = entry_point.ParseFlags()  # Lingvo's layers read some as they build.
+  if error:
+    print('convert_checkpoint: %s' % error, file=sys.stderr)
+    return 2
   args.from_checkpoint, error = _FromCheckpoint(args.from_checkpoint)
   if error:
     print(error, file=sys.stderr)
