@@ -83,6 +83,7 @@ from lingvo_ext import checkpoints
 from lingvo_ext.runtime import jit_default
 from lingvo_ext.runtime import logdir as logdir_lib
 from lingvo_ext.runtime import memory_check
+from lingvo_ext.runtime import plan_prediction
 from lingvo_ext.runtime import param_checks
 from lingvo_ext.runtime import progress
 from lingvo_ext import registry
@@ -342,6 +343,9 @@ def main(unused_argv, options=None, run_state=None, params=None):
   _WatchInput(o, params.Train())
   if o.trains_here and not o.distributed:
     _ChooseJit(o, params.Train())
+    step, max_steps = logdir_lib.ResumeStep(o, params.Train())
+    run_state.plan_check = plan_prediction.Start(
+        o, max(max_steps - (step or 0), 0))
   threads = o.IntraOpThreads()
   if threads:
     tf.logging.info('intra-op threads: %d (--intra_op_threads)', threads)

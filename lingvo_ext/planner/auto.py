@@ -10,8 +10,10 @@ import dataclasses
 from typing import Dict, List, Optional
 
 from lingvo_ext import planner
+from lingvo_ext.planner import machine_cache
 from lingvo_ext.planner import measuring
 from lingvo_ext.planner import tree
+from lingvo_ext.planner import tree_calibration
 from lingvo_ext.tasks import pipeline_tree
 
 # Process memory besides the model, only for the process totals printed
@@ -25,7 +27,8 @@ PROCESS_OVERHEAD_BYTES = 730 * 2**20
 def Machine(num_devices: int, model: Optional[str] = None,
             profile: Optional[planner.ModelProfile] = None,
             overhead_bytes: float = PROCESS_OVERHEAD_BYTES,
-            overrides: str = '', model_params=None, xla: bool = False):
+            overrides: str = '', model_params=None, xla: bool = False,
+            recalibrate: bool = False):
   """This host's Machine, probed under the trainer's session config.
 
   With `model` and `profile`, calibrated (planner.Calibrate) on the model's
@@ -33,25 +36,38 @@ def Machine(num_devices: int, model: Optional[str] = None,
   copies of `model_params`, built with it), timed in turn in this process;
   with `xla` too, XLA's costs on its XLA references (planner.CalibrateXla),
   unless XLA cannot compile the model's cells (then they stay unset, logged).
+  A calibration is cached (machine_cache.py); `recalibrate` times it again.
   """
-  machine = planner.ProbeMachine(planner.SessionConfig(num_devices),
-                                 overhead_bytes=overhead_bytes)
   if model and profile:
     refs = planner.ReferencePlans(profile, devices=num_devices)
-    steps = [planner.BuildExperimentStep(model, ref, overrides, model_params)
-             for ref in refs]
-    xla_refs = (_XlaSteps(model, profile, num_devices, overrides,
-                          model_params) if xla else [])
-    timed = steps + [s for _, s in xla_refs]
-    times = measuring.RoundRobin(
-        [lambda s=s: s[0].run(s[1]) for s in timed], measuring.MEASURE_STEPS, 1)
-    for sess, _ in timed:
-      sess.close()
-    best = [min(t) for t in times]
-    machine = planner.Calibrate(profile, machine, best[:len(steps)])
-    if xla_refs:
-      machine = planner.CalibrateXla(profile, machine, best[len(steps):],
-                                     [ref for ref, _ in xla_refs])
+    key = machine_cache.Key(profile, num_devices, refs, '%s\nxla=%s %d' % (
+        machine_cache.Host(), xla, overhead_bytes))
+    return machine_cache.Cached(key, lambda: _Calibrated(
+        num_devices, model, profile, overhead_bytes, overrides, model_params,
+        xla, refs), recalibrate)
+  return planner.ProbeMachine(planner.SessionConfig(num_devices),
+                              overhead_bytes=overhead_bytes)
+
+
+def _Calibrated(num_devices, model, profile, overhead_bytes, overrides,
+                model_params, xla, refs):
+  """Machine's calibration, timed now."""
+  machine = planner.ProbeMachine(planner.SessionConfig(num_devices),
+                                 overhead_bytes=overhead_bytes)
+  steps = [planner.BuildExperimentStep(model, ref, overrides, model_params)
+           for ref in refs]
+  xla_refs = (_XlaSteps(model, profile, num_devices, overrides,
+                        model_params) if xla else [])
+  timed = steps + [s for _, s in xla_refs]
+  times = measuring.RoundRobin(
+      [lambda s=s: s[0].run(s[1]) for s in timed], measuring.MEASURE_STEPS, 1)
+  for sess, _ in timed:
+    sess.close()
+  best = [min(t) for t in times]
+  machine = planner.Calibrate(profile, machine, best[:len(steps)])
+  if xla_refs:
+    machine = planner.CalibrateXla(profile, machine, best[len(steps):],
+                                   [ref for ref, _ in xla_refs])
   return machine
 
 
@@ -85,7 +101,8 @@ def ChooseForExperiment(model_params, name: str, devices: int,
                         machine: Optional[planner.Machine] = None,
                         calibrate: bool = True,
                         overrides: str = '',
-                        xla: bool = False) -> List[planner.Candidate]:
+                        xla: bool = False,
+                        recalibrate: bool = False) -> List[planner.Candidate]:
   """Ranked predicted plans of an experiment's params (PlanError if none).
 
   Without `machine`, this host's, probed, and with `calibrate` calibrated on
@@ -97,7 +114,7 @@ def ChooseForExperiment(model_params, name: str, devices: int,
   profile = planner.ProfileExperiment(model_params, name)
   machine = machine or Machine(devices, name if calibrate else None, profile,
                                overrides=overrides, model_params=model_params,
-                               xla=xla)
+                               xla=xla, recalibrate=recalibrate)
   jit_choices = ('auto',)
   if xla:
     # Calibrated without XLA's costs: XLA cannot compile the cells.
@@ -127,16 +144,24 @@ def ChooseAndApply(model_params, name: str, devices: int,
 
 def ChooseTreeForExperiment(model_params, name: str, devices: int,
                             memory_per_device: Optional[float] = None,
-                            machine: Optional[planner.Machine] = None):
+                            machine: Optional[planner.Machine] = None,
+                            calibrate: bool = True,
+                            recalibrate: bool = False):
   """Each pipeline of a non-PipelinedTask experiment with its ranked plans.
 
-  Its cells as cut, one replica (planner.tree); the machine probed, not
-  calibrated (the reference plans cut a LayerStack).
+  Its cells as cut, one replica (planner.tree); without `machine`, this
+  host's, probed and with `calibrate` calibrated on the first pipeline's
+  references (planner/tree_calibration.py, cached; `recalibrate` times them
+  again).
   """
   # A time-major Lingvo LM feeding a batch-major pipeline: its one line, not
   # the shape error profiling would meet.
   pipeline_tree.CheckTimeMajorLm(model_params.task)
   pipes = tree.ProfileTree(model_params, name)
+  if machine is None and calibrate:
+    machine = tree_calibration.Calibrate(
+        name, model_params, pipes, devices, recalibrate,
+        overhead_bytes=PROCESS_OVERHEAD_BYTES)
   machine = machine or planner.ProbeMachine(
       planner.SessionConfig(devices), overhead_bytes=PROCESS_OVERHEAD_BYTES)
   return tree.ChooseTree(pipes, devices, memory_per_device, machine)

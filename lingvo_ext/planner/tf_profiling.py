@@ -290,21 +290,23 @@ def RssBytes(field: str = 'VmHWM') -> Optional[float]:
 
 
 def BuildExperimentStep(model: str, plan: Plan, overrides: str = '',
-                        model_params=None):
+                        model_params=None, apply=None):
   """(session, train op) of the experiment under `plan` (TF).
 
   As the trainer builds it: the experiment's params with `overrides` (the
   user's --model_params_override; or a copy of `model_params`, built with
   them) and the plan's, its task on a local worker of plan.devices CPU
   devices split into replicas of plan.devices_per_replica, the trainer's
-  session config.
+  session config. `apply(params, plan)` sets the plan (default ApplyPlan;
+  tree_calibration's sets it on a pipeline that comes cut).
   """
   import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
   from lingvo.core import cluster_factory  # pylint: disable=g-import-not-at-top
   from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
   py_utils.SetEagerMode(False)
-  cfg = ApplyPlan(ExperimentParams(model, overrides=overrides)
-                  if model_params is None else model_params.Copy(), plan)
+  cfg = (apply or ApplyPlan)(ExperimentParams(model, overrides=overrides)
+                             if model_params is None else
+                             model_params.Copy(), plan)
   task_p = cfg.task.Copy()
   task_p.input = cfg.input.Copy()
   cluster = cluster_factory.ForTestingWorker(

@@ -44,6 +44,8 @@ class RunState:
   trainer_done: this process's trainer loop has ended (max_steps, Ctrl-C,
     early stop): the controller, which looks at the step every 10 s, looks
     at once and saves the last checkpoint.
+  plan_check: the trainer's plan_check.PlanCheck, told of each step; None
+    for a run too short for one.
   """
   interrupted: threading.Event = dataclasses.field(
       default_factory=threading.Event)
@@ -58,6 +60,7 @@ class RunState:
   train_summaries: one_build.TrainSummaries = dataclasses.field(
       default_factory=one_build.TrainSummaries)
   stop_signal: int = 0
+  plan_check: object = None
 
 
 def Fail(message, code):

@@ -89,6 +89,13 @@ tf.flags.DEFINE_enum(
     "unset: 'auto' takes the faster (timed once per model and machine) for "
     'runs of --jit_auto_min_steps or more. See docs/performance.md.')
 tf.flags.DEFINE_integer(
+    'plan_check_steps', 50,
+    "The 'plan check:' line (predicted against measured step and peak "
+    'memory) after this many steps (0: no check). See docs/performance.md.')
+tf.flags.DEFINE_float(
+    'plan_check_secs', 30,
+    "The 'plan check:' line no sooner than this many seconds of steps.")
+tf.flags.DEFINE_integer(
     'jit_auto_min_steps', 10000,
     "--jit_compile=auto: the fewest steps to go for which the trainer "
     'times XLA against no XLA; shorter runs build without XLA.')
@@ -144,6 +151,8 @@ class Options:
   gpipe_engine: str = 'lingvo_ext'
   jit_compile: str = 'auto'
   jit_auto_min_steps: int = 10000
+  plan_check_steps: int = 50
+  plan_check_secs: float = 30
   # Lingvo's --interactive: the controller opens a shell instead of looping.
   interactive: bool = False
   # absl's --stderrthreshold as given; '' when not given (then a run that
