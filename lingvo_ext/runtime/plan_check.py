@@ -1,8 +1,8 @@
 """The run's plan checked against what it measured: the `plan check:` line.
 
 Once the step rate is steady (after `Thresholds.min_steps` steps and
-`min_seconds` seconds, whichever comes later, both counted from when the
-prediction is ready), the trainer prints, once:
+`min_seconds` seconds, whichever comes later, both counted from the
+prediction's arrival), the trainer prints, once:
 
   plan check: step 41.2 ms, predicted 39.5 ms (-4%); peak memory 1104 MB,
   predicted 1050 MB (-5%)
@@ -168,8 +168,9 @@ class PlanCheck:
   """Counts the run's steps; prints the check once, when steady.
 
   Args:
-    predicted: A Predicted, or a callable returning one once the
-      prediction is ready (False if it failed: no check), None until then.
+    predicted: A Predicted, or a callable returning one (called at the
+      first step; False if it failed: no check; None: not ready yet, asked
+      again at the next step).
     thresholds: When the rate counts as steady.
     emit: emit(lines, scalars, step), default Emit.
     clock: Seconds.

@@ -150,10 +150,12 @@ def Job(o) -> Dict:
 
 
 class Pending:
-  """The prediction, computed in a fresh process on a thread of its own.
+  """The prediction, computed in a fresh process on a thread of its own
+  (beside the model's build).
 
-  Calling it returns None until it is ready, then the Predicted (False if
-  it failed: the cause is in the log).
+  Calling it waits for it: the Predicted (False if it failed: the cause is
+  in the log). The trainer calls it at its first step, so that the steps
+  the check measures run alone.
   """
 
   def __init__(self, job: Dict, timeout_s: float = TIMEOUT_S):
@@ -179,6 +181,7 @@ class Pending:
       self._result = False
 
   def __call__(self):
+    self._thread.join()
     return self._result
 
 
