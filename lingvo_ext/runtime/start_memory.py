@@ -16,7 +16,7 @@ import contextlib
 import dataclasses
 import logging
 import sys
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from lingvo_ext.distributed import task_health
 from lingvo_ext.runtime import memory_check
@@ -33,11 +33,16 @@ class StartEstimate:
       optimizer slots and the activations the schedule keeps.
     peak_bytes: The fullest device's share.
     activation_bytes: The part of process_bytes that is kept activations.
+    rss_bytes: The process's predicted peak RSS (planner/memory_model.py),
+      runtime included; 0 where no memory constants were given.
+    rss_terms: Its terms, name -> bytes (they add up to rss_bytes).
   """
   plan: object
   process_bytes: float
   peak_bytes: float
   activation_bytes: float
+  rss_bytes: float = 0.
+  rss_terms: Dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 def Profile(model_params):
@@ -116,16 +121,22 @@ def _Half(profile):
                              in_bytes=profile.in_bytes / 2)
 
 
-def Estimate(profile, plan) -> StartEstimate:
-  """The planner's memory prediction of `plan` (prediction.Predict)."""
+def Estimate(profile, plan, constants=None) -> StartEstimate:
+  """The planner's memory prediction of `plan` (prediction.Predict); with
+  `constants` (memory_model.Constants), the process's peak RSS too."""
   from lingvo_ext import planner  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.planner import memory_model  # pylint: disable=g-import-not-at-top
   got = planner.Predict(profile, plan)
   layers = tuple(dataclasses.replace(l, out_bytes=0., kept_bytes=0.)
                  for l in profile.layers)
   bare = planner.Predict(
       dataclasses.replace(profile, layers=layers, in_bytes=0.), plan)
+  rss = {}
+  if constants is not None:
+    rss = memory_model.Predict(profile, plan, constants).Terms()
   return StartEstimate(plan, got.process_bytes, got.peak_bytes,
-                       got.process_bytes - bare.process_bytes)
+                       got.process_bytes - bare.process_bytes,
+                       float(sum(rss.values())), rss)
 
 
 def _Fits(profile, plan, available: float) -> Optional[StartEstimate]:
@@ -367,3 +378,55 @@ def WarnAtStart(model_params, num_cpu_devices: int, split: int,
   if line:
     print(line, file=sys.stderr, flush=True)
     tf.logging.warning('%s', line)
+
+
+def EstimateRun(model_params, num_cpu_devices: int, split: int,
+                constants=None) -> Optional[StartEstimate]:
+  """The StartEstimate of the run the params give, its peak RSS included.
+
+  Args:
+    model_params: The experiment's params (overrides applied).
+    num_cpu_devices: --num_cpu_devices.
+    split: --worker_split_size.
+    constants: memory_model.Constants; None: this machine's
+      (memory_probe.Get, probed on first use).
+
+  Returns:
+    None for an experiment with no pipeline the estimate reads. For one
+    whose pipelines sit in its Params tree: `plan` is the first pipeline's,
+    the bytes all pipelines' and the task's other variables'.
+  """
+  from lingvo_ext.planner import memory_model  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.planner import memory_probe  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.tasks import pipeline_tree  # pylint: disable=g-import-not-at-top
+  task = model_params.task if 'task' in model_params else None
+  if task is None:
+    return None
+  if constants is None:
+    constants = memory_probe.Get(max(1, num_cpu_devices))
+  if pipeline_tree.IsPipelinedTask(task):
+    profile = Profile(model_params)
+    return Estimate(profile, PlanOfParams(profile, task, num_cpu_devices,
+                                          split), constants)
+  from lingvo_ext.planner import tree_memory  # pylint: disable=g-import-not-at-top
+  if not pipeline_tree.Pipelines(task):
+    return None
+  mem = tree_memory.ProfileTaskMemory(model_params)
+  plans = [PlanOfPipeline(pipe, p, num_cpu_devices, split)
+           for pipe, p in zip(mem.pipes, mem.params)]
+  got = [Estimate(pipe.profile, plan) for pipe, plan in zip(mem.pipes, plans)]
+  rss = None
+  for pipe, plan in zip(mem.pipes, plans):
+    one = memory_model.Predict(pipe.profile, plan, constants)
+    rss = one if rss is None else rss.Plus(one)
+  others = mem.other_param_bytes
+  rss = memory_model.Extra(rss, 'variables', others)
+  rss = memory_model.Extra(rss, 'gradients', others)
+  rss = memory_model.Extra(rss, 'optimizer_slots',
+                           others * mem.optimizer_slots)
+  model = others * (2 + mem.optimizer_slots) + sum(
+      g.process_bytes for g in got)
+  return StartEstimate(
+      plans[0], model, others * (2 + mem.optimizer_slots) +
+      max(g.peak_bytes for g in got), sum(g.activation_bytes for g in got),
+      rss.rss_bytes, rss.Terms())
