@@ -13,8 +13,8 @@ total):
   place: prediction.Predict), times `Constants.activation_factor`, the
   allocator's bytes per byte of kept tensor (measured);
 - transient: the step's passing peak beyond them: the gradients of the
-  largest cell's kept activations of one micro-batch while its backward pass
-  runs, times the same factor;
+  largest layer's kept activations of one micro-batch while its backward
+  pass runs, times the same factor;
 - input_pipeline: the batches the input holds (the one in the step and the
   next, INPUT_BATCHES);
 - graph: the step's graph, `GraphOps` times `Constants.bytes_per_op`.
@@ -97,7 +97,6 @@ def ModelTerms(profile: ModelProfile, plan: Plan) -> Dict[str, float]:
   params = float(profile.param_bytes)
   weights = params * (2 + profile.optimizer_slots)
   r = plan.replicas
-  stages = prediction.Stages(profile, plan.sizes)
   mb = plan.replica_batch // plan.num_micro_batches
   return {
       'params': params,
@@ -105,7 +104,7 @@ def ModelTerms(profile: ModelProfile, plan: Plan) -> Dict[str, float]:
       'gradients': params * r,
       'optimizer_slots': params * profile.optimizer_slots,
       'activations': max(got.process_bytes - r * weights, 0.),
-      'transient': max(st.kept_bytes for st in stages) * mb * r,
+      'transient': max(l.kept_bytes for l in profile.layers) * mb * r,
       'input_pipeline': (INPUT_BATCHES * profile.in_bytes *
                          plan.global_batch),
       'ops': float(prediction.GraphOps(profile, plan)),

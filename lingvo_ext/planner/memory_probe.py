@@ -3,13 +3,13 @@
 `Get(num_devices)` reads `$XDG_CACHE_HOME/lingvo_ext/memory_model.json`
 (default ~/.cache), keyed by the machine (CPU model, cores, TensorFlow
 version, oneDNN setting: jit_choice.Machine) and the device count; on a miss
-it runs the probe in a fresh process (its peak RSS its own), writes the
-entry and returns it. Processes probing at once probe once (a lock file).
+it runs the probe (two trainer runs, each a fresh process: its peak RSS its
+own; a minute or two), writes the entry and returns it. Processes probing at once probe once (a lock file).
 Deleting the file, or `python -m lingvo_ext.planner.memory_probe
 --num_devices=N --force`, measures again.
 
-The probe trains two models on N CPU devices, a few steps each, reading its
-peak RSS (VmHWM) after each: lm.TransformerLmTiny (its model bytes a few MB:
+The probe trains two models with the trainer on N CPU devices, a few steps
+each, reading each process's peak RSS (VmHWM): lm.TransformerLmTiny (its model bytes a few MB:
 the peak is the runtime's own, `Constants.runtime_bytes`), then
 lm.TransformerLm at batch PROBE_BATCH, whose kept activations are hundreds
 of MB: the growth beyond its predicted parameters, graph and input, per byte
@@ -29,11 +29,18 @@ from lingvo_ext.planner import memory_model
 
 _CACHE_FILE = 'memory_model.json'
 _LOCK_WAIT_S = 600
-_PROBE_TIMEOUT_S = 600
+_PROBE_TIMEOUT_S = 900
 PROBE_STEPS = 3
+# Set in the probe's trainer runs: their start check predicts nothing (no
+# constants yet).
+_IN_PROBE = 'LINGVO_EXT_IN_MEMORY_PROBE'
+
 PROBE_BATCH = 64
 SMALL_MODEL = 'lm.TransformerLmTiny'
 LARGE_MODEL = 'lm.TransformerLm'
+# Bounds of the fitted activation factor: beyond them the probe measured
+# something else (another process's pages, a failed step).
+FACTOR_RANGE = (0.25, 4.)
 
 
 def CachePath() -> str:
@@ -107,78 +114,79 @@ def Get(num_devices: int, force: bool = False) -> memory_model.Constants:
   with _Lock(path):
     entry = None if force else _Read(path).get(key)
     if entry is None:
-      entry = _RunProbe(num_devices)
+      entry = Measure(num_devices)
       _Write(path, key, entry)
   return _Constants(entry, key)
 
 
-def _RunProbe(num_devices: int):
-  """The probe's entry, from a fresh process."""
-  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2')
-  try:
-    out = subprocess.run(
-        [sys.executable, '-m', 'lingvo_ext.planner.memory_probe',
-         f'--num_devices={num_devices}', '--measure_only'],
-        env=env, capture_output=True, text=True, timeout=_PROBE_TIMEOUT_S,
-        check=False)
-  except subprocess.TimeoutExpired as e:
-    raise RuntimeError('the memory probe did not finish in '
-                       f'{_PROBE_TIMEOUT_S} s') from e
-  lines = [l for l in out.stdout.splitlines() if l.startswith('{')]
-  if out.returncode or not lines:
-    tail = (out.stderr.strip().splitlines() or ['no output'])[-1]
-    raise RuntimeError(f'the memory probe failed (exit {out.returncode}): '
-                       f'{tail}')
-  return json.loads(lines[-1])
+def InProbe() -> bool:
+  """Whether this process is one of the probe's trainer runs."""
+  return bool(os.environ.get(_IN_PROBE))
 
 
-def _Plan(profile, num_devices: int):
-  """One replica over the devices, its layers cut evenly, one micro-batch."""
-  from lingvo_ext.core import partitioning  # pylint: disable=g-import-not-at-top
-  from lingvo_ext.planner.plans import Plan  # pylint: disable=g-import-not-at-top
-  k = min(num_devices, len(profile.layers))
-  sizes = tuple(partitioning.MinMaxPartition(
-      [l.flops for l in profile.layers], k))
-  return Plan(num_cells=k, sizes=sizes, devices_per_replica=k,
-              num_micro_batches=1, schedule='unrolled', recompute=False,
-              replicas=1, gradient_sync='shared', global_batch=profile.batch)
-
-
-def _Measure(model: str, overrides: str, num_devices: int):
-  """(model terms, peak RSS bytes) after PROBE_STEPS steps of `model`."""
-  from lingvo_ext.planner import tf_profiling  # pylint: disable=g-import-not-at-top
-  cfg = tf_profiling.ExperimentParams(model, overrides=overrides)
-  profile = tf_profiling.ProfileExperiment(cfg)
-  plan = _Plan(profile, num_devices)
-  sess, train_op = tf_profiling.BuildExperimentStep(model, plan, overrides)
-  for _ in range(PROBE_STEPS):
-    sess.run(train_op)
-  sess.close()
-  return memory_model.ModelTerms(profile, plan), tf_profiling.RssBytes()
+def TrainerPeak(model: str, overrides: str, num_devices: int,
+                steps: int) -> float:
+  """The peak RSS (ru_maxrss) of the trainer training `model` for `steps`
+  steps on `num_devices` CPU devices, in a fresh process."""
+  import tempfile  # pylint: disable=g-import-not-at-top
+  with tempfile.TemporaryDirectory(prefix='lingvo_ext_memory_probe_') as d:
+    cmd = [sys.executable, '-m', 'lingvo_ext.trainer', f'--model={model}',
+           f'--logdir={d}', f'--num_cpu_devices={num_devices}',
+           f'--worker_split_size={num_devices}', f'--max_steps={steps}',
+           f'--model_params_override={overrides}']
+    env = dict(os.environ, **{_IN_PROBE: '1'})
+    with open(os.path.join(d, 'stderr.txt'), 'w+') as err:
+      proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err,
+                              env=env)
+      deadline = time.monotonic() + _PROBE_TIMEOUT_S
+      while True:
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+          break
+        if time.monotonic() > deadline:
+          proc.kill()
+          proc.wait()
+          raise RuntimeError(f'the memory probe ({model}) did not finish in '
+                             f'{_PROBE_TIMEOUT_S} s')
+        time.sleep(0.2)
+      proc.returncode = code = os.waitstatus_to_exitcode(status)
+      if code:
+        err.seek(0)
+        tail = (err.read().strip().splitlines() or ['no output'])[-1]
+        raise RuntimeError(f'the memory probe ({model}) failed (exit '
+                           f'{code}): {tail}')
+  return usage.ru_maxrss * 1024.
 
 
 def Measure(num_devices: int):
-  """The probe's cache entry (TF; run in a fresh process)."""
+  """The probe's cache entry: two trainer runs, each in a fresh process."""
   from lingvo_ext.planner import calibration  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.runtime import start_memory  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.tasks import experiment_params  # pylint: disable=g-import-not-at-top
   per_op = calibration.DEFAULT_BYTES_PER_OP
-  small, r_small = _Measure(SMALL_MODEL, '', num_devices)
-  large, r_large = _Measure(LARGE_MODEL, f'input.batch_size:{PROBE_BATCH}',
-                            num_devices)
-
-  def Fixed(m):
-    return (m['params'] + m['gradients'] + m['optimizer_slots'] +
-            m['input_pipeline'] + m['ops'] * per_op)
-
-  def Kept(m):
-    return m['activations'] + m['transient']
-
-  factor = max(((r_large - Fixed(large)) - (r_small - Fixed(small))) /
-               max(Kept(large) - Kept(small), 1.), 1.)
-  runtime = r_small - Fixed(small) - factor * Kept(small)
-  return dict(runtime_bytes=runtime, activation_factor=factor,
-              bytes_per_op=per_op, small_rss_bytes=r_small,
-              large_rss_bytes=r_large, probe=f'{SMALL_MODEL}, {LARGE_MODEL} '
-              f'at batch {PROBE_BATCH}, {num_devices} device(s)')
+  unit = memory_model.Constants(runtime_bytes=0., activation_factor=1.,
+                                bytes_per_op=per_op)
+  zero = memory_model.Constants(runtime_bytes=0., activation_factor=0.,
+                                bytes_per_op=per_op)
+  rows = []
+  for model, over in ((SMALL_MODEL, ''),
+                      (LARGE_MODEL, f'input.batch_size:{PROBE_BATCH}')):
+    cfg = experiment_params.GetParams(model, 'Train', over)
+    fixed = start_memory.EstimateRun(cfg, num_devices, num_devices,
+                                     zero).rss_bytes
+    kept = start_memory.EstimateRun(cfg, num_devices, num_devices,
+                                    unit).rss_bytes - fixed
+    rows.append((fixed, kept, TrainerPeak(model, over, num_devices,
+                                          PROBE_STEPS)))
+  (f_s, k_s, r_s), (f_l, k_l, r_l) = rows
+  factor = ((r_l - f_l) - (r_s - f_s)) / max(k_l - k_s, 1.)
+  factor = min(max(factor, FACTOR_RANGE[0]), FACTOR_RANGE[1])
+  return dict(runtime_bytes=r_s - f_s - factor * k_s,
+              activation_factor=factor, bytes_per_op=per_op,
+              small_rss_bytes=r_s, large_rss_bytes=r_l,
+              probe=f'the trainer on {SMALL_MODEL} and on {LARGE_MODEL} at '
+              f'batch {PROBE_BATCH}, {num_devices} device(s), '
+              f'{PROBE_STEPS} steps each')
 
 
 def main(argv):
@@ -189,15 +197,10 @@ def main(argv):
                   help='CPU devices of the runs to predict.')
   ap.add_argument('--force', action='store_true',
                   help='Measure again and replace the cached entry.')
-  ap.add_argument('--measure_only', action='store_true',
-                  help='Print the entry as JSON; write no cache.')
   args = ap.parse_args(argv)
   if args.num_devices < 1:
     print('error: --num_devices must be at least 1.', file=sys.stderr)
     return 2
-  if args.measure_only:
-    print(json.dumps(Measure(args.num_devices)), flush=True)
-    return 0
   c = Get(args.num_devices, force=args.force)
   print(json.dumps(dict(c.ToDict(), cache=CachePath()), indent=1))
   return 0
