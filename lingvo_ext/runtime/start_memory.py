@@ -425,3 +425,30 @@ def _TreeEstimate(mem, num_cpu_devices: int, split: int,
       plans, weights + sum(g.process_bytes for g in got),
       weights + max(g.peak_bytes for g in got),
       sum(g.activation_bytes for g in got), rss.rss_bytes, rss.Terms())
+
+
+def LaunchWarnings(model: str, overrides: str, num_workers: int,
+                   num_cpu_devices: int, split: int, available=None,
+                   source: str = '', constants=None) -> List[str]:
+  """lingvo_ext.launch's start-up check: a line per worker task, prefixed
+  with its name as its other lines, when its share may not fit.
+
+  Each worker holds a replica's cells on its --num_cpu_devices devices
+  (the local trainer's estimate there); the workers share this host, so
+  each may use an even share of what the launcher may use.
+  """
+  from lingvo_ext.tasks import experiment_params  # pylint: disable=g-import-not-at-top
+  if available is None:
+    available, source = memory_check.AvailableBytes()
+  if available is None:
+    return []
+  share = available / max(1, num_workers)
+  if num_workers > 1:
+    source = f'{source or "the memory"} over {num_workers} worker tasks'
+  cfg = experiment_params.GetParams(model, 'Train', overrides)
+  with _LingvoQuiet():
+    line = StartWarning(cfg, num_cpu_devices, min(split, num_cpu_devices),
+                        overrides, share, source, constants)
+  if not line:
+    return []
+  return [f'[worker{t}] {line}' for t in range(num_workers)]

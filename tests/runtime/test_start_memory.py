@@ -294,3 +294,32 @@ def testTheFlagshipsEstimateSizesItsBucketedTimeAxis(flagship):
   line = start_memory.StartWarning(cfg, 2, 2, '', got.rss_bytes - 1, 'x',
                                    _CONSTANTS)
   assert 'task.lm.stack.schedule=' in line, line
+
+
+def testTheLauncherWarnsOncePerWorkerBeforeAnyTaskStarts(monkeypatch,
+                                                         capfd):
+  from lingvo_ext import launch  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.distributed import launch_lib  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.planner import memory_probe  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(memory_check, 'AvailableBytes',
+                      lambda: (2 * 2**20, "the cgroup's memory limit"))
+  monkeypatch.setattr(memory_probe, 'Get', lambda n, force=False: _CONSTANTS)
+  started = []
+
+  def Launch(*args, **kwargs):
+    del args, kwargs
+    started.append(capfd.readouterr().err)
+    return 0
+
+  monkeypatch.setattr(launch_lib, 'Launch', Launch)
+  assert launch.Main(['--model=lm.TransformerLmTinyGPipe',
+                      '--logdir=/nonexistent/x', '--workers=2',
+                      '--worker_split_size=2', '--num_cpu_devices=2']) == 0
+  (err,) = started
+  lines = [l for l in err.splitlines() if 'warning: the run needs' in l]
+  # Each worker holds a replica's 2 cells on its 2 devices: the local
+  # trainer's estimate there, against half of what the launcher may use.
+  want = start_memory.StartWarning(
+      experiment_params.GetParams('lm.TransformerLmTinyGPipe', 'Train'), 2, 2,
+      '', 2**20, "the cgroup's memory limit over 2 worker tasks", _CONSTANTS)
+  assert lines == [f'[worker0] {want}', f'[worker1] {want}'], err
