@@ -340,6 +340,8 @@ def main(unused_argv, options=None, run_state=None, params=None):
     # absl's log handler reads it: errors still reach stderr, unless the
     # user gave a threshold.
     FLAGS.stderrthreshold = o.stderrthreshold or 'error'
+  if o.start_warning:  # Printed by the check, before the log was the file.
+    tf.logging.warning('%s', o.start_warning)
   _WatchInput(o, params.Train())
   if o.trains_here and not o.distributed:
     _ChooseJit(o, params.Train())

@@ -28,7 +28,7 @@ def _IsCounted(op) -> bool:
       t.dtype.is_floating for t in op.outputs)
 
 
-def _Source(t):
+def Source(t):
   """The tensor t aliases through Identity-like ops."""
   while t.op.type in ('Identity', 'EnsureShape', 'StopGradient') and (
       t.op.inputs):
@@ -76,7 +76,7 @@ def KeptBytes(fwd, bwd) -> float:
   kept = {}
   for op in bwd:
     for t in op.inputs:
-      t = _Source(t)
+      t = Source(t)
       if t.op in fwd_set and t.shape.is_fully_defined():
         kept[t.name] = t.shape.num_elements() * t.dtype.size
   return float(sum(kept.values()))

@@ -163,6 +163,10 @@ class Options:
   # Grappler's remapper off in every session config (precision.RemapperOff).
   grappler_remapping: bool = dataclasses.field(default=True,
                                                metadata={'flag': False})
+  # Not a flag: the start-up memory check's warning line (printed on the
+  # console by the check, written to the log once the log is the file's).
+  start_warning: str = dataclasses.field(default='',
+                                         metadata={'flag': False})
 
   @classmethod
   def FromFlags(cls):
