@@ -5,7 +5,8 @@ profiled and their plan read off them; the machine is this host's,
 calibrated on the model's real cells at the run's shapes (planner/auto.py's
 Machine for a PipelinedTask, planner/tree_calibration.py for pipelines that
 come cut), cached per model and machine, so a cold cache costs a
-calibration once. `Start` runs it in a fresh process (forked from a server
+calibration once. The peak RSS is the start-up memory check's model
+(start_memory.EstimateRun, planner/memory_model.py). `Start` runs it in a fresh process (forked from a server
 that imported TF): neither its graphs nor its calibration count in the
 trainer's own peak RSS, which the check measures. plan_check.py prints the
 line.
@@ -52,6 +53,12 @@ def RecalibrateCommand(model: str, devices: int, overrides: str) -> str:
           f'--devices={devices}{text} --recalibrate')
 
 
+def MemoryRecalibrateCommand(num_devices: int) -> str:
+  """The command that measures the memory model's constants again."""
+  return ('.venv/bin/python -m lingvo_ext.planner.memory_probe '
+          f'--num_devices={max(1, num_devices)} --force')
+
+
 def _PipelinedTask(model, cfg, devices, num_cpu_devices, split):
   from lingvo_ext import planner  # pylint: disable=g-import-not-at-top
   from lingvo_ext.planner import auto  # pylint: disable=g-import-not-at-top
@@ -60,14 +67,7 @@ def _PipelinedTask(model, cfg, devices, num_cpu_devices, split):
   plan = start_memory.PlanOfParams(profile, cfg.task, num_cpu_devices, split)
   machine = auto.Machine(devices, model, profile, model_params=cfg)
   got = planner.Predict(profile, plan, machine)
-  estimate = start_memory.Estimate(profile, plan)
-  rss_terms = [('the process baseline (TF runtime)', machine.overhead_bytes),
-               ('the kept activations', estimate.activation_bytes),
-               ('the variables, gradients, slots and graph',
-                got.process_bytes - machine.overhead_bytes -
-                estimate.activation_bytes)]
-  return (got.step_s, got.process_bytes, _StepTerms(profile, plan, machine),
-          rss_terms)
+  return got.step_s, _StepTerms(profile, plan, machine)
 
 
 def _Tree(model, cfg, devices, num_cpu_devices, split):
@@ -75,7 +75,6 @@ def _Tree(model, cfg, devices, num_cpu_devices, split):
   from lingvo_ext.planner import auto  # pylint: disable=g-import-not-at-top
   from lingvo_ext.planner import tree  # pylint: disable=g-import-not-at-top
   from lingvo_ext.planner import tree_calibration  # pylint: disable=g-import-not-at-top
-  from lingvo_ext.planner import tree_memory  # pylint: disable=g-import-not-at-top
   from lingvo_ext.runtime import start_memory  # pylint: disable=g-import-not-at-top
   from lingvo_ext.tasks import pipeline_tree  # pylint: disable=g-import-not-at-top
   pipes = tree.ProfileTree(cfg, model)
@@ -88,19 +87,7 @@ def _Tree(model, cfg, devices, num_cpu_devices, split):
            for pipe in pipes]
   # The others' time is in the fitted fixed time (tree_calibration.py).
   step_s = planner.Predict(pipes[0].profile, plans[0], machine).step_s
-  mem = tree_memory.ProfileTaskMemory(cfg)
-  by_path = {p.path: p for p in mem.pipes}
-  estimates = [start_memory.Estimate(by_path.get(pipe.path, pipe).profile,
-                                     plan) for pipe, plan in zip(pipes, plans)]
-  kept = sum(e.activation_bytes for e in estimates)
-  others = mem.other_param_bytes * (2 + mem.optimizer_slots)
-  weights = sum(e.process_bytes for e in estimates) - kept + others
-  own = auto.PROCESS_OVERHEAD_BYTES
-  rss_terms = [('the process baseline (TF runtime)', own),
-               ('the kept activations', kept),
-               ('the variables, gradients and slots', weights)]
-  return (step_s, own + kept + weights,
-          _StepTerms(pipes[0].profile, plans[0], machine), rss_terms)
+  return step_s, _StepTerms(pipes[0].profile, plans[0], machine)
 
 
 def _EndWithParent(poll_s: float = 0.5) -> None:
@@ -126,18 +113,27 @@ def PredictJob(job: Dict) -> Dict:
     job: model, overrides, file_override, engine (the trainer's flags that
       build its params), devices (planned for), num_cpu_devices, split.
   """
+  from lingvo_ext.runtime import start_memory  # pylint: disable=g-import-not-at-top
   from lingvo_ext.tasks import experiment_params  # pylint: disable=g-import-not-at-top
   from lingvo_ext.tasks import pipeline_tree  # pylint: disable=g-import-not-at-top
   _EndWithParent()
   cfg = experiment_params.GetParams(job['model'], 'Train', job['overrides'],
                                     job['file_override'], job['engine'])
   how = (_PipelinedTask if pipeline_tree.IsPipelinedTask(cfg.task) else _Tree)
-  step_s, rss, step_terms, rss_terms = how(
-      job['model'], cfg, job['devices'], job['num_cpu_devices'], job['split'])
+  step_s, step_terms = how(job['model'], cfg, job['devices'],
+                           job['num_cpu_devices'], job['split'])
+  # The start-up memory check's model (planner/memory_model.py).
+  rss = start_memory.EstimateRun(cfg, job['num_cpu_devices'], job['split'])
+  if rss is None:
+    raise ValueError('the memory model reads no pipeline of the task')
   command = RecalibrateCommand(job['model'], job['devices'], job['overrides'])
   return plan_check.Predicted(
-      step_s=step_s, rss_bytes=rss, step_terms=tuple(step_terms),
-      rss_terms=tuple(rss_terms), recalibrate=command).ToDict()
+      step_s=step_s, rss_bytes=rss.rss_bytes, step_terms=tuple(step_terms),
+      rss_terms=tuple((f"the '{name}' term", b)
+                      for name, b in rss.rss_terms.items()),
+      recalibrate=command,
+      recalibrate_memory=MemoryRecalibrateCommand(
+          job['num_cpu_devices'])).ToDict()
 
 
 def Job(o) -> Dict:
@@ -189,9 +185,12 @@ def Start(o, max_steps) -> 'plan_check.PlanCheck':
   """The trainer's PlanCheck (--plan_check_steps, --plan_check_secs), its
   prediction started; None if the run is too short for a check (or
   --plan_check_steps=0)."""
+  from lingvo_ext.planner import memory_probe  # pylint: disable=g-import-not-at-top
   steps = o.plan_check_steps
   if steps <= 0 or (max_steps is not None and max_steps < steps):
     return None
+  if memory_probe.InProbe():
+    return None  # The memory model's own probe runs: it has no model yet.
   summary_dir = _SummaryDir(o)
   return plan_check.PlanCheck(
       Pending(Job(o)), plan_check.Thresholds(steps, o.plan_check_secs),
