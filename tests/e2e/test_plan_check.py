@@ -24,8 +24,9 @@ LINE = re.compile(r'^plan check: step \d+\.\d ms, predicted \d+\.\d ms '
                   r'\((?:[+-]\d+|0)%\)$', re.M)
 OFF = re.compile(r'^plan check: the (step|peak memory) is predicted \d+% '
                  r'(low|high); its largest term is .+; recalibrate with: '
-                 r'\.venv/bin/python -m lingvo_ext\.tools\.plan '
-                 rf'--model={MODEL} --devices=2 --recalibrate\.$', re.M)
+                 r'\.venv/bin/python -m lingvo_ext\.'
+                 rf'(tools\.plan --model={MODEL} --devices=2 --recalibrate|'
+                 r'planner\.memory_probe --num_devices=2 --force)\.$', re.M)
 
 
 def _Train(logdir, *flags):
