@@ -347,7 +347,7 @@ def main(unused_argv, options=None, run_state=None, params=None):
     _ChooseJit(o, params.Train())
     step, max_steps = logdir_lib.ResumeStep(o, params.Train())
     run_state.plan_check = plan_prediction.Start(
-        o, max(max_steps - (step or 0), 0))
+        o, max(max_steps - (step or 0), 0), stop=run_state.interrupted)
   threads = o.IntraOpThreads()
   if threads:
     tf.logging.info('intra-op threads: %d (--intra_op_threads)', threads)

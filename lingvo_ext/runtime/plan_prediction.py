@@ -150,11 +150,13 @@ class Pending:
   (beside the model's build).
 
   Calling it waits for it: the Predicted (False if it failed: the cause is
-  in the log). The trainer calls it at its first step, so that the steps
-  the check measures run alone.
+  in the log, or if `stop` is set meanwhile: a run told to stop does not
+  wait). The trainer calls it at its first step, so that the steps the
+  check measures run alone.
   """
 
-  def __init__(self, job: Dict, timeout_s: float = TIMEOUT_S):
+  def __init__(self, job: Dict, timeout_s: float = TIMEOUT_S, stop=None):
+    self._stop = stop
     self._result = None
     self._thread = threading.Thread(target=self._Run, args=(job, timeout_s),
                                     daemon=True, name='plan_prediction')
@@ -177,14 +179,18 @@ class Pending:
       self._result = False
 
   def __call__(self):
-    self._thread.join()
+    while self._thread.is_alive():
+      if self._stop is not None and self._stop.is_set():
+        return False
+      self._thread.join(0.2)
     return self._result
 
 
-def Start(o, max_steps) -> 'plan_check.PlanCheck':
+def Start(o, max_steps, stop=None) -> 'plan_check.PlanCheck':
   """The trainer's PlanCheck (--plan_check_steps, --plan_check_secs), its
   prediction started; None if the run is too short for a check (or
-  --plan_check_steps=0)."""
+  --plan_check_steps=0). `stop`: an Event that ends the wait for it (the
+  run's RunState.interrupted)."""
   from lingvo_ext.planner import memory_probe  # pylint: disable=g-import-not-at-top
   steps = o.plan_check_steps
   if steps <= 0 or (max_steps is not None and max_steps < steps):
@@ -193,7 +199,8 @@ def Start(o, max_steps) -> 'plan_check.PlanCheck':
     return None  # The memory model's own probe runs: it has no model yet.
   summary_dir = _SummaryDir(o)
   return plan_check.PlanCheck(
-      Pending(Job(o)), plan_check.Thresholds(steps, o.plan_check_secs),
+      Pending(Job(o), stop=stop),
+      plan_check.Thresholds(steps, o.plan_check_secs),
       emit=lambda lines, scalars, step: plan_check.Emit(
           lines, scalars, step, summary_dir=summary_dir))
 

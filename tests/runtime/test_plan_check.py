@@ -185,3 +185,15 @@ def testTheMachineCacheKeepsACalibrationPerKey(tmp_path):
   machine_cache.Cached(key, Fit, recalibrate=True, path=path)
   assert len(calls) == 2
   assert machine_cache.Read('other', path) is None
+
+
+def testAStoppedRunDoesNotWaitForThePrediction(monkeypatch):
+  import threading  # pylint: disable=g-import-not-at-top
+  release = threading.Event()
+  monkeypatch.setattr(plan_prediction.Pending, '_Run',
+                      lambda self, job, timeout_s: release.wait(60))
+  stop = threading.Event()
+  pending = plan_prediction.Pending({}, stop=stop)
+  stop.set()
+  assert pending() is False
+  release.set()
