@@ -394,7 +394,7 @@ _HELP_FLAGS = ('model', 'logdir', 'max_steps', 'num_cpu_devices',
                'worker_split_size', 'intra_op_threads', 'job',
                'model_params_override', 'plan', 'devices', 'memory_per_device',
                'jit_compile', 'max_nonfinite_steps', 'shutdown_grace_secs',
-               'eval_once', 'eval_checkpoint')
+               'plan_check_steps', 'eval_once', 'eval_checkpoint')
 
 
 def _Help(full):
