@@ -11,10 +11,11 @@ the fastest of --rounds) and reads each one's peak RSS in a fresh process
 it reports:
 
 - Spearman's rank correlation of predicted and measured step times;
-- peak memory: the predicted process peak (model bytes plus a process
-  overhead calibrated once per model, below) against the measured peak RSS,
-  as the relative error |predicted - measured| / measured per plan (mean and
-  worst);
+- step time: the relative error |predicted - measured| / measured per plan
+  (mean and worst);
+- peak memory: the predicted peak RSS (planner/memory_model.py, the
+  start-up check's and the plan check's model) against the measured peak
+  RSS, likewise;
 - chosen vs best: the measured step time of the plan the planner ranks first
   without measuring, over the best measured step time in the sweep, and of
   the plan `--measure` picks after timing its candidates again, round robin
@@ -37,6 +38,8 @@ sweep in their own sessions, and the peak RSS of two of them
   .venv/bin/python bench/plan.py --models fc --devices 2 --markdown
   .venv/bin/python bench/plan.py --micro_batches 1 4   # a shorter sweep
   .venv/bin/python bench/plan.py --xla --markdown      # XLA's effect
+  .venv/bin/python bench/plan.py --models pipelined --markdown  # FC 256-1024,
+      # a Lingvo task LM and an encoder-decoder (bench/plan_models.py)
 """
 
 import dataclasses
@@ -55,12 +58,17 @@ if _REPO not in sys.path:
 
 from lingvo_ext import planner  # pylint: disable=g-import-not-at-top
 from bench import harness  # pylint: disable=g-import-not-at-top,g-bad-import-order
+from bench import plan_models  # pylint: disable=g-import-not-at-top,g-bad-import-order
 from lingvo_ext.core.engine import records  # pylint: disable=g-import-not-at-top
 from lingvo_ext.planner import measuring  # pylint: disable=g-import-not-at-top
 
 FC = 'fc'
 DEFAULT_MODELS = ('lm.TransformerLmTiny', 'image.ConvClassifierTiny', FC)
-# The FC benchmark's size here: large enough that FLOPs, not per-op
+# Where pipelining matters (2 cells can beat 1), a Lingvo task model and an
+# encoder-decoder (bench/plan_models.py): --models pipelined.
+PIPELINED_MODELS = ('fc256', 'fc512', 'fc1024', plan_models.LINGVO_LM,
+                    plan_models.LINGVO_MT)
+# The FC benchmark's size here (`fc`): large enough that FLOPs, not per-op
 # overhead, dominate at M=1, small enough for a sweep of minutes.
 FC_WIDTH = 512
 FC_BATCH = 64
@@ -75,13 +83,13 @@ def _Log(msg: str) -> None:
 # --- The FC benchmark as a planner model (TF) ---------------------------------
 
 
-def FcLayers():
+def FcLayers(width: int = FC_WIDTH):
   """bench/pipeline.py's FC stack with its per-example loss, and its shape."""
   from lingvo.core import tshape  # pylint: disable=g-import-not-at-top
   from bench import pipeline  # pylint: disable=g-import-not-at-top
-  layers = pipeline.LayerParams(FC_MODEL, FC_WIDTH)
+  layers = pipeline.LayerParams(FC_MODEL, width)
   layers.append(pipeline.PerExampleLoss.Params().Set(name='loss'))
-  shape = tshape.Shape([FC_BATCH, pipeline.Widths(FC_MODEL, FC_WIDTH)[0]])
+  shape = tshape.Shape([FC_BATCH, pipeline.Widths(FC_MODEL, width)[0]])
   return layers, shape
 
 
@@ -111,12 +119,13 @@ def Spearman(xs: Sequence[float], ys: Sequence[float]) -> float:
   return cov / (vx * vy) if vx and vy else 0.
 
 
-def FcProfile() -> planner.ModelProfile:
+def FcProfile(model: str = FC) -> planner.ModelProfile:
   """The FC benchmark: linear loss, plain SGD (no slots), its own loss op."""
-  layers, shape = FcLayers()
+  width = plan_models.FcWidth(model)
+  layers, shape = FcLayers(width)
   return planner.ModelProfile(
-      name=FC, layers=tuple(planner.ProfileLayers(layers, shape)),
-      batch=FC_BATCH, in_bytes=4. * FC_WIDTH, optimizer_slots=0,
+      name=model, layers=tuple(planner.ProfileLayers(layers, shape)),
+      batch=FC_BATCH, in_bytes=4. * width, optimizer_slots=0,
       linear_loss=True, loss_ops=2)
 
 
@@ -127,7 +136,7 @@ def FcSessionConfig(num_devices: int):
       intra_op_parallelism_threads=1)
 
 
-def BuildFcStep(plan: planner.Plan):
+def BuildFcStep(plan: planner.Plan, width: int = FC_WIDTH):
   """(session, train op) of the FC benchmark under `plan` (one replica).
 
   As bench/pipeline.py's Step: the cells of the exact FLOPs cut on the plan's
@@ -143,7 +152,7 @@ def BuildFcStep(plan: planner.Plan):
   py_utils.SetEagerMode(False)
   if plan.replicas != 1:
     raise ValueError('the FC benchmark runs one replica.')
-  layers, shape = FcLayers()
+  layers, shape = FcLayers(width)
   cells = gpipe.PartitionSequentialLayers(layers, plan.num_cells, shape)
   graph = tf.Graph()
   d = plan.devices_per_replica
@@ -151,7 +160,7 @@ def BuildFcStep(plan: planner.Plan):
       mode='sync', job='trainer_client', cpus=d, split_size=d):
     tf.random.set_seed(1)
     py_utils.GetOrCreateGlobalStepVar()
-    x = tf.constant(np.random.RandomState(0).randn(FC_BATCH, FC_WIDTH),
+    x = tf.constant(np.random.RandomState(0).randn(FC_BATCH, width),
                     dtype=tf.float32)
     params = dict(schedule=plan.schedule)
     if plan.jit_compile != 'auto':
@@ -178,8 +187,10 @@ def BuildFcStep(plan: planner.Plan):
 
 
 def BuildStep(model: str, plan: planner.Plan):
-  if model == FC:
-    return BuildFcStep(plan)
+  if plan_models.FcWidth(model):
+    return BuildFcStep(plan, plan_models.FcWidth(model))
+  if plan_models.IsTree(model):
+    return plan_models.TreeStep(model, plan)
   return planner.BuildExperimentStep(model, plan)
 
 
@@ -198,17 +209,32 @@ def MeasureJob(job: Dict) -> Dict:
 
 
 def Profile(model: str) -> planner.ModelProfile:
-  if model == FC:
-    return FcProfile()
+  if plan_models.FcWidth(model):
+    return FcProfile(model)
+  if plan_models.IsTree(model):
+    return plan_models.Tree(model)[2][0].profile
   return planner.ProfileExperiment(planner.ExperimentParams(model), model)
+
+
+def ReferencePlans(model: str, profile: planner.ModelProfile,
+                   devices: int) -> List[planner.Plan]:
+  """The plans the model's calibration times."""
+  if plan_models.IsTree(model):
+    from lingvo_ext.planner import tree_calibration  # pylint: disable=g-import-not-at-top
+    return tree_calibration.ReferencePlans(plan_models.Tree(model)[2][0])
+  # The FC benchmark runs one replica: no 'all_reduce' reference.
+  return planner.ReferencePlans(
+      profile, devices=1 if plan_models.FcWidth(model) else devices)
 
 
 def SweepPlans(model: str, profile: planner.ModelProfile, devices: int,
                micro_batches=None) -> List[planner.Plan]:
   """Every plan planner.Enumerate offers on `devices` (the FC benchmark: one
   replica), or only those with M in `micro_batches` if given."""
+  if plan_models.IsTree(model):
+    return plan_models.TreeSweep(profile, devices, micro_batches=micro_batches)
   plans = planner.Enumerate(profile, devices, micro_batches=micro_batches)
-  if model == FC:
+  if plan_models.FcWidth(model):
     plans = [p for p in plans if p.replicas == 1]
   return plans
 
@@ -251,13 +277,11 @@ def RunModel(model: str, devices: int, rounds: int, warmup: int,
   """Predicts and measures every plan of one model; its summary record."""
   t0 = time.time()
   profile = Profile(model)
-  config = (FcSessionConfig(devices) if model == FC
+  config = (FcSessionConfig(devices) if plan_models.FcWidth(model)
             else planner.SessionConfig(devices))
   machine = planner.ProbeMachine(config)
   probe = dataclasses.asdict(machine)
-  # The FC benchmark runs one replica: no 'all_reduce' reference.
-  refs = planner.ReferencePlans(profile,
-                                devices=1 if model == FC else devices)
+  refs = ReferencePlans(model, profile, devices)
   plans = SweepPlans(model, profile, devices, micro_batches)
   _Log('%s: %d plans; building and timing them (%d rounds)' %
        (model, len(plans), rounds))
@@ -265,7 +289,8 @@ def RunModel(model: str, devices: int, rounds: int, warmup: int,
   # separate sessions: their figures calibrate, the sweep's are compared.
   times = TimePlans(model, refs + plans, rounds, warmup)
   ref_rss = Rss(model, refs[:2], measurer)
-  machine = planner.Calibrate(profile, machine, times[:len(refs)], ref_rss)
+  machine = planner.Calibrate(profile, machine, times[:len(refs)], ref_rss,
+                              refs=refs)
   _Log('%s: %.3g FLOP/s, %.2f devices at once, %.1f us per op (x %.2f in '
        'recurrent), %.1f us per hand-off, %.1f us per gate, %.1f ms per '
        'step, %.0f KB per graph op, overhead %s%s' % (
@@ -280,6 +305,11 @@ def RunModel(model: str, devices: int, rounds: int, warmup: int,
   plans = planner.PredictAll(profile, plans, machine)
   plans = [p.Measured(step_s=t, rss_bytes=r) for p, t, r in zip(
       plans, times[len(refs):], Rss(model, plans, measurer))]
+  # The peak RSS as the start-up check and the plan check predict it.
+  from lingvo_ext.planner import memory_probe  # pylint: disable=g-import-not-at-top
+  constants = memory_probe.Get(devices)
+  predicted_rss = {p.Key(): round(plan_models.PredictedRss(
+      model, profile, p.plan, constants)) for p in plans}
   for p in plans:
     _Log('  %-36s predicted %7.1f ms %s, measured %7.1f ms %s' % (
         p.Key(), 1e3 * p.step_s, planner.FormatSize(p.process_bytes),
@@ -313,7 +343,7 @@ def RunModel(model: str, devices: int, rounds: int, warmup: int,
       probe=probe, reference_keys=[p.Key() for p in refs],
       reference_ms=[round(1e3 * t, 3) for t in times[:len(refs)]],
       reference_rss_mb=[round(r / 2**20, 1) for r in ref_rss if r],
-      seconds=round(time.time() - t0))
+      predicted_rss=predicted_rss, seconds=round(time.time() - t0))
 
 
 # --xla: the plans compared with and without XLA-compiled cells, one
@@ -401,12 +431,19 @@ def Summary(model: str, devices: int, plans: Sequence[planner.Plan],
   chosen = planner.Rank(plans)[0]
   by_key = {p.Key(): p for p in plans}
   with_rss = [p for p in plans if p.measured_rss_bytes]
-  mem_err = [abs(p.process_bytes - p.measured_rss_bytes) / p.measured_rss_bytes
-             for p in with_rss]
+  # The memory model's peak RSS (RunModel's predicted_rss) where recorded,
+  # else the planner's process total.
+  rss = fields.get('predicted_rss') or {}
+  mem_err = [abs(rss.get(p.Key(), p.process_bytes) - p.measured_rss_bytes) /
+             p.measured_rss_bytes for p in with_rss]
+  step_err = [abs(p.step_s - p.measured_step_s) / p.measured_step_s
+              for p in plans]
   out = dict(
       model=model, devices=devices, plans=len(plans),
       spearman=round(Spearman([p.step_s for p in plans],
                                       [p.measured_step_s for p in plans]), 3),
+      step_err_mean=round(statistics.mean(step_err), 4),
+      step_err_max=round(max(step_err), 4),
       mem_err_mean=round(statistics.mean(mem_err), 4),
       mem_err_max=round(max(mem_err), 4),
       best_key=min(plans, key=lambda p: p.measured_step_s).Key(),
@@ -493,18 +530,19 @@ def Repredict(record: Dict) -> Dict:
                                       'measure_within', 'measure_rounds_ms')
                if k in record}
   keep = ('probe', 'reference_keys', 'reference_ms', 'reference_rss_mb',
-          'seconds', 'side_by_side_ms')
+          'seconds', 'side_by_side_ms', 'predicted_rss')
   return Summary(record['model'], record['devices'], plans, machine, measure,
                  **{k: record[k] for k in keep if k in record})
 
 
 def Markdown(records: Sequence[Dict]) -> str:
   lines = [
-      '| model | plans | Spearman (step time) | peak RSS error mean / max '
+      '| model | plans | Spearman (step time) | step error mean / max '
+      '| peak RSS error mean / max '
       '| chosen (predicted) | x best: sweep / side by side '
       '| chosen (--measure) | x best: sweep / side by side '
       '| best: sweep / side by side |',
-      '|' + '---|' * 9,
+      '|' + '---|' * 10,
   ]
 
   def Side(r, name):
@@ -517,9 +555,12 @@ def Markdown(records: Sequence[Dict]) -> str:
       measured = '%s, %.1f ms | %.2f / %s' % (
           r['chosen_measure_key'], r['chosen_measure_ms'],
           r['chosen_measure_over_best'], Side(r, 'chosen_measure'))
-    lines.append('| %s | %d | %.2f | %.1f%% / %.1f%% | %s, %.1f ms '
+    step = ('%.1f%% / %.1f%%' % (100 * r['step_err_mean'],
+                                 100 * r['step_err_max'])
+            if 'step_err_mean' in r else '-')
+    lines.append('| %s | %d | %.2f | %s | %.1f%% / %.1f%% | %s, %.1f ms '
                  '| %.2f / %s | %s | %s, %.1f ms / %s |' % (
-                     r['model'], r['plans'], r['spearman'],
+                     r['model'], r['plans'], r['spearman'], step,
                      100 * r['mem_err_mean'], 100 * r['mem_err_max'],
                      r['chosen_key'], r['chosen_ms'], r['chosen_over_best'],
                      Side(r, 'chosen'), measured, r['best_key'],
@@ -545,8 +586,10 @@ def main(argv=None) -> int:
                           markdown_help='Print markdown tables instead of '
                           'JSON lines.')
   parser.add_argument('--models', nargs='+', default=list(DEFAULT_MODELS),
-                      help='Registered experiments and/or "fc" (default '
-                      '%(default)s).')
+                      help='Registered experiments, "fc", "fc256", '
+                      '"fc1024", "lingvo_lm", "lingvo_mt" (bench/'
+                      'plan_models.py), or "pipelined": %s (default '
+                      '%%(default)s).' % ' '.join(PIPELINED_MODELS))
   parser.add_argument('--devices', type=int, default=2,
                       help='CPU devices N (default %(default)s).')
   parser.add_argument('--rounds', type=int, default=measuring.MEASURE_STEPS,
@@ -594,6 +637,9 @@ def main(argv=None) -> int:
     return 0
   if args.devices < 1:
     parser.error('--devices must be >= 1.')
+  models = []
+  for m in args.models:
+    models += list(PIPELINED_MODELS) if m == 'pipelined' else [m]
   error = measuring.TooFewRounds('--rounds', args.rounds, args.measure_top)
   if error:
     parser.error(error)
@@ -602,7 +648,7 @@ def main(argv=None) -> int:
       importlib.import_module('bench.plan').MeasureJob, ['bench.plan'])
   records = []
   t = time.time()
-  for model in args.models:
+  for model in models:
     if args.xla:
       records.append(RunXla(model, args.devices, args.rounds, args.warmup))
       print(json.dumps(records[-1]), flush=True)

@@ -96,6 +96,26 @@ def _FlagValue(flags, name, default=None):
   return value
 
 
+def _WarnOfMemory(trainer_flags, num_workers: int) -> None:
+  """The start-up memory check, per worker task, before any task starts
+  (start_memory.LaunchWarnings); --plan=auto warns with its own. An
+  estimate that cannot be made (a bad flag the tasks will report) prints
+  nothing."""
+  from lingvo_ext.runtime import start_memory  # pylint: disable=g-import-not-at-top
+  if _FlagValue(trainer_flags, 'plan', ''):
+    return
+  try:
+    lines = start_memory.LaunchWarnings(
+        _FlagValue(trainer_flags, 'model'),
+        _FlagValue(trainer_flags, 'model_params_override', ''), num_workers,
+        int(_FlagValue(trainer_flags, 'num_cpu_devices', '1')),
+        int(_FlagValue(trainer_flags, 'worker_split_size', '1')))
+  except Exception:  # pylint: disable=broad-except
+    return  # A warning's estimate never stops the run it warns about.
+  for line in lines:
+    print(line, file=sys.stderr, flush=True)
+
+
 def Main(argv=None):
   argv = sys.argv[1:] if argv is None else argv
   args, trainer_flags = _Parser().parse_known_args(argv)
@@ -159,6 +179,7 @@ def Main(argv=None):
           '0, e.g. 60.', file=sys.stderr)
     return 2
   shutdown.SetTitle(f'lingvo_ext launch {os.path.abspath(logdir)}')
+  _WarnOfMemory(trainer_flags, args.workers)
   return launch_lib.Launch(
       args.workers, trainer_flags, logdir, args.network,
       args.ready_timeout_secs, args.max_restarts,

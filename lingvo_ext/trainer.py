@@ -89,6 +89,7 @@ from lingvo_ext.runtime import input_guard
 from lingvo_ext.runtime import jit_default
 from lingvo_ext.runtime import logdir as logdir_lib
 from lingvo_ext.runtime import memory_check
+from lingvo_ext.runtime import plan_prediction
 from lingvo_ext.runtime import param_checks
 from lingvo_ext.runtime import progress
 from lingvo_ext import registry
@@ -344,6 +345,8 @@ def main(unused_argv, options=None, run_state=None, params=None):
     # absl's log handler reads it: errors still reach stderr, unless the
     # user gave a threshold.
     FLAGS.stderrthreshold = o.stderrthreshold or 'error'
+  if o.start_warning:  # Printed by the check, before the log was the file.
+    tf.logging.warning('%s', o.start_warning)
   input_fault = input_guard.Watch(o, params.Train(), run_state)
   if o.trains_here and o.logdir:  # Evalers and decoders follow it.
     training_end.Record(os.path.join(o.logdir, 'train'), (
@@ -351,6 +354,9 @@ def main(unused_argv, options=None, run_state=None, params=None):
         o.max_steps))
   if o.trains_here and not o.distributed:
     _ChooseJit(o, params.Train())
+    step, max_steps = logdir_lib.ResumeStep(o, params.Train())
+    run_state.plan_check = plan_prediction.Start(
+        o, max(max_steps - (step or 0), 0), stop=run_state.interrupted)
   threads = o.IntraOpThreads()
   if threads:
     tf.logging.info('intra-op threads: %d (--intra_op_threads)', threads)
@@ -400,7 +406,8 @@ _HELP_FLAGS = ('model', 'logdir', 'max_steps', 'num_cpu_devices',
                'worker_split_size', 'intra_op_threads', 'job',
                'model_params_override', 'plan', 'devices', 'memory_per_device',
                'jit_compile', 'max_nonfinite_steps', 'shutdown_grace_secs',
-               'eval_once', 'eval_checkpoint', 'accept_changed_input')
+               'plan_check_steps', 'eval_once', 'eval_checkpoint',
+               'accept_changed_input')
 
 
 def _Help(full):

@@ -97,6 +97,21 @@ def _jit_choice_cache(tmp_path_factory):
   if os.environ.get('PYTEST_XDIST_WORKER'):
     shared = shared.parent
   os.environ['XDG_CACHE_HOME'] = str(shared / 'xdg_cache')
+  _SeedMemoryConstants()
+
+
+# The memory model's constants in the tests' cache: the suite's runs do not
+# spend minutes probing this machine (tests/planner/test_memory_model.py
+# tests the probe's cache; bench/memory.py measures the model against real
+# runs with this machine's own).
+TEST_MEMORY_CONSTANTS = dict(runtime_bytes=900 * 2**20,
+                             activation_factor=1.25, bytes_per_op=12288.)
+
+
+def _SeedMemoryConstants():
+  from lingvo_ext.planner import memory_probe  # pylint: disable=g-import-not-at-top
+  for n in range(1, 9):
+    memory_probe.Seed(n, dict(TEST_MEMORY_CONSTANTS, probe='tests'))
 
 
 @pytest.fixture(scope='session')

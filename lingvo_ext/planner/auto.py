@@ -10,8 +10,10 @@ import dataclasses
 from typing import Dict, List, Optional
 
 from lingvo_ext import planner
+from lingvo_ext.planner import machine_cache
 from lingvo_ext.planner import measuring
 from lingvo_ext.planner import tree
+from lingvo_ext.planner import tree_calibration
 from lingvo_ext.tasks import pipeline_tree
 
 # Process memory besides the model, only for the process totals printed
@@ -25,7 +27,8 @@ PROCESS_OVERHEAD_BYTES = 730 * 2**20
 def Machine(num_devices: int, model: Optional[str] = None,
             profile: Optional[planner.ModelProfile] = None,
             overhead_bytes: float = PROCESS_OVERHEAD_BYTES,
-            overrides: str = '', model_params=None, xla: bool = False):
+            overrides: str = '', model_params=None, xla: bool = False,
+            recalibrate: bool = False):
   """This host's Machine, probed under the trainer's session config.
 
   With `model` and `profile`, calibrated (planner.Calibrate) on the model's
@@ -33,25 +36,38 @@ def Machine(num_devices: int, model: Optional[str] = None,
   copies of `model_params`, built with it), timed in turn in this process;
   with `xla` too, XLA's costs on its XLA references (planner.CalibrateXla),
   unless XLA cannot compile the model's cells (then they stay unset, logged).
+  A calibration is cached (machine_cache.py); `recalibrate` times it again.
   """
-  machine = planner.ProbeMachine(planner.SessionConfig(num_devices),
-                                 overhead_bytes=overhead_bytes)
   if model and profile:
     refs = planner.ReferencePlans(profile, devices=num_devices)
-    steps = [planner.BuildExperimentStep(model, ref, overrides, model_params)
-             for ref in refs]
-    xla_refs = (_XlaSteps(model, profile, num_devices, overrides,
-                          model_params) if xla else [])
-    timed = steps + [s for _, s in xla_refs]
-    times = measuring.RoundRobin(
-        [lambda s=s: s[0].run(s[1]) for s in timed], measuring.MEASURE_STEPS, 1)
-    for sess, _ in timed:
-      sess.close()
-    best = [min(t) for t in times]
-    machine = planner.Calibrate(profile, machine, best[:len(steps)])
-    if xla_refs:
-      machine = planner.CalibrateXla(profile, machine, best[len(steps):],
-                                     [ref for ref, _ in xla_refs])
+    key = machine_cache.Key(profile, num_devices, refs, '%s\nxla=%s %d' % (
+        machine_cache.Host(), xla, overhead_bytes))
+    return machine_cache.Cached(key, lambda: _Calibrated(
+        num_devices, model, profile, overhead_bytes, overrides, model_params,
+        xla, refs), recalibrate)
+  return planner.ProbeMachine(planner.SessionConfig(num_devices),
+                              overhead_bytes=overhead_bytes)
+
+
+def _Calibrated(num_devices, model, profile, overhead_bytes, overrides,
+                model_params, xla, refs):
+  """Machine's calibration, timed now."""
+  machine = planner.ProbeMachine(planner.SessionConfig(num_devices),
+                                 overhead_bytes=overhead_bytes)
+  steps = [planner.BuildExperimentStep(model, ref, overrides, model_params)
+           for ref in refs]
+  xla_refs = (_XlaSteps(model, profile, num_devices, overrides,
+                        model_params) if xla else [])
+  timed = steps + [s for _, s in xla_refs]
+  times = measuring.RoundRobin(
+      [lambda s=s: s[0].run(s[1]) for s in timed], measuring.MEASURE_STEPS, 1)
+  for sess, _ in timed:
+    sess.close()
+  best = [min(t) for t in times]
+  machine = planner.Calibrate(profile, machine, best[:len(steps)])
+  if xla_refs:
+    machine = planner.CalibrateXla(profile, machine, best[len(steps):],
+                                   [ref for ref, _ in xla_refs])
   return machine
 
 
@@ -85,7 +101,8 @@ def ChooseForExperiment(model_params, name: str, devices: int,
                         machine: Optional[planner.Machine] = None,
                         calibrate: bool = True,
                         overrides: str = '',
-                        xla: bool = False) -> List[planner.Candidate]:
+                        xla: bool = False,
+                        recalibrate: bool = False) -> List[planner.Candidate]:
   """Ranked predicted plans of an experiment's params (PlanError if none).
 
   Without `machine`, this host's, probed, and with `calibrate` calibrated on
@@ -97,7 +114,7 @@ def ChooseForExperiment(model_params, name: str, devices: int,
   profile = planner.ProfileExperiment(model_params, name)
   machine = machine or Machine(devices, name if calibrate else None, profile,
                                overrides=overrides, model_params=model_params,
-                               xla=xla)
+                               xla=xla, recalibrate=recalibrate)
   jit_choices = ('auto',)
   if xla:
     # Calibrated without XLA's costs: XLA cannot compile the cells.
@@ -107,19 +124,51 @@ def ChooseForExperiment(model_params, name: str, devices: int,
                         machine, jit_choices=jit_choices)
 
 
+def Fitting(profile, ranked, constants, available: Optional[float],
+            source: str = '', rest: float = 0.):
+  """The ranked candidates whose predicted peak RSS (memory_model, plus
+  `rest` bytes of the process's other pipelines) is within `available`.
+
+  Raises:
+    ValueError: none fits (one line: the least need and the memory).
+  """
+  from lingvo_ext.planner import memory_model  # pylint: disable=g-import-not-at-top
+  if available is None:
+    return list(ranked)
+  needs = [memory_model.Predict(profile, c.plan, constants).rss_bytes + rest
+           for c in ranked]
+  out = [c for c, need in zip(ranked, needs) if need <= available]
+  if not out:
+    size = planner.FormatSize
+    raise ValueError(
+        f'--plan=auto: no plan fits in {source or "the memory"} '
+        f'({size(available)}): the least needs about {size(min(needs))} of '
+        'peak RSS; run on more memory or more --devices, or with bf16 '
+        '(task.fprop_dtype).')
+  return out
+
+
 def ChooseAndApply(model_params, name: str, devices: int,
                    memory_per_device: Optional[float] = None,
                    global_batch: Optional[int] = None,
                    machine: Optional[planner.Machine] = None,
-                   overrides: str = ''):
-  """Picks the best predicted plan and sets it on `model_params`.
+                   overrides: str = '', available: Optional[float] = None,
+                   constants=None, source: str = ''):
+  """Picks the best predicted plan and sets it on `model_params`: the best
+  whose predicted peak RSS fits in `available` bytes (with `constants`,
+  memory_model.Constants), if given.
 
   Returns:
     (the plan, the trainer flags it needs: --num_cpu_devices and
     --worker_split_size as a dict).
   """
-  plan = ChooseForExperiment(model_params, name, devices, memory_per_device,
-                             global_batch, machine, overrides=overrides)[0]
+  ranked = ChooseForExperiment(model_params, name, devices,
+                               memory_per_device, global_batch, machine,
+                               overrides=overrides)
+  if available is not None:
+    ranked = Fitting(planner.ProfileExperiment(model_params, name), ranked,
+                     constants, available, source)
+  plan = ranked[0]
   planner.ApplyPlan(model_params, plan)
   return plan, dict(num_cpu_devices=plan.devices,
                     worker_split_size=plan.devices_per_replica)
@@ -127,16 +176,24 @@ def ChooseAndApply(model_params, name: str, devices: int,
 
 def ChooseTreeForExperiment(model_params, name: str, devices: int,
                             memory_per_device: Optional[float] = None,
-                            machine: Optional[planner.Machine] = None):
+                            machine: Optional[planner.Machine] = None,
+                            calibrate: bool = True,
+                            recalibrate: bool = False):
   """Each pipeline of a non-PipelinedTask experiment with its ranked plans.
 
-  Its cells as cut, one replica (planner.tree); the machine probed, not
-  calibrated (the reference plans cut a LayerStack).
+  Its cells as cut, one replica (planner.tree); without `machine`, this
+  host's, probed and with `calibrate` calibrated on the first pipeline's
+  references (planner/tree_calibration.py, cached; `recalibrate` times them
+  again).
   """
   # A time-major Lingvo LM feeding a batch-major pipeline: its one line, not
   # the shape error profiling would meet.
   pipeline_tree.CheckTimeMajorLm(model_params.task)
   pipes = tree.ProfileTree(model_params, name)
+  if machine is None and calibrate:
+    machine = tree_calibration.Calibrate(
+        name, model_params, pipes, devices, recalibrate,
+        overhead_bytes=PROCESS_OVERHEAD_BYTES)
   machine = machine or planner.ProbeMachine(
       planner.SessionConfig(devices), overhead_bytes=PROCESS_OVERHEAD_BYTES)
   return tree.ChooseTree(pipes, devices, memory_per_device, machine)
@@ -156,6 +213,25 @@ def TreeCommand(model: str, chosen, overrides: str = '') -> str:
           "--model_params_override='%s' --logdir=LOGDIR" %
           (model, flags, planner.JoinOverrides(
               overrides, tree.TreeOverrideString(chosen))))
+
+
+def _FittingTree(ranked, constants, available, source):
+  """[(pipeline, plan)]: each pipeline's best plan on the first's devices
+  whose peak RSS, with the other pipelines' chosen so far (the later ones
+  at their best), fits (memory_model; the runtime counted once)."""
+  from lingvo_ext.planner import memory_model  # pylint: disable=g-import-not-at-top
+  chosen = [(pipe, plans[0]) for pipe, plans in ranked]
+  if available is None:
+    return chosen
+  for i, (pipe, plans) in enumerate(ranked):
+    d = chosen[0][1].devices_per_replica
+    others = sum(memory_model.Predict(p.profile, c.plan, constants).rss_bytes
+                 - constants.runtime_bytes
+                 for j, (p, c) in enumerate(chosen) if j != i)
+    same = [c for c in plans if c.devices_per_replica == d or i == 0]
+    chosen[i] = (pipe, Fitting(pipe.profile, same, constants, available,
+                               source, others)[0])
+  return chosen
 
 
 @dataclasses.dataclass
@@ -198,8 +274,11 @@ def _CheckFlags(devices: int, memory_per_device: Optional[str],
 def PlanParams(model_params, model: str, devices: int,
                memory_per_device: Optional[str] = None,
                overrides: str = '', gpipe_engine: str = 'lingvo_ext',
-               machine: Optional[planner.Machine] = None) -> AutoPlan:
-  """The trainer's --plan=auto on the params it built: the best plan.
+               machine: Optional[planner.Machine] = None,
+               available=None, constants=None) -> AutoPlan:
+  """The trainer's --plan=auto on the params it built: the best plan whose
+  predicted peak RSS (planner/memory_model.py) fits in the memory this
+  process may use.
 
   Args:
     model_params: The experiment's params as the trainer built them (with
@@ -211,19 +290,30 @@ def PlanParams(model_params, model: str, devices: int,
     gpipe_engine: --gpipe_engine; the planner plans lingvo_ext's.
     machine: The machine to plan for (default: this host's, probed and, for
       a PipelinedTask, calibrated on copies of `model_params`).
+    available: The bytes the process may use (default: the cgroup's limit,
+      else the machine's available memory: memory_check.AvailableBytes).
+    constants: memory_model.Constants (default: this machine's,
+      memory_probe.Get).
 
   Raises:
     ValueError: a one-line message naming the flag (a bad size, or no plan
       fits the budget).
   """
+  from lingvo_ext.planner import memory_probe  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.runtime import memory_check  # pylint: disable=g-import-not-at-top
   budget = _CheckFlags(devices, memory_per_device, gpipe_engine)
   cfg = model_params.Copy()
   refusal = pipeline_tree.PlannerRefusal(cfg, model)
   if refusal:
     raise ValueError('--plan=auto: ' + refusal)
+  source = 'the memory'
+  if available is None:
+    available, source = memory_check.AvailableBytes()
+  if available is not None and constants is None:
+    constants = memory_probe.Get(devices)
   if pipeline_tree.IsCut(cfg):
     ranked = ChooseTreeForExperiment(cfg, model, devices, budget, machine)
-    chosen = [(pipe, plans[0]) for pipe, plans in ranked]
+    chosen = _FittingTree(ranked, constants, available, source)
     tree.ApplyTree(cfg, chosen)
     text = tree.TreeOverrideString(chosen)
     flags = TreeFlags(chosen)
@@ -236,7 +326,8 @@ def PlanParams(model_params, model: str, devices: int,
     plan = chosen
   else:
     plan, flags = ChooseAndApply(cfg, model, devices, budget, machine=machine,
-                                 overrides=overrides)
+                                 overrides=overrides, available=available,
+                                 constants=constants, source=source)
     text = planner.OverrideString(plan)
     described = planner.Describe(plan)
     flag_text = ' '.join(planner.TrainerFlags(plan))

@@ -123,7 +123,8 @@ def _CalibrateOneReplica(profile: ModelProfile, machine: Machine,
     step_s: Measured step seconds of the first 2-4 ReferencePlans, in order.
     rss_bytes: Their measured peak RSS (the first two are used), or None.
   """
-  a, b, c, d = refs[:4]
+  a, b = refs[:2]
+  c, d = (list(refs[2:4]) + [None, None])[:2]
   zero = dict(s_per_op=0., step_s=0., recurrent_op_factor=1.,
               recurrent_s_per_byte=0., bytes_per_op=0., overhead_bytes=0.)
 

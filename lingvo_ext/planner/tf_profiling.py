@@ -28,7 +28,7 @@ def _IsCounted(op) -> bool:
       t.dtype.is_floating for t in op.outputs)
 
 
-def _Source(t):
+def Source(t):
   """The tensor t aliases through Identity-like ops."""
   while t.op.type in ('Identity', 'EnsureShape', 'StopGradient') and (
       t.op.inputs):
@@ -76,7 +76,7 @@ def KeptBytes(fwd, bwd) -> float:
   kept = {}
   for op in bwd:
     for t in op.inputs:
-      t = _Source(t)
+      t = Source(t)
       if t.op in fwd_set and t.shape.is_fully_defined():
         kept[t.name] = t.shape.num_elements() * t.dtype.size
   return float(sum(kept.values()))
@@ -290,21 +290,23 @@ def RssBytes(field: str = 'VmHWM') -> Optional[float]:
 
 
 def BuildExperimentStep(model: str, plan: Plan, overrides: str = '',
-                        model_params=None):
+                        model_params=None, apply=None):
   """(session, train op) of the experiment under `plan` (TF).
 
   As the trainer builds it: the experiment's params with `overrides` (the
   user's --model_params_override; or a copy of `model_params`, built with
   them) and the plan's, its task on a local worker of plan.devices CPU
   devices split into replicas of plan.devices_per_replica, the trainer's
-  session config.
+  session config. `apply(params, plan)` sets the plan (default ApplyPlan;
+  tree_calibration's sets it on a pipeline that comes cut).
   """
   import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
   from lingvo.core import cluster_factory  # pylint: disable=g-import-not-at-top
   from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
   py_utils.SetEagerMode(False)
-  cfg = ApplyPlan(ExperimentParams(model, overrides=overrides)
-                  if model_params is None else model_params.Copy(), plan)
+  cfg = (apply or ApplyPlan)(ExperimentParams(model, overrides=overrides)
+                             if model_params is None else
+                             model_params.Copy(), plan)
   task_p = cfg.task.Copy()
   task_p.input = cfg.input.Copy()
   cluster = cluster_factory.ForTestingWorker(

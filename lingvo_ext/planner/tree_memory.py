@@ -63,16 +63,45 @@ def _Bytes(tensors, length: Optional[int], where: str) -> float:
 
 
 def _RecordOutputs(layer, record):
-  """Makes each cell of pipeline `layer` (this instance) record its outputs
-  in `record[cell name]` when the task runs it."""
+  """Makes each cell of pipeline `layer` (this instance) record (its
+  outputs, theta, inputs, its forward ops) in `record[cell name]` when the
+  task runs it."""
+  import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
   for name, cell in layer.Cells():
 
     def FProp(theta, *args, _name=name, _fprop=cell.FProp):
+      g = tf.get_default_graph()
+      n0 = len(g.get_operations())
       outs = _fprop(theta, *args)
-      record.setdefault(_name, outs)
+      record.setdefault(_name, (outs, theta, args, g.get_operations()[n0:]))
       return outs
 
     cell.FProp = FProp
+
+
+def _KeptBytes(outs, theta, args, fwd, length: Optional[int],
+               where: str) -> float:
+  """Bytes of the tensors the cell's forward ops `fwd` make that its
+  backward pass reads (tf.gradients built, never run; tf_profiling's
+  KeptBytes, dims known only at run time taken as `length`)."""
+  import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
+  floats = [o for o in tree.Tensors(outs) if o.dtype.is_floating]
+  if not floats:
+    return 0.
+  g = tf.get_default_graph()
+  n1 = len(g.get_operations())
+  loss = tf.add_n([tf.reduce_sum(o) for o in floats])
+  xs = [t for t in tree.Tensors(theta) + tree.Tensors(args)
+        if t.dtype.is_floating]
+  tf.gradients(loss, xs)
+  fwd_set = set(fwd)
+  kept = {}
+  for op in g.get_operations()[n1:]:
+    for t in op.inputs:
+      t = tf_profiling.Source(t)
+      if t.op in fwd_set:
+        kept[t.name] = _Bytes([t], length, where)
+  return float(sum(kept.values()))
 
 
 def ProfileTaskMemory(model_params, name: str = '',
@@ -118,7 +147,12 @@ def ProfileTaskMemory(model_params, name: str = '',
     elif hasattr(task, 'InstantiateVariables'):
       task.InstantiateVariables()
     param_bytes = tree.TensorBytes(task.vars.Flatten())
-  seq = length or tree.MaxLength(model_params.input)
+    seq = length or tree.MaxLength(model_params.input)
+    kept = {}
+    for path, record in outputs.items():
+      for cell_name, (outs, theta, args, fwd) in record.items():
+        kept[path, cell_name] = _KeptBytes(outs, theta, args, fwd, seq,
+                                           f'task.{path}')
   slots = tf_profiling.OptimizerSlots(task_p)
   for path, p in pipelines:
     if path not in got:
@@ -131,11 +165,12 @@ def ProfileTaskMemory(model_params, name: str = '',
     cells = []
     for name, cell in layers[path].Cells():
       variables = cell.vars.Flatten()
-      out_bytes = _Bytes(tree.Tensors(outputs[path][name]), seq, where) / batch
+      out_bytes = _Bytes(tree.Tensors(outputs[path][name][0]), seq,
+                         where) / batch
       cells.append(LayerProfile(
           name=name, flops=0., fwd_ops=0, bwd_ops=0, num_vars=len(variables),
           param_bytes=int(tree.TensorBytes(variables)), out_bytes=out_bytes,
-          kept_bytes=out_bytes))
+          kept_bytes=max(kept.get((path, name), 0.) / batch, out_bytes)))
     floats = [t for t in args if t.dtype.is_floating]
     pipes.append(tree.TreePipeline(
         path='task.' + path, cls_name=p.cls.__name__,

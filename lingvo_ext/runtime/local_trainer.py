@@ -234,6 +234,8 @@ class LocalTrainer(runner_state.RunnerMixin, lingvo_runners.Trainer):
     self._keep_step.Ran(global_step)
     self._progress.Update(int(global_step), float(metrics['loss'][0]),
                           float(metrics['num_samples_in_batch'][0]))
+    if self._run_state.plan_check:
+      self._run_state.plan_check.Ran(int(global_step))
 
   def _ShouldStop(self, sess=None, step=None, check_early_stop=True):
     if self._run_state.interrupted.is_set():

@@ -62,6 +62,8 @@ def Check(o, params=None):
   except (ValueError, AttributeError, LookupError) as e:
     return runner_state.FirstLine(e), o
   if local_training and not o.plan:  # --plan=auto warns with its own.
-    start_memory.WarnAtStart(cfg, o.num_cpu_devices, split,
-                             o.model_params_override)
+    line = start_memory.WarnAtStart(cfg, o.num_cpu_devices, split,
+                                    o.model_params_override)
+    if line:
+      o = dataclasses.replace(o, start_warning=line)
   return None, o

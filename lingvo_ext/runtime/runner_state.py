@@ -49,6 +49,8 @@ class RunState:
   step_lock: held by this process's trainer around each training step and
     by its controller around a checkpoint's snapshot of the variables and
     step, so that a checkpoint holds the weights of the step it is named by.
+  plan_check: the trainer's plan_check.PlanCheck, told of each step; None
+    for a run too short for one.
   """
   interrupted: threading.Event = dataclasses.field(
       default_factory=threading.Event)
@@ -66,6 +68,7 @@ class RunState:
       default_factory=threading.Lock)
   stop_signal: int = 0
   input_problem: str = ''
+  plan_check: object = None
 
 
 def Fail(message, code):

@@ -16,7 +16,7 @@ import contextlib
 import dataclasses
 import logging
 import sys
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from lingvo_ext.distributed import task_health
 from lingvo_ext.runtime import memory_check
@@ -33,49 +33,28 @@ class StartEstimate:
       optimizer slots and the activations the schedule keeps.
     peak_bytes: The fullest device's share.
     activation_bytes: The part of process_bytes that is kept activations.
+    rss_bytes: The process's predicted peak RSS (planner/memory_model.py),
+      runtime included; 0 where no memory constants were given.
+    rss_terms: Its terms, name -> bytes (they add up to rss_bytes).
   """
   plan: object
   process_bytes: float
   peak_bytes: float
   activation_bytes: float
+  rss_bytes: float = 0.
+  rss_terms: Dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 def Profile(model_params):
-  """The planner's ModelProfile of a PipelinedTask experiment, cheaply.
+  """The planner's ModelProfile of a PipelinedTask experiment, no model built.
 
-  FLOPs and outputs from each layer's FPropMeta, parameter bytes from its
-  variables (each distinct layer instantiated once in a throw-away graph);
-  no FProp is built, so the kept activations are each layer's outputs (a
-  lower bound: the planner's --plan=auto profile counts what the backward
-  pass reads) and the graph's ops are not counted.
+  Each distinct layer is built once in a throw-away graph with its
+  gradients (nothing runs): FLOPs from its FPropMeta, parameter bytes from
+  its variables, and the activations kept as the tensors of its forward pass
+  its backward pass reads (tf_profiling.ProfileLayers).
   """
-  import math  # pylint: disable=g-import-not-at-top
-  from lingvo_ext.core import cost  # pylint: disable=g-import-not-at-top
-  from lingvo_ext import planner  # pylint: disable=g-import-not-at-top
-  task = model_params.task.Copy()
-  task.input = model_params.input.Copy()
-  stack, shapes = task.cls.LayerStack(task)
-  metas = cost.LayerMetas(stack, *shapes)
-  in_shape = shapes[0].ToTensorShape().as_list()
-  batch = int(in_shape[0])
-  sizes = {}
-  layers = []
-  for p, meta in zip(stack, metas):
-    key = p.Copy().Set(name='x').ToText()
-    if key not in sizes:
-      variables = cost.LayerVariables(p)
-      sizes[key] = (sum(math.prod(s) * d.size for _, s, d in variables),
-                    len(variables))
-    out_bytes = cost.ActivationBytes(meta.out_shapes) / batch
-    layers.append(planner.LayerProfile(
-        name=p.name, flops=float(meta.flops) / batch, fwd_ops=0, bwd_ops=0,
-        param_bytes=int(sizes[key][0]), num_vars=sizes[key][1],
-        out_bytes=out_bytes, kept_bytes=out_bytes))
-  return planner.ModelProfile(
-      name=task.name, layers=tuple(layers), batch=batch,
-      in_bytes=4. * math.prod(in_shape[1:]),
-      optimizer_slots=planner.OptimizerSlots(task), linear_loss=False,
-      cell_functions=bool(task.Get('cell_functions')))
+  from lingvo_ext.planner import tf_profiling  # pylint: disable=g-import-not-at-top
+  return tf_profiling.ProfileExperiment(model_params)
 
 
 def DefaultRecompute(record, linear_loss: bool) -> bool:
@@ -116,30 +95,37 @@ def _Half(profile):
                              in_bytes=profile.in_bytes / 2)
 
 
-def Estimate(profile, plan) -> StartEstimate:
-  """The planner's memory prediction of `plan` (prediction.Predict)."""
+def Estimate(profile, plan, constants=None) -> StartEstimate:
+  """The planner's memory prediction of `plan` (prediction.Predict); with
+  `constants` (memory_model.Constants), the process's peak RSS too."""
   from lingvo_ext import planner  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.planner import memory_model  # pylint: disable=g-import-not-at-top
   got = planner.Predict(profile, plan)
   layers = tuple(dataclasses.replace(l, out_bytes=0., kept_bytes=0.)
                  for l in profile.layers)
   bare = planner.Predict(
       dataclasses.replace(profile, layers=layers, in_bytes=0.), plan)
+  rss = {}
+  if constants is not None:
+    rss = memory_model.Predict(profile, plan, constants).Terms()
   return StartEstimate(plan, got.process_bytes, got.peak_bytes,
-                       got.process_bytes - bare.process_bytes)
+                       got.process_bytes - bare.process_bytes,
+                       float(sum(rss.values())), rss)
 
 
-def _Fits(profile, plan, available: float) -> Optional[StartEstimate]:
-  """The plan's estimate if the builder takes it and it fits."""
+def _Fits(profile, plan, available: float,
+          constants) -> Optional[StartEstimate]:
+  """The plan's estimate if the builder takes it and its peak RSS fits."""
   from lingvo_ext.core.engine import records  # pylint: disable=g-import-not-at-top
   if records.RecomputeError(plan.schedule, plan.recompute, '') or (
       records.Refusal(plan.schedule, plan.num_cells, plan.devices_per_replica,
                       plan.num_micro_batches)):
     return None
-  got = Estimate(profile, plan)
-  return got if got.process_bytes <= available else None
+  got = Estimate(profile, plan, constants)
+  return got if got.rss_bytes <= available else None
 
 
-def Overrides(profile, plan, fprop_dtype, available: float,
+def Overrides(profile, plan, fprop_dtype, available: float, constants,
               prefix: str = 'task', bf16: bool = True,
               micro_batch_size: bool = False
               ) -> Optional[Tuple[str, StartEstimate]]:
@@ -153,7 +139,10 @@ def Overrides(profile, plan, fprop_dtype, available: float,
     profile: The planner's ModelProfile.
     plan: The plan the params give.
     fprop_dtype: The params' activation dtype.
-    available: The bytes the model may take (the process's own taken off).
+    available: The peak RSS the plan's estimate may reach (memory_model's,
+      runtime included; for one of several pipelines, the others' bytes
+      taken off).
+    constants: memory_model.Constants.
     prefix: The params path of the pipeline's switches, e.g. 'task.lm.stack'.
     bf16: Whether to try bf16 activations (`task.fprop_dtype`).
     micro_batch_size: Whether the pipeline's params set micro_batch_size
@@ -183,7 +172,7 @@ def Overrides(profile, plan, fprop_dtype, available: float,
     for change, base in changes:
       for m in [base.num_micro_batches] + more:
         candidate = dataclasses.replace(base, num_micro_batches=m)
-        got = _Fits(prof, candidate, available)
+        got = _Fits(prof, candidate, available, constants)
         if got is None:
           continue
         keys = dict(change, **dtype)
@@ -201,9 +190,12 @@ def Overrides(profile, plan, fprop_dtype, available: float,
 
 
 def StartWarning(model_params, num_cpu_devices: int, split: int,
-                 overrides: str = '', available=None,
-                 source: str = '') -> Optional[str]:
+                 overrides: str = '', available=None, source: str = '',
+                 constants=None) -> Optional[str]:
   """The one warning line when the params' plan may not fit, or None.
+
+  The need is the process's predicted peak RSS (EstimateRun); the override
+  named is re-estimated by the same model and fits.
 
   Args:
     model_params: The experiment's params (overrides applied): a
@@ -215,32 +207,34 @@ def StartWarning(model_params, num_cpu_devices: int, split: int,
     available: The bytes the process may use (tests pass a value); None:
       memory_check.AvailableBytes().
     source: Where `available` comes from.
+    constants: memory_model.Constants; None: this machine's (memory_probe).
   """
-  from lingvo_ext.planner import auto  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.planner import memory_probe  # pylint: disable=g-import-not-at-top
   from lingvo_ext.tasks import pipeline_tree  # pylint: disable=g-import-not-at-top
   task = model_params.task if 'task' in model_params else None
   if task is None:
     return None
-  if not pipeline_tree.IsPipelinedTask(task):
-    return TreeWarning(model_params, num_cpu_devices, split, overrides,
-                       available, source)
-  profile = Profile(model_params)
-  plan = PlanOfParams(profile, task, num_cpu_devices, split)
-  got = Estimate(profile, plan)
-  own = auto.PROCESS_OVERHEAD_BYTES  # TensorFlow's and the process's.
   if available is None:
     available, source = memory_check.AvailableBytes()
-  if available is None or got.process_bytes + own <= available:
+  if available is None:
     return None
-  line = NeedLine(got.process_bytes, got.peak_bytes,
-                  f'{Size(got.activation_bytes)} of it '
-                  f'{Kept("task", plan)}', own, available, source)
-  fit = Overrides(profile, plan, task.fprop_dtype, available - own)
+  if constants is None:
+    constants = memory_probe.Get(max(1, num_cpu_devices))
+  if not pipeline_tree.IsPipelinedTask(task):
+    return TreeWarning(model_params, num_cpu_devices, split, overrides,
+                       available, source, constants)
+  profile = Profile(model_params)
+  plan = PlanOfParams(profile, task, num_cpu_devices, split)
+  got = Estimate(profile, plan, constants)
+  if got.rss_bytes <= available:
+    return None
+  line = NeedLine(got, Kept('task', plan), available, source)
+  fit = Overrides(profile, plan, task.fprop_dtype, available, constants)
   if fit is None:
     return line + ('no override of micro-batches, recompute, schedule or '
                    'bf16 fits; use more memory or more devices.')
   text, fits = fit
-  return line + FitLine(fits.process_bytes + own, overrides, text)
+  return line + FitLine(fits.rss_bytes, overrides, text)
 
 
 Size = task_health.FormatBytes
@@ -253,12 +247,19 @@ def Kept(prefix: str, plan) -> str:
           f'{plan.num_micro_batches} micro-batch(es) {rc} recompute')
 
 
-def NeedLine(model: float, peak: float, what: str, own: float,
-             available: float, source: str) -> str:
-  """The warning's first half: the need, what it is, and the memory."""
-  return (f'warning: the run needs about {Size(model + own)}: '
-          f'the model {Size(model)} ({Size(peak)} on its fullest device; '
-          f'{what}) and the process {Size(own)}, but '
+def TermsText(terms) -> str:
+  """'runtime 1.0GB, activations 3.4GB, ...': the terms of 1MB or more, the
+  largest first."""
+  big = sorted(((b, n) for n, b in terms.items() if b >= 2**20),
+               reverse=True)
+  return ', '.join(f'{n} {Size(b)}' for b, n in big)
+
+
+def NeedLine(got: StartEstimate, what: str, available: float,
+             source: str) -> str:
+  """The warning's first half: the need, its terms, and the memory."""
+  return (f'warning: the run needs about {Size(got.rss_bytes)} '
+          f'({TermsText(got.rss_terms)}; the activations: {what}), but '
           f'{source or "the memory"} is {Size(available)}: it may be killed '
           'by the OOM killer; ')
 
@@ -288,8 +289,8 @@ def PlanOfPipeline(pipe, params, num_cpu_devices: int, split: int):
 
 
 def TreeWarning(model_params, num_cpu_devices: int, split: int,
-                overrides: str = '', available=None,
-                source: str = '') -> Optional[str]:
+                overrides: str, available: float, source: str,
+                constants) -> Optional[str]:
   """StartWarning for an experiment whose pipelines sit in its Params tree.
 
   Each pipeline is estimated under its own params; the task's variables
@@ -297,35 +298,26 @@ def TreeWarning(model_params, num_cpu_devices: int, split: int,
   sets one pipeline's switches. None for an experiment with no pipeline (the
   controller checks its built variables).
   """
-  from lingvo_ext.planner import auto  # pylint: disable=g-import-not-at-top
   from lingvo_ext.planner import tree_memory  # pylint: disable=g-import-not-at-top
   from lingvo_ext.tasks import pipeline_tree  # pylint: disable=g-import-not-at-top
   if not pipeline_tree.Pipelines(model_params.task):
     return None
   mem = tree_memory.ProfileTaskMemory(model_params)
-  plans = [PlanOfPipeline(pipe, p, num_cpu_devices, split)
-           for pipe, p in zip(mem.pipes, mem.params)]
-  got = [Estimate(pipe.profile, plan) for pipe, plan in zip(mem.pipes, plans)]
-  others = mem.other_param_bytes * (2 + mem.optimizer_slots)
-  model = others + sum(g.process_bytes for g in got)
-  own = auto.PROCESS_OVERHEAD_BYTES  # TensorFlow's and the process's.
-  if available is None:
-    available, source = memory_check.AvailableBytes()
-  if available is None or model + own <= available:
+  got = _TreeEstimate(mem, num_cpu_devices, split, constants)
+  if got.rss_bytes <= available:
     return None
   kept = ' and '.join(Kept(pipe.path, plan)
-                      for pipe, plan in zip(mem.pipes, plans))
-  line = NeedLine(model, others + max(g.peak_bytes for g in got),
-                  f'{Size(sum(g.activation_bytes for g in got))} of it {kept}',
-                  own, available, source)
-  for pipe, plan, g in zip(mem.pipes, plans, got):
-    rest = model - g.process_bytes
-    fit = Overrides(pipe.profile, plan, None, available - own - rest,
+                      for pipe, plan in zip(mem.pipes, got.plan))
+  line = NeedLine(got, kept, available, source)
+  for pipe, plan in zip(mem.pipes, got.plan):
+    own = Estimate(pipe.profile, plan, constants).rss_bytes
+    rest = got.rss_bytes - own
+    fit = Overrides(pipe.profile, plan, None, available - rest, constants,
                     prefix=pipe.path, bf16=False,
                     micro_batch_size=bool(pipe.micro_batch_size))
     if fit is not None:
       text, fits = fit
-      return line + FitLine(rest + fits.process_bytes + own, overrides, text)
+      return line + FitLine(rest + fits.rss_bytes, overrides, text)
   return line + ('no override of micro-batches, recompute or schedule fits; '
                  'use more memory or more devices.')
 
@@ -345,8 +337,12 @@ def _LingvoQuiet():
 
 
 def WarnAtStart(model_params, num_cpu_devices: int, split: int,
-                overrides: str) -> None:
-  """Prints StartWarning's line, if any, to stderr (and the log).
+                overrides: str, prefix: str = '') -> Optional[str]:
+  """Prints StartWarning's line, if any, to stderr, once; returns it (the
+  trainer writes it to its log once the log goes to the file).
+
+  In the memory probe's own trainer runs it predicts nothing (its constants
+  are being measured).
 
   An experiment the estimate cannot read (a layer without FPropMeta, a task
   whose throw-away build fails) gets no line, a note in the log: the real
@@ -354,6 +350,9 @@ def WarnAtStart(model_params, num_cpu_devices: int, split: int,
   variables still runs.
   """
   import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.planner import memory_probe  # pylint: disable=g-import-not-at-top
+  if memory_probe.InProbe():
+    return None
   try:
     # The estimate instantiates the layers: Lingvo's warnings about them
     # belong to the real build, after the trainer's first line.
@@ -363,7 +362,93 @@ def WarnAtStart(model_params, num_cpu_devices: int, split: int,
     # A warning's estimate never stops the run it warns about.
     tf.logging.info('No memory estimate at start: %s: %s',
                     type(e).__name__, e)
-    return
+    return None
   if line:
+    line = prefix + line
     print(line, file=sys.stderr, flush=True)
-    tf.logging.warning('%s', line)
+  return line
+
+
+def EstimateRun(model_params, num_cpu_devices: int, split: int,
+                constants=None) -> Optional[StartEstimate]:
+  """The StartEstimate of the run the params give, its peak RSS included.
+
+  Args:
+    model_params: The experiment's params (overrides applied).
+    num_cpu_devices: --num_cpu_devices.
+    split: --worker_split_size.
+    constants: memory_model.Constants; None: this machine's
+      (memory_probe.Get, probed on first use).
+
+  Returns:
+    None for an experiment with no pipeline the estimate reads. For one
+    whose pipelines sit in its Params tree: `plan` is the list of each
+    pipeline's, the bytes all pipelines' and the task's other variables'.
+  """
+  from lingvo_ext.planner import memory_probe  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.tasks import pipeline_tree  # pylint: disable=g-import-not-at-top
+  task = model_params.task if 'task' in model_params else None
+  if task is None:
+    return None
+  if constants is None:
+    constants = memory_probe.Get(max(1, num_cpu_devices))
+  if pipeline_tree.IsPipelinedTask(task):
+    profile = Profile(model_params)
+    return Estimate(profile, PlanOfParams(profile, task, num_cpu_devices,
+                                          split), constants)
+  from lingvo_ext.planner import tree_memory  # pylint: disable=g-import-not-at-top
+  if not pipeline_tree.Pipelines(task):
+    return None
+  return _TreeEstimate(tree_memory.ProfileTaskMemory(model_params),
+                       num_cpu_devices, split, constants)
+
+
+def _TreeEstimate(mem, num_cpu_devices: int, split: int,
+                  constants) -> StartEstimate:
+  """EstimateRun of a tree_memory.TaskMemory; `plan` is the list of each
+  pipeline's plan."""
+  from lingvo_ext.planner import memory_model  # pylint: disable=g-import-not-at-top
+  plans = [PlanOfPipeline(pipe, p, num_cpu_devices, split)
+           for pipe, p in zip(mem.pipes, mem.params)]
+  got = [Estimate(pipe.profile, plan) for pipe, plan in zip(mem.pipes, plans)]
+  rss = None
+  for pipe, plan in zip(mem.pipes, plans):
+    one = memory_model.Predict(pipe.profile, plan, constants)
+    rss = one if rss is None else rss.Plus(one)
+  others = mem.other_param_bytes
+  rss = memory_model.Extra(rss, 'variables', others)
+  rss = memory_model.Extra(rss, 'gradients', others)
+  rss = memory_model.Extra(rss, 'optimizer_slots',
+                           others * mem.optimizer_slots)
+  weights = others * (2 + mem.optimizer_slots)
+  return StartEstimate(
+      plans, weights + sum(g.process_bytes for g in got),
+      weights + max(g.peak_bytes for g in got),
+      sum(g.activation_bytes for g in got), rss.rss_bytes, rss.Terms())
+
+
+def LaunchWarnings(model: str, overrides: str, num_workers: int,
+                   num_cpu_devices: int, split: int, available=None,
+                   source: str = '', constants=None) -> List[str]:
+  """lingvo_ext.launch's start-up check: a line per worker task, prefixed
+  with its name as its other lines, when its share may not fit.
+
+  Each worker holds a replica's cells on its --num_cpu_devices devices
+  (the local trainer's estimate there); the workers share this host, so
+  each may use an even share of what the launcher may use.
+  """
+  from lingvo_ext.tasks import experiment_params  # pylint: disable=g-import-not-at-top
+  if available is None:
+    available, source = memory_check.AvailableBytes()
+  if available is None:
+    return []
+  share = available / max(1, num_workers)
+  if num_workers > 1:
+    source = f'{source or "the memory"} over {num_workers} worker tasks'
+  cfg = experiment_params.GetParams(model, 'Train', overrides)
+  with _LingvoQuiet():
+    line = StartWarning(cfg, num_cpu_devices, min(split, num_cpu_devices),
+                        overrides, share, source, constants)
+  if not line:
+    return []
+  return [f'[worker{t}] {line}' for t in range(num_workers)]

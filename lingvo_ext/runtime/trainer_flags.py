@@ -98,6 +98,13 @@ tf.flags.DEFINE_enum(
     "unset: 'auto' takes the faster (timed once per model and machine) for "
     'runs of --jit_auto_min_steps or more. See docs/performance.md.')
 tf.flags.DEFINE_integer(
+    'plan_check_steps', 50,
+    "The 'plan check:' line (predicted against measured step and peak "
+    'memory) after this many steps (0: no check). See docs/performance.md.')
+tf.flags.DEFINE_float(
+    'plan_check_secs', 30,
+    "The 'plan check:' line no sooner than this many seconds of steps.")
+tf.flags.DEFINE_integer(
     'jit_auto_min_steps', 10000,
     "--jit_compile=auto: the fewest steps to go for which the trainer "
     'times XLA against no XLA; shorter runs build without XLA.')
@@ -155,6 +162,8 @@ class Options:
   gpipe_engine: str = 'lingvo_ext'
   jit_compile: str = 'auto'
   jit_auto_min_steps: int = 10000
+  plan_check_steps: int = 50
+  plan_check_secs: float = 30
   # Lingvo's --interactive: the controller opens a shell instead of looping.
   interactive: bool = False
   # absl's --stderrthreshold as given; '' when not given (then a run that
@@ -165,6 +174,10 @@ class Options:
   # Grappler's remapper off in every session config (precision.RemapperOff).
   grappler_remapping: bool = dataclasses.field(default=True,
                                                metadata={'flag': False})
+  # Not a flag: the start-up memory check's warning line (printed on the
+  # console by the check, written to the log once the log is the file's).
+  start_warning: str = dataclasses.field(default='',
+                                         metadata={'flag': False})
 
   @classmethod
   def FromFlags(cls):

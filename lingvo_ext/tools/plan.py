@@ -75,7 +75,9 @@ def _MainTree(args, cfg) -> int:
   from lingvo_ext.planner import tree  # pylint: disable=g-import-not-at-top
   try:
     ranked = auto.ChooseTreeForExperiment(cfg, args.model, args.devices,
-                                          args.memory_bytes)
+                                          args.memory_bytes,
+                                          calibrate=args.calibrate,
+                                          recalibrate=args.recalibrate)
   except ValueError as e:  # PlanError, or a bad param: one line.
     return _Fail(str(e).strip().split('\n')[0])
   chosen = [(pipe, plans[0]) for pipe, plans in ranked]
@@ -99,12 +101,13 @@ def _MainTree(args, cfg) -> int:
     return 0
   for pipe, plans in ranked:
     print('%d plans for %s (%s, its %d cells as the experiment cuts them) on '
-          '%d devices%s, fastest first (predicted, machine probed, not '
-          'calibrated):' % (
+          '%d devices%s, fastest first (predicted, %s):' % (
               len(plans), pipe.path, pipe.cls_name, len(pipe.profile.layers),
               args.devices,
               (' within %s each' % planner.FormatSize(args.memory_bytes)
-               if args.memory_bytes else '')))
+               if args.memory_bytes else ''),
+              'calibrated on its own cells' if args.calibrate else
+              'machine probed, not calibrated'))
     if pipe.length:
       print('  sized for ' + pipe.length.Describe())
     print(planner.Table(plans, args.limit))
@@ -158,7 +161,12 @@ def _ParseArgs(argv):
   parser.add_argument(
       '--calibrate', action=argparse.BooleanOptionalAction, default=True,
       help='Time the model\'s reference plans first to fit the cost model '
-      '(default); --no-calibrate uses the machine probe alone.')
+      '(default; cached per model and machine); --no-calibrate uses the '
+      'machine probe alone.')
+  parser.add_argument(
+      '--recalibrate', action='store_true',
+      help='Time the reference plans again even if a calibration is cached '
+      '(what a plan check off by more than 25%% suggests).')
   parser.add_argument(
       '--xla', action='store_true',
       help='Plan each choice with and without XLA-compiled cells '
@@ -226,7 +234,8 @@ def main(argv=None) -> int:
                                      args.memory_bytes, args.global_batch,
                                      calibrate=args.calibrate,
                                      overrides=args.model_params_override,
-                                     xla=args.xla)
+                                     xla=args.xla,
+                                     recalibrate=args.recalibrate)
   except ValueError as e:  # PlanError, or a bad param: one line.
     return _Fail(str(e).strip().split('\n')[0])
   noise = None

@@ -53,7 +53,7 @@ def ShortDevice(device: str) -> str:
   return m.group(1) if m else device
 
 
-def _DeviceNames(devices: Sequence[str]) -> Dict[str, str]:
+def DeviceNames(devices: Sequence[str]) -> Dict[str, str]:
   """Short names, with the job and task where tasks share them."""
   short = {d: ShortDevice(d) for d in devices}
   if len(set(short.values())) == len(set(devices)):
@@ -117,7 +117,7 @@ def BusyIntervals(step_stats) -> Dict[str, List[Interval]]:
     (`_NOT_BUSY_OPS`) are left out. Devices with no busy node are kept, empty.
   """
   out = collections.defaultdict(list)
-  names = _DeviceNames([dev.device for dev in step_stats.dev_stats])
+  names = DeviceNames([dev.device for dev in step_stats.dev_stats])
   for dev in step_stats.dev_stats:
     name = names[dev.device]
     out[name]  # pylint: disable=pointless-statement
@@ -239,7 +239,7 @@ def StepStatsToChrome(step_stats) -> Dict:
     thread per device, named by `BusyIntervals`' device names), for
     `WriteJson`; open it in https://ui.perfetto.dev or chrome://tracing.
   """
-  names = _DeviceNames([dev.device for dev in step_stats.dev_stats])
+  names = DeviceNames([dev.device for dev in step_stats.dev_stats])
   t0 = min((n.all_start_micros for dev in step_stats.dev_stats
             for n in dev.node_stats), default=0)
   events = [dict(ph='M', name='process_name', pid=0, tid=0,
@@ -351,7 +351,8 @@ def _Color(label: str, num_micro_batches: int):
 def PlotGantt(intervals: Dict[str, Sequence[Interval]],
               path: str,
               title: str = '',
-              host_events: Optional[Sequence[HostEvent]] = None) -> float:
+              host_events: Optional[Sequence[HostEvent]] = None,
+              split=None) -> float:
   """Writes a PNG Gantt chart of one step; returns its idle fraction.
 
   One row per device with the busy intervals (forward blue, backward orange,
@@ -364,6 +365,9 @@ def PlotGantt(intervals: Dict[str, Sequence[Interval]],
     path: The PNG file to write.
     title: Prefix of the title; the idle fraction is appended.
     host_events: Optional, from `HostOpEvents`.
+    split: Optional, idle_split.Split's: then the idle time is drawn as
+      bubble (red: waits on another device) and overhead (grey), both in
+      the legend and the title.
 
   Returns:
     `IdleFraction(intervals)`.
@@ -375,6 +379,7 @@ def PlotGantt(intervals: Dict[str, Sequence[Interval]],
 
   idle = IdleFraction(intervals)
   t0, t1 = Span(intervals)
+  bubbles = None if split is None else split.bubbles
   mbs = [MicroBatch(l) for v in intervals.values() for (_, _, l) in v]
   num_mb = max([m for m in mbs if m is not None] or [0]) + 1
   panels = 2 if host_events else 1
@@ -386,7 +391,12 @@ def PlotGantt(intervals: Dict[str, Sequence[Interval]],
   devices = list(intervals)
   for row, dev in enumerate(devices):
     ax.broken_barh([(0, (t1 - t0) / 1e3)], (row - 0.4, 0.8),
-                   facecolor='mistyrose', edgecolor='none', hatch='//')
+                   facecolor='mistyrose' if bubbles is None else '0.92',
+                   edgecolor='none', hatch='//' if bubbles is None else '..')
+    if bubbles is not None:
+      ax.broken_barh([((s - t0) / 1e3, (e - s) / 1e3)
+                      for s, e in bubbles.get(dev, ())], (row - 0.4, 0.8),
+                     facecolor='mistyrose', edgecolor='none', hatch='//')
     ivs = intervals[dev]
     ax.broken_barh([((s - t0) / 1e3, (e - s) / 1e3) for s, e, _ in ivs],
                    (row - 0.4, 0.8),
@@ -399,12 +409,17 @@ def PlotGantt(intervals: Dict[str, Sequence[Interval]],
   ax.set_xlabel('ms since the first op (step stats; one row per device)')
   handles = [patches.Patch(color=_Color(p, 1), label=p)
              for p in ('fwd', 'bwd', 'update')]
-  handles.append(patches.Patch(facecolor='mistyrose', hatch='//',
-                               label='idle (bubble)'))
+  handles.append(patches.Patch(facecolor='mistyrose', hatch='//', label=(
+      'idle (bubble)' if bubbles is None else
+      'bubble (waits on another device)')))
+  if bubbles is not None:
+    handles.append(patches.Patch(facecolor='0.92', hatch='..',
+                                 label='overhead (nothing runs or waits)'))
   # Below the axes: inside them, the legend hides the last device's bars.
   ax.legend(handles=handles, loc='upper center', bbox_to_anchor=(0.5, -0.22),
             fontsize=7, ncol=4, frameon=False)
-  ax.set_title('%s  idle fraction %.1f%%' % (title, 100 * idle))
+  ax.set_title('%s  %s' % (title, 'idle fraction %.1f%%' % (100 * idle)
+                            if split is None else split.Describe()))
   if host_events:
     hx = axes[1][0]
     threads = sorted({e[0] for e in host_events})

@@ -17,6 +17,7 @@ from typing import Dict, List, Optional, Tuple
 from lingvo_ext.core.engine import kinds
 from lingvo_ext.core.engine import records
 from lingvo_ext.core.engine import simulate
+from lingvo_ext.tracing import idle_split
 from lingvo_ext.tracing import step_trace
 
 # Colours per action kind, as in the schedule papers' figures.
@@ -184,10 +185,13 @@ def DrawMeasured(run_metadata, out: str, trace_json: str,
     run_metadata: A `tf.compat.v1.RunMetadata` of a FULL_TRACE step.
     out: The picture, .png or .svg.
     trace_json: The Chrome trace to write.
-    title: The picture's title; the idle fraction is appended.
+    title: The picture's title; the idle fraction is appended, split into
+      bubble and overhead (idle_split.py).
   """
   intervals = step_trace.BusyIntervals(run_metadata.step_stats)
-  idle = step_trace.PlotGantt(intervals, out, title=title)
+  split = idle_split.Split(intervals,
+                           idle_split.WaitIntervals(run_metadata.step_stats))
+  idle = step_trace.PlotGantt(intervals, out, title=title, split=split)
   step_trace.WriteJson(step_trace.StepStatsToChrome(run_metadata.step_stats),
                        trace_json)
   return idle

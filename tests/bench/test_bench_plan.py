@@ -122,3 +122,52 @@ def test_bench_xla_calibrates_on_its_references_and_compares_each_pair(
     assert row['agree'], row
   table = bench_plan.XlaMarkdown([record])
   assert table.count('| %s |' % bench_plan.FC) == len(record['rows'])
+
+
+def test_bench_pipelined_models_sweep_their_own_plans():
+  sys.path.insert(0, ROOT)
+  from bench import plan as bench_plan  # pylint: disable=g-import-not-at-top
+  from bench import plan_models  # pylint: disable=g-import-not-at-top
+  assert [plan_models.FcWidth(m) for m in ('fc', 'fc256', 'fc1024', 'lm.X',
+                                           'lingvo_lm')] == [
+                                               512, 256, 1024, None, None]
+  assert {plan_models.FcWidth(m) for m in bench_plan.PIPELINED_MODELS} >= {
+      256, 512, 1024}
+  assert {plan_models.LINGVO_LM, plan_models.LINGVO_MT} <= set(
+      bench_plan.PIPELINED_MODELS)
+  # A pipeline that comes cut (2 cells): only its 2 cells, one replica,
+  # where the sweep of a layer stack also cuts it into one cell and
+  # replicates it.
+  profile = lib.Profile(num_layers=2, batch=8)
+  swept = plan_models.TreeSweep(profile, 2)
+  assert swept and {(p.num_cells, p.replicas) for p in swept} == {(2, 1)}
+  assert {(p.num_cells, p.replicas) for p in bench_plan.SweepPlans(
+      lib.TINY, profile, 2)} == {(1, 1), (1, 2), (2, 1)}
+
+
+def test_bench_summary_reports_step_and_memory_errors():
+  # Stand-in timings: each plan measured 0%, 10% or 20% above its
+  # prediction; the memory model's RSS 5% under the measured.
+  sys.path.insert(0, ROOT)
+  from bench import plan as bench_plan  # pylint: disable=g-import-not-at-top
+  profile = lib.Profile(num_layers=4, batch=8)
+  machine = planner.Machine(flops_per_s=1e10, s_per_op=2e-5, cores=2)
+  plans = planner.PredictAll(profile, planner.Enumerate(profile, 2)[:6],
+                             machine)
+  plans = [p.Measured(step_s=p.step_s * (1. + 0.1 * (i % 3)),
+                      rss_bytes=1e9) for i, p in enumerate(plans)]
+  rss = {p.Key(): 0.95e9 for p in plans}
+  record = bench_plan.Summary('m', 2, plans, machine, {}, predicted_rss=rss)
+  errors = sorted(abs(p.step_s - p.measured_step_s) / p.measured_step_s
+                  for p in plans)
+  assert record['step_err_max'] == pytest.approx(errors[-1], abs=1e-4)
+  assert record['step_err_max'] == pytest.approx(0.2 / 1.2, abs=1e-4)
+  assert record['step_err_mean'] == pytest.approx(
+      sum(errors) / len(errors), abs=1e-4)
+  assert record['mem_err_mean'] == record['mem_err_max'] == pytest.approx(
+      0.05)
+  assert record['chosen_over_best'] >= 1.
+  table = bench_plan.Markdown([record])
+  assert '| step error mean / max |' in table
+  assert '| %.1f%% / %.1f%% |' % (100 * record['step_err_mean'],
+                                  100 * record['step_err_max']) in table

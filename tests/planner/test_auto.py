@@ -46,6 +46,36 @@ def test_choose_and_apply():
                         memory_per_device=1024, machine=machine)
 
 
+def test_plan_params_never_picks_a_plan_the_memory_does_not_hold():
+  """--plan=auto takes the process's memory (the cgroup's limit, else the
+  machine's) as a constraint on the plans' predicted peak RSS."""
+  from lingvo_ext.planner import auto  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.planner import memory_model  # pylint: disable=g-import-not-at-top
+  c = memory_model.Constants(runtime_bytes=100 * 2**20, activation_factor=1.,
+                             bytes_per_op=0.)
+  machine = planner.Machine(flops_per_s=1e10, s_per_op=1e-5, cores=2)
+  cfg = planner.ExperimentParams(lib.TINY)
+  profile = planner.ProfileExperiment(cfg, lib.TINY)
+  ranked = auto.ChooseForExperiment(cfg, lib.TINY, 2, machine=machine)
+  needs = sorted({memory_model.Predict(profile, r.plan, c).rss_bytes
+                  for r in ranked})
+  assert len(needs) > 1
+  # Between the least and the most: the fastest plan that fits is chosen.
+  limit = (needs[0] + needs[-1]) / 2
+  chosen = auto.PlanParams(cfg, lib.TINY, 2, machine=machine,
+                           available=limit, constants=c)
+  fitting = [r for r in ranked
+             if memory_model.Predict(profile, r.plan, c).rss_bytes <= limit]
+  assert chosen.plan.plan == fitting[0].plan
+  assert memory_model.Predict(profile, chosen.plan.plan,
+                              c).rss_bytes <= limit
+  with pytest.raises(ValueError) as e:
+    auto.PlanParams(cfg, lib.TINY, 2, machine=machine,
+                    available=needs[0] - 1, constants=c)
+  assert str(e.value).startswith('--plan=auto: no plan fits in the memory (')
+  assert '\n' not in str(e.value)
+
+
 @pytest.mark.parametrize('devices,memory,flag', [
     (0, None, '--devices'), (2, '2XB', '--memory_per_device')])
 def test_trainer_auto_plan_bad_flags(devices, memory, flag):

@@ -212,3 +212,70 @@ def testAnUnreadableInputIsOneLineNamingIt(flagship, capsys):
                          'its sequence lengths failed: '), line
   assert '/nonexistent/vocab.txt' in line and line.endswith(
       'fix its files or tokenizer params.'), line
+
+
+# A machine whose step times stand in for the timed references'.
+TRUE_MACHINE = planner.Machine(flops_per_s=3e9, s_per_op=4e-5, cores=2,
+                               step_s=6e-3)
+
+
+def _StandInCalibration(monkeypatch, calls):
+  from lingvo_ext.planner import tree_calibration  # pylint: disable=g-import-not-at-top
+
+  def Times(model, model_params, pipes, refs, rounds=None):
+    del model, model_params, rounds
+    calls.append(len(refs))
+    return [planner.Predict(pipes[0].profile, r, TRUE_MACHINE).step_s
+            for r in refs]
+
+  monkeypatch.setattr(tree_calibration, 'TimeReferences', Times)
+  return tree_calibration
+
+
+def testTheTreeIsCalibratedOnItsOwnCellsAndCached(flagship, monkeypatch,
+                                                   tmp_path):
+  del flagship
+  monkeypatch.setenv('XDG_CACHE_HOME', str(tmp_path))
+  calls = []
+  tc = _StandInCalibration(monkeypatch, calls)
+  cfg = planner.ExperimentParams(MODEL)
+  pipes = tree.ProfileTree(cfg, MODEL)
+  refs = tc.ReferencePlans(pipes[0])
+  # Its cells as cut, on one device; Lingvo's loop refused on a time axis
+  # trimmed at run time.
+  assert [(r.schedule, r.num_cells, r.devices_per_replica) for r in refs] == [
+      ('unrolled', 2, 1), ('unrolled', 2, 1)]
+  assert refs[0].num_micro_batches == 1 < refs[1].num_micro_batches
+  probed = planner.Machine(flops_per_s=2e10, s_per_op=1e-6, cores=2,
+                           step_s=1e-4)
+  got = tc.Calibrate(MODEL, cfg, pipes, 2, machine=probed)
+  assert calls == [2]
+  # The fitted machine predicts the references as measured.
+  for r in refs:
+    want = planner.Predict(pipes[0].profile, r, TRUE_MACHINE).step_s
+    assert planner.Predict(pipes[0].profile, r, got).step_s == pytest.approx(
+        want, rel=1e-6)
+  # Cached: the same fit, nothing timed.
+  assert tc.Calibrate(MODEL, cfg, pipes, 2, machine=probed) == got
+  assert calls == [2]
+  tc.Calibrate(MODEL, cfg, pipes, 2, machine=probed, recalibrate=True)
+  assert calls == [2, 2]
+  # --plan=auto's tree path ranks with it.
+  from lingvo_ext.planner import auto  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(tc, 'Calibrate',
+                      lambda *a, **k: calls.append('fit') or got)
+  [(pipe, ranked)] = auto.ChooseTreeForExperiment(cfg, MODEL, 2)
+  assert calls[-1] == 'fit'
+  assert ranked[0].step_s == pytest.approx(
+      planner.Predict(pipe.profile, ranked[0].plan, got).step_s)
+
+
+@pytest.mark.slow
+def testTheTreeReferencesBuildAndRun(flagship):
+  del flagship
+  from lingvo_ext.planner import tree_calibration  # pylint: disable=g-import-not-at-top
+  cfg = planner.ExperimentParams(MODEL)
+  pipes = tree.ProfileTree(cfg, MODEL)
+  refs = tree_calibration.ReferencePlans(pipes[0])
+  times = tree_calibration.TimeReferences(MODEL, cfg, pipes, refs, rounds=1)
+  assert len(times) == len(refs) and all(t > 0 for t in times)

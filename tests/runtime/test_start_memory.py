@@ -9,12 +9,19 @@ import re
 import lingvo.compat as tf
 import pytest
 
+from lingvo_ext.planner import memory_model
 from lingvo_ext.planner import tree_memory
 from lingvo_ext.runtime import memory_check
 from lingvo_ext.runtime import start_memory
 from lingvo_ext.tasks import experiment_params
 from tests.support import flagship_testlib
 from tests.support import lingvo_lm_testlib
+
+
+# Known constants: the tests hold the model's formula, not this machine's.
+_CONSTANTS = memory_model.Constants(runtime_bytes=700 * 2**20,
+                                    activation_factor=1.5,
+                                    bytes_per_op=10 * 1024.)
 
 
 def _Profile(kept, linear_loss=True):
@@ -72,40 +79,42 @@ def testStartEstimateKeepsTheActivationsTheScheduleKeeps():
 
 def testStartWarningNamesTheNeedTheLimitAndAnOverrideThatFits():
   from lingvo_ext import planner  # pylint: disable=g-import-not-at-top
-  from lingvo_ext.planner import auto  # pylint: disable=g-import-not-at-top
   cfg = planner.ExperimentParams('lm.TransformerLmTinyGPipe')
   profile = start_memory.Profile(cfg)
   plan = start_memory.PlanOfParams(profile, cfg.task, 2, 2)
   assert (plan.schedule, plan.num_cells, plan.num_micro_batches,
           plan.devices_per_replica, plan.recompute) == ('unrolled', 2, 2, 2,
                                                         False)
-  got = start_memory.Estimate(profile, plan)
+  got = start_memory.Estimate(profile, plan, _CONSTANTS)
   assert got.activation_bytes > 0
-  own = auto.PROCESS_OVERHEAD_BYTES
-  assert start_memory.StartWarning(cfg, 2, 2, '', got.process_bytes + own,
-                                   'x') is None
-  limit = got.process_bytes * 0.9 + own
+  assert got.rss_bytes == sum(got.rss_terms.values())
+  assert start_memory.StartWarning(cfg, 2, 2, '', got.rss_bytes, 'x',
+                                   _CONSTANTS) is None
+  model = got.rss_bytes - got.rss_terms['runtime']
+  limit = got.rss_terms['runtime'] + model * 0.9
   line = start_memory.StartWarning(cfg, 2, 2, 'train.max_steps:5', limit,
-                                   "the cgroup's memory limit")
+                                   "the cgroup's memory limit", _CONSTANTS)
   size = start_memory.task_health.FormatBytes
-  head = (f'warning: the run needs about {size(got.process_bytes + own)}: '
-          f'the model {size(got.process_bytes)} ({size(got.peak_bytes)} on '
-          f'its fullest device; {size(got.activation_bytes)} of it the '
+  head = (f'warning: the run needs about {size(got.rss_bytes)} '
+          f'({start_memory.TermsText(got.rss_terms)}; the activations: the '
           'activations task.schedule="unrolled" keeps over 2 micro-batch(es) '
-          f'without recompute) and the process {size(own)}, but the '
-          f"cgroup's memory limit is {size(limit)}: it may be killed by the "
-          'OOM killer; an override that fits (about ')
+          "without recompute), but the cgroup's memory limit is "
+          f'{size(limit)}: it may be killed by the OOM killer; an override '
+          'that fits (about ')
   assert line.startswith(head), line
   override = re.search(r"--model_params_override='([^']*)'\.$", line)[1]
   assert override.startswith('train.max_steps:5; '), line
-  # The override it names fits, by the same estimate.
+  # The override it names is re-estimated by the same model and fits.
   fixed = planner.ExperimentParams('lm.TransformerLmTinyGPipe',
                                    overrides=override)
   after = start_memory.Estimate(
-      profile, start_memory.PlanOfParams(profile, fixed.task, 2, 2))
-  assert after.process_bytes + own <= limit < got.process_bytes + own
-  assert start_memory.StartWarning(fixed, 2, 2, override, limit, 'x') is None
-  line = start_memory.StartWarning(cfg, 2, 2, '', 1000, 'x')
+      profile, start_memory.PlanOfParams(profile, fixed.task, 2, 2),
+      _CONSTANTS)
+  assert after.rss_bytes <= limit < got.rss_bytes
+  assert f'(about {size(after.rss_bytes)})' in line
+  assert start_memory.StartWarning(fixed, 2, 2, override, limit, 'x',
+                                   _CONSTANTS) is None
+  line = start_memory.StartWarning(cfg, 2, 2, '', 1000, 'x', _CONSTANTS)
   assert line.endswith('no override of micro-batches, recompute, schedule or '
                        'bf16 fits; use more memory or more devices.'), line
 
@@ -115,6 +124,7 @@ def testTheTrainersStartWarningBuildsNoModelAndNoLayerGraph(
   from lingvo_ext.runtime import param_checks  # pylint: disable=g-import-not-at-top
   from lingvo_ext.runtime import trainer_flags  # pylint: disable=g-import-not-at-top
   from lingvo_ext.core import cost  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.planner import memory_probe  # pylint: disable=g-import-not-at-top
   from lingvo_ext.planner import tf_profiling  # pylint: disable=g-import-not-at-top
   from lingvo_ext.tasks.lm import model as lm_model  # pylint: disable=g-import-not-at-top
   counts = collections.Counter()
@@ -127,6 +137,7 @@ def testTheTrainersStartWarningBuildsNoModelAndNoLayerGraph(
 
   monkeypatch.setattr(memory_check, 'AvailableBytes',
                       lambda: (64 << 10, "the cgroup's memory limit"))
+  monkeypatch.setattr(memory_probe, 'Get', lambda n, force=False: _CONSTANTS)
   monkeypatch.setattr(cost, 'Sandbox', Counted('graphs', cost.Sandbox))
   monkeypatch.setattr(tf_profiling, '_LayerGraphStats',
                       Counted('layer_graphs', tf_profiling._LayerGraphStats))  # pylint: disable=protected-access
@@ -141,10 +152,13 @@ def testTheTrainersStartWarningBuildsNoModelAndNoLayerGraph(
   err = capsys.readouterr().err
   lines = [l for l in err.splitlines() if l.startswith('warning: the run')]
   assert len(lines) == 1 and "the cgroup's memory limit is 64 KB" in lines[0]
-  # No model built, no layer's FProp or gradients: only a throw-away graph
-  # per distinct layer for its variables' shapes (embedding, transformer
-  # layer, softmax), and nothing in the default graph.
-  assert counts == {'graphs': 3}, counts
+  # Printed once: on stderr by the check, not through absl as well.
+  assert err.count('warning: the run') == 1, err
+  # No model built: a throw-away graph per distinct layer (embedding,
+  # transformer layer, softmax) for its variables' shapes, and one with its
+  # FProp and gradients for the activations its backward pass reads; nothing
+  # in the default graph.
+  assert counts == {'graphs': 6, 'layer_graphs': 3}, counts
   assert len(tf.get_default_graph().get_operations()) == ops
   # --plan=auto warns with its own estimate; an evaler trains nothing.
   param_checks.Check(dataclasses.replace(o, job='evaler_dev'))
@@ -197,44 +211,45 @@ def _TreeEstimate(cfg, devices=2, split=2):
   mem = tree_memory.ProfileTaskMemory(cfg)
   (pipe,), (p,) = mem.pipes, mem.params
   plan = start_memory.PlanOfPipeline(pipe, p, devices, split)
-  got = start_memory.Estimate(pipe.profile, plan)
+  got = start_memory.EstimateRun(cfg, devices, split, _CONSTANTS)
   return got, plan
 
 
 def testTreeWarningNamesThePipelinesOwnOverrideThatFits(lingvo_lm):
-  from lingvo_ext.planner import auto  # pylint: disable=g-import-not-at-top
   got, plan = _TreeEstimate(lingvo_lm)
   assert (plan.num_cells, plan.num_micro_batches,
           plan.devices_per_replica) == (2, 4, 2)
-  own = auto.PROCESS_OVERHEAD_BYTES
-  assert start_memory.StartWarning(lingvo_lm, 2, 2, '',
-                                   got.process_bytes + own, 'x') is None
-  # The weights dominate this small model, and the logits and their
-  # gradient wait for the loss whatever the plan: a fifth of its
-  # activations less (recompute keeps a quarter less).
-  limit = got.process_bytes - got.activation_bytes / 5 + own
+  assert got.rss_bytes == sum(got.rss_terms.values())
+  assert start_memory.StartWarning(lingvo_lm, 2, 2, '', got.rss_bytes, 'x',
+                                   _CONSTANTS) is None
+  # The logits and their gradient wait for the loss whatever the plan; a
+  # tenth of the activations less fits with recompute.
+  limit = got.rss_bytes - got.rss_terms['activations'] / 10
   line = start_memory.StartWarning(lingvo_lm, 2, 2, 'train.max_steps:5',
-                                   limit, "the cgroup's memory limit")
+                                   limit, "the cgroup's memory limit",
+                                   _CONSTANTS)
   size = start_memory.Size
   rc = 'with' if plan.recompute else 'without'
-  head = (f'warning: the run needs about {size(got.process_bytes + own)}: '
-          f'the model {size(got.process_bytes)} ({size(got.peak_bytes)} on '
-          f'its fullest device; {size(got.activation_bytes)} of it the '
+  head = (f'warning: the run needs about {size(got.rss_bytes)} '
+          f'({start_memory.TermsText(got.rss_terms)}; the activations: the '
           f'activations task.lm.stack.schedule="{plan.schedule}" keeps over '
-          f'4 micro-batch(es) {rc} recompute) and the process {size(own)}, '
-          f"but the cgroup's memory limit is {size(limit)}: it may be killed "
-          'by the OOM killer; an override that fits (about ')
+          f'4 micro-batch(es) {rc} recompute), but the cgroup\'s memory limit '
+          f'is {size(limit)}: it may be killed by the OOM killer; an override '
+          'that fits (about ')
   assert line.startswith(head), line
   override = re.search(r"--model_params_override='([^']*)'\.$", line)[1]
-  assert override == 'train.max_steps:5; task.lm.stack.recompute:True', line
+  assert override.startswith('train.max_steps:5; task.lm.stack.'), line
   # The override is the experiment's own param path, and it fits by the
-  # same estimate of the params it gives.
+  # same model of the params it gives.
   fixed = experiment_params.GetParams(lingvo_lm_testlib.MODEL, 'Train',
                                       override)
   after, _ = _TreeEstimate(fixed)
-  assert after.process_bytes + own <= limit < got.process_bytes + own
-  assert start_memory.StartWarning(fixed, 2, 2, override, limit, 'x') is None
-  line = start_memory.StartWarning(lingvo_lm, 2, 2, '', 1000, 'x')
+  assert after.rss_bytes <= limit < got.rss_bytes
+  assert f'(about {size(after.rss_bytes)})' in line
+  assert start_memory.StartWarning(fixed, 2, 2, override, limit, 'x',
+                                   _CONSTANTS) is None
+  line = start_memory.StartWarning(lingvo_lm, 2, 2, '', 1000, 'x',
+                                   _CONSTANTS)
   assert line.endswith('no override of micro-batches, recompute or schedule '
                        'fits; use more memory or more devices.'), line
 
@@ -242,9 +257,11 @@ def testTreeWarningNamesThePipelinesOwnOverrideThatFits(lingvo_lm):
 def testTheTrainerWarnsForLingvosLmBeforeItsBuild(lingvo_lm, monkeypatch,
                                                   capsys):
   from lingvo_ext.runtime import param_checks  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.planner import memory_probe  # pylint: disable=g-import-not-at-top
   from lingvo_ext.runtime import trainer_flags  # pylint: disable=g-import-not-at-top
   monkeypatch.setattr(memory_check, 'AvailableBytes',
                       lambda: (64 << 10, "the cgroup's memory limit"))
+  monkeypatch.setattr(memory_probe, 'Get', lambda n, force=False: _CONSTANTS)
   ops = len(tf.get_default_graph().get_operations())
   o = trainer_flags.Options(model=lingvo_lm_testlib.MODEL,
                             logdir='/nonexistent/x', run_locally='cpu',
@@ -274,7 +291,35 @@ def testTheFlagshipsEstimateSizesItsBucketedTimeAxis(flagship):
   longest = max(cfg.input.bucket_upper_bound)
   assert pipe.profile.layers[-1].out_bytes == (
       longest * flagship_testlib.VOCAB_SIZE * 4)
-  own = auto.PROCESS_OVERHEAD_BYTES
-  line = start_memory.StartWarning(cfg, 2, 2, '', got.process_bytes + own - 1,
-                                   'x')
+  line = start_memory.StartWarning(cfg, 2, 2, '', got.rss_bytes - 1, 'x',
+                                   _CONSTANTS)
   assert 'task.lm.stack.schedule=' in line, line
+
+
+def testTheLauncherWarnsOncePerWorkerBeforeAnyTaskStarts(monkeypatch,
+                                                         capfd):
+  from lingvo_ext import launch  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.distributed import launch_lib  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.planner import memory_probe  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(memory_check, 'AvailableBytes',
+                      lambda: (2 * 2**20, "the cgroup's memory limit"))
+  monkeypatch.setattr(memory_probe, 'Get', lambda n, force=False: _CONSTANTS)
+  started = []
+
+  def Launch(*args, **kwargs):
+    del args, kwargs
+    started.append(capfd.readouterr().err)
+    return 0
+
+  monkeypatch.setattr(launch_lib, 'Launch', Launch)
+  assert launch.Main(['--model=lm.TransformerLmTinyGPipe',
+                      '--logdir=/nonexistent/x', '--workers=2',
+                      '--worker_split_size=2', '--num_cpu_devices=2']) == 0
+  (err,) = started
+  lines = [l for l in err.splitlines() if 'warning: the run needs' in l]
+  # Each worker holds a replica's 2 cells on its 2 devices: the local
+  # trainer's estimate there, against half of what the launcher may use.
+  want = start_memory.StartWarning(
+      experiment_params.GetParams('lm.TransformerLmTinyGPipe', 'Train'), 2, 2,
+      '', 2**20, "the cgroup's memory limit over 2 worker tasks", _CONSTANTS)
+  assert lines == [f'[worker0] {want}', f'[worker1] {want}'], err

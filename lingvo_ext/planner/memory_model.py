@@ -1,0 +1,136 @@
+"""The process's peak RSS, predicted: what a cgroup limit or the OOM killer
+sees (pure Python).
+
+`Predict` adds named terms (`RssEstimate.terms`, in bytes, their sum the
+total):
+
+- runtime: TensorFlow's and Lingvo's own resident set once a session on the
+  run's devices has run a step (measured: `Constants.runtime_bytes`);
+- variables, gradients, optimizer_slots: the parameters, a gradient of each
+  and the optimizer's slots (`ModelProfile.optimizer_slots` per parameter);
+- activations: what the schedule keeps alive on each device (the planner's
+  per-device peak in flight, by micro-batch, recompute and the loss's
+  place: prediction.Predict), times `Constants.activation_factor`, the
+  allocator's bytes per byte of kept tensor (measured);
+- transient: the step's passing peak beyond them: the gradients of the
+  largest layer's kept activations of one micro-batch while its backward
+  pass runs, times the same factor;
+- input_pipeline: the batches the input holds (the one in the step and the
+  next, INPUT_BATCHES);
+- graph: the step's graph, `GraphOps` times `Constants.bytes_per_op`.
+
+The constants come from `memory_probe` (a short run on this machine, cached
+per machine, TensorFlow version and device count); docs/performance.md,
+"Memory".
+"""
+
+import dataclasses
+from typing import Dict, Tuple
+
+from lingvo_ext.planner import prediction
+from lingvo_ext.planner.model_profile import ModelProfile
+from lingvo_ext.planner.plans import Plan
+
+# The input pipeline's batches in memory at once: the step's and the one
+# being read meanwhile.
+INPUT_BATCHES = 2
+TERM_NAMES = ('runtime', 'variables', 'gradients', 'optimizer_slots',
+              'activations', 'transient', 'input_pipeline', 'graph')
+
+
+@dataclasses.dataclass(frozen=True)
+class Constants:
+  """This machine's memory costs (memory_probe measures them).
+
+  Attributes:
+    runtime_bytes: The peak RSS of a process that imported TensorFlow and
+      Lingvo and ran a step of a tiny model on the run's devices.
+    activation_factor: Resident bytes per byte of kept activation (the
+      allocator's rounding and pools, the backward pass's copies).
+    bytes_per_op: Resident bytes per op of the step's graph.
+    source: Where the figures come from (the probe's cache key, or 'given').
+  """
+  runtime_bytes: float
+  activation_factor: float
+  bytes_per_op: float
+  source: str = 'given'
+
+  def ToDict(self) -> Dict:
+    return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class RssEstimate:
+  """A predicted peak RSS and its terms.
+
+  Attributes:
+    terms: (name, bytes) in TERM_NAMES order; they add up to rss_bytes.
+    peak_device_bytes: The fullest device's model bytes (no runtime).
+  """
+  terms: Tuple[Tuple[str, float], ...]
+  peak_device_bytes: float = 0.
+
+  @property
+  def rss_bytes(self) -> float:
+    return float(sum(b for _, b in self.terms))
+
+  def Terms(self) -> Dict[str, float]:
+    """name -> bytes."""
+    return dict(self.terms)
+
+  def Plus(self, other: 'RssEstimate') -> 'RssEstimate':
+    """Both estimates' model terms summed, the runtime counted once (two
+    pipelines of one process)."""
+    a, b = self.Terms(), other.Terms()
+    terms = tuple((n, a.get(n, 0.) + (0. if n == 'runtime' else b.get(n, 0.)))
+                  for n in TERM_NAMES)
+    return RssEstimate(terms, max(self.peak_device_bytes,
+                                  other.peak_device_bytes))
+
+
+def ModelTerms(profile: ModelProfile, plan: Plan) -> Dict[str, float]:
+  """The plan's bytes before the measured constants: parameters and their
+  copies, the kept activations, the transient ones, the input and the
+  graph's op count (key 'ops')."""
+  bare = prediction.Machine(overhead_bytes=0., bytes_per_op=0.)
+  got = prediction.Predict(profile, plan, bare)
+  params = float(profile.param_bytes)
+  weights = params * (2 + profile.optimizer_slots)
+  r = plan.replicas
+  mb = plan.replica_batch // plan.num_micro_batches
+  return {
+      'params': params,
+      # Each replica's gradients: one per variable per replica.
+      'gradients': params * r,
+      'optimizer_slots': params * profile.optimizer_slots,
+      'activations': max(got.process_bytes - r * weights, 0.),
+      'transient': max(l.kept_bytes for l in profile.layers) * mb * r,
+      'input_pipeline': (INPUT_BATCHES * profile.in_bytes *
+                         plan.global_batch),
+      'ops': float(prediction.GraphOps(profile, plan)),
+      'peak_device': got.peak_bytes,
+  }
+
+
+def Predict(profile: ModelProfile, plan: Plan,
+            constants: Constants) -> RssEstimate:
+  """The process's predicted peak RSS under `plan`, by term."""
+  m = ModelTerms(profile, plan)
+  f = constants.activation_factor
+  terms = (('runtime', constants.runtime_bytes),
+           ('variables', m['params']),
+           ('gradients', m['gradients']),
+           ('optimizer_slots', m['optimizer_slots']),
+           ('activations', f * m['activations']),
+           ('transient', f * m['transient']),
+           ('input_pipeline', m['input_pipeline']),
+           ('graph', m['ops'] * constants.bytes_per_op))
+  return RssEstimate(terms, m['peak_device'])
+
+
+def Extra(estimate: RssEstimate, name: str, num_bytes: float) -> RssEstimate:
+  """`estimate` with `num_bytes` more in term `name` (variables outside a
+  pipeline, for one)."""
+  terms = tuple((n, b + (num_bytes if n == name else 0.))
+                for n, b in estimate.terms)
+  return RssEstimate(terms, estimate.peak_device_bytes)

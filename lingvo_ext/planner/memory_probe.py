@@ -1,0 +1,219 @@
+"""The memory model's constants, measured on this machine and cached (TF).
+
+`Get(num_devices)` reads `$XDG_CACHE_HOME/lingvo_ext/memory_model.json`
+(default ~/.cache), keyed by the machine (CPU model, cores, TensorFlow
+version, oneDNN setting: jit_choice.Machine) and the device count; on a miss
+it runs the probe (two trainer runs, each a fresh process: its peak RSS its
+own; a minute or two), writes the entry and returns it. Processes probing at once probe once (a lock file).
+Deleting the file, or `python -m lingvo_ext.planner.memory_probe
+--num_devices=N --force`, measures again.
+
+The probe trains two models with the trainer on N CPU devices, a few steps
+each, reading each process's peak RSS (VmHWM): lm.TransformerLmTiny (its model bytes a few MB:
+the peak is the runtime's own, `Constants.runtime_bytes`), then
+lm.TransformerLm at batch PROBE_BATCH, whose kept activations are hundreds
+of MB: the growth beyond its predicted parameters, graph and input, per byte
+of its predicted kept and transient activations, is
+`Constants.activation_factor`.
+"""
+
+import contextlib
+import fcntl
+import json
+import os
+import subprocess
+import sys
+import time
+
+from lingvo_ext.planner import memory_model
+
+_CACHE_FILE = 'memory_model.json'
+_LOCK_WAIT_S = 600
+_PROBE_TIMEOUT_S = 900
+PROBE_STEPS = 3
+# Set in the probe's trainer runs: their start check predicts nothing (no
+# constants yet).
+_IN_PROBE = 'LINGVO_EXT_IN_MEMORY_PROBE'
+
+PROBE_BATCH = 64
+SMALL_MODEL = 'lm.TransformerLmTiny'
+LARGE_MODEL = 'lm.TransformerLm'
+# Bounds of the fitted activation factor: beyond them the probe measured
+# something else (another process's pages, a failed step).
+FACTOR_RANGE = (0.25, 4.)
+
+
+def CachePath() -> str:
+  from lingvo_ext import xla_cache  # pylint: disable=g-import-not-at-top
+  return os.path.join(xla_cache.CacheRoot(), _CACHE_FILE)
+
+
+def Key(num_devices: int) -> str:
+  from lingvo_ext.core import jit_choice  # pylint: disable=g-import-not-at-top
+  return '%s, %d device(s)' % (jit_choice.Machine(), num_devices)
+
+
+def _Read(path):
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except (OSError, ValueError):
+    return {}
+
+
+def _Write(path, key, entry):
+  """Adds an entry, atomically."""
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  cache = _Read(path)
+  cache[key] = entry
+  tmp = '%s.%d.tmp' % (path, os.getpid())
+  with open(tmp, 'w') as f:
+    json.dump(cache, f, indent=1, sort_keys=True)
+  os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def _Lock(path):
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with open(path + '.lock', 'a') as f:
+    deadline = time.monotonic() + _LOCK_WAIT_S
+    locked = False
+    while not locked:
+      try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        locked = True
+      except OSError:
+        if time.monotonic() > deadline:
+          break
+        time.sleep(0.2)
+    try:
+      yield
+    finally:
+      if locked:
+        fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _Constants(entry, key) -> memory_model.Constants:
+  return memory_model.Constants(
+      runtime_bytes=float(entry['runtime_bytes']),
+      activation_factor=float(entry['activation_factor']),
+      bytes_per_op=float(entry['bytes_per_op']), source=key)
+
+
+def Get(num_devices: int, force: bool = False) -> memory_model.Constants:
+  """This machine's Constants for `num_devices` CPU devices: cached, else
+  probed now (a fresh process, some seconds) and cached.
+
+  Raises:
+    RuntimeError: the probe failed (its last line).
+  """
+  path, key = CachePath(), Key(num_devices)
+  entry = None if force else _Read(path).get(key)
+  if entry is not None:
+    return _Constants(entry, key)
+  with _Lock(path):
+    entry = None if force else _Read(path).get(key)
+    if entry is None:
+      entry = Measure(num_devices)
+      _Write(path, key, entry)
+  return _Constants(entry, key)
+
+
+def Seed(num_devices: int, entry) -> None:
+  """Caches `entry` (Measure's fields) for `num_devices` unless an entry is
+  there (a test suite's known constants)."""
+  path, key = CachePath(), Key(num_devices)
+  with _Lock(path):
+    if key not in _Read(path):
+      _Write(path, key, entry)
+
+
+def InProbe() -> bool:
+  """Whether this process is one of the probe's trainer runs."""
+  return bool(os.environ.get(_IN_PROBE))
+
+
+def TrainerPeak(model: str, overrides: str, num_devices: int,
+                steps: int) -> float:
+  """The peak RSS (ru_maxrss) of the trainer training `model` for `steps`
+  steps on `num_devices` CPU devices, in a fresh process."""
+  import tempfile  # pylint: disable=g-import-not-at-top
+  with tempfile.TemporaryDirectory(prefix='lingvo_ext_memory_probe_') as d:
+    cmd = [sys.executable, '-m', 'lingvo_ext.trainer', f'--model={model}',
+           f'--logdir={d}', f'--num_cpu_devices={num_devices}',
+           f'--worker_split_size={num_devices}', f'--max_steps={steps}',
+           f'--model_params_override={overrides}']
+    env = dict(os.environ, **{_IN_PROBE: '1'})
+    with open(os.path.join(d, 'stderr.txt'), 'w+') as err:
+      proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err,
+                              env=env)
+      deadline = time.monotonic() + _PROBE_TIMEOUT_S
+      while True:
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+          break
+        if time.monotonic() > deadline:
+          proc.kill()
+          proc.wait()
+          raise RuntimeError(f'the memory probe ({model}) did not finish in '
+                             f'{_PROBE_TIMEOUT_S} s')
+        time.sleep(0.2)
+      proc.returncode = code = os.waitstatus_to_exitcode(status)
+      if code:
+        err.seek(0)
+        tail = (err.read().strip().splitlines() or ['no output'])[-1]
+        raise RuntimeError(f'the memory probe ({model}) failed (exit '
+                           f'{code}): {tail}')
+  return usage.ru_maxrss * 1024.
+
+
+def Measure(num_devices: int):
+  """The probe's cache entry: two trainer runs, each in a fresh process."""
+  from lingvo_ext.planner import calibration  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.runtime import start_memory  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.tasks import experiment_params  # pylint: disable=g-import-not-at-top
+  per_op = calibration.DEFAULT_BYTES_PER_OP
+  unit = memory_model.Constants(runtime_bytes=0., activation_factor=1.,
+                                bytes_per_op=per_op)
+  zero = memory_model.Constants(runtime_bytes=0., activation_factor=0.,
+                                bytes_per_op=per_op)
+  rows = []
+  for model, over in ((SMALL_MODEL, ''),
+                      (LARGE_MODEL, f'input.batch_size:{PROBE_BATCH}')):
+    cfg = experiment_params.GetParams(model, 'Train', over)
+    fixed = start_memory.EstimateRun(cfg, num_devices, num_devices,
+                                     zero).rss_bytes
+    kept = start_memory.EstimateRun(cfg, num_devices, num_devices,
+                                    unit).rss_bytes - fixed
+    rows.append((fixed, kept, TrainerPeak(model, over, num_devices,
+                                          PROBE_STEPS)))
+  (f_s, k_s, r_s), (f_l, k_l, r_l) = rows
+  factor = ((r_l - f_l) - (r_s - f_s)) / max(k_l - k_s, 1.)
+  factor = min(max(factor, FACTOR_RANGE[0]), FACTOR_RANGE[1])
+  return dict(runtime_bytes=r_s - f_s - factor * k_s,
+              activation_factor=factor, bytes_per_op=per_op,
+              small_rss_bytes=r_s, large_rss_bytes=r_l,
+              probe=f'the trainer on {SMALL_MODEL} and on {LARGE_MODEL} at '
+              f'batch {PROBE_BATCH}, {num_devices} device(s), '
+              f'{PROBE_STEPS} steps each')
+
+
+def main(argv):
+  import argparse  # pylint: disable=g-import-not-at-top
+  ap = argparse.ArgumentParser(prog='python -m lingvo_ext.planner.memory_probe',
+                               description=__doc__.splitlines()[0])
+  ap.add_argument('--num_devices', type=int, default=1,
+                  help='CPU devices of the runs to predict.')
+  ap.add_argument('--force', action='store_true',
+                  help='Measure again and replace the cached entry.')
+  args = ap.parse_args(argv)
+  if args.num_devices < 1:
+    print('error: --num_devices must be at least 1.', file=sys.stderr)
+    return 2
+  c = Get(args.num_devices, force=args.force)
+  print(json.dumps(dict(c.ToDict(), cache=CachePath()), indent=1))
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main(sys.argv[1:]))
