@@ -32,9 +32,6 @@ def Patterns(file_pattern):
   return [g for g in file_pattern.split(',') if g]
 
 
-Patterns = _Patterns  # The globs, for what reads an input's files.
-
-
 def _Empty(path, text):
   """Whether a file has no record: no bytes (text: only whitespace)."""
   size = os.path.getsize(path)
