@@ -88,6 +88,10 @@ class TransformerLayer(base_layer.BaseLayer):
 
   def FProp(self, theta, inputs):
     """Applies the layer to inputs [B, T, model_dim]."""
+    return self._FPropAndKeys(theta, inputs)[0]
+
+  def _FPropAndKeys(self, theta, inputs):
+    """(outputs [B, T, D], keys [B, N, T, H], values [B, N, T, H])."""
     p = self.params
     batch, seq_len, _ = layer_util.Shape(inputs)
     head_dim = p.model_dim // p.num_heads
@@ -105,12 +109,84 @@ class TransformerLayer(base_layer.BaseLayer):
     ctx = tf.matmul(probs, v)  # [B, N, T, H]
     ctx = tf.reshape(
         tf.transpose(ctx, [0, 2, 1, 3]), [batch, seq_len, p.model_dim])
-    h = inputs + self.atten_out.FProp(theta.atten_out, ctx)
+    return self._Feedforward(theta, inputs, ctx), k, v
 
+  def _Feedforward(self, theta, inputs, ctx):
+    """The attention's projection and residual, then the feed-forward net."""
+    h = inputs + self.atten_out.FProp(theta.atten_out, ctx)
     y = self.ln_ffn.FProp(theta.ln_ffn, h)
     y = self.ffn_in.FProp(theta.ffn_in, y)
     y = self.ffn_out.FProp(theta.ffn_out, y)
     return h + y
+
+  # --- Incremental decoding, as Lingvo's layers' ExtendStep: a cache of the
+  # keys and values of every position so far, time-major [S, B, N, H].
+
+  def _CheckCausal(self):
+    if not self.params.mask_self_atten:
+      raise ValueError(
+          f'{self.params.name}: decoding one position at a time needs '
+          'causal self-attention; set mask_self_atten=True.')
+
+  def Prefill(self, theta, inputs, max_len):
+    """FProp of inputs [B, T, D], with the cache of their keys and values.
+
+    Args:
+      theta: The layer's weights.
+      inputs: [B, T, model_dim], positions 0..T-1.
+      max_len: The cache's length S >= T (an int or int32 scalar).
+
+    Returns:
+      (outputs [B, T, model_dim], NestedMap(key, value) of [S, B, N, H]:
+      positions 0..T-1 filled, the others 0).
+    """
+    self._CheckCausal()
+    out, k, v = self._FPropAndKeys(theta, inputs)
+    pad = max_len - layer_util.Shape(inputs)[1]
+
+    def Cache(x):  # [B, N, T, H] -> [S, B, N, H]
+      return tf.pad(tf.transpose(x, [2, 0, 1, 3]), [[0, pad], [0, 0], [0, 0],
+                                                     [0, 0]])
+
+    return out, py_utils.NestedMap(key=Cache(k), value=Cache(v))
+
+  def ExtendStep(self, theta, inputs, cached_states, time_step):
+    """The layer at one position, attending to the cached earlier ones.
+
+    Args:
+      theta: The layer's weights.
+      inputs: [B, model_dim], position `time_step`.
+      cached_states: NestedMap(key, value) of [S, B, N, H], filled before
+        `time_step` (as Prefill or earlier steps left it).
+      time_step: int32 scalar, the position (< S).
+
+    Returns:
+      (outputs [B, model_dim], cached_states with `time_step`'s key and value).
+    """
+    self._CheckCausal()
+    p = self.params
+    batch = layer_util.Shape(inputs)[0]
+    head_dim = p.model_dim // p.num_heads
+    x = self.ln_atten.FProp(theta.ln_atten, inputs)
+    qkv = self.qkv.FProp(theta.qkv, x)
+    q, k, v = [
+        tf.reshape(t, [batch, p.num_heads, head_dim])
+        for t in tf.split(qkv, 3, axis=-1)
+    ]
+    q *= head_dim**-0.5
+    at = [[time_step]]
+    key = tf.tensor_scatter_nd_update(cached_states.key, at, k[tf.newaxis])
+    value = tf.tensor_scatter_nd_update(cached_states.value, at,
+                                        v[tf.newaxis])
+    logits = tf.einsum('BNH,SBNH->BNS', q, key)
+    # FProp's causal bias: the positions after time_step do not count.
+    later = tf.range(tf.shape(key)[0]) > time_step
+    logits += tf.cast(
+        tf.compat.v2.where(later, -0.7 * logits.dtype.max, 0.0), logits.dtype)
+    ctx = tf.einsum('BNS,SBNH->BNH', tf.nn.softmax(logits), value)
+    out = self._Feedforward(theta, inputs,
+                            tf.reshape(ctx, [batch, p.model_dim]))
+    return out, py_utils.NestedMap(key=key, value=value)
 
   @classmethod
   def FPropMeta(cls, p, inputs):

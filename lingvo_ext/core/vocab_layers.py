@@ -117,6 +117,26 @@ class EmbeddingLayer(base_layer.BaseLayer):
   def FProp(self, theta, ids):
     """Embeds ids [B, T] into [B, T, embedding_dim]."""
     p = self.params
+    x = self._Tokens(theta, ids)
+    if p.position_embedding == 'NONE':
+      return x
+    seq_len = layer_util.Shape(ids)[1]
+    if isinstance(seq_len, int) and seq_len > p.max_seq_len:
+      raise ValueError('%s: sequence length %d > max_seq_len=%d; raise '
+                       'max_seq_len.' % (p.name, seq_len, p.max_seq_len))
+    return x + self._PositionTable(theta, x.dtype)[tf.newaxis, :seq_len, :]
+
+  def ExtendStep(self, theta, ids, time_step):
+    """Embeds ids [B] at position `time_step` (int32 scalar) into [B, D]."""
+    p = self.params
+    x = self._Tokens(theta, ids)
+    if p.position_embedding == 'NONE':
+      return x
+    return x + self._PositionTable(theta, x.dtype)[time_step][tf.newaxis, :]
+
+  def _Tokens(self, theta, ids):
+    """The token embeddings of ids (any shape; floats are cast to int32)."""
+    p = self.params
     if not ids.dtype.is_integer:
       ids = tf.cast(ids, tf.int32)
     if p.partitioner is None:
@@ -126,19 +146,15 @@ class EmbeddingLayer(base_layer.BaseLayer):
           list(theta.emb), ids, partition_strategy=p.partition_strategy)
     if p.scale_sqrt_depth:
       x *= p.embedding_dim**0.5
-    if p.position_embedding == 'NONE':
-      return x
-    seq_len = layer_util.Shape(ids)[1]
-    if isinstance(seq_len, int) and seq_len > p.max_seq_len:
-      raise ValueError('%s: sequence length %d > max_seq_len=%d; raise '
-                       'max_seq_len.' % (p.name, seq_len, p.max_seq_len))
+    return x
+
+  def _PositionTable(self, theta, dtype):
+    """[max_seq_len, D]: the learned table, or the sinusoids as a constant."""
+    p = self.params
     if p.position_embedding == 'LEARNED':
-      table = theta.pos_emb
-    else:
-      table = tf.constant(
-          SinusoidalPositionTable(p.max_seq_len, p.embedding_dim),
-          dtype=x.dtype)
-    return x + table[tf.newaxis, :seq_len, :]
+      return theta.pos_emb
+    return tf.constant(
+        SinusoidalPositionTable(p.max_seq_len, p.embedding_dim), dtype=dtype)
 
   @classmethod
   def FPropMeta(cls, p, ids):

@@ -17,6 +17,7 @@ import lingvo.compat as tf
 from lingvo.core import inference_graph_exporter
 
 from lingvo_ext._internal import tf as internal_tf
+from lingvo_ext.tasks.lm import generate
 
 # Variable ops, whose names a checkpoint must hold.
 _VARIABLE_OPS = ('VarHandleOp', 'VariableV2', 'Variable')
@@ -185,10 +186,19 @@ def MissingVariables(graph_def, checkpoint):
 
 
 def CountOps(graph_def, types):
-  """How many nodes of `graph_def` (and of its functions) have op in types."""
-  n = sum(node.op in types for node in graph_def.node)
+  """How many nodes of `graph_def` (and of its functions) have op in types.
+
+  A call of the LM's compiled generation loop (generate.FUNCTION_NAME) is
+  not counted: it is no pipeline op.
+  """
+
+  def Counted(node):
+    return node.op in types and not (
+        'f' in node.attr and generate.FUNCTION_NAME in node.attr['f'].func.name)
+
+  n = sum(Counted(node) for node in graph_def.node)
   for f in graph_def.library.function:
-    n += sum(node.op in types for node in f.node_def)
+    n += sum(Counted(node) for node in f.node_def)
   return n
 
 

@@ -23,6 +23,7 @@ from tests.support import zygote
 from lingvo_ext.serving import export
 from lingvo_ext.serving import inference
 from lingvo_ext.serving import saved_model
+from lingvo_ext.tasks.lm import generate
 from tests.support import ROOT
 
 PROBE = os.path.join(ROOT, 'tests', 'support', 'serving_probe.py')
@@ -303,6 +304,11 @@ def testInferenceGraphHoldsNoPipelineOpsAndTheTrainingNames():
   assert sorted(proto.subgraphs) == ['default', 'generate']
   assert saved_model.CountOps(proto.graph_def,
                               saved_model.PIPELINE_OP_TYPES) == 0
+  # The one call it leaves out: generate's XLA-compiled loop.
+  calls = [n for n in proto.graph_def.node
+           if n.op in saved_model.PIPELINE_OP_TYPES]
+  assert [(generate.FUNCTION_NAME in n.attr['f'].func.name,
+           n.attr['_XlaMustCompile'].b) for n in calls] == [(True, True)]
   devices = {n.device for n in proto.graph_def.node}
   assert devices <= {''}, devices
   # The pipelined training graph does hold them: the count can fail.

@@ -10,7 +10,9 @@ partitionings.
 
 Its decoder (--job=decoder_dev) samples continuations of dev prefixes: the
 first decode_prefix_len tokens of each dev window are kept, the rest sampled
-token by token (greedy with decode_temperature=0). The samples go to
+token by token (greedy with decode_temperature=0), each new token one
+position through the stack from the cached keys and values (generate.py).
+The samples go to
 <logdir>/decoder_dev/samples-<step>.txt and to TensorBoard's Text tab (tag
 `samples`).
 
@@ -26,40 +28,11 @@ from lingvo.core import tshape
 from lingvo_ext.core import layers
 from lingvo_ext.tasks import decoding
 from lingvo_ext.tasks import pipelined_task
+from lingvo_ext.tasks.lm import generate
 
 
-def NextToken(logits, step, temperature, top_k, seed):
-  """The next token of each row: greedy, or sampled (temperature, top-k).
-
-  The decoder and the `generate` subgraph share it, so both pick the same
-  tokens for the same prefix and seed.
-
-  Args:
-    logits: float32 [batch, vocab], the logits of the next position.
-    step: int32 scalar, the position being filled (seeds the sampling).
-    temperature: float32 scalar; 0: greedy (argmax), > 0: sampled from
-      softmax(logits / temperature).
-    top_k: int32 scalar; > 0: sample among the k most likely tokens only,
-      0: among all.
-    seed: int32 scalar, the seed of the (stateless) sampling.
-
-  Returns:
-    int32 [batch].
-  """
-  temperature = tf.convert_to_tensor(temperature, tf.float32)
-  top_k = tf.convert_to_tensor(top_k, tf.int32)
-  greedy = tf.argmax(logits, -1, output_type=tf.int32)
-  vocab = tf.shape(logits)[-1]
-  k = tf.where(top_k > 0, tf.minimum(top_k, vocab), vocab)
-  kth = tf.math.top_k(logits, k).values[:, -1:]
-  kept = tf.where(logits < kth, tf.fill(tf.shape(logits), -float('inf')),
-                  logits)
-  # Dividing by 1 where greedy keeps the unused sampling branch finite.
-  scaled = kept / tf.where(temperature > 0, temperature, 1.0)
-  sample = tf.random.stateless_categorical(
-      scaled, 1, seed=tf.stack([tf.cast(seed, tf.int32), step]),
-      dtype=tf.int32)[:, 0]
-  return tf.where(temperature > 0, sample, greedy)
+# The token choice the decoder and `generate` share (its home is generate.py).
+NextToken = generate.NextToken
 
 
 class TransformerLm(pipelined_task.PipelinedTask):
@@ -94,6 +67,15 @@ class TransformerLm(pipelined_task.PipelinedTask):
     p.Define('decode_top_k', 0,
              'Decoding: sample among the k most likely tokens; 0: all.')
     p.Define('decode_seed', 1234, 'Decoding: seed of the (stateless) sampling.')
+    p.Define(
+        'max_seq_len', 0, 'Rows of the position embedding: the longest '
+        'sequence `generate` writes; 0: input.seq_len.')
+    p.Define(
+        'decode_cache', True, 'Decoding and `generate`: keep each layer\'s '
+        'keys and values, one position per new token; False: re-run the '
+        'window per token.')
+    p.Define('decode_jit_compile', True,
+             'decode_cache=True: compile the decoding loop with XLA.')
     p.eval.decoder_samples_per_summary = 16
     tp = p.train
     tp.learning_rate = 1e-3
@@ -114,7 +96,7 @@ class TransformerLm(pipelined_task.PipelinedTask):
             name='emb',
             vocab_size=p.vocab_size,
             embedding_dim=p.model_dim,
-            max_seq_len=seq_len,
+            max_seq_len=cls.MaxSeqLen(p),
             position_embedding=p.position_embedding,
             partitioner=p.partitioner,
             partition_strategy=p.partition_strategy),
@@ -134,6 +116,17 @@ class TransformerLm(pipelined_task.PipelinedTask):
         partitioner=p.partitioner,
         partition_strategy=p.partition_strategy))
     return stack, (tshape.Shape([p.input.batch_size, seq_len]),)
+
+  @classmethod
+  def MaxSeqLen(cls, task_params):
+    """The position embedding's rows: task.max_seq_len, or input.seq_len."""
+    p = task_params
+    seq_len = p.input.seq_len
+    if p.max_seq_len and p.max_seq_len < seq_len:
+      raise ValueError(
+          f'{p.name}: max_seq_len={p.max_seq_len} is below input.seq_len='
+          f'{seq_len}; set it >= {seq_len}, or 0 for seq_len.')
+    return p.max_seq_len or seq_len
 
   def _PipelineParams(self):
     # Token ids enter the pipeline as floats (exact below 2**24), so the
@@ -189,9 +182,10 @@ class TransformerLm(pipelined_task.PipelinedTask):
     the evaler's per-example loss) and num_tokens [batch].
 
     generate: feeds prefix (int32 [batch, prefix_len], prefix_len >= 1),
-    max_len (int32, prefix_len < max_len <= seq_len), temperature (float32,
-    0: greedy), top_k (int32, 0: all tokens) and seed (int32); fetches ids
-    (int32 [batch, max_len], the prefix and its continuation).
+    max_len (int32, prefix_len < max_len <= MaxSeqLen: the position
+    embedding's rows), temperature (float32, 0: greedy), top_k (int32, 0:
+    all tokens) and seed (int32); fetches ids (int32 [batch, max_len], the
+    prefix and its continuation).
     """
     with tf.name_scope('inference'):
       return {
@@ -220,7 +214,8 @@ class TransformerLm(pipelined_task.PipelinedTask):
     return fetches, feeds
 
   def _InferenceGenerate(self):
-    seq_len = self.params.input.seq_len
+    p = self.params
+    window = self.MaxSeqLen(p)
     prefix = tf.placeholder(tf.int32, [None, None], name='prefix')
     max_len = tf.placeholder(tf.int32, [], name='max_len')
     temperature = tf.placeholder(tf.float32, [], name='temperature')
@@ -234,35 +229,52 @@ class TransformerLm(pipelined_task.PipelinedTask):
             prefix_len, max_len, message='generate: max_len must exceed '
             'the prefix length'),
         tf.debugging.assert_less_equal(
-            max_len, seq_len, message=f'generate: max_len must be <= '
-            f'seq_len={seq_len}'),
+            max_len, window, message=f'generate: max_len must be <= '
+            f'{window}, the rows of the position embedding (task.max_seq_len, '
+            'or input.seq_len when 0)'),
         tf.debugging.assert_non_negative(
             temperature, message='generate: temperature must be >= 0'),
         tf.debugging.assert_non_negative(
             top_k, message='generate: top_k must be >= 0'),
     ]
     with tf.control_dependencies(checks):
-      # Positions past t do not matter (causal attention): start them at 0.
-      start = tf.pad(prefix, [[0, 0], [0, seq_len - prefix_len]])
-    start = tf.ensure_shape(start, [None, seq_len])
-    pos = tf.broadcast_to(tf.range(seq_len)[tf.newaxis, :], tf.shape(start))
-    theta = self.theta
-
-    def Body(t, cur):
-      logits = self.ComputePredictions(
-          theta, py_utils.NestedMap(ids=cur)).logits
-      token = NextToken(tf.gather(logits, t - 1, axis=1), t, temperature,
-                        top_k, seed)
-      return t + 1, tf.where(
-          tf.equal(pos, t), tf.broadcast_to(token[:, tf.newaxis],
-                                            tf.shape(cur)), cur)
-
-    _, out = tf.while_loop(lambda t, _: t < max_len, Body,
-                           (prefix_len, start))
-    fetches = py_utils.NestedMap(ids=tf.identity(out[:, :max_len], name='ids'))
+      prefix_checked = tf.identity(prefix)
+    out = self.GenerateIds(self.theta, prefix_checked, max_len, temperature,
+                           top_k, seed)
+    fetches = py_utils.NestedMap(ids=tf.identity(out, name='ids'))
     feeds = py_utils.NestedMap(prefix=prefix, max_len=max_len,
                                temperature=temperature, top_k=top_k, seed=seed)
     return fetches, feeds
+
+  def GenerateIds(self, theta, prefix, max_len, temperature, top_k, seed,
+                  cache=None, jit_compile=None, window=None):
+    """prefix int32 [B, P] continued to [B, max_len] (generate.py).
+
+    Args:
+      theta: The task's weights.
+      prefix: int32 [B, P], 1 <= P < max_len.
+      max_len: int32 scalar, <= window.
+      temperature, top_k, seed: As NextToken's.
+      cache: Keep keys and values (None: task.decode_cache).
+      jit_compile: The cached loop in XLA (None: task.decode_jit_compile).
+      window: The positions the loop can fill (None: the position
+        embedding's rows, MaxSeqLen).
+    """
+    p = self.params
+    cache = p.decode_cache if cache is None else cache
+    jit = p.decode_jit_compile if jit_compile is None else jit_compile
+    window = window or self.MaxSeqLen(p)
+    if cache:
+      return generate.CachedIds(self.pipeline, theta.pipeline, prefix,
+                                max_len, window, temperature, top_k, seed,
+                                jit)
+
+    def Predict(ids):
+      return self.ComputePredictions(theta,
+                                     py_utils.NestedMap(ids=ids)).logits
+
+    return generate.RerunIds(Predict, prefix, max_len, window, temperature,
+                             top_k, seed)
 
   # --- Decoding (--job=decoder_dev): sampled continuations of dev prefixes.
 
@@ -287,22 +299,11 @@ class TransformerLm(pipelined_task.PipelinedTask):
     prefix = self._DecodePrefixLen()
     ids = input_batch.ids
     seq_len = p.input.seq_len
-    pos = tf.broadcast_to(tf.range(seq_len)[tf.newaxis, :], tf.shape(ids))
-    # Positions past t do not matter (causal attention): start them at 0.
-    start = tf.where(pos < prefix, ids, tf.zeros_like(ids))
-    theta = self.theta
-
-    def Body(t, cur):
-      logits = self.ComputePredictions(
-          theta, py_utils.NestedMap(ids=cur)).logits
-      sample = NextToken(tf.gather(logits, t - 1, axis=1), t,
-                         p.decode_temperature, p.decode_top_k, p.decode_seed)
-      return t + 1, tf.where(
-          tf.equal(pos, t), tf.broadcast_to(sample[:, tf.newaxis],
-                                            tf.shape(cur)), cur)
-
-    _, sampled = tf.while_loop(lambda t, _: t < seq_len, Body,
-                               (tf.constant(prefix), start))
+    # The re-run reference runs the training window, as the trainer does.
+    sampled = self.GenerateIds(
+        self.theta, ids[:, :prefix], seq_len, p.decode_temperature,
+        p.decode_top_k, p.decode_seed,
+        window=None if p.decode_cache else seq_len)
     return {
         'prefix': ids[:, :prefix],
         'sample': sampled[:, prefix:],
