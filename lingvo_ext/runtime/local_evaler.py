@@ -16,6 +16,8 @@ import lingvo.compat as tf
 from lingvo.core import py_utils
 
 from lingvo_ext import checkpoints
+from lingvo_ext.runtime import disk_space
+from lingvo_ext.runtime import progress
 from lingvo_ext.runtime import runner_state
 
 
@@ -51,8 +53,25 @@ class _WaitsForCheckpointsMixin:
   It processes the trainer's checkpoints as they come and stops after the
   last one once training has finished (the controller's `training_finished`
   file, see checkpoints.MarkTrainingFinished), whatever --max_steps the
-  trainer ran with. Each result is printed on stdout.
+  trainer ran with. Each result is printed on stdout. A graph that fails to
+  build stops the process with one `error:` line and EVAL_FAILED too.
   """
+
+  def __init__(self, dataset, *args, **kwargs):
+    try:
+      super().__init__(dataset, *args, **kwargs)
+    except Exception as e:  # pylint: disable=broad-except
+      if disk_space.IsDiskFull(e):
+        raise  # StopOnDiskFullMixin's line and exit.
+      job = getattr(self, '_job_name', None) or (
+          f'{"decoder" if isinstance(self, lingvo_runners.Decoder) else "evaler"}'
+          f'_{dataset}')
+      progress.LogToFileOnly(traceback.format_exc())
+      runner_state.Fail(
+          f'{job}: building its graph for the {dataset} input failed: '
+          f'{type(e).__name__}: {_Cause(e)}; the trace is in the log file '
+          'the first line names; fix the model or its params and run it '
+          'again.', EVAL_FAILED)
 
   def _Finished(self, path):
     """Whether training finished with checkpoint `path` as its last."""
