@@ -36,6 +36,7 @@ if 'TF_XLA_FLAGS' not in os.environ:
 from lingvo_ext import entry_point  # pylint: disable=unused-import
 from tests.support import ROOT as _ROOT
 from tests.support import lingvo_lm_testlib
+from tests.support import mt_testlib
 from tests.support import zygote
 # pylint: enable=g-import-not-at-top
 
@@ -163,6 +164,37 @@ def lingvo_lm_run(shared_once):
     return [exp, logdir, proc.stdout]
 
   exp, logdir, output = shared_once('lingvo_lm_run', Build)
+  run = TrainedRun(logdir, model, flags, output)
+  run.pythonpath = exp
+  return run
+
+
+@pytest.fixture(scope='session')
+def lingvo_mt_run(shared_once):
+  """The GPipe NMT experiment (tests/support/mt_testlib.py's MODEL), 2 cells
+  on 2 CPU devices, 3 steps, a checkpoint at step 3.
+
+  Shared by the MT tests of the evaler, decoder, tools and export.
+  run.pythonpath is the experiment's folder (its data under it). Tests only
+  read it or go on in a copy (TrainedRun.Copy).
+  """
+  model = mt_testlib.MODEL
+  flags = ['--num_cpu_devices=2', '--worker_split_size=2']
+
+  def Build(path):
+    exp = os.path.join(path, 'exp')
+    mt_testlib.Write(exp)
+    logdir = os.path.join(path, 'logdir')
+    proc = zygote.run(
+        [sys.executable, '-m', 'lingvo_ext.trainer', f'--model={model}',
+         f'--logdir={logdir}', '--max_steps=3', *flags],
+        cwd=_ROOT, env=mt_testlib.Env(exp),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout[-5000:]
+    return [exp, logdir, proc.stdout]
+
+  exp, logdir, output = shared_once('lingvo_mt_run', Build)
   run = TrainedRun(logdir, model, flags, output)
   run.pythonpath = exp
   return run
