@@ -174,6 +174,9 @@ def _CheckFlags(o):
     return (f'--eval_checkpoint={o.eval_checkpoint}: no such checkpoint (no '
             f'{o.eval_checkpoint}.index); pass a prefix such as '
             'LOGDIR/train/ckpt-00000100.')
+  if o.eval_one_pass and not (o.eval_once or o.eval_checkpoint):
+    return ('--eval_one_pass reads the Dev/Test files once, for one '
+            'checkpoint: add --eval_once (or --eval_checkpoint=PREFIX).')
   train_dir = os.path.join(o.logdir, 'train')
   if (o.eval_once and not o.eval_checkpoint and not o.trains_here and
       o.logdir and '://' not in o.logdir and
@@ -388,7 +391,7 @@ _HELP_FLAGS = ('model', 'logdir', 'max_steps', 'num_cpu_devices',
                'worker_split_size', 'intra_op_threads', 'job',
                'model_params_override', 'plan', 'devices', 'memory_per_device',
                'jit_compile', 'max_nonfinite_steps', 'shutdown_grace_secs',
-               'eval_once', 'eval_checkpoint')
+               'eval_once', 'eval_checkpoint', 'eval_one_pass')
 
 
 def _Help(full):

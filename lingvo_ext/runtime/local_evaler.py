@@ -13,6 +13,7 @@ import traceback
 
 from lingvo import runners as lingvo_runners
 import lingvo.compat as tf
+from lingvo.core import base_input_generator
 from lingvo.core import py_utils
 
 from lingvo_ext import checkpoints
@@ -47,6 +48,29 @@ def _Cause(e):
   return lines[-1] if lines else runner_state.FirstLine(e)
 
 
+def OnePass(cfg):
+  """Sets a job's params to read its finite input once, in order
+  (--eval_one_pass): Lingvo's samples_per_summary=0 reads until the input
+  ends (OutOfRangeError), which repeat_count=1 and a sequential order make
+  one pass over the files."""
+  cfg.cluster.require_sequential_input_order = True
+  inp = cfg.input
+  if 'repeat_count' in inp:
+    inp.repeat_count = 1
+  inp.resettable = True  # Lingvo stops at the input's end only then.
+  if 'eval_samples_per_summary' in inp:
+    inp.eval_samples_per_summary = 0
+  if 'task' in cfg:
+    cfg.task.eval.samples_per_summary = 0
+    cfg.task.eval.decoder_samples_per_summary = 0
+
+
+def _NoReset(sess=None):
+  """The Reset of an input read once (--eval_one_pass, one checkpoint): a
+  fresh input needs none."""
+  del sess
+
+
 class _WaitsForCheckpointsMixin:
   """An evaler or decoder that finishes, and says what it waits for.
 
@@ -60,6 +84,10 @@ class _WaitsForCheckpointsMixin:
   def __init__(self, dataset, *args, **kwargs):
     try:
       super().__init__(dataset, *args, **kwargs)
+      inp = self._task.input
+      if self._options.eval_one_pass and type(inp).Reset is getattr(
+          base_input_generator.BaseInputGenerator, 'Reset'):
+        inp.Reset = _NoReset  # Lingvo's op-based inputs have none.
     except Exception as e:  # pylint: disable=broad-except
       if disk_space.IsDiskFull(e):
         raise  # StopOnDiskFullMixin's line and exit.
@@ -117,7 +145,8 @@ class _WaitsForCheckpointsMixin:
       name = f' ({self._task.input.params.name})'
     except AttributeError:
       name = ''
-    tf.logging.error('%s', traceback.format_exc())
+    # The log file only: absl would echo an error record on the console.
+    progress.LogToFileOnly(traceback.format_exc())
     cause = _Cause(e)
     if 'mismatch shape' in cause:
       fix = ('its batches differ from their static shape: give its buckets '
@@ -201,6 +230,23 @@ class _WaitsForCheckpointsMixin:
           values.append(f'{value.tag} {value.simple_value:.4g}')
     print(f'{self._job_name}: step {int(global_step)}  ' + '  '.join(values),
           flush=True)
+    self._SayIfNotOnePass(summaries)
+
+  def _SayIfNotOnePass(self, summaries):
+    """One line, once, when the examples scored are not the input's."""
+    total = [v.simple_value for v in getattr(
+        summaries.get('total_samples'), 'value', ())]
+    size = self._task.input.params.num_samples
+    if (not total or not size or int(total[0]) == size or
+        self._options.eval_one_pass or getattr(self, '_said_samples', False)):
+      return
+    self._said_samples = True
+    dataset = self._job_name.split('_', 1)[-1]
+    print(f'note: {self._job_name}: scored {int(total[0])} examples; the '
+          f'{dataset} input has {size} (input.num_samples). Lingvo scores '
+          'whole batches until samples_per_summary, in the order it reads, '
+          'so some examples may count twice and others not at all; '
+          '--eval_once --eval_one_pass scores each once.', flush=True)
 
 
 class LocalEvaler(runner_state.RunnerMixin, _WaitsForCheckpointsMixin,

@@ -169,6 +169,9 @@ class RunnerManager(trainer_lib.DistributedRunnerManagerMixin,
       # Lingvo's default adds summaries for the controller's build only; the
       # controller sharing this one fetches them with a step (one_build.py).
       cfg.cluster.add_summary = True
+    if self._options.eval_one_pass and job_name.startswith(
+        ('evaler', 'decoder')):
+      local_evaler.OnePass(cfg)
     if self._options.max_steps is not None:
       cfg.train.max_steps = self._options.max_steps
       if 'task' in cfg:  # A single-task model keeps a copy in its task.

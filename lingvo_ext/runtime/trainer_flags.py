@@ -78,6 +78,11 @@ tf.flags.DEFINE_string(
     'eval_checkpoint', '',
     'Evalers and decoders: evaluate this checkpoint (a prefix, e.g. '
     'LOGDIR/train/ckpt-00000100) once and exit.')
+tf.flags.DEFINE_bool(
+    'eval_one_pass', False,
+    'With --eval_once or --eval_checkpoint: evalers and decoders score '
+    'every example of the Dev/Test files once, in order. See '
+    'docs/serving.md.')
 tf.flags.DEFINE_enum(
     'gpipe_engine', 'lingvo_ext', ['lingvo_ext', 'lingvo'],
     "The engine of Lingvo's GPipe layers in the experiment (lingvo.core.gpipe,"
@@ -141,6 +146,7 @@ class Options:
   shutdown_grace_secs: float = 20
   eval_once: bool = False
   eval_checkpoint: str = ''
+  eval_one_pass: bool = False
   gpipe_engine: str = 'lingvo_ext'
   jit_compile: str = 'auto'
   jit_auto_min_steps: int = 10000
