@@ -9,6 +9,8 @@ and TF_CPP_MIN_LOG_LEVEL as they were: a library does not change its
 user's console. Nothing is filtered where the user set TF_CPP_MIN_LOG_LEVEL.
 It also keeps XLA's compiled cells across the programs' processes
 (`lingvo_ext/xla_cache.py`), which TensorFlow reads at its import.
+`ParseFlags` is the one place a program that builds a model parses absl's
+flags, which Lingvo's layers read.
 """
 
 from lingvo_ext import _startup
@@ -16,3 +18,27 @@ from lingvo_ext import xla_cache
 
 _startup.Install()
 xla_cache.Install()
+
+
+def ParseFlags(argv=(), program=None):
+  """Parses absl's flags once, for a program that builds a model.
+
+  Lingvo's layers read absl flags while they build (`--tflite_compatible`
+  in causal self-attention, ...), which raises until the flags are parsed:
+  every program that builds a model (the trainer, the tools, export) calls
+  this first. `argv`: the flags for absl (the program's own taken
+  out); `program`: argv[0] (default sys.argv[0]). Returns None, or the
+  error (the flag and why).
+  """
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  from lingvo.core import py_utils_flags  # pylint: disable=g-import-not-at-top,unused-import
+  argv = list(argv)
+  if flags.FLAGS.is_parsed() and not argv:
+    return None
+  try:
+    flags.FLAGS([program or (sys.argv[0] if sys.argv else 'lingvo_ext')] +
+                argv)
+  except flags.Error as e:
+    return str(e)
+  return None

@@ -72,7 +72,7 @@ _PROGRAM = (__name__ == '__main__' or os.path.basename(
 if _PROGRAM:
   gc.disable()
 
-from lingvo_ext import entry_point  # pylint: disable=unused-import,g-bad-import-order,g-import-not-at-top,wrong-import-position
+from lingvo_ext import entry_point  # pylint: disable=g-bad-import-order,g-import-not-at-top,wrong-import-position
 from absl import app
 import lingvo.compat as tf
 from lingvo.core import hyperparams
@@ -414,10 +414,9 @@ def Run(argv=None):
     if arg in ('-h', '--help', '-?', '--helpshort', '--helpfull'):
       print(_Help(full=arg == '--helpfull'))
       return 0
-  try:
-    FLAGS(argv)
-  except tf.flags.Error as e:
-    message = ' '.join(str(e).split())
+  error = entry_point.ParseFlags(argv[1:], program=argv[0])
+  if error:
+    message = ' '.join(error.split())
     print(f'error: {message} (--help lists the flags)', file=sys.stderr)
     return 2
   resolved, error = trainer_lib.ResolveCluster(  # --cluster_resolver

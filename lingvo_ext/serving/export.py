@@ -325,7 +325,12 @@ def main(argv=None):
   except _ArgumentError as e:
     print(f'error: {e} (--help lists the flags)', file=sys.stderr)
     return 2
-  tf.flags.FLAGS([sys.argv[0]])  # Lingvo's defaults, which its exporter reads.
+  # Lingvo's flags, which its layers and exporter read (the program's start).
+  from lingvo_ext import entry_point  # pylint: disable=g-import-not-at-top
+  error = entry_point.ParseFlags()
+  if error:
+    print(f'error: {error}', file=sys.stderr)
+    return 2
   subgraphs = [s for s in args.subgraphs.split(',') if s]
   try:
     op_lines = []

@@ -5,7 +5,8 @@ experiment's dataset `<name>` (Lingvo's `Dev`, `Test` or any other).
 `Check` raises one-line errors for each: its files (`input_files`), its
 tokenizers' vocab files (a missing one makes Lingvo's tokenizer retry
 forever), and its batches against the pipelines' micro-batching
-(`pipeline_tree.CheckPipelines`, every bucket). See docs/troubleshooting.md.
+(`pipeline_tree.CheckPipelines`, every bucket), and a sequence input's
+lengths against its buckets (`sequence_checks`). See docs/troubleshooting.md.
 """
 
 import os
@@ -14,6 +15,7 @@ import lingvo.compat as tf
 
 from lingvo_ext.tasks import input_files
 from lingvo_ext.tasks import pipeline_tree
+from lingvo_ext.tasks import sequence_checks
 
 
 def JobDatasets(jobs, trains):
@@ -147,6 +149,7 @@ def Check(cfg, dataset, num_replicas=1):
     except ValueError as e:
       raise ValueError(f'{where}: {e}') from e
   CheckVocab(cfg.input, where)
+  sequence_checks.Check(cfg.input, where)
   if dataset != 'Train':
     try:
       pipeline_tree.CheckPipelines(cfg, num_replicas)

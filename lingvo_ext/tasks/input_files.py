@@ -16,13 +16,13 @@ import time
 import lingvo.compat as tf
 
 
-def _Patterns(file_pattern):
+def Patterns(file_pattern):
   """The globs of a Lingvo file_pattern ('type:glob,glob', or a list)."""
   if isinstance(file_pattern, (list, tuple)):
     globs = []
     for item in file_pattern:
       # Weighted mixes: [(pattern, weight), ...] or [pattern, ...].
-      globs += _Patterns(item[0] if isinstance(item, (list, tuple)) else item)
+      globs += Patterns(item[0] if isinstance(item, (list, tuple)) else item)
     return globs
   if not isinstance(file_pattern, str) or not file_pattern:
     return []
@@ -54,7 +54,7 @@ def CheckFilePattern(input_params, name='input'):
   pattern = input_params.file_pattern
   if isinstance(pattern, str) and pattern.startswith('iota:'):
     return  # Lingvo's synthetic records.
-  globs = _Patterns(pattern)
+  globs = Patterns(pattern)
   if not globs and not pattern:
     return  # No files: the input makes its own data (or says so itself).
   for glob in globs:
@@ -90,7 +90,7 @@ def _LocalFiles(input_params):
     return {}, False
   text = isinstance(pattern, str) and pattern.startswith('text:')
   files = {}
-  for glob in _Patterns(pattern):
+  for glob in Patterns(pattern):
     if '://' in glob:
       continue
     for f in tf.io.gfile.glob(glob):

@@ -46,7 +46,7 @@ import os
 import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from lingvo_ext import entry_point  # pylint: disable=unused-import,g-bad-import-order
+from lingvo_ext import entry_point  # pylint: disable=g-bad-import-order
 import lingvo.compat as tf
 from lingvo.core import cluster_factory
 from lingvo.core import gpipe as lingvo_gpipe
@@ -351,6 +351,10 @@ def _LayoutOf(args, side):
 
 def main(argv=None) -> int:
   args = _ParseArgs(sys.argv[1:] if argv is None else argv)
+  error = entry_point.ParseFlags()  # Lingvo's layers read some as they build.
+  if error:
+    print('convert_checkpoint: %s' % error, file=sys.stderr)
+    return 2
   try:
     if args.from_cut is not None:
       plan = ConvertLayouts(args.from_checkpoint, _LayoutOf(args, 'from'),

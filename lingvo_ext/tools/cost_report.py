@@ -8,7 +8,9 @@ Takes the model's flat layer stack (`task.cls.LayerStack(task_params)`),
 partitions it as the task does (`FlattenSequentialLayers`, `LayerCosts`,
 `MinMaxPartition`) and prints every layer (name, class, output shape, FLOPs,
 parameters, activation bytes, cell), the per-cell totals and the ratio of the
-costliest cell to the mean.
+costliest cell to the mean. An experiment that holds its pipelines already
+cut (Lingvo's task code, e.g. a GPipeTransformerStack in an MT task) gets each
+pipeline's cells as it cuts them, profiled as the planner does.
 
   --json     The same as JSON: keys `layers` (each with name, cls, flops,
              params, out_shapes, partition, ...), `partitions` (each with
@@ -34,7 +36,7 @@ import statistics
 import sys
 from typing import Any, Dict, List, Optional, Sequence
 
-from lingvo_ext import entry_point  # pylint: disable=unused-import,g-bad-import-order
+from lingvo_ext import entry_point  # pylint: disable=g-bad-import-order
 import lingvo.compat as tf
 from lingvo.core import cluster_factory
 from lingvo.core import tshape
@@ -349,6 +351,43 @@ def ModelLayerStack(model: str, dataset: str = 'Train', overrides: str = ''):
   return task, stack, tuple(shapes)
 
 
+def TreeReport(cfg, model: str) -> Dict[str, Any]:
+  """Each pipeline's cells, of an experiment that holds its pipelines cut
+  (Lingvo's task code, `pipeline_tree.IsCut`): the planner's profile of each
+  cell (planner/tree.py), per example, JSON-able."""
+  from lingvo_ext.planner import tree  # pylint: disable=g-import-not-at-top
+  pipes = []
+  for pipe in tree.ProfileTree(cfg, model):
+    cells = [dict(name=l.name, flops=l.flops, params_bytes=l.param_bytes,
+                  num_vars=l.num_vars, out_bytes=l.out_bytes,
+                  kept_bytes=l.kept_bytes) for l in pipe.profile.layers]
+    flops = [c['flops'] for c in cells]
+    pipes.append(dict(
+        path=pipe.path, cls=pipe.cls_name, batch=pipe.profile.batch,
+        cells=cells, total_flops=sum(flops),
+        bottleneck_over_mean=max(flops) / (statistics.mean(flops) or 1)))
+  return dict(model=model, pipelines=pipes)
+
+
+def FormatTreeReport(report: Dict[str, Any]) -> str:
+  out = ['model: %s' % report['model']]
+  for pipe in report['pipelines']:
+    out.append('%s (%s): %d cells as the experiment cuts them, per example '
+               'of a batch of %d' % (pipe['path'], pipe['cls'],
+                                     len(pipe['cells']), pipe['batch']))
+    rows = [['cell', 'FLOPs', 'params', 'out bytes', 'kept bytes']] + [
+        [c['name'], _Si(c['flops']), _Si(c['params_bytes']) + 'B',
+         _Si(c['out_bytes']) + 'B', _Si(c['kept_bytes']) + 'B']
+        for c in pipe['cells']]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    out += ['  ' + '  '.join(v.rjust(w) if i else v.ljust(w)
+                             for i, (v, w) in enumerate(zip(r, widths)))
+            for r in rows]
+    out.append('  total %s FLOPs; costliest cell / mean: %.2f' % (
+        _Si(pipe['total_flops']), pipe['bottleneck_over_mean']))
+  return '\n'.join(out)
+
+
 def _ParseArgs(argv):
   parser = argparse.ArgumentParser(
       prog='.venv/bin/python -m lingvo_ext.tools.cost_report',
@@ -382,14 +421,21 @@ def _ParseArgs(argv):
 def main(argv=None) -> int:
   argv = sys.argv[1:] if argv is None else argv
   args, rest = _ParseArgs(argv)
+  error = entry_point.ParseFlags(rest)  # E.g. --model_params_override.
+  if error:
+    print(f'error: {error}', file=sys.stderr)
+    return 2
   flags = tf.flags.FLAGS
-  if rest or not flags.is_parsed():
-    try:
-      flags([sys.argv[0]] + rest)  # E.g. --model_params_override.
-    except tf.flags.Error as e:
-      print(f'error: {e}', file=sys.stderr)
-      return 2
   try:
+    from lingvo_ext.planner import tf_profiling  # pylint: disable=g-import-not-at-top
+    from lingvo_ext.tasks import pipeline_tree  # pylint: disable=g-import-not-at-top
+    cfg = tf_profiling.ExperimentParams(args.model, args.dataset,
+                                        flags.model_params_override)
+    if pipeline_tree.IsCut(cfg):  # Lingvo's task code: its cells as cut.
+      report = TreeReport(cfg, args.model)
+      print(json.dumps(report, indent=1) if args.json else
+            FormatTreeReport(report))
+      return 0
     task, stack, shapes = ModelLayerStack(args.model, args.dataset,
                                          flags.model_params_override)
   except ValueError as e:  # A bad --model or param: one message, no trace.

@@ -31,7 +31,7 @@ import json
 import sys
 from typing import Dict, Optional
 
-from lingvo_ext import entry_point  # pylint: disable=unused-import,g-bad-import-order
+from lingvo_ext import entry_point  # pylint: disable=g-bad-import-order
 from lingvo_ext import _startup
 from lingvo_ext import planner
 from lingvo_ext.planner import auto
@@ -207,7 +207,7 @@ def main(argv=None) -> int:
     args = _ParseArgs(argv)
   except SystemExit as e:
     return int(e.code or 0)
-  error = _CheckArgs(args)
+  error = _CheckArgs(args) or entry_point.ParseFlags()
   if error:
     return _Fail(error)
   from lingvo_ext import registry  # pylint: disable=g-import-not-at-top

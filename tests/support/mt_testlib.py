@@ -307,7 +307,8 @@ class WmtEnDeGPipeTransformer(base_model_params.SingleTaskModelParams):
     p.stack = layers_with_gpipe.GPipeTransformerStack.Params().Set(
         name='stack', model_dim=d, num_encoder_layers=self.ENCODER_LAYERS,
         num_decoder_layers=self.DECODER_LAYERS, splits=self.SPLITS,
-        num_micro_batches=self.NUM_MICRO_BATCHES)
+        num_micro_batches=self.NUM_MICRO_BATCHES,
+        state_dtype=tf.float32)  # As GPipeTransformerLm.CommonParams sets it.
     for t in (p.stack.encoder_tpl, p.stack.decoder_tpl):
       t.source_dim = d
       t.tr_atten_tpl.num_attention_heads = self.NUM_HEADS
