@@ -48,7 +48,9 @@ changes:
   (143) with the last complete checkpoint as the latest
   (lingvo_ext/runtime/shutdown.py, docs/preemption.md).
 - --eval_once (or --eval_checkpoint=PATH): evalers and decoders evaluate
-  the newest (or that) checkpoint, print the metrics line and exit 0.
+  the newest (or that) checkpoint, print the metrics line and exit 0;
+  with --eval_one_pass, over every example of the Dev/Test files once
+  (docs/serving.md).
 - A model with partitioned variables (a layer's `partitioner` set, e.g.
   lm.WordLmSharded) saves checkpoints with tf.train.Saver
   (--use_custom_saver=false unless given), whose saved slices restore into

@@ -85,15 +85,15 @@ class _WaitsForCheckpointsMixin:
     try:
       super().__init__(dataset, *args, **kwargs)
       inp = self._task.input
-      if self._options.eval_one_pass and type(inp).Reset is getattr(
-          base_input_generator.BaseInputGenerator, 'Reset'):
+      if self._options.eval_one_pass and (
+          type(inp).Reset is base_input_generator.BaseInputGenerator.Reset):
         inp.Reset = _NoReset  # Lingvo's op-based inputs have none.
     except Exception as e:  # pylint: disable=broad-except
       if disk_space.IsDiskFull(e):
         raise  # StopOnDiskFullMixin's line and exit.
-      job = getattr(self, '_job_name', None) or (
-          f'{"decoder" if isinstance(self, lingvo_runners.Decoder) else "evaler"}'
-          f'_{dataset}')
+      kind = ('decoder' if isinstance(self, lingvo_runners.Decoder) else
+              'evaler')
+      job = getattr(self, '_job_name', None) or f'{kind}_{dataset}'
       progress.LogToFileOnly(traceback.format_exc())
       runner_state.Fail(
           f'{job}: building its graph for the {dataset} input failed: '
@@ -148,7 +148,12 @@ class _WaitsForCheckpointsMixin:
     # The log file only: absl would echo an error record on the console.
     progress.LogToFileOnly(traceback.format_exc())
     cause = _Cause(e)
-    if 'mismatch shape' in cause:
+    if self._options.eval_one_pass and 'not compatible with expected' in cause:
+      fix = ('with --eval_one_pass, a bucket\'s last batch of fewer rows '
+             'than its batch limit does not fit the model\'s static batch: '
+             'give the set a size the bucket_batch_limit divides, or '
+             'evaluate without --eval_one_pass')
+    elif 'mismatch shape' in cause:
       fix = ('its batches differ from their static shape: give its buckets '
              'batch limits the model can split, see docs/troubleshooting.md')
     else:

@@ -23,6 +23,7 @@ from typing import Optional
 
 import lingvo.compat as tf
 from lingvo.core import base_model
+from lingvo.core import ops as lingvo_ops
 
 from lingvo_ext import checkpoints
 from lingvo_ext import registry
@@ -169,7 +170,6 @@ def CustomOpLibraries(graph_def):
   library loaded with tf.load_op_library: Lingvo's x_ops.so (its beam
   search, vocab ops) or, under '', one this export cannot name.
   """
-  from lingvo.core import ops as lingvo_ops  # pylint: disable=g-import-not-at-top
   types = {node.op for node in graph_def.node}
   for f in graph_def.library.function:
     types.update(node.op for node in f.node_def)
