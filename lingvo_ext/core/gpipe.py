@@ -187,8 +187,10 @@ class PipeliningLayer(seq_layer.SeqLayer):
         raise ValueError(
             '%s: input %d has shape %s whose batch dimension (batch_dim=%d) '
             'is unknown; the pipeline splits the batch statically. Give the '
-            'input a static batch size (e.g. tf.ensure_shape or a fixed-size '
-            'input generator).' % (p.name, i, shape.as_list(), p.batch_dim))
+            'input a static batch size: Lingvo\'s NmtInput with '
+            'pad_to_max_seq_length=True and equal bucket_batch_limit, '
+            'LmInput with fixed_input_shape=True, or tf.ensure_shape in your '
+            'input generator.' % (p.name, i, shape.as_list(), p.batch_dim))
       if batch is not None and size != batch:
         raise ValueError('%s: inputs have different batch sizes (%d and %d '
                          'along batch_dim=%d).' %

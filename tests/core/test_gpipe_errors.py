@@ -54,8 +54,11 @@ def test_micro_batch_size_mismatch():
 
 def test_unknown_batch_dimension():
   with pytest.raises(ValueError, match=r'batch dimension \(batch_dim=0\) is '
-                     'unknown'):
+                     'unknown') as e:
     _FProp([None, D], placeholder=True, num_micro_batches=2)
+  # The fix for Lingvo's inputs, by their params.
+  assert ("NmtInput with pad_to_max_seq_length=True and equal "
+          "bucket_batch_limit") in str(e.value)
 
 
 def test_more_cells_than_tpu_cores(monkeypatch):
