@@ -17,6 +17,7 @@ from lingvo.core import base_input_generator
 from lingvo.core import py_utils
 
 from lingvo_ext import checkpoints
+from lingvo_ext.tasks import one_pass
 from lingvo_ext.runtime import disk_space
 from lingvo_ext.runtime import progress
 from lingvo_ext.runtime import runner_state
@@ -46,23 +47,6 @@ def _Cause(e):
            if line.strip() and not line[0].isspace() and
            not skip.match(line)]
   return lines[-1] if lines else runner_state.FirstLine(e)
-
-
-def OnePass(cfg):
-  """Sets a job's params to read its finite input once, in order
-  (--eval_one_pass): Lingvo's samples_per_summary=0 reads until the input
-  ends (OutOfRangeError), which repeat_count=1 and a sequential order make
-  one pass over the files."""
-  cfg.cluster.require_sequential_input_order = True
-  inp = cfg.input
-  if 'repeat_count' in inp:
-    inp.repeat_count = 1
-  inp.resettable = True  # Lingvo stops at the input's end only then.
-  if 'eval_samples_per_summary' in inp:
-    inp.eval_samples_per_summary = 0
-  if 'task' in cfg:
-    cfg.task.eval.samples_per_summary = 0
-    cfg.task.eval.decoder_samples_per_summary = 0
 
 
 def _NoReset(sess=None):

@@ -76,6 +76,7 @@ def _DevSources(exp):
 
 
 _FLAGS = ('--num_cpu_devices=2', '--worker_split_size=2')
+_BATCHES_OF_6 = '--model_params_override=input.bucket_batch_limit:[6, 6]'
 _STEPS = 600
 
 
@@ -92,8 +93,9 @@ def trained(tmp_path_factory):
              f'--model={mt_testlib.MODEL}', f'--logdir={logdir}', *_FLAGS]
   rc, out = _Run(trainer + [f'--max_steps={_STEPS}'], env)
   assert rc == 0, out[-3000:]
+  # Batches of 6: each bucket's last batch partial (padded, not counted).
   rc, out = _Run(trainer + ['--job=decoder_dev', '--eval_once',
-                            '--eval_one_pass'], env)
+                            '--eval_one_pass', _BATCHES_OF_6], env)
   assert rc == 0, out[-3000:]
   return dict(exp=exp, logdir=logdir, decoded=out, env=env)
 
@@ -159,8 +161,7 @@ def testTheNoteSaysWhenLingvoScoresOtherThanTheSet(lingvo_mt_run, tmp_path):
              f'--model={mt_testlib.MODEL}', f'--logdir={logdir}', *_FLAGS,
              '--job=evaler_dev']
   # Batches of 6: whole batches to samples_per_summary (40) make 42.
-  rc, out = _Run(trainer + ['--eval_once', '--model_params_override='
-                            'input.bucket_batch_limit:[6, 6]'], env)
+  rc, out = _Run(trainer + ['--eval_once', _BATCHES_OF_6], env)
   assert rc == 0, out[-3000:]
   assert [l for l in out.splitlines() if l.startswith('note: evaler_dev')] == [
       'note: evaler_dev: scored 42 examples; the dev input has 40 '
@@ -168,6 +169,13 @@ def testTheNoteSaysWhenLingvoScoresOtherThanTheSet(lingvo_mt_run, tmp_path):
       'samples_per_summary, in the order it reads, so some examples may '
       'count twice and others not at all; --eval_once --eval_one_pass '
       'scores each once.'], out[-3000:]
+  # One pass: each sentence once, the partial batches' padded rows not
+  # counted.
+  rc, out = _Run(trainer + ['--eval_once', '--eval_one_pass', _BATCHES_OF_6],
+                 env)
+  assert rc == 0, out[-3000:]
+  assert _Metrics(out, 'evaler_dev')['total_samples'] == 40
+  assert 'note: evaler_dev' not in out
   rc, out = _Run(trainer + ['--eval_one_pass'], env)
   assert (rc, _Errors(out)) == (2, [
       'error: --eval_one_pass reads the Dev/Test files once, for one '
