@@ -45,14 +45,15 @@ def NeedsPadding(input_params):
   if input_params is None or not isinstance(
       getattr(input_params, 'cls', None), type):
     return False
-  limits = list(input_params.bucket_batch_limit or [])
   nmt = _NmtInput()
-  if nmt is not None and issubclass(input_params.cls, nmt):
-    return not (input_params.pad_to_max_seq_length and len(set(limits)) == 1)
   from lingvo.tasks.lm import input_generator as lm_inp  # pylint: disable=g-import-not-at-top
-  if not issubclass(input_params.cls, lm_inp.LmInput):
+  is_nmt = nmt is not None and issubclass(input_params.cls, nmt)
+  if not (is_nmt or issubclass(input_params.cls, lm_inp.LmInput)):
     return False
-  return bool(input_params.fixed_input_shape and len(set(limits)) > 1)
+  limits = set(input_params.bucket_batch_limit or [])
+  if is_nmt:
+    return not (input_params.pad_to_max_seq_length and len(limits) == 1)
+  return bool(input_params.fixed_input_shape and len(limits) > 1)
 
 
 def _Pad(t, name, rows):

@@ -88,13 +88,14 @@ def _SeededWeights(sess, variables):
   sess.run(assigns, feed_dict=feeds)
 
 
-def _Train(overrides, devices, engine='lingvo_ext', steps=STEPS):
+def _Train(overrides, devices, engine='lingvo_ext', steps=STEPS,
+           model=mt_testlib.MODEL):
   """The training loss of each of `steps` steps of the MT task."""
   from lingvo.core import cluster_factory  # pylint: disable=g-import-not-at-top
   from tests.support import gpipe_testlib as lib  # pylint: disable=g-import-not-at-top
   assert entry_point.ParseFlags() is None  # The decoder reads Lingvo's flags.
   cfg = experiment_params.GetParams(
-      mt_testlib.MODEL, 'Train', ';'.join([_SEEDED] + overrides),
+      model, 'Train', ';'.join([_SEEDED] + overrides),
       gpipe_engine=engine)
   p = cfg.task.Copy()
   p.input = cfg.input
@@ -134,3 +135,17 @@ def testEveryScheduleTrainsAsTheSequentialModel(mt, shared_once, name,
   losses = _Train(overrides, devices, engine)
   np.testing.assert_allclose(losses, reference, rtol=0, atol=1e-5,
                              err_msg=name)
+
+
+@pytest.mark.e2e
+def testLingvosMixedBucketsTrainAsTheSequentialModel(mt, shared_once):
+  # GPipeMtBuckets: Train batch limits 8/6/4, each batch padded to 8 rows
+  # (tasks/bucketed_input.py), its time axis the bucket's.
+  del mt
+  model = mt_testlib.BUCKETS_MODEL
+  reference = shared_once('mt_buckets_sequential_losses',
+                          lambda unused_path: _Train(_SEQUENTIAL, 1,
+                                                     model=model))
+  assert np.all(np.isfinite(reference))
+  losses = _Train(['task.stack.schedule:"1f1b"'], 2, model=model)
+  np.testing.assert_allclose(losses, reference, rtol=0, atol=1e-5)

@@ -29,6 +29,9 @@ def testTheSampleHasTheCorpusLengths(mt):
   assert len(sequence_checks.SampleLengths(cfg.input.file_pattern,
                                            records=7)) == 7
   assert sequence_checks.SampleLengths('text:/no/such') == []
+  # Bounded in time: past the bound, no further record is read.
+  assert len(sequence_checks.SampleLengths(cfg.input.file_pattern,
+                                           seconds=0)) == 1
 
 
 def testTheExperimentPassesSilently(mt, capsys):
