@@ -50,7 +50,7 @@ changes:
 - --eval_once (or --eval_checkpoint=PATH): evalers and decoders evaluate
   the newest (or that) checkpoint, print the metrics line and exit 0;
   with --eval_one_pass, over every example of the Dev/Test files once
-  (docs/serving.md).
+  (docs/machine-translation.md).
 - A model with partitioned variables (a layer's `partitioner` set, e.g.
   lm.WordLmSharded) saves checkpoints with tf.train.Saver
   (--use_custom_saver=false unless given), whose saved slices restore into

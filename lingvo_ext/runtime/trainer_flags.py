@@ -82,7 +82,7 @@ tf.flags.DEFINE_bool(
     'eval_one_pass', False,
     'With --eval_once or --eval_checkpoint: evalers and decoders score '
     'every example of the Dev/Test files once, in order. See '
-    'docs/serving.md.')
+    'docs/machine-translation.md.')
 tf.flags.DEFINE_enum(
     'gpipe_engine', 'lingvo_ext', ['lingvo_ext', 'lingvo'],
     "The engine of Lingvo's GPipe layers in the experiment (lingvo.core.gpipe,"

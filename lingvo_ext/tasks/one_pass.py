@@ -11,7 +11,7 @@ last batch is then partial; an NmtInput with static batches
 batches are padded to the limit first, by rows no metric counts (the MT
 task counts and decodes real rows only, `bucketed_input.Counted`); NmtInput's
 mixed limits are padded by `bucketed_input.Padded` already. See
-docs/serving.md.
+docs/machine-translation.md.
 """
 
 import functools
