@@ -53,7 +53,9 @@ changes:
   (143) with the last complete checkpoint as the latest
   (lingvo_ext/runtime/shutdown.py, docs/preemption.md).
 - --eval_once (or --eval_checkpoint=PATH): evalers and decoders evaluate
-  the newest (or that) checkpoint, print the metrics line and exit 0.
+  the newest (or that) checkpoint, print the metrics line and exit 0;
+  with --eval_one_pass, over every example of the Dev/Test files once
+  (docs/machine-translation.md).
 - A model with partitioned variables (a layer's `partitioner` set, e.g.
   lm.WordLmSharded) saves checkpoints with tf.train.Saver
   (--use_custom_saver=false unless given), whose saved slices restore into
@@ -192,6 +194,9 @@ def _CheckFlags(o):
       return (f'--eval_checkpoint={o.eval_checkpoint} is a damaged '
               f'checkpoint ({problem}); pass an intact one, or --eval_once '
               'for the newest intact one.')
+  if o.eval_one_pass and not (o.eval_once or o.eval_checkpoint):
+    return ('--eval_one_pass reads the Dev/Test files once, for one '
+            'checkpoint: add --eval_once (or --eval_checkpoint=PREFIX).')
   train_dir = os.path.join(o.logdir, 'train')
   if (o.eval_once and not o.eval_checkpoint and not o.trains_here and
       o.logdir and '://' not in o.logdir and
@@ -407,7 +412,7 @@ _HELP_FLAGS = ('model', 'logdir', 'max_steps', 'num_cpu_devices',
                'model_params_override', 'plan', 'devices', 'memory_per_device',
                'jit_compile', 'max_nonfinite_steps', 'shutdown_grace_secs',
                'plan_check_steps', 'eval_once', 'eval_checkpoint',
-               'accept_changed_input')
+               'eval_one_pass', 'accept_changed_input')
 
 
 def _Help(full):

@@ -16,7 +16,10 @@ Its classes are distinct from `lingvo.core.layers_with_gpipe`'s (so an
 is Lingvo's, but for one param of `GPipeTransformerStack`: `loss_in_last_cell`
 computes the per-example cross-entropy in the last cell (the pipeline carries
 the labels to it), so the loss is linear in the pipeline's outputs and '1f1b'
-runs without recomputing (docs/schedules.md).
+runs without recomputing (docs/schedules.md). With `label_smoothing` (Lingvo's
+`UniformLabelSmoother`, Lingvo MT's default) the last cell smooths each
+micro-batch's labels as Lingvo's FProp smooths the batch's: a smoothed
+cross-entropy is still a sum over tokens.
 """
 
 import importlib.util
@@ -24,6 +27,7 @@ import sys
 
 import lingvo.compat as tf
 from lingvo.core import gpipe as _lingvo_gpipe  # pylint: disable=unused-import
+from lingvo.core import layers as lingvo_layers
 from lingvo.core import py_utils
 from lingvo.core import tshape
 from lingvo_ext.core import gpipe as _ext_gpipe
@@ -66,7 +70,43 @@ _NUM_LABEL_INPUTS = 2
 class GPipeTransformerXentCell(_ext_gpipe.FeatureExtractionLayer):
   """The last cell with the loss in it: `sub` (ending in the softmax layer
   'softmax') on all inputs but the last two, (labels, label_weights); then
-  the per-example cross-entropy. Returns (per-example xent, logits)."""
+  the per-example cross-entropy, against `label_smoothing`'s targets if set.
+  Returns (per-example xent, logits)."""
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.Define('label_smoothing', None,
+             "The stack's label smoother params (a row-wise smoother), or "
+             'None for one-hot targets.')
+    p.Define('batch_dim', 1, "The stack's batch_dim (1: time-major).")
+    return p
+
+  def __init__(self, params):
+    super().__init__(params)
+    p = self.params
+    if p.label_smoothing:
+      self.CreateChild('smoother', p.label_smoothing)
+
+  def _SmoothedTargets(self, theta, inputs, labels):
+    """Lingvo's GPipeTransformerStack.FProp smoothing, on this micro-batch:
+    [tokens, num_classes] target probabilities, or None."""
+    p = self.params
+    if not p.label_smoothing:
+      return None
+    # The cells' states: (source_vecs, source_paddings, target_vecs,
+    # target_paddings, ...).
+    paddings = inputs[3] if len(inputs) > 3 else None
+    if p.batch_dim:  # Time-major: the smoother takes [batch, time].
+      probs = tf.transpose(
+          self.smoother.FProp(
+              theta.smoother,
+              None if paddings is None else tf.transpose(paddings),
+              tf.transpose(labels), target_ids=None), [1, 0, 2])
+    else:
+      probs = self.smoother.FProp(theta.smoother, paddings, labels,
+                                  target_ids=None)
+    return tf.reshape(probs, [-1, self.softmax.params.num_classes])
 
   def FProp(self, theta, *args):
     inputs, labels, weights = args[:-2], args[-2], args[-1]
@@ -75,7 +115,8 @@ class GPipeTransformerXentCell(_ext_gpipe.FeatureExtractionLayer):
     xent, _ = self.softmax.XentLossFromLogits(
         theta.softmax, tf.reshape(logits, [-1, num_classes]),
         class_weights=tf.reshape(weights, [-1]),
-        class_ids=tf.reshape(labels, [-1]))
+        class_ids=tf.reshape(labels, [-1]),
+        class_probabilities=self._SmoothedTargets(theta, inputs, labels))
     return tf.reshape(xent, tf.shape(logits)[:2]), logits
 
   @classmethod
@@ -87,6 +128,12 @@ class GPipeTransformerXentCell(_ext_gpipe.FeatureExtractionLayer):
         out_shapes=(tshape.Shape(logits[:2]), logits))
 
 
+# Smoothers whose targets for a sequence depend on that sequence alone, so
+# smoothing each micro-batch equals smoothing the batch.
+_ROW_WISE_SMOOTHERS = (lingvo_layers.UniformLabelSmoother,
+                       lingvo_layers.LocalizedLabelSmoother)
+
+
 class _LossInLastCell(_ext_gpipe.PipeliningLayer):
   """Between Lingvo's stack and PipeliningLayer in the MRO: rewrites the
   cells Lingvo's __init__ built before PipeliningLayer creates them."""
@@ -94,10 +141,18 @@ class _LossInLastCell(_ext_gpipe.PipeliningLayer):
   def __init__(self, params):
     p = params
     if p.loss_in_last_cell:
-      if not p.softmax_tpl or p.label_smoothing:
+      if not p.softmax_tpl:
         raise ValueError(
-            '%s: loss_in_last_cell=True needs softmax_tpl and no '
-            'label_smoothing; set loss_in_last_cell=False.' % p.name)
+            '%s: loss_in_last_cell=True needs softmax_tpl; set '
+            'loss_in_last_cell=False.' % p.name)
+      if p.label_smoothing and not issubclass(p.label_smoothing.cls,
+                                              _ROW_WISE_SMOOTHERS):
+        raise ValueError(
+            '%s: loss_in_last_cell=True smooths each micro-batch apart and '
+            'takes label_smoothing of %s, not %s; set '
+            'loss_in_last_cell=False.' %
+            (p.name, ' or '.join(c.__name__ for c in _ROW_WISE_SMOOTHERS),
+             p.label_smoothing.cls.__name__))
       if p.schedule == 'recurrent':
         # Its loop passes states of one dtype; the labels are integers.
         raise ValueError(
@@ -109,7 +164,9 @@ class _LossInLastCell(_ext_gpipe.PipeliningLayer):
         cell.num_act_inputs = cell.num_act_outputs = _NUM_LABEL_INPUTS
       last = cells[-1]
       cells[-1] = GPipeTransformerXentCell.Params().Set(
-          name=last.name, sub=last.sub)
+          name=last.name, sub=last.sub,
+          label_smoothing=p.label_smoothing and p.label_smoothing.Copy(),
+          batch_dim=p.batch_dim)
       p.cell_tpl = cells
     super().__init__(p)
 
@@ -124,8 +181,8 @@ class GPipeTransformerStack(_module.GPipeTransformerStack, _LossInLastCell):
     p.Define(
         'loss_in_last_cell', False,
         'If True, the last cell computes the per-example cross-entropy (same '
-        "outputs): the loss is linear in the pipeline's outputs, so '1f1b' "
-        'does not recompute. See docs/schedules.md.')
+        "outputs, label_smoothing too): the loss is linear in the pipeline's "
+        "outputs, so '1f1b' does not recompute. See docs/schedules.md.")
     return p
 
   def FProp(self, theta, source_input, source_paddings, target_input=None,

@@ -13,9 +13,13 @@ import traceback
 
 from lingvo import runners as lingvo_runners
 import lingvo.compat as tf
+from lingvo.core import base_input_generator
 from lingvo.core import py_utils
 
 from lingvo_ext import checkpoints
+from lingvo_ext.tasks import one_pass
+from lingvo_ext.runtime import disk_space
+from lingvo_ext.runtime import progress
 from lingvo_ext.runtime import runner_state
 from lingvo_ext.runtime import training_end
 
@@ -46,6 +50,12 @@ def _Cause(e):
   return lines[-1] if lines else runner_state.FirstLine(e)
 
 
+def _NoReset(sess=None):
+  """The Reset of an input read once (--eval_one_pass, one checkpoint): a
+  fresh input needs none."""
+  del sess
+
+
 class _WaitsForCheckpointsMixin:
   """An evaler or decoder that finishes, and says what it waits for.
 
@@ -53,8 +63,29 @@ class _WaitsForCheckpointsMixin:
   last one of training: the checkpoint of the trainer's recorded max_steps,
   or the one the controller's `training_finished` file names
   (training_end.py), whatever --max_steps the trainer ran with. Each result
-  is printed on stdout.
+  is printed on stdout. A graph that fails to build stops the process with
+  one `error:` line and EVAL_FAILED too.
   """
+
+  def __init__(self, dataset, *args, **kwargs):
+    try:
+      super().__init__(dataset, *args, **kwargs)
+      inp = self._task.input
+      if self._options.eval_one_pass and (
+          type(inp).Reset is base_input_generator.BaseInputGenerator.Reset):
+        inp.Reset = _NoReset  # Lingvo's op-based inputs have none.
+    except Exception as e:  # pylint: disable=broad-except
+      if disk_space.IsDiskFull(e):
+        raise  # StopOnDiskFullMixin's line and exit.
+      kind = ('decoder' if isinstance(self, lingvo_runners.Decoder) else
+              'evaler')
+      job = getattr(self, '_job_name', None) or f'{kind}_{dataset}'
+      progress.LogToFileOnly(traceback.format_exc())
+      runner_state.Fail(
+          f'{job}: building its graph for the {dataset} input failed: '
+          f'{type(e).__name__}: {_Cause(e)}; the trace is in the log file '
+          'the first line names; fix the model or its params and run it '
+          'again.', EVAL_FAILED)
 
   def _End(self):
     if not hasattr(self, '_end'):
@@ -120,9 +151,15 @@ class _WaitsForCheckpointsMixin:
       name = f' ({self._task.input.params.name})'
     except AttributeError:
       name = ''
-    tf.logging.error('%s', traceback.format_exc())
+    # The log file only: absl would echo an error record on the console.
+    progress.LogToFileOnly(traceback.format_exc())
     cause = _Cause(e)
-    if 'mismatch shape' in cause:
+    if self._options.eval_one_pass and 'not compatible with expected' in cause:
+      fix = ('with --eval_one_pass, a bucket\'s last batch of fewer rows '
+             'than its batch limit does not fit the model\'s static batch: '
+             'give the set a size the bucket_batch_limit divides, or '
+             'evaluate without --eval_one_pass')
+    elif 'mismatch shape' in cause:
       fix = ('its batches differ from their static shape: give its buckets '
              'batch limits the model can split, see docs/troubleshooting.md')
     else:
@@ -204,6 +241,23 @@ class _WaitsForCheckpointsMixin:
           values.append(f'{value.tag} {value.simple_value:.4g}')
     print(f'{self._job_name}: step {int(global_step)}  ' + '  '.join(values),
           flush=True)
+    self._SayIfNotOnePass(summaries)
+
+  def _SayIfNotOnePass(self, summaries):
+    """One line, once, when the examples scored are not the input's."""
+    total = [v.simple_value for v in getattr(
+        summaries.get('total_samples'), 'value', ())]
+    size = self._task.input.params.num_samples
+    if (not total or not size or int(total[0]) == size or
+        self._options.eval_one_pass or getattr(self, '_said_samples', False)):
+      return
+    self._said_samples = True
+    dataset = self._job_name.split('_', 1)[-1]
+    print(f'note: {self._job_name}: scored {int(total[0])} examples; the '
+          f'{dataset} input has {size} (input.num_samples). Lingvo scores '
+          'whole batches until samples_per_summary, in the order it reads, '
+          'so some examples may count twice and others not at all; '
+          '--eval_once --eval_one_pass scores each once.', flush=True)
 
 
 class LocalEvaler(runner_state.RunnerMixin, _WaitsForCheckpointsMixin,

@@ -28,6 +28,7 @@ from lingvo_ext.runtime import trainer_flags
 from lingvo_ext._internal import tf as internal_tf
 from lingvo_ext.distributed import server
 from lingvo_ext.runtime import trainer_lib
+from lingvo_ext.tasks import one_pass
 
 # The names the trainer, tests and docs use from here.
 RunState = runner_state.RunState
@@ -169,6 +170,9 @@ class RunnerManager(trainer_lib.DistributedRunnerManagerMixin,
       # Lingvo's default adds summaries for the controller's build only; the
       # controller sharing this one fetches them with a step (one_build.py).
       cfg.cluster.add_summary = True
+    if self._options.eval_one_pass and job_name.startswith(
+        ('evaler', 'decoder')):
+      one_pass.OnePass(cfg)
     if self._options.max_steps is not None:
       cfg.train.max_steps = self._options.max_steps
       if 'task' in cfg:  # A single-task model keeps a copy in its task.

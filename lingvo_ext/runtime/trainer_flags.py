@@ -87,6 +87,11 @@ tf.flags.DEFINE_bool(
     'Resume on training input files that changed since the logdir\'s first '
     'start without the warning, recording them as they are now (a changed '
     'vocab is still refused). See docs/faults.md.')
+tf.flags.DEFINE_bool(
+    'eval_one_pass', False,
+    'With --eval_once or --eval_checkpoint: evalers and decoders score '
+    'every example of the Dev/Test files once, in order. See '
+    'docs/machine-translation.md.')
 tf.flags.DEFINE_enum(
     'gpipe_engine', 'lingvo_ext', ['lingvo_ext', 'lingvo'],
     "The engine of Lingvo's GPipe layers in the experiment (lingvo.core.gpipe,"
@@ -159,6 +164,7 @@ class Options:
   eval_once: bool = False
   eval_checkpoint: str = ''
   accept_changed_input: bool = False
+  eval_one_pass: bool = False
   gpipe_engine: str = 'lingvo_ext'
   jit_compile: str = 'auto'
   jit_auto_min_steps: int = 10000

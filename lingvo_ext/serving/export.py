@@ -20,6 +20,8 @@ import sys
 from typing import Optional
 
 import lingvo.compat as tf
+from lingvo.core import base_model
+from lingvo.core import ops as lingvo_ops
 
 from lingvo_ext import checkpoints
 from lingvo_ext import registry
@@ -107,9 +109,95 @@ def _Assets(checkpoint):
     return {VOCAB_FILENAME: f.read()}
 
 
+# Params of Lingvo's tokenizers that name a vocabulary file.
+_VOCAB_PARAMS = ('token_vocab_filepath', 'ngram_vocab_filepath',
+                 'vocab_filepath')
+
+
+def TokenizerAssets(cfg):
+  """{file name: text} of the vocabularies of the input's tokenizers
+  (Lingvo's `tokenizer` and `tokenizer_dict`, e.g. NmtInput's word-piece
+  vocab), each under its file's name."""
+  inp = cfg.input if 'input' in cfg else None
+  if inp is None:
+    return {}
+  tokenizers = [inp.tokenizer] if 'tokenizer' in inp else []
+  if 'tokenizer_dict' in inp:
+    tokenizers += list((inp.tokenizer_dict or {}).values())
+  assets = {}
+  for tok in tokenizers:
+    for name in _VOCAB_PARAMS:
+      path = tok.Get(name) if tok is not None and name in tok else None
+      if path and tf.io.gfile.exists(path):
+        with tf.io.gfile.GFile(path) as f:
+          assets[os.path.basename(path)] = f.read()
+  return assets
+
+
+def NoInference(cfg):
+  """Why `cfg`'s task cannot export (it has no `Inference()`), or None."""
+  task = cfg.task if 'task' in cfg else None
+  if task is None or task.cls.Inference is not base_model.BaseTask.Inference:
+    return None
+  return (f'its task {task.cls.__module__}.{task.cls.__name__} has no '
+          "Inference(): add the method, returning Lingvo's {subgraph name: "
+          "(fetches, feeds)} (e.g. {'default': ...}); see docs/serving.md")
+
+
+def _CheckInference(cfg, model):
+  problem = NoInference(cfg)
+  if problem:
+    raise ExportError(f'--model={model}: {problem}.')
+
+
+def _SnakeCase(name):
+  return re.sub(r'(?<!^)(?=[A-Z])', '_', name).lower()
+
+
+def CustomOpLibraries(graph_def):
+  """{op library path: [its op types]} the graph needs beyond TensorFlow's.
+
+  An op type TensorFlow itself lacks (not in tf.raw_ops) comes from a
+  library loaded with tf.load_op_library: Lingvo's x_ops.so (its beam
+  search, vocab ops) or, under '', one this export cannot name.
+  """
+  types = {node.op for node in graph_def.node}
+  for f in graph_def.library.function:
+    types.update(node.op for node in f.node_def)
+  x_ops = os.path.join(os.path.dirname(lingvo_ops.__file__), 'x_ops.so')
+  found = {}
+  for op in sorted(types):
+    if hasattr(tf.raw_ops, op):
+      continue
+    known = hasattr(lingvo_ops.gen_x_ops, _SnakeCase(op))
+    found.setdefault(x_ops if known else '', []).append(op)
+  return found
+
+
+def CustomOpLines(libraries):
+  """What the export prints about the op libraries its SavedModel needs."""
+  lines = []
+  for path, op_types in sorted(libraries.items()):
+    if path:
+      lines.append(
+          f'the SavedModel needs the op library {path} (Lingvo\'s, for '
+          f'{", ".join(op_types)}): call tf.load_op_library({path!r}) '
+          'before tf.saved_model.load (docs/serving.md).')
+    else:
+      lines.append(
+          f'the SavedModel holds ops TensorFlow lacks ({", ".join(op_types)})'
+          ': load their library (tf.load_op_library) before '
+          'tf.saved_model.load.')
+  return lines
+
+
 def Export(model, export_dir, logdir='', checkpoint='', overwrite=False,
-           subgraphs=(), overrides='', gpipe_engine='lingvo_ext'):
+           subgraphs=(), overrides='', gpipe_engine='lingvo_ext', notes=None):
   """Checks everything, then writes the SavedModel and inference graph.
+
+  Args:
+    notes: A list to append the lines to print about the SavedModel to (the
+      op libraries it needs to load), or None.
 
   Returns:
     (the checkpoint exported, the subgraph names written).
@@ -129,7 +217,11 @@ def Export(model, export_dir, logdir='', checkpoint='', overwrite=False,
   try:
     cfg = inference.InferenceParams(model, overrides, gpipe_engine,
                                     vocab_file)
+    _CheckInference(cfg, model)
+    assets.update(TokenizerAssets(cfg))
     proto = saved_model.InferenceGraph(cfg)
+  except NotImplementedError as e:  # An Inference() that raises it.
+    raise ExportError(f'--model={model}: {NoInference(cfg) or e}.') from e
   except (LookupError, AttributeError) as e:
     raise ExportError(f'--model={model}: {e}') from e
   names = CheckSubgraphs(subgraphs, proto.subgraphs)
@@ -138,6 +230,7 @@ def Export(model, export_dir, logdir='', checkpoint='', overwrite=False,
     if name not in names:
       del proto.subgraphs[name]
   frozen = saved_model.Freeze(proto, checkpoint)
+  libraries = CustomOpLibraries(frozen.graph_def)
   staging = f'{export_dir.rstrip("/")}.tmp{os.getpid()}'
   if os.path.exists(staging):
     shutil.rmtree(staging)
@@ -151,6 +244,8 @@ def Export(model, export_dir, logdir='', checkpoint='', overwrite=False,
   finally:
     if os.path.exists(staging):
       shutil.rmtree(staging)
+  if notes is not None:
+    notes.extend(CustomOpLines(libraries))
   return checkpoint, names
 
 
@@ -164,6 +259,9 @@ def WriteInferenceGraph(model, logdir, overrides='', gpipe_engine='lingvo_ext'):
   cfg = inference.InferenceParams(
       model, overrides, gpipe_engine,
       vocab if tf.io.gfile.exists(vocab) else '')
+  problem = NoInference(cfg)
+  if problem:
+    raise ValueError(problem + '.')
   out_dir = os.path.join(logdir, 'inference_graphs')
   path = os.path.join(out_dir, INFERENCE_GRAPH)
   tf.io.gfile.makedirs(out_dir)
@@ -226,9 +324,11 @@ def main(argv=None):
     return 2
   subgraphs = [s for s in args.subgraphs.split(',') if s]
   try:
+    op_lines = []
     checkpoint, names = Export(
         args.model, args.export_dir, args.logdir, args.checkpoint,
-        args.overwrite, subgraphs, args.model_params_override)
+        args.overwrite, subgraphs, args.model_params_override,
+        notes=op_lines)
   except ExportError as e:
     print(f'error: {e}', file=sys.stderr)
     return 2
@@ -239,4 +339,6 @@ def main(argv=None):
   print(f'exported {checkpoint} to {args.export_dir}: SavedModel signatures '
         f'{", ".join(names)} (default also as serving_default), and '
         f'{INFERENCE_GRAPH} for Lingvo\'s Predictor.')
+  for line in op_lines:
+    print(line)
   return 0

@@ -3,10 +3,13 @@
 The per-example cross-entropy comes out of the pipeline, so a summed loss is
 linear in its outputs and '1f1b' runs without recomputing; training equals
 the default schedule with Lingvo's loss after the pipeline, and the
-sequential model.
+sequential model; with label smoothing (Lingvo's UniformLabelSmoother, Lingvo
+MT's default) on an encoder-decoder stack too.
 """
 
 import lingvo.compat as tf
+from lingvo.core import base_layer
+from lingvo.core import layers as lingvo_layers
 from lingvo.core import py_utils
 import numpy as np
 import pytest
@@ -19,15 +22,21 @@ _T, _B, _D, _VOCAB, _K, _M = 4, 8, 8, 5, 2, 4
 _STEPS = 3
 
 
-def _Params(schedule, loss_in_last_cell, layers=3, splits=_K, micro=_M):
+def _Params(schedule, loss_in_last_cell, layers=3, splits=_K, micro=_M,
+            decoder_layers=0, smoothing=None):
+  """smoothing: the UniformLabelSmoother's uncertainty, or None."""
   p = layers_with_gpipe.GPipeTransformerStack.Params().Set(
       name='transformer', model_dim=_D, num_encoder_layers=layers,
-      num_decoder_layers=0, splits=splits, num_micro_batches=micro,
-      state_dtype=tf.float32, random_seed=0, schedule=schedule,
-      loss_in_last_cell=loss_in_last_cell)
-  p.encoder_tpl.source_dim = _D
-  p.encoder_tpl.tr_atten_tpl.num_attention_heads = 2
-  p.encoder_tpl.tr_fflayer_tpl.hidden_dim = 2 * _D
+      num_decoder_layers=decoder_layers, splits=splits,
+      num_micro_batches=micro, state_dtype=tf.float32, random_seed=0,
+      schedule=schedule, loss_in_last_cell=loss_in_last_cell)
+  for tpl in (p.encoder_tpl, p.decoder_tpl):
+    tpl.source_dim = _D
+    tpl.tr_atten_tpl.num_attention_heads = 2
+    tpl.tr_fflayer_tpl.hidden_dim = 2 * _D
+  if smoothing is not None:
+    p.label_smoothing = lingvo_layers.UniformLabelSmoother.Params().Set(
+        num_classes=_VOCAB, uncertainty=smoothing)
   p.emb_tpl.token_emb.Set(embedding_dim=_D, vocab_size=_VOCAB)
   p.emb_tpl.position_emb.embedding_dim = _D
   p.softmax_tpl.Set(input_dim=_D, num_classes=_VOCAB)
@@ -38,8 +47,10 @@ def Build(schedule, loss_in_last_cell, sequential=False, devices=_K,
           **structure):
   """The graph and its (init, loss, grads, train, variables).
 
-  structure: _Params' layers, splits and micro.
+  structure: _Params' layers, splits, micro, decoder_layers, smoothing.
   """
+  if not tf.flags.FLAGS.is_parsed():  # The decoder's attention reads one.
+    tf.flags.FLAGS.mark_as_parsed()
   g = tf.Graph()
   with g.as_default(), gpipe_testlib.Cluster(devices):
     tf.random.set_seed(1)
@@ -51,12 +62,19 @@ def Build(schedule, loss_in_last_cell, sequential=False, devices=_K,
     # Weights differ per token: the pipeline must carry each micro-batch's.
     weights = tf.constant(rng.uniform(0.5, 1.5, [_T, _B]), tf.float32)
     paddings = tf.zeros([_T, _B])
+    # A target of its own, padded at the end in some rows (the decoder's).
+    target = tf.constant(rng.randint(0, _VOCAB, [_T, _B]), tf.int32)
+    target_paddings = tf.constant(
+        np.arange(_T)[:, None] >= rng.randint(2, _T + 1, [_B]), tf.float32)
+    if not structure.get('decoder_layers'):
+      target = target_paddings = None
     if sequential:
-      xent, _ = net.FPropSequential(net.theta, ids, paddings, *[None] * 8,
-                                    labels, weights)
+      xent, _ = net.FPropSequential(net.theta, ids, paddings, target,
+                                    target_paddings, *[None] * 6, labels,
+                                    weights)
     else:
-      xent, _ = net.FPropDefaultTheta(ids, paddings, labels=labels,
-                                      label_weights=weights)
+      xent, _ = net.FPropDefaultTheta(ids, paddings, target, target_paddings,
+                                      labels=labels, label_weights=weights)
     loss = tf.reduce_sum(xent)
     variables = net.vars.Flatten()
     grads = [tf.convert_to_tensor(x) for x in tf.gradients(
@@ -138,6 +156,68 @@ def test_random_structures_with_the_loss_in_the_last_cell_equal_sequential(
   np.testing.assert_allclose(run[0], seq[0], rtol=1e-5)
   for a, b in zip(run[1] + run[2], seq[1] + seq[2]):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+_SMOOTHING = 0.1  # Lingvo MT's default uncertainty.
+
+
+def _Seq2Seq(schedule, seed):
+  """A seeded random encoder-decoder structure for `schedule`, with at
+  least two micro-batches (each smoothed apart)."""
+  devices, structure = _RandomStructure(schedule, seed)
+  rng = np.random.RandomState(seed)
+  structure['micro'] = max(2, structure['micro'])
+  total = structure['layers'] + 1  # At least one of each.
+  encoder = int(rng.randint(1, total))
+  structure.update(layers=encoder, decoder_layers=total - encoder,
+                   smoothing=_SMOOTHING)
+  return devices, structure
+
+
+@pytest.mark.slow  # Three encoder-decoder graphs.
+def test_label_smoothing_in_the_last_cell_equals_lingvos_loss():
+  # Lingvo's loss smooths the labels after the pipeline (its FProp): equal
+  # losses and gradients mean the last cell smoothed each micro-batch alike.
+  devices, structure = _Seq2Seq('1f1b', 101)
+  ref = _Train('unrolled', False, devices=devices, **structure)  # Lingvo's.
+  seq = _Train('unrolled', True, sequential=True, devices=devices,
+               **structure)
+  run = _Train('1f1b', True, devices=devices, **structure)
+  assert not _Recomputes(run[3]), structure
+  for losses, grads, final, _ in (seq, run):
+    np.testing.assert_allclose(losses, ref[0], rtol=1e-5)
+    for a, b in zip(grads + final, ref[1] + ref[2]):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+# The schedules that run forwards first for a loss not linear in the outputs
+# ('1f1b' is above).
+_LIST_SCHEDULES = ('interleaved_1f1b', 'zbv', 'zero_bubble')
+
+
+@pytest.mark.slow  # Two encoder-decoder graphs per case.
+@pytest.mark.parametrize('schedule', _LIST_SCHEDULES)
+def test_random_structures_with_label_smoothing_equal_sequential(schedule):
+  seed = 10 + sorted(records.ACTION_SCHEDULES).index(schedule)
+  devices, structure = _Seq2Seq(schedule, seed)
+  seq = _Train('unrolled', True, sequential=True, devices=devices,
+               **structure)
+  run = _Train(schedule, True, devices=devices, **structure)
+  assert not _Recomputes(run[3]), (schedule, structure)
+  np.testing.assert_allclose(run[0], seq[0], rtol=1e-5)
+  for a, b in zip(run[1] + run[2], seq[1] + seq[2]):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_loss_in_last_cell_refuses_a_smoother_across_rows():
+  class _Other(base_layer.BaseLayer):  # Not one of Lingvo's row-wise ones.
+    pass
+
+  with gpipe_testlib.Cluster(_K), pytest.raises(
+      ValueError, match='takes label_smoothing of UniformLabelSmoother or '
+      'LocalizedLabelSmoother, not _Other'):
+    _Params('1f1b', True).Set(
+        label_smoothing=_Other.Params()).Instantiate()
 
 
 def test_loss_in_last_cell_needs_a_softmax():

@@ -7,12 +7,17 @@ ends) decides, per the schedule's record, whether to recompute and whether
 each device's forward actions go first.
 """
 
+import sys
+
 import lingvo.compat as tf
 
 from lingvo_ext._internal import tf as internal_tf
 from lingvo_ext.core.engine import records
 from lingvo_ext.core.engine import transforms
 from lingvo_ext.core.engine.simulate import CheckSchedule
+
+# The notes printed in this process: each once, however many graphs.
+_noted = set()
 
 
 def DependsOnForward(out_grads, first_id: int, last_id: int) -> bool:
@@ -80,10 +85,25 @@ def Lists(record: records.Schedule, spec, depends: bool, layer_name: str):
   schedule = records.Build(record.name, spec)
   forwards_first = transforms.ForwardsFirst(schedule)
   if depends and forwards_first != schedule:
-    tf.logging.info(
-        '%s: the loss is not linear in the pipeline\'s outputs; schedule '
-        '%r runs every forward pass before its backward actions.',
-        layer_name, record.name)
+    Note(NonlinearNote(layer_name, record.name))
     schedule = forwards_first
     CheckSchedule(records.Placed(record.name, spec), schedule)
   return schedule
+
+
+def NonlinearNote(layer_name: str, schedule: str) -> str:
+  """The console's note for a schedule that runs forward passes first."""
+  return (
+      f"note: {layer_name}: the loss is not linear in the pipeline's "
+      f'outputs; schedule {schedule!r} runs every forward pass before its '
+      'backward actions (a slower step; per-example losses from the last '
+      'cell avoid it, e.g. GPipeTransformerStack loss_in_last_cell=True: '
+      'docs/schedules.md).')
+
+
+def Note(line: str):
+  """`line` in the log, and on stderr once per process."""
+  tf.logging.info('%s', line)
+  if line not in _noted:
+    _noted.add(line)
+    print(line, file=sys.stderr, flush=True)

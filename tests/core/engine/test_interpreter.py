@@ -10,6 +10,7 @@ import pytest
 
 from lingvo_ext.core import gpipe
 from lingvo_ext.core import schedules
+from lingvo_ext.core.engine import loss
 from tests.support import gpipe_testlib as lib
 from tests.core import test_schedules
 
@@ -68,6 +69,19 @@ def test_list_schedules_run_forwards_first_for_a_nonlinear_loss():
     order = schedules.ForwardsFirst(schedules.Build(schedule, spec))
     assert order != schedules.Build(schedule, spec)
     _AssertGatesFollow(g, order)
+
+
+def test_the_fallback_is_noted_on_the_console_once(capsys):
+  note = loss.NonlinearNote('pipe', 'zero_bubble')
+  loss._noted.discard(note)  # pylint: disable=protected-access
+  for _ in range(2):  # Two graphs, one line.
+    _ListGraph('zero_bubble', 2, 2, 4, loss='square')
+  _ListGraph('zero_bubble', 2, 2, 4)  # Linear: no note.
+  lines = capsys.readouterr().err.splitlines()
+  assert [l for l in lines if 'not linear' in l] == [note]
+  assert note.startswith("note: pipe: the loss is not linear in the "
+                         "pipeline's outputs; schedule 'zero_bubble' runs "
+                         'every forward pass before its backward actions')
 
 
 def test_list_schedules_refuse_what_they_cannot_run():
