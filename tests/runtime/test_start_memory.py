@@ -96,7 +96,7 @@ def testStartWarningNamesTheNeedTheLimitAndAnOverrideThatFits():
                                    "the cgroup's memory limit", _CONSTANTS)
   size = start_memory.task_health.FormatBytes
   head = (f'warning: the run needs about {size(got.rss_bytes)} '
-          f'({start_memory.TermsText(got.rss_terms)}; the activations: the '
+          f'({start_memory.TermsText(got.rss_terms)}; the '
           'activations task.schedule="unrolled" keeps over 2 micro-batch(es) '
           "without recompute), but the cgroup's memory limit is "
           f'{size(limit)}: it may be killed by the OOM killer; an override '
@@ -231,7 +231,7 @@ def testTreeWarningNamesThePipelinesOwnOverrideThatFits(lingvo_lm):
   size = start_memory.Size
   rc = 'with' if plan.recompute else 'without'
   head = (f'warning: the run needs about {size(got.rss_bytes)} '
-          f'({start_memory.TermsText(got.rss_terms)}; the activations: the '
+          f'({start_memory.TermsText(got.rss_terms)}; the '
           f'activations task.lm.stack.schedule="{plan.schedule}" keeps over '
           f'4 micro-batch(es) {rc} recompute), but the cgroup\'s memory limit '
           f'is {size(limit)}: it may be killed by the OOM killer; an override '
