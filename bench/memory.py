@@ -49,6 +49,8 @@ def main(argv):
                   help="'model:b1,b2 model2:b3' (batch sizes; empty: the "
                   "experiment's own).")
   ap.add_argument('--batch_param', default='input.batch_size')
+  ap.add_argument('--override', default='',
+                  help='More --model_params_override, after the batch.')
   args = ap.parse_args(argv)
   mb = 2.**20
   print('| model | batch | predicted | measured | error | largest terms |')
@@ -56,12 +58,13 @@ def main(argv):
   for run in args.runs.split():
     model, _, batches = run.partition(':')
     for b in (batches.split(',') if batches else ['']):
-      over = f'{args.batch_param}:{b}' if b else ''
+      over = '; '.join(x for x in (
+          f'{args.batch_param}:{b}' if b else '', args.override) if x)
       got = Predicted(model, over, args.num_cpu_devices)
       measured = MeasuredPeak(model, over, args.num_cpu_devices, args.steps)
       terms = sorted(got.rss_terms.items(), key=lambda kv: -kv[1])[:3]
       text = ', '.join(f'{k} {v / mb:.0f}' for k, v in terms)
-      print(f'| {model} | {b or "default"} | {got.rss_bytes / mb:.0f} MB | '
+      print(f'| {model} | {b or "default"} {args.override} | {got.rss_bytes / mb:.0f} MB | '
             f'{measured / mb:.0f} MB | '
             f'{got.rss_bytes / measured - 1:+.1%} | {text} |', flush=True)
 

@@ -15,7 +15,7 @@ Light (no TensorFlow): the launcher imports it.
 
 import os
 import socket
-from typing import Optional
+from typing import Optional, Tuple
 
 _PREFACE = (b'PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n'
             # An empty SETTINGS frame: length 0, type 4, flags 0, stream 0.
@@ -119,3 +119,20 @@ def FormatBytes(n: Optional[float]) -> str:
       return f'{n:.0f} {unit}' if unit in ('B', 'KB') else f'{n:.1f} {unit}'
     n /= 1024
   return f'{n:.1f} TB'
+
+
+def AvailableBytes() -> Tuple[Optional[int], str]:
+  """(bytes this process may use, where that figure comes from): its
+  cgroup's memory limit, else MemAvailable, whichever is less."""
+  limit = MemoryLimit(CgroupDir(os.getpid()))
+  available = None
+  try:
+    with open('/proc/meminfo') as f:
+      for line in f:
+        if line.startswith('MemAvailable:'):
+          available = int(line.split()[1]) * 1024
+  except (OSError, ValueError, IndexError):
+    pass
+  if limit is not None and (available is None or limit < available):
+    return limit, "the cgroup's memory limit"
+  return available, "this machine's available memory"

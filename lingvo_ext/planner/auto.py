@@ -291,7 +291,7 @@ def PlanParams(model_params, model: str, devices: int,
     machine: The machine to plan for (default: this host's, probed and, for
       a PipelinedTask, calibrated on copies of `model_params`).
     available: The bytes the process may use (default: the cgroup's limit,
-      else the machine's available memory: memory_check.AvailableBytes).
+      else the machine's available memory: task_health.AvailableBytes).
     constants: memory_model.Constants (default: this machine's,
       memory_probe.Get).
 
@@ -300,7 +300,7 @@ def PlanParams(model_params, model: str, devices: int,
       fits the budget).
   """
   from lingvo_ext.planner import memory_probe  # pylint: disable=g-import-not-at-top
-  from lingvo_ext.runtime import memory_check  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.distributed import task_health  # pylint: disable=g-import-not-at-top
   budget = _CheckFlags(devices, memory_per_device, gpipe_engine)
   cfg = model_params.Copy()
   refusal = pipeline_tree.PlannerRefusal(cfg, model)
@@ -308,7 +308,7 @@ def PlanParams(model_params, model: str, devices: int,
     raise ValueError('--plan=auto: ' + refusal)
   source = 'the memory'
   if available is None:
-    available, source = memory_check.AvailableBytes()
+    available, source = task_health.AvailableBytes()
   if available is not None and constants is None:
     constants = memory_probe.Get(devices)
   if pipeline_tree.IsCut(cfg):

@@ -47,7 +47,8 @@ class Constants:
       Lingvo and ran a step of a tiny model on the run's devices.
     activation_factor: Resident bytes per byte of kept activation (the
       allocator's rounding and pools, the backward pass's copies).
-    bytes_per_op: Resident bytes per op of the step's graph.
+    bytes_per_op: Resident bytes per op of the step's graph (per counted
+      op: one computing on floats, prediction.GraphOps).
     source: Where the figures come from (the probe's cache key, or 'given').
   """
   runtime_bytes: float
@@ -134,3 +135,31 @@ def Extra(estimate: RssEstimate, name: str, num_bytes: float) -> RssEstimate:
   terms = tuple((n, b + (num_bytes if n == name else 0.))
                 for n, b in estimate.terms)
   return RssEstimate(terms, estimate.peak_device_bytes)
+
+
+def DefaultRecompute(record, linear_loss: bool) -> bool:
+  """What recompute=None means for a schedule (records.Schedule)."""
+  from lingvo_ext.core.engine import records  # pylint: disable=g-import-not-at-top
+  return record.recompute == records.ALWAYS or (
+      record.recompute == records.WHEN_NEEDED and not linear_loss)
+
+
+def PlanOfParams(profile, task, num_cpu_devices: int, split: int):
+  """The planner's Plan of the task's params on the trainer's devices."""
+  from lingvo_ext.core import partitioning  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.core.engine import records  # pylint: disable=g-import-not-at-top
+  k = min(task.num_partitions, len(profile.layers))
+  costs = [l.param_bytes if task.partition_cost == 'params' else l.flops
+           for l in profile.layers]
+  recompute = task.recompute
+  if recompute is None:
+    recompute = DefaultRecompute(records.Get(task.schedule),
+                                  profile.linear_loss)
+  replicas = max(1, num_cpu_devices // max(1, split))
+  return Plan(
+      num_cells=k, sizes=tuple(partitioning.MinMaxPartition(costs, k)),
+      devices_per_replica=max(1, min(split, k)),
+      num_micro_batches=task.num_micro_batches, schedule=task.schedule,
+      recompute=bool(recompute), replicas=replicas,
+      gradient_sync=task.gradient_sync,
+      global_batch=profile.batch * replicas)

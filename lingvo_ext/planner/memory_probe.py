@@ -3,18 +3,18 @@
 `Get(num_devices)` reads `$XDG_CACHE_HOME/lingvo_ext/memory_model.json`
 (default ~/.cache), keyed by the machine (CPU model, cores, TensorFlow
 version, oneDNN setting: jit_choice.Machine) and the device count; on a miss
-it runs the probe (two trainer runs, each a fresh process: its peak RSS its
+it runs the probe (three trainer runs, each a fresh process: its peak RSS its
 own; a minute or two), writes the entry and returns it. Processes probing at once probe once (a lock file).
 Deleting the file, or `python -m lingvo_ext.planner.memory_probe
 --num_devices=N --force`, measures again.
 
-The probe trains two models with the trainer on N CPU devices, a few steps
-each, reading each process's peak RSS (VmHWM): lm.TransformerLmTiny (its model bytes a few MB:
-the peak is the runtime's own, `Constants.runtime_bytes`), then
-lm.TransformerLm at batch PROBE_BATCH, whose kept activations are hundreds
-of MB: the growth beyond its predicted parameters, graph and input, per byte
-of its predicted kept and transient activations, is
-`Constants.activation_factor`.
+The probe trains three models with the trainer on N CPU devices, a few
+steps each, reading each process's peak RSS (VmHWM): lm.TransformerLmTiny
+(a few MB of model: mostly the runtime's own), the same with its cells
+copied per micro-batch (a graph of thousands of ops), and lm.TransformerLm
+at batch PROBE_BATCH (hundreds of MB of kept activations). The three peaks
+fix `Constants.runtime_bytes`, `bytes_per_op` and `activation_factor`
+(PROBE_RUNS, Measure).
 """
 
 import contextlib
@@ -36,8 +36,15 @@ PROBE_STEPS = 3
 _IN_PROBE = 'LINGVO_EXT_IN_MEMORY_PROBE'
 
 PROBE_BATCH = 64
-SMALL_MODEL = 'lm.TransformerLmTiny'
-LARGE_MODEL = 'lm.TransformerLm'
+# (experiment, override): the runtime's own peak (a few MB of model); a
+# graph of many ops (each cell copied per micro-batch) and few activations;
+# hundreds of MB of activations.
+PROBE_RUNS = (
+    ('lm.TransformerLmTiny', ''),
+    ('lm.TransformerLmTiny', 'task.cell_functions:False; '
+     'task.num_micro_batches:8; task.num_layers:4'),
+    ('lm.TransformerLm', f'input.batch_size:{PROBE_BATCH}'),
+)
 # Bounds of the fitted activation factor: beyond them the probe measured
 # something else (another process's pages, a failed step).
 FACTOR_RANGE = (0.25, 4.)
@@ -168,34 +175,42 @@ def TrainerPeak(model: str, overrides: str, num_devices: int,
 
 
 def Measure(num_devices: int):
-  """The probe's cache entry: two trainer runs, each in a fresh process."""
-  from lingvo_ext.planner import calibration  # pylint: disable=g-import-not-at-top
-  from lingvo_ext.runtime import start_memory  # pylint: disable=g-import-not-at-top
+  """The probe's cache entry: three trainer runs, each a fresh process.
+
+  Each run's peak RSS is runtime + its predicted fixed bytes (parameters,
+  gradients, slots, input) + factor x its predicted activation bytes
+  (kept and transient) + bytes_per_op x its graph's ops: three equations in
+  the three constants.
+  """
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.planner import tf_profiling  # pylint: disable=g-import-not-at-top
   from lingvo_ext.tasks import experiment_params  # pylint: disable=g-import-not-at-top
-  per_op = calibration.DEFAULT_BYTES_PER_OP
-  unit = memory_model.Constants(runtime_bytes=0., activation_factor=1.,
-                                bytes_per_op=per_op)
-  zero = memory_model.Constants(runtime_bytes=0., activation_factor=0.,
-                                bytes_per_op=per_op)
-  rows = []
-  for model, over in ((SMALL_MODEL, ''),
-                      (LARGE_MODEL, f'input.batch_size:{PROBE_BATCH}')):
+  base = memory_model.Constants(runtime_bytes=0., activation_factor=0.,
+                                bytes_per_op=0.)
+  rows, rhs = [], []
+  for model, over in PROBE_RUNS:
     cfg = experiment_params.GetParams(model, 'Train', over)
-    fixed = start_memory.EstimateRun(cfg, num_devices, num_devices,
-                                     zero).rss_bytes
-    kept = start_memory.EstimateRun(cfg, num_devices, num_devices,
-                                    unit).rss_bytes - fixed
-    rows.append((fixed, kept, TrainerPeak(model, over, num_devices,
-                                          PROBE_STEPS)))
-  (f_s, k_s, r_s), (f_l, k_l, r_l) = rows
-  factor = ((r_l - f_l) - (r_s - f_s)) / max(k_l - k_s, 1.)
-  factor = min(max(factor, FACTOR_RANGE[0]), FACTOR_RANGE[1])
-  return dict(runtime_bytes=r_s - f_s - factor * k_s,
-              activation_factor=factor, bytes_per_op=per_op,
-              small_rss_bytes=r_s, large_rss_bytes=r_l,
-              probe=f'the trainer on {SMALL_MODEL} and on {LARGE_MODEL} at '
-              f'batch {PROBE_BATCH}, {num_devices} device(s), '
-              f'{PROBE_STEPS} steps each')
+    # As the trainer's start check predicts the run (start_memory).
+    profile = tf_profiling.ProfileExperiment(cfg)
+    plan = memory_model.PlanOfParams(profile, cfg.task, num_devices,
+                                     num_devices)
+    m = memory_model.ModelTerms(profile, plan)
+    fixed = memory_model.Predict(profile, plan, base).rss_bytes
+    peak = TrainerPeak(model, over, num_devices, PROBE_STEPS)
+    rows.append([1., m['activations'] + m['transient'], m['ops']])
+    rhs.append(peak - fixed)
+  runtime, factor, per_op = np.linalg.solve(np.array(rows), np.array(rhs))
+  if not (FACTOR_RANGE[0] <= factor <= FACTOR_RANGE[1] and per_op >= 0 and
+          runtime > 0):
+    raise RuntimeError(
+        f'the memory probe fitted runtime {runtime / 2**20:.0f} MB, factor '
+        f'{factor:.2f}, {per_op:.0f} bytes per op: out of bounds (another '
+        'process\'s pages?); run it again on a quieter machine.')
+  return dict(runtime_bytes=float(runtime), activation_factor=float(factor),
+              bytes_per_op=float(per_op),
+              probe='; '.join(f'{m} {o}'.strip() for m, o in PROBE_RUNS) +
+              f', the trainer on {num_devices} device(s), {PROBE_STEPS} '
+              'steps each')
 
 
 def main(argv):

@@ -8,10 +8,11 @@ throw-away graph on one CPU device, in eval mode: no session, no variable
 initialised, no input read. As the task's forward pass runs each pipeline's
 cells, their outputs are recorded; a time axis the task trims at run time is
 sized by the input params' longest sequence. A cell gives its variables'
-bytes and its outputs' (the activations it keeps: a lower bound, as
-memory_check.Profile's for a PipelinedTask); the task's variables outside its pipelines (an
-embedding, a softmax) are counted apart. No gradient and no profiler run,
-unlike the planner's `tree.ProfileTree` for --plan=auto.
+bytes, its outputs' and the activations it keeps: the tensors of its
+forward ops that its gradient graph (built in the same throw-away graph,
+never run) reads. The task's variables outside its pipelines (an embedding,
+a softmax) are counted apart. No profiler runs, unlike the planner's
+`tree.ProfileTree` for --plan=auto.
 """
 
 import dataclasses
@@ -29,16 +30,21 @@ class TaskMemory:
   """What the estimate reads of a task.
 
   Attributes:
-    pipes: Each pipeline (tree.TreePipeline), its cells' variables and
-      outputs per example; op counts and FLOPs are not read (0).
+    pipes: Each pipeline (tree.TreePipeline), its cells' variables,
+      outputs, kept activations per example and op counts; FLOPs are not
+      read (0).
     params: Each pipeline's layer params, in the order of `pipes`.
     param_bytes: All the task's variables' bytes, pipelines' included.
     optimizer_slots: Slot variables per parameter of the task's optimizer.
+    other_ops: The ops of the task's step outside its pipelines' cells
+      (counted as tf_profiling.CountedOps): its forward ones, and as many
+      backward ones per forward one as its cells have.
   """
   pipes: Tuple[tree.TreePipeline, ...]
   params: Tuple[object, ...]
   param_bytes: float
   optimizer_slots: int
+  other_ops: float = 0.
 
   @property
   def other_param_bytes(self) -> float:
@@ -80,14 +86,15 @@ def _RecordOutputs(layer, record):
 
 
 def _KeptBytes(outs, theta, args, fwd, length: Optional[int],
-               where: str) -> float:
-  """Bytes of the tensors the cell's forward ops `fwd` make that its
-  backward pass reads (tf.gradients built, never run; tf_profiling's
-  KeptBytes, dims known only at run time taken as `length`)."""
+               where: str) -> Tuple[float, int, int]:
+  """(bytes of the tensors the cell's forward ops `fwd` make that its
+  backward pass reads, its forward ops, its backward ops): tf.gradients
+  built, never run; as tf_profiling's KeptBytes and CountedOps, dims known
+  only at run time taken as `length`."""
   import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
   floats = [o for o in tree.Tensors(outs) if o.dtype.is_floating]
   if not floats:
-    return 0.
+    return 0., tf_profiling.CountedOps(fwd), 0
   g = tf.get_default_graph()
   n1 = len(g.get_operations())
   loss = tf.add_n([tf.reduce_sum(o) for o in floats])
@@ -96,12 +103,14 @@ def _KeptBytes(outs, theta, args, fwd, length: Optional[int],
   tf.gradients(loss, xs)
   fwd_set = set(fwd)
   kept = {}
-  for op in g.get_operations()[n1:]:
+  bwd = g.get_operations()[n1:]
+  for op in bwd:
     for t in op.inputs:
       t = tf_profiling.Source(t)
       if t.op in fwd_set:
         kept[t.name] = _Bytes([t], length, where)
-  return float(sum(kept.values()))
+  return (float(sum(kept.values())), tf_profiling.CountedOps(fwd),
+          tf_profiling.CountedOps(bwd))
 
 
 def ProfileTaskMemory(model_params, name: str = '',
@@ -119,6 +128,7 @@ def ProfileTaskMemory(model_params, name: str = '',
     ValueError: a pipeline of Lingvo's engine, or a time axis the input
       params do not bound (one line).
   """
+  import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
   from lingvo.core import cluster_factory  # pylint: disable=g-import-not-at-top
   from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
   from lingvo_ext.core import cost  # pylint: disable=g-import-not-at-top
@@ -146,6 +156,8 @@ def ProfileTaskMemory(model_params, name: str = '',
       task.FPropDefaultTheta()
     elif hasattr(task, 'InstantiateVariables'):
       task.InstantiateVariables()
+    forward_ops = tf_profiling.CountedOps(
+        tf.get_default_graph().get_operations())
     param_bytes = tree.TensorBytes(task.vars.Flatten())
     seq = length or tree.MaxLength(model_params.input)
     kept = {}
@@ -167,10 +179,12 @@ def ProfileTaskMemory(model_params, name: str = '',
       variables = cell.vars.Flatten()
       out_bytes = _Bytes(tree.Tensors(outputs[path][name][0]), seq,
                          where) / batch
+      held, fwd_ops, bwd_ops = kept.get((path, name), (0., 0, 0))
       cells.append(LayerProfile(
-          name=name, flops=0., fwd_ops=0, bwd_ops=0, num_vars=len(variables),
+          name=name, flops=0., fwd_ops=fwd_ops, bwd_ops=bwd_ops,
+          num_vars=len(variables),
           param_bytes=int(tree.TensorBytes(variables)), out_bytes=out_bytes,
-          kept_bytes=max(kept.get((path, name), 0.) / batch, out_bytes)))
+          kept_bytes=max(held / batch, out_bytes)))
     floats = [t for t in args if t.dtype.is_floating]
     pipes.append(tree.TreePipeline(
         path='task.' + path, cls_name=p.cls.__name__,
@@ -181,5 +195,9 @@ def ProfileTaskMemory(model_params, name: str = '',
             optimizer_slots=slots, linear_loss=False,
             cell_functions=bool(p.cell_functions))))
     params.append(p)
+  cell_fwd = sum(v[1] for v in kept.values())
+  cell_bwd = sum(v[2] for v in kept.values())
+  other_fwd = max(forward_ops - cell_fwd, 0)
   return TaskMemory(pipes=tuple(pipes), params=tuple(params),
-                    param_bytes=param_bytes, optimizer_slots=slots)
+                    param_bytes=param_bytes, optimizer_slots=slots,
+                    other_ops=other_fwd * (1. + cell_bwd / max(cell_fwd, 1)))

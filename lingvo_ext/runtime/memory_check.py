@@ -13,7 +13,6 @@ variables (parameters, optimizer slots) with it, before a session allocates
 them.
 """
 
-import os
 from typing import Optional, Tuple
 
 from lingvo_ext.distributed import task_health
@@ -21,18 +20,7 @@ from lingvo_ext.distributed import task_health
 
 def AvailableBytes() -> Tuple[Optional[int], str]:
   """(bytes this process may use, where that figure comes from)."""
-  limit = task_health.MemoryLimit(task_health.CgroupDir(os.getpid()))
-  available = None
-  try:
-    with open('/proc/meminfo') as f:
-      for line in f:
-        if line.startswith('MemAvailable:'):
-          available = int(line.split()[1]) * 1024
-  except (OSError, ValueError, IndexError):
-    pass
-  if limit is not None and (available is None or limit < available):
-    return limit, "the cgroup's memory limit"
-  return available, "this machine's available memory"
+  return task_health.AvailableBytes()
 
 
 def PlanWarning(needed: float, devices: int, available: Optional[float],

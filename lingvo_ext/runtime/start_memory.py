@@ -1,15 +1,19 @@
 """The memory estimate at start, before the model is built (no --plan=auto).
 
-The trainer estimates the plan the experiment's params give, with the
-planner's prediction (`Estimate`): parameters, their gradients, optimizer
-slots and the activations the schedule and recompute keep. A lingvo_ext
-`PipelinedTask` is read from its layers' FPropMeta and variables, no graph
+The trainer predicts the peak RSS of the plan the experiment's params give
+(`EstimateRun`, planner/memory_model.py, this machine's constants from
+planner/memory_probe.py): the runtime, parameters, their gradients,
+optimizer slots, the activations the schedule and recompute keep, the
+step's transient peak, the input and the graph. A lingvo_ext `PipelinedTask`
+is read from its layers' FPropMeta, variables and gradient graphs, no model
 built (`Profile`); an experiment holding pipelines in its Params tree (e.g.
 Lingvo's GPipeTransformerLm) from one forward build of its task in a
 throw-away graph (planner/tree_memory.py), each pipeline with its own
-switches, e.g. task.lm.stack.num_micro_batches. When the estimate exceeds
+switches, e.g. task.lm.stack.num_micro_batches. When the prediction exceeds
 the memory this process may use (memory_check.AvailableBytes), one line warns
-with the least override that fits (`Overrides`). docs/faults.md, "Memory".
+with the least override that fits by the same model (`Overrides`); the
+launcher checks each worker task (`LaunchWarnings`). docs/faults.md,
+"Memory".
 """
 
 import contextlib
@@ -19,6 +23,7 @@ import sys
 from typing import Dict, List, Optional, Tuple
 
 from lingvo_ext.distributed import task_health
+from lingvo_ext.planner import memory_model
 from lingvo_ext.runtime import memory_check
 
 
@@ -57,33 +62,12 @@ def Profile(model_params):
   return tf_profiling.ProfileExperiment(model_params)
 
 
-def DefaultRecompute(record, linear_loss: bool) -> bool:
-  """What recompute=None means for a schedule (records.Schedule)."""
-  from lingvo_ext.core.engine import records  # pylint: disable=g-import-not-at-top
-  return record.recompute == records.ALWAYS or (
-      record.recompute == records.WHEN_NEEDED and not linear_loss)
-
-
-def PlanOfParams(profile, task, num_cpu_devices: int, split: int):
-  """The planner's Plan of the task's params on the trainer's devices."""
-  from lingvo_ext.core import partitioning  # pylint: disable=g-import-not-at-top
-  from lingvo_ext import planner  # pylint: disable=g-import-not-at-top
-  from lingvo_ext.core.engine import records  # pylint: disable=g-import-not-at-top
-  k = min(task.num_partitions, len(profile.layers))
-  costs = [l.param_bytes if task.partition_cost == 'params' else l.flops
-           for l in profile.layers]
-  recompute = task.recompute
-  if recompute is None:
-    recompute = DefaultRecompute(records.Get(task.schedule),
-                                  profile.linear_loss)
-  replicas = max(1, num_cpu_devices // max(1, split))
-  return planner.Plan(
-      num_cells=k, sizes=tuple(partitioning.MinMaxPartition(costs, k)),
-      devices_per_replica=max(1, min(split, k)),
-      num_micro_batches=task.num_micro_batches, schedule=task.schedule,
-      recompute=bool(recompute), replicas=replicas,
-      gradient_sync=task.gradient_sync,
-      global_batch=profile.batch * replicas)
+# An override is named only where its predicted peak RSS is within this
+# share of the memory: the model is low with recompute (docs/benchmarks.md,
+# "Memory model").
+FIT_MARGIN = 0.9
+DefaultRecompute = memory_model.DefaultRecompute
+PlanOfParams = memory_model.PlanOfParams
 
 
 def _Half(profile):
@@ -99,7 +83,6 @@ def Estimate(profile, plan, constants=None) -> StartEstimate:
   """The planner's memory prediction of `plan` (prediction.Predict); with
   `constants` (memory_model.Constants), the process's peak RSS too."""
   from lingvo_ext import planner  # pylint: disable=g-import-not-at-top
-  from lingvo_ext.planner import memory_model  # pylint: disable=g-import-not-at-top
   got = planner.Predict(profile, plan)
   layers = tuple(dataclasses.replace(l, out_bytes=0., kept_bytes=0.)
                  for l in profile.layers)
@@ -122,7 +105,7 @@ def _Fits(profile, plan, available: float,
                       plan.num_micro_batches)):
     return None
   got = Estimate(profile, plan, constants)
-  return got if got.rss_bytes <= available else None
+  return got if got.rss_bytes <= FIT_MARGIN * available else None
 
 
 def Overrides(profile, plan, fprop_dtype, available: float, constants,
@@ -139,9 +122,9 @@ def Overrides(profile, plan, fprop_dtype, available: float, constants,
     profile: The planner's ModelProfile.
     plan: The plan the params give.
     fprop_dtype: The params' activation dtype.
-    available: The peak RSS the plan's estimate may reach (memory_model's,
-      runtime included; for one of several pipelines, the others' bytes
-      taken off).
+    available: The memory the run may use (for one of several pipelines,
+      the others' predicted bytes taken off); the override's predicted peak
+      RSS (memory_model's, runtime included) stays within FIT_MARGIN of it.
     constants: memory_model.Constants.
     prefix: The params path of the pipeline's switches, e.g. 'task.lm.stack'.
     bf16: Whether to try bf16 activations (`task.fprop_dtype`).
@@ -257,9 +240,10 @@ def TermsText(terms) -> str:
 
 def NeedLine(got: StartEstimate, what: str, available: float,
              source: str) -> str:
-  """The warning's first half: the need, its terms, and the memory."""
+  """The warning's first half: the need (the predicted peak RSS), its
+  terms, what the activations are, and the memory."""
   return (f'warning: the run needs about {Size(got.rss_bytes)} '
-          f'({TermsText(got.rss_terms)}; the activations: {what}), but '
+          f'({TermsText(got.rss_terms)}; {what}), but '
           f'{source or "the memory"} is {Size(available)}: it may be killed '
           'by the OOM killer; ')
 
@@ -407,7 +391,6 @@ def _TreeEstimate(mem, num_cpu_devices: int, split: int,
                   constants) -> StartEstimate:
   """EstimateRun of a tree_memory.TaskMemory; `plan` is the list of each
   pipeline's plan."""
-  from lingvo_ext.planner import memory_model  # pylint: disable=g-import-not-at-top
   plans = [PlanOfPipeline(pipe, p, num_cpu_devices, split)
            for pipe, p in zip(mem.pipes, mem.params)]
   got = [Estimate(pipe.profile, plan) for pipe, plan in zip(mem.pipes, plans)]
@@ -420,6 +403,7 @@ def _TreeEstimate(mem, num_cpu_devices: int, split: int,
   rss = memory_model.Extra(rss, 'gradients', others)
   rss = memory_model.Extra(rss, 'optimizer_slots',
                            others * mem.optimizer_slots)
+  rss = memory_model.Extra(rss, 'graph', mem.other_ops * constants.bytes_per_op)
   weights = others * (2 + mem.optimizer_slots)
   return StartEstimate(
       plans, weights + sum(g.process_bytes for g in got),

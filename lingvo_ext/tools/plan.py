@@ -124,6 +124,19 @@ def _MainTree(args, cfg) -> int:
 # --- The command line ---------------------------------------------------------
 
 
+def _PeakRss(cfg, model: str, best, devices: int) -> str:
+  """The best plan's predicted peak RSS line (planner/memory_model.py, this
+  machine's constants: memory_probe, probed on first use)."""
+  from lingvo_ext.planner import memory_model  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.planner import memory_probe  # pylint: disable=g-import-not-at-top
+  profile = planner.ProfileExperiment(cfg, model)
+  got = memory_model.Predict(profile, best.plan, memory_probe.Get(devices))
+  size = planner.FormatSize
+  terms = ', '.join(f'{n} {size(b)}' for n, b in sorted(
+      got.terms, key=lambda t: -t[1]) if b >= 2**20)
+  return f'its peak RSS (predicted): {size(got.rss_bytes)} ({terms})'
+
+
 def _ParseArgs(argv):
   parser = argparse.ArgumentParser(
       prog=".venv/bin/python -m lingvo_ext.tools.plan",
@@ -275,6 +288,7 @@ def main(argv=None) -> int:
   print(planner.Table(plans, args.limit))
   print()
   print('best: ' + planner.Describe(best))
+  print(_PeakRss(cfg, args.model, best, args.devices))
   print('run it with:')
   print('  ' + planner.Command(args.model, best,
                                args.model_params_override))

@@ -110,3 +110,20 @@ def test_cli_xla_where_xla_cannot_compile_plans_without_it(tmp_path):
   [warning] = [l for l in proc.stderr.splitlines()
                if 'XLA cannot compile the cells' in l]
   assert 'PyFunc' in warning and 'plans with XLA are not offered' in warning
+
+
+def test_the_best_plans_peak_rss_is_the_memory_models(capsys, monkeypatch):
+  from lingvo_ext.planner import memory_model  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.planner import memory_probe  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.tools import plan as plan_tool  # pylint: disable=g-import-not-at-top
+  c = memory_model.Constants(runtime_bytes=800 * 2**20, activation_factor=1.2,
+                             bytes_per_op=50e3)
+  monkeypatch.setattr(memory_probe, 'Get', lambda n, force=False: c)
+  assert plan_tool.main(['--model=%s' % lib.TINY, '--devices=2',
+                         '--no-calibrate']) == 0
+  out = capsys.readouterr().out.splitlines()
+  best = out.index([l for l in out if l.startswith('best: ')][0])
+  line = out[best + 1]
+  assert line.startswith('its peak RSS (predicted): '), out
+  # The line's total is the model's sum of terms, runtime first here.
+  assert '(runtime 800.0MB' in line, line
