@@ -121,6 +121,12 @@ def Get(num_devices: int, force: bool = False) -> memory_model.Constants:
   with _Lock(path):
     entry = None if force else _Read(path).get(key)
     if entry is None:
+      # Once per machine: the first run would seem to hang without a word.
+      print(f'memory model: measuring this machine\'s constants for '
+            f'{num_devices} device(s), once (3 short trainer runs; cached in '
+            f'{path}; `.venv/bin/python -m lingvo_ext.planner.memory_probe '
+            f'--num_devices={num_devices}` does it ahead).', file=sys.stderr,
+            flush=True)
       entry = Measure(num_devices)
       _Write(path, key, entry)
   return _Constants(entry, key)
