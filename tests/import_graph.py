@@ -25,6 +25,7 @@ PACKAGES = ('lingvo_ext',)
 FLOORS = (
     ('lingvo_ext/__init__.py', 'lingvo_ext/_startup.py', 'lingvo_ext/_moved.py',
      'lingvo_ext/entry_point.py', 'lingvo_ext/xla_cache.py',
+     'lingvo_ext/cache_files.py',
      'lingvo_ext/_internal/'),
     ('lingvo_ext/distributed/',),
     ('lingvo_ext/core/',),

@@ -20,7 +20,6 @@ for long runs (runtime/jit_default.py).
 import contextlib
 import fcntl
 import hashlib
-import json
 import os
 import platform
 import re
@@ -36,6 +35,7 @@ import tensorflow as tf2
 from lingvo_ext.core import nest_util
 from lingvo_ext.core.engine import records
 from lingvo_ext.distributed import server
+from lingvo_ext import cache_files
 from lingvo_ext import xla_cache
 
 # None: unset, built as False; the trainer's --jit_compile sets it in a local
@@ -101,25 +101,6 @@ def Signature(params, args, do_eval: bool, num_devices: int) -> str:
   text = '\n'.join([p.ToText(), repr(shapes), 'eval=%s' % do_eval,
                     'devices=%d' % num_devices, Machine()])
   return hashlib.sha256(text.encode()).hexdigest()[:24]
-
-
-def _ReadCache(path):
-  try:
-    with open(path) as f:
-      return json.load(f)
-  except (OSError, ValueError):
-    return {}
-
-
-def _WriteCache(path, key, entry):
-  """Adds an entry, atomically (several processes may measure at once)."""
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  cache = _ReadCache(path)
-  cache[key] = entry
-  tmp = '%s.%d.tmp' % (path, os.getpid())
-  with open(tmp, 'w') as f:
-    json.dump(cache, f, indent=1, sort_keys=True)
-  os.replace(tmp, path)
 
 
 def _Like(t):
@@ -318,7 +299,7 @@ def _MeasuringLock(path, key):
 def _CachedOrMeasured(layer, args, key, path, fprop, num_devices):
   """(cache entry, how it was had): read, else measured and written."""
   p = layer.params
-  entry = _ReadCache(path).get(key)
+  entry = cache_files.Read(path).get(key)
   how = 'cached in'
   if entry is None:
     # Shapes only: the probe's graphs cannot hold the caller's tensors.
@@ -335,6 +316,6 @@ def _CachedOrMeasured(layer, args, key, path, fprop, num_devices):
                  ms_xla=ms[True], ms_tf=ms[False], machine=Machine())
     if ms.get('xla_error'):
       entry['xla_error'] = ms['xla_error']
-    _WriteCache(path, key, entry)
+    cache_files.Add(path, key, entry)
     how = 'measured now, cached in'
   return entry, how

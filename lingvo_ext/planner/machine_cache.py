@@ -12,10 +12,10 @@ the jit choices are (core/jit_choice.py). `lingvo_ext.tools.plan
 
 import dataclasses
 import hashlib
-import json
 import os
 from typing import Callable, Optional, Sequence
 
+from lingvo_ext import cache_files
 from lingvo_ext import xla_cache
 from lingvo_ext.planner.model_profile import Machine
 from lingvo_ext.planner.model_profile import ModelProfile
@@ -48,11 +48,7 @@ def Host() -> str:
 
 def Read(key: str, path: Optional[str] = None) -> Optional[Machine]:
   """The cached Machine of `key`, or None."""
-  try:
-    with open(path or CachePath()) as f:
-      entry = json.load(f).get(key)
-  except (OSError, ValueError, AttributeError):
-    return None
+  entry = cache_files.Read(path or CachePath()).get(key)
   if not isinstance(entry, dict):
     return None
   fields = {f.name for f in dataclasses.fields(Machine)}
@@ -64,21 +60,8 @@ def Read(key: str, path: Optional[str] = None) -> Optional[Machine]:
 
 def Write(key: str, machine: Machine, path: Optional[str] = None) -> None:
   """Adds the entry, atomically (several processes may calibrate at once)."""
-  path = path or CachePath()
   try:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    try:
-      with open(path) as f:
-        cache = json.load(f)
-    except (OSError, ValueError):
-      cache = {}
-    if not isinstance(cache, dict):
-      cache = {}
-    cache[key] = dataclasses.asdict(machine)
-    tmp = '%s.%d.tmp' % (path, os.getpid())
-    with open(tmp, 'w') as f:
-      json.dump(cache, f, indent=1, sort_keys=True)
-    os.replace(tmp, path)
+    cache_files.Add(path or CachePath(), key, dataclasses.asdict(machine))
   except OSError:
     pass  # A cache that cannot be written calibrates again next time.
 

@@ -25,6 +25,7 @@ import subprocess
 import sys
 import time
 
+from lingvo_ext import cache_files
 from lingvo_ext.planner import memory_model
 
 _CACHE_FILE = 'memory_model.json'
@@ -58,25 +59,6 @@ def CachePath() -> str:
 def Key(num_devices: int) -> str:
   from lingvo_ext.core import jit_choice  # pylint: disable=g-import-not-at-top
   return '%s, %d device(s)' % (jit_choice.Machine(), num_devices)
-
-
-def _Read(path):
-  try:
-    with open(path) as f:
-      return json.load(f)
-  except (OSError, ValueError):
-    return {}
-
-
-def _Write(path, key, entry):
-  """Adds an entry, atomically."""
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  cache = _Read(path)
-  cache[key] = entry
-  tmp = '%s.%d.tmp' % (path, os.getpid())
-  with open(tmp, 'w') as f:
-    json.dump(cache, f, indent=1, sort_keys=True)
-  os.replace(tmp, path)
 
 
 @contextlib.contextmanager
@@ -115,11 +97,11 @@ def Get(num_devices: int, force: bool = False) -> memory_model.Constants:
     RuntimeError: the probe failed (its last line).
   """
   path, key = CachePath(), Key(num_devices)
-  entry = None if force else _Read(path).get(key)
+  entry = None if force else cache_files.Read(path).get(key)
   if entry is not None:
     return _Constants(entry, key)
   with _Lock(path):
-    entry = None if force else _Read(path).get(key)
+    entry = None if force else cache_files.Read(path).get(key)
     if entry is None:
       # Once per machine: the first run would seem to hang without a word.
       print(f'memory model: measuring this machine\'s constants for '
@@ -128,7 +110,7 @@ def Get(num_devices: int, force: bool = False) -> memory_model.Constants:
             f'--num_devices={num_devices}` does it ahead).', file=sys.stderr,
             flush=True)
       entry = Measure(num_devices)
-      _Write(path, key, entry)
+      cache_files.Add(path, key, entry)
   return _Constants(entry, key)
 
 
@@ -137,8 +119,8 @@ def Seed(num_devices: int, entry) -> None:
   there (a test suite's known constants)."""
   path, key = CachePath(), Key(num_devices)
   with _Lock(path):
-    if key not in _Read(path):
-      _Write(path, key, entry)
+    if key not in cache_files.Read(path):
+      cache_files.Add(path, key, entry)
 
 
 def InProbe() -> bool:
