@@ -17,8 +17,6 @@ dropout masks (jit_random.py). The trainer's --jit_compile=auto sets 'auto'
 for long runs (runtime/jit_default.py).
 """
 
-import contextlib
-import fcntl
 import hashlib
 import os
 import platform
@@ -256,7 +254,7 @@ def Resolve(layer, args, fprop) -> bool:
   num_devices = layer.cluster.num_devices_per_split
   key = Signature(p, args, layer.do_eval, num_devices)
   path = CachePath()
-  with _MeasuringLock(path, key):
+  with cache_files.Lock('%s.%s.lock' % (path, key), _LOCK_WAIT_S):
     entry, how = _CachedOrMeasured(layer, args, key, path, fprop, num_devices)
   if entry.get('xla_error'):
     tf.logging.info(
@@ -269,31 +267,6 @@ def Resolve(layer, args, fprop) -> bool:
         'without (%s %s).', p.name, entry['jit_compile'], entry['ms_xla'],
         entry['ms_tf'], how, path)
   return bool(entry['jit_compile'])
-
-
-@contextlib.contextmanager
-def _MeasuringLock(path, key):
-  """Held while a process reads the cache and maybe measures model `key`:
-  processes building the same model at once (a test suite's, a machine's
-  replicas) measure it once, the others read the entry; other models do not
-  wait. Waits at most _LOCK_WAIT_S, then measures without it."""
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  with open('%s.%s.lock' % (path, key), 'a') as f:
-    deadline = time.monotonic() + _LOCK_WAIT_S
-    locked = False
-    while not locked:
-      try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        locked = True
-      except OSError:
-        if time.monotonic() > deadline:
-          break
-        time.sleep(0.2)
-    try:
-      yield
-    finally:
-      if locked:
-        fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _CachedOrMeasured(layer, args, key, path, fprop, num_devices):

@@ -17,8 +17,6 @@ fix `Constants.runtime_bytes`, `bytes_per_op` and `activation_factor`
 (PROBE_RUNS, Measure).
 """
 
-import contextlib
-import fcntl
 import json
 import os
 import subprocess
@@ -61,27 +59,6 @@ def Key(num_devices: int) -> str:
   return '%s, %d device(s)' % (jit_choice.Machine(), num_devices)
 
 
-@contextlib.contextmanager
-def _Lock(path):
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  with open(path + '.lock', 'a') as f:
-    deadline = time.monotonic() + _LOCK_WAIT_S
-    locked = False
-    while not locked:
-      try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        locked = True
-      except OSError:
-        if time.monotonic() > deadline:
-          break
-        time.sleep(0.2)
-    try:
-      yield
-    finally:
-      if locked:
-        fcntl.flock(f, fcntl.LOCK_UN)
-
-
 def _Constants(entry, key) -> memory_model.Constants:
   return memory_model.Constants(
       runtime_bytes=float(entry['runtime_bytes']),
@@ -100,7 +77,7 @@ def Get(num_devices: int, force: bool = False) -> memory_model.Constants:
   entry = None if force else cache_files.Read(path).get(key)
   if entry is not None:
     return _Constants(entry, key)
-  with _Lock(path):
+  with cache_files.Lock(path + '.lock', _LOCK_WAIT_S):
     entry = None if force else cache_files.Read(path).get(key)
     if entry is None:
       # Once per machine: the first run would seem to hang without a word.
@@ -118,7 +95,7 @@ def Seed(num_devices: int, entry) -> None:
   """Caches `entry` (Measure's fields) for `num_devices` unless an entry is
   there (a test suite's known constants)."""
   path, key = CachePath(), Key(num_devices)
-  with _Lock(path):
+  with cache_files.Lock(path + '.lock', _LOCK_WAIT_S):
     if key not in cache_files.Read(path):
       cache_files.Add(path, key, entry)
 
