@@ -15,6 +15,7 @@ line and exit 2, before anything is written. See docs/serving.md.
 
 import argparse
 import os
+import re
 import shutil
 import sys
 from typing import Optional

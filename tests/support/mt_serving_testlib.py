@@ -1,6 +1,6 @@
 """The GPipe NMT experiment of mt_testlib with an `Inference()`: beam search.
 
-Lingvo's MT tasks define no `Inference()`, so the export of
+mt_testlib's copy of Lingvo's MT task has no `Inference()`, so the export of
 `mt_testlib.MODEL` is refused (one `error:` line naming the method).
 `SERVED_MODEL` is the same experiment (same task params, so it restores the
 same checkpoints) whose task adds the subgraph an MT user writes:
@@ -10,7 +10,8 @@ same checkpoints) whose task adds the subgraph an MT user writes:
     topk_scores float32 [batch, beam], topk_ids int32 [batch * beam, time],
     topk_lens int32 [batch * beam]
 
-the decoder's encoder and beam search (`_BeamSearchDecode`) on fed ids.
+the task's encoder and beam search (`enc.FPropDefaultTheta`,
+`dec.BeamSearchDecode`, as Lingvo's `_InferenceSubgraph_Default`) on fed ids.
 `Write(dir)` writes its module beside mt_testlib's.
 """
 
@@ -38,14 +39,9 @@ class GPipeTransformerServedModel(base.GPipeTransformerModel):
       src_ids = tf.placeholder(tf.int32, [None, None], name='src_ids')
       src_paddings = tf.placeholder(tf.float32, [None, None],
                                     name='src_paddings')
-      ids, paddings = tf.transpose(src_ids), tf.transpose(src_paddings)
-      encoded = self.stack.EncoderFPropDefaultTheta(
-          self.stack.EncoderEmbedFPropDefaultTheta(ids), paddings)
-      out = self.beam_search.BeamSearchDecode(
-          self.theta, py_utils.NestedMap(encoded=encoded, padding=paddings),
-          init_beam_search_state=self._InitBeamSearchState,
-          pre_beam_search_step_callback=self._PreBeamSearchStep,
-          post_beam_search_step_callback=self._PostBeamSearchStep)
+      encoder_outputs = self.enc.FPropDefaultTheta(
+          py_utils.NestedMap(ids=src_ids, paddings=src_paddings))
+      out = self.dec.BeamSearchDecode(encoder_outputs)
       decoded = self.input_generator.IdsToStrings(
           out.topk_ids, out.topk_lens - 1, self._GetTokenizerKeyToUse('tgt'))
       fetches = {

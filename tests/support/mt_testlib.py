@@ -1,51 +1,48 @@
 """A scaled-down GPipe Transformer NMT experiment, as Lingvo builds one.
 
-The GPipe paper's NMT model is a Transformer encoder-decoder pipelined with
-Lingvo's `layers_with_gpipe.GPipeTransformerStack` (encoder and decoder
-layers in one stack, time-major). Lingvo's public history has no MT task
-around that stack: none of the versions of `lingvo/tasks/mt/model.py` (nor
-any commit under `lingvo/tasks/mt/`) defines a `GPipeTransformerModel`. So
-`_EXPERIMENT` writes that task from Lingvo's own pieces, as an MT user on
-the pip package 0.14.2 does:
+The GPipe paper's NMT model is Lingvo's `GPipeTransformerModel(MTBaseModel)`
+(in the history of Lingvo's `lingvo/tasks/mt/model.py`, not in the pip
+package 0.14.2): a Transformer encoder-decoder on one
+`layers_with_gpipe.GPipeTransformerStack` (time-major), Lingvo's `NmtInput`
+and beam search. `_EXPERIMENT` writes that class with its methods as Lingvo
+has them (`Params`, `CommonParams`, `__init__` and its enc/dec hooks,
+`_PrepareInputs`, `FPropTower`, `DecoderComputePredictions`, `ExtendStep`,
+the three beam-search callbacks, `_EncoderFPropDefaultTheta`,
+`_DecoderBeamSearchDecode`), rewritten for this fixture rather than pasted,
+and scaled down: only the time-major, dense path (no batch-major layers, MoE,
+fixup init or transparent encoder; `CommonParams` keeps the arguments the
+experiment sets). Its inputs and buckets are those of
+`lingvo/tasks/mt/params/wmt14_en_de.py`'s `WmtEnDeTransformerBase` (NmtInput
+on tfrecords of tf.Example source_id/source_padding/target_id/
+target_padding/target_label/target_weight, a word-piece vocab; Train buckets
+with mixed batch limits, Dev/Test `[16] * 8 + [4] * 2`) and its
+`...CloudTpu` variant's static shapes (`pad_to_max_seq_length=True`,
+`source_max_length` the last bucket, equal batch limits).
 
-- the inputs and buckets of `lingvo/tasks/mt/params/wmt14_en_de.py`'s
-  `WmtEnDeTransformerBase` (Lingvo's `NmtInput` on tfrecords of tf.Example
-  source_id/source_padding/target_id/target_padding/target_label/
-  target_weight, a word-piece vocab; Train buckets with mixed batch limits,
-  Dev/Test `[16] * 8 + [4] * 2`), and its `...CloudTpu` variant's static
-  shapes (`pad_to_max_seq_length=True`, `source_max_length` the last bucket,
-  equal batch limits);
-- `MTBaseModel` (Lingvo's BLEU metrics and decode output) with the stack in
-  place of its encoder and decoder children: the batch-major NmtInput batch
-  transposed to the stack's time-major [time, batch] ids, as Lingvo's MT
-  encoders do, and `BeamSearchHelper` decoding over the stack's encoder and
-  decoder layers.
+What 0.14.2 makes the copy change against Lingvo's class:
 
-What 0.14.2 makes the copy change against Lingvo's MT code:
-
-1. `MTBaseModel.__init__` creates `enc`/`dec` children: skipped, the task
-   builds its one `stack` child (`BaseTask.__init__`).
-2. NmtInput's `tgt.ids` are int64 (only `src.ids`, `tgt.labels` are cast):
-   cast to int32 for the stack's embedding lookup.
-3. `GPipeTransformerStack.FProp` returns per-token cross-entropies
-   unweighted: the loss weights them by `tgt.weights` itself.
-4. `_PostProcessBeamSearchDecodeOut` reads
-   `p.decoder.beam_search.num_hyps_per_beam`: the copy reads
-   `p.beam_search` (it has no decoder child).
-5. The stack's decoder layers have no incremental `ExtendStep` over a
-   pipeline: each beam-search step runs the decoder on the hypothesis'
-   prefix (causal self-attention; the step's position is read out).
-6. `BeamSearchHelper.BeamSearchDecode` needs `encoder_outputs.padding`
-   [src_time, batch]: the encoder output is tiled per hypothesis the way
-   Lingvo orders hypotheses (hyp i of beam i % num_beams).
+1. NmtInput's `tgt.ids` are int64 (only `src.ids`, `tgt.labels` are cast):
+   `_PrepareInputs` casts the ids to int32 for the embedding lookup.
+2. `__init__` creates `stack` without `tf.variable_scope(p.name)`: 0.14.2
+   creates variables after `__init__`, under each child's own scope.
+3. `MTBaseModel._BeamSearchDecode` is 0.14.2's (it has no
+   `_ProcessBeamSearchDecodeOut`), so the class's `_BeamSearchDecode` and
+   `_MaybeAppendAdditionalDecodingInputs` become `_AddExtraDecodingInfo`,
+   installed as `dec.AddExtraDecodingInfo`, the hook 0.14.2's calls.
+4. 0.14.2's `BeamSearchHelper` passes `cur_step` to the pre-step callback:
+   `_PreBeamSearchStepCallback` takes it (the states count the steps).
+5. `@base_layer.initializer` and `@inference_registry.AllowClassParams-
+   Override` are gone: 0.14.2 has neither.
+6. `Inference()` is left out: its `_InferenceSubgraph_Default`/`_Prod` are
+   not in 0.14.2's `MTBaseModel` (mt_serving_testlib adds an `Inference()`).
 
 Scaled down by class attributes only: `GPipeMt` (static batches, as the
-CloudTpu variant), `GPipeMtBuckets` (Lingvo's mixed Train batch
-limits, dynamic shapes, as WmtEnDeTransformerBase). The corpus is a "translation" made from
-Python's own text (`pydoc_data.topics`): each target is its source's words
-reversed. `Write(dir)` writes the tfrecords, the vocab and the experiment
-module `lingvo_mt_gpipe.py`; the trainer runs `--model=MODEL` with `dir` on
-PYTHONPATH (`Env`); `Register(dir)` imports it in-process.
+CloudTpu variant), `GPipeMtBuckets` (Lingvo's mixed Train batch limits,
+dynamic shapes, as WmtEnDeTransformerBase). The corpus is a "translation"
+made from Python's own text (`pydoc_data.topics`): each target is its
+source's words reversed. `Write(dir)` writes the tfrecords, the vocab and
+the experiment module `lingvo_mt_gpipe.py`; the trainer runs `--model=MODEL`
+with `dir` on PYTHONPATH (`Env`); `Register(dir)` imports it in-process.
 """
 
 import collections
@@ -77,14 +74,15 @@ TRAIN_EXAMPLES, DEV_EXAMPLES, TEST_EXAMPLES = 600, 40, 40
 WPM_SPACE = '\u2581'  # Word-piece's word start: wpm unsegmenting makes a space.
 
 _EXPERIMENT = '''
-"""A GPipe Transformer NMT experiment on Lingvo (tests/support/mt_testlib.py)."""
+"""A GPipe Transformer NMT experiment on Lingvo (tests/support/mt_testlib)."""
+import math
 import os
 
 import lingvo.compat as tf
 from lingvo import model_registry
-from lingvo.core import base_model
+from lingvo.core import base_decoder
+from lingvo.core import base_layer
 from lingvo.core import base_model_params
-from lingvo.core import beam_search_helper
 from lingvo.core import layers
 from lingvo.core import layers_with_gpipe
 from lingvo.core import optimizer
@@ -95,136 +93,243 @@ from lingvo.tasks.mt import model as mt_model
 
 
 class GPipeTransformerModel(mt_model.MTBaseModel):
-  """Transformer NMT on one GPipeTransformerStack (time-major)."""
+  """Lingvo's Transformer NMT on GPipe: one GPipeTransformerStack."""
 
   @classmethod
   def Params(cls):
     p = super().Params()
     p.Define('stack', layers_with_gpipe.GPipeTransformerStack.Params(),
-             'The encoder-decoder stack, pipelined.')
-    p.Define('beam_search', beam_search_helper.BeamSearchHelper.Params(),
-             'Beam search decoding.')
+             'The encoder-decoder GPipeTransformerStack.')
+    p.Define('init_decoder_step_ids', False,
+             'Beam search starts from the first target id, not <s>.')
+    p.Define('use_task_ids', False, 'The input batch carries task ids.')
+    # MTBaseModel's enc/dec: stand-ins whose methods run the stack.
+    p.encoder = base_layer.BaseLayer.Params()
+    p.encoder.Define('packed_input', False, 'Unused; read by MTBaseModel.')
+    p.decoder = base_decoder.BaseBeamSearchDecoder.Params()
+    p.decoder.beam_search.batch_major_state = False
+    return p
+
+  @classmethod
+  def CommonParams(cls, vocab_size, model_dim, hidden_dim=1024, num_heads=8,
+                   num_layers=6, num_micro_batches=1, num_shards=16,
+                   input_dropout_prob=0.0, residual_dropout_prob=0.1,
+                   atten_dropout_prob=0.0, relu_dropout_prob=0.0,
+                   label_smoothing_uncertainty=0.1, splits=1,
+                   num_encoder_layers=None, num_decoder_layers=None):
+    """Lingvo's Transformer setup of the stack (time-major, dense)."""
+    p = cls.Params()
+    p.name = 'transformer'
+    no_vn = py_utils.VariationalNoiseParams(1.0, False, False)
+    xavier = py_utils.WeightInit.Xavier(1.0)
+    emb_init = py_utils.WeightInit.Gaussian(1.0 / math.sqrt(model_dim))
+
+    emb = p.stack.emb_tpl
+    emb.token_emb.Set(use_matmul=True, use_3d_weight_tensor=False,
+                      vocab_size=vocab_size, embedding_dim=model_dim,
+                      params_init=emb_init, vn=no_vn)
+    emb.target_vocab_size = vocab_size
+    emb.position_emb.Set(embedding_dim=model_dim, trainable_scaling=False,
+                         vn=no_vn)
+    emb.input_dropout_prob = input_dropout_prob
+
+    p.stack.Set(model_dim=model_dim, splits=splits,
+                num_micro_batches=num_micro_batches,
+                num_encoder_layers=num_encoder_layers or num_layers,
+                num_decoder_layers=num_decoder_layers or num_layers)
+    enc = p.stack.encoder_tpl
+    enc.source_dim = model_dim
+    enc.has_aux_atten = False
+    enc.tr_atten_tpl.Set(
+        source_dim=model_dim, num_attention_heads=num_heads,
+        residual_dropout_prob=residual_dropout_prob,
+        atten_dropout_prob=atten_dropout_prob, params_init=xavier, vn=no_vn)
+    enc.tr_atten_tpl.atten_tpl.Set(
+        num_attention_heads=num_heads, enable_ctx_pre_proj=True,
+        enable_ctx_post_proj=True, context_dim=model_dim, vn=no_vn)
+    enc.tr_fflayer_tpl.Set(
+        input_dim=model_dim, hidden_dim=hidden_dim,
+        residual_dropout_prob=residual_dropout_prob,
+        relu_dropout_prob=relu_dropout_prob, params_init=xavier, vn=no_vn)
+    p.stack.decoder_tpl = enc.Copy().Set(has_aux_atten=True,
+                                         mask_self_atten=True)
+
+    p.stack.softmax_tpl.Set(input_dim=model_dim, num_classes=vocab_size,
+                            num_shards=num_shards, params_init=emb_init)
+    if label_smoothing_uncertainty > 0:
+      p.stack.label_smoothing = layers.UniformLabelSmoother.Params().Set(
+          num_classes=vocab_size, uncertainty=label_smoothing_uncertainty)
+    p.decoder.target_seq_len = 300
+    p.decoder.beam_search.Set(length_normalization=0.5, coverage_penalty=0.0)
     return p
 
   def __init__(self, params):
-    base_model.BaseTask.__init__(self, params)  # Change 1: no enc/dec.
+    super().__init__(params)
     p = self.params
-    self.CreateChild('stack', p.stack)
-    self.CreateChild('beam_search', p.beam_search)
+    p.stack.packed_input = p.stack.packed_input and not self.do_eval
+    p.stack.state_dtype = p.fprop_dtype or p.dtype
+    emb_p = p.stack.emb_tpl
+    assert emb_p.target_vocab_size == p.stack.softmax_tpl.num_classes
+    assert emb_p.token_emb.embedding_dim == emb_p.position_emb.embedding_dim
+    self.enc.FPropDefaultTheta = self._EncoderFPropDefaultTheta
+    self.dec.AddExtraDecodingInfo = self._AddExtraDecodingInfo  # Change 3.
+    self.dec.BeamSearchDecode = self._DecoderBeamSearchDecode
+    self.dec.ComputePredictions = self.DecoderComputePredictions
+    self.dec.ExtendStep = self.ExtendStep
+    self.CreateChild('stack', p.stack)  # Change 2: no variable_scope.
 
-  def ComputePredictions(self, theta, batch):
-    src, tgt = batch.src, batch.tgt
-    xent, logits = self.stack.FProp(
-        theta.stack, tf.transpose(src.ids), tf.transpose(src.paddings),
-        tf.transpose(tf.cast(tgt.ids, tf.int32)),  # Change 2.
-        tf.transpose(tgt.paddings), labels=tf.transpose(tgt.labels),
-        label_weights=tf.transpose(tgt.weights))
-    return py_utils.NestedMap(per_token_xent=xent, logits=logits)
+  def _PrepareInputs(self, input_batch):
+    """(ids, paddings, segment ids, segment pos, task ids), time-major."""
+    p = self.params
+    paddings = input_batch.paddings
+    ids = py_utils.with_dependencies([
+        py_utils.assert_shape_match(
+            tf.shape(input_batch.ids), tf.shape(paddings)),
+        py_utils.assert_equal(tf.rank(input_batch.ids), 2)
+    ], tf.cast(input_batch.ids, tf.int32))  # Change 1.
+    segment_ids = segment_pos = task_ids = None
+    if p.stack.packed_input:
+      segment_ids = input_batch.segment_ids
+      segment_pos = input_batch.segment_pos
+    if p.use_task_ids:
+      task_ids = input_batch.task_ids
+    if p.stack.batch_dim:  # Time-major: [time, batch].
+      ids, paddings, segment_ids, segment_pos, task_ids = [
+          None if t is None else tf.transpose(t)
+          for t in (ids, paddings, segment_ids, segment_pos, task_ids)]
+    return ids, paddings, segment_ids, segment_pos, task_ids
 
-  def ComputeLoss(self, theta, predictions, input_batch):
-    weights = tf.transpose(input_batch.tgt.weights)  # Change 3.
-    num_tokens = tf.reduce_sum(weights)
-    avg = tf.reduce_sum(predictions.per_token_xent * weights) / tf.maximum(
-        num_tokens, 1.0)
-    per_example = py_utils.NestedMap(
-        xent=tf.reduce_sum(predictions.per_token_xent * weights, 0))
-    return {'loss': (avg, num_tokens), 'log_pplx': (avg, num_tokens)}, (
-        per_example)
+  def FPropTower(self, theta, input_batch):
+    """The stack's loss on one tower's batch: (metrics, per-example loss)."""
+    p = self.params
+    with tf.name_scope(p.name):
+      src_ids, src_paddings, src_seg_ids, src_seg_pos, src_task_ids = (
+          self._PrepareInputs(input_batch.src))
+      tgt_ids, tgt_paddings, tgt_seg_ids, tgt_seg_pos, tgt_task_ids = (
+          self._PrepareInputs(input_batch.tgt))
+      labels, weights = input_batch.tgt.labels, input_batch.tgt.weights
+      if p.stack.batch_dim:
+        labels, weights = tf.transpose(labels), tf.transpose(weights)
+      xent, logits = self.stack.FProp(
+          theta.stack, src_ids, src_paddings, tgt_ids, tgt_paddings,
+          src_seg_ids, tgt_seg_ids, labels, weights, src_seg_pos,
+          tgt_seg_pos, src_task_ids, tgt_task_ids)
+      total_weights = tf.reduce_sum(weights)
+      loss = tf.reduce_sum(xent * weights) / total_weights
+    metrics = {'loss': (loss, total_weights),
+               'log_pplx': (loss, total_weights)}
+    per_example = {'loss': tf.reduce_sum(xent * weights, 0)}
+    if self.do_eval:
+      correct = tf.cast(tf.equal(
+          tf.cast(tf.argmax(logits, 2), tf.int32), labels), p.dtype)
+      accuracy = tf.identity(
+          tf.reduce_sum(correct * weights) / total_weights,
+          name='fraction_of_correct_next_step_preds')
+      metrics['fraction_of_correct_next_step_preds'] = (accuracy,
+                                                        total_weights)
+    return metrics, per_example
 
-  def _DecoderStep(self, encoder_outputs, prefix, t):
-    """log-probs of each hypothesis' next token after prefix[:, :t + 1]."""
-    stack = self.stack
-    k = tf.shape(prefix)[0] // tf.shape(encoder_outputs.padding)[1]
-    src = tf.tile(encoder_outputs.encoded, [1, k, 1])  # Change 6.
-    src_paddings = tf.tile(encoder_outputs.padding, [1, k])
-    ids = tf.transpose(prefix)
-    vecs = stack.DecoderEmbedFPropDefaultTheta(ids)
-    paddings = tf.zeros(tf.shape(ids), vecs.dtype)
-    for dec in stack.GetDecoders():  # Change 5: the prefix, causally.
-      vecs = dec.FProp(dec.theta, src, src_paddings, vecs, paddings, None,
-                       None, None, None)[2]
-    logits = stack.Logits(stack.theta, [tf.gather(vecs, t)])
-    return tf.nn.log_softmax(logits)
+  def DecoderComputePredictions(self, theta, encoder_outputs, targets):
+    """The decoder layers' outputs on `targets`, outside the pipeline."""
+    tgt_ids, tgt_paddings, tgt_seg_ids, _, tgt_task_ids = (
+        self._PrepareInputs(targets))
+    vecs = self.stack.DecoderEmbedFPropDefaultTheta(tgt_ids, tgt_task_ids)
+    for dec in self.stack.GetDecoders():
+      vecs = dec.FProp(dec.theta, encoder_outputs.encoded,
+                       encoder_outputs.padding, vecs, tgt_paddings,
+                       encoder_outputs.get('segment_id'), tgt_seg_ids, None,
+                       None)[2]
+    return vecs
 
-  def _InitBeamSearchState(self, theta, encoder_outputs, num_hyps_per_beam):
-    del theta
-    src_time, num_beams = py_utils.GetShape(encoder_outputs.padding, 2)
-    num_hyps = num_beams * num_hyps_per_beam
-    steps = self.params.beam_search.target_seq_len
+  def _AddExtraDecodingInfo(self, encoder_outputs, targets):
+    """Task ids and first target ids for beam search, if asked for."""
+    p = self.params
+    if p.use_task_ids:
+      encoder_outputs['task_ids'] = tf.tile(
+          targets.task_ids[:, 0], [p.decoder.beam_search.num_hyps_per_beam])
+    if p.init_decoder_step_ids:
+      encoder_outputs['init_step_ids'] = targets.ids[:, 0]
+    return encoder_outputs
+
+  def ExtendStep(self, theta, encoder_outputs, new_ids, t, prefix_states):
+    """One decoding step of every decoder layer (time-major)."""
+    p = self.params
+    out_states = prefix_states.Pack(prefix_states.Flatten())
+    task_ids = encoder_outputs.task_ids if p.use_task_ids else None
+    vecs = self.stack.DecoderEmbedFPropDefaultTheta(new_ids, task_ids, t)
+    tpu = p.decoder.beam_search.name == 'tpu_beam_search'
+    for i, dec in enumerate(self.stack.GetDecoders()):
+      key = 'decoder_%%d' %% i
+      vecs, _, out_states[key] = dec.ExtendStep(
+          dec.theta, vecs, prefix_states[key], encoder_outputs.encoded,
+          encoder_outputs.padding, t if tpu else None)
+    return vecs, out_states
+
+  def _InitBeamSearchStateCallback(self, theta, encoder_outputs,
+                                   num_hyps_per_beam):
+    """Zero log-probs, uniform attention, empty key/value prefixes."""
+    p = self.params
+    dtype = py_utils.FPropDtype(p)
+    src_time, src_batch = py_utils.GetShape(encoder_outputs.encoded)[:2]
+    num_hyps = src_batch * num_hyps_per_beam
+    results = py_utils.NestedMap(
+        log_probs=tf.zeros([num_hyps, p.stack.softmax_tpl.num_classes],
+                           dtype=dtype),
+        atten_probs=tf.ones([num_hyps, src_time], dtype=dtype) / tf.cast(
+            src_time, dtype))
+    if p.init_decoder_step_ids:
+      results['step_ids'] = tf.expand_dims(
+          tf.tile(encoder_outputs.init_step_ids, [num_hyps_per_beam]), 1)
+    dim = (p.stack.decoder_tpl.tr_atten_tpl.atten_hidden_dim or
+           p.stack.model_dim)
+    seq_len = (p.decoder.target_seq_len
+               if p.decoder.beam_search.name == 'tpu_beam_search' else 0)
+    prefix_states = py_utils.NestedMap({
+        'decoder_%%d' %% i: py_utils.NestedMap(
+            key=tf.zeros([seq_len, num_hyps, dim], dtype=dtype),
+            value=tf.zeros([seq_len, num_hyps, dim], dtype=dtype))
+        for i in range(p.stack.num_decoder_layers)
+    })
+    return results, py_utils.NestedMap(prefix_states=prefix_states,
+                                       time_step=tf.constant(0))
+
+  def _PreBeamSearchStepCallback(self, theta, encoder_outputs, step_ids,
+                                 states, num_hyps_per_beam, cur_step=None):
+    """Next-token log-probs of each hypothesis, states one step on."""
+    del num_hyps_per_beam, cur_step  # Change 4: states count the steps.
+    p = self.params
+    t = states.time_step
+    new_states = states.Pack(states.Flatten())
+    vecs, new_states.prefix_states = self.ExtendStep(
+        theta, encoder_outputs, tf.squeeze(step_ids, 1), t,
+        states.prefix_states)
+    new_states.time_step = t + 1
+    logits = self.stack.Logits(
+        theta.stack, [tf.reshape(vecs, [-1, p.stack.softmax_tpl.input_dim])])
+    dtype = py_utils.FPropDtype(p)
+    src_time = py_utils.GetShape(encoder_outputs.encoded)[0]
+    num_hyps = py_utils.GetShape(step_ids)[0]
     return py_utils.NestedMap(
-        log_probs=tf.zeros([num_hyps, self.params.stack.softmax_tpl.num_classes]),
-        atten_probs=tf.zeros([num_hyps, src_time])), py_utils.NestedMap(
-            prefix=tf.zeros([num_hyps, steps], tf.int32))
+        log_probs=tf.nn.log_softmax(logits),
+        atten_probs=tf.ones([num_hyps, src_time], dtype=dtype) / tf.cast(
+            src_time, dtype)), new_states
 
-  def _PreBeamSearchStep(self, theta, encoder_outputs, step_ids, states,
-                         num_hyps_per_beam, cur_step):
-    del theta, num_hyps_per_beam
-    steps = self.params.beam_search.target_seq_len
-    prefix = states.prefix + step_ids * tf.one_hot(cur_step, steps,
-                                                   dtype=tf.int32)[None, :]
-    log_probs = self._DecoderStep(encoder_outputs, prefix, cur_step)
-    src_time = tf.shape(encoder_outputs.padding)[0]
-    return py_utils.NestedMap(
-        log_probs=log_probs,
-        atten_probs=tf.zeros([tf.shape(prefix)[0], src_time])), (
-            py_utils.NestedMap(prefix=prefix))
-
-  def _PostBeamSearchStep(self, theta, encoder_outputs, new_step_ids, states):
+  def _PostBeamSearchStepCallback(self, theta, encoder_outputs, new_step_ids,
+                                  states):
     return states
 
-  def _BeamSearchDecode(self, input_batch):
-    p = self.params
-    with tf.name_scope('fprop'), tf.name_scope(p.name):
-      src_ids = tf.transpose(input_batch.src.ids)
-      src_paddings = tf.transpose(input_batch.src.paddings)
-      encoded = self.stack.EncoderFPropDefaultTheta(
-          self.stack.EncoderEmbedFPropDefaultTheta(src_ids), src_paddings)
-      encoder_outputs = py_utils.NestedMap(encoded=encoded,
-                                           padding=src_paddings)
-      out = self.beam_search.BeamSearchDecode(
-          self.theta, encoder_outputs,
-          init_beam_search_state=self._InitBeamSearchState,
-          pre_beam_search_step_callback=self._PreBeamSearchStep,
-          post_beam_search_step_callback=self._PostBeamSearchStep)
-      slen = tf.cast(tf.round(
-          tf.reduce_sum(1 - input_batch.src.paddings, 1) - 1), tf.int32)
-      srcs = self.input_generator.IdsToStrings(
-          input_batch.src.ids, slen, self._GetTokenizerKeyToUse('src'))
-      topk_decoded = self.input_generator.IdsToStrings(
-          out.topk_ids, out.topk_lens - 1, self._GetTokenizerKeyToUse('tgt'))
-      topk_decoded = tf.reshape(topk_decoded, tf.shape(out.topk_hyps))
-      topk_scores = tf.reshape(out.topk_scores, tf.shape(out.topk_hyps))
-      refs = self.input_generator.IdsToStrings(
-          input_batch.tgt.labels,
-          tf.cast(tf.round(
-              tf.reduce_sum(1.0 - input_batch.tgt.paddings, 1) - 1.0),
-                  tf.int32), self._GetTokenizerKeyToUse('tgt'))
-      return {
-          'target_ids': input_batch.tgt.ids,
-          'target_labels': input_batch.tgt.labels,
-          'target_weights': input_batch.tgt.weights,
-          'target_paddings': input_batch.tgt.paddings,
-          'sources': srcs,
-          'targets': refs,
-          'topk_decoded': topk_decoded,
-          'topk_lens': out.topk_lens,
-          'topk_scores': topk_scores,
-      }
+  def _EncoderFPropDefaultTheta(self, input_batch):
+    ids, paddings, _, _, task_ids = self._PrepareInputs(input_batch)
+    encoded = self.stack.EncoderFPropDefaultTheta(
+        self.stack.EncoderEmbedFPropDefaultTheta(ids, task_ids), paddings)
+    return py_utils.NestedMap(encoded=encoded, padding=paddings)
 
-  def _PostProcessBeamSearchDecodeOut(self, dec_out_dict, dec_metrics_dict):
-    unsegment = dec_metrics_dict['corpus_bleu'].unsegmenter
-    targets = dec_out_dict['targets']
-    dec_metrics_dict['num_samples_in_batch'].Update(len(targets))
-    pairs = []
-    for src, tgt, hyps, scores in zip(dec_out_dict['sources'], targets,
-                                      dec_out_dict['topk_decoded'],
-                                      dec_out_dict['topk_scores']):
-      # Change 4: p.beam_search, not p.decoder.beam_search.
-      assert len(hyps) == self.params.beam_search.num_hyps_per_beam
-      dec_metrics_dict['corpus_bleu'].Update(tgt, hyps[0])
-      pairs.append((unsegment(src), 'src: %%s tgt: %%s hyp0: %%s score0: %%f' %% (
-          unsegment(src), unsegment(tgt), unsegment(hyps[0]), scores[0])))
-    return pairs
+  def _DecoderBeamSearchDecode(self, encoder_outputs,
+                               num_hyps_per_beam_override=0):
+    return self.dec.beam_search.BeamSearchDecode(
+        self.theta, encoder_outputs, num_hyps_per_beam_override,
+        self._InitBeamSearchStateCallback, self._PreBeamSearchStepCallback,
+        self._PostBeamSearchStepCallback)
 
 
 class WmtEnDeGPipeTransformer(base_model_params.SingleTaskModelParams):
@@ -237,6 +342,7 @@ class WmtEnDeGPipeTransformer(base_model_params.SingleTaskModelParams):
   ENCODER_LAYERS = 6
   DECODER_LAYERS = 6
   SPLITS = 4
+  NUM_SHARDS = 16
   NUM_MICRO_BATCHES = 32
   DROPOUT = 0.1
   LABEL_SMOOTHING = 0.1
@@ -301,33 +407,19 @@ class WmtEnDeGPipeTransformer(base_model_params.SingleTaskModelParams):
     return p
 
   def Task(self):
-    p = GPipeTransformerModel.Params()
+    p = GPipeTransformerModel.CommonParams(
+        vocab_size=self.VOCAB_SIZE, model_dim=self.MODEL_DIM,
+        hidden_dim=self.HIDDEN_DIM, num_heads=self.NUM_HEADS,
+        num_micro_batches=self.NUM_MICRO_BATCHES, num_shards=self.NUM_SHARDS,
+        input_dropout_prob=self.DROPOUT, residual_dropout_prob=self.DROPOUT,
+        atten_dropout_prob=self.DROPOUT, relu_dropout_prob=self.DROPOUT,
+        label_smoothing_uncertainty=self.LABEL_SMOOTHING, splits=self.SPLITS,
+        num_encoder_layers=self.ENCODER_LAYERS,
+        num_decoder_layers=self.DECODER_LAYERS)
     p.name = 'wmt14_en_de_gpipe_transformer'
-    d = self.MODEL_DIM
-    p.stack = layers_with_gpipe.GPipeTransformerStack.Params().Set(
-        name='stack', model_dim=d, num_encoder_layers=self.ENCODER_LAYERS,
-        num_decoder_layers=self.DECODER_LAYERS, splits=self.SPLITS,
-        num_micro_batches=self.NUM_MICRO_BATCHES,
-        state_dtype=tf.float32)  # As GPipeTransformerLm.CommonParams sets it.
-    for t in (p.stack.encoder_tpl, p.stack.decoder_tpl):
-      t.source_dim = d
-      t.tr_atten_tpl.num_attention_heads = self.NUM_HEADS
-      t.tr_atten_tpl.residual_dropout_prob = self.DROPOUT
-      t.tr_atten_tpl.atten_dropout_prob = self.DROPOUT
-      t.tr_fflayer_tpl.hidden_dim = self.HIDDEN_DIM
-      t.tr_fflayer_tpl.residual_dropout_prob = self.DROPOUT
-      t.tr_fflayer_tpl.relu_dropout_prob = self.DROPOUT
-    p.stack.emb_tpl.token_emb.Set(vocab_size=self.VOCAB_SIZE,
-                                  embedding_dim=d)
-    p.stack.emb_tpl.position_emb.embedding_dim = d
-    p.stack.emb_tpl.input_dropout_prob = self.DROPOUT
     p.stack.emb_tpl.max_seq_len = self.DECODE_LENGTH
-    p.stack.softmax_tpl.Set(input_dim=d, num_classes=self.VOCAB_SIZE)
-    if self.LABEL_SMOOTHING:
-      p.stack.label_smoothing = layers.UniformLabelSmoother.Params().Set(
-          num_classes=self.VOCAB_SIZE, uncertainty=self.LABEL_SMOOTHING)
-    p.beam_search.Set(num_hyps_per_beam=self.BEAM,
-                      target_seq_len=self.DECODE_LENGTH)
+    p.decoder.target_seq_len = self.DECODE_LENGTH
+    p.decoder.beam_search.num_hyps_per_beam = self.BEAM
     p.train.Set(
         learning_rate=self.LEARNING_RATE,
         optimizer=optimizer.Adam.ParamsB(),
@@ -335,7 +427,8 @@ class WmtEnDeGPipeTransformer(base_model_params.SingleTaskModelParams):
         grad_norm_to_clip_to_zero=0.0,
         max_steps=self.MAX_STEPS,
         lr_schedule=schedule.TransformerSchedule.Params().Set(
-            warmup_steps=self.WARMUP_STEPS, worker_replicas=1, model_dim=d))
+            warmup_steps=self.WARMUP_STEPS, worker_replicas=1,
+            model_dim=self.MODEL_DIM))
     p.eval.samples_per_summary = self.DEV_SAMPLES
     return p
 
@@ -351,10 +444,11 @@ class GPipeMtBuckets(WmtEnDeGPipeTransformer):
   ENCODER_LAYERS = 2
   DECODER_LAYERS = 2
   SPLITS = 2
+  NUM_SHARDS = 1
   NUM_MICRO_BATCHES = 2
   DROPOUT = 0.0
   LABEL_SMOOTHING = 0.0
-  LEARNING_RATE = 1.0
+  LEARNING_RATE = 0.5
   WARMUP_STEPS = 100
   MAX_STEPS = 4
   TRAIN_BOUNDS = %(train_bounds)r

@@ -109,7 +109,9 @@ def _DecoderOut(logdir):
     pairs = pickle.load(f)
   found = []
   for _, line in pairs:
-    m = re.fullmatch(r'src: (.*) tgt: (.*) hyp0: (.*) score0: \S+', line)
+    # MTBaseModel's line: 'src: S tgt: T ' then ' hypN: H scoreN: X' per hyp.
+    m = re.fullmatch(r'src: (.*) tgt: (.*?)  hyp0: (.*?) score0: \S+'
+                     r'(?: hyp\d+: .* score\d+: \S+)*', line)
     found.append((m.group(1), m.group(3)))
   return found
 
