@@ -5,7 +5,7 @@
 version, oneDNN setting: jit_choice.Machine) and the device count; on a miss
 it runs the probe (three trainer runs, each a fresh process: its peak RSS its
 own; a minute or two), writes the entry and returns it. Processes probing at once probe once (a lock file).
-Deleting the file, or `python -m lingvo_ext.planner.memory_probe
+Deleting the file, or `python -m lingvo_ext.tools.memory_probe
 --num_devices=N --force`, measures again.
 
 The probe trains three models with the trainer on N CPU devices, a few
@@ -83,7 +83,7 @@ def Get(num_devices: int, force: bool = False) -> memory_model.Constants:
       # Once per machine: the first run would seem to hang without a word.
       print(f'memory model: measuring this machine\'s constants for '
             f'{num_devices} device(s), once (3 short trainer runs; cached in '
-            f'{path}; `.venv/bin/python -m lingvo_ext.planner.memory_probe '
+            f'{path}; `.venv/bin/python -m lingvo_ext.tools.memory_probe '
             f'--num_devices={num_devices}` does it ahead).', file=sys.stderr,
             flush=True)
       entry = Measure(num_devices)
@@ -180,7 +180,7 @@ def Measure(num_devices: int):
 
 def main(argv):
   import argparse  # pylint: disable=g-import-not-at-top
-  ap = argparse.ArgumentParser(prog='python -m lingvo_ext.planner.memory_probe',
+  ap = argparse.ArgumentParser(prog='python -m lingvo_ext.tools.memory_probe',
                                description=__doc__.splitlines()[0])
   ap.add_argument('--num_devices', type=int, default=1,
                   help='CPU devices of the runs to predict.')
@@ -194,6 +194,3 @@ def main(argv):
   print(json.dumps(dict(c.ToDict(), cache=CachePath()), indent=1))
   return 0
 
-
-if __name__ == '__main__':
-  sys.exit(main(sys.argv[1:]))

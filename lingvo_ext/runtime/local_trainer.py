@@ -232,12 +232,13 @@ class LocalTrainer(runner_state.RunnerMixin, lingvo_runners.Trainer):
 
   def _OnStep(self, global_step, metrics):
     self._keep_step.Ran(global_step)
-    # First: at the first step it waits for its prediction, which the
-    # progress line's rate must not count.
-    if self._run_state.plan_check:
-      self._run_state.plan_check.Ran(int(global_step))
     self._progress.Update(int(global_step), float(metrics['loss'][0]),
                           float(metrics['num_samples_in_batch'][0]))
+    if self._run_state.plan_check:
+      start = time.monotonic()
+      self._run_state.plan_check.Ran(int(global_step))
+      if time.monotonic() - start > 1:  # It waited for its prediction.
+        self._progress.Restart()
 
   def _ShouldStop(self, sess=None, step=None, check_early_stop=True):
     if self._run_state.interrupted.is_set():

@@ -55,7 +55,7 @@ def RecalibrateCommand(model: str, devices: int, overrides: str) -> str:
 
 def MemoryRecalibrateCommand(num_devices: int) -> str:
   """The command that measures the memory model's constants again."""
-  return ('.venv/bin/python -m lingvo_ext.planner.memory_probe '
+  return ('.venv/bin/python -m lingvo_ext.tools.memory_probe '
           f'--num_devices={max(1, num_devices)} --force')
 
 

@@ -105,6 +105,11 @@ class Progress:
       parts.append(f'(after a {FormatDuration(self._pause)} pause)')
     return '  '.join(parts)
 
+  def Restart(self):
+    """The rates start again from the next step (after time not spent
+    training, e.g. the plan check's wait for its prediction)."""
+    self._window.clear()
+
   def Update(self, step, loss, examples_in_batch):
     """Records a step; prints its line if it is time (or the last step)."""
     line = self.Line(step, loss, examples_in_batch)

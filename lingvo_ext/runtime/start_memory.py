@@ -62,10 +62,6 @@ def Profile(model_params):
   return tf_profiling.ProfileExperiment(model_params)
 
 
-# An override is named only where its predicted peak RSS is within this
-# share of the memory: the model is low with recompute (docs/benchmarks.md,
-# "Memory model").
-FIT_MARGIN = 0.9
 DefaultRecompute = memory_model.DefaultRecompute
 PlanOfParams = memory_model.PlanOfParams
 
@@ -105,7 +101,7 @@ def _Fits(profile, plan, available: float,
                       plan.num_micro_batches)):
     return None
   got = Estimate(profile, plan, constants)
-  return got if got.rss_bytes <= FIT_MARGIN * available else None
+  return got if got.rss_bytes <= available else None
 
 
 def Overrides(profile, plan, fprop_dtype, available: float, constants,
@@ -122,9 +118,9 @@ def Overrides(profile, plan, fprop_dtype, available: float, constants,
     profile: The planner's ModelProfile.
     plan: The plan the params give.
     fprop_dtype: The params' activation dtype.
-    available: The memory the run may use (for one of several pipelines,
-      the others' predicted bytes taken off); the override's predicted peak
-      RSS (memory_model's, runtime included) stays within FIT_MARGIN of it.
+    available: The peak RSS the plan's estimate may reach (memory_model's,
+      runtime included; for one of several pipelines, the others' bytes
+      taken off).
     constants: memory_model.Constants.
     prefix: The params path of the pipeline's switches, e.g. 'task.lm.stack'.
     bf16: Whether to try bf16 activations (`task.fprop_dtype`).

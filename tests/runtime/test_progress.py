@@ -57,3 +57,19 @@ def testAPauseBeforeAnyRateSaysSo():
   now[0] += 60.0
   assert p.Line(3, 1.0, 4) == ('step 3/10  loss 1.0000  1.00 steps/s  4.0 '
                                'examples/s  ETA 7s  (after a 1m00s pause)')
+
+
+def testARestartKeepsAWaitOutOfTheRate():
+  # The trainer waits at its first step for the plan check's prediction.
+  now = [1000.0]
+  out = io.StringIO()
+  p = progress.Progress(1000, stream=out, clock=lambda: now[0], interval_s=0)
+  p.Update(1, 4.0, 8)
+  now[0] += 12.0  # The wait.
+  p.Restart()
+  _Steps(p, now, 2, 4, 0.5)  # 2 steps/s.
+  lines = out.getvalue().splitlines()
+  assert lines[:2] == ['step 1/1000  loss 4.0000  (measuring speed)',
+                       'step 2/1000  loss 2.0000  (measuring speed)'], lines
+  assert lines[2] == ('step 3/1000  loss 2.0000  2.00 steps/s  16.0 '
+                      'examples/s  ETA 8m18s'), lines

@@ -110,8 +110,7 @@ def testStartWarningNamesTheNeedTheLimitAndAnOverrideThatFits():
   after = start_memory.Estimate(
       profile, start_memory.PlanOfParams(profile, fixed.task, 2, 2),
       _CONSTANTS)
-  assert after.rss_bytes <= start_memory.FIT_MARGIN * limit
-  assert limit < got.rss_bytes
+  assert after.rss_bytes <= limit < got.rss_bytes
   assert f'(about {size(after.rss_bytes)})' in line
   assert start_memory.StartWarning(fixed, 2, 2, override, limit, 'x',
                                    _CONSTANTS) is None

@@ -26,7 +26,7 @@ OFF = re.compile(r'^plan check: the (step|peak memory) is predicted \d+% '
                  r'(low|high); its largest term is .+; recalibrate with: '
                  r'\.venv/bin/python -m lingvo_ext\.'
                  rf'(tools\.plan --model={MODEL} --devices=2 --recalibrate|'
-                 r'planner\.memory_probe --num_devices=2 --force)\.$', re.M)
+                 r'tools\.memory_probe --num_devices=2 --force)\.$', re.M)
 
 
 def _Train(logdir, *flags):
