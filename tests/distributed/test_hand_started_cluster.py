@@ -10,7 +10,6 @@ in its own group and is killed when the test ends.
 """
 
 import contextlib
-import glob
 import os
 import re
 import signal
@@ -22,6 +21,7 @@ import numpy as np
 import pytest
 
 from lingvo_ext.distributed import network
+from tests.support import events_testlib
 from tests.support import proc_testlib
 
 TIMEOUT = 300
@@ -151,16 +151,6 @@ def two_hosts():
       _Ip('netns', 'del', ns)  # Its end of the veth pair goes with it.
 
 
-def _Scalars(event_dir, tag):
-  values = {}
-  for path in sorted(glob.glob(os.path.join(event_dir, 'events.out.*'))):
-    for event in tf.train.summary_iterator(path):
-      for v in event.summary.value:
-        if v.tag == tag:
-          values[event.step] = v.simple_value
-  return values
-
-
 @pytest.mark.e2e
 def testAClusterAcrossNetworkNamespacesTrainsAsOneProcess(tmp_path, two_hosts):
   (a, b), (addr_a, addr_b) = list(two_hosts), list(two_hosts.values())
@@ -179,8 +169,8 @@ def testAClusterAcrossNetworkNamespacesTrainsAsOneProcess(tmp_path, two_hosts):
        '--max_steps=3'], cwd=proc_testlib.ROOT, capture_output=True,
       text=True, timeout=TIMEOUT, check=False)
   assert proc.returncode == 0, proc.stderr[-3000:]
-  loss = _Scalars(os.path.join(logdir, 'train'), 'loss')
-  ref = _Scalars(os.path.join(single, 'train'), 'loss')
+  loss = events_testlib.Scalars(os.path.join(logdir, 'train'), 'loss')
+  ref = events_testlib.Scalars(os.path.join(single, 'train'), 'loss')
   assert loss and sorted(loss) == sorted(ref), (loss, ref)
   np.testing.assert_allclose([loss[s] for s in sorted(loss)],
                              [ref[s] for s in sorted(ref)], atol=1e-5)

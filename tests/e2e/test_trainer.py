@@ -17,6 +17,7 @@ import lingvo.compat as tf
 import numpy as np
 import pytest
 
+from tests.support import events_testlib
 from tests.support import proc_testlib
 from tests.support import zygote
 from tests.support import ROOT
@@ -50,17 +51,6 @@ def _Log(logdir, job='controller,trainer_client'):
     return f.read()
 
 
-def _Scalars(event_dir, tag):
-  """{step: value} of scalar `tag` in the event files of `event_dir`."""
-  values = {}
-  for path in sorted(glob.glob(os.path.join(event_dir, 'events.out.*'))):
-    for event in tf.train.summary_iterator(path):
-      for v in event.summary.value:
-        if v.tag == tag:
-          values[event.step] = v.simple_value
-  return values
-
-
 def _Checkpoints(logdir):
   return sorted(
       int(m.group(1)) for m in (re.search(r'ckpt-(\d+)\.index$', p) for p in
@@ -75,7 +65,7 @@ def _CheckTrains(model, logdir, steps):
   assert re.search(rf'\nstep {steps}/{steps}  loss [\d.]+  [\d.]+ steps/s  '
                    r'[\d.]+ examples/s  ETA 0s\n', out), out[-3000:]
   assert 'Place variable' not in out and 'Place variable' in _Log(logdir)
-  loss = _Scalars(os.path.join(logdir, 'train'), 'loss')
+  loss = events_testlib.Scalars(os.path.join(logdir, 'train'), 'loss')
   assert sorted(loss) == list(range(1, steps + 1))
   first = np.mean([loss[s] for s in range(1, 6)])
   last = np.mean([loss[s] for s in range(steps - 4, steps + 1)])
@@ -88,7 +78,7 @@ def _CheckTrainsAndResumes(model, logdir, steps, more_steps):
   loss = _CheckTrains(model, logdir, steps)
   _Train(model, logdir, f'--max_steps={more_steps}')
   assert f'Restored {steps} ' in _Log(logdir)
-  resumed = _Scalars(os.path.join(logdir, 'train'), 'loss')
+  resumed = events_testlib.Scalars(os.path.join(logdir, 'train'), 'loss')
   assert min(s for s in resumed if s not in loss) == steps + 1
   assert max(resumed) == more_steps
   assert _Checkpoints(logdir)[-1] == more_steps
@@ -123,7 +113,7 @@ def testLmEvalerScoresTheDevSplit(lm_run):
   logdir, _ = lm_run
   _Train('lm.TransformerLmTiny', logdir, '--max_steps=26', '--job=evaler_dev')
   eval_dir = os.path.join(logdir, 'eval_dev')
-  log_pplx = _Scalars(eval_dir, 'log_pplx')
+  log_pplx = events_testlib.Scalars(eval_dir, 'log_pplx')
   assert list(log_pplx) == [26]
   assert 0 < log_pplx[26] < np.log(128)
   assert os.path.exists(os.path.join(eval_dir, 'score-00000026.txt'))
@@ -171,7 +161,7 @@ def testLmTwoPartitionsOnTwoCpusMatchOnePartition(lm_run, tiny_gpipe_run):
   # The 2 devices share one intra-op pool of cores / 2 threads.
   threads = max(1, len(os.sched_getaffinity(0)) // 2)
   assert f'intra-op threads: {threads} (--intra_op_threads)' in _Log(logdir)
-  loss_k2 = _Scalars(os.path.join(logdir, 'train'), 'loss')
+  loss_k2 = events_testlib.Scalars(os.path.join(logdir, 'train'), 'loss')
   print(f'first-step loss: K=1 {loss_k1[1]:.7f}, K=2 {loss_k2[1]:.7f}')
   assert abs(loss_k1[1] - loss_k2[1]) < 1e-4
 
@@ -225,10 +215,11 @@ def testImageTrainsResumesAndSurvivesAKill(tmp_path):
   rows = re.findall(r'^ +(\d+)((?: +\d+){10})$', text, re.MULTILINE)
   matrix = np.array([[int(x) for x in r[1].split()] for r in rows])
   assert matrix.shape == (10, 10) and matrix.sum() == 360, text
-  accuracy = _Scalars(dec_dir, 'confusion')[step + 3]
+  accuracy = events_testlib.Scalars(dec_dir, 'confusion')[step + 3]
   assert abs(accuracy - np.trace(matrix) / 360) < 1e-6
   for i in range(10):
-    per_class = _Scalars(dec_dir, f'confusion/class_{i}')[step + 3]
+    per_class = events_testlib.Scalars(
+        dec_dir, f'confusion/class_{i}')[step + 3]
     assert abs(per_class - matrix[i, i] / matrix[i].sum()) < 1e-6
     assert re.search(rf'^ +{i} +{matrix[i].sum()} +{per_class:.4f}$', text,
                      re.MULTILINE)
