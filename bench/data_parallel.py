@@ -36,7 +36,7 @@ from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
 import numpy as np  # pylint: disable=g-import-not-at-top
 
 from lingvo_ext.distributed import sync  # pylint: disable=g-import-not-at-top
-from lingvo_ext.experiments import lm  # pylint: disable=g-import-not-at-top
+from params import lm  # pylint: disable=g-import-not-at-top
 from bench import harness  # pylint: disable=g-import-not-at-top
 
 py_utils.SetEagerMode(False)

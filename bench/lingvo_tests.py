@@ -57,7 +57,7 @@ def main(argv=None):
   import lingvo.core
   from lingvo_ext.core import gpipe
   from lingvo_ext.core import layers_with_gpipe
-  from lingvo_ext.core import schedules
+  from lingvo_ext.pipeline import schedules
   # pylint: enable=g-import-not-at-top
   if params['schedule'] not in schedules.SCHEDULES:
     print('error: --schedule=%r; use one of %s.' %

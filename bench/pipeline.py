@@ -71,7 +71,7 @@ from bench import torch_baselines  # pylint: disable=g-import-not-at-top
 from bench import transformer  # pylint: disable=g-import-not-at-top
 from lingvo_ext.core import gpipe as ext_gpipe  # pylint: disable=g-import-not-at-top
 from lingvo_ext.core import precision  # pylint: disable=g-import-not-at-top
-from lingvo_ext.core.engine import records  # pylint: disable=g-import-not-at-top
+from lingvo_ext.pipeline import records  # pylint: disable=g-import-not-at-top
 
 py_utils.SetEagerMode(False)
 

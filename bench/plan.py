@@ -59,7 +59,7 @@ if _REPO not in sys.path:
 from lingvo_ext import planner  # pylint: disable=g-import-not-at-top
 from bench import harness  # pylint: disable=g-import-not-at-top,g-bad-import-order
 from bench import plan_models  # pylint: disable=g-import-not-at-top,g-bad-import-order
-from lingvo_ext.core.engine import records  # pylint: disable=g-import-not-at-top
+from lingvo_ext.pipeline import records  # pylint: disable=g-import-not-at-top
 from lingvo_ext.planner import measuring  # pylint: disable=g-import-not-at-top
 
 FC = 'fc'

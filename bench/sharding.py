@@ -42,7 +42,7 @@ from lingvo.core import cluster_factory  # pylint: disable=g-import-not-at-top
 from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
 import numpy as np  # pylint: disable=g-import-not-at-top
 
-import lingvo_ext.experiments  # pylint: disable=unused-import,g-import-not-at-top
+import params  # pylint: disable=unused-import,g-import-not-at-top
 from bench import harness  # pylint: disable=g-import-not-at-top
 
 py_utils.SetEagerMode(False)

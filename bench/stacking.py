@@ -48,7 +48,7 @@ from lingvo.core import saver as lingvo_saver  # pylint: disable=g-import-not-at
 from bench import pipeline as pipeline_bench  # pylint: disable=g-import-not-at-top
 from lingvo_ext.core import gpipe  # pylint: disable=g-import-not-at-top
 from lingvo_ext.core import stacking  # pylint: disable=g-import-not-at-top
-from lingvo_ext.experiments import lm  # pylint: disable=g-import-not-at-top
+from params import lm  # pylint: disable=g-import-not-at-top
 from bench import harness  # pylint: disable=g-import-not-at-top
 
 py_utils.SetEagerMode(False)

@@ -108,7 +108,7 @@ def _LingvoTrainer(model, logdir):
   from lingvo import trainer as lingvo_trainer  # pylint: disable=g-import-not-at-top
   from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
   # Registers the experiments; Lingvo's model_registry finds them.
-  import lingvo_ext.experiments  # pylint: disable=g-import-not-at-top,unused-import
+  import params  # pylint: disable=g-import-not-at-top,unused-import
   flags = tf.flags.FLAGS
   flags(['lingvo.trainer', '--model=' + model, '--logdir=' + logdir,
          '--run_locally=cpu', '--mode=sync', '--logtostderr'],

@@ -8,16 +8,21 @@ TensorFlow. `import lingvo_ext` alone leaves the process's stderr, logging
 and TF_CPP_MIN_LOG_LEVEL as they were: a library does not change its
 user's console. Nothing is filtered where the user set TF_CPP_MIN_LOG_LEVEL.
 It also keeps XLA's compiled cells across the programs' processes
-(`lingvo_ext/xla_cache.py`), which TensorFlow reads at its import.
+(`lingvo_ext/xla_cache.py`, which TensorFlow reads at its import; the cells'
+functions named stably), and defers the optional modules TensorFlow's and
+Lingvo's imports load but a run never uses (`_internal/deferred.py`).
 `ParseFlags` is the one place a program that builds a model parses absl's
 flags, which Lingvo's layers read.
 """
 
 from lingvo_ext import _startup
 from lingvo_ext import xla_cache
+from lingvo_ext._internal import deferred
 
 _startup.Install()
+deferred.Install()
 xla_cache.Install()
+xla_cache.UseStableNames()
 
 
 def ParseFlags(argv=(), program=None):

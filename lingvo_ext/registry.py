@@ -5,8 +5,8 @@ Experiments are Lingvo param classes registered with
 (less the experiments package's prefix) and class name. Two places are
 searched:
 
-- every module in the package `lingvo_ext/experiments/`
-  (`experiments/mine.py` registers `mine.<Class>`), found by listing the
+- every module in the package `params/`
+  (`params/mine.py` registers `mine.<Class>`), found by listing the
   package: nothing else needs editing;
 - a module named by --model itself, imported from `sys.path` (PYTHONPATH):
   `--model=myexp.MyModel` imports `myexp`, `--model=a.b.MyModel` imports
@@ -14,7 +14,7 @@ searched:
 
 It looks experiments up and nothing more: `tasks.experiment_params` builds
 an experiment's params (the Lingvo rewrite, checked overrides, the dtype).
-Importing `lingvo_ext.experiments` also points Lingvo's
+Importing `params` also points Lingvo's
 `model_registry.GetParams` at `ImportParams`, for code that calls Lingvo's
 registry directly.
 """
@@ -30,11 +30,11 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # The package whose modules register the experiments: the repository's
-# lingvo_ext/experiments/, which imports this module (to point Lingvo's
+# params/, which imports this module (to point Lingvo's
 # lookup here). The
 # registry takes it by name, as its callers set it (`SetExperimentsPackage`),
 # so that it does not import the package that imports it.
-_EXPERIMENTS = {'package': 'lingvo_ext.experiments'}
+_EXPERIMENTS = {'package': 'params'}
 
 
 def SetExperimentsPackage(package: str):
@@ -114,7 +114,7 @@ def UnknownModelMessage(name):
   else:
     msg += ' Registered models:\n' + ''.join(f'  {n}\n' for n in names)
   msg += ('List them with: .venv/bin/python -m lingvo_ext.tools.list_models. '
-          'Your own experiment: put it in lingvo_ext/experiments/ or pass '
+          'Your own experiment: put it in params/ or pass '
           '--model=module.Class '
           'with module on PYTHONPATH (README, "Your own experiment").')
   return msg
@@ -166,9 +166,9 @@ def InstallImportParams():
 
   Lingvo's own lookup tries six modules under lingvo.tasks for each model
   name, printing `model_imports.py: Importing ...` for each, and does not
-  find lingvo_ext/experiments/'s; ImportParams imports the experiment's
+  find params/'s; ImportParams imports the experiment's
   module (or experiments/) and prints nothing. Only for code that calls
-  Lingvo's model_registry directly (importing `lingvo_ext.experiments`
+  Lingvo's model_registry directly (importing `params`
   does); lingvo_ext's trainer and tools use GetParams.
   """
   from lingvo_ext._internal import lingvo as internal_lingvo  # pylint: disable=g-import-not-at-top

@@ -60,6 +60,24 @@ def CacheDir() -> str:
                       f'tf{_TensorFlowVersion()}-{CpuKey()}')
 
 
+# Whether the cells' tf.functions are named by their order in their graph
+# (`UseStableNames`; _internal/tf.py's StableFunctionName).
+_stable_names = False
+
+
+def UseStableNames():
+  """Names the cells' functions stably in this process, so that XLA's cache
+  finds them in the next one (the programs call it; a library user's
+  process keeps TensorFlow's names)."""
+  global _stable_names
+  _stable_names = True
+
+
+def StableNames() -> bool:
+  """Whether `UseStableNames` was called in this process."""
+  return _stable_names
+
+
 def Install() -> Optional[str]:
   """Sets TF_XLA_FLAGS' cache folder (CacheDir) for this process and the
   processes it starts; the folder, or None where it left things as they

@@ -14,8 +14,8 @@ import os
 import sys
 import tempfile
 
-from lingvo_ext.core.engine import kinds
-from lingvo_ext.core.engine import records
+from lingvo_ext.pipeline import kinds
+from lingvo_ext.pipeline import records
 from lingvo_ext.tracing import timeline
 
 DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(

@@ -38,10 +38,10 @@ root = os.path.realpath(sys.argv[1])
 def Here(name):  # Where the package would be imported from (not importing it).
   spec = find_spec(name)
   return spec and os.path.dirname(os.path.dirname(os.path.realpath(spec.origin)))
-# An install that still claims the old top-level `params` package reinstalls.
+# An install without the top-level `params` package (the experiments) reinstalls.
 from importlib.metadata import distribution
 top = distribution("lingvo_ext").read_text("top_level.txt").split()
-sys.exit(0 if Here("lingvo_ext") == root and top == ["lingvo_ext"] else 1)' "$root" \
+sys.exit(0 if Here("lingvo_ext") == root and sorted(top) == ["lingvo_ext", "params"] else 1)' "$root" \
     2>/dev/null && _HasScripts); then
   echo "venv: installing $root (editable)" >&2
   "$venv/bin/python" -m pip install -q --no-deps -e "$root"

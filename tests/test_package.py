@@ -1,6 +1,9 @@
-"""Importing lingvo_ext leaves oneDNN to the user and TensorFlow's default."""
+"""Importing lingvo_ext changes nothing in the process; the package's floors
+and its rules (no tensorflow.python or patch outside _internal/)."""
 
+import ast
 import os
+import re
 import subprocess
 import sys
 
@@ -85,9 +88,9 @@ def test_the_graph_sees_cycles_and_upward_imports():
   # The floor is the folder's, however deep the file: the engine reaching
   # the planner runs upward, as the planner did when it lived in core/.
   real = import_graph.Edges()
-  real['lingvo_ext/core/engine/records.py'].add('lingvo_ext/planner/plans.py')
+  real['lingvo_ext/pipeline/records.py'].add('lingvo_ext/planner/plans.py')
   assert import_graph.Violations(real) == [(
-      'lingvo_ext/core/engine/records.py', 'lingvo_ext/planner/plans.py')]
+      'lingvo_ext/pipeline/records.py', 'lingvo_ext/planner/plans.py')]
   # The real graph has the imports it should, function-level ones too: the
   # planner reads the registry; the trainer runs --plan=auto in a function.
   assert 'lingvo_ext/registry.py' in real[
@@ -119,36 +122,132 @@ def test_floors_name_folders_not_files_in_them():
     import_graph.FLOORS = floors
 
 
-def test_old_import_paths_give_the_moved_modules():
-  # Every old path of lingvo_ext/_moved.py, in a fresh interpreter: the
-  # module under its new path, one object (not a second copy).
+def test_import_changes_nothing_in_the_process():
+  # A library user's process (no entry point): importing lingvo_ext and its
+  # layers, pipeline and Lingvo faces adds no import hook, no placeholder
+  # module, no environment variable, no logging filter; TensorFlow's
+  # function namer and Lingvo's own gpipe module stay as they were.
   code = (
-      'import importlib, lingvo_ext\n'
-      'from lingvo_ext import _moved\n'
-      'for old, new in sorted(_moved.MOVED.items()):\n'
-      '  a = importlib.import_module(old)\n'
-      '  assert a is importlib.import_module(new), (old, new)\n'
-      '  parent, _, leaf = old.rpartition(".")\n'
-      '  if parent:  # A top-level old name (params) has none.\n'
-      '    assert getattr(importlib.import_module(parent), leaf, a) is a, old\n'
-      'print(len(_moved.MOVED))\n')
-  out = subprocess.run([sys.executable, '-c', code], cwd=_REPO,
-                       capture_output=True, text=True, timeout=300)
-  assert out.returncode == 0, out.stderr[-2000:]
-
-
-def test_the_alias_finder_on_a_sample_move():
-  code = (
+      'import logging, os, sys\n'
+      'import lingvo.compat as tf\n'
+      'from lingvo.core import gpipe as lingvo_gpipe\n'
+      # What Lingvo's and setuptools' own imports change (an environment
+      # variable, an import hook) is theirs: imported first.
+      'import lingvo.core.program, pkg_resources\n'
+      'from tensorflow.python.eager.polymorphic_function import '
+      'concrete_function as cf\n'
+      'def State():\n'
+      '  return (list(sys.meta_path), dict(os.environ),\n'
+      '          [list(logging.getLogger(n).filters) for n in '
+      '("tensorflow", "absl", "")],\n'
+      '          cf._inference_name, cf._forward_name, cf._backward_name,\n'
+      '          sys.modules["lingvo.core.gpipe"])\n'
+      'before = State()\n'
       'import lingvo_ext\n'
-      'from lingvo_ext import _moved\n'
-      '_moved.MOVED["lingvo_ext.core.old_cost"] = "lingvo_ext.core.cost"\n'
-      'from lingvo_ext.core import old_cost\n'
-      'import lingvo_ext.core.cost as new\n'
-      'assert old_cost is new\n'
-      'try:\n'
-      '  import lingvo_ext.core.never_was\n'
-      'except ModuleNotFoundError:\n'
-      '  print("ok")\n')
+      'from lingvo_ext import layers, pipeline\n'
+      'from lingvo_ext.core import gpipe, layers_with_gpipe\n'
+      'from lingvo_ext.pipeline import schedules\n'
+      'from lingvo_ext._internal import tf as internal_tf\n'
+      'assert internal_tf.StableFunctionName("f") == "f"\n'
+      'assert State() == before\n'
+      'assert sys.modules["lingvo.core.gpipe"] is lingvo_gpipe\n'
+      'assert not [m for m in sys.modules.values()\n'
+      '            if type(m).__name__ == "Deferred"]\n'
+      'print("ok")\n')
   out = subprocess.run([sys.executable, '-c', code], cwd=_REPO,
                        capture_output=True, text=True, timeout=300)
   assert out.returncode == 0 and out.stdout.strip() == 'ok', out.stderr[-2000:]
+
+
+def _Sources():
+  from tests import import_graph  # pylint: disable=g-import-not-at-top
+  for f in import_graph.Files():
+    yield f, ast.parse(open(os.path.join(_REPO, f)).read(), f)
+
+
+def test_no_tensorflow_python_outside_internal():
+  found = []
+  for f, tree in _Sources():
+    if f.startswith('lingvo_ext/_internal/'):
+      continue
+    for node in ast.walk(tree):
+      names = []
+      if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+      elif isinstance(node, ast.ImportFrom) and node.module:
+        names = [node.module]
+      found += [f'{f}:{node.lineno}' for n in names
+                if n == 'tensorflow.python' or
+                n.startswith('tensorflow.python.')]
+  assert not found
+
+
+# Setting up the process is the entry point's (and the console filter's),
+# not a library module's: the two programs' set-up files may.
+_SETUP = ('lingvo_ext/_startup.py', 'lingvo_ext/entry_point.py')
+
+
+def Patches(tree):
+  """Lines of `tree` (a module's ast) that patch a module or an instance:
+  an attribute assigned on a name the module imported, a method (FProp...)
+  assigned on any object, setattr on an imported name, sys.modules or
+  sys.meta_path changed."""
+  imported = set()
+  for node in ast.walk(tree):
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+      imported |= {(a.asname or a.name).split('.')[0] for a in node.names}
+  out = []
+  for node in ast.walk(tree):
+    targets = []
+    if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+      targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+    for t in targets:
+      if isinstance(t, ast.Subscript):
+        t = t.value
+      if not isinstance(t, ast.Attribute):
+        continue
+      base = t.value
+      method = t.attr.startswith('FProp') or t.attr in ('Reset', 'FPropMeta')
+      if t.attr == 'excepthook':  # Python's own hook for a program to set.
+        continue
+      # A program's own process state (os.environ, sys.argv, sys.stderr) is
+      # not a library patch; sys.modules and sys.meta_path are below.
+      if method or (isinstance(base, ast.Name) and base.id in imported and
+                    base.id not in ('os', 'sys')):
+        out.append(node.lineno)
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and
+        node.func.id == 'setattr' and node.args and
+        isinstance(node.args[0], ast.Name) and node.args[0].id in imported):
+      out.append(node.lineno)
+    if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+        and node.value.id == 'sys' and node.attr in ('modules', 'meta_path')
+        and isinstance(getattr(node, 'ctx', None), ast.Load)):
+      out.append(('sys', node.lineno))
+  return out
+
+
+def test_no_patch_outside_internal():
+  found = {}
+  for f, tree in _Sources():
+    if f.startswith('lingvo_ext/_internal/') or f in _SETUP:
+      continue
+    # Reading sys.modules is not patching it: only its changes count.
+    lines = [n for n in Patches(tree) if not isinstance(n, tuple)]
+    source = open(os.path.join(_REPO, f)).read().split('\n')
+    lines += [n for k, n in (x for x in Patches(tree) if isinstance(x, tuple))
+              if re.search(r'sys\.(modules\[[^]]*\] *=|modules\.(pop|update|'
+                           r'setdefault)|meta_path\.(insert|append|remove))',
+                           source[n - 1])]
+    # Lingvo's absl flags are set through their FLAGS object (its API).
+    lines = [n for n in lines if 'FLAGS' not in source[n - 1]]
+    if lines:
+      found[f] = sorted(set(lines))
+  assert not found
+
+
+def test_the_patch_finder_sees_patches():
+  tree = ast.parse(
+      'import sys\nfrom lingvo.core import py_utils\n'
+      'py_utils.X = 1\nlayer.FPropSequential = f\nsetattr(py_utils, "Y", 2)\n'
+      'self.x = 3\nobj.attr = 4\n')
+  assert Patches(tree) == [3, 4, 5]

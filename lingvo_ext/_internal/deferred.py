@@ -6,8 +6,8 @@ it `scipy.stats`, only because scikit-learn is installed; Lingvo's
 `core.metrics` imports `sklearn.metrics` and `scipy.stats` for its AUC and
 correlation metrics. lingvo_ext needs scikit-learn only for the digits data.
 
-`Install` (called by `lingvo_ext`'s `__init__`, before TensorFlow is
-imported) puts a `Deferred` module in `sys.modules` for each of `DEFERRED`:
+`Install` (called by the programs, through `lingvo_ext.entry_point`,
+before TensorFlow is imported) puts a `Deferred` module in `sys.modules` for each of `DEFERRED`:
 `import x` and `from x import y` of a module name find it there and bind it
 without running the module; the first look at any of its attributes imports
 the real module, and the placeholder then serves the real module's

@@ -7,7 +7,9 @@ internals the runtime's runner subclasses depend on are in lingvo_runtime.py.
 """
 
 import contextlib
+import importlib.util
 import os
+import sys
 
 from lingvo import compat as tf
 from lingvo import model_imports
@@ -62,9 +64,9 @@ def SetModelImporter(import_params):
 
   Lingvo's model_imports.ImportParams tries six modules under lingvo.tasks
   for each name, printing a line each, and cannot find the bundled
-  experiments (keyed `lm.X`, module `lingvo_ext.experiments.lm`). For code
+  experiments (keyed `lm.X`, module `params.lm`). For code
   that calls model_registry.GetParams directly after `import
-  lingvo_ext.experiments`; the trainer and
+  params`; the trainer and
   the tools use lingvo_ext.registry instead.
   """
   model_imports.ImportParams = import_params
@@ -135,7 +137,7 @@ def SeqCells(layer):
   return list(layer._cells)  # pylint: disable=protected-access
 
 
-# For the pipeline engine (core/schedules.py, core/gpipe.py).
+# For the pipeline engine (pipeline/schedules.py, core/gpipe.py).
 
 # The collection through which Lingvo's pipeline overwrites the global step
 # that step-seeded random ops read (gpipe.SetOverWriteGlobalStep).
@@ -262,3 +264,33 @@ def NameSavesFromSnapshot(ckpt):
   inner._save_op = inner._AddShardedSaveOps(
       inner._copied_vars, prefix, lambda c: key(originals[id(c)]))
   # pylint: enable=protected-access
+
+
+def ExecModuleWith(name, replacements):
+  """A fresh module object of Lingvo's module `name`, its source executed
+  with `replacements` ({module name: module}) standing in sys.modules for
+  the duration (restored after, so the process sees Lingvo's own)."""
+  spec = importlib.util.find_spec(name)
+  module = importlib.util.module_from_spec(spec)
+  saved = {k: sys.modules[k] for k in replacements if k in sys.modules}
+  sys.modules.update(replacements)
+  try:
+    spec.loader.exec_module(module)
+  finally:
+    for k in replacements:
+      if k in saved:
+        sys.modules[k] = saved[k]
+      else:
+        del sys.modules[k]
+  return module
+
+
+def SkipInputReset(inp) -> bool:
+  """Makes `inp`'s Reset (this instance's) do nothing where it is
+  BaseInputGenerator's, which Lingvo's op-based inputs lack; whether it did.
+  For an input read once from its start."""
+  from lingvo.core import base_input_generator  # pylint: disable=g-import-not-at-top
+  if type(inp).Reset is not base_input_generator.BaseInputGenerator.Reset:
+    return False
+  inp.Reset = lambda sess=None: None
+  return True

@@ -23,6 +23,8 @@ from tensorflow.python.ops import math_grad
 from tensorflow.python.training import checkpoint_state_pb2
 from tensorflow.python.training.saving import saveable_object
 from tensorflow.python.util import _pywrap_util_port
+
+from lingvo_ext import xla_cache
 # pylint: enable=g-direct-tensorflow-import
 
 # A checkpoint that restores through a custom object (stacking.py's views of
@@ -68,8 +70,11 @@ def StableFunctionName(name: str) -> str:
   traced before (jit_choice.py's timing graphs) renames every function after
   it, and the next process compiles them again. Graph mode only; a name
   another graph of the process already holds with another body takes
-  TensorFlow's numbering.
+  TensorFlow's numbering. Only where the program asked for it
+  (xla_cache.UseStableNames): otherwise `name` as it is.
   """
+  if not xla_cache.StableNames():
+    return name
   _InstallStableNames()
   return _STABLE + name
 

@@ -18,7 +18,7 @@ import numpy as np
 from lingvo_ext._internal import lingvo as internal_lingvo
 from lingvo_ext._internal import tf as internal_tf
 from lingvo_ext.checkpoints import files
-from lingvo_ext.core import cut_checkpoints
+from lingvo_ext.pipeline import cut_checkpoints
 
 
 def FiniteChecks(variables):
@@ -62,7 +62,7 @@ class CrossCutCheckpointer(lingvo_checkpointer.Checkpointer):
   the model's in that alone (e.g. written by lingvo.core.gpipe's heuristic
   cut, or with other `num_partitions` under Lingvo's names, or before
   `keep_layer_names`), it is restored through a `tf.train.Saver` over the
-  renamed keys (lingvo_ext/core/cuts.py), with one line saying so.
+  renamed keys (lingvo_ext/pipeline/cuts.py), with one line saying so.
   """
 
   def __init__(self, *args, **kwargs):

@@ -22,6 +22,7 @@ and the cut (`cells.py`) and `SeqLayer` (`seq_layer.py`) are re-exported.
 """
 
 import copy
+import functools
 
 import lingvo.compat as tf
 from lingvo.core import cluster_factory
@@ -29,15 +30,15 @@ from lingvo.core import gpipe as lingvo_gpipe
 from lingvo.core import py_utils
 from lingvo.core import tshape
 
-from lingvo_ext.core import cells
+from lingvo_ext.pipeline import cells
 from lingvo_ext.core import jit_choice
-from lingvo_ext.core import nest_util
-from lingvo_ext.core import schedules
+from lingvo_ext.pipeline import nest_util
+from lingvo_ext.pipeline import schedules
 from lingvo_ext.core import seq_layer
-from lingvo_ext.core.engine import gemm_rewrite
-from lingvo_ext.core.engine import kinds
-from lingvo_ext.core.engine import records
-from lingvo_ext.core.engine import recurrent
+from lingvo_ext.pipeline import gemm_rewrite
+from lingvo_ext.pipeline import kinds
+from lingvo_ext.pipeline import records
+from lingvo_ext.pipeline import recurrent
 
 
 # lingvo.core.gpipe's public hooks (stateless random ops in a cell seed from
@@ -129,6 +130,8 @@ class PipeliningLayer(seq_layer.SeqLayer):
           (p.name, len(p.cell_tpl), num_devices, num_devices, num_devices))
     super().__init__(params)
     p = self.params
+    self._capture_hooks = []
+    self._cell_hooks = []
     if p.num_micro_batches < 1:
       raise ValueError('%s: num_micro_batches=%r must be >= 1.' %
                        (p.name, p.num_micro_batches))
@@ -279,10 +282,27 @@ class PipeliningLayer(seq_layer.SeqLayer):
     Returns:
       The last cell's outputs.
     """
+    for hook in self._capture_hooks:
+      hook(theta, args)
+    cells = dict(self._cells)
     outputs = copy.copy(args)
     for (name, l) in self._before_layers + self._cells:
-      outputs = l.FProp(theta[name], *nest_util.ToTuple(outputs))
+      fprop = l.FProp
+      for hook in self._cell_hooks if name in cells else ():
+        fprop = functools.partial(hook, name, fprop)
+      outputs = fprop(theta[name], *nest_util.ToTuple(outputs))
     return outputs
+
+  def AddCaptureHook(self, hook):
+    """Calls `hook(theta, args)` with the inputs of each FPropSequential
+    run of this instance (the planner reads a pipeline's inputs so)."""
+    self._capture_hooks.append(hook)
+
+  def AddCellHook(self, hook):
+    """Runs each cell in FPropSequential as `hook(name, fprop, theta,
+    *args)`, which calls `fprop(theta, *args)` and returns its outputs (the
+    planner records a cell's forward ops so)."""
+    self._cell_hooks.append(hook)
 
   def JitCompile(self) -> bool:
     """Whether cells compile with XLA ('auto' resolved at FProp)."""

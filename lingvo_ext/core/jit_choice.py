@@ -30,9 +30,9 @@ from lingvo.core import cluster_factory
 from lingvo.core import py_utils
 import tensorflow as tf2
 
-from lingvo_ext.core import nest_util
-from lingvo_ext.core.engine import records
-from lingvo_ext.distributed import server
+from lingvo_ext.pipeline import nest_util
+from lingvo_ext.pipeline import records
+from lingvo_ext import session_config
 from lingvo_ext import cache_files
 from lingvo_ext import xla_cache
 
@@ -139,8 +139,8 @@ def _Build(params, args, jit: bool, do_eval: bool, num_devices: int, fprop):
   # The trainer's session config: its graph optimizations shape what XLA
   # compiles, so the compiled cells are the ones its compile cache serves the
   # trainer's own session (xla_cache.py).
-  sess = tf.Session(graph=g,
-                    config=server.LocalSessionConfig(max(num_devices, 1)))
+  config = session_config.LocalSessionConfig(max(num_devices, 1))
+  sess = tf.Session(graph=g, config=config)
   sess.run(init)
   return sess, fetch
 

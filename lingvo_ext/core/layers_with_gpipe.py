@@ -22,34 +22,19 @@ micro-batch's labels as Lingvo's FProp smooths the batch's: a smoothed
 cross-entropy is still a sum over tokens.
 """
 
-import importlib.util
-import sys
-
 import lingvo.compat as tf
 from lingvo.core import gpipe as _lingvo_gpipe  # pylint: disable=unused-import
 from lingvo.core import layers as lingvo_layers
 from lingvo.core import py_utils
 from lingvo.core import tshape
+from lingvo_ext._internal import lingvo as internal_lingvo
 from lingvo_ext.core import gpipe as _ext_gpipe
 
 _LINGVO_MODULE = 'lingvo.core.layers_with_gpipe'
 _GPIPE_MODULE = 'lingvo.core.gpipe'
 
-
-def _LoadOnLingvoExt():
-  """Executes Lingvo's layers_with_gpipe source with lingvo_ext's gpipe."""
-  spec = importlib.util.find_spec(_LINGVO_MODULE)
-  module = importlib.util.module_from_spec(spec)
-  saved = sys.modules[_GPIPE_MODULE]
-  sys.modules[_GPIPE_MODULE] = _ext_gpipe
-  try:
-    spec.loader.exec_module(module)
-  finally:
-    sys.modules[_GPIPE_MODULE] = saved
-  return module
-
-
-_module = _LoadOnLingvoExt()
+_module = internal_lingvo.ExecModuleWith(_LINGVO_MODULE,
+                                         {_GPIPE_MODULE: _ext_gpipe})
 if _module.PipeliningLayer is not _ext_gpipe.PipeliningLayer:
   raise ImportError('%s did not take PipeliningLayer from %s.' %
                     (_LINGVO_MODULE, _GPIPE_MODULE))

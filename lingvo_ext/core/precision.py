@@ -23,7 +23,7 @@ oneDNN on, Grappler's remapper fuses a bfloat16 Conv2D + BiasAdd into
 'T' of bfloat16 is not in the list of allowed values"). Where
 `RemapperOff(task.fprop_dtype)`, the trainer's options say so
 (`Options.grappler_remapping`) and every session config it makes has the
-remapper off (`distributed.server.WithoutRemapper`).
+remapper off (`session_config.WithoutRemapper`).
 """
 
 import sys

@@ -11,11 +11,11 @@ from lingvo.core import base_layer
 from lingvo.core import gpipe as lingvo_gpipe
 from lingvo.core import py_utils
 
-from lingvo_ext.core import cells
-from lingvo_ext.core import nest_util
+from lingvo_ext.pipeline import cells
+from lingvo_ext.pipeline import nest_util
 from lingvo_ext.core import stacking
-from lingvo_ext.core.engine import kinds
-from lingvo_ext.core.engine import records
+from lingvo_ext.pipeline import kinds
+from lingvo_ext.pipeline import records
 
 
 def CellVariableDevices(cluster, num_cells: int,

@@ -32,7 +32,7 @@ import numpy as np
 
 from lingvo_ext._internal import lingvo as internal_lingvo
 from lingvo_ext._internal import tf as internal_tf
-from lingvo_ext.core.engine import graph_state
+from lingvo_ext.pipeline import graph_state
 
 # Collection of the stacked variables of a graph (they are not in
 # GLOBAL_VARIABLES; their views are).

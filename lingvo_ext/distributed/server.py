@@ -13,49 +13,16 @@ import time
 import lingvo.compat as tf
 from lingvo.core import py_utils
 from tensorflow.core.protobuf import config_pb2
-from tensorflow.core.protobuf import rewriter_config_pb2  # pylint: disable=g-direct-tensorflow-import
 
+from lingvo_ext import session_config
 from lingvo_ext._internal import process
 from lingvo_ext.distributed import cluster
 
 
-def WithoutRemapper(config):
-  """`config` (a tf.ConfigProto) with Grappler's remapper off; returned.
-
-  For bfloat16 where oneDNN is on (core/precision.py, `RemapperOff`).
-  """
-  config.graph_options.rewrite_options.remapping = (
-      rewriter_config_pb2.RewriterConfig.OFF)
-  return config
-
-
-def WithoutIdlePasses(config):
-  """`config` (a tf.ConfigProto) without two Grappler passes; returned.
-
-  The TFG pipeline (toposort, shape inference, conditional code motion) and
-  the memory optimizer (recomputation where a graph asks for it, swapping to
-  a GPU's host) cost start-up; on the CPU graphs tested they change nothing,
-  bit for bit (tests/runtime/test_session_config.py; docs/benchmarks.md).
-  """
-  rewrite = config.graph_options.rewrite_options
-  rewrite.disable_tfg_optimizer = True
-  rewrite.memory_optimization = rewriter_config_pb2.RewriterConfig.NO_MEM_OPT
-  return config
-
-
-def LocalSessionConfig(num_devices: int):
-  """A local trainer's session config on CPU (Lingvo's, without the idle
-  passes), `num_devices` CPU devices: what the planner and the XLA timing
-  build their probe sessions with."""
-  config = WithoutIdlePasses(py_utils.SessionConfig())
-  config.device_count['CPU'] = num_devices
-  return config
-
-
 def SessionConfig(options, client=True, **kwargs):
   """Lingvo's session config with this run's devices and step deadline,
-  Grappler's idle passes off on CPU (`WithoutIdlePasses`; a run with GPUs
-  keeps TensorFlow's) and its remapper off where `options.grappler_remapping`
+  Grappler's idle passes off on CPU (`WithoutIdlePasses`, a run with GPUs
+  keeps TensorFlow's; session_config.py) and its remapper off where `options.grappler_remapping`
   says so.
 
   Args:
@@ -68,9 +35,9 @@ def SessionConfig(options, client=True, **kwargs):
   """
   config = py_utils.SessionConfig(**kwargs)
   if not options.worker_gpus:
-    WithoutIdlePasses(config)
+    session_config.WithoutIdlePasses(config)
   if not options.grappler_remapping:
-    WithoutRemapper(config)
+    session_config.WithoutRemapper(config)
   config.device_count['CPU'] = options.num_cpu_devices
   # A server made before any tf.function makes the process's pool.
   config.intra_op_parallelism_threads = options.IntraOpThreads()

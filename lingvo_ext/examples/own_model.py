@@ -12,7 +12,7 @@ cells over 4 micro-batches. The three parts a new model needs:
    task cuts it into `num_partitions` cells and builds the pipeline as the
    child `self.pipeline`. `ComputePredictions` runs it, `ComputeLoss`
    returns Lingvo's metrics (each `(value, weight)`; `loss` is minimized).
-3. An experiment on `lingvo_ext.experiments.base.PipelinedExperiment`
+3. An experiment on `params.base.PipelinedExperiment`
    (`ResidualMlpDigits`): `_InputParams(split)` and `_TaskParams()`, with
    the pipeline and training settings as class attributes, registered with
    `@model_registry.RegisterSingleTaskModel`.
@@ -45,9 +45,9 @@ from lingvo.core import base_layer
 from lingvo.core import py_utils
 from lingvo.core import tshape
 
-from lingvo_ext.core import flops
-from lingvo_ext.core import layers
-from lingvo_ext.experiments import base
+from lingvo_ext.layers import flops
+from lingvo_ext import layers
+from params import base
 from lingvo_ext.tasks import pipelined_task
 from lingvo_ext.tasks.image import input_generator
 

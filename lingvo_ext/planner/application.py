@@ -3,7 +3,7 @@
 
 from typing import Dict, List, Sequence
 
-from lingvo_ext.core.engine import records
+from lingvo_ext.pipeline import records
 from lingvo_ext.planner.model_profile import FormatSize
 from lingvo_ext.planner.plans import Candidate
 from lingvo_ext.planner.plans import Plan

@@ -8,8 +8,8 @@
 import dataclasses
 from typing import List, Optional, Sequence
 
-from lingvo_ext.core import partitioning
-from lingvo_ext.core.engine import records
+from lingvo_ext.pipeline import partitioning
+from lingvo_ext.pipeline import records
 from lingvo_ext.planner.model_profile import Machine
 from lingvo_ext.planner.model_profile import ModelProfile
 from lingvo_ext.planner.plans import Divisors

@@ -9,7 +9,7 @@ import dataclasses
 import math
 from typing import List, Optional, Sequence, Tuple
 
-from lingvo_ext.core.engine import records
+from lingvo_ext.pipeline import records
 from lingvo_ext.planner.model_profile import FormatSize
 from lingvo_ext.planner.model_profile import Machine
 from lingvo_ext.planner.model_profile import ModelProfile

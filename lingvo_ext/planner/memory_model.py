@@ -139,15 +139,15 @@ def Extra(estimate: RssEstimate, name: str, num_bytes: float) -> RssEstimate:
 
 def DefaultRecompute(record, linear_loss: bool) -> bool:
   """What recompute=None means for a schedule (records.Schedule)."""
-  from lingvo_ext.core.engine import records  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.pipeline import records  # pylint: disable=g-import-not-at-top
   return record.recompute == records.ALWAYS or (
       record.recompute == records.WHEN_NEEDED and not linear_loss)
 
 
 def PlanOfParams(profile, task, num_cpu_devices: int, split: int):
   """The planner's Plan of the task's params on the trainer's devices."""
-  from lingvo_ext.core import partitioning  # pylint: disable=g-import-not-at-top
-  from lingvo_ext.core.engine import records  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.pipeline import partitioning  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.pipeline import records  # pylint: disable=g-import-not-at-top
   k = min(task.num_partitions, len(profile.layers))
   costs = [l.param_bytes if task.partition_cost == 'params' else l.flops
            for l in profile.layers]

@@ -10,8 +10,8 @@ timing it found; a `Candidate` the three together, as the choice ranks them.
 import dataclasses
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from lingvo_ext.core import partitioning
-from lingvo_ext.core.engine import records
+from lingvo_ext.pipeline import partitioning
+from lingvo_ext.pipeline import records
 from lingvo_ext.planner.model_profile import ModelProfile
 
 

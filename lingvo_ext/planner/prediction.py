@@ -49,11 +49,11 @@ actions first (`transforms.ForwardsFirst`), which is what is simulated.
 import dataclasses
 from typing import List, Optional, Sequence, Tuple
 
-from lingvo_ext.core.engine import kinds
-from lingvo_ext.core.engine import records
-from lingvo_ext.core.engine import runs
-from lingvo_ext.core.engine import simulate
-from lingvo_ext.core.engine import transforms
+from lingvo_ext.pipeline import kinds
+from lingvo_ext.pipeline import records
+from lingvo_ext.pipeline import runs
+from lingvo_ext.pipeline import simulate
+from lingvo_ext.pipeline import transforms
 from lingvo_ext.planner.model_profile import Machine
 from lingvo_ext.planner.model_profile import ModelProfile
 from lingvo_ext.planner.plans import Candidate

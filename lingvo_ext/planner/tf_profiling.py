@@ -46,7 +46,7 @@ def _LayerGraphStats(p, shapes) -> Tuple[int, int, float]:
   activations a pipeline keeps between a cell's 'F' and its 'B'.
   """
   import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
-  from lingvo_ext.core import cost  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.pipeline import cost  # pylint: disable=g-import-not-at-top
   with cost.Sandbox() as g:
     layer = cost.InstantiateLayer(cost.NamedCopy(p, 'layer'))
     theta = layer.theta.Transform(tf.identity)
@@ -91,7 +91,7 @@ def ProfileLayers(layer_params: Sequence, *shapes) -> List[LayerProfile]:
   profiled once. All per-example figures divide by the batch of `shapes`.
   """
   import numpy as np  # pylint: disable=g-import-not-at-top
-  from lingvo_ext.core import cost  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.pipeline import cost  # pylint: disable=g-import-not-at-top
   metas = cost.LayerMetas(layer_params, *shapes)
   batch = int(shapes[0].ToTensorShape().as_list()[0])
   cache = {}
@@ -273,8 +273,8 @@ def ExperimentParams(model: str, dataset: str = 'Train',
 
 def SessionConfig(num_devices: int):
   """The trainer's session config (distributed.server's), N CPU devices."""
-  from lingvo_ext.distributed import server  # pylint: disable=g-import-not-at-top
-  return server.LocalSessionConfig(num_devices)
+  from lingvo_ext import session_config  # pylint: disable=g-import-not-at-top
+  return session_config.LocalSessionConfig(num_devices)
 
 
 def RssBytes(field: str = 'VmHWM') -> Optional[float]:

@@ -19,7 +19,7 @@ import dataclasses
 import io
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from lingvo_ext.core.engine import records
+from lingvo_ext.pipeline import records
 from lingvo_ext.planner import application
 from lingvo_ext.planner import tf_profiling
 from lingvo_ext.planner.choice import Rank
@@ -141,7 +141,7 @@ def ReadLengths(input_params, batches: int = READ_BATCHES,
   """
   import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
   from lingvo.core import cluster_factory  # pylint: disable=g-import-not-at-top
-  from lingvo_ext.core import cost  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.pipeline import cost  # pylint: disable=g-import-not-at-top
   p = input_params.Copy()
   # Only lengths are read: a small shuffle buffer fills at once.
   if 'file_buffer_size' in p and p.file_buffer_size:
@@ -221,7 +221,7 @@ def _ProfileCells(graph, layer, theta, args, batch, cluster):
   profiler, over the ops under the cell's name scope) and its variables.
   """
   import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
-  from lingvo_ext.core import nest_util  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.pipeline import nest_util  # pylint: disable=g-import-not-at-top
   inputs = nest_util.ToTuple(args)
   for bp in layer.params.before_tpl or []:
     inputs = nest_util.ToTuple(
@@ -267,8 +267,8 @@ def CapturePipelineInputs(task, pipelines, got):
   """{path: layer} of the task's pipelines (`pipeline_tree.Pipelines`), each
   made to record (theta, inputs) of its first run in got[path].
 
-  On this throw-away instance only: each pipeline's eval path
-  (FPropSequential) is wrapped.
+  On this throw-away instance only, through each pipeline's capture hook
+  (its eval path, FPropSequential, calls it).
   """
   layers = {}
   for path, _ in pipelines:
@@ -277,11 +277,10 @@ def CapturePipelineInputs(task, pipelines, got):
       layer = Child(layer, part)
     layers[path] = layer
 
-    def Capture(theta, *args, _path=path, _fprop=layer.FPropSequential):
+    def Capture(theta, args, _path=path):
       got.setdefault(_path, (theta, args))
-      return _fprop(theta, *args)
 
-    layer.FPropSequential = Capture
+    layer.AddCaptureHook(Capture)
   return layers
 
 
@@ -320,7 +319,7 @@ def ProfileTree(model_params, name: str = '',
   """
   from lingvo.core import cluster_factory  # pylint: disable=g-import-not-at-top
   from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
-  from lingvo_ext.core import cost  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.pipeline import cost  # pylint: disable=g-import-not-at-top
   from lingvo_ext.core import gpipe  # pylint: disable=g-import-not-at-top
   from lingvo_ext.tasks import pipeline_tree  # pylint: disable=g-import-not-at-top
   pipelines = pipeline_tree.Pipelines(model_params.task)

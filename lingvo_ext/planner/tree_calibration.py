@@ -17,7 +17,7 @@ calibrated with the others at their own plans. The fitted machine is cached
 import dataclasses
 from typing import List, Optional, Sequence
 
-from lingvo_ext.core.engine import records
+from lingvo_ext.pipeline import records
 from lingvo_ext.planner import calibration
 from lingvo_ext.planner import machine_cache
 from lingvo_ext.planner.model_profile import Machine

@@ -73,16 +73,15 @@ def _RecordOutputs(layer, record):
   outputs, theta, inputs, its forward ops) in `record[cell name]` when the
   task runs it."""
   import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
-  for name, cell in layer.Cells():
 
-    def FProp(theta, *args, _name=name, _fprop=cell.FProp):
-      g = tf.get_default_graph()
-      n0 = len(g.get_operations())
-      outs = _fprop(theta, *args)
-      record.setdefault(_name, (outs, theta, args, g.get_operations()[n0:]))
-      return outs
+  def Record(name, fprop, theta, *args):
+    g = tf.get_default_graph()
+    n0 = len(g.get_operations())
+    outs = fprop(theta, *args)
+    record.setdefault(name, (outs, theta, args, g.get_operations()[n0:]))
+    return outs
 
-    cell.FProp = FProp
+  layer.AddCellHook(Record)
 
 
 def _KeptBytes(outs, theta, args, fwd, length: Optional[int],
@@ -131,7 +130,7 @@ def ProfileTaskMemory(model_params, name: str = '',
   import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
   from lingvo.core import cluster_factory  # pylint: disable=g-import-not-at-top
   from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
-  from lingvo_ext.core import cost  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.pipeline import cost  # pylint: disable=g-import-not-at-top
   from lingvo_ext.core import gpipe  # pylint: disable=g-import-not-at-top
   from lingvo_ext.tasks import pipeline_tree  # pylint: disable=g-import-not-at-top
   pipelines = pipeline_tree.Pipelines(model_params.task)

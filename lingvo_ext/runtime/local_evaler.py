@@ -13,10 +13,10 @@ import traceback
 
 from lingvo import runners as lingvo_runners
 import lingvo.compat as tf
-from lingvo.core import base_input_generator
 from lingvo.core import py_utils
 
 from lingvo_ext import checkpoints
+from lingvo_ext._internal import lingvo as internal_lingvo
 from lingvo_ext.tasks import one_pass
 from lingvo_ext.runtime import disk_space
 from lingvo_ext.runtime import progress
@@ -50,12 +50,6 @@ def _Cause(e):
   return lines[-1] if lines else runner_state.FirstLine(e)
 
 
-def _NoReset(sess=None):
-  """The Reset of an input read once (--eval_one_pass, one checkpoint): a
-  fresh input needs none."""
-  del sess
-
-
 class _WaitsForCheckpointsMixin:
   """An evaler or decoder that finishes, and says what it waits for.
 
@@ -70,10 +64,8 @@ class _WaitsForCheckpointsMixin:
   def __init__(self, dataset, *args, **kwargs):
     try:
       super().__init__(dataset, *args, **kwargs)
-      inp = self._task.input
-      if self._options.eval_one_pass and (
-          type(inp).Reset is base_input_generator.BaseInputGenerator.Reset):
-        inp.Reset = _NoReset  # Lingvo's op-based inputs have none.
+      if self._options.eval_one_pass:  # A fresh input read once.
+        internal_lingvo.SkipInputReset(self._task.input)
     except Exception as e:  # pylint: disable=broad-except
       if disk_space.IsDiskFull(e):
         raise  # StopOnDiskFullMixin's line and exit.

@@ -95,7 +95,7 @@ def Estimate(profile, plan, constants=None) -> StartEstimate:
 def _Fits(profile, plan, available: float,
           constants) -> Optional[StartEstimate]:
   """The plan's estimate if the builder takes it and its peak RSS fits."""
-  from lingvo_ext.core.engine import records  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.pipeline import records  # pylint: disable=g-import-not-at-top
   if records.RecomputeError(plan.schedule, plan.recompute, '') or (
       records.Refusal(plan.schedule, plan.num_cells, plan.devices_per_replica,
                       plan.num_micro_batches)):
@@ -128,7 +128,7 @@ def Overrides(profile, plan, fprop_dtype, available: float, constants,
       (reset to None when the micro-batches change).
   """
   from lingvo_ext import planner  # pylint: disable=g-import-not-at-top
-  from lingvo_ext.core.engine import records  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.pipeline import records  # pylint: disable=g-import-not-at-top
   rb = plan.replica_batch
   more = [m for m in range(plan.num_micro_batches + 1, rb + 1) if rb % m == 0]
   changes: List[Tuple[dict, object]] = [({}, plan)]
@@ -254,7 +254,7 @@ def FitLine(need: float, overrides: str, text: str) -> str:
 def PlanOfPipeline(pipe, params, num_cpu_devices: int, split: int):
   """The planner's Plan of a pipeline's own params (its cells as cut)."""
   from lingvo_ext import planner  # pylint: disable=g-import-not-at-top
-  from lingvo_ext.core.engine import records  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.pipeline import records  # pylint: disable=g-import-not-at-top
   k = len(pipe.profile.layers)
   recompute = params.recompute
   if recompute is None:

@@ -208,7 +208,7 @@ def GetParams(model, dataset_name, overrides='', file_override='',
               gpipe_engine='lingvo_ext'):
   """The params of experiment `model` for `dataset_name`, overrides applied.
 
-  Lingvo's model_registry.GetParams, with lingvo_ext's search (lingvo_ext/experiments/ and
+  Lingvo's model_registry.GetParams, with lingvo_ext's search (params/ and
   the module --model names) and checked overrides. With
   gpipe_engine='lingvo_ext' every Lingvo GPipe layer in the params runs on
   lingvo_ext's engine (`lingvo_ext.core.from_lingvo.FromLingvo`), before the

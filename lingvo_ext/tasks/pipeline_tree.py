@@ -19,8 +19,8 @@ from lingvo.core import hyperparams
 
 from lingvo_ext.core import jit_choice
 from lingvo_ext.core import precision
-from lingvo_ext.core import schedules
-from lingvo_ext.core.engine import records
+from lingvo_ext.pipeline import schedules
+from lingvo_ext.pipeline import records
 from lingvo_ext.tasks import bucketed_input
 from lingvo_ext.tasks import pipelined_task
 

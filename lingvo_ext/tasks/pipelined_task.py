@@ -14,7 +14,7 @@ from lingvo_ext.core import gpipe
 from lingvo_ext.core import jit_choice
 from lingvo_ext.core import precision
 from lingvo_ext.core import stacking
-from lingvo_ext.core.engine import records
+from lingvo_ext.pipeline import records
 from lingvo_ext.distributed import sync
 
 # PipeliningLayer params that the task sets itself (from its layer stack and

@@ -56,8 +56,8 @@ from lingvo.core import gpipe as lingvo_gpipe
 
 from lingvo_ext import checkpoints
 from lingvo_ext._internal import lingvo as internal_lingvo
-from lingvo_ext.core import cut_checkpoints
-from lingvo_ext.core import cuts
+from lingvo_ext.pipeline import cut_checkpoints
+from lingvo_ext.pipeline import cuts
 from lingvo_ext.core import gpipe
 
 _NAMES = {'lingvo': False, 'partition_independent': True}

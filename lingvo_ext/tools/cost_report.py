@@ -43,9 +43,9 @@ from lingvo.core import tshape
 import numpy as np
 import sympy
 
-from lingvo_ext.core import cost as cost_lib
+from lingvo_ext.pipeline import cost as cost_lib
 from lingvo_ext.core import gpipe
-from lingvo_ext.core import partitioning
+from lingvo_ext.pipeline import partitioning
 
 
 def _Dim(d):

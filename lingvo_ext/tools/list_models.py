@@ -2,7 +2,7 @@ r"""Prints every registered lingvo_ext experiment name, one per line.
 
   .venv/bin/python -m lingvo_ext.tools.list_models [module ...]
 
-Lists the bundled experiments (lingvo_ext/experiments/), plus those of each
+Lists the bundled experiments (params/), plus those of each
 named module (imported from PYTHONPATH, as `--model=module.Class` does).
 Pass a name to --model of `.venv/bin/python -m lingvo_ext.trainer`.
 """

@@ -1,6 +1,6 @@
 r"""Draws a pipeline's per-device timeline: planned, or measured in training.
 
-Planned: a schedule's action lists (`lingvo_ext.core.schedules`) for K cells,
+Planned: a schedule's action lists (`lingvo_ext.pipeline.schedules`) for K cells,
 M micro-batches and D devices, simulated with unit costs (forward 1,
 backward 2), with its idle fraction:
 
@@ -23,8 +23,8 @@ import re
 import sys
 
 from lingvo_ext import entry_point  # pylint: disable=unused-import,g-bad-import-order
-from lingvo_ext.core.engine import kinds
-from lingvo_ext.core.engine import records
+from lingvo_ext.pipeline import kinds
+from lingvo_ext.pipeline import records
 from lingvo_ext.tracing import step_trace
 from lingvo_ext.tracing import timeline
 

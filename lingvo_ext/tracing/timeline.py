@@ -1,6 +1,6 @@
 """A pipeline's per-device timeline: planned, or measured in training.
 
-Planned: a schedule's action lists (`lingvo_ext.core.schedules`) simulated with
+Planned: a schedule's action lists (`lingvo_ext.pipeline.schedules`) simulated with
 unit costs (forward 1, backward 2). Measured: a step traced with
 `RunOptions.FULL_TRACE` (`step_trace`). Each draws a picture (PNG or SVG) and
 a Chrome trace. The command line is `lingvo_ext.tools.timeline`; the
@@ -14,9 +14,9 @@ import struct
 import time
 from typing import Dict, List, Optional, Tuple
 
-from lingvo_ext.core.engine import kinds
-from lingvo_ext.core.engine import records
-from lingvo_ext.core.engine import simulate
+from lingvo_ext.pipeline import kinds
+from lingvo_ext.pipeline import records
+from lingvo_ext.pipeline import simulate
 from lingvo_ext.tracing import idle_split
 from lingvo_ext.tracing import step_trace
 

@@ -34,7 +34,7 @@ def testRekeyRegisteredModels():
     registry.ImportExperiments()
     models = internal_lingvo.RegisteredModelClasses()
     # The bundled experiments are keyed as --model names them.
-    assert not [k for k in models if k.startswith('lingvo_ext.experiments.')]
+    assert not [k for k in models if k.startswith('params.')]
     models['some.pkg.mod.RekeyMe'] = models['lm.TransformerLmTiny']
     try:
       assert 'some.pkg.mod.RekeyMe' in models

@@ -1,6 +1,6 @@
 """Lingvo's Checkpointer for lingvo_ext (checkpoints/checkpointers.py).
 
-Restores across cuts: tests/core/test_checkpoint_cuts.py; the trainer's
+Restores across cuts: tests/pipeline/test_checkpoint_cuts.py; the trainer's
 finite saves end to end: tests/e2e/test_trainer_safety.py.
 """
 

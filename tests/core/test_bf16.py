@@ -26,10 +26,10 @@ from tests.support import zygote
 from lingvo_ext.tasks import experiment_params
 from lingvo_ext.core import gpipe
 from lingvo_ext.core import precision
-from lingvo_ext.core import schedules
+from lingvo_ext.pipeline import schedules
 from lingvo_ext.tasks import pipelined_task
 from tensorflow.core.protobuf import rewriter_config_pb2  # pylint: disable=g-direct-tensorflow-import
-import lingvo_ext.experiments  # pylint: disable=unused-import
+import params  # pylint: disable=unused-import
 from tests.support import gpipe_testlib as lib
 from tests.support import ROOT
 

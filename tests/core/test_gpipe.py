@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from lingvo_ext.core import gpipe
-from lingvo_ext.core.engine import jit_random
+from lingvo_ext.pipeline import jit_random
 from tests.support import gpipe_testlib as lib
 
 B, D = 8, 6

@@ -21,7 +21,7 @@ from tests.support import gpipe_testlib
 from tests.support import ROOT
 
 sys.path.insert(0, ROOT)
-from lingvo_ext.experiments import lm  # pylint: disable=g-import-not-at-top,g-bad-import-order
+from params import lm  # pylint: disable=g-import-not-at-top,g-bad-import-order
 
 
 def _TaskParams(stack, num_partitions=1, num_layers=2):

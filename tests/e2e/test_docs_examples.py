@@ -340,7 +340,7 @@ def testEveryErrorLineIsInTroubleshooting():
 
 
 def testScheduleValuesInDocsAreTheSchedules():
-  from lingvo_ext.core import schedules  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.pipeline import schedules  # pylint: disable=g-import-not-at-top
   with open(os.path.join(ROOT, 'docs', 'schedules.md'),
             encoding='utf-8') as f:
     page = f.read()

@@ -62,7 +62,7 @@ def testTheCopyKeepsLingvosTablesScaledDown(flagship):
 
 
 def testRecordsRefusalIsTheOneListOfScheduleRefusals():
-  from lingvo_ext.core.engine import records  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.pipeline import records  # pylint: disable=g-import-not-at-top
   assert records.Refusal('zbv', 4, 2, 4) is None
   assert records.Refusal('zbv', 1, 2, 4) is None  # One cell: ZB-H1's lists.
   assert 'at least twice the devices (4)' in records.Refusal('zbv', 2, 2, 4)
@@ -79,7 +79,7 @@ def testRecordsRefusalIsTheOneListOfScheduleRefusals():
     if name != 'recurrent':
       assert records.Refusal(name, 4, 2, 2, static_shapes=False) is None
   # The generators refuse exactly what the records do.
-  from lingvo_ext.core.engine import kinds  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.pipeline import kinds  # pylint: disable=g-import-not-at-top
   for name in records.ACTION_SCHEDULES:
     for k, dev, m in ((2, 2, 4), (3, 2, 2), (4, 2, 3), (4, 2, 4), (3, 1, 2)):
       spec = kinds.StageSpec(k, dev, m)

@@ -26,7 +26,7 @@ TIMEOUT = 300
 
 _EXPERIMENT = '''
 from lingvo import model_registry
-from lingvo_ext.experiments import lm
+from params import lm
 
 
 @model_registry.RegisterSingleTaskModel
@@ -185,8 +185,8 @@ def testDocumentedOverridesSetWhatTheyName():
   found = _DocumentedOverrides()
   where = {path for path, _ in found}
   # The LM's and the image experiments' docstrings show one each.
-  assert {'lingvo_ext/experiments/lm.py',
-          'lingvo_ext/experiments/image.py'} <= where, found
+  assert {'params/lm.py',
+          'params/image.py'} <= where, found
   for _, text in found:
     _CheckOverride(text)
 

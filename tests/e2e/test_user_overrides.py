@@ -12,7 +12,7 @@ import lingvo.compat as tf
 import pytest
 
 from lingvo_ext.core import gpipe
-from lingvo_ext.core import schedules
+from lingvo_ext.pipeline import schedules
 from lingvo_ext.tasks import experiment_params
 from lingvo_ext.tasks import pipelined_task
 from tests.support import user_path_testlib as lib

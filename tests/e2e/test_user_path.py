@@ -199,9 +199,9 @@ def testPipInstallGivesThePackagesAndEntryPoints(tmp_path):
     # TensorFlow, seconds of CPU): the same finder resolves both. No
     # top-level `params` package is installed (the name is not ours; once
     # lingvo_ext is imported, `params` is its alias).
-    exps = ('importlib.util.find_spec("lingvo_ext.experiments").origin'
+    exps = ('importlib.util.find_spec("params").origin'
             if editable else
-            'importlib.import_module("lingvo_ext.experiments").__file__')
+            'importlib.import_module("params").__file__')
     rc, out, err = lib.Run([py, '-c', 'import importlib.util; '
                             'top = importlib.util.find_spec("params"); '
                             'import lingvo_ext; '
@@ -323,7 +323,7 @@ def testCostReportPlacesVariablesWhereTheTrainerDoes(capsys):
 @pytest.mark.e2e  # A fresh interpreter.
 def testLookingUpAnExperimentPrintsNoLingvoImportLines(tmp_path):
   code = ('import lingvo.compat as tf; from lingvo import model_registry; '
-          'import lingvo_ext.experiments; tf.flags.FLAGS.mark_as_parsed(); '
+          'import params; tf.flags.FLAGS.mark_as_parsed(); '
           f'print(model_registry.GetParams("{lib.TINY}", "Train").task.name); '
           'from lingvo_ext.tools import convert_checkpoint; '
           f'print(convert_checkpoint.ModelParams("{lib.TINY}").task.name)')

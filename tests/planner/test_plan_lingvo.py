@@ -19,7 +19,7 @@ from tests.support import zygote
 
 from lingvo_ext.tasks import experiment_params
 from lingvo_ext import planner
-from lingvo_ext.core.engine import records
+from lingvo_ext.pipeline import records
 from lingvo_ext.planner import tree
 from lingvo_ext.tools import plan as plan_tool
 from tests.support import ROOT

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from lingvo_ext.core import schedules
+from lingvo_ext.pipeline import schedules
 from lingvo_ext import planner
 from tests.support import planner_testlib as lib
 
@@ -344,7 +344,7 @@ def test_recurrent_pays_per_step_after_the_first():
 
 def test_the_loop_is_a_record_fact():
   """The planner prices Lingvo's loop by its record's fact, not its name."""
-  from lingvo_ext.core.engine import records  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.pipeline import records  # pylint: disable=g-import-not-at-top
   loops = [r.name for r in records.RECORDS if r.planner.lingvo_loop]
   assert loops == [records.LINGVO_ENGINE]
   assert all((r.generator is None) == r.planner.lingvo_loop

@@ -32,7 +32,7 @@ import os
 from lingvo import model_registry
 from lingvo_ext.tasks.lm import model
 
-from lingvo_ext.experiments import lm
+from params import lm
 
 
 class CountedLm(model.TransformerLm):

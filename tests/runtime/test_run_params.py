@@ -68,7 +68,7 @@ import os
 
 from lingvo import model_registry
 
-from lingvo_ext.experiments import lm
+from params import lm
 
 
 @model_registry.RegisterSingleTaskModel

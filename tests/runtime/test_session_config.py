@@ -1,6 +1,7 @@
-"""The trainer's Grappler passes off (server.WithoutIdlePasses) change nothing.
+"""The trainer's Grappler passes off (session_config.WithoutIdlePasses)
+change nothing.
 
-A pipelined Transformer (tests/core/test_loss_in_last_cell.py's, on 2 devices)
+A pipelined Transformer (tests/pipeline/test_loss_in_last_cell.py's, on 2 devices)
 trained a few steps under TensorFlow's default config and under the one
 without the idle passes: the same partition graphs after Grappler, and the
 same losses and variables bit for bit.
@@ -13,6 +14,7 @@ import pytest
 from tensorflow.core.protobuf import rewriter_config_pb2
 
 from lingvo_ext.runtime import trainer_flags
+from lingvo_ext import session_config
 from lingvo_ext.distributed import server
 from tests.core import test_loss_in_last_cell
 
@@ -25,7 +27,7 @@ def _Train(schedule, lean, steps=3):
       device_count={'CPU': 2}, inter_op_parallelism_threads=2,
       intra_op_parallelism_threads=1)
   if lean:
-    server.WithoutIdlePasses(config)
+    session_config.WithoutIdlePasses(config)
   metadata = tf.RunMetadata()
   losses = []
   with tf.Session(graph=g, config=config) as sess:

@@ -123,7 +123,7 @@ def testTheTrainersStartWarningBuildsNoModelAndNoLayerGraph(
     monkeypatch, capsys):
   from lingvo_ext.runtime import param_checks  # pylint: disable=g-import-not-at-top
   from lingvo_ext.runtime import trainer_flags  # pylint: disable=g-import-not-at-top
-  from lingvo_ext.core import cost  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.pipeline import cost  # pylint: disable=g-import-not-at-top
   from lingvo_ext.planner import memory_probe  # pylint: disable=g-import-not-at-top
   from lingvo_ext.planner import tf_profiling  # pylint: disable=g-import-not-at-top
   from lingvo_ext.tasks.lm import model as lm_model  # pylint: disable=g-import-not-at-top

@@ -13,7 +13,7 @@ from lingvo.core import tshape
 import numpy as np
 
 from lingvo_ext.core import gpipe
-from lingvo_ext.distributed import server
+from lingvo_ext import session_config
 
 
 def Fc(name, input_dim, output_dim, seed):
@@ -121,9 +121,9 @@ def Session(graph, num_devices, optimize=True):
   variable values and checkpoints rather than the computation: optimizing a
   small pipeline's graph and cell functions is about a third of the CPU time
   of its first runs. Either way, without the Grappler passes the trainer's
-  sessions skip (server.WithoutIdlePasses).
+  sessions skip (session_config.WithoutIdlePasses).
   """
-  config = server.WithoutIdlePasses(tf.config_pb2.ConfigProto(
+  config = session_config.WithoutIdlePasses(tf.config_pb2.ConfigProto(
       device_count={'CPU': num_devices}, inter_op_parallelism_threads=2,
       intra_op_parallelism_threads=1))
   if not optimize:

@@ -24,7 +24,7 @@ class HostCopy(base_layer.BaseLayer):
 EXPERIMENT = '''
 from lingvo import model_registry
 
-from lingvo_ext.experiments import image
+from params import image
 from lingvo_ext.tasks.image import model
 from tests.support.host_copy import HostCopy
 

@@ -1,6 +1,6 @@
 """A tiny LM experiment's train graph and the loss of one fixed batch.
 
-tests/core/test_checkpoint_cuts.py and tests/tools/test_convert_checkpoint.py
+tests/pipeline/test_checkpoint_cuts.py and tests/tools/test_convert_checkpoint.py
 compare checkpoints by this loss: the same weights under another cut or
 naming give the same number.
 """

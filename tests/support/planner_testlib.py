@@ -1,6 +1,6 @@
 """Toy profiles, plans and machines the planner's tests share."""
 
-from lingvo_ext.core import partitioning
+from lingvo_ext.pipeline import partitioning
 from lingvo_ext import planner
 
 TINY = 'lm.TransformerLmTiny'

@@ -46,9 +46,9 @@ import numpy as np
 import pytest
 
 from tests.support import gpipe_testlib as lib
-from lingvo_ext.core import schedules
-from lingvo_ext.experiments import image
-from lingvo_ext.experiments import lm
+from lingvo_ext.pipeline import schedules
+from params import image
+from params import lm
 
 STEPS = 200
 EXPERIMENTS = {'lm': lm.TransformerLmTinyGPipe, 'image':

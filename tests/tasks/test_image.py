@@ -126,7 +126,7 @@ def testInputBatchInGraph():
 
 
 def testLayerStackContractAndUnevenCells():
-  from lingvo_ext.experiments import image  # pylint: disable=g-import-not-at-top
+  from params import image  # pylint: disable=g-import-not-at-top
   task = image.ConvClassifierGPipe().Task()
   task.input = image.ConvClassifierGPipe().Train()
   layers, shapes = model.ConvClassifier.LayerStack(task)

@@ -33,7 +33,7 @@ from lingvo_ext.core import gpipe
 from lingvo_ext.core import layers_with_gpipe
 from lingvo_ext.tasks import pipeline_tree
 from lingvo_ext.core import precision
-from lingvo_ext.core import schedules
+from lingvo_ext.pipeline import schedules
 from tests.support import ROOT
 
 TIMEOUT = 600

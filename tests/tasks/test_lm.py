@@ -192,7 +192,7 @@ def testMissingTextFileIsAClearError(tmp_path):
 
 
 def testLayerStackContract():
-  from lingvo_ext.experiments import lm  # pylint: disable=g-import-not-at-top
+  from params import lm  # pylint: disable=g-import-not-at-top
   task = lm.TransformerLmTinyGPipe().Task()
   task.input = lm.TransformerLmTinyGPipe().Train()
   layers, shapes = model.TransformerLm.LayerStack(task)

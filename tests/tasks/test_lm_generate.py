@@ -15,7 +15,7 @@ from lingvo.core import py_utils
 import numpy as np
 import pytest
 
-from lingvo_ext.core import layers
+from lingvo_ext import layers
 from lingvo_ext.serving import inference
 from lingvo_ext.tasks.lm import generate
 

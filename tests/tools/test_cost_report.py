@@ -11,9 +11,9 @@ from lingvo.core import base_model_params
 from lingvo.core import tshape
 import pytest
 
-from lingvo_ext.core import cost
-from lingvo_ext.core import layers
-from lingvo_ext.core import partitioning
+from lingvo_ext.pipeline import cost
+from lingvo_ext import layers
+from lingvo_ext.pipeline import partitioning
 from lingvo_ext.tools import cost_report
 from tests.support import zygote
 from tests.support import ROOT as _REPO

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from lingvo_ext.core import schedules
+from lingvo_ext.pipeline import schedules
 from lingvo_ext.tools import timeline as timeline_tool
 from lingvo_ext.tracing import timeline
 from tests.support import zygote

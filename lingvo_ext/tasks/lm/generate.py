@@ -15,7 +15,7 @@ Both pick each token with `NextToken`, so the decoder job, `Inference()`'s
 import lingvo.compat as tf
 from lingvo.core import py_utils
 
-from lingvo_ext.core import layers
+from lingvo_ext import layers
 
 # The compiled generation loop's function name (its call is no pipeline op:
 # serving/saved_model.py's CountOps leaves it out).

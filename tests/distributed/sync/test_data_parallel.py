@@ -11,9 +11,9 @@ import pytest
 
 from tests.support import gpipe_testlib as lib
 from lingvo_ext.distributed import sync
-from lingvo_ext.distributed import server
-from lingvo_ext.experiments import image
-from lingvo_ext.experiments import lm
+from lingvo_ext import session_config
+from params import image
+from params import lm
 
 STRATEGIES = sync.STRATEGIES
 B = 4  # Examples per replica.
@@ -60,7 +60,7 @@ def _Run(model, replicas, batch, steps=3, k=1, m=1, adam=False, save=None,
   graph = tf.Graph()
   with graph.as_default(), _Cluster(replicas, k):
     task, loss, init = lib.BuildTrainTask(p)
-    config = server.WithoutIdlePasses(tf.config_pb2.ConfigProto(
+    config = session_config.WithoutIdlePasses(tf.config_pb2.ConfigProto(
         device_count={'CPU': replicas * k}, inter_op_parallelism_threads=4))
     saver = tf.train.Saver()
     with tf.Session(graph=graph, config=config) as sess:

@@ -1,1 +1,0 @@
-"""Tests of lingvo_ext/core/engine/."""

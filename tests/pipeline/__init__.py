@@ -1,0 +1,1 @@
+"""Tests of lingvo_ext/pipeline/."""
