@@ -24,7 +24,8 @@ PYTHONPATH (`Env`). `Register(dir)` imports it in-process.
 import collections
 import os
 import re
-import sys
+
+from tests.support import experiment_fixture
 
 MODULE = 'lingvo_flagship'
 MODEL = MODULE + '.Flagship'
@@ -255,15 +256,12 @@ def _WriteLines(path, lines):
 
 def Env(root, **extra):
   """The environment of a subprocess that runs the experiment in `root`."""
-  return dict(os.environ, PYTHONPATH=str(root), **extra)
+  return experiment_fixture.Env(root, **extra)
 
 
 def Register(root):
   """Imports the experiment in-process (its classes register themselves)."""
-  if str(root) not in sys.path:
-    sys.path.insert(0, str(root))
-  from lingvo_ext import registry  # pylint: disable=g-import-not-at-top
-  registry.ImportModule(MODULE)
+  experiment_fixture.Register(root, MODULE)
 
 
 def Fixture(tmp_path_factory):
@@ -272,8 +270,5 @@ def Fixture(tmp_path_factory):
 
   Use as `flagship = pytest.fixture(scope='module')(flagship_testlib.Fixture)`.
   """
-  root = tmp_path_factory.mktemp('flagship')
-  Write(root)
-  Register(root)
-  yield root
-  sys.path.remove(str(root))
+  yield from experiment_fixture.Fixture(tmp_path_factory, 'flagship', Write,
+                                        MODULE)
