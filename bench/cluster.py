@@ -93,7 +93,7 @@ def main(argv=None):
   if args.network == 'private':
     network.EnterPrivateNetwork()
   # pylint: disable=g-import-not-at-top
-  import lingvo_ext  # pylint: disable=unused-import
+  from lingvo_ext import entry_point  # pylint: disable=unused-import
   import lingvo.compat as tf
   from lingvo.core import cluster_factory
   from lingvo.core import py_utils

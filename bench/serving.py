@@ -255,7 +255,7 @@ def _GenerationTable(rows):
 
 def main(argv=None):
   args = ParseArgs(sys.argv[1:] if argv is None else argv)
-  import lingvo_ext  # pylint: disable=unused-import,g-import-not-at-top
+  from lingvo_ext import entry_point  # pylint: disable=unused-import,g-import-not-at-top
   import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
   from lingvo_ext.tasks import experiment_params  # pylint: disable=g-import-not-at-top
   tf.flags.FLAGS([sys.argv[0]])

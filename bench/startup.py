@@ -66,7 +66,7 @@ def _Script(model: str, flags) -> dict:
   """Builds and runs one step of `model` in this process, timed by stage."""
   t = time.time()
   sys.path.insert(0, _REPO)
-  import lingvo_ext  # pylint: disable=g-import-not-at-top,unused-import
+  from lingvo_ext import entry_point  # pylint: disable=g-import-not-at-top,unused-import
   import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
   from lingvo.core import cluster_factory  # pylint: disable=g-import-not-at-top
   from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
@@ -103,7 +103,7 @@ def _Script(model: str, flags) -> dict:
 def _LingvoTrainer(model, logdir):
   """Runs Lingvo's trainer main on `model` (as `python -m lingvo.trainer`)."""
   sys.path.insert(0, _REPO)
-  import lingvo_ext  # pylint: disable=g-import-not-at-top,unused-import
+  from lingvo_ext import entry_point  # pylint: disable=g-import-not-at-top,unused-import
   import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
   from lingvo import trainer as lingvo_trainer  # pylint: disable=g-import-not-at-top
   from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top

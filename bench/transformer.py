@@ -181,7 +181,7 @@ def _FloorChild(num_layers: int, k: int, m: int, dtype: str,
   the graph with cells inline: the same matmuls), timed in this process on
   the variants' thread pools."""
   sys.path.insert(0, _REPO)
-  import lingvo_ext  # pylint: disable=g-import-not-at-top,unused-import
+  from lingvo_ext import entry_point  # pylint: disable=g-import-not-at-top,unused-import
   from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
   from bench import gemm_floor  # pylint: disable=g-import-not-at-top
   py_utils.SetEagerMode(False)
@@ -212,7 +212,7 @@ def _Child(variant: str, num_layers: int, k: int, m: int, steps: int,
     return _FloorChild(num_layers, k, m, dtype, intra_op_threads, dims)
   t0 = time.time()
   sys.path.insert(0, _REPO)
-  import lingvo_ext  # pylint: disable=g-import-not-at-top,unused-import
+  from lingvo_ext import entry_point  # pylint: disable=g-import-not-at-top,unused-import
   import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
   from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top

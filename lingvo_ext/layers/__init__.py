@@ -1,4 +1,5 @@
-"""The layers lingvo_ext's tasks are built from, with accurate FPropMeta.
+"""lingvo_ext/layers/: the layer library the tasks are built from, with
+accurate FPropMeta.
 
 Every layer here can be a sub-layer of a GPipe `FeatureExtractionLayer`:
 `FProp(theta, x)` returns one tensor, and the classmethod
@@ -18,7 +19,10 @@ sequential run exactly.
 This is the module to import them from; each kind lives in a module of its
 own: `dense_layers.py` (FCLayer, LayerNormLayer), `transformer_layer.py`,
 `vocab_layers.py` (EmbeddingLayer, SoftmaxLayer), `conv_layers.py` (Conv2D,
-pooling, flatten) and `layer_util.py` (what they share).
+pooling, flatten), `sharding.py` (a layer's variables sharded across
+devices), `flops.py` (the FLOP formulas) and `layer_util.py` (what they
+share). The pipeline (lingvo_ext/pipeline/) and its layer
+(lingvo_ext/core/gpipe.py) sit above this folder; it imports neither.
 """
 
 from lingvo_ext.layers import conv_layers

@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 
-import lingvo_ext  # pylint: disable=unused-import
 import numpy as np
 import pytest
 from tensorflow.core.framework import step_stats_pb2

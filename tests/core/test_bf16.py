@@ -12,7 +12,6 @@ import os
 import subprocess
 import sys
 
-import lingvo_ext  # pylint: disable=unused-import
 import lingvo.compat as tf
 from lingvo import model_registry
 from lingvo.core import cluster_factory

@@ -2,7 +2,6 @@
 
 import re
 
-import lingvo_ext  # pylint: disable=unused-import
 import lingvo.compat as tf
 from lingvo.core import layers
 from lingvo.core import py_utils

@@ -1,6 +1,5 @@
 """Bad GPipe input gets a ValueError that names the parameter and the fix."""
 
-import lingvo_ext  # pylint: disable=unused-import
 import lingvo.compat as tf
 from lingvo.core import py_utils
 import numpy as np

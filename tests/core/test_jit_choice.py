@@ -4,7 +4,6 @@ import json
 import threading
 import time
 
-import lingvo_ext  # pylint: disable=unused-import
 import lingvo.compat as tf
 from lingvo.core import py_utils
 import numpy as np

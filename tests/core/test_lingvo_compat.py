@@ -7,7 +7,6 @@ eval) and gradients are equal, in every schedule (with dropout on, this
 also shows that re-materialisation under '1f1b' draws the same masks).
 """
 
-import lingvo_ext  # pylint: disable=unused-import
 from absl import flags
 import lingvo.compat as tf
 from lingvo.core import base_layer

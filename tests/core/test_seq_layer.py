@@ -3,7 +3,6 @@ devices, and each cell's variables live on the device that runs it."""
 
 import re
 
-import lingvo_ext  # pylint: disable=unused-import
 import lingvo.compat as tf
 
 from lingvo_ext.core import gpipe

@@ -5,7 +5,6 @@ import re
 import subprocess
 import sys
 
-import lingvo_ext  # pylint: disable=unused-import
 import lingvo.compat as tf
 from lingvo.core import cluster_factory
 from lingvo.core import py_utils

@@ -8,7 +8,6 @@ import gc
 import re
 import weakref
 
-import lingvo_ext  # pylint: disable=unused-import
 import lingvo.compat as tf
 from lingvo.core import base_layer
 from lingvo.core import layers

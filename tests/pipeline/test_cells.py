@@ -1,7 +1,6 @@
 """FeatureExtractionLayer (lingvo_ext/pipeline/cells.py): activations fetched and
 passed through a pipeline, shapes threaded through FPropMeta, bad params."""
 
-import lingvo_ext  # pylint: disable=unused-import
 import lingvo.compat as tf
 from lingvo.core import layers
 import numpy as np

@@ -1,6 +1,5 @@
 """Broadcasting weight matmuls run as one 2-D GEMM: same numbers, no BMM."""
 
-import lingvo_ext  # pylint: disable=unused-import
 import lingvo.compat as tf
 from lingvo.core import py_utils
 import numpy as np

@@ -3,7 +3,6 @@ device runs its list in order, forwards first for a nonlinear loss, and a
 list schedule refuses what it cannot run."""
 
 
-import lingvo_ext  # pylint: disable=unused-import
 import lingvo.compat as tf
 from lingvo.core import py_utils
 import pytest

@@ -1,6 +1,5 @@
 """XLA-compiled draws equal TensorFlow's kernels' (pipeline/jit_random.py)."""
 
-import lingvo_ext  # pylint: disable=unused-import
 import lingvo.compat as tf
 from lingvo.core import base_layer
 from lingvo.core import py_utils

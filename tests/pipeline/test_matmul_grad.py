@@ -1,6 +1,5 @@
 """The pipeline MatMul gradient equals TensorFlow's, batched or not."""
 
-import lingvo_ext  # pylint: disable=unused-import
 import lingvo.compat as tf
 import numpy as np
 import pytest

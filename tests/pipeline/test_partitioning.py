@@ -3,7 +3,6 @@
 import itertools
 import random
 
-import lingvo_ext  # pylint: disable=unused-import
 from lingvo.core import gpipe as lingvo_gpipe
 from lingvo.core import layers
 import pytest

@@ -15,7 +15,6 @@ Two kinds of cases:
 """
 
 
-import lingvo_ext  # pylint: disable=unused-import
 import lingvo.compat as tf
 from lingvo.core import base_layer
 from lingvo.core import layers

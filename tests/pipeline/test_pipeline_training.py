@@ -10,7 +10,6 @@ doubled the float32 curve is 1.37 off within 50 steps.
 """
 
 
-import lingvo_ext  # pylint: disable=unused-import
 import lingvo.compat as tf
 from lingvo.core import layers
 from lingvo.core import py_utils

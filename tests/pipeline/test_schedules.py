@@ -14,7 +14,6 @@ import re
 import subprocess
 import sys
 
-import lingvo_ext  # pylint: disable=unused-import
 import lingvo.compat as tf
 from lingvo.core import py_utils
 import pytest
@@ -30,19 +29,16 @@ B, D = 16, 6
 
 
 def test_one_face_lists_without_tensorflow_schedules_on_first_use():
-  # The lists half imports no TensorFlow; SCHEDULES comes on first use, once;
-  # the old paths (core.actions, engine.pipelines) are this one module.
+  # The lists half imports no TensorFlow; SCHEDULES comes on first use, once.
   code = (
       'import sys\n'
-      'from lingvo_ext.core import schedules as s\n'
+      'from lingvo_ext.pipeline import schedules as s\n'
       'spec = s.StageSpec(num_stages=2, num_devices=2, num_micro_batches=2)\n'
       'assert s.Build("1f1b", spec) and s.ParseLists(s.FormatLists(\n'
       '    s.Build("1f1b", spec))) == s.Build("1f1b", spec)\n'
       'assert "tensorflow" not in sys.modules\n'
-      'from lingvo_ext.core import actions\n'
-      'from lingvo_ext.pipeline import pipelines\n'
-      'from lingvo_ext.pipeline.pipelines import SCHEDULES\n'
-      'assert actions is s and pipelines is s and SCHEDULES is s.SCHEDULES\n'
+      'from lingvo_ext.pipeline.schedules import SCHEDULES\n'
+      'assert SCHEDULES is s.SCHEDULES\n'
       'assert s.SCHEDULES["recurrent"] is s.Recurrent\n'
       'assert s.SCHEDULES["zbv"].__name__ == "zbv"\n'
       'assert {"SCHEDULES", "Interpreter"} <= set(dir(s))\n'

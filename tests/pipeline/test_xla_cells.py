@@ -6,7 +6,6 @@ Conv2D + BiasAdd + Relu into _FusedConv2D, which XLA has no kernel for: the
 first step failed (pipeline/cell_function.py builds XLA cells unplaced).
 """
 
-import lingvo_ext  # pylint: disable=unused-import
 import lingvo.compat as tf
 from lingvo import model_registry
 from lingvo.core import cluster_factory

@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 
-import lingvo_ext  # pylint: disable=unused-import
 import lingvo.compat as tf
 import numpy as np
 import pytest

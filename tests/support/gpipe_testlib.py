@@ -3,7 +3,6 @@
 import copy
 import zlib
 
-import lingvo_ext  # pylint: disable=unused-import
 import lingvo.compat as tf
 from lingvo.core import base_layer
 from lingvo.core import cluster_factory

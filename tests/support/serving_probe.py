@@ -19,7 +19,7 @@ import sys
 
 def _Lingvo(args):
   import numpy as np  # pylint: disable=g-import-not-at-top
-  import lingvo_ext  # pylint: disable=unused-import,g-import-not-at-top
+  from lingvo_ext import entry_point  # pylint: disable=unused-import,g-import-not-at-top
   import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
   from lingvo.core import cluster_factory  # pylint: disable=g-import-not-at-top
   from lingvo.core import predictor  # pylint: disable=g-import-not-at-top

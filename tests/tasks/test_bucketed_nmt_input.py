@@ -2,7 +2,6 @@
 (tasks/bucketed_input.py): each bucket's batch padded to the static batch
 by rows no metric counts, on the GPipe NMT experiment (mt_testlib)."""
 
-import lingvo_ext  # pylint: disable=unused-import
 import lingvo.compat as tf
 import numpy as np
 import pytest

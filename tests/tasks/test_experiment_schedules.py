@@ -39,7 +39,6 @@ The full-size GPipe experiments (`lm.TransformerLmGPipe`,
 any loss, against 'unrolled', to 1e-5.
 """
 
-import lingvo_ext  # pylint: disable=unused-import
 import lingvo.compat as tf
 from lingvo.core import cluster_factory
 import numpy as np

@@ -5,7 +5,6 @@ tfrecords (the reversed-word corpus) as Lingvo builds them; every schedule
 trains as the sequential model does.
 """
 
-import lingvo_ext  # pylint: disable=unused-import
 import lingvo.compat as tf
 import numpy as np
 import pytest

@@ -3,7 +3,6 @@
 import os
 import sys
 
-import lingvo_ext  # pylint: disable=unused-import
 import lingvo.compat as tf
 from lingvo.core import cluster_factory
 from lingvo.core import py_utils

@@ -3,7 +3,6 @@
 import subprocess
 import sys
 
-import lingvo_ext  # pylint: disable=unused-import
 import lingvo.compat as tf
 from lingvo.core import ops
 import numpy as np
