@@ -101,7 +101,7 @@ def test_auto_times_a_subclass_with_its_own_fprop(cache):
   """Lingvo's GPipeTransformerStack (its embedding, softmax and paddings
   around the pipeline): 'auto' times the pipeline on the inputs the
   pipeline took, whichever the subclass's FProp takes."""
-  from tests.core import test_loss_in_last_cell as stack_lib  # pylint: disable=g-import-not-at-top
+  from tests.pipeline import test_loss_in_last_cell as stack_lib  # pylint: disable=g-import-not-at-top
   g = tf.Graph()
   with g.as_default(), lib.Cluster(2):
     py_utils.GetOrCreateGlobalStepVar()
@@ -119,7 +119,7 @@ def test_auto_times_a_subclass_with_its_own_fprop(cache):
 def test_auto_takes_no_xla_for_a_shape_unknown_at_build(cache, monkeypatch):
   """A time axis trimmed per batch (Lingvo's LM off TPU): nothing to time,
   and XLA would compile per length."""
-  from tests.core import test_loss_in_last_cell as stack_lib  # pylint: disable=g-import-not-at-top
+  from tests.pipeline import test_loss_in_last_cell as stack_lib  # pylint: disable=g-import-not-at-top
   monkeypatch.setattr(jit_choice, 'Measure', lambda *a: pytest.fail('timed'))
   g = tf.Graph()
   with g.as_default(), lib.Cluster(2):

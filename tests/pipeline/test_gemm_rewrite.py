@@ -8,7 +8,7 @@ import pytest
 from lingvo_ext._internal import tf as internal_tf
 from lingvo_ext.core import gpipe
 from lingvo_ext.pipeline import gemm_rewrite
-from tests.core import test_pipeline_structures as structures
+from tests.pipeline import test_pipeline_structures as structures
 from tests.support import gpipe_testlib
 
 T, B, D, H = 5, 8, 6, 7

@@ -11,7 +11,7 @@ from lingvo_ext.core import gpipe
 from lingvo_ext.pipeline import schedules
 from lingvo_ext.pipeline import loss
 from tests.support import gpipe_testlib as lib
-from tests.core import test_schedules
+from tests.pipeline import test_schedules
 
 
 # --- Schedules run from their action lists -----------------------------------

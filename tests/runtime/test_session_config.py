@@ -16,7 +16,7 @@ from tensorflow.core.protobuf import rewriter_config_pb2
 from lingvo_ext.runtime import trainer_flags
 from lingvo_ext import session_config
 from lingvo_ext.distributed import server
-from tests.core import test_loss_in_last_cell
+from tests.pipeline import test_loss_in_last_cell
 
 
 def _Train(schedule, lean, steps=3):
