@@ -393,13 +393,11 @@ class Launcher:
   def _LostForGood(self, task: Task, loss: elastic.Loss) -> int:
     """EXIT_LOST for an elastic cluster's worker; else gives up (1)."""
     self.lost, self.lost_at = loss, time.monotonic()
-    self.Print(f'launch: {task.what} is lost for good ({loss.why}). The end '
-               f'of its log ({task.log_path}):\n' +
-               task_output.LastLines(task.log_path, 3).rstrip())
     if self._elastic and task.job == 'worker':
-      return EXIT_LOST
-    self.Print('launch: giving up (a worker lost for good is re-planned '
-               'around with --elastic=true).')
+      return EXIT_LOST  # launching.py says what becomes of it.
+    self.Print(f'launch: {task.what} is lost for good ({loss.why}): giving '
+               f'up. The end of its log ({task.log_path}):\n' +
+               task_output.LastLines(task.log_path, 3).rstrip())
     return 1
 
   def _AwaitServers(self, timeout_s: float = 10) -> None:

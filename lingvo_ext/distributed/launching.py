@@ -6,15 +6,17 @@ namespace (or warns of --network=host), starts the cluster (launch_lib's
 Launcher), forwards a stop signal, and stops every process at the end. When
 the Launcher reports a worker lost for good and --elastic is on, it stops
 that cluster at once (the lost worker's variables are gone: there is nothing
-to save), re-plans the pipeline for the devices left in a process of its own
-(lingvo_ext.tools.replan, forked from the tasks' fork server where it can
-be), and starts the smaller cluster on the same logdir with the new plan's
+to save), takes the plan for the devices left (lingvo_ext.tools.replan, run
+niced in a process of its own while the cluster trains, forked from the
+tasks' fork server where it can be: the loss waits for no planning), and
+starts the smaller cluster on the same logdir with the new plan's
 flags, which resumes from the newest complete checkpoint. The fork server is
 shared by the clusters of one run.
 """
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -71,37 +73,43 @@ def _SayLayout(layout, say) -> None:
             for i in range(layout.split_size))))
 
 
-def _Replan(server, trainer_flags: List[str], logdir: str,
-            decision: elastic.Decision, devices_per_worker: int, nodes: int,
-            log_dir: str) -> Tuple[Optional[dict], str]:
-  """(the new plan as tools/replan.py's --json, '') or (None, why)."""
+def _StartReplan(server, trainer_flags: List[str], devices_left: int,
+                 replicas: int, devices_per_worker: int, nodes: int,
+                 log_dir: str):
+  """Starts tools/replan.py for `devices_left` devices, niced: a handle for
+  _ReplanResult."""
   argv = [sys.executable, '-m', 'lingvo_ext.tools.replan',
           f'--model={FlagValue(trainer_flags, "model")}',
-          f'--devices={decision.devices_left}',
-          f'--replicas={decision.replicas}',
+          f'--devices={devices_left}', f'--replicas={replicas}',
           '--model_params_override=' +
           FlagValue(trainer_flags, 'model_params_override', ''),
           f'--devices_per_worker={devices_per_worker}', f'--nodes={nodes}',
-          f'--logdir={logdir}', '--json']
+          '--nice', '--json']
   out = os.path.join(log_dir, 'replan.out')
   err = os.path.join(log_dir, 'replan.log')
   for path in (out, err):
     open(path, 'w').close()  # pylint: disable=consider-using-with
   proc = server.Spawn(argv, dict(os.environ), out, err) if server else None
+  if proc is None:
+    with open(out, 'ab') as o, open(err, 'ab') as e:
+      proc = subprocess.Popen(argv, stdout=o, stderr=e,
+                              stdin=subprocess.DEVNULL,
+                              start_new_session=True)
+  return (devices_left, replicas), proc, out, err
+
+
+def _ReplanResult(handle) -> Tuple[Optional[dict], str]:
+  """(the new plan as tools/replan.py's --json, '') or (None, why)."""
+  _, proc, out, err = handle
   try:
-    if proc is None:
-      with open(out, 'ab') as o, open(err, 'ab') as e:
-        proc = subprocess.Popen(argv, stdout=o, stderr=e,
-                                stdin=subprocess.DEVNULL,
-                                start_new_session=True)
     rc = proc.wait(REPLAN_TIMEOUT_S)
   except subprocess.TimeoutExpired:
-    launch_lib.KillGroup(proc, signal.SIGKILL)
+    rc = None
+  finally:
+    _StopReplan(handle)
+  if rc is None:
     return None, (f'the re-plan did not finish within {REPLAN_TIMEOUT_S} s '
                   f'(its log: {err})')
-  finally:
-    if proc is not None and proc.poll() is None:
-      launch_lib.KillGroup(proc, signal.SIGKILL)
   with open(err) as f:
     errors = [l.strip() for l in f if l.startswith('error:')]
   with open(out) as f:
@@ -114,6 +122,22 @@ def _Replan(server, trainer_flags: List[str], logdir: str,
   why = errors[-1][len('error:'):].strip() if errors else (
       f'the re-plan exited with {launch_lib.SignalName(rc)} (its log: {err})')
   return None, why
+
+
+def _StopReplan(handle) -> None:
+  if handle and handle[1].poll() is None:
+    launch_lib.KillGroup(handle[1], signal.SIGKILL)
+
+
+def NewestCheckpoint(logdir: str) -> Optional[str]:
+  """The checkpoint LOGDIR/train's state file names (the one the trainer
+  restores), by its basename; None if there is none."""
+  try:
+    with open(os.path.join(logdir, 'train', 'checkpoint')) as f:
+      m = re.search(r'^model_checkpoint_path: "([^"]+)"', f.read(), re.M)
+  except OSError:
+    return None
+  return os.path.basename(m.group(1)) if m else None
 
 
 def _RunCluster(launcher, grace_s: float, preempted_code: int,
@@ -207,9 +231,17 @@ def Launch(num_workers: int, trainer_flags: Sequence[str], logdir: str,
         Say(f'launch: forking the tasks from pid {server.pid}, which has '
             'imported TensorFlow and Lingvo (--fork_tasks=false: a fresh '
             'interpreter each)')
-    since_loss = None
+    since_loss, replan = None, None
     while True:
       _SayLayout(layout, Say)
+      split = int(FlagValue(flags, 'worker_split_size', '1'))
+      if elastic_on and num_workers > 1:
+        # The plan for one worker fewer, made while this cluster trains.
+        replan = _StartReplan(
+            server, flags, (num_workers - 1) * devices_per_worker,
+            elastic.Replicas(num_workers, devices_per_worker, split),
+            devices_per_worker, nodes if cluster_from == 'slurm' else 1,
+            log_dir)
       tasks = cluster_tasks.ClusterTasks(num_workers, flags, cluster_from,
                                          num_ps, nodes)
       launcher = launch_lib.Launcher(
@@ -222,15 +254,12 @@ def Launch(num_workers: int, trainer_flags: Sequence[str], logdir: str,
       if rc != launch_lib.EXIT_LOST:
         return rc
       loss, since_loss = launcher.lost, launcher.lost_at
-      split = int(FlagValue(flags, 'worker_split_size', '1'))
       decision = elastic.Decide(loss, num_workers, devices_per_worker, split,
                                 elastic_on)
       got, why = None, decision.why
       if decision.action == elastic.REPLAN:
         try:
-          got, why = _Replan(server, flags, logdir, decision,
-                             devices_per_worker,
-                             nodes if cluster_from == 'slurm' else 1, log_dir)
+          got, why = _ReplanResult(replan)
         except KeyboardInterrupt:
           launcher.Print('launch: stopped while re-planning; the last '
                          'complete checkpoint is the latest.')
@@ -251,9 +280,10 @@ def Launch(num_workers: int, trainer_flags: Sequence[str], logdir: str,
                                         got['worker_split_size'])
       launcher.Print(elastic.LossLine(
           loss, num_workers, got['cells'], got['devices'],
-          got['micro_batches'], got['checkpoint']))
+          got['micro_batches'], NewestCheckpoint(logdir)))
       launcher.Flush()
   finally:
+    _StopReplan(replan)
     if server:
       server.Close()
     for s, handler in old.items():

@@ -51,6 +51,9 @@ def _Parser():
   p.add_argument('--logdir', default='',
                  help='Name the newest checkpoint of LOGDIR/train.')
   p.add_argument('--json', action='store_true', help='Print one JSON object.')
+  p.add_argument('--nice', action='store_true',
+                 help='Run at a lower CPU priority (the launcher plans ahead '
+                 'while its cluster trains).')
   return p
 
 
@@ -162,6 +165,8 @@ def main(argv=None) -> int:
     args = _Parser().parse_args(argv)
   except SystemExit as e:
     return int(e.code or 0)
+  if args.nice:
+    os.nice(10)
   error = _Check(args) or entry_point.ParseFlags()
   if error:
     print(f'error: {error}', file=sys.stderr)
