@@ -246,7 +246,7 @@ def Launch(num_workers: int, trainer_flags: Sequence[str], logdir: str,
                                          num_ps, nodes)
       launcher = launch_lib.Launcher(
           tasks, logdir, ready_timeout_s, max_restarts, out, stream_logs,
-          fork_tasks, task_timeout_s, elastic=elastic_on,
+          server is not None, task_timeout_s, elastic=elastic_on,
           shared_fork_server=server, since_loss=since_loss)
       current.append(launcher)
       rc = _RunCluster(launcher, shutdown_grace_s, preempted_code,
