@@ -16,6 +16,11 @@ import lingvo.compat as tf
 import pytest
 
 from lingvo_ext.checkpoints import files
+from lingvo_ext.distributed import cluster_tasks
+from lingvo_ext.distributed import elastic as elastic_lib
+from lingvo_ext.distributed import launch_lib
+from lingvo_ext.distributed import launching
+from lingvo_ext.distributed import network
 from tests.support import proc_testlib
 
 TIMEOUT = 300
@@ -91,3 +96,95 @@ def testAWorkerKilledAtEveryRestartLeavesAJobThatFinishesOnTheOtherOne(
   with open(os.path.join(logdir, 'launch', 'controller.0.log')) as f:
     log = f.read()
   assert 'across a different cut' not in log
+
+
+# --- The Launcher's side, with tasks that are plain python programs ----------
+
+
+def _Launcher(tmp_path, programs, max_restarts, elastic, ready_timeout_s=30):
+  lines = []
+
+  class Out:
+
+    def write(self, text):
+      lines.extend(l for l in text.splitlines() if l)
+
+    def flush(self):
+      pass
+
+  ports = network.FreePorts(len(programs))
+  tasks = [cluster_tasks.Task(job, t, f'127.0.0.1:{port}',
+                              [sys.executable, '-c', code])
+           for (job, t, code), port in zip(programs, ports)]
+  launcher = launch_lib.Launcher(tasks, str(tmp_path), ready_timeout_s,
+                                 max_restarts, Out(), fork_tasks=False,
+                                 task_timeout_s=60, elastic=elastic)
+  return launcher, lines
+
+
+def _Watch(launcher):
+  try:
+    launcher.StartAll()
+    return launcher.Watch(poll_s=0.05)
+  finally:
+    launcher.StopAll(grace_s=5)
+    launcher.Flush()
+
+
+_SLEEPS = 'import time; time.sleep(120)'
+_FAILS = 'import sys; sys.exit(3)'
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize('elastic', [True, False])
+def testAWorkerFailingPastMaxRestartsIsLostForGood(tmp_path, elastic):
+  launcher, lines = _Launcher(tmp_path, [('worker', 0, _SLEEPS),
+                                         ('worker', 1, _FAILS),
+                                         ('controller', 0, _SLEEPS)],
+                              max_restarts=1, elastic=elastic)
+  rc = _Watch(launcher)
+  assert launcher.restarts == 1
+  text = '\n'.join(lines)
+  if elastic:
+    assert rc == launch_lib.EXIT_LOST
+    assert launcher.lost == elastic_lib.Loss(
+        'worker', 1, 'exit code 3 after 1 restart(s) in all, '
+        '--max_restarts=1')
+    assert 'giving up' not in text
+  else:
+    assert rc == 1 and launcher.lost is None
+    assert 'already restarted 1 task(s) (--max_restarts=1): giving up' in (
+        text)
+  assert all(t.proc.poll() is not None for t in launcher.tasks)
+
+
+@pytest.mark.e2e
+def testARestartedWorkerNotServingWithinTheBoundIsLost(tmp_path):
+  # Serves its port at the first start only; its restart never does.
+  marker = tmp_path / 'started'
+  code = (f'import os, socket, sys, time\n'
+          f'if not os.path.exists({str(marker)!r}):\n'
+          f'  open({str(marker)!r}, "w").close()\n'
+          f'  s = socket.socket(); s.bind(("127.0.0.1", int(sys.argv[1])))\n'
+          f'  s.listen(); time.sleep(1); sys.exit(1)\n'
+          f'time.sleep(120)\n')
+  launcher, lines = _Launcher(tmp_path, [('worker', 0, _SLEEPS),
+                                         ('worker', 1, code),
+                                         ('controller', 0, _SLEEPS)],
+                              max_restarts=3, elastic=True,
+                              ready_timeout_s=3)
+  launcher.tasks[1].argv.append(launcher.tasks[1].address.split(':')[1])
+  assert _Watch(launcher) == launch_lib.EXIT_LOST, lines
+  assert launcher.lost.what == 'worker task 1'
+  assert re.match(r'not back \d+ s after its restart, '
+                  r'--ready_timeout_secs=3$', launcher.lost.why), launcher.lost
+  assert all(t.proc.poll() is not None for t in launcher.tasks)
+
+
+def testTheNewestCheckpointIsTheStateFilesOne(tmp_path):
+  assert launching.NewestCheckpoint(str(tmp_path)) is None
+  (tmp_path / 'train').mkdir()
+  (tmp_path / 'train' / 'checkpoint').write_text(
+      'model_checkpoint_path: "/x/train/ckpt-00000700"\n'
+      'all_model_checkpoint_paths: "ckpt-00000600"\n')
+  assert launching.NewestCheckpoint(str(tmp_path)) == 'ckpt-00000700'
