@@ -32,13 +32,25 @@ the activations and gradients between the processes are bfloat16. With
 several dtypes every (kind, dtype) step is timed in the same round-robin and
 one record per dtype is printed, the bfloat16 one with its ratios to
 float32's.
+
+  python bench/cluster.py --recovery   # a worker lost for good, recovered
+
+--recovery runs `lingvo_ext.launch` on lm.TransformerLmTinyGPipe over 2
+workers (--max_restarts=1, a checkpoint a second), kills worker task 1 past
+step 30 and at its restart, and reports the launcher's time from the loss to the first step the
+re-planned 1-worker cluster trains (its `launch: recovered:` line; the
+trainer prints its progress line every 2 s, so the figure is within 2 s
+late), against the target of 60 s on a 2-core machine.
 """
 
 import os
 import re
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -77,6 +89,8 @@ def _Args(argv=None):
   p.add_argument('--network', choices=('private', 'host'), default='private')
   p.add_argument('--dtype', default='float32',
                  help="float32 (default), bfloat16, or float32,bfloat16.")
+  p.add_argument('--recovery', action='store_true',
+                 help='Time the recovery from a worker lost for good.')
   args = p.parse_args(argv)
   args.dtype = [d.strip() for d in args.dtype.split(',') if d.strip()]
   if not args.dtype or set(args.dtype) - {'float32', 'bfloat16'}:
@@ -88,8 +102,68 @@ def _Args(argv=None):
   return args
 
 
+RECOVERY_TARGET_S = 60
+_RECOVERED = re.compile(r'launch: recovered: step (\d+) trained ([\d.]+) s')
+_STEP = re.compile(r'^\[trainer_client\] step (\d+)/', re.M)
+# Worker task 1 is killed once training is past this step (and at its
+# restart): the resumed checkpoint is one of training, not the first save.
+KILL_AT_STEP = 30
+_STARTED_1 = re.compile(r'launch: started worker task 1 \(\S+\) as pid (\d+)')
+
+
+def Recovery(args, timeout_s: float = 600) -> int:
+  """--recovery: the launcher's time from a worker's loss to the next step."""
+  logdir = tempfile.mkdtemp(prefix='lx_recovery_')
+  log = os.path.join(logdir, 'launch.out')
+  argv = [sys.executable, '-m', 'lingvo_ext.launch',
+          '--model=lm.TransformerLmTinyGPipe', f'--logdir={logdir}',
+          '--workers=2', '--worker_split_size=2', '--max_steps=400',
+          '--max_restarts=1', f'--network={args.network}',
+          '--model_params_override=train.save_interval_seconds:1']
+  load = os.getloadavg()
+  killed = set()
+  with open(log, 'w') as out:
+    proc = subprocess.Popen(argv, cwd=_REPO, stdout=out,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+  try:
+    deadline = time.monotonic() + timeout_s
+    while proc.poll() is None and time.monotonic() < deadline:
+      with open(log) as f:
+        text = f.read()
+      steps = [int(n) for n in _STEP.findall(text)]
+      if steps and steps[-1] >= KILL_AT_STEP and 'lost for good' not in text:
+        for pid in map(int, _STARTED_1.findall(text)):
+          if pid not in killed:  # At its start and at every restart.
+            os.kill(pid, signal.SIGKILL)
+            killed.add(pid)
+      time.sleep(0.1)
+    rc = proc.wait(max(1, deadline - time.monotonic()))
+  finally:
+    if proc.poll() is None:
+      os.killpg(proc.pid, signal.SIGKILL)
+      proc.wait(10)
+  with open(log) as f:
+    text = f.read()
+  m = _RECOVERED.search(text)
+  if rc != 0 or not m:
+    print(f'error: the launcher exited {rc} without a recovery; its output: '
+          f'{log}', file=sys.stderr)
+    return 1
+  shutil.rmtree(logdir, ignore_errors=True)
+  seconds = float(m.group(2))
+  harness.Emit(args, [dict(
+      model='lm.TransformerLmTinyGPipe', workers='2 -> 1',
+      recovery_s=seconds, target_s=RECOVERY_TARGET_S,
+      ratio_to_target=round(seconds / RECOVERY_TARGET_S, 3),
+      first_step_after=int(m.group(1)), load_at_start=round(load[0], 2),
+      **harness.Machine())], Markdown)
+  return 0
+
+
 def main(argv=None):
   args = _Args(argv)
+  if args.recovery:
+    return Recovery(args)
   if args.network == 'private':
     network.EnterPrivateNetwork()
   # pylint: disable=g-import-not-at-top

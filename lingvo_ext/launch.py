@@ -23,6 +23,11 @@ or Slurm would: each task learns its place from TF_CONFIG or SLURM_*
 variables (--cluster_resolver), with one chief process running the
 controller and the trainer client. See lingvo_ext/distributed/launch_lib.py
 and docs/clusters.md.
+
+A worker lost for good (it dies past --max_restarts, or is not back within
+--ready_timeout_secs of its restart) is re-planned around: the pipeline on
+the workers left, the global batch kept, resumed from the newest checkpoint
+(--elastic=false: the cluster stops; docs/faults.md).
 """
 
 import argparse
@@ -33,7 +38,7 @@ from lingvo_ext import entry_point  # pylint: disable=unused-import,g-bad-import
 from lingvo_ext.runtime import shutdown
 from lingvo_ext.distributed import cluster
 from lingvo_ext.distributed import cluster_tasks
-from lingvo_ext.distributed import launch_lib
+from lingvo_ext.distributed import launching
 
 
 def _Parser():
@@ -49,9 +54,16 @@ def _Parser():
                  'only loopback (nothing outside can connect); host: the '
                  'host\'s network (TensorFlow listens on all interfaces).')
   p.add_argument('--ready_timeout_secs', type=float, default=120,
-                 help='How long to wait for every task to serve its port.')
+                 help='How long to wait for every task to serve its port, '
+                 'and for a restarted task to be back (else it is lost).')
   p.add_argument('--max_restarts', type=int, default=3,
-                 help='Restarts of dead tasks allowed in all.')
+                 help='Restarts of dead tasks allowed in all (per cluster); '
+                 'a worker that dies past them is lost for good.')
+  p.add_argument('--elastic', default=True,
+                 type=lambda v: _Bool('--elastic', v),
+                 help='true: a worker lost for good is re-planned around '
+                 '(the pipeline on the workers left, resumed from the last '
+                 'checkpoint; docs/faults.md); false: the cluster stops.')
   p.add_argument('--stream_logs', action='store_true',
                  help='Print every line of every task\'s log, prefixed with '
                  'its name (default: state changes, the progress line and '
@@ -174,20 +186,24 @@ def Main(argv=None):
   if error:
     print(f'error: {error}', file=sys.stderr)
     return 2
+  if args.ready_timeout_secs <= 0:
+    print(f'error: --ready_timeout_secs={args.ready_timeout_secs:g} must be '
+          '> 0, e.g. 120.', file=sys.stderr)
+    return 2
   if args.task_timeout_secs <= 0:
     print(f'error: --task_timeout_secs={args.task_timeout_secs:g} must be > '
           '0, e.g. 60.', file=sys.stderr)
     return 2
   shutdown.SetTitle(f'lingvo_ext launch {os.path.abspath(logdir)}')
   _WarnOfMemory(trainer_flags, args.workers)
-  return launch_lib.Launch(
+  return launching.Launch(
       args.workers, trainer_flags, logdir, args.network,
       args.ready_timeout_secs, args.max_restarts,
       stream_logs=args.stream_logs, cluster_from=args.cluster_from,
       num_ps=args.ps, nodes=args.nodes, layout=layout,
       fork_tasks=args.fork_tasks,
       shutdown_grace_s=grace_s, task_timeout_s=args.task_timeout_secs,
-      preempted_code=preempted)
+      preempted_code=preempted, elastic_on=args.elastic)
 
 
 if __name__ == '__main__':

@@ -65,6 +65,7 @@ class Task:
   partial: bytes = b''
   last_answer: float = 0.0  # time.monotonic() of its last answer.
   hung: bool = False  # Killed by the launcher for not answering.
+  restarts: int = 0  # Times the launcher restarted it.
   rss: Optional[int] = None  # Its last resident memory seen.
   cgroup: Optional[str] = None  # Its memory cgroup's directory.
   oom_kills: Optional[int] = None  # The cgroup's OOM kills at its start.

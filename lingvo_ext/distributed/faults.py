@@ -2,9 +2,11 @@
 
 Runners mix in `LostTaskReportMixin`: when Lingvo retries a step (or gives
 up) after an UnavailableError or a deadline, one line names the lost task,
-its device and address, and what happens next.
+its device and address, and what happens next; the error records that
+follow it go to the task's log file only (`KeepFaultRecordsInLogFile`).
 """
 
+import logging
 import re
 import sys
 import threading
@@ -107,7 +109,33 @@ class LostTaskReportMixin:
       return False
     self._reported_error = error
     print(LostTaskLine(o, error, retrying), file=sys.stderr, flush=True)
+    if not getattr(o, 'stderrthreshold', ''):
+      KeepFaultRecordsInLogFile()
     return not retrying
+
+
+class _BelowErrors(logging.Filter):
+  """Lets only records below ERROR through."""
+
+  def filter(self, record):
+    return record.levelno < logging.ERROR
+
+
+_BELOW_ERRORS = _BelowErrors()
+
+
+def KeepFaultRecordsInLogFile():
+  """After a lost task's line: the error records that follow it (Lingvo's
+  traceback of the step, TensorFlow's 'Session failed to close') go to the
+  task's log file only, not the console. Also TensorFlow's own stderr
+  handler, which its logger has where no root handler was set up first."""
+  from lingvo_ext.runtime import progress  # pylint: disable=g-import-not-at-top
+  progress.KeepErrorsInLogFile()
+  for handler in logging.getLogger('tensorflow').handlers:
+    if (isinstance(handler, logging.StreamHandler) and
+        getattr(handler, 'stream', None) in (sys.stderr, sys.__stderr__) and
+        _BELOW_ERRORS not in handler.filters):
+      handler.addFilter(_BELOW_ERRORS)
 
 
 def LostTaskLine(options, error, retrying):

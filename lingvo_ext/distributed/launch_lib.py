@@ -1,6 +1,7 @@
 """Starts, watches and stops a local TensorFlow cluster of trainer processes.
 
-`lingvo_ext.launch` is the command line; `Launch` does the work:
+`lingvo_ext.launch` is the command line; launching.Launch runs the
+network and the clusters; a `Launcher` runs one cluster:
 
 1. lays the cluster out on free ports of 127.0.0.1, each task told its
    place as --cluster_from says (cluster_tasks.py); --ps adds ps tasks;
@@ -20,7 +21,10 @@
    controller restores the weights of the last checkpoint when it finds
    variables uninitialized on a fresh worker, keeping the step counter where
    training was (step_keeping.StepKeepingRestore); the trainer client retries
-   its step;
+   its step. A worker that dies past --max_restarts, or a restarted task
+   that does not serve within --ready_timeout_secs, is lost for good: with
+   elastic=True the Launcher returns EXIT_LOST (`lost` says which and why)
+   and launching.py re-plans onto the workers left (elastic.py);
 6. ends when the clients (controller and trainer client, or the chief) exit
    0 (training reached --max_steps), stopping the workers; on Ctrl-C, on a
    failure it cannot restart, or when a task fails to come up, stops every
@@ -41,10 +45,11 @@ import subprocess
 import sys
 import threading
 import time
-from typing import List, Optional, Sequence
+from typing import List, Optional
 
 from lingvo_ext.distributed import cluster
 from lingvo_ext.distributed import cluster_tasks
+from lingvo_ext.distributed import elastic
 from lingvo_ext.distributed import fork_server
 from lingvo_ext.distributed import fork_serving
 from lingvo_ext.distributed import network
@@ -67,6 +72,9 @@ EXIT_DISK_FULL = 74
 EXIT_INPUT_BROKE = 65  # Its input files broke (tasks/input_files.py).
 # The launcher's exit status when the kernel's OOM killer ended a task.
 EXIT_OOM = 137
+# Watch's return when a worker is lost for good and elastic is on: not an
+# exit status, launching.py re-plans.
+EXIT_LOST = -1
 # Exits that the same task would repeat if restarted: the launcher stops the
 # cluster with that status. 2: bad flags, params or input (trainer.py);
 # 4: an evaler's or decoder's evaluation failed (local_evaler.py); 65: the
@@ -77,7 +85,8 @@ NOT_RESTARTED = {2: 'it refused its input', 4: 'its evaluation failed',
 CLIENT_JOBS = ('controller', 'trainer_client', 'chief')
 
 
-def _SignalName(rc: int) -> str:
+def SignalName(rc: int) -> str:
+  """'signal SIGKILL' or 'exit code 3' for a return code."""
   if rc < 0:
     try:
       return f'signal {signal.Signals(-rc).name}'
@@ -91,8 +100,18 @@ class Launcher:
 
   def __init__(self, tasks: List[Task], logdir: str, ready_timeout_s: float,
                max_restarts: int, out=None, stream_logs: bool = False,
-               fork_tasks: bool = True, task_timeout_s: float = 60):
+               fork_tasks: bool = True, task_timeout_s: float = 60,
+               elastic: bool = False, shared_fork_server=None,
+               since_loss: Optional[float] = None):
     self._logdir = os.path.join(logdir, 'launch')
+    self._elastic = elastic
+    # The run's fork server (launching.py), closed by its owner, not here.
+    self._shared_server = shared_fork_server
+    # time.monotonic() of the loss this cluster recovers from, till its
+    # first trained step.
+    self._since_loss = since_loss
+    self.lost = None  # An elastic.Loss once Watch returned EXIT_LOST.
+    self.lost_at = None
     self._task_timeout_s = task_timeout_s
     # The cgroup's OOM kill count (task_health.OomKills; tests replace it).
     self.oom_kills = task_health.OomKills
@@ -127,7 +146,20 @@ class Launcher:
     """Shows the lines the tasks wrote to their logs since the last call."""
     with self._tail_lock:
       for task in self.tasks:
-        task_output.ShowNewLines(task, self._output, self._stream_logs)
+        task_output.ShowNewLines(task, self._output, self._stream_logs,
+                                 self._Saw)
+
+  def _Saw(self, task: Task, line: str) -> None:
+    """Says the recovery's time at the first step trained after a loss."""
+    if self._since_loss is None or task.job not in ('trainer_client',
+                                                    'chief'):
+      return
+    step = elastic.StepOf(line)
+    if step is not None:
+      seconds = time.monotonic() - self._since_loss
+      self._since_loss = None
+      workers = sum(t.job == 'worker' for t in self.tasks)
+      self.Print(elastic.RecoveredLine(step, seconds, workers))
 
   def _TailLoop(self) -> None:
     while not self._stop_tail.wait(0.2):
@@ -173,7 +205,9 @@ class Launcher:
 
   def StartAll(self) -> None:
     """Starts the fork server (if asked) and every task."""
-    if self._fork_tasks:
+    if self._shared_server:
+      self._fork_server = self._shared_server
+    elif self._fork_tasks:
       server = fork_server.ForkServer(
           'lingvo_ext.trainer', os.path.join(self._logdir, 'fork_server.stderr'))
       why = server.Start(self._ready_timeout_s)
@@ -206,7 +240,7 @@ class Launcher:
         if rc is not None:
           self._TailOnce()
           raise RuntimeError(
-              f'{task.what} exited with {_SignalName(rc)} before it was '
+              f'{task.what} exited with {SignalName(rc)} before it was '
               f'ready; the end of its log ({task.log_path}):\n' +
               task_output.LastLines(task.log_path).rstrip())
         if self._Answers(task):
@@ -248,7 +282,7 @@ class Launcher:
     self.Print(f'launch: {task.what}, pid {task.proc.pid}, has not answered '
                f'for {silent:.0f} s (--task_timeout_secs='
                f'{self._task_timeout_s:g}; it is {how}): killing it.')
-    _KillGroup(task.proc, signal.SIGKILL)
+    KillGroup(task.proc, signal.SIGKILL)
 
   def _Oom(self, task: Task, rc: int) -> bool:
     """Whether `task`, ended by SIGKILL, was the kernel's OOM killer's."""
@@ -280,6 +314,12 @@ class Launcher:
             task.ready = True
             task.last_answer = time.monotonic()
             self.Print(f'launch: {task.what} is ready')
+          loss = elastic.NotBack(
+              task.job, task.task, task.restarts > 0, task.ready,
+              time.monotonic() - task.started_at, self._ready_timeout_s)
+          if loss:
+            KillGroup(task.proc, signal.SIGKILL)
+            return self._LostForGood(task, loss)
           self._CheckHung(task)
           continue
         self._TailOnce()  # Its last lines first.
@@ -310,17 +350,22 @@ class Launcher:
                      'cluster. Give it more memory or a plan that needs '
                      'less (docs/faults.md), then run the same command.')
           return EXIT_OOM
-        if self.restarts >= self._max_restarts:
-          self.Print(f'launch: {task.what} exited with {_SignalName(rc)}; '
+        loss = elastic.LostForGood(task.job, task.task, SignalName(rc),
+                                   self.restarts, self._max_restarts)
+        if loss and self._elastic and task.job == 'worker':
+          return self._LostForGood(task, loss)
+        if loss:
+          self.Print(f'launch: {task.what} exited with {SignalName(rc)}; '
                      f'already restarted {self.restarts} task(s) '
                      f'(--max_restarts={self._max_restarts}): giving up. The '
                      f'end of its log ({task.log_path}):\n' +
                      task_output.LastLines(task.log_path).rstrip())
           return 1
         self.restarts += 1
+        task.restarts += 1
         gone = 'was killed, hung' if task.hung else 'is gone'
         self.Print(f'launch: {task.what}, pid {task.proc.pid}, {gone} '
-                   f'({_SignalName(rc)}); restarting it (restart '
+                   f'({SignalName(rc)}); restarting it (restart '
                    f'{self.restarts} of --max_restarts={self._max_restarts}); '
                    'training resumes from the last checkpoint. The end of '
                    f'its log ({task.log_path}):\n' +
@@ -344,6 +389,16 @@ class Launcher:
             '; stopping the workers.'))
         return 0
       time.sleep(poll_s)
+
+  def _LostForGood(self, task: Task, loss: elastic.Loss) -> int:
+    """EXIT_LOST for an elastic cluster's worker; else gives up (1)."""
+    self.lost, self.lost_at = loss, time.monotonic()
+    if self._elastic and task.job == 'worker':
+      return EXIT_LOST  # launching.py says what becomes of it.
+    self.Print(f'launch: {task.what} is lost for good ({loss.why}): giving '
+               f'up. The end of its log ({task.log_path}):\n' +
+               task_output.LastLines(task.log_path, 3).rstrip())
+    return 1
 
   def _AwaitServers(self, timeout_s: float = 10) -> None:
     """Lets the servers a finished chief told 'done' exit on their own."""
@@ -374,7 +429,7 @@ class Launcher:
                f'sent it to {len(live)} task(s); waiting up to {grace_s:g} s '
                '(--shutdown_grace_secs) for the last checkpoint.')
     for t in live:
-      _KillGroup(t.proc, signum)
+      KillGroup(t.proc, signum)
     clients = [t for t in self.tasks if t.job in ('controller', 'chief')]
     cluster.PollUntil(
         lambda: all(t.proc.poll() is not None for t in self.tasks),
@@ -392,7 +447,7 @@ class Launcher:
     clients = [t for t in self.tasks if t.job in ('controller', 'chief') and
                t.proc and t.proc.poll() is None]
     for t in clients:
-      _KillGroup(t.proc, signal.SIGTERM)
+      KillGroup(t.proc, signal.SIGTERM)
     cluster.PollUntil(lambda: all(t.proc.poll() is not None for t in clients),
                       grace_s + 5, 0.1)
     self._TailOnce()
@@ -401,19 +456,19 @@ class Launcher:
     """Stops every process this launcher started."""
     live = [t for t in self.tasks if t.proc and t.proc.poll() is None]
     for t in live:
-      _KillGroup(t.proc, signal.SIGTERM)
+      KillGroup(t.proc, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     for t in live:
       try:
         t.proc.wait(max(0.1, deadline - time.monotonic()))
       except subprocess.TimeoutExpired:
-        _KillGroup(t.proc, signal.SIGKILL)
+        KillGroup(t.proc, signal.SIGKILL)
         t.proc.wait(10)
     for t in self.tasks:
       if t.proc:
         # The group may hold children of a task that already exited.
-        _KillGroup(t.proc, signal.SIGKILL)
-    if self._fork_server:
+        KillGroup(t.proc, signal.SIGKILL)
+    if self._fork_server and self._fork_server is not self._shared_server:
       self._fork_server.Close()
     self._stop_tail.set()
     self._tail.join(5)
@@ -421,101 +476,11 @@ class Launcher:
     task_output.CloseErrorPipes(self.tasks, self._pipes)
 
 
-def _KillGroup(proc, sig: int) -> None:
+def KillGroup(proc, sig: int) -> None:
+  """Sends `sig` to the process group of `proc` (gone or not)."""
   try:
     os.killpg(proc.pid, sig)
   except ProcessLookupError:
     pass
   except PermissionError:
     pass
-
-
-def Launch(num_workers: int, trainer_flags: Sequence[str], logdir: str,
-           network: str = 'private', ready_timeout_s: float = 120,
-           max_restarts: int = 3, out=None, stream_logs: bool = False,
-           cluster_from: str = 'flags', num_ps: int = 0, nodes: int = 1,
-           layout: Optional[cluster.WorkerLayout] = None,
-           fork_tasks: bool = True, shutdown_grace_s: float = 20,
-           task_timeout_s: float = 60, preempted_code: int = 0) -> int:
-  """Runs a local cluster until training ends; returns the exit code.
-
-  Exit codes: 0 training finished, or stopped by SIGTERM/SIGHUP after the
-  controller saved the last step; 1 a task failed; 2 bad flags, or a task
-  refused its input; 4 an evaluation failed; 65 input files broke; 74 a task
-  found the disk full; 130 Ctrl-C; 137 the OOM killer ended a task; 143
-  SIGTERM/SIGHUP without the last save (docs/preemption.md,
-  docs/faults.md). `preempted_code` (--preempted_exit_code, which the
-  tasks exit with too) takes 0's place after a stop signal's save.
-  """
-  out = out or sys.stdout
-
-  def Say(line):
-    out.write(line + '\n')
-    out.flush()
-
-  if network == 'private':
-    try:
-      EnterPrivateNetwork()  # The `network` argument hides the module.
-    except OSError as e:
-      Say(f'error: --network=private: cannot make a private network '
-          f'namespace here ({e}); run with --network=host to run the cluster '
-          'on this host\'s network (its gRPC ports then accept connections '
-          'from every interface).')
-      return 2
-    Say('launch: TensorFlow\'s gRPC servers listen on all interfaces; this '
-        'cluster runs in a private network namespace with only 127.0.0.1, so '
-        'nothing outside this launcher can reach its ports.')
-  else:
-    Say('launch: WARNING --network=host: TensorFlow\'s gRPC servers listen on '
-        'all interfaces of this host and do no authentication; anyone who can '
-        'reach these ports can run code in these processes.')
-  if layout:
-    Say('launch: %d replica(s) x %d cell(s): %s' % (
-        layout.num_replicas, layout.split_size, '; '.join(
-            f'replica {r} cell {i} on {layout.Device(r, i)}'
-            for r in range(layout.num_replicas)
-            for i in range(layout.split_size))))
-  tasks = cluster_tasks.ClusterTasks(num_workers, trainer_flags, cluster_from,
-                                     num_ps, nodes)
-  launcher = Launcher(tasks, logdir, ready_timeout_s, max_restarts, out,
-                      stream_logs, fork_tasks, task_timeout_s)
-  interrupted = []
-
-  def OnSignal(signum, frame):
-    del frame
-    interrupted.append(signum)
-    if len(interrupted) > 1:  # A second signal: stop everything at once.
-      for t in tasks:
-        if t.proc:
-          _KillGroup(t.proc, signal.SIGKILL)
-      raise KeyboardInterrupt
-    raise KeyboardInterrupt
-
-  old = {s: signal.signal(s, OnSignal) for s in (signal.SIGTERM,
-                                                  signal.SIGHUP)}
-  try:
-    try:
-      launcher.StartAll()
-      launcher.WaitReady()
-      rc = launcher.Watch()
-      if rc == EXIT_INPUT_BROKE:
-        launcher.SaveAfterInputFault(shutdown_grace_s)
-      return rc
-    except KeyboardInterrupt:
-      signum = interrupted[0] if interrupted else signal.SIGINT
-      try:
-        saved = launcher.Shutdown(signum, shutdown_grace_s, preempted_code)
-      except KeyboardInterrupt:  # A second signal: stopped at once.
-        saved = False
-      if signum == signal.SIGINT:
-        return 130
-      return preempted_code if saved else EXIT_NOT_SAVED
-  except (RuntimeError, TimeoutError) as e:
-    launcher.Print(f'error: {e}')
-    return 1
-  finally:
-    launcher.StopAll()
-    for s, handler in old.items():
-      signal.signal(s, handler)
-    launcher.Print('launch: stopped all %d processes.' % len(launcher.tasks))
-    launcher.Flush()

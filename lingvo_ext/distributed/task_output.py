@@ -133,12 +133,14 @@ class ErrorPipe:
       os.remove(self.path)
 
 
-def ShowNewLines(task, output: Output, stream_logs: bool) -> None:
+def ShowNewLines(task, output: Output, stream_logs: bool,
+                 seen=None) -> None:
   """Puts the lines `task` (a cluster_tasks.Task) logged since the last call.
 
   Every line with `stream_logs`, prefixed with the task's name; else the
   lines SHOWN matches. Its error pipe's lines first (task.errors, an
-  ErrorPipe, or None): each `error:` line is put once.
+  ErrorPipe, or None): each `error:` line is put once. `seen(task, line)`,
+  if given, is called with each line of the log after it is put.
   """
   errors = getattr(task, 'errors', None)
   for line in errors.Lines() if errors else ():
@@ -161,6 +163,8 @@ def ShowNewLines(task, output: Output, stream_logs: bool) -> None:
       output.Put(f'[{task.name}] {line}', keep=False)
     elif SHOWN.match(line):
       output.Put(f'[{task.name}] {line}')
+    if seen:
+      seen(task, line)
 
 
 class _RelayedStderr:

@@ -298,7 +298,7 @@ def testTheFlagshipsEstimateSizesItsBucketedTimeAxis(flagship):
 def testTheLauncherWarnsOncePerWorkerBeforeAnyTaskStarts(monkeypatch,
                                                          capfd):
   from lingvo_ext import launch  # pylint: disable=g-import-not-at-top
-  from lingvo_ext.distributed import launch_lib  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.distributed import launching  # pylint: disable=g-import-not-at-top
   from lingvo_ext.planner import memory_probe  # pylint: disable=g-import-not-at-top
   monkeypatch.setattr(memory_check, 'AvailableBytes',
                       lambda: (2 * 2**20, "the cgroup's memory limit"))
@@ -310,7 +310,7 @@ def testTheLauncherWarnsOncePerWorkerBeforeAnyTaskStarts(monkeypatch,
     started.append(capfd.readouterr().err)
     return 0
 
-  monkeypatch.setattr(launch_lib, 'Launch', Launch)
+  monkeypatch.setattr(launching, 'Launch', Launch)
   assert launch.Main(['--model=lm.TransformerLmTinyGPipe',
                       '--logdir=/nonexistent/x', '--workers=2',
                       '--worker_split_size=2', '--num_cpu_devices=2']) == 0
