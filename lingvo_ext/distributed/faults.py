@@ -110,8 +110,13 @@ class LostTaskReportMixin:
     self._reported_error = error
     print(LostTaskLine(o, error, retrying), file=sys.stderr, flush=True)
     if not getattr(o, 'stderrthreshold', ''):
+      self._KeepErrorsInLogFile()
       KeepFaultRecordsInLogFile()
     return not retrying
+
+  def _KeepErrorsInLogFile(self):
+    """Sends the log's errors to its file only (the runtime's runners know
+    where the log goes: runner_state.RunnerMixin)."""
 
 
 class _BelowErrors(logging.Filter):
@@ -128,9 +133,8 @@ def KeepFaultRecordsInLogFile():
   """After a lost task's line: the error records that follow it (Lingvo's
   traceback of the step, TensorFlow's 'Session failed to close') go to the
   task's log file only, not the console. Also TensorFlow's own stderr
-  handler, which its logger has where no root handler was set up first."""
-  from lingvo_ext.runtime import progress  # pylint: disable=g-import-not-at-top
-  progress.KeepErrorsInLogFile()
+  handler, which its logger has where no root handler was set up first
+  (absl's handler is the runner's `_KeepErrorsInLogFile`)."""
   for handler in logging.getLogger('tensorflow').handlers:
     if (isinstance(handler, logging.StreamHandler) and
         getattr(handler, 'stream', None) in (sys.stderr, sys.__stderr__) and

@@ -138,6 +138,9 @@ class RunnerMixin(disk_space.StopOnDiskFullMixin,
     self._options = options
     super().__init__(*args, **kwargs)
 
+  def _KeepErrorsInLogFile(self):
+    progress.KeepErrorsInLogFile()
+
   @property
   def stopped(self):
     """Whether its loop has finished (Lingvo's _DequeueThreadComplete)."""
