@@ -35,7 +35,7 @@ def MeasuredPeak(model: str, overrides: str, devices: int, steps: int,
 
 
 def Predicted(model: str, overrides: str, devices: int):
-  from lingvo_ext.runtime import start_memory  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.preflight import start_memory  # pylint: disable=g-import-not-at-top
   from lingvo_ext.tasks import experiment_params  # pylint: disable=g-import-not-at-top
   cfg = experiment_params.GetParams(model, 'Train', overrides)
   return start_memory.EstimateRun(cfg, devices, devices)

@@ -113,7 +113,7 @@ def _WarnOfMemory(trainer_flags, num_workers: int) -> None:
   (start_memory.LaunchWarnings); --plan=auto warns with its own. An
   estimate that cannot be made (a bad flag the tasks will report) prints
   nothing."""
-  from lingvo_ext.runtime import start_memory  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.preflight import start_memory  # pylint: disable=g-import-not-at-top
   if _FlagValue(trainer_flags, 'plan', ''):
     return
   try:

@@ -90,12 +90,12 @@ from lingvo_ext import checkpoints
 from lingvo_ext.runtime import input_guard
 from lingvo_ext.runtime import jit_default
 from lingvo_ext.runtime import logdir as logdir_lib
-from lingvo_ext.runtime import memory_check
+from lingvo_ext.preflight import memory_check
 from lingvo_ext.runtime import plan_prediction
-from lingvo_ext.runtime import param_checks
+from lingvo_ext.preflight import param_checks
 from lingvo_ext.runtime import progress
 from lingvo_ext import registry
-from lingvo_ext.runtime import run_params as run_params_lib
+from lingvo_ext.tasks import run_params as run_params_lib
 from lingvo_ext.runtime import runners
 from lingvo_ext.runtime import shutdown
 from lingvo_ext.runtime import trainer_flags

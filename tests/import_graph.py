@@ -35,6 +35,7 @@ FLOORS = (
     ('lingvo_ext/tasks/', 'lingvo_ext/checkpoints/'),
     ('params/',),
     ('lingvo_ext/tracing/', 'lingvo_ext/planner/', 'lingvo_ext/serving/'),
+    ('lingvo_ext/preflight/',),
     ('lingvo_ext/runtime/',),
     ('lingvo_ext/trainer.py', 'lingvo_ext/launch.py', 'lingvo_ext/tools/',
      'lingvo_ext/examples/'),

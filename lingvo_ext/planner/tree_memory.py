@@ -1,7 +1,7 @@
 """What an experiment's pipelines and other variables hold, cheaply (TF).
 
 The start-up memory check of an experiment that is not a lingvo_ext
-`PipelinedTask` (runtime/memory_check.py): Lingvo's own task code, e.g.
+`PipelinedTask` (preflight/memory_check.py): Lingvo's own task code, e.g.
 `GPipeTransformerLm`, holds its PipeliningLayers in its Params tree, already
 cut into cells (tasks/pipeline_tree.py). The task is built once in a
 throw-away graph on one CPU device, in eval mode: no session, no variable

@@ -18,7 +18,7 @@ import numpy as np
 
 from lingvo_ext import checkpoints
 from lingvo_ext.runtime import disk_space
-from lingvo_ext.runtime import memory_check
+from lingvo_ext.preflight import memory_check
 from lingvo_ext.runtime import one_build
 from lingvo_ext.runtime import runner_state
 from lingvo_ext.distributed import step_keeping

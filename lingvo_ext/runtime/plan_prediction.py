@@ -62,7 +62,7 @@ def MemoryRecalibrateCommand(num_devices: int) -> str:
 def _PipelinedTask(model, cfg, devices, num_cpu_devices, split):
   from lingvo_ext import planner  # pylint: disable=g-import-not-at-top
   from lingvo_ext.planner import auto  # pylint: disable=g-import-not-at-top
-  from lingvo_ext.runtime import start_memory  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.preflight import start_memory  # pylint: disable=g-import-not-at-top
   profile = planner.ProfileExperiment(cfg, model)
   plan = start_memory.PlanOfParams(profile, cfg.task, num_cpu_devices, split)
   machine = auto.Machine(devices, model, profile, model_params=cfg)
@@ -75,7 +75,7 @@ def _Tree(model, cfg, devices, num_cpu_devices, split):
   from lingvo_ext.planner import auto  # pylint: disable=g-import-not-at-top
   from lingvo_ext.planner import tree  # pylint: disable=g-import-not-at-top
   from lingvo_ext.planner import tree_calibration  # pylint: disable=g-import-not-at-top
-  from lingvo_ext.runtime import start_memory  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.preflight import start_memory  # pylint: disable=g-import-not-at-top
   from lingvo_ext.tasks import pipeline_tree  # pylint: disable=g-import-not-at-top
   pipes = tree.ProfileTree(cfg, model)
   machine = tree_calibration.Calibrate(
@@ -113,7 +113,7 @@ def PredictJob(job: Dict) -> Dict:
     job: model, overrides, file_override, engine (the trainer's flags that
       build its params), devices (planned for), num_cpu_devices, split.
   """
-  from lingvo_ext.runtime import start_memory  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.preflight import start_memory  # pylint: disable=g-import-not-at-top
   from lingvo_ext.tasks import experiment_params  # pylint: disable=g-import-not-at-top
   from lingvo_ext.tasks import pipeline_tree  # pylint: disable=g-import-not-at-top
   _EndWithParent()

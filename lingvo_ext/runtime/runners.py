@@ -22,7 +22,7 @@ from lingvo_ext.runtime import local_controller
 from lingvo_ext.runtime import local_evaler
 from lingvo_ext.runtime import local_trainer
 from lingvo_ext.runtime import one_build
-from lingvo_ext.runtime import run_params
+from lingvo_ext.tasks import run_params
 from lingvo_ext.runtime import runner_state
 from lingvo_ext.runtime import trainer_flags
 from lingvo_ext._internal import tf as internal_tf

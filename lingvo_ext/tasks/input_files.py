@@ -228,3 +228,25 @@ def StartWatch(input_params, stop, interval_s=1.0, name='input'):
 
   threading.Thread(target=Loop, daemon=True, name='FileWatch').start()
   return watch
+
+
+def Tokenizers(input_params):
+  """[(override path, tokenizer params)] of an input's tokenizers."""
+  found = []
+  if 'tokenizer' in input_params and input_params.tokenizer is not None:
+    found.append(('input.tokenizer', input_params.tokenizer))
+  if 'tokenizer_dict' in input_params:
+    for key, p in sorted((input_params.tokenizer_dict or {}).items()):
+      if p is not None:
+        found.append((f'input.tokenizer_dict[{key!r}]', p))
+  return found
+
+
+VOCAB_KEYS = ('token_vocab_filepath', 'ngram_vocab_filepath', 'spm_model')
+
+
+def VocabFiles(input_params):
+  """[(override path, file)] of the vocab files an input's tokenizers read."""
+  return [(f'{path_key}.{key}', tok.Get(key))
+          for path_key, tok in Tokenizers(input_params)
+          for key in VOCAB_KEYS if key in tok and tok.Get(key)]

@@ -16,7 +16,6 @@ import time
 
 import lingvo.compat as tf
 
-from lingvo_ext.tasks import dataset_checks
 from lingvo_ext.tasks import input_files
 
 FILENAME = 'input_fingerprint.json'
@@ -67,7 +66,7 @@ def VocabFiles(input_params, logdir):
   """The local vocab files of a training input (LmInput's vocab.json too)."""
   if input_params is None:
     return []
-  paths = [path for _, path in dataset_checks.VocabFiles(input_params)]
+  paths = [path for _, path in input_files.VocabFiles(input_params)]
   if 'vocab_file' in input_params:  # lingvo_ext's LmInput.
     paths.append(input_params.vocab_file or
                  os.path.join(logdir, 'train', 'vocab.json'))

@@ -97,7 +97,7 @@ def CheckTrainerArgv(argv):
   # pylint: disable=g-import-not-at-top,protected-access
   import lingvo.compat as tf
   from lingvo_ext import trainer
-  from lingvo_ext.runtime import param_checks
+  from lingvo_ext.preflight import param_checks
   from lingvo_ext.runtime import trainer_flags
   from lingvo_ext.runtime import trainer_lib
   flags = trainer.FLAGS

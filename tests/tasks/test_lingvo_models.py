@@ -27,7 +27,7 @@ from tests.support import zygote
 
 from lingvo_ext.tasks import experiment_params
 from lingvo_ext import trainer
-from lingvo_ext.runtime import param_checks
+from lingvo_ext.preflight import param_checks
 from lingvo_ext.runtime import trainer_flags
 from lingvo_ext.core import from_lingvo
 from lingvo_ext.core import gpipe

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from lingvo_ext.tasks import dataset_checks
+from lingvo_ext.preflight import dataset_checks
 from lingvo_ext.tasks import experiment_params
 from lingvo_ext.tasks import sequence_checks
 from tests.support import mt_testlib

@@ -7,9 +7,8 @@ anything is written: a bad param is one `error:` line and exit 2.
 import dataclasses
 
 from lingvo_ext.distributed import sync
-from lingvo_ext.runtime import start_memory
-from lingvo_ext.runtime import run_params
-from lingvo_ext.runtime import runner_state
+from lingvo_ext.preflight import start_memory
+from lingvo_ext.tasks import run_params
 
 
 def Check(o, params=None):
@@ -30,7 +29,7 @@ def Check(o, params=None):
   """
   from lingvo_ext.tasks import pipeline_tree  # pylint: disable=g-import-not-at-top
   from lingvo_ext.core import precision  # pylint: disable=g-import-not-at-top
-  from lingvo_ext.tasks import dataset_checks  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.preflight import dataset_checks  # pylint: disable=g-import-not-at-top
   try:
     params = params or run_params.RunParams(o)
     cfg = params.Train()
@@ -60,7 +59,7 @@ def Check(o, params=None):
       if precision.RemapperOff(task.fprop_dtype):  # A TF bug with bf16.
         o = dataclasses.replace(o, grappler_remapping=False)
   except (ValueError, AttributeError, LookupError) as e:
-    return runner_state.FirstLine(e), o
+    return str(getattr(e, 'message', e)).strip().split('\n')[0], o
   if local_training and not o.plan:  # --plan=auto warns with its own.
     line = start_memory.WarnAtStart(cfg, o.num_cpu_devices, split,
                                     o.model_params_override)

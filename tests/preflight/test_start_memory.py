@@ -1,5 +1,5 @@
 """The memory estimate at start, before the model is built
-(runtime/start_memory.py, planner/tree_memory.py)."""
+(preflight/start_memory.py, planner/tree_memory.py)."""
 
 import collections
 import collections
@@ -11,8 +11,8 @@ import pytest
 
 from lingvo_ext.planner import memory_model
 from lingvo_ext.planner import tree_memory
-from lingvo_ext.runtime import memory_check
-from lingvo_ext.runtime import start_memory
+from lingvo_ext.preflight import memory_check
+from lingvo_ext.preflight import start_memory
 from lingvo_ext.tasks import experiment_params
 from tests.support import flagship_testlib
 from tests.support import lingvo_lm_testlib
@@ -121,7 +121,7 @@ def testStartWarningNamesTheNeedTheLimitAndAnOverrideThatFits():
 
 def testTheTrainersStartWarningBuildsNoModelAndNoLayerGraph(
     monkeypatch, capsys):
-  from lingvo_ext.runtime import param_checks  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.preflight import param_checks  # pylint: disable=g-import-not-at-top
   from lingvo_ext.runtime import trainer_flags  # pylint: disable=g-import-not-at-top
   from lingvo_ext.pipeline import cost  # pylint: disable=g-import-not-at-top
   from lingvo_ext.planner import memory_probe  # pylint: disable=g-import-not-at-top
@@ -256,7 +256,7 @@ def testTreeWarningNamesThePipelinesOwnOverrideThatFits(lingvo_lm):
 
 def testTheTrainerWarnsForLingvosLmBeforeItsBuild(lingvo_lm, monkeypatch,
                                                   capsys):
-  from lingvo_ext.runtime import param_checks  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.preflight import param_checks  # pylint: disable=g-import-not-at-top
   from lingvo_ext.planner import memory_probe  # pylint: disable=g-import-not-at-top
   from lingvo_ext.runtime import trainer_flags  # pylint: disable=g-import-not-at-top
   monkeypatch.setattr(memory_check, 'AvailableBytes',

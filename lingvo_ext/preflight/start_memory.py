@@ -24,7 +24,7 @@ from typing import Dict, List, Optional, Tuple
 
 from lingvo_ext.distributed import task_health
 from lingvo_ext.planner import memory_model
-from lingvo_ext.runtime import memory_check
+from lingvo_ext.preflight import memory_check
 
 
 

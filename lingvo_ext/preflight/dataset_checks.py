@@ -30,18 +30,6 @@ def JobDatasets(jobs, trains):
   return names
 
 
-def _Tokenizers(input_params):
-  """[(override path, tokenizer params)] of an input's tokenizers."""
-  found = []
-  if 'tokenizer' in input_params and input_params.tokenizer is not None:
-    found.append(('input.tokenizer', input_params.tokenizer))
-  if 'tokenizer_dict' in input_params:
-    for key, p in sorted((input_params.tokenizer_dict or {}).items()):
-      if p is not None:
-        found.append((f'input.tokenizer_dict[{key!r}]', p))
-  return found
-
-
 def _VocabEntries(path, ids_in_file):
   """The ids a vocab file gives: its max id + 1 (or its lines)."""
   with tf.io.gfile.GFile(path) as f:
@@ -58,21 +46,11 @@ def _VocabEntries(path, ids_in_file):
   return size
 
 
-_VOCAB_KEYS = ('token_vocab_filepath', 'ngram_vocab_filepath', 'spm_model')
-
-
-def VocabFiles(input_params):
-  """[(override path, file)] of the vocab files an input's tokenizers read."""
-  return [(f'{path_key}.{key}', tok.Get(key))
-          for path_key, tok in _Tokenizers(input_params)
-          for key in _VOCAB_KEYS if key in tok and tok.Get(key)]
-
-
 def CheckVocab(input_params, where):
   """Raises ValueError for a tokenizer vocab file that is missing,
   unreadable, empty or not of the tokenizer's `vocab_size`."""
-  for path_key, tok in _Tokenizers(input_params):
-    for key in _VOCAB_KEYS:
+  for path_key, tok in input_files.Tokenizers(input_params):
+    for key in input_files.VOCAB_KEYS:
       if key not in tok or not tok.Get(key):
         continue
       path = tok.Get(key)

@@ -1,11 +1,11 @@
 """The memory check against what the machine (or cgroup) has: --plan=auto's
-warning and the built graph's variables (runtime/memory_check.py)."""
+warning and the built graph's variables (preflight/memory_check.py)."""
 
 import types
 
 import lingvo.compat as tf
 
-from lingvo_ext.runtime import memory_check
+from lingvo_ext.preflight import memory_check
 
 
 def testMemoryWarningNamesTheNeedTheLimitAndAPlanThatFits():
