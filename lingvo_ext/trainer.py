@@ -87,6 +87,7 @@ from lingvo.core import py_utils
 
 from lingvo_ext import _startup
 from lingvo_ext import checkpoints
+from lingvo_ext import devices
 from lingvo_ext.runtime import input_guard
 from lingvo_ext.runtime import jit_default
 from lingvo_ext.runtime import logdir as logdir_lib
@@ -328,7 +329,7 @@ def main(unused_argv, options=None, run_state=None, params=None):
     run_state = runners.RunState()
     _StopOnSignals(o, run_state).Install()
   if o.run_locally == 'cpu' and o.num_cpu_devices > 1:
-    splits = o.num_cpu_devices // o.worker_split_size
+    splits = devices.Replicas(o.num_cpu_devices, o.worker_split_size)
     if splits > 1:
       print(f'note: --num_cpu_devices={o.num_cpu_devices} with '
             f'--worker_split_size={o.worker_split_size} runs {splits} '

@@ -6,6 +6,7 @@ anything is written: a bad param is one `error:` line and exit 2.
 
 import dataclasses
 
+from lingvo_ext import devices
 from lingvo_ext.distributed import sync
 from lingvo_ext.preflight import start_memory
 from lingvo_ext.tasks import run_params
@@ -38,7 +39,7 @@ def Check(o, params=None):
              and 'batch_size' in cfg.input else None)
     local_training = o.run_locally == 'cpu' and o.trains_here
     split = o.worker_split_size
-    replicas = max(1, o.num_cpu_devices // split)
+    replicas = devices.Replicas(o.num_cpu_devices, split)
     if task is not None and pipeline_tree.IsPipelinedTask(task):
       task.cls.CheckParams(task)
       pipelined = True
