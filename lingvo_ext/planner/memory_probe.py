@@ -162,7 +162,7 @@ def Measure(num_devices: int):
     m = memory_model.ModelTerms(profile, plan)
     fixed = memory_model.Predict(profile, plan, base).rss_bytes
     peak = TrainerPeak(model, over, num_devices, PROBE_STEPS)
-    rows.append([1., m['activations'] + m['transient'], m['ops']])
+    rows.append([1., sum(m[n] for n in memory_model.SCALED_TERMS), m['ops']])
     rhs.append(peak - fixed)
   runtime, factor, per_op = np.linalg.solve(np.array(rows), np.array(rhs))
   if not (FACTOR_RANGE[0] <= factor <= FACTOR_RANGE[1] and per_op >= 0 and
