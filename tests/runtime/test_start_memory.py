@@ -295,6 +295,36 @@ def testTheFlagshipsEstimateSizesItsBucketedTimeAxis(flagship):
   assert 'task.lm.stack.schedule=' in line, line
 
 
+def testTheOverrideNamedForABigBatchCountsWhatRecomputeHolds():
+  # lm.TransformerLmGPipe at batch 512 (docs/faults.md's example): the
+  # override is re-estimated by the same model, its recompute terms
+  # included, and fits; the need its line names is the estimate's total.
+  from lingvo_ext import planner  # pylint: disable=g-import-not-at-top
+  over = 'input.batch_size:512'
+  cfg = planner.ExperimentParams('lm.TransformerLmGPipe', overrides=over)
+  got = start_memory.EstimateRun(cfg, 2, 2, _CONSTANTS)
+  assert got.rss_bytes == sum(got.rss_terms.values())
+  limit = got.rss_bytes / 3
+  line = start_memory.StartWarning(cfg, 2, 2, over, limit, 'x', _CONSTANTS)
+  size = start_memory.task_health.FormatBytes
+  assert line.startswith(f'warning: the run needs about '
+                         f'{size(got.rss_bytes)} ('), line
+  override = re.search(r"--model_params_override='([^']*)'\.$", line)[1]
+  fixed = planner.ExperimentParams('lm.TransformerLmGPipe',
+                                   overrides=override)
+  after = start_memory.EstimateRun(fixed, 2, 2, _CONSTANTS)
+  assert after.rss_bytes <= limit
+  assert f'(about {size(after.rss_bytes)})' in line
+  assert start_memory.StartWarning(fixed, 2, 2, override, limit, 'x',
+                                   _CONSTANTS) is None
+  # Recompute at the same micro-batches holds its outputs and gradients.
+  rc = planner.ExperimentParams(
+      'lm.TransformerLmGPipe',
+      overrides=over + '; task.recompute:True; task.num_micro_batches:32')
+  terms = start_memory.EstimateRun(rc, 2, 2, _CONSTANTS).rss_terms
+  assert terms['recompute_outputs'] > 0 and terms['gradient_buffers'] > 0
+
+
 def testTheLauncherWarnsOncePerWorkerBeforeAnyTaskStarts(monkeypatch,
                                                          capfd):
   from lingvo_ext import launch  # pylint: disable=g-import-not-at-top
