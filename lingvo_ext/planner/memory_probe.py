@@ -5,7 +5,8 @@
 version, oneDNN setting: jit_choice.Machine) and the device count; on a miss
 it runs the probe (three trainer runs, each a fresh process: its peak RSS its
 own; one per core at once; some seconds to minutes, by the load),
-writes the entry and returns it. Processes probing at once probe once (a lock file).
+writes the entry and returns it. Processes probing at once probe once (a
+lock file).
 Deleting the file, or `python -m lingvo_ext.tools.memory_probe
 --num_devices=N --force`, measures again.
 
