@@ -15,6 +15,14 @@ total):
 - transient: the step's passing peak beyond them: the gradients of the
   largest layer's kept activations of one micro-batch while its backward
   pass runs, times the same factor;
+- gradient_buffers: the weight gradients a schedule computes per
+  micro-batch (or per run of them) before they are summed
+  (prediction.Accumulations: recompute's 'B' actions, 1F1B's runs), held
+  to the step's sum, times the factor;
+- recompute_outputs: with recompute, every layer's output of every
+  micro-batch, alive from the forward pass to the backward one (measured:
+  bench/memory.py's recompute rows fall short by this without it), times
+  the factor;
 - input_pipeline: the batches the input holds (the one in the step and the
   next, INPUT_BATCHES);
 - graph: the step's graph, `GraphOps` times `Constants.bytes_per_op`.
@@ -27,6 +35,7 @@ per machine, TensorFlow version and device count); docs/performance.md,
 import dataclasses
 from typing import Dict, Tuple
 
+from lingvo_ext.pipeline import records
 from lingvo_ext.planner import prediction
 from lingvo_ext.planner.model_profile import ModelProfile
 from lingvo_ext.planner.plans import Plan
@@ -35,7 +44,11 @@ from lingvo_ext.planner.plans import Plan
 # being read meanwhile.
 INPUT_BATCHES = 2
 TERM_NAMES = ('runtime', 'variables', 'gradients', 'optimizer_slots',
-              'activations', 'transient', 'input_pipeline', 'graph')
+              'activations', 'transient', 'gradient_buffers',
+              'recompute_outputs', 'input_pipeline', 'graph')
+# The terms the probe's activation factor scales.
+SCALED_TERMS = ('activations', 'transient', 'gradient_buffers',
+                'recompute_outputs')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +112,12 @@ def ModelTerms(profile: ModelProfile, plan: Plan) -> Dict[str, float]:
   weights = params * (2 + profile.optimizer_slots)
   r = plan.replicas
   mb = plan.replica_batch // plan.num_micro_batches
+  stages = prediction.Stages(profile, plan.sizes)
+  adds = prediction.Accumulations(plan,
+                                  prediction.WeightGradientRun(plan, stages))
+  outputs = 0.
+  if plan.recompute and not records.Get(plan.schedule).planner.lingvo_loop:
+    outputs = sum(l.out_bytes for l in profile.layers) * plan.replica_batch
   return {
       'params': params,
       # Each replica's gradients: one per variable per replica.
@@ -106,6 +125,8 @@ def ModelTerms(profile: ModelProfile, plan: Plan) -> Dict[str, float]:
       'optimizer_slots': params * profile.optimizer_slots,
       'activations': max(got.process_bytes - r * weights, 0.),
       'transient': max(l.kept_bytes for l in profile.layers) * mb * r,
+      'gradient_buffers': params * adds * r,
+      'recompute_outputs': outputs * r,
       'input_pipeline': (INPUT_BATCHES * profile.in_bytes *
                          plan.global_batch),
       'ops': float(prediction.GraphOps(profile, plan)),
@@ -124,6 +145,8 @@ def Predict(profile: ModelProfile, plan: Plan,
            ('optimizer_slots', m['optimizer_slots']),
            ('activations', f * m['activations']),
            ('transient', f * m['transient']),
+           ('gradient_buffers', f * m['gradient_buffers']),
+           ('recompute_outputs', f * m['recompute_outputs']),
            ('input_pipeline', m['input_pipeline']),
            ('graph', m['ops'] * constants.bytes_per_op))
   return RssEstimate(terms, m['peak_device'])

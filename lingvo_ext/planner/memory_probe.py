@@ -4,7 +4,9 @@
 (default ~/.cache), keyed by the machine (CPU model, cores, TensorFlow
 version, oneDNN setting: jit_choice.Machine) and the device count; on a miss
 it runs the probe (three trainer runs, each a fresh process: its peak RSS its
-own; a minute or two), writes the entry and returns it. Processes probing at once probe once (a lock file).
+own; one per core at once; some seconds to minutes, by the load),
+writes the entry and returns it. Processes probing at once probe once (a
+lock file).
 Deleting the file, or `python -m lingvo_ext.tools.memory_probe
 --num_devices=N --force`, measures again.
 
@@ -81,8 +83,10 @@ def Get(num_devices: int, force: bool = False) -> memory_model.Constants:
     entry = None if force else cache_files.Read(path).get(key)
     if entry is None:
       # Once per machine: the first run would seem to hang without a word.
+      runs = len(PROBE_RUNS)
       print(f'memory model: measuring this machine\'s constants for '
-            f'{num_devices} device(s), once (3 short trainer runs; cached in '
+            f'{num_devices} device(s), once ({runs} short trainer runs, '
+            f'{min(runs, os.cpu_count() or 1)} at a time; cached in '
             f'{path}; `.venv/bin/python -m lingvo_ext.tools.memory_probe '
             f'--num_devices={num_devices}` does it ahead).', file=sys.stderr,
             flush=True)
@@ -139,31 +143,40 @@ def TrainerPeak(model: str, overrides: str, num_devices: int,
   return usage.ru_maxrss * 1024.
 
 
-def Measure(num_devices: int):
+def Measure(num_devices: int, parallel: int = 0):
   """The probe's cache entry: three trainer runs, each a fresh process.
 
   Each run's peak RSS is runtime + its predicted fixed bytes (parameters,
   gradients, slots, input) + factor x its predicted activation bytes
-  (kept and transient) + bytes_per_op x its graph's ops: three equations in
-  the three constants.
+  (memory_model.SCALED_TERMS) + bytes_per_op x its graph's ops: three
+  equations in the three constants. The runs go `parallel` at a time (0:
+  one per core, at most all): each reads its own process's peak, so they do
+  not disturb each other's figure; their predictions are made meanwhile.
   """
+  import concurrent.futures  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   from lingvo_ext.planner import tf_profiling  # pylint: disable=g-import-not-at-top
   from lingvo_ext.tasks import experiment_params  # pylint: disable=g-import-not-at-top
   base = memory_model.Constants(runtime_bytes=0., activation_factor=0.,
                                 bytes_per_op=0.)
-  rows, rhs = [], []
-  for model, over in PROBE_RUNS:
-    cfg = experiment_params.GetParams(model, 'Train', over)
-    # As the trainer's start check predicts the run (start_memory).
-    profile = tf_profiling.ProfileExperiment(cfg)
-    plan = memory_model.PlanOfParams(profile, cfg.task, num_devices,
-                                     num_devices)
-    m = memory_model.ModelTerms(profile, plan)
-    fixed = memory_model.Predict(profile, plan, base).rss_bytes
-    peak = TrainerPeak(model, over, num_devices, PROBE_STEPS)
-    rows.append([1., m['activations'] + m['transient'], m['ops']])
-    rhs.append(peak - fixed)
+  workers = parallel or min(len(PROBE_RUNS), os.cpu_count() or 1)
+  rows, fixed = [], []
+  with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
+    # The longest run first: the others fit in its time.
+    peaks = {i: pool.submit(TrainerPeak, model, over, num_devices,
+                            PROBE_STEPS)
+             for i, (model, over) in reversed(list(enumerate(PROBE_RUNS)))}
+    for model, over in PROBE_RUNS:
+      cfg = experiment_params.GetParams(model, 'Train', over)
+      # As the trainer's start check predicts the run (start_memory).
+      profile = tf_profiling.ProfileExperiment(cfg)
+      plan = memory_model.PlanOfParams(profile, cfg.task, num_devices,
+                                       num_devices)
+      m = memory_model.ModelTerms(profile, plan)
+      fixed.append(memory_model.Predict(profile, plan, base).rss_bytes)
+      rows.append([1., sum(m[n] for n in memory_model.SCALED_TERMS),
+                   m['ops']])
+    rhs = [peaks[i].result() - fixed[i] for i in range(len(PROBE_RUNS))]
   runtime, factor, per_op = np.linalg.solve(np.array(rows), np.array(rhs))
   if not (FACTOR_RANGE[0] <= factor <= FACTOR_RANGE[1] and per_op >= 0 and
           runtime > 0):
@@ -175,7 +188,7 @@ def Measure(num_devices: int):
               bytes_per_op=float(per_op),
               probe='; '.join(f'{m} {o}'.strip() for m, o in PROBE_RUNS) +
               f', the trainer on {num_devices} device(s), {PROBE_STEPS} '
-              'steps each')
+              f'steps each, {workers} at a time')
 
 
 def main(argv):

@@ -59,7 +59,17 @@ def Profile(model_params):
   its backward pass reads (tf_profiling.ProfileLayers).
   """
   from lingvo_ext.planner import tf_profiling  # pylint: disable=g-import-not-at-top
-  return tf_profiling.ProfileExperiment(model_params)
+  profile = tf_profiling.ProfileExperiment(model_params)
+  # The layers are profiled in float32: bf16 activations take half (as the
+  # override that names task.fprop_dtype was estimated).
+  task = model_params.task
+  if _IsBf16(task.fprop_dtype if 'fprop_dtype' in task else None):
+    profile = _Half(profile)
+  return profile
+
+
+def _IsBf16(dtype) -> bool:
+  return str(dtype) in ('bfloat16', "<dtype: 'bfloat16'>")
 
 
 DefaultRecompute = memory_model.DefaultRecompute
@@ -145,7 +155,7 @@ def Overrides(profile, plan, fprop_dtype, available: float, constants,
       changes.append((change, dataclasses.replace(plan, schedule=name,
                                                   recompute=rc)))
   dtypes = [({}, profile)]
-  if bf16 and str(fprop_dtype) not in ('bfloat16', "<dtype: 'bfloat16'>"):
+  if bf16 and not _IsBf16(fprop_dtype):
     dtypes.append(({'task.fprop_dtype': 'bfloat16'}, _Half(profile)))
   for dtype, prof in dtypes:
     for change, base in changes:

@@ -1,6 +1,7 @@
 """The peak-RSS model's formula (planner/memory_model.py) and its probe's
 cache (planner/memory_probe.py)."""
 
+import dataclasses
 import json
 
 from lingvo_ext import planner
@@ -36,8 +37,10 @@ def testTermsFollowTheFormulaAndAddUpToTheTotal():
       'runtime': 1000., 'variables': 20., 'gradients': 20.,
       'optimizer_slots': 40., 'activations': 1.5 * kept,
       # The largest layer's kept bytes of one micro-batch, as gradients.
-      'transient': 1.5 * 16 * 100, 'input_pipeline': 2 * 8 * 16,
-      'graph': 2. * ops}
+      'transient': 1.5 * 16 * 100,
+      # One run of weight gradients, no recompute: nothing more.
+      'gradient_buffers': 0., 'recompute_outputs': 0.,
+      'input_pipeline': 2 * 8 * 16, 'graph': 2. * ops}
   assert [n for n, _ in got.terms] == list(memory_model.TERM_NAMES)
   assert got.rss_bytes == sum(got.Terms().values())
   # Four micro-batches under 'unrolled' keep the same whole batch; the
@@ -48,6 +51,29 @@ def testTermsFollowTheFormulaAndAddUpToTheTotal():
       gradient_sync='shared', global_batch=16), c).Terms()
   assert four['activations'] == 1.5 * kept
   assert four['transient'] == 1.5 * 4 * 100
+
+
+def testRecomputeHoldsEachMicroBatchsGradientsAndEveryLayersOutput():
+  c = memory_model.Constants(runtime_bytes=1000., activation_factor=1.5,
+                             bytes_per_op=2.)
+  plan = planner.Plan(num_cells=1, sizes=(2,), devices_per_replica=1,
+                      num_micro_batches=4, schedule='unrolled',
+                      recompute=True, replicas=1, gradient_sync='shared',
+                      global_batch=16)
+  got = memory_model.Predict(_Profile(), plan, c)
+  terms = got.Terms()
+  # Each of the 4 micro-batches' backward passes makes its own weight
+  # gradients (20 bytes); 3 are added to the first's sum.
+  assert planner.Accumulations(plan) == 3
+  assert terms['gradient_buffers'] == 1.5 * 20 * 3
+  # Both layers' outputs (100 bytes per example) of all 16 examples.
+  assert terms['recompute_outputs'] == 1.5 * 2 * 100 * 16
+  assert got.rss_bytes == sum(terms.values())
+  # Two replicas: twice the model's terms, the runtime once.
+  two = memory_model.Predict(_Profile(), dataclasses.replace(
+      plan, replicas=2, global_batch=32), c).Terms()
+  assert two['gradient_buffers'] == 2 * terms['gradient_buffers']
+  assert two['recompute_outputs'] == 2 * terms['recompute_outputs']
 
 
 def testTwoPipelinesCountTheRuntimeOnce():
