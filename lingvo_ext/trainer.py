@@ -137,9 +137,10 @@ def _AutoPlan(o, cfg):
     return (f"--plan={o.plan}: the only plan is 'auto'; pass --plan=auto or "
             'leave it out.'), o, cfg
   from lingvo_ext.planner import auto as plan_tool  # pylint: disable=g-import-not-at-top
-  devices = o.devices or o.num_cpu_devices
+  num_devices = o.devices or o.num_cpu_devices
   plan = lambda budget: plan_tool.PlanParams(  # pylint: disable=g-long-lambda
-      cfg, o.model, devices, budget, o.model_params_override, o.gpipe_engine)
+      cfg, o.model, num_devices, budget, o.model_params_override,
+      o.gpipe_engine)
   try:
     chosen = plan(o.memory_per_device or None)
   except (ValueError, LookupError) as e:
@@ -148,7 +149,7 @@ def _AutoPlan(o, cfg):
   # The re-plan within the memory there is starts from the same unplanned
   # params: nothing is built again.
   warning = memory_check.CheckAutoPlan(
-      chosen.plan, devices,
+      chosen.plan, num_devices,
       lambda budget: (lambda p: (p.override, p.flags))(plan(f'{budget}B')))
   if warning:
     print(warning, file=sys.stderr, flush=True)

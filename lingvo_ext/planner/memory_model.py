@@ -35,6 +35,7 @@ per machine, TensorFlow version and device count); docs/performance.md,
 import dataclasses
 from typing import Dict, Tuple
 
+from lingvo_ext import devices
 from lingvo_ext.pipeline import records
 from lingvo_ext.planner import prediction
 from lingvo_ext.planner.model_profile import ModelProfile
@@ -178,7 +179,7 @@ def PlanOfParams(profile, task, num_cpu_devices: int, split: int):
   if recompute is None:
     recompute = DefaultRecompute(records.Get(task.schedule),
                                   profile.linear_loss)
-  replicas = max(1, num_cpu_devices // max(1, split))
+  replicas = devices.Replicas(num_cpu_devices, split)
   return Plan(
       num_cells=k, sizes=tuple(partitioning.MinMaxPartition(costs, k)),
       devices_per_replica=max(1, min(split, k)),

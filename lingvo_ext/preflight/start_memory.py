@@ -22,6 +22,7 @@ import logging
 import sys
 from typing import Dict, List, Optional, Tuple
 
+from lingvo_ext import devices
 from lingvo_ext.distributed import task_health
 from lingvo_ext.planner import memory_model
 from lingvo_ext.preflight import memory_check
@@ -270,7 +271,7 @@ def PlanOfPipeline(pipe, params, num_cpu_devices: int, split: int):
   if recompute is None:
     recompute = DefaultRecompute(records.Get(params.schedule),
                                  pipe.profile.linear_loss)
-  replicas = max(1, num_cpu_devices // max(1, split))
+  replicas = devices.Replicas(num_cpu_devices, split)
   return planner.Plan(
       num_cells=k, sizes=(1,) * k, devices_per_replica=max(1, min(split, k)),
       num_micro_batches=params.num_micro_batches, schedule=params.schedule,
