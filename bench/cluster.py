@@ -172,7 +172,7 @@ def main(argv=None):
   from lingvo.core import cluster_factory
   from lingvo.core import py_utils
   import numpy as np
-  from bench import pipeline
+  from bench import pipeline_step  # pylint: disable=g-import-not-at-top
   from lingvo_ext.core import gpipe
   from lingvo_ext.core import precision
   from lingvo_ext.distributed import cluster
@@ -200,7 +200,7 @@ def main(argv=None):
       graph = tf.Graph()
       colocate = kind != 'least_loaded'
       if kind == 'local':
-        target, config = '', pipeline.SessionConfig()
+        target, config = '', pipeline_step.SessionConfig()
         cluster_p = cluster_factory.ForTestingWorker(
             mode='sync', job='trainer_client', cpus=k, split_size=k).params
         cluster_p.ps.cpus_per_replica = k
@@ -215,7 +215,7 @@ def main(argv=None):
       sess = tf.Session(target, graph=graph, config=config)
       c = cluster_p.Instantiate()
       c.InitDevices(sess)
-      cells = pipeline.Cells('homogeneous', args.width, args.batch, k)
+      cells = pipeline_step.Cells('homogeneous', args.width, args.batch, k)
       with graph.as_default(), c, tf.device(c.GetPlacer()):
         tf.random.set_seed(1)
         py_utils.GetOrCreateGlobalStepVar()
@@ -235,7 +235,7 @@ def main(argv=None):
         updates = []
         for v, g in zip(variables, grads):
           with tf.device(v.device):
-            updates.append(tf.assign_sub(v, pipeline.LEARNING_RATE * g))
+            updates.append(tf.assign_sub(v, pipeline_step.LEARNING_RATE * g))
         train = tf.group(*updates)
         sess.run(tf.global_variables_initializer())
       return sess, loss, train
@@ -306,7 +306,7 @@ def main(argv=None):
           activation_bytes_per_step_fwd_plus_bwd=2 * act,
           activation_bytes_per_micro_batch=act // m,
           first_loss=first[('local', dtype)],
-          onednn=bool(pipeline.OneDnnEnabled()),
+          onednn=bool(pipeline_step.OneDnnEnabled()),
           cpu_bf16_units=precision.CpuHasBf16Units())
     if 'float32' in records and 'bfloat16' in records:
       f, b = records['float32'], records['bfloat16']

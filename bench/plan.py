@@ -86,10 +86,10 @@ def _Log(msg: str) -> None:
 def FcLayers(width: int = FC_WIDTH):
   """bench/pipeline.py's FC stack with its per-example loss, and its shape."""
   from lingvo.core import tshape  # pylint: disable=g-import-not-at-top
-  from bench import pipeline  # pylint: disable=g-import-not-at-top
-  layers = pipeline.LayerParams(FC_MODEL, width)
-  layers.append(pipeline.PerExampleLoss.Params().Set(name='loss'))
-  shape = tshape.Shape([FC_BATCH, pipeline.Widths(FC_MODEL, width)[0]])
+  from bench import pipeline_step  # pylint: disable=g-import-not-at-top
+  layers = pipeline_step.LayerParams(FC_MODEL, width)
+  layers.append(pipeline_step.PerExampleLoss.Params().Set(name='loss'))
+  shape = tshape.Shape([FC_BATCH, pipeline_step.Widths(FC_MODEL, width)[0]])
   return layers, shape
 
 
@@ -147,7 +147,7 @@ def BuildFcStep(plan: planner.Plan, width: int = FC_WIDTH):
   from lingvo.core import cluster_factory  # pylint: disable=g-import-not-at-top
   from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
-  from bench import pipeline  # pylint: disable=g-import-not-at-top
+  from bench import pipeline_step  # pylint: disable=g-import-not-at-top
   from lingvo_ext.core import gpipe  # pylint: disable=g-import-not-at-top
   py_utils.SetEagerMode(False)
   if plan.replicas != 1:
@@ -178,7 +178,7 @@ def BuildFcStep(plan: planner.Plan, width: int = FC_WIDTH):
     # the outputs the gradients need no forward output, so a step that
     # fetched only the updates would prune the forward pass and recompute
     # would cost nothing.
-    train = tf.group(*[tf.assign_sub(v, pipeline.LEARNING_RATE * g)
+    train = tf.group(*[tf.assign_sub(v, pipeline_step.LEARNING_RATE * g)
                        for v, g in zip(variables, grads)] + [loss])
     init = tf.global_variables_initializer()
   sess = tf.Session(graph=graph, config=FcSessionConfig(d))

@@ -46,6 +46,8 @@ from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
 from lingvo.core import saver as lingvo_saver  # pylint: disable=g-import-not-at-top
 
 from bench import pipeline as pipeline_bench  # pylint: disable=g-import-not-at-top
+
+from bench import pipeline_step  # pylint: disable=g-import-not-at-top
 from lingvo_ext.core import gpipe  # pylint: disable=g-import-not-at-top
 from lingvo_ext.core import stacking  # pylint: disable=g-import-not-at-top
 from params import lm  # pylint: disable=g-import-not-at-top
@@ -84,7 +86,7 @@ def _BuildPipelineFc(args, stack):
   """bench/pipeline.py's lingvo_ext step, optionally stacked."""
   sizes = pipeline_bench.QUICK if args.quick else pipeline_bench.FULL
   width, batch = sizes['width'], sizes['batch']
-  cells = pipeline_bench.Cells('homogeneous', width, batch, 2)
+  cells = pipeline_step.Cells('homogeneous', width, batch, 2)
   py_utils.GetOrCreateGlobalStepVar()
   net = gpipe.PipeliningLayer.Params().Set(
       name='pipe', cell_tpl=cells, num_micro_batches=4,
@@ -95,7 +97,7 @@ def _BuildPipelineFc(args, stack):
   variables = net.vars.Flatten()
   grads = tf.gradients(loss, variables)
   train = tf.group(*[
-      tf.assign_sub(v, pipeline_bench.LEARNING_RATE * g)
+      tf.assign_sub(v, pipeline_step.LEARNING_RATE * g)
       for v, g in zip(variables, grads)
   ])
   if stack:
@@ -184,7 +186,7 @@ def Run(args):
     save_s, restore_s = m.Checkpoint(args.checkpoint_repeats)
     if args.model == 'pipeline_fc':
       sizes = pipeline_bench.QUICK if args.quick else pipeline_bench.FULL
-      desc = dict(model='pipeline_fc', num_layers=pipeline_bench.NUM_LAYERS,
+      desc = dict(model='pipeline_fc', num_layers=pipeline_step.NUM_LAYERS,
                   model_dim=sizes['width'], optimizer='sgd')
     else:
       desc = dict(model='lm', num_layers=args.num_layers,

@@ -117,18 +117,19 @@ def testPlotGantt(tmp_path):
 
 
 def testIdealMs():
-  from bench import pipeline  # pylint: disable=g-import-not-at-top
-  assert pipeline.IdealMs(100.0, 1, 8) == 100.0
-  assert pipeline.IdealMs(100.0, 2, 1) == pytest.approx(100.0 * 4 / 3)
-  assert pipeline.IdealMs(120.0, 2, 4) == pytest.approx(120.0 * 5 / 8 * 4 / 3)
+  from bench import pipeline_step  # pylint: disable=g-import-not-at-top
+  assert pipeline_step.IdealMs(100.0, 1, 8) == 100.0
+  assert pipeline_step.IdealMs(100.0, 2, 1) == pytest.approx(100.0 * 4 / 3)
+  assert pipeline_step.IdealMs(120.0, 2, 4) == pytest.approx(120.0 * 5 / 8 * 4 / 3)
 
 
 def testTraceStep(tmp_path):
-  from bench import pipeline  # pylint: disable=g-import-not-at-top
-  step = pipeline.Step('lingvo_ext', 'homogeneous', width=8, batch=4,
+  from bench import pipeline_report  # pylint: disable=g-import-not-at-top
+  from bench import pipeline_step  # pylint: disable=g-import-not-at-top
+  step = pipeline_step.Step('lingvo_ext', 'homogeneous', width=8, batch=4,
                        num_cells=2, num_micro=2)
   try:
-    stats = pipeline.TraceStep(step, str(tmp_path), 'ext', 'ext K=2 M=2')
+    stats = pipeline_report.TraceStep(step, str(tmp_path), 'ext', 'ext K=2 M=2')
   finally:
     step.Close()
   for suffix in ('.trace.json', '.png'):
@@ -254,8 +255,9 @@ def testPlainWeightsGiveTheTorchModelTheSameLoss(tmp_path):
   (relu(x w + b) per layer, per-example sum of squares, summed), in numpy:
   the loss equals the TensorFlow plain model's."""
   from bench import pipeline  # pylint: disable=g-import-not-at-top
+  from bench import pipeline_step  # pylint: disable=g-import-not-at-top
   from bench import torch_baselines  # pylint: disable=g-import-not-at-top
-  step = pipeline.Step('plain', 'homogeneous', width=8, batch=4, num_cells=1,
+  step = pipeline_step.Step('plain', 'homogeneous', width=8, batch=4, num_cells=1,
                        num_micro=1)
   try:
     tf_loss = step.FirstLoss()
@@ -263,7 +265,7 @@ def testPlainWeightsGiveTheTorchModelTheSameLoss(tmp_path):
     pipeline.SavePlainWeights(step, path)
   finally:
     step.Close()
-  weights = torch_baselines.InitialWeights(8, pipeline.NUM_LAYERS, path)
+  weights = torch_baselines.InitialWeights(8, pipeline_step.NUM_LAYERS, path)
   y = torch_baselines.Input(4, 8).astype(np.float64)
   for w, b in weights:
     y = np.maximum(y @ w + b, 0.0)
@@ -271,7 +273,7 @@ def testPlainWeightsGiveTheTorchModelTheSameLoss(tmp_path):
 
 
 def testMarkdownVsTorch():
-  from bench import pipeline  # pylint: disable=g-import-not-at-top
+  from bench import pipeline_report  # pylint: disable=g-import-not-at-top
   from bench import torch_baselines  # pylint: disable=g-import-not-at-top
 
   def Rec(impl, k, m, ms, **kw):
@@ -285,7 +287,7 @@ def testMarkdownVsTorch():
              Rec('torch/1f1b', 2, 4, 200.0, **torch_kw)]
   torch_baselines.AddRatios(records)
   assert records[3]['vs_torch_plain'] == pytest.approx(240 / 110, rel=1e-3)
-  rows = pipeline.MarkdownVsTorch(records).splitlines()
+  rows = pipeline_report.MarkdownVsTorch(records).splitlines()
   assert len(rows) == 3
   assert rows[2] == ('| homogeneous | 2 | 4 | 120.0 | 100.0 | 110.0 | 240.0 '
                      '| 200.0 | 1.20 | 1.09 | 0.50 | 0.60 |')

@@ -9,7 +9,6 @@ and gradients are compared at rtol 3e-2 and atol 3e-2 of the largest value
 """
 
 import os
-import subprocess
 import sys
 
 import lingvo.compat as tf
@@ -450,14 +449,14 @@ def test_trainer_and_evaler_in_bf16(tmp_path):
 
 
 def test_bench_dtype_tables():
-  from bench import pipeline as bench_pipeline  # pylint: disable=g-import-not-at-top
+  from bench import pipeline_report  # pylint: disable=g-import-not-at-top
   from bench import transformer as bench_transformer  # pylint: disable=g-import-not-at-top
   assert bench_transformer.ParseDtypes('float32, bfloat16') == [
       'float32', 'bfloat16']
   with pytest.raises(Exception, match='float16'):
     bench_transformer.ParseDtypes('float16')
   common = dict(model='homogeneous', K=2, M=4, impl='lingvo_ext', onednn=True)
-  rows = bench_pipeline.MarkdownDtypes([
+  rows = pipeline_report.MarkdownDtypes([
       dict(common, dtype='float32', step_ms=100.0, bytes_between_cells=8),
       dict(common, dtype='bfloat16', step_ms=62.0, bytes_between_cells=4,
            vs_float32=0.62, first_loss_rel_diff=1e-3)]).splitlines()
@@ -478,7 +477,7 @@ def test_bench_dtype_tables():
       dict(rec, dtype='float32', cpu_bf16_units=False),
       dict(rec, dtype='bfloat16', cpu_bf16_units=False)]).splitlines()
   assert rows[2].endswith('| off, CPU without bf16 units |'), rows[2]
-  rows = bench_pipeline.MarkdownDtypes([
+  rows = pipeline_report.MarkdownDtypes([
       dict(common, dtype='float32', step_ms=100.0, bytes_between_cells=8),
       dict(common, dtype='bfloat16', step_ms=62.0, bytes_between_cells=4,
            cpu_bf16_units=False)]).splitlines()
