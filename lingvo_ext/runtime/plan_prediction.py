@@ -116,8 +116,8 @@ def _TrainersThreadPool(threads: int, num_devices: int) -> None:
   if not threads:
     return
   import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
-  config = tf.ConfigProto(intra_op_parallelism_threads=threads,
-                          device_count={'CPU': max(1, num_devices)})
+  config = tf.config_pb2.ConfigProto(intra_op_parallelism_threads=threads,
+                                     device_count={'CPU': max(1, num_devices)})
   with tf.Graph().as_default():
     tf.Session(config=config).close()
 
