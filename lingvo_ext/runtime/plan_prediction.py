@@ -243,11 +243,13 @@ def _Remove(path: str) -> None:
     pass
 
 
-def Start(o, max_steps, stop=None) -> 'plan_check.PlanCheck':
+def Start(o, max_steps, stop=None, emit=None,
+          rss=None) -> 'plan_check.PlanCheck':
   """The trainer's PlanCheck (--plan_check_steps, --plan_check_secs), its
   prediction started; None if the run is too short for a check (or
   --plan_check_steps=0). `stop`: an Event that ends the wait for it (the
-  run's RunState.interrupted)."""
+  run's RunState.interrupted); `emit`, `rss`: PlanCheck's (default: to the
+  console, the log and LOGDIR/train; this process's peak RSS)."""
   from lingvo_ext.planner import memory_probe  # pylint: disable=g-import-not-at-top
   steps = o.plan_check_steps
   if steps <= 0 or (max_steps is not None and max_steps < steps):
@@ -258,8 +260,9 @@ def Start(o, max_steps, stop=None) -> 'plan_check.PlanCheck':
   return plan_check.PlanCheck(
       Pending(Job(o), stop=stop),
       plan_check.Thresholds(steps, o.plan_check_secs),
-      emit=lambda lines, scalars, step: plan_check.Emit(
-          lines, scalars, step, summary_dir=summary_dir))
+      emit=emit or (lambda lines, scalars, step: plan_check.Emit(
+          lines, scalars, step, summary_dir=summary_dir)),
+      rss=rss or plan_check.PeakRss)
 
 
 def _SummaryDir(o) -> str:
