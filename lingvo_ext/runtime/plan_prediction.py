@@ -109,7 +109,7 @@ def _EndWithParent(poll_s: float = 0.5) -> None:
   threading.Thread(target=Watch, daemon=True, name='end_with_parent').start()
 
 
-def _TrainersThreadPool(threads: int, num_devices: int) -> None:
+def TrainersThreadPool(threads: int, num_devices: int) -> None:
   """This process's intra-op pool sized as the trainer's (the first
   session's config makes it for the process): the references are timed on
   the threads the run's steps get, not on every core."""
@@ -138,7 +138,7 @@ def PredictJob(job: Dict) -> Dict:
   from lingvo_ext.tasks import experiment_params  # pylint: disable=g-import-not-at-top
   from lingvo_ext.tasks import pipeline_tree  # pylint: disable=g-import-not-at-top
   _EndWithParent()
-  _TrainersThreadPool(job.get('intra_op_threads', 0),
+  TrainersThreadPool(job.get('intra_op_threads', 0),
                       job['num_cpu_devices'])
   cfg = experiment_params.GetParams(job['model'], 'Train', job['overrides'],
                                     job['file_override'], job['engine'])
