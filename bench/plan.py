@@ -5,10 +5,10 @@ benchmark of bench/pipeline.py (8 FC layers, a per-example loss in the last
 cell: a loss linear in the pipeline's outputs, so every schedule applies),
 enumerates every plan the planner offers on --devices CPU devices
 (lingvo_ext/planner/; the FC benchmark runs one replica), or those
-with M in --micro_batches, predicts each, then times them all in turn in one process (round robin,
-the fastest of --rounds) and reads each one's peak RSS in a fresh process
-(forked from a server that has imported TensorFlow). Per model
-it reports:
+with M in --micro_batches, predicts each, then times them all in turn in
+one process (round robin, the median of --rounds) and reads each one's peak
+RSS in a fresh process (forked from a server that has imported TensorFlow).
+Per model it reports:
 
 - Spearman's rank correlation of predicted and measured step times;
 - step time: the relative error |predicted - measured| / measured per plan
@@ -219,8 +219,8 @@ def SweepPlans(model: str, profile: planner.ModelProfile, devices: int,
 def TimePlans(model: str, plans: Sequence[planner.Plan], rounds: int,
               warmup: int, every_round: bool = False) -> List:
   """Step seconds of each plan, all built in this process and timed in
-  turn, round robin (measuring.RoundRobin): the fastest of the rounds, the
-  least disturbed by other processes' load."""
+  turn, round robin (measuring.RoundRobin): the median of the rounds
+  (measuring.Steady), as the calibration and the plan check take a step."""
   steps = []
   for p in plans:
     steps.append(BuildStep(model, p))
@@ -228,7 +228,7 @@ def TimePlans(model: str, plans: Sequence[planner.Plan], rounds: int,
       [lambda s=s: s[0].run(s[1]) for s in steps], rounds, warmup)
   for sess, _ in steps:
     sess.close()
-  return times if every_round else [min(t) for t in times]
+  return times if every_round else [measuring.Steady(t) for t in times]
 
 
 def Rss(model: str, plans: Sequence[planner.Plan], measurer) -> List:
@@ -392,7 +392,7 @@ def main(argv=None) -> int:
                       help='CPU devices N (default %(default)s).')
   parser.add_argument('--rounds', type=int, default=measuring.MEASURE_STEPS,
                       help='Timed rounds (one step of each plan per round, '
-                      'in turn; the fastest; default %(default)s).')
+                      'in turn; the median; default %(default)s).')
   parser.add_argument('--warmup', type=int, default=2,
                       help='Untimed steps first (default %(default)s).')
   parser.add_argument('--measure_top', type=int,
