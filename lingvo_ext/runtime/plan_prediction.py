@@ -138,6 +138,11 @@ def PredictJob(job: Dict) -> Dict:
   from lingvo_ext.tasks import experiment_params  # pylint: disable=g-import-not-at-top
   from lingvo_ext.tasks import pipeline_tree  # pylint: disable=g-import-not-at-top
   _EndWithParent()
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  if not flags.FLAGS.is_parsed():
+    # Lingvo's task code reads its flags' defaults (e.g. the MT model's
+    # --tflite_compatible); this process parsed no command line.
+    flags.FLAGS.mark_as_parsed()
   TrainersThreadPool(job.get('intra_op_threads', 0),
                       job['num_cpu_devices'])
   cfg = experiment_params.GetParams(job['model'], 'Train', job['overrides'],
