@@ -29,6 +29,6 @@ def testTheClientAndEachWorkerPrintTheLineOnce(tmp_path):
       '--plan_check_secs=0']) as run:
     assert run.Wait(1800) == 0, run.Text()[-5000:]
   out = run.Text()
-  for task in ('trainer_client task 0', 'worker task 0', 'worker task 1'):
+  for task in ('trainer_client', 'worker0', 'worker1'):
     got = re.findall(rf'^\[{task}\] {LINE}', out, re.M)
     assert len(got) == 1, (task, out[-5000:])
