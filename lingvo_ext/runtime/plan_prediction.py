@@ -143,8 +143,7 @@ def PredictJob(job: Dict) -> Dict:
     # Lingvo's task code reads its flags' defaults (e.g. the MT model's
     # --tflite_compatible); this process parsed no command line.
     flags.FLAGS.mark_as_parsed()
-  TrainersThreadPool(job.get('intra_op_threads', 0),
-                      job['num_cpu_devices'])
+  TrainersThreadPool(job.get('intra_op_threads', 0), job['num_cpu_devices'])
   cfg = experiment_params.GetParams(job['model'], 'Train', job['overrides'],
                                     job['file_override'], job['engine'])
   how = (_PipelinedTask if pipeline_tree.IsPipelinedTask(cfg.task) else _Tree)
