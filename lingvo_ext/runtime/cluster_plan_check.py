@@ -8,9 +8,11 @@ cells on --num_cpu_devices devices, the local trainer's estimate there).
 Each worker posts its peak RSS to LOGDIR/train/plan_check/ (every
 `POLL_S`); at its check the client prints its line with the fullest
 worker's, and posts its step and prediction there; each worker then prints
-its own line (its own peak RSS, the client's step and prediction), once. Files older than the task's start are another run's.
-The launcher shows the lines prefixed with the task's name
-(task_output.SHOWN).
+its own line (its own peak RSS, the client's step and prediction), once.
+Files older than the task's start are another run's. The launcher shows
+the lines prefixed with the task's name (task_output.SHOWN). The planner's
+machine is one process's devices: the transfers between tasks are not in
+the prediction (docs/performance.md, "The plan check").
 """
 
 import json
