@@ -92,6 +92,7 @@ from lingvo_ext.runtime import input_guard
 from lingvo_ext.runtime import jit_default
 from lingvo_ext.runtime import logdir as logdir_lib
 from lingvo_ext.preflight import memory_check
+from lingvo_ext.runtime import cluster_plan_check
 from lingvo_ext.runtime import plan_prediction
 from lingvo_ext.preflight import param_checks
 from lingvo_ext.runtime import progress
@@ -364,6 +365,13 @@ def main(unused_argv, options=None, run_state=None, params=None):
     step, max_steps = logdir_lib.ResumeStep(o, params.Train())
     run_state.plan_check = plan_prediction.Start(
         o, max(max_steps - (step or 0), 0), stop=run_state.interrupted)
+  elif o.distributed and 'trainer_client' in o.jobs:
+    # A cluster's: the step here, the memory the workers' (cells).
+    run_state.plan_check = cluster_plan_check.ClientCheck(
+        o, params.Train().train.max_steps if o.max_steps is None else
+        o.max_steps, stop=run_state.interrupted)
+  elif o.distributed and o.jobs[0] == 'worker':
+    cluster_plan_check.StartWorker(o, run_state.interrupted)
   threads = o.IntraOpThreads()
   if threads:
     tf.logging.info('intra-op threads: %d (--intra_op_threads)', threads)

@@ -24,6 +24,7 @@ ERROR_PIPE_ENV = 'LINGVO_EXT_ERROR_PIPE'
 # INFO log records).
 SHOWN = re.compile(
     r'^(step \d+/\d+ |error:|warning:|note:|interrupted|TF_CONFIG:|Slurm:|'
+    r'plan check:|'
     r'(controller|trainer_client|trainer|worker|ps|evaler_\w+|decoder_\w+)'
     r'(,\w+)*( task \d+)?:)')
 

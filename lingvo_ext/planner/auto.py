@@ -28,7 +28,7 @@ def Machine(num_devices: int, model: Optional[str] = None,
             profile: Optional[planner.ModelProfile] = None,
             overhead_bytes: float = PROCESS_OVERHEAD_BYTES,
             overrides: str = '', model_params=None, xla: bool = False,
-            recalibrate: bool = False):
+            recalibrate: bool = False, on_calibrate=None):
   """This host's Machine, probed under the trainer's session config.
 
   With `model` and `profile`, calibrated (planner.Calibrate) on the model's
@@ -37,14 +37,20 @@ def Machine(num_devices: int, model: Optional[str] = None,
   with `xla` too, XLA's costs on its XLA references (planner.CalibrateXla),
   unless XLA cannot compile the model's cells (then they stay unset, logged).
   A calibration is cached (machine_cache.py); `recalibrate` times it again.
+  `on_calibrate()` is called before the references are timed (a cache miss).
   """
   if model and profile:
     refs = planner.ReferencePlans(profile, devices=num_devices)
     key = machine_cache.Key(profile, num_devices, refs, '%s\nxla=%s %d' % (
         machine_cache.Host(), xla, overhead_bytes))
-    return machine_cache.Cached(key, lambda: _Calibrated(
-        num_devices, model, profile, overhead_bytes, overrides, model_params,
-        xla, refs), recalibrate)
+
+    def Fit():
+      if on_calibrate:
+        on_calibrate()
+      return _Calibrated(num_devices, model, profile, overhead_bytes,
+                         overrides, model_params, xla, refs)
+
+    return machine_cache.Cached(key, Fit, recalibrate)
   return planner.ProbeMachine(planner.SessionConfig(num_devices),
                               overhead_bytes=overhead_bytes)
 
@@ -63,7 +69,7 @@ def _Calibrated(num_devices, model, profile, overhead_bytes, overrides,
       [lambda s=s: s[0].run(s[1]) for s in timed], measuring.MEASURE_STEPS, 1)
   for sess, _ in timed:
     sess.close()
-  best = [min(t) for t in times]
+  best = [measuring.Steady(t) for t in times]
   machine = planner.Calibrate(profile, machine, best[:len(steps)])
   if xla_refs:
     machine = planner.CalibrateXla(profile, machine, best[len(steps):],

@@ -21,6 +21,9 @@ from lingvo_ext.planner.model_profile import Machine
 from lingvo_ext.planner.model_profile import ModelProfile
 
 CACHE_FILE = 'calibration.json'
+# What the fit takes of its timings, in the key: a change invalidates the
+# entries fitted otherwise.
+FIT = 'median of rounds; loop'
 
 
 def CachePath() -> str:
@@ -36,7 +39,7 @@ def Key(profile: ModelProfile, devices: int, refs: Sequence[object],
                                         profile.optimizer_slots,
                                         profile.cell_functions)),
                     repr([r.Key() for r in refs]), 'devices=%d' % devices,
-                    host])
+                    host, FIT])
   return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 

@@ -25,6 +25,14 @@ MEASURE_TOP = 8
 MEASURE_WARMUP = 2
 
 
+def Steady(times) -> float:
+  """The step of a reference as the plan check measures the run's: the
+  median (the fastest round is the one least shared with other processes,
+  which a run's steady step is not)."""
+  import statistics  # pylint: disable=g-import-not-at-top
+  return statistics.median(times)
+
+
 def RoundRobin(runs, rounds: int, warmup: int) -> List[List[float]]:
   """Seconds of each run() over `rounds` rounds, taken in turn (the order
   rotating each round), so that load that comes and goes hits all alike."""

@@ -54,7 +54,8 @@ def _Apply(pipes):
 
 def TimeReferences(model: str, model_params, pipes, refs: Sequence[Plan],
                    rounds: Optional[int] = None) -> List[float]:
-  """The least step seconds of each reference, timed in turn (TF)."""
+  """The steady step seconds of each reference (measuring.Steady), timed
+  in turn (TF)."""
   from lingvo_ext.planner import measuring  # pylint: disable=g-import-not-at-top
   from lingvo_ext.planner import tf_profiling  # pylint: disable=g-import-not-at-top
   steps = [tf_profiling.BuildExperimentStep(
@@ -67,13 +68,13 @@ def TimeReferences(model: str, model_params, pipes, refs: Sequence[Plan],
   finally:
     for sess, _ in steps:
       sess.close()
-  return [min(t) for t in times]
+  return [measuring.Steady(t) for t in times]
 
 
 def Calibrate(model: str, model_params, pipes, devices: int,
               recalibrate: bool = False,
               machine: Optional[Machine] = None,
-              overhead_bytes: float = 0.) -> Machine:
+              overhead_bytes: float = 0., on_calibrate=None) -> Machine:
   """This host's machine fitted to `pipes[0]`'s references (cached; TF).
 
   Args:
@@ -85,6 +86,7 @@ def Calibrate(model: str, model_params, pipes, devices: int,
     machine: The probed machine (default: probed here, under the trainer's
       session config).
     overhead_bytes: The probed machine's Machine.overhead_bytes.
+    on_calibrate: Called before the references are timed (a cache miss).
   """
   from lingvo_ext.planner import tf_profiling  # pylint: disable=g-import-not-at-top
   pipe = pipes[0]
@@ -93,6 +95,8 @@ def Calibrate(model: str, model_params, pipes, devices: int,
       overhead_bytes, machine_cache.Host()))
 
   def Fit():
+    if on_calibrate:
+      on_calibrate()
     probed = machine or tf_profiling.ProbeMachine(
         tf_profiling.SessionConfig(devices),
         overhead_bytes=overhead_bytes)

@@ -191,6 +191,11 @@ class PlanCheck:
     self._times = []
     self.done = False
 
+  @property
+  def predicted(self) -> Optional[Predicted]:
+    """The prediction, once it has arrived (else None)."""
+    return self._ready if isinstance(self._ready, Predicted) else None
+
   def Ran(self, step: int) -> Optional[List[str]]:
     """Records a finished step; returns the lines if it printed them."""
     if self.done:

@@ -4,12 +4,14 @@ The run's params as the trainer built them (--plan=auto's plan set) are
 profiled and their plan read off them; the machine is this host's,
 calibrated on the model's real cells at the run's shapes (planner/auto.py's
 Machine for a PipelinedTask, planner/tree_calibration.py for pipelines that
-come cut), cached per model and machine, so a cold cache costs a
-calibration once. The peak RSS is the start-up memory check's model
-(start_memory.EstimateRun, planner/memory_model.py). `Start` runs it in a fresh process (forked from a server
-that imported TF): neither its graphs nor its calibration count in the
-trainer's own peak RSS, which the check measures. plan_check.py prints the
-line.
+come cut), each reference's median step, on the trainer's intra-op threads,
+cached per model and machine, so a cold cache costs a calibration once. The
+trainer loop's own time per step (loop_overhead.py) is added. The peak RSS
+is the start-up memory check's model (start_memory.EstimateRun,
+planner/memory_model.py). `Start` runs it in a fresh process (forked from a
+server that imported TF) while the run trains: neither its graphs nor its
+calibration count in the trainer's own peak RSS, which the check measures.
+plan_check.py prints the line.
 """
 
 import dataclasses
@@ -59,18 +61,20 @@ def MemoryRecalibrateCommand(num_devices: int) -> str:
           f'--num_devices={max(1, num_devices)} --force')
 
 
-def _PipelinedTask(model, cfg, devices, num_cpu_devices, split):
+def _PipelinedTask(model, cfg, devices, num_cpu_devices, split,
+                   on_calibrate=None):
   from lingvo_ext import planner  # pylint: disable=g-import-not-at-top
   from lingvo_ext.planner import auto  # pylint: disable=g-import-not-at-top
   from lingvo_ext.preflight import start_memory  # pylint: disable=g-import-not-at-top
   profile = planner.ProfileExperiment(cfg, model)
   plan = start_memory.PlanOfParams(profile, cfg.task, num_cpu_devices, split)
-  machine = auto.Machine(devices, model, profile, model_params=cfg)
+  machine = auto.Machine(devices, model, profile, model_params=cfg,
+                         on_calibrate=on_calibrate)
   got = planner.Predict(profile, plan, machine)
   return got.step_s, _StepTerms(profile, plan, machine)
 
 
-def _Tree(model, cfg, devices, num_cpu_devices, split):
+def _Tree(model, cfg, devices, num_cpu_devices, split, on_calibrate=None):
   from lingvo_ext import planner  # pylint: disable=g-import-not-at-top
   from lingvo_ext.planner import auto  # pylint: disable=g-import-not-at-top
   from lingvo_ext.planner import tree  # pylint: disable=g-import-not-at-top
@@ -80,7 +84,7 @@ def _Tree(model, cfg, devices, num_cpu_devices, split):
   pipes = tree.ProfileTree(cfg, model)
   machine = tree_calibration.Calibrate(
       model, cfg, pipes, devices,
-      overhead_bytes=auto.PROCESS_OVERHEAD_BYTES)
+      overhead_bytes=auto.PROCESS_OVERHEAD_BYTES, on_calibrate=on_calibrate)
   params = {'task.' + path: p for path, p in pipeline_tree.Pipelines(cfg.task)}
   plans = [start_memory.PlanOfPipeline(pipe, params[pipe.path],
                                        num_cpu_devices, split)
@@ -105,23 +109,54 @@ def _EndWithParent(poll_s: float = 0.5) -> None:
   threading.Thread(target=Watch, daemon=True, name='end_with_parent').start()
 
 
+def TrainersThreadPool(threads: int, num_devices: int) -> None:
+  """This process's intra-op pool sized as the trainer's (the first
+  session's config makes it for the process): the references are timed on
+  the threads the run's steps get, not on every core."""
+  if not threads:
+    return
+  import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
+  config = tf.config_pb2.ConfigProto(intra_op_parallelism_threads=threads,
+                                     device_count={'CPU': max(1, num_devices)})
+  with tf.Graph().as_default():
+    tf.Session(config=config).close()
+
+
 def PredictJob(job: Dict) -> Dict:
   """The prediction of the run `job` describes, as Predicted.ToDict() (TF;
   runs in a fresh process).
 
   Args:
     job: model, overrides, file_override, engine (the trainer's flags that
-      build its params), devices (planned for), num_cpu_devices, split.
+      build its params), devices (planned for), num_cpu_devices, split;
+      optionally calibrating: a path created when the cache is cold and the
+      references are timed (the trainer holds its steps meanwhile), and
+      intra_op_threads: the trainer's (Options.IntraOpThreads).
   """
+  from lingvo_ext.runtime import loop_overhead  # pylint: disable=g-import-not-at-top
   from lingvo_ext.preflight import start_memory  # pylint: disable=g-import-not-at-top
   from lingvo_ext.tasks import experiment_params  # pylint: disable=g-import-not-at-top
   from lingvo_ext.tasks import pipeline_tree  # pylint: disable=g-import-not-at-top
   _EndWithParent()
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  if not flags.FLAGS.is_parsed():
+    # Lingvo's task code reads its flags' defaults (e.g. the MT model's
+    # --tflite_compatible); this process parsed no command line.
+    flags.FLAGS.mark_as_parsed()
+  TrainersThreadPool(job.get('intra_op_threads', 0), job['num_cpu_devices'])
   cfg = experiment_params.GetParams(job['model'], 'Train', job['overrides'],
                                     job['file_override'], job['engine'])
   how = (_PipelinedTask if pipeline_tree.IsPipelinedTask(cfg.task) else _Tree)
-  step_s, step_terms = how(job['model'], cfg, job['devices'],
-                           job['num_cpu_devices'], job['split'])
+  flag = job.get('calibrating')
+  step_s, step_terms = how(
+      job['model'], cfg, job['devices'], job['num_cpu_devices'], job['split'],
+      on_calibrate=(lambda: open(flag, 'w').close()) if flag else None)
+  # The trainer loop's own time per step, probed now (loop_overhead.py).
+  loop = loop_overhead.Seconds(job['num_cpu_devices'])
+  step_s += loop
+  step_terms = list(step_terms) + [(
+      "the trainer loop's own time (global step reads, summaries, log "
+      'line)', loop)]
   # The start-up memory check's model (planner/memory_model.py).
   rss = start_memory.EstimateRun(cfg, job['num_cpu_devices'], job['split'])
   if rss is None:
@@ -142,22 +177,31 @@ def Job(o) -> Dict:
               file_override=o.model_params_file_override,
               engine=o.gpipe_engine,
               devices=o.devices if o.plan and o.devices else o.num_cpu_devices,
-              num_cpu_devices=o.num_cpu_devices, split=o.worker_split_size)
+              num_cpu_devices=o.num_cpu_devices, split=o.worker_split_size,
+              intra_op_threads=o.IntraOpThreads())
 
 
 class Pending:
   """The prediction, computed in a fresh process on a thread of its own
-  (beside the model's build).
+  (beside the model's build and the first steps).
 
-  Calling it waits for it: the Predicted (False if it failed: the cause is
-  in the log, or if `stop` is set meanwhile: a run told to stop does not
-  wait). The trainer calls it at its first step, so that the steps the
-  check measures run alone.
+  Calling it gives the Predicted, False if it failed (the cause is in the
+  log), None while it runs: training does not wait for it, the check's
+  steps are counted from its arrival. Only while a cold cache's references
+  are timed does a call wait (they would time the run's steps, not their
+  own), until the prediction is in or `stop` is set (then False: a run told
+  to stop does not wait).
   """
 
   def __init__(self, job: Dict, timeout_s: float = TIMEOUT_S, stop=None):
+    import os  # pylint: disable=g-import-not-at-top
+    import tempfile  # pylint: disable=g-import-not-at-top
     self._stop = stop
     self._result = None
+    fd, self._calibrating = tempfile.mkstemp(prefix='plan_calibrating.')
+    os.close(fd)
+    os.unlink(self._calibrating)  # The child creates it on a cache miss.
+    job = dict(job, calibrating=self._calibrating)
     self._thread = threading.Thread(target=self._Run, args=(job, timeout_s),
                                     daemon=True, name='plan_prediction')
     self._thread.start()
@@ -177,8 +221,17 @@ class Pending:
       tf.logging.info('plan check: no prediction: %s: %s',
                       type(e).__name__, e)
       self._result = False
+    finally:
+      _Remove(self._calibrating)
+
+  def Calibrating(self) -> bool:
+    """Whether the child times the references of a cold cache now."""
+    import os  # pylint: disable=g-import-not-at-top
+    return self._thread.is_alive() and os.path.exists(self._calibrating)
 
   def __call__(self):
+    if self._thread.is_alive() and not self.Calibrating():
+      return None
     while self._thread.is_alive():
       if self._stop is not None and self._stop.is_set():
         return False
@@ -186,11 +239,21 @@ class Pending:
     return self._result
 
 
-def Start(o, max_steps, stop=None) -> 'plan_check.PlanCheck':
+def _Remove(path: str) -> None:
+  import os  # pylint: disable=g-import-not-at-top
+  try:
+    os.unlink(path)
+  except OSError:
+    pass
+
+
+def Start(o, max_steps, stop=None, emit=None,
+          rss=None) -> 'plan_check.PlanCheck':
   """The trainer's PlanCheck (--plan_check_steps, --plan_check_secs), its
   prediction started; None if the run is too short for a check (or
   --plan_check_steps=0). `stop`: an Event that ends the wait for it (the
-  run's RunState.interrupted)."""
+  run's RunState.interrupted); `emit`, `rss`: PlanCheck's (default: to the
+  console, the log and LOGDIR/train; this process's peak RSS)."""
   from lingvo_ext.planner import memory_probe  # pylint: disable=g-import-not-at-top
   steps = o.plan_check_steps
   if steps <= 0 or (max_steps is not None and max_steps < steps):
@@ -201,8 +264,9 @@ def Start(o, max_steps, stop=None) -> 'plan_check.PlanCheck':
   return plan_check.PlanCheck(
       Pending(Job(o), stop=stop),
       plan_check.Thresholds(steps, o.plan_check_secs),
-      emit=lambda lines, scalars, step: plan_check.Emit(
-          lines, scalars, step, summary_dir=summary_dir))
+      emit=emit or (lambda lines, scalars, step: plan_check.Emit(
+          lines, scalars, step, summary_dir=summary_dir)),
+      rss=rss or plan_check.PeakRss)
 
 
 def _SummaryDir(o) -> str:

@@ -234,6 +234,13 @@ def main(argv=None) -> int:
   from lingvo_ext import registry  # pylint: disable=g-import-not-at-top
   if registry.CheckModel(args.model):
     return _Fail(_UnknownModel(args.model))
+  # Timed on the threads a trainer on --devices gets, as the plan check
+  # times its calibration (runtime/plan_prediction.py).
+  from lingvo_ext.runtime import plan_prediction  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.runtime import trainer_flags  # pylint: disable=g-import-not-at-top
+  plan_prediction.TrainersThreadPool(trainer_flags.Options(
+      model=args.model, run_locally='cpu',
+      num_cpu_devices=args.devices).IntraOpThreads(), args.devices)
   try:
     cfg = planner.ExperimentParams(args.model,
                                    overrides=args.model_params_override)

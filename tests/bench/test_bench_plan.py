@@ -14,6 +14,7 @@ from tests.support import ROOT
 def test_bench_sweep_takes_every_plan_the_planner_offers():
   sys.path.insert(0, ROOT)
   from bench import plan as bench_plan  # pylint: disable=g-import-not-at-top
+  from bench import plan_report  # pylint: disable=g-import-not-at-top
   profile = lib.Profile(num_layers=6, batch=16)
   offered = [p.Key() for p in planner.Enumerate(profile, 2)]
   swept = bench_plan.SweepPlans(lib.TINY, profile, 2)
@@ -33,6 +34,7 @@ def test_bench_repredict_gives_a_saved_run_the_same_predictions():
   # predictions when the planner is the same.
   sys.path.insert(0, ROOT)
   from bench import plan as bench_plan  # pylint: disable=g-import-not-at-top
+  from bench import plan_report  # pylint: disable=g-import-not-at-top
   profile = bench_plan.Profile(bench_plan.FC)
   probe = planner.Machine(flops_per_s=1e10, s_per_op=2e-5, cores=2)
   truth = dataclasses.replace(probe, step_s=3e-3, overhead_bytes=7e8)
@@ -46,12 +48,12 @@ def test_bench_repredict_gives_a_saved_run_the_same_predictions():
   plans = [p.Measured(step_s=p.step_s * (1. + 0.1 * (i % 3)),
                       rss_bytes=p.process_bytes * (1. + 0.01 * (i % 2)))
            for i, p in enumerate(plans)]
-  record = json.loads(json.dumps(bench_plan.Summary(
+  record = json.loads(json.dumps(plan_report.Summary(
       bench_plan.FC, 2, plans, machine, {}, probe=dataclasses.asdict(probe),
       reference_keys=[p.Key() for p in refs],
       reference_ms=[1e3 * t for t in ref_s],
       reference_rss_mb=[r / 2**20 for r in ref_rss])))
-  again = bench_plan.Repredict(record)
+  again = plan_report.Repredict(record, bench_plan.Profile)
   for key in ('spearman', 'chosen_key', 'best_key', 'rows'):
     assert again[key] == record[key], key
   for key in ('mem_err_mean', 'mem_err_max'):  # Rows keep 0.1 MB.
@@ -64,6 +66,7 @@ def test_bench_repredict_reads_runs_before_the_reference_keys():
   # reference's M (4), not at 8: calibrated on those plans, not today's.
   sys.path.insert(0, ROOT)
   from bench import plan as bench_plan  # pylint: disable=g-import-not-at-top
+  from bench import plan_report  # pylint: disable=g-import-not-at-top
   profile = bench_plan.Profile(bench_plan.FC)
   probe = planner.Machine(flops_per_s=1e10, s_per_op=2e-5, cores=2)
   truth = dataclasses.replace(probe, s_per_op=5e-5, step_s=3e-3)
@@ -76,13 +79,15 @@ def test_bench_repredict_reads_runs_before_the_reference_keys():
       planner.Calibrate(profile, probe, ref_s, refs=old))
   plans = [p.Measured(step_s=p.step_s, rss_bytes=p.process_bytes)
            for p in plans]
-  record = json.loads(json.dumps(bench_plan.Summary(
+  record = json.loads(json.dumps(plan_report.Summary(
       bench_plan.FC, 2, plans, truth, {}, probe=dataclasses.asdict(probe),
       reference_ms=[1e3 * t for t in ref_s], reference_rss_mb=[])))
-  again = bench_plan.Repredict(record)
+  again = plan_report.Repredict(record, bench_plan.Profile)
   assert again['rows'] == record['rows']
   with pytest.raises(ValueError, match='references'):
-    bench_plan.Repredict(dict(record, reference_keys=[p.Key() for p in old]))
+    plan_report.Repredict(
+        dict(record, reference_keys=[p.Key() for p in old]),
+        bench_plan.Profile)
 
 
 def test_bench_xla_calibrates_on_its_references_and_compares_each_pair(
@@ -92,6 +97,7 @@ def test_bench_xla_calibrates_on_its_references_and_compares_each_pair(
   # ratio is the measured one.
   sys.path.insert(0, ROOT)
   from bench import plan as bench_plan  # pylint: disable=g-import-not-at-top
+  from bench import plan_report  # pylint: disable=g-import-not-at-top
   probe = planner.Machine(flops_per_s=1e10, s_per_op=2e-5, cores=2)
   truth = dataclasses.replace(probe, step_s=3e-3, xla_s_per_call=4e-4,
                               xla_flop_factor=0.6, xla_s_per_param_byte=2e-12)
@@ -120,13 +126,14 @@ def test_bench_xla_calibrates_on_its_references_and_compares_each_pair(
     assert row['predicted_ratio'] == pytest.approx(row['measured_ratio'],
                                                    abs=2e-3), row
     assert row['agree'], row
-  table = bench_plan.XlaMarkdown([record])
+  table = plan_report.XlaMarkdown([record])
   assert table.count('| %s |' % bench_plan.FC) == len(record['rows'])
 
 
 def test_bench_pipelined_models_sweep_their_own_plans():
   sys.path.insert(0, ROOT)
   from bench import plan as bench_plan  # pylint: disable=g-import-not-at-top
+  from bench import plan_report  # pylint: disable=g-import-not-at-top
   from bench import plan_models  # pylint: disable=g-import-not-at-top
   assert [plan_models.FcWidth(m) for m in ('fc', 'fc256', 'fc1024', 'lm.X',
                                            'lingvo_lm')] == [
@@ -150,6 +157,7 @@ def test_bench_summary_reports_step_and_memory_errors():
   # prediction; the memory model's RSS 5% under the measured.
   sys.path.insert(0, ROOT)
   from bench import plan as bench_plan  # pylint: disable=g-import-not-at-top
+  from bench import plan_report  # pylint: disable=g-import-not-at-top
   profile = lib.Profile(num_layers=4, batch=8)
   machine = planner.Machine(flops_per_s=1e10, s_per_op=2e-5, cores=2)
   plans = planner.PredictAll(profile, planner.Enumerate(profile, 2)[:6],
@@ -157,7 +165,7 @@ def test_bench_summary_reports_step_and_memory_errors():
   plans = [p.Measured(step_s=p.step_s * (1. + 0.1 * (i % 3)),
                       rss_bytes=1e9) for i, p in enumerate(plans)]
   rss = {p.Key(): 0.95e9 for p in plans}
-  record = bench_plan.Summary('m', 2, plans, machine, {}, predicted_rss=rss)
+  record = plan_report.Summary('m', 2, plans, machine, {}, predicted_rss=rss)
   errors = sorted(abs(p.step_s - p.measured_step_s) / p.measured_step_s
                   for p in plans)
   assert record['step_err_max'] == pytest.approx(errors[-1], abs=1e-4)
@@ -167,7 +175,7 @@ def test_bench_summary_reports_step_and_memory_errors():
   assert record['mem_err_mean'] == record['mem_err_max'] == pytest.approx(
       0.05)
   assert record['chosen_over_best'] >= 1.
-  table = bench_plan.Markdown([record])
+  table = plan_report.Markdown([record])
   assert '| step error mean / max |' in table
   assert '| %.1f%% / %.1f%% |' % (100 * record['step_err_mean'],
                                   100 * record['step_err_max']) in table

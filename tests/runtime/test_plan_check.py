@@ -187,13 +187,48 @@ def testTheMachineCacheKeepsACalibrationPerKey(tmp_path):
   assert machine_cache.Read('other', path) is None
 
 
-def testAStoppedRunDoesNotWaitForThePrediction(monkeypatch):
+def testTrainingDoesNotWaitForThePrediction(monkeypatch):
   import threading  # pylint: disable=g-import-not-at-top
   release = threading.Event()
-  monkeypatch.setattr(plan_prediction.Pending, '_Run',
-                      lambda self, job, timeout_s: release.wait(60))
+
+  def Run(self, job, timeout_s):
+    release.wait(60)
+    self._result = PREDICTED  # pylint: disable=protected-access
+
+  monkeypatch.setattr(plan_prediction.Pending, '_Run', Run)
+  pending = plan_prediction.Pending({})
+  assert pending() is None  # Not ready: the step goes on.
+  assert not pending.Calibrating()
+  release.set()
+  pending._thread.join(60)  # pylint: disable=protected-access
+  assert pending() == PREDICTED
+
+
+def testAColdCalibrationHoldsTheStepsUntilAStop(monkeypatch):
+  import threading  # pylint: disable=g-import-not-at-top
+  release = threading.Event()
+
+  def Run(self, job, timeout_s):
+    open(job['calibrating'], 'w').close()  # What PredictJob does on a miss.
+    release.wait(60)
+
+  monkeypatch.setattr(plan_prediction.Pending, '_Run', Run)
   stop = threading.Event()
   pending = plan_prediction.Pending({}, stop=stop)
+  for _ in range(600):
+    if pending.Calibrating():
+      break
+    threading.Event().wait(0.05)
+  assert pending.Calibrating()
   stop.set()
-  assert pending() is False
+  assert pending() is False  # A run told to stop does not wait.
   release.set()
+
+
+def testTheCalibrationCacheIsKeyedByTheFit(monkeypatch):
+  layer = planner.LayerProfile('l', 1e6, 10, 20, 400, 2, 64., 64.)
+  profile = planner.ModelProfile('m', (layer,), batch=8, in_bytes=64.)
+  refs = planner.ReferencePlans(profile)
+  key = machine_cache.Key(profile, 2, refs, 'host')
+  monkeypatch.setattr(machine_cache, 'FIT', 'least of rounds')
+  assert machine_cache.Key(profile, 2, refs, 'host') != key
