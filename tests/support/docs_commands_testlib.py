@@ -98,6 +98,7 @@ def CheckTrainerArgv(argv):
   import lingvo.compat as tf
   from lingvo_ext import trainer
   from lingvo_ext.preflight import param_checks
+  from lingvo_ext.runtime import flag_checks
   from lingvo_ext.runtime import trainer_flags
   from lingvo_ext.runtime import trainer_lib
   flags = trainer.FLAGS
@@ -119,7 +120,8 @@ def CheckTrainerArgv(argv):
   if flags.cluster_spec:
     flags.set_default('run_locally', '')
   o = trainer_flags.Options.FromFlags()
-  error = trainer._CheckFlags(o)
+  error = flag_checks.Check(o, flags.worker_replicas if
+                            flags['worker_replicas'].present else None)
   if not error:
     error, o = param_checks.Check(o)
   return error
