@@ -48,7 +48,7 @@ import numpy as np  # pylint: disable=g-import-not-at-top
 from bench import harness  # pylint: disable=g-import-not-at-top
 from bench import pipeline_report  # pylint: disable=g-import-not-at-top
 from bench import pipeline_step  # pylint: disable=g-import-not-at-top
-from bench import torch_baselines  # pylint: disable=g-import-not-at-top
+from bench import torch_common  # pylint: disable=g-import-not-at-top
 from bench import transformer  # pylint: disable=g-import-not-at-top
 from lingvo_ext.core import precision  # pylint: disable=g-import-not-at-top
 
@@ -78,7 +78,7 @@ QUICK = dict(width=256, batch=32, K=[1, 2], M=[1, 4], steps=10, warmup=3,
 
 
 # The torch python: --torch_python, else .venv-torch's when it exists.
-TorchPython = torch_baselines.TorchPython
+TorchPython = torch_common.TorchPython
 
 
 def SavePlainWeights(step: 'pipeline_step.Step', path: str) -> None:
@@ -438,8 +438,8 @@ def ParseArgs(argv=None):
   for m in args.M:
     if args.batch % m:
       parser.error('--batch %d is not divisible by M=%d.' % (args.batch, m))
-  if torch_baselines.BadTorchPython(args.torch_python):
-    parser.error(torch_baselines.BadTorchPython(args.torch_python))
+  if torch_common.BadTorchPython(args.torch_python):
+    parser.error(torch_common.BadTorchPython(args.torch_python))
   if not args._child:  # pylint: disable=protected-access
     args.torch_python, note = TorchPython(args.torch_python)
     if {'homogeneous', 'transformer'} & set(args.models):
@@ -475,7 +475,7 @@ def main(argv=None) -> int:
                                                              '1f1b')]
     records = transformer.Run(
         variants, args.transformer_layers, pairs, steps, dtypes=args.dtype)
-    records = torch_baselines.WithTransformerRecords(
+    records = torch_common.WithTransformerRecords(
         records, args.torch_python, args.transformer_layers, pairs, steps)
     if args.markdown:
       print(transformer.Markdown(records))

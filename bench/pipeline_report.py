@@ -7,7 +7,7 @@ from typing import Dict, Sequence
 import lingvo.compat as tf
 
 from bench import pipeline_step
-from bench import torch_baselines
+from bench import torch_common  # pylint: disable=g-import-not-at-top
 from bench import transformer
 from lingvo_ext.tracing import step_trace
 
@@ -217,4 +217,4 @@ def PrintMarkdown(records: Sequence[Dict]) -> None:
     print()
     print(MarkdownVsTorch(records))
     print()
-    print(torch_baselines.Markdown(records))
+    print(torch_common.Markdown(records))

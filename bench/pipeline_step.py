@@ -23,7 +23,8 @@ from lingvo.core import py_utils
 from lingvo.core import tshape
 import numpy as np
 
-from bench import torch_baselines
+
+from bench import torch_common  # pylint: disable=g-import-not-at-top
 from lingvo_ext.core import gpipe as ext_gpipe
 from lingvo_ext.core import precision
 from lingvo_ext.pipeline import records
@@ -298,7 +299,7 @@ def TimeRoundRobin(steps: Dict[str, Step], num_steps: int,
 
 # One reader of /proc/self/status for both benches (torch_baselines imports
 # only the standard library and numpy at module level).
-RssMb = torch_baselines.RssMb
+RssMb = torch_common.RssMb
 
 
 def ChildPeakRss(job: Dict) -> Dict:

@@ -60,18 +60,16 @@ before the model is built.
   .venv-torch/bin/python bench/torch_baselines.py --model transformer \
       --layers 32 --K 4 --M 16 --markdown
 
-Only the standard library and numpy are imported at module level, so
-bench/pipeline.py and bench/transformer.py (without torch) can use the record
-helpers here.
+Only the standard library and numpy are imported at module level; the
+record helpers bench/pipeline.py and bench/transformer.py use (without
+torch) are bench/torch_common.py's.
 """
 
 import argparse
 import datetime
-import itertools
 import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -84,301 +82,30 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO not in sys.path:
   sys.path.insert(0, _REPO)
 from bench import harness  # pylint: disable=g-import-not-at-top,g-bad-import-order
+from bench import torch_common  # pylint: disable=g-import-not-at-top,g-bad-import-order
 
-SCHEDULES = ('gpipe', '1f1b')
 MODELS = ('homogeneous', 'transformer')
-IMPL_PREFIX = 'torch/'
 # Per model: its defaults and SGD learning rate (bench/pipeline.py's and
 # bench/transformer.py's).
 DEFAULTS = dict(width=1536, batch=128, layers=8, K=[2], M=[4, 16],
-                schedules=list(SCHEDULES), threads=2, steps=20, warmup=3)
+                schedules=list(torch_common.SCHEDULES), threads=2, steps=20, warmup=3)
 TRANSFORMER_DEFAULTS = dict(DEFAULTS, width=None, batch=32, K=[2], M=[4])
 LEARNING_RATE = {'homogeneous': 1e-6, 'transformer': 1e-4}
-# bench/transformer.py's sizes (T, D, HIDDEN, HEADS, VOCAB there).
-TRANSFORMER = dict(time_steps=16, model_dim=64, hidden=128, heads=2, vocab=32)
 TORCH_MISSING = ('torch is not installed for %s; run this file with the '
                  'python of a torch venv (bash scripts/torch_venv.sh makes '
                  '.venv-torch).')
-# The torch baselines' python when --torch_python is not given.
-VENV_PYTHON = os.path.join(_REPO, '.venv-torch', 'bin', 'python')
-
-
-def _Log(msg: str) -> None:
-  print('[torch_baselines] ' + msg, file=sys.stderr, flush=True)
-
-
-def TorchPython(flag: Optional[str],
-                default: str = VENV_PYTHON) -> Tuple[Optional[str], str]:
-  """(the python to run the torch baselines with or None, a note why)."""
-  if flag == 'none':
-    return None, 'torch baselines off (--torch_python none).'
-  if flag:
-    return flag, 'torch baselines: %s' % flag
-  if os.access(default, os.X_OK):
-    return default, 'torch baselines: %s' % default
-  return None, ('torch baselines skipped: no %s (make it with `bash '
-                'scripts/torch_venv.sh`, or pass --torch_python PATH).' %
-                os.path.relpath(default, _REPO))
-
-
-def BadTorchPython(flag: Optional[str]) -> Optional[str]:
-  """The one-line error for a --torch_python that cannot run, else None."""
-  if flag and flag != 'none' and not os.access(flag, os.X_OK):
-    return ('--torch_python %s is not an executable; give a python that has '
-            'torch (bash scripts/torch_venv.sh makes .venv-torch/bin/python) '
-            'or "none".' % flag)
-  return None
 
 
 # --- What to run --------------------------------------------------------------
 
 
-def Jobs(args) -> List[Dict]:
-  """The (impl, K, M) jobs of a run, with notes for the skipped ones."""
-  jobs = []
-  if not args.no_plain:
-    jobs.append(dict(impl=IMPL_PREFIX + 'plain', K=1, M=1))
-    if getattr(args, 'bf16_autocast', False):
-      jobs.append(dict(impl=IMPL_PREFIX + 'plain', K=1, M=1, autocast=True))
-  for k in args.K:
-    if k < 2:
-      continue  # One stage is the plain model.
-    for m in args.M:
-      for schedule in args.schedules:
-        job = dict(impl=IMPL_PREFIX + schedule, K=k, M=m)
-        if schedule == '1f1b' and m < k:
-          job['skip'] = 'Schedule1F1B needs M >= K'
-        jobs.append(job)
-  return jobs
-
-
-def TransformerDims(args) -> Dict:
-  """TRANSFORMER with the sizes given on the command line."""
-  return {name: (getattr(args, name, None) or value)
-          for name, value in TRANSFORMER.items()}
-
-
-def Threads(total: int, num_processes: int) -> int:
-  """Each process's share of `total` cores (at least 1)."""
-  return max(1, total // num_processes)
-
-
-def TransformerSplits(num_layers: int, k: int) -> List[int]:
-  """Each stage's last encoder layer (exclusive), as GPipeTransformerStack's
-  `splits=K` (ceil(L / K) layers per stage, the rest in the last)."""
-  per_stage = (num_layers - 1) // k + 1
-  return [min((i + 1) * per_stage, num_layers) for i in range(k - 1)] + [
-      num_layers]
-
-
 # --- Records (no torch needed) ------------------------------------------------
-
-
-def _Sum(values: Sequence[Optional[float]]) -> Optional[float]:
-  if any(v is None for v in values):
-    return None
-  return round(sum(values), 1)
-
-
-def Record(job: Dict, args, times_s: Sequence[float], first_loss: float,
-           rss_mb: Sequence[Optional[float]],
-           base_rss_mb: Sequence[Optional[float]], torch_info: Dict,
-           first_step_s: Optional[float] = None) -> Dict:
-  """One job's record; transformer records also carry bench/transformer.py's
-  keys (variant, L, ops, first_step_s, peak_rss_mb)."""
-  ms = [1e3 * t for t in times_s]
-  rec = dict(
-      impl=job['impl'], framework='torch', model=args.model, K=job['K'],
-      M=job['M'], step_ms=round(statistics.median(ms), 3),
-      p25_ms=round(float(np.percentile(ms, 25)), 3),
-      p75_ms=round(float(np.percentile(ms, 75)), 3), steps=len(ms),
-      width=args.width, batch=args.batch, layers=args.layers,
-      processes=len(rss_mb), threads_per_process=job['threads'],
-      first_loss=first_loss,
-      first_step_s=None if first_step_s is None else round(first_step_s, 2),
-      peak_rss_mb=_Sum(rss_mb), base_rss_mb=_Sum(base_rss_mb),
-      rss_per_process_mb=[None if r is None else round(r, 1) for r in rss_mb],
-      **torch_info)
-  if args.model == 'transformer':
-    # The pipelines apply loss_fn per micro-batch in the last stage:
-    # bench/transformer.py's --loss last_cell, never a recompute.
-    rec.update(variant=job['impl'], L=args.layers, ops=None,
-               loss='after' if job['impl'] == IMPL_PREFIX + 'plain'
-               else 'last_cell',
-               dtype='bfloat16' if job.get('autocast') else 'float32',
-               **job.get('dims', TRANSFORMER))
-  return rec
-
-
-def AddRatios(records: List[Dict]) -> None:
-  """vs_torch_plain on every torch record, where torch/plain was run."""
-  plain = {r['model']: r for r in records
-           if r['impl'] == IMPL_PREFIX + 'plain'
-           and r.get('dtype', 'float32') == 'float32'}
-  for r in records:
-    if r['impl'].startswith(IMPL_PREFIX) and r['model'] in plain:
-      r['vs_torch_plain'] = round(
-          r['step_ms'] / plain[r['model']]['step_ms'], 4)
-
-
-def Markdown(records: Sequence[Dict]) -> str:
-  """One row per torch record."""
-
-  def _F(x, fmt='%.1f'):
-    return '-' if x is None else fmt % x
-
-  lines = ['| impl | K | M | processes x threads | ms (p25-p75) '
-           '| x torch plain | first step s | first loss | vs TF plain loss '
-           '| peak RSS MB (base) |',
-           '|' + '---|' * 10]
-  for r in records:
-    if not r['impl'].startswith(IMPL_PREFIX):
-      continue
-    lines.append('| %s | %d | %d | %d x %d | %s (%s-%s) | %s | %s | %.6g | %s '
-                 '| %s (%s) |' % (
-                     r['impl'] + (' (bf16 autocast)' if r.get('dtype') ==
-                                  'bfloat16' else ''),
-                     r['K'], r['M'], r['processes'],
-                     r['threads_per_process'], _F(r['step_ms']),
-                     _F(r['p25_ms']), _F(r['p75_ms']),
-                     _F(r.get('vs_torch_plain'), '%.2f'),
-                     _F(r.get('first_step_s'), '%.2f'), r['first_loss'],
-                     _F(r.get('loss_rel_diff'), '%.1e'),
-                     _F(r['peak_rss_mb'], '%.0f'),
-                     _F(r.get('base_rss_mb'), '%.0f')))
-  return '\n'.join(lines)
 
 
 # --- For bench/transformer.py (no torch needed here) --------------------------
 
 
-def TransformerRecords(torch_python: str, num_layers: Sequence[int],
-                       km_pairs: Sequence[Tuple[int, int]], steps: int,
-                       timeout_s: int = 600, dims: Optional[Dict] = None,
-                       bf16_autocast: bool = False) -> List[Dict]:
-  """Runs this file's transformer model with `torch_python`, per (L, K, M).
-
-  `dims`: TRANSFORMER's keys (sizes; its values by default) and 'batch'.
-  `bf16_autocast`: torch/plain also in bf16 autocast.
-
-  Returns records in bench/transformer.py's format (variant 'torch/plain',
-  'torch/gpipe', 'torch/1f1b'; torch/plain under each (L, K, M) it was timed
-  beside), or one error record per configuration that failed.
-  """
-  records = []
-  for l, (k, m) in itertools.product(num_layers, km_pairs):
-    cmd = [torch_python, os.path.abspath(__file__), '--model', 'transformer',
-           '--layers', str(l), '--K', str(k), '--M', str(m), '--steps',
-           str(steps), '--timeout_s', str(timeout_s)]
-    for name, value in sorted((dims or {}).items()):
-      if name != 'vocab':
-        cmd += ['--' + name, str(value)]
-    if bf16_autocast:
-      cmd.append('--bf16_autocast')
-    _Log('torch L=%d K=%d M=%d' % (l, k, m))
-    try:
-      res = subprocess.run(cmd, capture_output=True, text=True, check=False,
-                           timeout=timeout_s * (1 + len(SCHEDULES)))
-    except (OSError, subprocess.TimeoutExpired) as e:
-      records.append(dict(variant='torch', L=l, K=k, M=m, error=repr(e)))
-      continue
-    lines = [x for x in res.stdout.splitlines() if x.startswith('{')]
-    if res.returncode or not lines:
-      tail = res.stderr.strip().splitlines()[-1:] or ['no output']
-      records.append(dict(variant='torch', L=l, K=k, M=m,
-                          error='exit %d: %s' % (res.returncode, tail[0])))
-      continue
-    for line in lines:
-      rec = json.loads(line)
-      # The unpipelined model goes with the configuration it ran beside.
-      rec['K'], rec['M'] = k, m
-      records.append(rec)
-  return records
-
-
-def MergeByConfig(records: Sequence[Dict],
-                  more: Sequence[Dict]) -> List[Dict]:
-  """records + more, grouped by (L, K, M, d_model) in the order first seen."""
-  order = {}
-
-  def _Key(r):
-    return (r['L'], r['K'], r['M'],
-            r.get('d_model', r.get('model_dim', TRANSFORMER['model_dim'])))
-
-  for r in list(records) + list(more):
-    order.setdefault(_Key(r), len(order))
-  return sorted(list(records) + list(more), key=lambda r: order[_Key(r)])
-
-
-def WithTransformerRecords(records: Sequence[Dict],
-                           torch_python: Optional[str],
-                           num_layers: Sequence[int],
-                           km_pairs: Sequence[Tuple[int, int]],
-                           steps: int, dims_list: Sequence[Dict] = (None,),
-                           bf16_autocast: bool = False) -> List[Dict]:
-  """bench/transformer.py's records with the torch rows of each (L, K, M)
-  and sizes beside them; `records` alone when torch_python is None."""
-  if not torch_python:
-    return list(records)
-  more = []
-  for dims in dims_list:
-    more += TransformerRecords(torch_python, num_layers, km_pairs, steps,
-                               dims=dims, bf16_autocast=bf16_autocast)
-  return MergeByConfig(records, more)
-
-
 # --- Workers (torch) ----------------------------------------------------------
-
-
-def RssMb(field: str = 'VmHWM') -> Optional[float]:
-  """This process's VmHWM (peak) or another /proc/self/status field, in MB."""
-  try:
-    with open('/proc/self/status') as f:
-      for line in f:
-        if line.startswith(field + ':'):
-          return int(line.split()[1]) / 1024.0
-  except OSError:
-    pass
-  return None
-
-
-def InitialWeights(width: int, layers: int,
-                   init_npz: Optional[str]) -> List[tuple]:
-  """[(w [in, out], b [out])] per layer, float32."""
-  if init_npz:
-    with np.load(init_npz) as f:
-      return [(f['w%d' % i].astype(np.float32), f['b%d' % i].astype(np.float32))
-              for i in range(layers)]
-  return [(np.random.RandomState(i + 1).normal(
-      0.0, 1.0 / np.sqrt(width), (width, width)).astype(np.float32),
-           np.zeros(width, np.float32)) for i in range(layers)]
-
-
-def Input(batch: int, width: int) -> np.ndarray:
-  """bench/pipeline.py's input."""
-  return np.random.RandomState(0).randn(batch, width).astype(np.float32)
-
-
-def TransformerData(
-    batch: int, dims: Optional[Dict] = None) -> Tuple[np.ndarray, np.ndarray]:
-  """bench/transformer.py's ids and labels ([time, batch] there), [batch,
-  time]."""
-  dims = dims or TRANSFORMER
-  rng = np.random.RandomState(0)
-  shape = [dims['time_steps'], batch]
-  ids = rng.randint(0, dims['vocab'], shape)
-  labels = rng.randint(0, dims['vocab'], shape)
-  return ids.T.astype(np.int64), labels.T.astype(np.int64)
-
-
-def PositionalEmbedding(length: int, dim: int) -> np.ndarray:
-  """Lingvo's PositionalEmbeddingLayer (timescales 1 to 1e4), [length, dim]."""
-  num_timescales = dim // 2
-  log_increment = np.log(1e4) / max(num_timescales - 1, 1)
-  inv_timescales = np.exp(np.arange(num_timescales) * -log_increment)
-  scaled_time = np.arange(length)[:, None] * inv_timescales[None, :]
-  return np.concatenate([np.sin(scaled_time), np.cos(scaled_time)],
-                        axis=1).astype(np.float32)
 
 
 def _FcModules(job: Dict):
@@ -392,7 +119,7 @@ def _FcModules(job: Dict):
     def forward(self, y):
       return y.square().sum(dim=1)
 
-  weights = InitialWeights(job['width'], job['layers'], job.get('init_npz'))
+  weights = torch_common.InitialWeights(job['width'], job['layers'], job.get('init_npz'))
   k, rank = job['K'], job.get('rank', 0)
   per_stage = job['layers'] // k
   mods = []
@@ -419,7 +146,7 @@ def _TransformerModules(job: Dict):
     def __init__(self):
       super().__init__()
       self.emb = nn.Embedding(t['vocab'], t['model_dim'])
-      self.register_buffer('pos', torch.from_numpy(PositionalEmbedding(
+      self.register_buffer('pos', torch.from_numpy(torch_common.PositionalEmbedding(
           t['time_steps'], t['model_dim'])))
 
     def forward(self, ids):
@@ -436,7 +163,7 @@ def _TransformerModules(job: Dict):
       for _ in range(job['layers'])] + [
           nn.Linear(t['model_dim'], t['vocab'])]
   k, rank = job['K'], job.get('rank', 0)
-  ends = [0] + TransformerSplits(job['layers'], k)
+  ends = [0] + torch_common.TransformerSplits(job['layers'], k)
   # Layer i + 1 of `layers` is encoder layer i; the embedding goes with the
   # first stage, the softmax with the last.
   lo = 0 if rank == 0 else ends[rank] + 1
@@ -448,7 +175,7 @@ def _Model(job: Dict):
   """(modules, inputs, target, loss_fn(output, target) -> scalar)."""
   import torch  # pylint: disable=g-import-not-at-top
   if job['model'] == 'transformer':
-    ids, labels = TransformerData(job['batch'], job['dims'])
+    ids, labels = torch_common.TransformerData(job['batch'], job['dims'])
     vocab = job['dims']['vocab']
 
     def Xent(logits, target):
@@ -458,7 +185,7 @@ def _Model(job: Dict):
     return (_TransformerModules(job), torch.from_numpy(ids),
             torch.from_numpy(labels), Xent)
   # The FC model's output is already the per-example loss: sum it.
-  return (_FcModules(job), torch.from_numpy(Input(job['batch'], job['width'])),
+  return (_FcModules(job), torch.from_numpy(torch_common.Input(job['batch'], job['width'])),
           torch.zeros(job['batch']), lambda out, target: out.sum())
 
 
@@ -490,7 +217,7 @@ def _TorchInfo() -> Dict:
 def RunPlain(job: Dict) -> Dict:
   import torch  # pylint: disable=g-import-not-at-top
   t0 = time.perf_counter()
-  base = RssMb('VmRSS')
+  base = torch_common.RssMb('VmRSS')
   torch.set_num_threads(job['threads'])
   model, x, target, loss_fn = _Model(job)
   opt = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE[job['model']])
@@ -511,7 +238,7 @@ def RunPlain(job: Dict) -> Dict:
 
   times, first_s = _TimeSteps(Step, job['warmup'], job['steps'], t0=t0)
   return dict(times_s=times, first_loss=first_losses[0], first_step_s=first_s,
-              rss_mb=RssMb(), base_rss_mb=base)
+              rss_mb=torch_common.RssMb(), base_rss_mb=base)
 
 
 def RunStage(job: Dict) -> Dict:
@@ -520,7 +247,7 @@ def RunStage(job: Dict) -> Dict:
   import torch.distributed as dist  # pylint: disable=g-import-not-at-top
   from torch.distributed import pipelining  # pylint: disable=g-import-not-at-top
   t0 = time.perf_counter()
-  base = RssMb('VmRSS')
+  base = torch_common.RssMb('VmRSS')
   torch.set_num_threads(job['threads'])
   k, rank = job['K'], job['rank']
   timeout = datetime.timedelta(seconds=job['timeout_s'])
@@ -532,7 +259,7 @@ def RunStage(job: Dict) -> Dict:
     stage_mod, x, target, loss_fn = _Model(job)
     stage = pipelining.PipelineStage(stage_mod, rank, k, torch.device('cpu'))
     cls = {'gpipe': pipelining.ScheduleGPipe,
-           '1f1b': pipelining.Schedule1F1B}[job['impl'][len(IMPL_PREFIX):]]
+           '1f1b': pipelining.Schedule1F1B}[job['impl'][len(torch_common.IMPL_PREFIX):]]
     # Sum (not average) over micro-batches, as the TensorFlow step does.
     schedule = cls(stage, n_microbatches=job['M'], loss_fn=loss_fn,
                    scale_grads=False)
@@ -557,7 +284,7 @@ def RunStage(job: Dict) -> Dict:
                                 sync=dist.barrier, t0=t0)
     return dict(times_s=times,
                 first_loss=first_losses[0] if first_losses else None,
-                first_step_s=first_s, rss_mb=RssMb(), base_rss_mb=base)
+                first_step_s=first_s, rss_mb=torch_common.RssMb(), base_rss_mb=base)
   finally:
     dist.destroy_process_group()
 # --- The parent: processes, bounded waits -------------------------------------
@@ -592,12 +319,12 @@ def RunJob(job: Dict, args, torch_info: Dict) -> Dict:
   """Runs one job in fresh processes (K for a pipeline); its record."""
   import torch.distributed as dist  # pylint: disable=g-import-not-at-top
   k = job['K']
-  num_procs = 1 if job['impl'] == IMPL_PREFIX + 'plain' else k
+  num_procs = 1 if job['impl'] == torch_common.IMPL_PREFIX + 'plain' else k
   job = dict(job, model=args.model, width=args.width, batch=args.batch,
              layers=args.layers, steps=args.steps, warmup=args.warmup,
-             init_npz=args.init_npz, dims=TransformerDims(args),
+             init_npz=args.init_npz, dims=torch_common.TransformerDims(args),
              threads=(args.threads if num_procs == 1 else
-                      Threads(args.threads, num_procs)),
+                      torch_common.Threads(args.threads, num_procs)),
              timeout_s=args.timeout_s)
   store = None
   if num_procs > 1:
@@ -636,7 +363,7 @@ def RunJob(job: Dict, args, torch_info: Dict) -> Dict:
   times = [max(ts) for ts in zip(*[r['times_s'] for r in results])]
   first_loss = [r['first_loss'] for r in results
                 if r['first_loss'] is not None][0]
-  return Record(job, args, times, first_loss, [r['rss_mb'] for r in results],
+  return torch_common.Record(job, args, times, first_loss, [r['rss_mb'] for r in results],
                 [r['base_rss_mb'] for r in results], torch_info,
                 max(r['first_step_s'] for r in results))
 
@@ -663,7 +390,7 @@ def ParseArgs(argv=None):
   parser.add_argument('--M', type=int, nargs='+',
                       help='Micro-batches (default %s, transformer %s).' %
                       (d['M'], TRANSFORMER_DEFAULTS['M']))
-  parser.add_argument('--schedules', nargs='*', choices=SCHEDULES,
+  parser.add_argument('--schedules', nargs='*', choices=torch_common.SCHEDULES,
                       default=d['schedules'])
   parser.add_argument('--no_plain', action='store_true',
                       help='Do not run torch/plain.')
@@ -679,7 +406,7 @@ def ParseArgs(argv=None):
                       '(homogeneous only).')
   parser.add_argument('--timeout_s', type=int, default=600,
                       help='Bound on each job and each collective wait.')
-  for name, value in TRANSFORMER.items():
+  for name, value in torch_common.TRANSFORMER.items():
     if name != 'vocab':
       parser.add_argument('--' + name, type=int,
                           help='Transformer only (default %d).' % value)
@@ -696,16 +423,16 @@ def ParseArgs(argv=None):
       if getattr(args, name) is not None:
         parser.error('--%s is for --model homogeneous; drop it for the '
                      'transformer.' % name)
-    for name in TRANSFORMER:
+    for name in torch_common.TRANSFORMER:
       value = getattr(args, name, None)
       if value is not None and value < 1:
         parser.error('--%s must be >= 1.' % name)
-    dims = TransformerDims(args)
+    dims = torch_common.TransformerDims(args)
     if dims['model_dim'] % dims['heads']:
       parser.error('--model_dim %d is not divisible by --heads %d; pick '
                    'heads that divide it.' % (dims['model_dim'], dims['heads']))
   else:
-    for name in list(TRANSFORMER) + ['bf16_autocast']:
+    for name in list(torch_common.TRANSFORMER) + ['bf16_autocast']:
       if getattr(args, name, None):
         parser.error('--%s is for --model transformer; drop it.' % name)
   for name, value in (TRANSFORMER_DEFAULTS if transformer else d).items():
@@ -736,31 +463,31 @@ def ParseArgs(argv=None):
 def main(argv=None) -> int:
   args = ParseArgs(argv)
   try:
-    import torch  # pylint: disable=g-import-not-at-top,unused-import
+    import torch  # noqa: F401  # pylint: disable=g-import-not-at-top,unused-import
   except ImportError:
     print(TORCH_MISSING % sys.executable, file=sys.stderr)
     return 2
   worker = args._worker  # pylint: disable=protected-access
   if worker:
     job = json.loads(worker)
-    run = RunPlain if job['impl'] == IMPL_PREFIX + 'plain' else RunStage
+    run = RunPlain if job['impl'] == torch_common.IMPL_PREFIX + 'plain' else RunStage
     print(json.dumps(run(job)), flush=True)
     return 0
   torch_info = _TorchInfo()
   records = []
-  for job in Jobs(args):
+  for job in torch_common.Jobs(args):
     if job.get('skip'):
-      _Log('%s K=%d M=%d skipped: %s' % (job['impl'], job['K'], job['M'],
+      torch_common.Log('%s K=%d M=%d skipped: %s' % (job['impl'], job['K'], job['M'],
                                          job['skip']))
       continue
     t = time.time()
     rec = RunJob(job, args, torch_info)
-    _Log('%s K=%d M=%d: %.1f ms (%.0f s)' % (rec['impl'], rec['K'], rec['M'],
+    torch_common.Log('%s K=%d M=%d: %.1f ms (%.0f s)' % (rec['impl'], rec['K'], rec['M'],
                                             rec['step_ms'], time.time() - t))
     records.append(rec)
-  AddRatios(records)
+  torch_common.AddRatios(records)
   if args.markdown:
-    print(Markdown(records))
+    print(torch_common.Markdown(records))
   else:
     for r in records:
       print(json.dumps(r), flush=True)

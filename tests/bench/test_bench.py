@@ -238,14 +238,15 @@ def testTorchBaselinesWithoutTorchSaysHowToGetIt():
 
 def testTorchJobs():
   from bench import torch_baselines  # pylint: disable=g-import-not-at-top
+  from bench import torch_common  # pylint: disable=g-import-not-at-top
   args = torch_baselines.ParseArgs(['--K', '1', '2', '--M', '1', '4'])
   jobs = [(j['impl'], j['K'], j['M'], bool(j.get('skip')))
-          for j in torch_baselines.Jobs(args)]
+          for j in torch_common.Jobs(args)]
   assert jobs == [('torch/plain', 1, 1, False),
                   ('torch/gpipe', 2, 1, False), ('torch/1f1b', 2, 1, True),
                   ('torch/gpipe', 2, 4, False), ('torch/1f1b', 2, 4, False)]
-  assert torch_baselines.Threads(2, 2) == 1
-  assert torch_baselines.Threads(2, 4) == 1
+  assert torch_common.Threads(2, 2) == 1
+  assert torch_common.Threads(2, 4) == 1
   with pytest.raises(SystemExit):
     torch_baselines.ParseArgs(['--K', '3'])  # 8 layers in 3 stages.
 
@@ -256,7 +257,7 @@ def testPlainWeightsGiveTheTorchModelTheSameLoss(tmp_path):
   the loss equals the TensorFlow plain model's."""
   from bench import pipeline  # pylint: disable=g-import-not-at-top
   from bench import pipeline_step  # pylint: disable=g-import-not-at-top
-  from bench import torch_baselines  # pylint: disable=g-import-not-at-top
+  from bench import torch_common  # pylint: disable=g-import-not-at-top
   step = pipeline_step.Step('plain', 'homogeneous', width=8, batch=4, num_cells=1,
                        num_micro=1)
   try:
@@ -265,8 +266,8 @@ def testPlainWeightsGiveTheTorchModelTheSameLoss(tmp_path):
     pipeline.SavePlainWeights(step, path)
   finally:
     step.Close()
-  weights = torch_baselines.InitialWeights(8, pipeline_step.NUM_LAYERS, path)
-  y = torch_baselines.Input(4, 8).astype(np.float64)
+  weights = torch_common.InitialWeights(8, pipeline_step.NUM_LAYERS, path)
+  y = torch_common.Input(4, 8).astype(np.float64)
   for w, b in weights:
     y = np.maximum(y @ w + b, 0.0)
   assert float((y**2).sum(axis=1).sum()) == pytest.approx(tf_loss, rel=1e-5)
@@ -274,7 +275,7 @@ def testPlainWeightsGiveTheTorchModelTheSameLoss(tmp_path):
 
 def testMarkdownVsTorch():
   from bench import pipeline_report  # pylint: disable=g-import-not-at-top
-  from bench import torch_baselines  # pylint: disable=g-import-not-at-top
+  from bench import torch_common  # pylint: disable=g-import-not-at-top
 
   def Rec(impl, k, m, ms, **kw):
     return dict(impl=impl, model='homogeneous', K=k, M=m, step_ms=ms, **kw)
@@ -285,13 +286,13 @@ def testMarkdownVsTorch():
              Rec('torch/plain', 1, 1, 110.0, **torch_kw),
              Rec('torch/gpipe', 2, 4, 240.0, **torch_kw),
              Rec('torch/1f1b', 2, 4, 200.0, **torch_kw)]
-  torch_baselines.AddRatios(records)
+  torch_common.AddRatios(records)
   assert records[3]['vs_torch_plain'] == pytest.approx(240 / 110, rel=1e-3)
   rows = pipeline_report.MarkdownVsTorch(records).splitlines()
   assert len(rows) == 3
   assert rows[2] == ('| homogeneous | 2 | 4 | 120.0 | 100.0 | 110.0 | 240.0 '
                      '| 200.0 | 1.20 | 1.09 | 0.50 | 0.60 |')
-  assert len(torch_baselines.Markdown(records).splitlines()) == 5
+  assert len(torch_common.Markdown(records).splitlines()) == 5
 
 
 def test_transformer_keeps_its_own_defaults_unless_given():

@@ -14,7 +14,6 @@ from tests.support import ROOT
 def test_bench_sweep_takes_every_plan_the_planner_offers():
   sys.path.insert(0, ROOT)
   from bench import plan as bench_plan  # pylint: disable=g-import-not-at-top
-  from bench import plan_report  # pylint: disable=g-import-not-at-top
   profile = lib.Profile(num_layers=6, batch=16)
   offered = [p.Key() for p in planner.Enumerate(profile, 2)]
   swept = bench_plan.SweepPlans(lib.TINY, profile, 2)
@@ -133,7 +132,6 @@ def test_bench_xla_calibrates_on_its_references_and_compares_each_pair(
 def test_bench_pipelined_models_sweep_their_own_plans():
   sys.path.insert(0, ROOT)
   from bench import plan as bench_plan  # pylint: disable=g-import-not-at-top
-  from bench import plan_report  # pylint: disable=g-import-not-at-top
   from bench import plan_models  # pylint: disable=g-import-not-at-top
   assert [plan_models.FcWidth(m) for m in ('fc', 'fc256', 'fc1024', 'lm.X',
                                            'lingvo_lm')] == [
@@ -156,7 +154,6 @@ def test_bench_summary_reports_step_and_memory_errors():
   # Stand-in timings: each plan measured 0%, 10% or 20% above its
   # prediction; the memory model's RSS 5% under the measured.
   sys.path.insert(0, ROOT)
-  from bench import plan as bench_plan  # pylint: disable=g-import-not-at-top
   from bench import plan_report  # pylint: disable=g-import-not-at-top
   profile = lib.Profile(num_layers=4, batch=8)
   machine = planner.Machine(flops_per_s=1e10, s_per_op=2e-5, cores=2)

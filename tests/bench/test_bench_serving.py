@@ -2,8 +2,6 @@
 generate cached against re-run (the rows' structure and ids; no time)."""
 
 import json
-import os
-import subprocess
 import sys
 
 import pytest

@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 
 from bench import torch_baselines
+
+from bench import torch_common  # pylint: disable=g-import-not-at-top
 from bench import transformer
 from tests.support import ROOT as _REPO
 
@@ -17,12 +19,12 @@ _SCRIPT = os.path.join(_REPO, 'bench', 'torch_baselines.py')
 
 
 def test_same_sizes_and_data_as_bench_transformer():
-  t = torch_baselines.TRANSFORMER
+  t = torch_common.TRANSFORMER
   assert (t['time_steps'], t['model_dim'], t['hidden'], t['heads'],
           t['vocab']) == (transformer.T, transformer.D, transformer.HIDDEN,
                           transformer.HEADS, transformer.VOCAB)
   assert torch_baselines.TRANSFORMER_DEFAULTS['batch'] == transformer.B
-  ids, labels = torch_baselines.TransformerData(transformer.B)
+  ids, labels = torch_common.TransformerData(transformer.B)
   # bench/transformer.py draws [time, batch] ids, then labels, from seed 0.
   rng = np.random.RandomState(0)
   np.testing.assert_array_equal(
@@ -34,7 +36,7 @@ def test_same_sizes_and_data_as_bench_transformer():
 
 
 def test_positional_embedding_is_lingvos_sin_then_cos():
-  pos = torch_baselines.PositionalEmbedding(16, 64)
+  pos = torch_common.PositionalEmbedding(16, 64)
   assert pos.shape == (16, 64)
   np.testing.assert_allclose(pos[0], [0.] * 32 + [1.] * 32)
   # Timescales 1 .. 1e4 over 32 frequencies: position 1's first and last.
@@ -45,10 +47,10 @@ def test_positional_embedding_is_lingvos_sin_then_cos():
 
 def test_stage_splits_follow_gpipe_transformer_stack():
   # splits=K: ceil(L / K) layers per stage, the remainder in the last.
-  assert torch_baselines.TransformerSplits(8, 2) == [4, 8]
-  assert torch_baselines.TransformerSplits(32, 4) == [8, 16, 24, 32]
-  assert torch_baselines.TransformerSplits(8, 3) == [3, 6, 8]
-  assert torch_baselines.TransformerSplits(8, 1) == [8]
+  assert torch_common.TransformerSplits(8, 2) == [4, 8]
+  assert torch_common.TransformerSplits(32, 4) == [8, 16, 24, 32]
+  assert torch_common.TransformerSplits(8, 3) == [3, 6, 8]
+  assert torch_common.TransformerSplits(8, 1) == [8]
 
 
 def test_transformer_defaults_and_bad_flags(capsys):
@@ -88,7 +90,7 @@ def _Record(**kw):
   job = dict(impl=kw.pop('impl'), K=kw.pop('K'), M=kw.pop('M'), threads=1)
   args = torch_baselines.ParseArgs(['--model', 'transformer', '--layers',
                                     '8'])
-  return torch_baselines.Record(job, args, [0.03, 0.01, 0.02], 1920.5,
+  return torch_common.Record(job, args, [0.03, 0.01, 0.02], 1920.5,
                                 [300., 310.], [200., 200.], {}, 0.456)
 
 
@@ -100,14 +102,14 @@ def test_records_render_in_bench_transformer_markdown():
   lingvo = dict(variant='lingvo', L=8, K=2, M=4, ops=5569, first_step_s=14.,
                 step_ms=40., peak_rss_mb=1093)
   lines = transformer.Markdown(
-      torch_baselines.MergeByConfig([lingvo, dict(lingvo, K=4, M=16)],
+      torch_common.MergeByConfig([lingvo, dict(lingvo, K=4, M=16)],
                                     [rec])).splitlines()
   # torch's records have no CPU time a step.
   assert lines[3] == ('| 8, 2, 4 | torch/gpipe, loss in last cell | - | 0.5 | '
                       '20.0 | - | 610 | - | 0.50x |  |')
   assert lines[4].startswith('| 8, 4, 16 | lingvo |')
   assert '| torch/gpipe | 2 | 4 | 2 x 1 | 20.0 (15.0-25.0) | - | 0.46 | 1920.5 |' in (
-      torch_baselines.Markdown([rec]))
+      torch_common.Markdown([rec]))
 
 
 def test_transformer_records_run_the_torch_python(tmp_path):
@@ -118,7 +120,7 @@ def test_transformer_records_run_the_torch_python(tmp_path):
       'echo \'{"impl": "torch/plain", "variant": "torch/plain", "L": 8, '
       '"K": 1, "M": 1}\'\n' % (tmp_path / 'argv'))
   fake.chmod(0o755)
-  recs = torch_baselines.WithTransformerRecords(
+  recs = torch_common.WithTransformerRecords(
       [dict(variant='lingvo', L=8, K=2, M=4)], str(fake), [8], [(2, 4)],
       steps=5)
   # The unpipelined model's row goes with the configuration it ran beside.
@@ -128,9 +130,9 @@ def test_transformer_records_run_the_torch_python(tmp_path):
   assert argv[1:] == ['--model', 'transformer', '--layers', '8', '--K', '2',
                       '--M', '4', '--steps', '5', '--timeout_s', '600']
   fake.write_text('#!/bin/sh\necho boom >&2\nexit 3\n')
-  recs = torch_baselines.TransformerRecords(str(fake), [8], [(2, 4)], 5)
+  recs = torch_common.TransformerRecords(str(fake), [8], [(2, 4)], 5)
   assert recs == [dict(variant='torch', L=8, K=2, M=4, error='exit 3: boom')]
-  assert torch_baselines.WithTransformerRecords([], None, [8], [(2, 4)],
+  assert torch_common.WithTransformerRecords([], None, [8], [(2, 4)],
                                                 5) == []
 
 
