@@ -10,12 +10,9 @@ names are here too: `lingvo_ext.checkpoints.X` is the path users hold.
 
 # pylint: disable=unused-import,g-multiple-import
 from lingvo_ext.checkpoints.checkpointers import (
-    CrossCutCheckpointer, FiniteChecks, NewCheckpointer, NonFiniteVariables,
-    TrainingCheckpointer)
+    FiniteChecks, NewCheckpointer, NonFiniteVariables, TrainingCheckpointer)
 from lingvo_ext.checkpoints.files import (
     CheckpointPaths, CheckpointProblem, CheckpointStep, ClearTrainingFinished,
-    DropLatestIfNonFinite, FallBackToIntactCheckpoint, LatestCheckpoint,
-    LocalizeStateFile, MarkTrainingFinished, OwnCopy, PointStatePast,
-    RebuildStateFile, StateFileProblem, TrainingFinished)
-from lingvo_ext.checkpoints.reader import (
-    NewestIntactCheckpoint, ReadProblem, SkippedLine)
+    LatestCheckpoint, LocalizeStateFile, MarkTrainingFinished,
+    RebuildStateFile, TrainingFinished)
+from lingvo_ext.checkpoints.reader import NewestIntactCheckpoint, ReadProblem

@@ -35,21 +35,16 @@ The names below are the interface (`sync.X`).
 """
 
 # pylint: disable=g-importing-member,unused-import
-from lingvo_ext.distributed.collectives import AllGatherSlices
-from lingvo_ext.distributed.collectives import AllReduceMean
-from lingvo_ext.distributed.collectives import StableKey
-from lingvo_ext.distributed.sync.all_reduce import AllReduceSync
 from lingvo_ext.distributed.sync.base import CommunicationStats
 from lingvo_ext.distributed.sync.base import GradientSync
 from lingvo_ext.distributed.sync.checks import CheckParams
 from lingvo_ext.distributed.sync.checks import CheckReplicas
-from lingvo_ext.distributed.sync.checks import COMPRESSIONS
-from lingvo_ext.distributed.sync.checks import PS_PLACEMENTS
 from lingvo_ext.distributed.sync.checks import STRATEGIES
-from lingvo_ext.distributed.sync.hybrid import HybridSync
 from lingvo_ext.distributed.sync.learners import Applying
-from lingvo_ext.distributed.sync.learners import SyncLearner
 from lingvo_ext.distributed.sync.learners import SyncLearnerMixin
 from lingvo_ext.distributed.sync.learners import WithSyncLearners
-from lingvo_ext.distributed.sync.parameter_server import ParameterServerSync
-from lingvo_ext.distributed.sync.shared import SharedSync
+# Each strategy's module registers its class (`strategy=` of GradientSync).
+from lingvo_ext.distributed.sync import all_reduce
+from lingvo_ext.distributed.sync import hybrid
+from lingvo_ext.distributed.sync import parameter_server
+from lingvo_ext.distributed.sync import shared
