@@ -89,6 +89,7 @@ from lingvo_ext import _startup
 from lingvo_ext import checkpoints
 from lingvo_ext.runtime import input_guard
 from lingvo_ext.runtime import jit_default
+from lingvo_ext.runtime import jit_resolve
 from lingvo_ext.runtime import logdir as logdir_lib
 from lingvo_ext.runtime import memory_check
 from lingvo_ext.runtime import plan_prediction
@@ -223,19 +224,6 @@ def _CheckFlags(o):
   return None
 
 
-def _ChooseJit(o, cfg):
-  """Sets the unset jit_compile of the run's pipelines (--jit_compile).
-
-  `cfg`: the run's training params, changed in place before any build.
-  """
-  step, max_steps = logdir_lib.ResumeStep(o, cfg)
-  decision = jit_default.Apply(cfg, o.jit_compile,
-                               max(max_steps - (step or 0), 0),
-                               o.jit_auto_min_steps)
-  if decision:
-    tf.logging.info('%s', decision.Line())
-
-
 def _SetThreadPools(o):
   """TensorFlow's intra-op pool for this process (--intra_op_threads).
 
@@ -357,8 +345,10 @@ def main(unused_argv, options=None, run_state=None, params=None):
     training_end.Record(os.path.join(o.logdir, 'train'), (
         params.Train().train.max_steps if o.max_steps is None else
         o.max_steps))
+  # XLA's choice, before any runner builds the model.
+  for line in jit_resolve.ForRun(o, params.Train()):
+    tf.logging.info('%s', line)
   if o.trains_here and not o.distributed:
-    _ChooseJit(o, params.Train())
     step, max_steps = logdir_lib.ResumeStep(o, params.Train())
     run_state.plan_check = plan_prediction.Start(
         o, max(max_steps - (step or 0), 0), stop=run_state.interrupted)

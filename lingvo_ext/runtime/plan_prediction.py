@@ -90,7 +90,7 @@ def _Tree(model, cfg, devices, num_cpu_devices, split):
   return step_s, _StepTerms(pipes[0].profile, plans[0], machine)
 
 
-def _EndWithParent(poll_s: float = 0.5) -> None:
+def EndWithParent(poll_s: float = 0.5) -> None:
   """Ends this process when its parent (the fork server, which ends with
   the trainer) is gone: a prediction never outlives the run."""
   import os  # pylint: disable=g-import-not-at-top
@@ -116,7 +116,7 @@ def PredictJob(job: Dict) -> Dict:
   from lingvo_ext.runtime import start_memory  # pylint: disable=g-import-not-at-top
   from lingvo_ext.tasks import experiment_params  # pylint: disable=g-import-not-at-top
   from lingvo_ext.tasks import pipeline_tree  # pylint: disable=g-import-not-at-top
-  _EndWithParent()
+  EndWithParent()
   cfg = experiment_params.GetParams(job['model'], 'Train', job['overrides'],
                                     job['file_override'], job['engine'])
   how = (_PipelinedTask if pipeline_tree.IsPipelinedTask(cfg.task) else _Tree)

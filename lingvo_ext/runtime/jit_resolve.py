@@ -1,0 +1,209 @@
+"""XLA's 'auto' resolved before the model is built: each pipeline a bool.
+
+A pipeline whose `jit_compile` is 'auto' (the trainer's --jit_compile=auto
+for a long run, runtime/jit_default.py, or the experiment's own) takes the
+faster of its two builds on this machine. Its inputs' shapes are known only
+from the task's forward pass, so the task is built once in a throw-away
+graph (eval, one device: each pipeline runs its cells in turn and its
+capture hook sees its inputs, as the planner profiles them); each pipeline
+is then looked up in jit_choice's cache or timed (runtime/jit_measure.py),
+in a fresh process forked from a server, so that the trainer's process
+holds none of the timing's graphs. `Resolve` sets the bools in the params
+(in place) before any runner builds the model; the layer's FProp never
+measures. docs/performance.md, "XLA".
+"""
+
+import pickle
+from typing import Dict, List, Tuple
+
+import lingvo.compat as tf
+
+from lingvo_ext.core import jit_choice
+from lingvo_ext.runtime import jit_default
+from lingvo_ext.tasks import pipeline_tree
+
+# The longest the timing may take (a large model on a loaded host); past it
+# the pipelines build without XLA, with a line in the log.
+TIMEOUT_S = 1800.
+
+
+def Autos(cfg) -> List[Tuple[str, object, str]]:
+  """[(override path, params holding it, the pipeline's path in the task)]
+  of each jit_compile that is 'auto' in experiment params `cfg`.
+
+  A `PipelinedTask` holds it on the task (its child `pipeline`); any other
+  experiment on its PipeliningLayers in the tree (`task.lm.stack`).
+  """
+  if pipeline_tree.IsPipelinedTask(cfg.task):
+    holders = [('task', cfg.task, 'pipeline')]
+  else:
+    holders = [(f'task.{path}', p, path)
+               for path, p in pipeline_tree.Pipelines(cfg.task)]
+  return [(f'{path}.jit_compile', p, child) for path, p, child in holders
+          if 'jit_compile' in p and
+          jit_choice.Normalize(path, p.jit_compile) == 'auto']
+
+
+def _Captured(cfg, children):
+  """{path in the task: (layer params, input TensorSpecs)} of the task's
+  pipelines at `children`, as its forward pass built them (TF)."""
+  from lingvo.core import cluster_factory  # pylint: disable=g-import-not-at-top
+  from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.pipeline import cost  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.planner import tree  # pylint: disable=g-import-not-at-top
+  py_utils.SetEagerMode(False)
+  task_p = cfg.task.Copy()
+  task_p.input = cfg.input.Copy()
+  tree.EvalSettingsForProfiling(task_p)
+  evaler = cluster_factory.ForTestingWorker(
+      mode='sync', job='trainer_client', cpus=1, split_size=1, do_eval=True)
+  got = {}
+  with cost.Sandbox(), evaler:
+    py_utils.GetOrCreateGlobalStepVar()
+    task = task_p.Instantiate()
+    layers = tree.CapturePipelineInputs(task, [(c, None) for c in children],
+                                        got)
+    task.FPropDefaultTheta()
+    spec = lambda t: None if t is None else tf.TensorSpec(t.shape, t.dtype)
+    return {c: (layers[c].params, tf.nest.map_structure(spec, got[c][1]))
+            for c in children if c in got}
+
+
+def Choices(cfg, num_devices: int, measure=None) -> Dict[str, Tuple]:
+  """{override path: (True or False, why)} of each 'auto' of `cfg`, for a
+  training build on `num_devices` devices per split: cached, else measured
+  now in this process (TF). `measure`: jit_measure.Measure (a test's
+  stand-in)."""
+  from lingvo_ext.core import gpipe  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.runtime import jit_measure  # pylint: disable=g-import-not-at-top
+  autos = Autos(cfg)
+  if not autos:
+    return {}
+  captured = _Captured(cfg, [child for _, _, child in autos])
+  out = {}
+  for path, _, child in autos:
+    if child not in captured:
+      out[path] = (False, "'auto' took False: the task's forward pass runs "
+                   'no pipeline there to time')
+      continue
+    params, specs = captured[child]
+    why = jit_choice.Unmeasurable(params, specs)
+    if why:
+      out[path] = (False, f"'auto' took False: {why}")
+      continue
+    entry, how = jit_measure.CachedOrMeasured(
+        params, specs, False, num_devices, gpipe.PipeliningLayer.FProp,
+        measure)
+    out[path] = (bool(entry['jit_compile']),
+                 "'auto' " + jit_choice.Describe(entry, how))
+  return out
+
+
+def _Job(payload: bytes, conn) -> None:
+  """Sends ('ok', Choices) of the pickled (cfg, num_devices, stable names),
+  or ('error', type, first line) (in a fresh process)."""
+  from lingvo_ext import xla_cache  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.runtime import plan_prediction  # pylint: disable=g-import-not-at-top
+  plan_prediction.EndWithParent()
+  try:
+    cfg, num_devices, stable_names = pickle.loads(payload)
+    if stable_names:  # The trainer's cell names: XLA's cache serves both.
+      xla_cache.UseStableNames()
+    conn.send(('ok', Choices(cfg, num_devices)))
+  except Exception as e:  # pylint: disable=broad-except
+    lines = str(e).strip().splitlines()
+    conn.send(('error', type(e).__name__, lines[0] if lines else ''))
+  conn.close()
+
+
+def _InFreshProcess(payload: bytes, timeout_s: float):
+  """_Job's Choices, run in a process forked from a server (which imported
+  the planner), ended when done or after `timeout_s`."""
+  import multiprocessing  # pylint: disable=g-import-not-at-top
+  ctx = multiprocessing.get_context('forkserver')
+  ctx.set_forkserver_preload(['lingvo_ext.planner'])
+  receive, send = ctx.Pipe(duplex=False)
+  proc = ctx.Process(target=_Job, args=(payload, send), daemon=True,
+                     name='jit_compile_auto')
+  proc.start()
+  send.close()
+  try:
+    if not receive.poll(timeout_s):
+      raise RuntimeError(f'it took over {timeout_s:.0f} s')
+    try:
+      got = receive.recv()
+    except EOFError:
+      proc.join(10)
+      raise RuntimeError('its process ended with no answer (exit code '
+                         f'{proc.exitcode})') from None
+  finally:
+    proc.kill()
+    proc.join(10)
+    receive.close()
+  if got[0] != 'ok':
+    raise RuntimeError('%s: %s' % got[1:])
+  return got[1]
+
+
+def Resolve(cfg, num_devices: int, fresh_process: bool = True,
+            timeout_s: float = TIMEOUT_S) -> List[jit_default.Decision]:
+  """Sets each 'auto' jit_compile of experiment params `cfg` (in place) to
+  True or False, the faster build on `num_devices` devices per split
+  (cached or timed); one Decision per pipeline, in the log's words.
+
+  The timing runs in a fresh process (`fresh_process`, when `cfg` pickles);
+  if it fails or takes over `timeout_s`, those pipelines build without XLA
+  and the Decision says why.
+  """
+  from lingvo_ext import xla_cache  # pylint: disable=g-import-not-at-top
+  autos = Autos(cfg)
+  if not autos:
+    return []
+  payload = None
+  if fresh_process:
+    try:
+      payload = pickle.dumps((cfg, num_devices, xla_cache.StableNames()))
+    except (pickle.PicklingError, TypeError, AttributeError) as e:
+      tf.logging.info("jit_compile 'auto': the params do not pickle (%s); "
+                      'timed in this process.', e)
+  try:
+    choices = (_InFreshProcess(payload, timeout_s) if payload else
+               Choices(cfg, num_devices))
+  except Exception as e:  # pylint: disable=broad-except
+    # A timing that fails never stops the run: the build reports a bad model.
+    text = str(e).strip().splitlines()
+    why = "'auto' took False: the timing failed (%s)" % (
+        text[0] if text else type(e).__name__)
+    choices = {path: (False, why) for path, _, _ in autos}
+  decisions = []
+  for path, p, _ in autos:
+    value, why = choices[path]
+    p.jit_compile = value
+    decisions.append(jit_default.Decision(value, (path,), why))
+  return decisions
+
+
+# The jobs that build the training model (an evaler's or decoder's model is
+# its dataset's, in eval).
+_TRAINING_JOBS = ('controller', 'trainer_client', 'trainer')
+
+
+def ForRun(o, cfg) -> List[str]:
+  """The trainer's XLA step on its training params `cfg` (in place), before
+  the model is built; its log lines.
+
+  A local training run sets each unset jit_compile from --jit_compile
+  (jit_default.Apply); a process that builds the training model then
+  resolves each 'auto' (`Resolve`). `o`: trainer_flags.Options.
+  """
+  from lingvo_ext.runtime import logdir  # pylint: disable=g-import-not-at-top
+  lines = []
+  if o.trains_here and not o.distributed:
+    step, max_steps = logdir.ResumeStep(o, cfg)
+    decision = jit_default.Apply(cfg, o.jit_compile,
+                                 max(max_steps - (step or 0), 0),
+                                 o.jit_auto_min_steps)
+    lines += [decision.Line()] if decision else []
+  if set(o.jobs) & set(_TRAINING_JOBS):
+    lines += [d.Line() for d in Resolve(cfg, o.worker_split_size)]
+  return lines
