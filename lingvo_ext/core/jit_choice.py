@@ -81,7 +81,7 @@ def Signature(params, args, do_eval: bool, num_devices: int) -> str:
   p = params.Copy().Set(jit_compile=False)
   shapes = [None if t is None else (t.dtype.name, str(t.shape))
             for t in nest_util.Flat(args)]
-  text = '\n'.join([p.ToText(), repr(shapes), 'eval=%s' % do_eval,
+  text = '\n'.join([p.ToText(), repr(shapes), 'eval=%s' % bool(do_eval),
                     'devices=%d' % num_devices, Machine()])
   return hashlib.sha256(text.encode()).hexdigest()[:24]
 
