@@ -183,6 +183,40 @@ def Resolve(cfg, num_devices: int, fresh_process: bool = True,
   return decisions
 
 
+def ResolveLayer(params, run, num_devices: int) -> jit_default.Decision:
+  """Sets the 'auto' jit_compile of PipeliningLayer `params` that a library
+  user builds directly (in place) to True or False: cached, else timed in
+  this process. `run(layer)` calls the layer's (or its subclass's) FProp on
+  inputs shaped as the real ones; it runs in a throw-away graph, in eval on
+  one device, where the capture hook reads the pipeline's inputs."""
+  from lingvo.core import cluster_factory  # pylint: disable=g-import-not-at-top
+  from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.core import gpipe  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.pipeline import cost  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.runtime import jit_measure  # pylint: disable=g-import-not-at-top
+  got = []
+  evaler = cluster_factory.ForTestingWorker(
+      mode='sync', job='trainer_client', cpus=1, split_size=1, do_eval=True)
+  with cost.Sandbox(), evaler:
+    py_utils.GetOrCreateGlobalStepVar()
+    layer = params.Copy().Instantiate()
+    layer.AddCaptureHook(lambda theta, args: got.append(args))
+    run(layer)
+    specs = tf.nest.map_structure(
+        lambda t: None if t is None else tf.TensorSpec(t.shape, t.dtype),
+        got[0])
+  why = jit_choice.Unmeasurable(layer.params, specs)
+  if why:
+    value, why = False, f"'auto' took False: {why}"
+  else:
+    entry, how = jit_measure.CachedOrMeasured(
+        layer.params, specs, False, num_devices, gpipe.PipeliningLayer.FProp)
+    value = bool(entry['jit_compile'])
+    why = "'auto' " + jit_choice.Describe(entry, how)
+  params.jit_compile = value
+  return jit_default.Decision(value, (f'{params.name}.jit_compile',), why)
+
+
 # The jobs that build the training model (an evaler's or decoder's model is
 # its dataset's, in eval).
 _TRAINING_JOBS = ('controller', 'trainer_client', 'trainer')

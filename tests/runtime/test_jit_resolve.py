@@ -6,6 +6,7 @@ import json
 import threading
 
 import lingvo.compat as tf
+from lingvo.core import py_utils
 import pytest
 
 from lingvo_ext.runtime import jit_measure
@@ -107,3 +108,20 @@ def test_the_timing_runs_in_a_fresh_process(cache, monkeypatch):
   decision, = jit_resolve.Resolve(cfg, 2)
   assert cfg.task.jit_compile is False and '(cached in ' in decision.Line()
   assert {t.name for t in threading.enumerate()} <= threads
+
+
+def test_a_layer_built_directly_is_resolved_on_its_inputs(cache, monkeypatch):
+  from tests.core import test_gpipe  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.core import gpipe  # pylint: disable=g-import-not-at-top
+  _Stub(monkeypatch, {True: 1.0, False: 2.0})
+  p = gpipe.PipeliningLayer.Params().Set(
+      name='pipe', cell_tpl=test_gpipe._FcCells(2),  # pylint: disable=protected-access
+      num_micro_batches=2, jit_compile='auto')
+  decision = jit_resolve.ResolveLayer(
+      p, lambda net: net.FPropDefaultTheta(tf.zeros([8, 6])), 2)
+  assert p.jit_compile is True and decision.paths == ('pipe.jit_compile',)
+  with tf.Graph().as_default(), lib.Cluster(2):  # 'auto' finds the entry.
+    py_utils.GetOrCreateGlobalStepVar()
+    net = p.Copy().Set(jit_compile='auto').Instantiate()
+    net.FPropDefaultTheta(tf.zeros([8, 6]))
+  assert net.JitCompile() is True
