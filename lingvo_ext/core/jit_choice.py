@@ -132,10 +132,12 @@ def AtBuild(layer, args) -> bool:
     return bool(entry['jit_compile'])
   tf.logging.log_first_n(
       tf.logging.WARNING,
-      "%s: jit_compile='auto' is resolved before the model is built, by "
-      'lingvo_ext.trainer (its --jit_compile) or by '
-      'lingvo_ext.runtime.jit_resolve.Resolve; built here without XLA (no '
-      'cached choice). Set jit_compile True or False to choose.', 1, p.name)
+      "%s: jit_compile='auto' has no cached choice for this build; built "
+      "without XLA. 'auto' is resolved before the model is built: by "
+      'lingvo_ext.trainer for its training model, or by '
+      'lingvo_ext.runtime.jit_resolve.Resolve (experiment params) or '
+      'ResolveLayer (a layer built directly); or set jit_compile True or '
+      'False.', 1, p.name)
   return False
 
 

@@ -85,11 +85,18 @@ def test_fprop_with_auto_measures_nothing(cache, monkeypatch):
   _NoMeasuring(monkeypatch)
   sessions = []
   monkeypatch.setattr(tf, 'Session', lambda *a, **k: sessions.append(1))
+  notes = []
+  monkeypatch.setattr(tf.logging, 'log_first_n',
+                      lambda level, msg, n, *args: notes.append(msg % args))
   threads = threading.active_count()
   _, net, _ = _Build('auto')
   assert net.JitCompile() is False
   assert threading.active_count() == threads and not sessions
   assert not cache.exists()
+  # It says how 'auto' is chosen.
+  (note,) = notes
+  assert note.startswith("pipe: jit_compile='auto' has no cached choice")
+  assert 'lingvo_ext.trainer' in note and 'jit_resolve.Resolve' in note
 
 
 def test_fprop_takes_the_cached_choice(cache, monkeypatch):
