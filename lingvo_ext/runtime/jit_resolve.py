@@ -69,11 +69,12 @@ def _Captured(cfg, children):
             for c in children if c in got}
 
 
-def Choices(cfg, num_devices: int, measure=None) -> Dict[str, Tuple]:
+def Choices(cfg, num_devices: int, do_eval: bool = False,
+            measure=None) -> Dict[str, Tuple]:
   """{override path: (True or False, why)} of each 'auto' of `cfg`, for a
-  training build on `num_devices` devices per split: cached, else measured
-  now in this process (TF). `measure`: jit_measure.Measure (a test's
-  stand-in)."""
+  training (or `do_eval`) build on `num_devices` devices per split: cached,
+  else measured now in this process (TF). `measure`: jit_measure.Measure (a
+  test's stand-in)."""
   from lingvo_ext.core import gpipe  # pylint: disable=g-import-not-at-top
   from lingvo_ext.runtime import jit_measure  # pylint: disable=g-import-not-at-top
   autos = Autos(cfg)
@@ -92,7 +93,7 @@ def Choices(cfg, num_devices: int, measure=None) -> Dict[str, Tuple]:
       out[path] = (False, f"'auto' took False: {why}")
       continue
     entry, how = jit_measure.CachedOrMeasured(
-        params, specs, False, num_devices, gpipe.PipeliningLayer.FProp,
+        params, specs, do_eval, num_devices, gpipe.PipeliningLayer.FProp,
         measure)
     out[path] = (bool(entry['jit_compile']),
                  "'auto' " + jit_choice.Describe(entry, how))
@@ -100,16 +101,16 @@ def Choices(cfg, num_devices: int, measure=None) -> Dict[str, Tuple]:
 
 
 def _Job(payload: bytes, conn) -> None:
-  """Sends ('ok', Choices) of the pickled (cfg, num_devices, stable names),
-  or ('error', type, first line) (in a fresh process)."""
+  """Sends ('ok', Choices) of the pickled (cfg, num_devices, do_eval,
+  stable names), or ('error', type, first line) (in a fresh process)."""
   from lingvo_ext import xla_cache  # pylint: disable=g-import-not-at-top
   from lingvo_ext.runtime import plan_prediction  # pylint: disable=g-import-not-at-top
   plan_prediction.EndWithParent()
   try:
-    cfg, num_devices, stable_names = pickle.loads(payload)
+    cfg, num_devices, do_eval, stable_names = pickle.loads(payload)
     if stable_names:  # The trainer's cell names: XLA's cache serves both.
       xla_cache.UseStableNames()
-    conn.send(('ok', Choices(cfg, num_devices)))
+    conn.send(('ok', Choices(cfg, num_devices, do_eval)))
   except Exception as e:  # pylint: disable=broad-except
     lines = str(e).strip().splitlines()
     conn.send(('error', type(e).__name__, lines[0] if lines else ''))
@@ -146,10 +147,12 @@ def _InFreshProcess(payload: bytes, timeout_s: float):
 
 
 def Resolve(cfg, num_devices: int, fresh_process: bool = True,
-            timeout_s: float = TIMEOUT_S) -> List[jit_default.Decision]:
+            timeout_s: float = TIMEOUT_S,
+            do_eval: bool = False) -> List[jit_default.Decision]:
   """Sets each 'auto' jit_compile of experiment params `cfg` (in place) to
-  True or False, the faster build on `num_devices` devices per split
-  (cached or timed); one Decision per pipeline, in the log's words.
+  True or False, the faster training (or `do_eval`) build on `num_devices`
+  devices per split (cached or timed); one Decision per pipeline, in the
+  log's words.
 
   The timing runs in a fresh process (`fresh_process`, when `cfg` pickles);
   if it fails or takes over `timeout_s`, those pipelines build without XLA
@@ -162,13 +165,14 @@ def Resolve(cfg, num_devices: int, fresh_process: bool = True,
   payload = None
   if fresh_process:
     try:
-      payload = pickle.dumps((cfg, num_devices, xla_cache.StableNames()))
+      payload = pickle.dumps((cfg, num_devices, do_eval,
+                              xla_cache.StableNames()))
     except (pickle.PicklingError, TypeError, AttributeError) as e:
       tf.logging.info("jit_compile 'auto': the params do not pickle (%s); "
                       'timed in this process.', e)
   try:
     choices = (_InFreshProcess(payload, timeout_s) if payload else
-               Choices(cfg, num_devices))
+               Choices(cfg, num_devices, do_eval))
   except Exception as e:  # pylint: disable=broad-except
     # A timing that fails never stops the run: the build reports a bad model.
     text = str(e).strip().splitlines()
@@ -241,3 +245,12 @@ def ForRun(o, cfg) -> List[str]:
   if set(o.jobs) & set(_TRAINING_JOBS):
     lines += [d.Line() for d in Resolve(cfg, o.worker_split_size)]
   return lines
+
+
+def ForEvalDataset(o, cfg) -> List[str]:
+  """The XLA step of an evaler's or decoder's dataset params `cfg` (in
+  place), before its model is built; its log lines. On one device eval
+  runs the cells in turn (no cell function): nothing to resolve."""
+  if o.worker_split_size < 2:
+    return []
+  return [d.Line() for d in Resolve(cfg, o.worker_split_size, do_eval=True)]

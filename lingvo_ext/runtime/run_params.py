@@ -4,14 +4,17 @@ The trainer builds the training params once (after --plan=auto sets the plan
 on them, typed) and hands them down: its checks, the input watch and every
 runner (Lingvo's RunnerManager asks its `model_registry`, which is a
 `ModelRegistry` here) take copies of that one build. An evaler's or
-decoder's dataset is built once too, on first use.
+decoder's dataset is built once too, on first use, its XLA 'auto' resolved
+for its eval build (runtime/jit_resolve.py).
 """
 
 import threading
 
+import lingvo.compat as tf
 from lingvo.core import base_model_params
 
 from lingvo_ext import registry
+from lingvo_ext.runtime import jit_resolve
 from lingvo_ext.tasks import experiment_params
 
 
@@ -32,9 +35,13 @@ class RunParams:
     o = self._options
     with self._lock:
       if dataset not in self._built:
-        self._built[dataset] = experiment_params.GetParams(
+        params = experiment_params.GetParams(
             o.model, dataset, o.model_params_override,
             o.model_params_file_override, o.gpipe_engine)
+        if dataset != 'Train':  # The trainer's: jit_resolve.ForRun.
+          for line in jit_resolve.ForEvalDataset(o, params):
+            tf.logging.info('%s', line)
+        self._built[dataset] = params
       return self._built[dataset]
 
   def Train(self):

@@ -125,3 +125,16 @@ def test_a_layer_built_directly_is_resolved_on_its_inputs(cache, monkeypatch):
     net = p.Copy().Set(jit_compile='auto').Instantiate()
     net.FPropDefaultTheta(tf.zeros([8, 6]))
   assert net.JitCompile() is True
+
+
+def test_an_eval_dataset_is_resolved_for_its_eval_build(cache, monkeypatch):
+  import types  # pylint: disable=g-import-not-at-top
+  calls = _Stub(monkeypatch, {True: 1.0, False: 2.0})
+  cfg = _Params()
+  one = types.SimpleNamespace(worker_split_size=1)
+  assert jit_resolve.ForEvalDataset(one, cfg) == []  # Cells in turn.
+  assert cfg.task.jit_compile == 'auto' and not calls
+  decision, = jit_resolve.Resolve(cfg, 2, fresh_process=False, do_eval=True)
+  assert cfg.task.jit_compile is True
+  (do_eval,) = {a[2] for a in calls}
+  assert do_eval is True and 'measured now' in decision.Line()
