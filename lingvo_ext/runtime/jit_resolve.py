@@ -105,8 +105,12 @@ def _Job(payload: bytes, conn) -> None:
   stable names), or ('error', type, first line) (in a fresh process)."""
   from lingvo_ext import xla_cache  # pylint: disable=g-import-not-at-top
   from lingvo_ext.runtime import plan_prediction  # pylint: disable=g-import-not-at-top
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  from lingvo.core import py_utils_flags  # pylint: disable=g-import-not-at-top,unused-import
   plan_prediction.EndWithParent()
   try:
+    if not flags.FLAGS.is_parsed():  # Lingvo's layers read some as they build.
+      flags.FLAGS(['jit_compile_auto'])
     cfg, num_devices, do_eval, stable_names = pickle.loads(payload)
     if stable_names:  # The trainer's cell names: XLA's cache serves both.
       xla_cache.UseStableNames()
