@@ -101,6 +101,13 @@ def Unmeasurable(params, args) -> Optional[str]:
   return None
 
 
+def Cached(params, args, do_eval: bool, num_devices: int):
+  """The cache entry of a pipeline of `params` on inputs like `args`, or
+  None."""
+  key = Signature(params, args, do_eval, num_devices)
+  return cache_files.Read(CachePath()).get(key)
+
+
 def Describe(entry, how: str) -> str:
   """'auto''s choice in a cache entry, e.g. "took True: 1.0 ms per step
   with XLA, 2.0 without (cached in PATH)"."""
@@ -124,8 +131,7 @@ def AtBuild(layer, args) -> bool:
   if why:
     tf.logging.info("%s: jit_compile='auto' took False: %s.", p.name, why)
     return False
-  key = Signature(p, args, layer.do_eval, layer.cluster.num_devices_per_split)
-  entry = cache_files.Read(CachePath()).get(key)
+  entry = Cached(p, args, layer.do_eval, layer.cluster.num_devices_per_split)
   if entry is not None:
     tf.logging.info("%s: jit_compile='auto' %s.", p.name,
                     Describe(entry, 'cached in'))

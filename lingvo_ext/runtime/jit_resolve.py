@@ -6,11 +6,11 @@ faster of its two builds on this machine. Its inputs' shapes are known only
 from the task's forward pass, so the task is built once in a throw-away
 graph (eval, one device: each pipeline runs its cells in turn and its
 capture hook sees its inputs, as the planner profiles them); each pipeline
-is then looked up in jit_choice's cache or timed (runtime/jit_measure.py),
-in a fresh process forked from a server, so that the trainer's process
-holds none of the timing's graphs. `Resolve` sets the bools in the params
-(in place) before any runner builds the model; the layer's FProp never
-measures. docs/performance.md, "XLA".
+is then looked up in jit_choice's cache or, on a miss, timed
+(runtime/jit_measure.py) in a fresh process forked from a server, so that
+the trainer's process holds none of the timing's graphs. `Resolve` sets the
+bools in the params (in place) before any runner builds the model; the
+layer's FProp never measures. docs/performance.md, "XLA".
 """
 
 import pickle
@@ -69,19 +69,12 @@ def _Captured(cfg, children):
             for c in children if c in got}
 
 
-def Choices(cfg, num_devices: int, do_eval: bool = False,
-            measure=None) -> Dict[str, Tuple]:
-  """{override path: (True or False, why)} of each 'auto' of `cfg`, for a
-  training (or `do_eval`) build on `num_devices` devices per split: cached,
-  else measured now in this process (TF). `measure`: jit_measure.Measure (a
-  test's stand-in)."""
-  from lingvo_ext.core import gpipe  # pylint: disable=g-import-not-at-top
-  from lingvo_ext.runtime import jit_measure  # pylint: disable=g-import-not-at-top
+def _Pending(cfg, num_devices: int, do_eval: bool):
+  """({override path: (bool, why)} known without timing, [(override path,
+  layer params, input specs)] to time) of each 'auto' of `cfg` (TF)."""
   autos = Autos(cfg)
-  if not autos:
-    return {}
   captured = _Captured(cfg, [child for _, _, child in autos])
-  out = {}
+  out, todo = {}, []
   for path, _, child in autos:
     if child not in captured:
       out[path] = (False, "'auto' took False: the task's forward pass runs "
@@ -89,9 +82,25 @@ def Choices(cfg, num_devices: int, do_eval: bool = False,
       continue
     params, specs = captured[child]
     why = jit_choice.Unmeasurable(params, specs)
+    entry = None if why else jit_choice.Cached(params, specs, do_eval,
+                                               num_devices)
     if why:
       out[path] = (False, f"'auto' took False: {why}")
-      continue
+    elif entry is not None:
+      out[path] = (bool(entry['jit_compile']),
+                   "'auto' " + jit_choice.Describe(entry, 'cached in'))
+    else:
+      todo.append((path, params, specs))
+  return out, todo
+
+
+def _Measured(todo, num_devices: int, do_eval: bool, measure=None):
+  """{override path: (bool, why)} of each of `todo` (_Pending's), cached or
+  timed now in this process."""
+  from lingvo_ext.core import gpipe  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.runtime import jit_measure  # pylint: disable=g-import-not-at-top
+  out = {}
+  for path, params, specs in todo:
     entry, how = jit_measure.CachedOrMeasured(
         params, specs, do_eval, num_devices, gpipe.PipeliningLayer.FProp,
         measure)
@@ -100,21 +109,34 @@ def Choices(cfg, num_devices: int, do_eval: bool = False,
   return out
 
 
+def Choices(cfg, num_devices: int, do_eval: bool = False,
+            measure=None) -> Dict[str, Tuple]:
+  """{override path: (True or False, why)} of each 'auto' of `cfg`, for a
+  training (or `do_eval`) build on `num_devices` devices per split: cached,
+  else measured now in this process (TF). `measure`: jit_measure.Measure (a
+  test's stand-in)."""
+  if not Autos(cfg):
+    return {}
+  out, todo = _Pending(cfg, num_devices, do_eval)
+  out.update(_Measured(todo, num_devices, do_eval, measure))
+  return out
+
+
 def _Job(payload: bytes, conn) -> None:
-  """Sends ('ok', Choices) of the pickled (cfg, num_devices, do_eval,
+  """Sends ('ok', _Measured) of the pickled (todo, num_devices, do_eval,
   stable names), or ('error', type, first line) (in a fresh process)."""
-  from lingvo_ext import xla_cache  # pylint: disable=g-import-not-at-top
-  from lingvo_ext.runtime import plan_prediction  # pylint: disable=g-import-not-at-top
   from absl import flags  # pylint: disable=g-import-not-at-top
   from lingvo.core import py_utils_flags  # pylint: disable=g-import-not-at-top,unused-import
+  from lingvo_ext import xla_cache  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.runtime import plan_prediction  # pylint: disable=g-import-not-at-top
   plan_prediction.EndWithParent()
   try:
     if not flags.FLAGS.is_parsed():  # Lingvo's layers read some as they build.
       flags.FLAGS(['jit_compile_auto'])
-    cfg, num_devices, do_eval, stable_names = pickle.loads(payload)
+    todo, num_devices, do_eval, stable_names = pickle.loads(payload)
     if stable_names:  # The trainer's cell names: XLA's cache serves both.
       xla_cache.UseStableNames()
-    conn.send(('ok', Choices(cfg, num_devices, do_eval)))
+    conn.send(('ok', _Measured(todo, num_devices, do_eval)))
   except Exception as e:  # pylint: disable=broad-except
     lines = str(e).strip().splitlines()
     conn.send(('error', type(e).__name__, lines[0] if lines else ''))
@@ -158,31 +180,38 @@ def Resolve(cfg, num_devices: int, fresh_process: bool = True,
   devices per split (cached or timed); one Decision per pipeline, in the
   log's words.
 
-  The timing runs in a fresh process (`fresh_process`, when `cfg` pickles);
-  if it fails or takes over `timeout_s`, those pipelines build without XLA
-  and the Decision says why.
+  The inputs are read in this process; a timing the cache lacks runs in a
+  fresh process (`fresh_process`, when the layers' params pickle); if it
+  fails or takes over `timeout_s`, those pipelines build without XLA and
+  the Decision says why.
   """
   from lingvo_ext import xla_cache  # pylint: disable=g-import-not-at-top
   autos = Autos(cfg)
   if not autos:
     return []
-  payload = None
-  if fresh_process:
-    try:
-      payload = pickle.dumps((cfg, num_devices, do_eval,
-                              xla_cache.StableNames()))
-    except (pickle.PicklingError, TypeError, AttributeError) as e:
-      tf.logging.info("jit_compile 'auto': the params do not pickle (%s); "
-                      'timed in this process.', e)
+  choices = {}
   try:
-    choices = (_InFreshProcess(payload, timeout_s) if payload else
-               Choices(cfg, num_devices, do_eval))
+    # The inputs are read here (a throw-away eval build); only a timing,
+    # when the cache lacks one, runs in a fresh process.
+    choices, todo = _Pending(cfg, num_devices, do_eval)
+    payload = None
+    if todo and fresh_process:
+      try:
+        payload = pickle.dumps((todo, num_devices, do_eval,
+                                xla_cache.StableNames()))
+      except (pickle.PicklingError, TypeError, AttributeError) as e:
+        tf.logging.info("jit_compile 'auto': the params do not pickle (%s); "
+                        'timed in this process.', e)
+    if todo:
+      choices.update(_InFreshProcess(payload, timeout_s) if payload else
+                     _Measured(todo, num_devices, do_eval))
   except Exception as e:  # pylint: disable=broad-except
     # A timing that fails never stops the run: the build reports a bad model.
     text = str(e).strip().splitlines()
     why = "'auto' took False: the timing failed (%s)" % (
         text[0] if text else type(e).__name__)
-    choices = {path: (False, why) for path, _, _ in autos}
+    for path, _, _ in autos:
+      choices.setdefault(path, (False, why))
   decisions = []
   for path, p, _ in autos:
     value, why = choices[path]

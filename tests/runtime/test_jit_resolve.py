@@ -3,6 +3,7 @@ pipeline's jit_compile a bool in the params, cached or timed; the timing is
 stubbed (no test asserts a time)."""
 
 import json
+import pickle
 import threading
 
 import lingvo.compat as tf
@@ -98,16 +99,35 @@ def test_a_failed_timing_builds_without_xla(cache, monkeypatch):
   assert decision.reason == "'auto' took False: the timing failed (no devices)"
 
 
-def test_the_timing_runs_in_a_fresh_process(cache, monkeypatch):
-  """The trainer's path: the child reads the cache this process wrote (no
-  stub crosses the fork) and the parent sets the bool."""
+def test_a_cached_choice_starts_no_process(cache, monkeypatch):
   _Stub(monkeypatch, {True: 2.0, False: 1.0})
   jit_resolve.Resolve(_Params(), 2, fresh_process=False)
-  threads = {t.name for t in threading.enumerate()}
+  monkeypatch.setattr(jit_resolve, '_InFreshProcess',
+                      lambda *a: pytest.fail('a process for a cached choice'))
   cfg = _Params()
   decision, = jit_resolve.Resolve(cfg, 2)
   assert cfg.task.jit_compile is False and '(cached in ' in decision.Line()
+
+
+def test_the_timing_runs_in_a_fresh_process(cache):
+  """The trainer's path on a cache miss: the pipeline's params and input
+  shapes go to a fresh process, which times them (for real: no stub crosses
+  the fork) and writes the cache; this process starts no thread."""
+  from tests.core import test_gpipe  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.core import gpipe  # pylint: disable=g-import-not-at-top
+  with tf.Graph().as_default(), lib.Cluster(2):
+    params = gpipe.PipeliningLayer.Params().Set(
+        name='pipe', cell_tpl=test_gpipe._FcCells(2),  # pylint: disable=protected-access
+        num_micro_batches=2, jit_compile='auto').Instantiate().params
+  specs = (tf.TensorSpec([8, 6], tf.float32),)
+  threads = {t.name for t in threading.enumerate()}
+  got = jit_resolve._InFreshProcess(  # pylint: disable=protected-access
+      pickle.dumps(([('p', params, specs)], 2, False, False)), 600)
   assert {t.name for t in threading.enumerate()} <= threads
+  (value, why), = got.values()
+  assert why.startswith(f"'auto' took {value}: ") and 'measured now' in why
+  (entry,) = json.loads(cache.read_text()).values()
+  assert entry['jit_compile'] is value and entry['ms_tf'] > 0
 
 
 def test_a_layer_built_directly_is_resolved_on_its_inputs(cache, monkeypatch):
