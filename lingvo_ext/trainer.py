@@ -345,13 +345,16 @@ def main(unused_argv, options=None, run_state=None, params=None):
     training_end.Record(os.path.join(o.logdir, 'train'), (
         params.Train().train.max_steps if o.max_steps is None else
         o.max_steps))
-  # XLA's choice, before any runner builds the model.
-  for line in jit_resolve.ForRun(o, params.Train()):
-    tf.logging.info('%s', line)
+  steps_to_go = None  # A local training run's (its choices read them).
   if o.trains_here and not o.distributed:
     step, max_steps = logdir_lib.ResumeStep(o, params.Train())
+    steps_to_go = max(max_steps - (step or 0), 0)
+  # XLA's choice, before any runner builds the model.
+  for line in jit_resolve.ForRun(o, params.Train(), steps_to_go):
+    tf.logging.info('%s', line)
+  if steps_to_go is not None:
     run_state.plan_check = plan_prediction.Start(
-        o, max(max_steps - (step or 0), 0), stop=run_state.interrupted)
+        o, steps_to_go, stop=run_state.interrupted)
   threads = o.IntraOpThreads()
   if threads:
     tf.logging.info('intra-op threads: %d (--intra_op_threads)', threads)

@@ -14,7 +14,7 @@ layer's FProp never measures. docs/performance.md, "XLA".
 """
 
 import pickle
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import lingvo.compat as tf
 
@@ -259,20 +259,18 @@ def ResolveLayer(params, run, num_devices: int) -> jit_default.Decision:
 _TRAINING_JOBS = ('controller', 'trainer_client', 'trainer')
 
 
-def ForRun(o, cfg) -> List[str]:
+def ForRun(o, cfg, steps_to_go: Optional[int]) -> List[str]:
   """The trainer's XLA step on its training params `cfg` (in place), before
   the model is built; its log lines.
 
-  A local training run sets each unset jit_compile from --jit_compile
+  A local training run (`steps_to_go` given: max_steps less the step it
+  resumes from) sets each unset jit_compile from --jit_compile
   (jit_default.Apply); a process that builds the training model then
   resolves each 'auto' (`Resolve`). `o`: trainer_flags.Options.
   """
-  from lingvo_ext.runtime import logdir  # pylint: disable=g-import-not-at-top
   lines = []
-  if o.trains_here and not o.distributed:
-    step, max_steps = logdir.ResumeStep(o, cfg)
-    decision = jit_default.Apply(cfg, o.jit_compile,
-                                 max(max_steps - (step or 0), 0),
+  if steps_to_go is not None:
+    decision = jit_default.Apply(cfg, o.jit_compile, steps_to_go,
                                  o.jit_auto_min_steps)
     lines += [decision.Line()] if decision else []
   if set(o.jobs) & set(_TRAINING_JOBS):
