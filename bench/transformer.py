@@ -135,6 +135,13 @@ def _Build(variant: str, num_layers: int, k: int, m: int, dtype: str,
       p.jit_compile = 'auto' if 'auto' in extras else 'jit' in extras
       p.flat_weight_matmuls = 'bmm' not in extras
       p.loss_in_last_cell = loss_placement == 'last_cell'
+    if schedule != 'lingvo' and 'auto' in extras:
+      # Resolved before the build, as the trainer resolves it.
+      from lingvo_ext.runtime import jit_resolve  # pylint: disable=g-import-not-at-top
+      shape = [seq, batch]
+      jit_resolve.ResolveLayer(p, lambda net: net.FPropDefaultTheta(
+          tf.zeros(shape, tf.int32), tf.zeros(shape),
+          labels=tf.zeros(shape, tf.int32), label_weights=tf.ones(shape)), k)
     net = p.Instantiate()
     rng = np.random.RandomState(0)
     ids = tf.constant(rng.randint(0, VOCAB, [seq, batch]), tf.int32)
@@ -152,7 +159,7 @@ def _Build(variant: str, num_layers: int, k: int, m: int, dtype: str,
         [tf.assign_sub(v, lr * tf.convert_to_tensor(dv))
          for v, dv in zip(variables, grads)] + [tf.assign_add(global_step, 1)])
     init = tf.global_variables_initializer()
-  # The build taken: 'auto' resolves when the pipeline is built.
+  # The build taken: 'auto' resolved before the build.
   g.jit_taken = schedule != 'lingvo' and net.JitCompile()
   return g, loss, train, init
 

@@ -64,6 +64,7 @@ changes:
 """
 
 import dataclasses
+import functools
 import gc
 import os
 import sys
@@ -90,6 +91,7 @@ from lingvo_ext import devices
 from lingvo_ext.runtime import flag_checks
 from lingvo_ext.runtime import input_guard
 from lingvo_ext.runtime import jit_default
+from lingvo_ext.runtime import jit_resolve
 from lingvo_ext.runtime import logdir as logdir_lib
 from lingvo_ext.preflight import memory_check
 from lingvo_ext.runtime import cluster_plan_check
@@ -157,19 +159,6 @@ def _AutoPlan(o, cfg):
   for k, v in flags.items():  # Lingvo's RunnerManager reads them from FLAGS.
     FLAGS[k].value = v
   return None, dataclasses.replace(o, **flags), chosen.params
-
-
-def _ChooseJit(o, cfg):
-  """Sets the unset jit_compile of the run's pipelines (--jit_compile).
-
-  `cfg`: the run's training params, changed in place before any build.
-  """
-  step, max_steps = logdir_lib.ResumeStep(o, cfg)
-  decision = jit_default.Apply(cfg, o.jit_compile,
-                               max(max_steps - (step or 0), 0),
-                               o.jit_auto_min_steps)
-  if decision:
-    tf.logging.info('%s', decision.Line())
 
 
 def _SetThreadPools(o):
@@ -258,7 +247,8 @@ def main(unused_argv, options=None, run_state=None, params=None):
   `params`: the run's RunParams (Run's one build), or None to build them.
   """
   o = options or trainer_flags.Options.FromFlags()
-  params = params or run_params_lib.RunParams(o)
+  params = params or run_params_lib.RunParams(
+      o, eval_build=functools.partial(jit_resolve.ForEvalDataset, o))
   internal_lingvo.InitTpuEmbeddingManager()  # As lingvo.trainer.main.
   if run_state is None:
     run_state = runners.RunState()
@@ -293,11 +283,16 @@ def main(unused_argv, options=None, run_state=None, params=None):
     training_end.Record(os.path.join(o.logdir, 'train'), (
         params.Train().train.max_steps if o.max_steps is None else
         o.max_steps))
+  steps_to_go = None  # A local training run's (its choices read them).
   if o.trains_here and not o.distributed:
-    _ChooseJit(o, params.Train())
     step, max_steps = logdir_lib.ResumeStep(o, params.Train())
+    steps_to_go = max(max_steps - (step or 0), 0)
+  # XLA's choice, before any runner builds the model.
+  for line in jit_resolve.ForRun(o, params.Train(), steps_to_go):
+    tf.logging.info('%s', line)
+  if steps_to_go is not None:
     run_state.plan_check = plan_prediction.Start(
-        o, max(max_steps - (step or 0), 0), stop=run_state.interrupted)
+        o, steps_to_go, stop=run_state.interrupted)
   elif o.distributed and 'trainer_client' in o.jobs:
     # A cluster's: the step here, the memory the workers' (cells).
     run_state.plan_check = cluster_plan_check.ClientCheck(
@@ -411,7 +406,9 @@ def Run(argv=None):
   if not error and o.plan:
     error, o, cfg = _AutoPlan(o, cfg)
   if not error:
-    params = run_params_lib.RunParams(o, train=cfg)
+    params = run_params_lib.RunParams(
+        o, train=cfg,
+        eval_build=functools.partial(jit_resolve.ForEvalDataset, o))
     error, o = param_checks.Check(o, params)
   if not error:
     _UseSlicedCheckpoints(cfg)

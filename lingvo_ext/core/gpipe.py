@@ -305,7 +305,8 @@ class PipeliningLayer(seq_layer.SeqLayer):
     self._cell_hooks.append(hook)
 
   def JitCompile(self) -> bool:
-    """Whether cells compile with XLA ('auto' resolved at FProp)."""
+    """Whether cells compile with XLA (an 'auto' left to FProp: its cached
+    choice, else False; runtime/jit_resolve.py resolves it before)."""
     return getattr(self, '_jit_compile', jit_choice.Normalize(
         self.params.name, self.params.jit_compile) is True)
 
@@ -353,7 +354,7 @@ class PipeliningLayer(seq_layer.SeqLayer):
       return self.FPropSequential(theta, *args)
 
     _, _, num_micro = self._MicroBatching(args)
-    self._jit_compile = jit_choice.Resolve(self, args, PipeliningLayer.FProp)
+    self._jit_compile = jit_choice.AtBuild(self, args)  # Never measures.
     with tf.device(self.Devices()[0]):
       inputs = nest_util.ToTuple(args)
       for (name, l) in self._before_layers:

@@ -77,15 +77,17 @@ class Measurer:
 def MeasurePlans(model: str, plans: List[planner.Candidate],
                  steps: int = MEASURE_STEPS,
                  warmup: int = MEASURE_WARMUP,
-                 overrides: str = '') -> List[planner.Candidate]:
+                 overrides: str = '', apply=None) -> List[planner.Candidate]:
   """The candidates with their Measurement: step times and peak RSS.
 
   Step times: all plans built in this process and timed in turn, `steps`
   rounds (RoundRobin), the fastest round (the least disturbed by other
   processes); peak RSS: each plan in a fresh process. `overrides`: the
-  user's --model_params_override, applied before each plan's.
+  user's --model_params_override, applied before each plan's; `apply`:
+  BuildExperimentStep's (e.g. the plan applied, then XLA's 'auto' resolved).
   """
-  built = [planner.BuildExperimentStep(model, p, overrides) for p in plans]
+  built = [planner.BuildExperimentStep(model, p, overrides, apply=apply)
+           for p in plans]
   times = RoundRobin([lambda s=s: s[0].run(s[1]) for s in built], steps,
                      warmup)
   for sess, _ in built:

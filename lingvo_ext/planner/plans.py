@@ -35,8 +35,8 @@ class Plan:
     replicas: R.
     gradient_sync: The strategy among replicas (one of SYNC_CHOICES).
     global_batch: Examples per step over all replicas.
-    jit_compile: The cells' XLA build: 'auto' (the faster, timed when the
-      model is built, jit_choice.py), True or False.
+    jit_compile: The cells' XLA build: 'auto' (the faster, timed before the
+      model is built, runtime/jit_resolve.py), True or False.
   """
   num_cells: int
   sizes: Tuple[int, ...]

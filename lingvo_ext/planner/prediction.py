@@ -302,7 +302,7 @@ def Predict(profile: ModelProfile, plan: Plan,
             machine: Machine = Machine()) -> Prediction:
   """The plan's predicted step time, bubble, memory and bytes.
 
-  jit_compile 'auto' (the faster build, timed when the model is built) is
+  jit_compile 'auto' (the faster build, timed before the model is built) is
   predicted as the faster of False and True where XLA is calibrated
   (`Machine.xla_s_per_call` set), else as False.
   """

@@ -94,7 +94,7 @@ def _Tree(model, cfg, devices, num_cpu_devices, split, on_calibrate=None):
   return step_s, _StepTerms(pipes[0].profile, plans[0], machine)
 
 
-def _EndWithParent(poll_s: float = 0.5) -> None:
+def EndWithParent(poll_s: float = 0.5) -> None:
   """Ends this process when its parent (the fork server, which ends with
   the trainer) is gone: a prediction never outlives the run."""
   import os  # pylint: disable=g-import-not-at-top
@@ -137,7 +137,7 @@ def PredictJob(job: Dict) -> Dict:
   from lingvo_ext.preflight import start_memory  # pylint: disable=g-import-not-at-top
   from lingvo_ext.tasks import experiment_params  # pylint: disable=g-import-not-at-top
   from lingvo_ext.tasks import pipeline_tree  # pylint: disable=g-import-not-at-top
-  _EndWithParent()
+  EndWithParent()
   from absl import flags  # pylint: disable=g-import-not-at-top
   if not flags.FLAGS.is_parsed():
     # Lingvo's task code reads its flags' defaults (e.g. the MT model's

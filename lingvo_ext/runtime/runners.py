@@ -18,6 +18,7 @@ from lingvo import trainer as lingvo_trainer
 import lingvo.compat as tf
 
 from lingvo_ext import checkpoints
+from lingvo_ext.runtime import jit_resolve
 from lingvo_ext.runtime import local_controller
 from lingvo_ext.runtime import local_evaler
 from lingvo_ext.runtime import local_trainer
@@ -65,7 +66,9 @@ class RunnerManager(trainer_lib.DistributedRunnerManagerMixin,
     self._trainer_here = None
     # Lingvo's extension point for the registry: every runner's params are
     # copies of the run's one build (run_params.py).
-    self.run_params = params or run_params.RunParams(self._options)
+    self.run_params = params or run_params.RunParams(
+        self._options, eval_build=functools.partial(
+            jit_resolve.ForEvalDataset, self._options))
     self.model_registry = run_params.ModelRegistry(self.run_params)
 
   def _Runner(self, cls):

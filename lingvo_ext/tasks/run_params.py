@@ -4,11 +4,14 @@ The trainer builds the training params once (after --plan=auto sets the plan
 on them, typed) and hands them down: its checks, the input watch and every
 runner (Lingvo's RunnerManager asks its `model_registry`, which is a
 `ModelRegistry` here) take copies of that one build. An evaler's or
-decoder's dataset is built once too, on first use.
+decoder's dataset is built once too, on first use, then handed to
+`eval_build` (the runtime's: XLA's 'auto' resolved for the eval build,
+runtime/jit_resolve.py).
 """
 
 import threading
 
+import lingvo.compat as tf
 from lingvo.core import base_model_params
 
 from lingvo_ext import registry
@@ -21,10 +24,13 @@ class RunParams:
   Args:
     options: trainer_flags.Options (model, overrides, engine).
     train: The 'Train' params already built (and planned), or None.
+    eval_build: Called with each other dataset's params when first built;
+      returns lines for the log (None: nothing).
   """
 
-  def __init__(self, options, train=None):
+  def __init__(self, options, train=None, eval_build=None):
     self._options = options
+    self._eval_build = eval_build
     self._built = {} if train is None else {'Train': train}
     self._lock = threading.Lock()  # Runners are built on several threads.
 
@@ -32,9 +38,13 @@ class RunParams:
     o = self._options
     with self._lock:
       if dataset not in self._built:
-        self._built[dataset] = experiment_params.GetParams(
+        params = experiment_params.GetParams(
             o.model, dataset, o.model_params_override,
             o.model_params_file_override, o.gpipe_engine)
+        if dataset != 'Train' and self._eval_build:
+          for line in self._eval_build(params):
+            tf.logging.info('%s', line)
+        self._built[dataset] = params
       return self._built[dataset]
 
   def Train(self):

@@ -60,6 +60,19 @@ def _LengthDict(length) -> Optional[Dict]:
               maximum=length.maximum, given=length.given)
 
 
+def _ApplyResolved(cfg, plan):
+  """`plan` applied to `cfg`, then each 'auto' jit_compile set to its faster
+  build (cached, else timed), as the trainer does; in this process, which
+  ends after the plans are timed."""
+  from lingvo_ext.runtime import jit_resolve  # pylint: disable=g-import-not-at-top
+  cfg = planner.ApplyPlan(cfg, plan)
+  for decision in jit_resolve.Resolve(cfg, plan.devices_per_replica,
+                                      fresh_process=False):
+    print('[plan] %s: %s' % (plan.Key(), decision.Line()), file=sys.stderr,
+          flush=True)
+  return cfg
+
+
 def _MainTree(args, cfg) -> int:
   """The planner's output for an experiment whose pipelines come cut."""
   if args.measure:
@@ -263,7 +276,8 @@ def main(argv=None) -> int:
     top = measuring.MeasureCandidates(plans, args.measure_top,
                                       args.measure_within)
     top = measuring.MeasurePlans(args.model, top, steps=args.measure_steps,
-                                 overrides=args.model_params_override)
+                                 overrides=args.model_params_override,
+                                 apply=_ApplyResolved)
     measured = {p.Key(): p for p in top}
     plans = [measured.get(p.Key(), p) for p in plans]
     chosen, noise = planner.MeasuredChoice(top)

@@ -1,16 +1,20 @@
-"""jit_compile='auto': the faster build, timed once and cached."""
+"""jit_compile='auto': the faster build, timed before the build and cached;
+the layer's FProp never measures."""
 
 import json
 import threading
 import time
 
 import lingvo.compat as tf
+from lingvo.core import cluster_factory
 from lingvo.core import py_utils
 import numpy as np
 import pytest
 
 from lingvo_ext.core import gpipe
+from lingvo_ext import cache_files
 from lingvo_ext.core import jit_choice
+from lingvo_ext.runtime import jit_measure
 from tests.support import gpipe_testlib as lib
 from tests.support import host_copy
 from tests.core import test_gpipe
@@ -47,38 +51,91 @@ def test_a_bad_value_names_the_param(value):
           jit_compile=value).Instantiate()
 
 
-def test_auto_measures_once_then_takes_the_cached_choice(cache, monkeypatch):
+def _Spec(batch=B):
+  """The FC pipeline's input, as the runtime captures it."""
+  return (tf.TensorSpec([batch, D], tf.float32),)
+
+
+def _Params():
+  with tf.Graph().as_default(), lib.Cluster(2):
+    return gpipe.PipeliningLayer.Params().Set(
+        name='pipe', cell_tpl=test_gpipe._FcCells(2),  # pylint: disable=protected-access
+        num_micro_batches=2, jit_compile='auto').Instantiate().params
+
+
+def _Resolve(ms, batch=B):
+  """The runtime's measurement of the FC pipeline, with `ms` as the timing's
+  result: (cache entry, how)."""
+  return jit_measure.CachedOrMeasured(
+      _Params(), _Spec(batch), False, 2, gpipe.PipeliningLayer.FProp,
+      measure=lambda *a: ms)
+
+
+def _NoMeasuring(monkeypatch):
+  fail = lambda *a, **k: pytest.fail('measured while building')
+  monkeypatch.setattr(jit_measure, 'Measure', fail)
+  monkeypatch.setattr(jit_measure, '_Build', fail)
+  monkeypatch.setattr(cache_files, 'Lock', fail)
+
+
+def test_fprop_with_auto_measures_nothing(cache, monkeypatch):
+  """Unresolved at FProp (a library user building the layer) and not
+  cached: built without XLA; no timing, lock, thread or session."""
+  _NoMeasuring(monkeypatch)
+  sessions = []
+  monkeypatch.setattr(tf, 'Session', lambda *a, **k: sessions.append(1))
+  notes = []
+  monkeypatch.setattr(tf.logging, 'log_first_n',
+                      lambda level, msg, n, *args: notes.append(msg % args))
+  threads = threading.active_count()
+  _, net, _ = _Build('auto')
+  assert net.JitCompile() is False
+  assert threading.active_count() == threads and not sessions
+  assert not cache.exists()
+  # It says how 'auto' is chosen.
+  (note,) = notes
+  assert note.startswith("pipe: jit_compile='auto' has no cached choice")
+  assert 'lingvo_ext.trainer' in note and 'jit_resolve.Resolve' in note
+
+
+def test_fprop_takes_the_cached_choice(cache, monkeypatch):
+  for choice in (True, False):
+    entry, how = _Resolve({choice: 1.0, not choice: 2.0})
+    assert how == 'measured now, cached in' and entry['jit_compile'] is choice
+    with monkeypatch.context() as m:
+      _NoMeasuring(m)
+      _, net, _ = _Build('auto')
+    assert net.JitCompile() is choice
+    cache.unlink()
+  # Other input shapes are another model: not in the cache.
+  _Resolve({True: 1.0, False: 2.0})
+  _, net, _ = _Build('auto', batch=2 * B)
+  assert net.JitCompile() is False
+
+
+def test_the_runtime_measures_once_then_reads_the_cache(cache):
   measured = []
-  measure = jit_choice.Measure
 
   def Measure(*args):
-    measured.append(measure(*args))
+    measured.append(jit_measure.Measure(*args))
     return measured[-1]
 
-  monkeypatch.setattr(jit_choice, 'Measure', Measure)
-  _, net, _ = _Build('auto')
-  (entry,) = json.loads(cache.read_text()).values()
+  spec = _Spec()
+  entry, how = jit_measure.CachedOrMeasured(
+      _Params(), spec, False, 2, gpipe.PipeliningLayer.FProp, Measure)
   assert len(measured) == 1 and set(measured[0]) == {False, True}
   assert entry['jit_compile'] == (
       measured[0][True] <= jit_choice.XLA_MARGIN * measured[0][False])
-  assert net.JitCompile() is entry['jit_compile']
   assert entry['ms_xla'] > 0 and entry['ms_tf'] > 0
-
-  # Rebuilt, the model takes the cached choice, whichever it is.
-  for choice in (True, False):
-    key = next(iter(json.loads(cache.read_text())))
-    cache.write_text(json.dumps({key: dict(entry, jit_compile=choice)}))
-    _, net, _ = _Build('auto')
-    assert net.JitCompile() is choice
-  assert len(measured) == 1
-  # Other input shapes are another model: measured again.
-  _Build('auto', batch=2 * B)
-  assert len(measured) == 2 and len(json.loads(cache.read_text())) == 2
+  again, how = jit_measure.CachedOrMeasured(
+      _Params(), spec, False, 2, gpipe.PipeliningLayer.FProp, Measure)
+  assert (again, how, len(measured)) == (entry, 'cached in', 1)
 
 
-def test_models_built_at_once_are_measured_once(cache, monkeypatch):
-  """Processes (here threads, each with its own open lock file) building the
-  same model at once: one measures, the others wait and read its entry."""
+def test_models_measured_at_once_are_measured_once(cache):
+  """Processes (here threads, each with its own open lock file) measuring
+  the same model at once: one measures, the others wait and read its
+  entry."""
   calls = []
 
   def SlowMeasure(*unused_args):
@@ -86,10 +143,13 @@ def test_models_built_at_once_are_measured_once(cache, monkeypatch):
     time.sleep(1.)
     return {True: 1.0, False: 2.0}
 
-  monkeypatch.setattr(jit_choice, 'Measure', SlowMeasure)
+  params = _Params()
   taken = []
   threads = [threading.Thread(target=lambda: taken.append(
-      _Build('auto')[1].JitCompile())) for _ in range(3)]
+      jit_measure.CachedOrMeasured(params, _Spec(), False, 2,
+                                   gpipe.PipeliningLayer.FProp,
+                                   SlowMeasure)[0]['jit_compile']))
+             for _ in range(3)]
   for t in threads:
     t.start()
   for t in threads:
@@ -97,30 +157,44 @@ def test_models_built_at_once_are_measured_once(cache, monkeypatch):
   assert taken == [True] * 3 and len(calls) == 1
 
 
-def test_auto_times_a_subclass_with_its_own_fprop(cache):
+def test_a_subclass_is_timed_on_the_inputs_its_pipeline_took(cache):
   """Lingvo's GPipeTransformerStack (its embedding, softmax and paddings
-  around the pipeline): 'auto' times the pipeline on the inputs the
-  pipeline took, whichever the subclass's FProp takes."""
+  around the pipeline): the runtime times the pipeline on the inputs the
+  pipeline's capture hook saw, whichever the subclass's FProp takes."""
   from tests.pipeline import test_loss_in_last_cell as stack_lib  # pylint: disable=g-import-not-at-top
-  g = tf.Graph()
-  with g.as_default(), lib.Cluster(2):
+  got = []
+  t, b = 4, 8
+  evaler = cluster_factory.ForTestingWorker(
+      mode='sync', job='trainer_client', cpus=1, split_size=1, do_eval=True)
+  with tf.Graph().as_default(), evaler:
     py_utils.GetOrCreateGlobalStepVar()
     net = stack_lib._Params('unrolled', False, layers=2, micro=2).Set(  # pylint: disable=protected-access
         jit_compile='auto').Instantiate()
-    t, b = 4, 8
+    net.AddCaptureHook(lambda theta, args: got.append(args))
     ids = tf.zeros([t, b], tf.int32)
     net.FPropDefaultTheta(ids, tf.zeros([t, b]), labels=ids,
                           label_weights=tf.ones([t, b]))
-  (entry,) = json.loads(cache.read_text()).values()
-  assert net.JitCompile() is entry['jit_compile']
+    specs = tf.nest.map_structure(
+        lambda x: None if x is None else tf.TensorSpec(x.shape, x.dtype),
+        got[0])
+  entry, _ = jit_measure.CachedOrMeasured(
+      net.params, specs, False, 2, gpipe.PipeliningLayer.FProp)
   assert entry['ms_xla'] > 0 and entry['ms_tf'] > 0
+  with tf.Graph().as_default(), lib.Cluster(2):
+    py_utils.GetOrCreateGlobalStepVar()
+    net = stack_lib._Params('unrolled', False, layers=2, micro=2).Set(  # pylint: disable=protected-access
+        jit_compile='auto').Instantiate()
+    ids = tf.zeros([t, b], tf.int32)
+    net.FPropDefaultTheta(ids, tf.zeros([t, b]), labels=ids,
+                          label_weights=tf.ones([t, b]))
+  assert net.JitCompile() is entry['jit_compile']  # The same key.
 
 
 def test_auto_takes_no_xla_for_a_shape_unknown_at_build(cache, monkeypatch):
   """A time axis trimmed per batch (Lingvo's LM off TPU): nothing to time,
   and XLA would compile per length."""
   from tests.pipeline import test_loss_in_last_cell as stack_lib  # pylint: disable=g-import-not-at-top
-  monkeypatch.setattr(jit_choice, 'Measure', lambda *a: pytest.fail('timed'))
+  _NoMeasuring(monkeypatch)
   g = tf.Graph()
   with g.as_default(), lib.Cluster(2):
     py_utils.GetOrCreateGlobalStepVar()
@@ -130,14 +204,14 @@ def test_auto_takes_no_xla_for_a_shape_unknown_at_build(cache, monkeypatch):
     net.FPropDefaultTheta(ids, tf.zeros_like(ids, tf.float32), labels=ids,
                           label_weights=tf.ones_like(ids, tf.float32))
   assert net.JitCompile() is False and not cache.exists()
+  why = jit_choice.Unmeasurable(net.params, [ids])
+  assert why.startswith("an input's shape is not known"), why
 
 
 @pytest.mark.parametrize('choice', [True, False])
-def test_auto_computes_what_the_build_it_takes_computes(cache, monkeypatch,
-                                                        choice):
+def test_auto_computes_what_the_build_it_takes_computes(cache, choice):
   # The timing is stubbed to pick `choice`; the numbers are real.
-  monkeypatch.setattr(jit_choice, 'Measure', lambda *a: {
-      choice: 1.0, not choice: 2.0})
+  _Resolve({choice: 1.0, not choice: 2.0})
   outs = []
   for jit in ('auto', choice):
     g, net, out = _Build(jit)
@@ -148,6 +222,46 @@ def test_auto_computes_what_the_build_it_takes_computes(cache, monkeypatch,
       outs.append(sess.run(out))
     assert net.JitCompile() is choice
   np.testing.assert_array_equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize('ms_xla,taken', [(0.97, False), (0.95, True),
+                                          (0.5, True), (1.2, False)])
+def test_auto_takes_xla_only_when_clearly_faster(cache, ms_xla, taken):
+  # Each process compiles XLA's cells again; a near tie is timing noise.
+  entry, _ = _Resolve({True: ms_xla, False: 1.0})
+  assert (entry['jit_compile'], entry['ms_xla']) == (taken, ms_xla)
+  [stored] = json.loads(cache.read_text()).values()
+  assert stored == entry
+  _, net, _ = _Build('auto')
+  assert net.JitCompile() is taken
+
+
+def test_auto_takes_no_xla_where_xla_cannot_compile_a_cell(cache):
+  cells = test_gpipe._FcCells(2)  # pylint: disable=protected-access
+  p = gpipe.PipeliningLayer.Params().Set(
+      name='pipe', num_micro_batches=2, jit_compile='auto',
+      cell_tpl=[host_copy.HostCopy.Params().Set(name='host_copy')] + cells)
+  with tf.Graph().as_default(), lib.Cluster(2):
+    params = p.Copy().Instantiate().params
+  entry, _ = jit_measure.CachedOrMeasured(params, _Spec(), False, 2,
+                                          gpipe.PipeliningLayer.FProp)
+  assert entry['jit_compile'] is False and entry['ms_xla'] is None
+  assert entry['ms_tf'] > 0
+  assert entry['xla_error'].startswith(
+      'Detected unsupported operations when trying to compile'), entry
+  assert 'PyFunc' in entry['xla_error']
+  assert 'XLA cannot compile the cells' in jit_choice.Describe(entry, 'x')
+  g = tf.Graph()
+  with g.as_default(), lib.Cluster(2):
+    py_utils.GetOrCreateGlobalStepVar()
+    net = p.Instantiate()
+    x = tf.constant(np.ones([B, D], np.float32))
+    out = net.FPropDefaultTheta(x)
+    init = tf.global_variables_initializer()
+  assert net.JitCompile() is False
+  with lib.Session(g, 2) as sess:  # The build taken runs.
+    sess.run(init)
+    assert sess.run(out).shape == (B, D)
 
 
 # --- The planner's dimension --------------------------------------------------
@@ -189,40 +303,3 @@ def test_task_default_is_unset_and_an_override_takes_each_value():
   with pytest.raises(experiment_params.OverrideError,
                      match="True or False or 'auto'"):
     experiment_params.ApplyOverrides(mp, 'task.jit_compile:maybe')
-
-
-@pytest.mark.parametrize('ms_xla,taken', [(0.97, False), (0.95, True),
-                                          (0.5, True), (1.2, False)])
-def test_auto_takes_xla_only_when_clearly_faster(cache, monkeypatch, ms_xla,
-                                                  taken):
-  # Each process compiles XLA's cells again; a near tie is timing noise.
-  monkeypatch.setattr(jit_choice, 'Measure', lambda *a: {
-      True: ms_xla, False: 1.0})
-  _, net, _ = _Build('auto')
-  assert net.JitCompile() is taken
-  [entry] = json.loads(cache.read_text()).values()
-  assert (entry['jit_compile'], entry['ms_xla']) == (taken, ms_xla)
-
-
-def test_auto_takes_no_xla_where_xla_cannot_compile_a_cell(cache):
-  g = tf.Graph()
-  with g.as_default(), lib.Cluster(2):
-    py_utils.GetOrCreateGlobalStepVar()
-    cells = test_gpipe._FcCells(2)  # pylint: disable=protected-access
-    net = gpipe.PipeliningLayer.Params().Set(
-        name='pipe', num_micro_batches=2, jit_compile='auto',
-        cell_tpl=[host_copy.HostCopy.Params().Set(name='host_copy')] + cells
-    ).Instantiate()
-    x = tf.constant(np.ones([B, D], np.float32))
-    out = net.FPropDefaultTheta(x)
-    init = tf.global_variables_initializer()
-  assert net.JitCompile() is False
-  [entry] = json.loads(cache.read_text()).values()
-  assert entry['jit_compile'] is False and entry['ms_xla'] is None
-  assert entry['ms_tf'] > 0
-  assert entry['xla_error'].startswith(
-      'Detected unsupported operations when trying to compile'), entry
-  assert 'PyFunc' in entry['xla_error']
-  with lib.Session(g, 2) as sess:  # The build taken runs.
-    sess.run(init)
-    assert sess.run(out).shape == (B, D)
