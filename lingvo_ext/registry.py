@@ -24,8 +24,6 @@ import importlib
 import os
 import sys
 
-import lingvo_ext  # pylint: disable=unused-import,g-bad-import-order
-
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
