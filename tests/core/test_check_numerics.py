@@ -2,8 +2,9 @@
 
 Under 'step' (the default) the cells are built without Lingvo's checks
 (`py_utils.CheckNumerics` in every FC layer, forward and gradient) and the
-pipeline checks its outputs and gradients once: a NaN or Inf made in a cell
-is still caught, forward and backward, and no check is left per
+pipeline checks its outputs, their gradients and its inputs' gradients once
+(Lingvo's learner checks the weights' gradients): a NaN or Inf made in a
+cell is still caught, forward and backward, and no check is left per
 micro-batch. 'cells' keeps the cells' checks; 'recurrent' always does.
 """
 
@@ -64,9 +65,10 @@ def _Build(poison='', num_micro=2, **kwargs):
   g = tf.Graph()
   with g.as_default(), lib.Cluster(2):
     py_utils.GetOrCreateGlobalStepVar()
+    # A layer before the cells: the pipeline's inputs have a gradient.
     net = gpipe.PipeliningLayer.Params().Set(
         name='pipe', cell_tpl=_Cells(poison), num_micro_batches=num_micro,
-        **kwargs).Instantiate()
+        before_tpl=[lib.Fc('before', D, D, seed=3)], **kwargs).Instantiate()
     loss = tf.reduce_sum(net.FPropDefaultTheta(_Input()))
     grads = tf.gradients(loss, net.vars.Flatten(),
                          colocate_gradients_with_ops=True)
@@ -110,10 +112,15 @@ def test_a_nan_in_a_cell_is_caught_under_step(poison, kwargs):
   g, loss, grads = _Build(poison, **kwargs)
   with lib.Session(g, 2) as sess:
     sess.run(g.init)
-    if poison == 'backward':
+    if poison == 'forward':
+      with pytest.raises(tf.errors.InvalidArgumentError,
+                         match='pipe: an output'):
+        sess.run(loss)
+    else:
       assert np.isfinite(sess.run(loss))
-    with pytest.raises(tf.errors.InvalidArgumentError, match='pipe: '):
-      sess.run([loss, grads])
+      with pytest.raises(tf.errors.InvalidArgumentError,
+                         match='pipe: an input gradient'):
+        sess.run(grads)
 
 
 def test_enable_check_numerics_false_turns_every_check_off():

@@ -23,8 +23,8 @@ device's forward actions go first (loss.py).
 
 With `check_numerics='step'` the cells are built without Lingvo's numeric
 checks (`cell_function.CellChecks`) and the pipeline checks, once a step, its
-outputs (and so, by CheckNumerics' gradient, their gradients) and the
-gradients it returns: its inputs' and its weights'.
+outputs (and so, by CheckNumerics' gradient, their gradients) and its inputs'
+gradients; Lingvo's learner checks every weight's gradient once a step.
 """
 
 import contextlib
@@ -275,20 +275,12 @@ class Interpreter:
       sums = []
       for i, (name, _) in enumerate(self.cells):
         with tf.device(self.devices[i]):
-          sums += self._StepChecked(
-              self.weights[i].Totals('%s_theta/grad_sum' % name),
-              'a gradient of %s\'s weights' % name)
-      with tf.device(self.devices[0]):
-        in_grads = self._StepChecked(self._InputGrads(self.dx),
-                                     'an input gradient')
+          sums += self.weights[i].Totals('%s_theta/grad_sum' % name)
+      in_grads = self._InputGrads(self.dx)
+      if not self.cell_checks:
+        with tf.device(self.devices[0]), tf.name_scope('pipeline_checks'):
+          in_grads = Checked(in_grads, '%s: an input gradient' % self.p.name)
       return in_grads + sums
-
-  def _StepChecked(self, grads, what):
-    """`grads`, checked once a step where the cells are built unchecked."""
-    if self.cell_checks:
-      return grads
-    with tf.name_scope('pipeline_checks'):
-      return Checked(grads, '%s: %s' % (self.p.name, what))
 
   def _Gate(self, kind, name):
     """A NoOp the action's ops wait for, where the record enforces its
