@@ -281,6 +281,8 @@ def _Child(variant: str, num_layers: int, k: int, m: int, steps: int,
       matmul_ms=round(
           sum(v for o, v in ms_by_op.items() if 'MatMul' in o), 1),
       cast_ms=round(ms_by_op.get('Cast', 0.0), 1),
+      # Lingvo's NaN/Inf checks (check_numerics: once a step or per cell).
+      check_ms=round(ms_by_op.get('CheckNumerics', 0.0), 1),
       top_ops_ms={o: round(v, 1) for o, v in sorted(
           ms_by_op.items(), key=lambda x: -x[1])[:10]})
 
