@@ -58,7 +58,9 @@ TF function called per micro-batch), '+jit' (`jit_compile=True`), '+auto'
 (`jit_compile='auto'`, what --jit_compile=auto sets for a long run: the faster,
 timed in the child's build, the record's `jit_taken` says which) and '+bmm'
 (`flat_weight_matmuls=False`: TensorFlow's broadcasting BatchMatMul for a
-3-D activation times a weight, as before the rewrite). With a torch venv
+3-D activation times a weight, as before the rewrite) and '+cellchecks'
+(`check_numerics='cells'`: Lingvo's NaN/Inf checks in every cell per
+micro-batch, not once a step). With a torch venv
 (`bash scripts/torch_venv.sh`, or `--torch_python PATH`), torch's rows at the
 same sizes follow each configuration's (bench/torch_baselines.py).
 """
@@ -134,6 +136,7 @@ def _Build(variant: str, num_layers: int, k: int, m: int, dtype: str,
       # '+auto': what --jit_compile=auto sets for a long run (the faster).
       p.jit_compile = 'auto' if 'auto' in extras else 'jit' in extras
       p.flat_weight_matmuls = 'bmm' not in extras
+      p.check_numerics = 'cells' if 'cellchecks' in extras else 'step'
       p.loss_in_last_cell = loss_placement == 'last_cell'
     if schedule != 'lingvo' and 'auto' in extras:
       # Resolved before the build, as the trainer resolves it.
@@ -285,6 +288,8 @@ def _Child(variant: str, num_layers: int, k: int, m: int, steps: int,
       matmul_ms=round(
           sum(v for o, v in ms_by_op.items() if 'MatMul' in o), 1),
       cast_ms=round(ms_by_op.get('Cast', 0.0), 1),
+      # Lingvo's NaN/Inf checks (check_numerics: once a step or per cell).
+      check_ms=round(ms_by_op.get('CheckNumerics', 0.0), 1),
       top_ops_ms={o: round(v, 1) for o, v in sorted(
           ms_by_op.items(), key=lambda x: -x[1])[:10]})
 
@@ -619,10 +624,11 @@ def main(argv=None) -> int:
     if v == FLOOR:
       continue
     if (schedule not in ('lingvo', 'unrolled', '1f1b', 'recurrent') or
-        not set(extras) <= {'functions', 'inline', 'jit', 'auto', 'bmm'}):
+        not set(extras) <= {'functions', 'inline', 'jit', 'auto', 'bmm',
+                            'cellchecks'}):
       parser.error("--variants: %r is not 'lingvo' or "
                    "'<unrolled|1f1b|recurrent>[+inline|+functions]"
-                   "[+jit|+auto][+bmm]'" % v)
+                   "[+jit|+auto][+bmm][+cellchecks]'" % v)
   if args._child:  # pylint: disable=protected-access
     print(json.dumps(_Child(args._child, args.L[0], args.K[0], args.M[0],  # pylint: disable=protected-access
                             args.steps, args.dtype[0],

@@ -60,6 +60,10 @@ CellVariableDevices = seq_layer.CellVariableDevices
 SeqLayer = seq_layer.SeqLayer
 
 
+# PipeliningLayer.check_numerics' values.
+CHECK_NUMERICS = ('step', 'cells')
+
+
 def _LingvoOutputs(outputs):
   """Lingvo's pipeline output structure: a lone tensor bare, else a tuple."""
   if isinstance(outputs, py_utils.NestedMap):
@@ -114,6 +118,11 @@ class PipeliningLayer(seq_layer.SeqLayer):
         "Recompute each cell's forward pass in its backward pass. None: the "
         "schedule's default; 'recurrent' always recomputes. See "
         'docs/schedules.md.')
+    p.Define(
+        'check_numerics', 'step',
+        "Lingvo's NaN/Inf checks: 'step' checks the pipeline's outputs and "
+        "gradients once a step, 'cells' every cell's per micro-batch "
+        "('recurrent' always). See docs/performance.md.")
     return p
 
   def __init__(self, params):
@@ -140,6 +149,10 @@ class PipeliningLayer(seq_layer.SeqLayer):
                        (p.name, p.micro_batch_size))
     records.CheckName(p.schedule, p.name)
     jit_choice.CheckValue(p.name, p.jit_compile)
+    if p.check_numerics not in CHECK_NUMERICS:
+      raise ValueError("%s: check_numerics=%r: give 'step' (once a step) or "
+                       "'cells' (every cell's, per micro-batch)." %
+                       (p.name, p.check_numerics))
     error = records.RecomputeError(p.schedule, p.recompute, '')
     if error:
       raise ValueError('%s: %s' % (p.name, error))

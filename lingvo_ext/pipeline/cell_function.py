@@ -19,6 +19,11 @@ lookup of a weight's rows (an embedding's gather) exports its ids the same
 way, so the weight's gradient stays sparse (IndexedSlices of dy's rows), as
 inline; a function would return it dense, vocabulary-sized per micro-batch.
 
+Numeric checks: where the pipeline checks its outputs and gradients once per
+step (`check_numerics='step'`), a cell is built inside `CellChecks(False)`,
+which turns Lingvo's `py_utils.CheckNumerics` off for the ops built inside
+(and so their gradients' checks), for functions and inline cells alike.
+
 Random ops seed as in Lingvo's `StackedRecurrent` loop: the function body is a
 graph of its own, so an op's name scope inside it, and so its seed, is the one
 it has in Lingvo's loop, and the micro-batch step (an input) replaces the
@@ -34,6 +39,7 @@ import lingvo.compat as tf
 from lingvo.core import cluster_factory
 from lingvo.core import gpipe as lingvo_gpipe
 from lingvo.core import py_utils
+from lingvo.core import py_utils_flags
 import tensorflow as tf2
 
 from lingvo_ext._internal import tf as internal_tf
@@ -65,6 +71,18 @@ def ExportedOperands(op) -> List[Exported]:
   return graph_state.Peek(op.graph, _OPERANDS, {}).get(op.name, [])
 
 
+@contextlib.contextmanager
+def CellChecks(keep: bool):
+  """Inside: Lingvo's numeric checks as the cluster and flags say if `keep`,
+  else none (the pipeline checks its outputs and gradients once a step)."""
+  if keep or not py_utils_flags.enable_check_numerics():
+    yield
+    return
+  with cluster_factory.Current().params.Copy().Set(
+      enable_check_numerics=False).Instantiate():
+    yield
+
+
 def _Signature(theta, inputs, step):
   """What a trace depends on: the arguments' structures, dtypes, shapes."""
   def Leaf(t):
@@ -77,7 +95,7 @@ def _Signature(theta, inputs, step):
 
 
 def ForCell(cell, name: str, jit_compile: bool, theta, inputs, step,
-            flat_weight_matmuls: bool = True):
+            flat_weight_matmuls: bool = True, cell_checks: bool = True):
   """The graph's CellFunction of `cell` for inputs like these.
 
   Each FProp of a pipeline in one graph (a pipeline called twice, or the
@@ -87,9 +105,10 @@ def ForCell(cell, name: str, jit_compile: bool, theta, inputs, step,
   cache = graph_state.Get(tf.get_default_graph(), _FUNCTIONS, dict)
   # The CellFunction holds `cell`, so its id stays its own while cached.
   key = (id(cell), bool(jit_compile), bool(flat_weight_matmuls),
-         _Signature(theta, inputs, step))
+         bool(cell_checks), _Signature(theta, inputs, step))
   if key not in cache:
-    cache[key] = CellFunction(cell, name, jit_compile, flat_weight_matmuls)
+    cache[key] = CellFunction(cell, name, jit_compile, flat_weight_matmuls,
+                              cell_checks)
   return cache[key]
 
 
@@ -105,7 +124,7 @@ class CellFunction:
   """
 
   def __init__(self, cell, name: str, jit_compile: bool = False,
-               flat_weight_matmuls: bool = True):
+               flat_weight_matmuls: bool = True, cell_checks: bool = True):
     """Constructor.
 
     Args:
@@ -114,11 +133,13 @@ class CellFunction:
       jit_compile: Compile the function with XLA.
       flat_weight_matmuls: Run broadcasting weight matmuls as 2-D GEMMs
         (gemm_rewrite.py).
+      cell_checks: Keep Lingvo's numeric checks in the cell (`CellChecks`).
     """
     self._cell = cell
     self._name = name
     self._jit_compile = jit_compile
     self._flat_weight_matmuls = flat_weight_matmuls
+    self._cell_checks = cell_checks
     self._fn = None
     self._global_step = None
     self._theta_struct = None
@@ -166,6 +187,8 @@ class CellFunction:
           stack.enter_context(cluster_factory.Current().params.Copy().Set(
               enable_asserts=False,
               enable_check_numerics=False).Instantiate())
+        else:
+          stack.enter_context(CellChecks(self._cell_checks))
         stack.enter_context(lingvo_gpipe.CellFnFPropOpReplacementWrapper())
         lingvo_gpipe.SetOverWriteGlobalStep(step_b)
         stack.enter_context(py_utils.RemoveAssertContext(remove=True))

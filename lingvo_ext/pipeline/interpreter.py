@@ -20,6 +20,11 @@ backward ones inside the pipeline's custom gradient (custom_gradient.py),
 when tf.gradients builds the backward pass: only then is the caller's loss
 known, which decides, per the record, recomputation and whether each
 device's forward actions go first (loss.py).
+
+With `check_numerics='step'` the cells are built without Lingvo's numeric
+checks (`cell_function.CellChecks`) and the pipeline checks, once a step, its
+outputs (and so, by CheckNumerics' gradient, their gradients) and its inputs'
+gradients; Lingvo's learner checks every weight's gradient once a step.
 """
 
 import contextlib
@@ -42,6 +47,7 @@ from lingvo_ext.pipeline.kinds import StageSpec
 from lingvo_ext.pipeline.randomness import CellRandomness
 from lingvo_ext.pipeline.simulate import Simulate
 from lingvo_ext.pipeline.tensors import CastHere
+from lingvo_ext.pipeline.tensors import Checked
 from lingvo_ext.pipeline.tensors import ConcatGrads
 from lingvo_ext.pipeline.tensors import Group
 from lingvo_ext.pipeline.tensors import IsFloat
@@ -85,6 +91,8 @@ class Interpreter:
     self.inputs = inputs
     self.theta = theta
     self.ordered = tuple(self.record.ordered)
+    # 'cells': Lingvo's checks in every (cell, micro-batch); 'step': once.
+    self.cell_checks = getattr(self.p, 'check_numerics', 'cells') == 'cells'
     self.num_devices = len(set(self.devices))
     # Checked now, so a bad (K, M) fails at FProp, not in tf.gradients; the
     # forward actions are walked in these lists' order.
@@ -131,6 +139,7 @@ class Interpreter:
         call = lambda: fn(self.thetas[i], ToTuple(x), step)
         scoped.enter_context(tf.name_scope(scope))
       else:
+        scoped.enter_context(cell_function.CellChecks(self.cell_checks))
         call = lambda: gemm_rewrite.Flattened(
             lambda: cell.FProp(self.thetas[i], *ToTuple(x)),
             getattr(self.p, 'flat_weight_matmuls', True))
@@ -152,7 +161,8 @@ class Interpreter:
       if t == 0 and self.fn_jit[i] is not None:
         self.cell_fns[i] = cell_function.ForCell(
             cell, '%s_fprop' % name, self.fn_jit[i], self.thetas[i], x,
-            self.steps[t], getattr(self.p, 'flat_weight_matmuls', True))
+            self.steps[t], getattr(self.p, 'flat_weight_matmuls', True),
+            self.cell_checks)
         if self.cell_fns[i].HasUnexportedLookups(self.thetas[i], x,
                                                  self.steps[t]):
           # A lookup the function does not export (another axis,
@@ -218,6 +228,9 @@ class Interpreter:
           self._Backward)
     self.pipeline_op = wrapped[0].op if wrapped else None
     self.last_id = internal_tf.OpId(tf.no_op(name='pipeline_end'))
+    if not self.cell_checks:
+      with tf.device(self.devices[-1]), tf.name_scope('pipeline_checks'):
+        wrapped = Checked(wrapped, '%s: an output' % p.name)
     it = iter(wrapped)
     merged = [None if t is None else next(it) for t in merged]
     out = tf.nest.pack_sequence_as(self.out_structure, merged)
@@ -263,7 +276,11 @@ class Interpreter:
       for i, (name, _) in enumerate(self.cells):
         with tf.device(self.devices[i]):
           sums += self.weights[i].Totals('%s_theta/grad_sum' % name)
-      return self._InputGrads(self.dx) + sums
+      in_grads = self._InputGrads(self.dx)
+      if not self.cell_checks:
+        with tf.device(self.devices[0]), tf.name_scope('pipeline_checks'):
+          in_grads = Checked(in_grads, '%s: an input gradient' % self.p.name)
+      return in_grads + sums
 
   def _Gate(self, kind, name):
     """A NoOp the action's ops wait for, where the record enforces its

@@ -3,7 +3,7 @@
 from typing import List
 
 import lingvo.compat as tf
-
+from lingvo.core import py_utils
 
 
 def CastHere(v):
@@ -20,6 +20,21 @@ def CastHere(v):
       v.op.inputs[0].dtype != v.dtype):
     return tf.cast(v.op.inputs[0], v.dtype)
   return v
+
+
+def Checked(tensors, message: str) -> List:
+  """`tensors` through Lingvo's numeric check (`py_utils.CheckNumerics`, off
+  under --enable_check_numerics=false); None entries kept, IndexedSlices'
+  values checked."""
+  out = []
+  for t in tensors:
+    if isinstance(t, tf.IndexedSlices):
+      t = tf.IndexedSlices(py_utils.CheckNumerics(t.values, message),
+                           t.indices, t.dense_shape)
+    elif t is not None:
+      t = py_utils.CheckNumerics(t, message)
+    out.append(t)
+  return out
 
 
 def IsFloat(t) -> bool:

@@ -1,0 +1,147 @@
+"""Weight gradients over micro-batches: one GEMM of the concatenated rows or
+one GEMM per micro-batch accumulated.
+
+The engine computes a weight's gradient over a run of micro-batches as
+x^T dy of their rows concatenated (`matmul_grad.WeightGradientBatcher`):
+a ConcatV2 of each operand, then one GEMM of inner size M * rows. The other
+way is a GEMM per micro-batch, each added to the sum as it comes ('add':
+M GEMMs and their adds; 'assign_add': the sum a variable updated in place).
+This times the three over one cell's weights of the Transformer ladder
+(bench/transformer.py: 2 layers a cell, Lingvo's attention 3 d^2, the
+feed-forward d x hidden and back), the variants taken in turn round after
+round, on --threads intra-op threads (1: a pipeline device's share).
+
+  .venv/bin/python bench/weight_grad_concat.py --markdown
+  .venv/bin/python bench/weight_grad_concat.py --d_model 1024 --hidden 4096 \
+      --dtype bfloat16 --markdown
+
+See docs/benchmarks.md ("Weight gradients over micro-batches").
+"""
+
+import os
+import statistics
+import sys
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _REPO not in sys.path:
+  sys.path.insert(0, _REPO)
+
+import lingvo_ext  # pylint: disable=unused-import,g-import-not-at-top,g-bad-import-order
+import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
+from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
+import numpy as np  # pylint: disable=g-import-not-at-top
+
+from bench import harness  # pylint: disable=g-import-not-at-top
+
+VARIANTS = ('concat', 'add', 'assign_add')
+
+
+def CellWeightShapes(d_model: int, hidden: int, layers: int = 2):
+  """[(in, out)] of one cell's weight GEMMs: per layer Lingvo's attention
+  (query, key, output: no value projection) and the feed-forward."""
+  per_layer = [(d_model, d_model)] * 3 + [(d_model, hidden), (hidden, d_model)]
+  return per_layer * layers
+
+
+def _Gradient(variant, xs, dys, dtype):
+  """The weight gradient sum_t xs[t]^T dys[t] the variant's way."""
+  if variant == 'concat':
+    return tf.matmul(tf.concat(xs, 0), tf.concat(dys, 0), transpose_a=True)
+  parts = [tf.matmul(x, dy, transpose_a=True) for x, dy in zip(xs, dys)]
+  if variant == 'add':
+    total = parts[0]
+    for p in parts[1:]:
+      total = total + p
+    return total
+  acc = tf.Variable(tf.zeros(parts[0].shape, dtype), trainable=False)
+  op = acc.assign(parts[0])
+  for p in parts[1:]:
+    with tf.control_dependencies([op]):
+      op = acc.assign_add(p)
+  with tf.control_dependencies([op]):
+    return acc.read_value()
+
+
+def Measure(d_model=512, hidden=2048, rows=256, num_micro=4,
+            dtype='float32', threads=1, steps=10):
+  """One record per variant: median ms of one cell's weight gradients."""
+  py_utils.SetEagerMode(False)
+  tf_dtype = tf.as_dtype(dtype)
+  rng = np.random.RandomState(0)
+  graph = tf.Graph()
+  fetches = {}
+  with graph.as_default():
+    shapes = CellWeightShapes(d_model, hidden)
+    operands = []
+    for fan_in, fan_out in shapes:
+      def Var(cols):
+        return tf.Variable(tf.cast(rng.randn(rows, cols).astype(np.float32),
+                                   tf_dtype), trainable=False)
+      operands.append(([Var(fan_in) for _ in range(num_micro)],
+                       [Var(fan_out) for _ in range(num_micro)]))
+    for v in VARIANTS:
+      outs = [_Gradient(v, [x.read_value() for x in xs],
+                        [d.read_value() for d in dys], tf_dtype)
+              for xs, dys in operands]
+      # The gradients fetched: a group of them Grappler would prune.
+      fetches[v] = outs
+    init = tf.global_variables_initializer()
+  config = tf.config_pb2.ConfigProto(
+      inter_op_parallelism_threads=1, intra_op_parallelism_threads=threads)
+  with tf.Session(graph=graph, config=config) as sess:
+    sess.run(init)
+    values = {v: sess.run(outs) for v, outs in fetches.items()}
+    times = harness.RoundRobin(
+        [lambda outs=outs: sess.run(outs) for outs in fetches.values()],
+        steps)
+  flops = 2.0 * rows * num_micro * sum(a * b for a, b in shapes)
+  common = dict(d_model=d_model, hidden=hidden, rows=rows, M=num_micro,
+                dtype=dtype, threads=threads, steps=steps,
+                gflop=float('%.4g' % (flops / 1e9)), **harness.Machine())
+  base = statistics.median(times[0])
+  records = []
+  for v, t in zip(VARIANTS, times):
+    # The same sums every way, to the dtype's rounding.
+    err = max(float(np.max(np.abs(np.float32(a) - np.float32(b)) /
+                        (1 + np.abs(np.float32(b)))))
+              for a, b in zip(values[v], values['concat']))
+    records.append(dict(common, variant=v,
+                        ms=round(1e3 * statistics.median(t), 2),
+                        vs_concat=round(statistics.median(t) / base, 3),
+                        max_rel_diff=float('%.3g' % err)))
+  return records
+
+
+def Markdown(records):
+  return harness.Table(
+      ('d_model, hidden', 'rows x M', 'dtype', 'threads', 'variant', 'ms',
+       'x concat', 'load'),
+      [('%d, %d' % (r['d_model'], r['hidden']), '%d x %d' % (r['rows'], r['M']),
+        r['dtype'], r['threads'], r['variant'], '%.2f' % r['ms'],
+        '%.3f' % r['vs_concat'], r['load']) for r in records])
+
+
+def main(argv=None):
+  parser = harness.Parser(__doc__)
+  parser.add_argument('--d_model', type=int, default=512)
+  parser.add_argument('--hidden', type=int, default=2048)
+  parser.add_argument('--rows', type=int, default=256,
+                      help="A micro-batch's rows (tokens): the ladder's 64 x "
+                      '16 / 4.')
+  parser.add_argument('--M', type=int, default=4, help='Micro-batches.')
+  parser.add_argument('--dtype', choices=('float32', 'bfloat16'),
+                      default='float32')
+  parser.add_argument('--threads', type=int, default=1,
+                      help='Intra-op threads.')
+  parser.add_argument('--steps', type=int, default=10,
+                      help='Rounds, each variant once a round.')
+  args = parser.parse_args(argv)
+  harness.CheckPositive(parser, args,
+                        ('d_model', 'hidden', 'rows', 'M', 'threads', 'steps'))
+  harness.Emit(args, Measure(args.d_model, args.hidden, args.rows, args.M,
+                             args.dtype, args.threads, args.steps), Markdown)
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())
