@@ -50,6 +50,7 @@ from bench import pipeline_report  # pylint: disable=g-import-not-at-top
 from bench import pipeline_step  # pylint: disable=g-import-not-at-top
 from bench import torch_common  # pylint: disable=g-import-not-at-top
 from bench import transformer  # pylint: disable=g-import-not-at-top
+from bench import transformer_report  # pylint: disable=g-import-not-at-top
 from lingvo_ext.core import precision  # pylint: disable=g-import-not-at-top
 
 py_utils.SetEagerMode(False)
@@ -478,10 +479,10 @@ def main(argv=None) -> int:
     records = torch_common.WithTransformerRecords(
         records, args.torch_python, args.transformer_layers, pairs, steps)
     if args.markdown:
-      print(transformer.Markdown(records))
+      print(transformer_report.Markdown(records))
       if len(args.dtype) > 1:
         print()
-        print(transformer.MarkdownDtypes(records))
+        print(transformer_report.MarkdownDtypes(records))
     else:
       for r in records:
         print(json.dumps(r))

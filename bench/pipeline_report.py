@@ -8,7 +8,7 @@ import lingvo.compat as tf
 
 from bench import pipeline_step
 from bench import torch_common  # pylint: disable=g-import-not-at-top
-from bench import transformer
+from bench import transformer_report  # pylint: disable=g-import-not-at-top
 from lingvo_ext.tracing import step_trace
 
 
@@ -148,7 +148,7 @@ def MarkdownDtypes(records: Sequence[Dict]) -> str:
         model, k, m, impl, Fmt(f['step_ms']), Fmt(b['step_ms']),
         Fmt(b.get('vs_float32'), '%.2fx'), f['bytes_between_cells'],
         b['bytes_between_cells'], Fmt(b.get('first_loss_rel_diff'), '%.2g'),
-        transformer.OneDnnCell(b)))
+        transformer_report.OneDnnCell(b)))
   return '\n'.join(lines)
 
 

@@ -24,25 +24,11 @@ shares whatever its config says.
       --variants lingvo unrolled --intra_op_threads 0 --markdown
       # the trainer's thread pools
 
-`--loss after` (the default) is Lingvo's: the stack's cross-entropy after the
-pipeline, from the last cell's logits, which makes the loss not linear in
-the pipeline's outputs, so '1f1b' recomputes every forward pass;
-`--loss last_cell` computes the per-example cross-entropy in the last cell
-(`loss_in_last_cell=True`: no recompute), as torch.distributed.pipelining's
-loss_fn per micro-batch in the last stage does. `--loss after last_cell`
-runs both side by side; 'lingvo' rows always have the loss after.
-
-  .venv/bin/python bench/transformer.py --L 8 --K 2 --M 4 \
-      --variants unrolled 1f1b --loss after last_cell
-
-Sizes: `--d_model` (one configuration each), `--hidden` (one per width,
-default 2x), `--seq`, `--batch`, `--heads`; the defaults are the small stack
-above. The size ladder (a real and a wide width, float32 and bf16):
-
-  .venv/bin/python bench/transformer.py --L 4 --K 2 --M 4 --seq 64 \
-      --batch 16 --heads 8 --d_model 512 1024 --hidden 2048 4096 \
-      --dtype float32,bfloat16 --variants lingvo unrolled unrolled+jit \
-      --steps 3 --markdown
+`--loss after` (the default) is Lingvo's, after the pipeline ('1f1b' then
+recomputes); `--loss last_cell` computes the per-example cross-entropy in
+the last cell (`loss_in_last_cell=True`), as torch's pipelining does;
+`--loss after last_cell` runs both. Sizes: `--d_model`, `--hidden`,
+`--seq`, `--batch`, `--heads`; the size ladder is docs/benchmarks.md's.
 
 Each (sizes, dtype) also gets a 'floor' row (`--no-floor`: none): the GEMM
 floor (bench/gemm_floor.py), the step's matmul FLOPs counted from its graph
@@ -75,14 +61,15 @@ import sys
 import time
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _REPO not in sys.path:
+  sys.path.insert(0, _REPO)
+from bench import transformer_report  # pylint: disable=g-import-not-at-top,g-bad-import-order
 
 DEFAULT_VARIANTS = ('lingvo', 'unrolled', 'unrolled+inline', '1f1b',
                     '1f1b+inline', 'recurrent')
-T, B, D, HIDDEN, HEADS, VOCAB = 16, 32, 64, 128, 2, 32
+T, B, D, HIDDEN, HEADS, VOCAB = transformer_report.SIZES
 # The sizes (flags of the same names): the small default.
 DIMS = dict(d_model=D, hidden=HIDDEN, seq=T, batch=B, heads=HEADS)
-# The floor's pseudo-variant: the step's matmuls at this machine's pace.
-FLOOR = 'floor'
 
 
 def StepMatmulFlops(num_layers: int, d_model: int, hidden: int, seq: int,
@@ -200,7 +187,7 @@ def _FloorChild(num_layers: int, k: int, m: int, dtype: str,
                           dims)
   shapes = gemm_floor.MatmulShapes([train])
   floor = gemm_floor.Floor(shapes, _SessionConfig(k, intra_op_threads))
-  return dict(variant=FLOOR, dtype=dtype, L=num_layers, K=k, M=m,
+  return dict(variant=transformer_report.FLOOR, dtype=dtype, L=num_layers, K=k, M=m,
               loss='after', **dims, step_ms=floor['floor_ms'],
               formula_gflop=round(StepMatmulFlops(
                   num_layers, dims['d_model'], dims['hidden'], dims['seq'],
@@ -218,7 +205,7 @@ def _Child(variant: str, num_layers: int, k: int, m: int, steps: int,
   `dims`: DIMS's keys.
   """
   dims = dict(DIMS, **(dims or {}))
-  if variant == FLOOR:
+  if variant == transformer_report.FLOOR:
     return _FloorChild(num_layers, k, m, dtype, intra_op_threads, dims)
   t0 = time.time()
   sys.path.insert(0, _REPO)
@@ -338,12 +325,12 @@ def Run(variants, num_layers, km_pairs, steps, timeout_s=1800,
   `runner`: subprocess.run, or a stand-in with its signature (the tests
   fork the children from a pre-imported server, tests/support/zygote.py).
   `dims_list`: the sizes (DIMS's keys) to run each configuration at. Variant
-  FLOOR: the GEMM floor (bench/gemm_floor.py), once per sizes and dtype.
+  transformer_report.FLOOR: the GEMM floor (bench/gemm_floor.py), once per sizes and dtype.
   """
   records = []
   for dims, l, (k, m), loss, v, dtype in itertools.product(
       dims_list, num_layers, km_pairs, losses, variants, dtypes):
-    if v in ('lingvo', FLOOR) and loss != losses[0]:
+    if v in ('lingvo', transformer_report.FLOOR) and loss != losses[0]:
       continue  # Lingvo's stack has the loss after its pipeline only.
     dims = dict(DIMS, **dims)
     cmd = [sys.executable, os.path.abspath(__file__), '--_child', v,
@@ -373,171 +360,16 @@ def Run(variants, num_layers, km_pairs, steps, timeout_s=1800,
   return records
 
 
-DTYPES = ('float32', 'bfloat16')
 LOSSES = ('after', 'last_cell')
-
-
-def _LossLabel(record) -> str:
-  """What a row's variant name adds for the loss placement."""
-  return ', loss in last cell' if record.get('loss') == 'last_cell' else ''
 
 
 def ParseDtypes(text):
   """'float32,bfloat16' -> ['float32', 'bfloat16']; argparse's type."""
   dtypes = [d.strip() for d in text.split(',') if d.strip()]
-  if not dtypes or any(d not in DTYPES for d in dtypes):
+  if not dtypes or any(d not in transformer_report.DTYPES for d in dtypes):
     raise argparse.ArgumentTypeError(
         '%r: give float32, bfloat16 or float32,bfloat16' % text)
   return dtypes
-
-
-def MarkdownDtypes(records) -> str:
-  """bf16 beside float32 per configuration and variant."""
-  by = {}
-  for r in records:
-    if 'error' not in r:
-      name = r['variant'] + _LossLabel(r)
-      by.setdefault((r['L'], r['K'], r['M'], name, _Sizes(r)),
-                    {})[r.get('dtype', 'float32')] = r
-  rows = ['| L, K, M | variant | float32 ms | bf16 ms | bf16 / float32 | '
-          'bytes between cells float32 / bf16 | op time: MatMul ms float32 / '
-          'bf16 | Cast ms bf16 | all ops ms float32 / bf16, calls excluded | '
-          'MatMul share float32 | ops run float32 / bf16 | oneDNN |',
-          '|---|---|---|---|---|---|---|---|---|---|---|---|']
-  for (l, k, m, v, _), d in by.items():
-    if set(DTYPES) <= set(d) and v != FLOOR and not v.startswith('torch'):
-      f, b = d['float32'], d['bfloat16']
-      rows.append('| %d, %d, %d | %s | %.1f | %.1f | %.2fx | %d / %d | '
-                  '%.1f / %.1f | %.1f | %.1f / %.1f | %s | %s / %s | %s |' %
-                  (l, k, m, v, f['step_ms'], b['step_ms'],
-                   b['step_ms'] / f['step_ms'], f['bytes_between_cells'],
-                   b['bytes_between_cells'], f['matmul_ms'], b['matmul_ms'],
-                   b['cast_ms'], f['op_ms'], b['op_ms'],
-                   '%.0f%%' % (100 * f['matmul_ms'] / f['op_ms'])
-                   if f['op_ms'] else '-', f['ops_run'], b['ops_run'],
-                   OneDnnCell(b)))
-  return '\n'.join(rows)
-
-
-def OneDnnCell(record) -> str:
-  """A bf16 table's oneDNN column: on or off, and a CPU without bf16 units.
-
-  (bench/pipeline.py's bf16 table too.)
-  """
-  return ('on' if record['onednn'] else 'off') + (
-      ', CPU without bf16 units' if record.get('cpu_bf16_units') is False
-      else '')
-
-
-def _Sizes(r) -> tuple:
-  """(d_model, hidden, seq, batch, heads) of a record (torch's too)."""
-  def get(a, b, default):
-    return r.get(a, r.get(b, default))
-
-  return (get('d_model', 'model_dim', D), r.get('hidden', HIDDEN),
-          get('seq', 'time_steps', T), r.get('batch', B), r.get('heads', HEADS))
-
-
-def MarkdownLadder(records) -> str:
-  """Per sizes, (L, K, M) and dtype: the floor and each column as a
-  multiple of it (the issue's size ladder)."""
-  groups = {}
-  for r in records:
-    if 'error' in r:
-      continue
-    key = (_Sizes(r), r['L'], r['K'], r['M'], r.get('dtype', 'float32'))
-    groups.setdefault(key, []).append(r)
-  rows = ['| d_model, hidden, T, B, heads | L, K, M | dtype | GEMM floor ms '
-          '(GFLOP, GFLOP/s) | default ms (x floor) | best build ms (x floor) '
-          '| torch eager ms (x floor) | default / torch eager | torch GPipe / '
-          '1F1B ms (x floor) | Lingvo ms (x floor) | default / float32 '
-          'default |', '|---|---|---|---|---|---|---|---|---|---|---|']
-
-  def _Cell(r, floor):
-    if r is None:
-      return '-'
-    if floor is None:
-      return '%.1f' % r['step_ms']
-    return '%.1f (%.2fx)' % (r['step_ms'], r['step_ms'] / floor['step_ms'])
-
-  for key, rs in groups.items():
-    sizes, l, k, m, dtype = key
-    by = {}
-    for r in rs:
-      # torch's pipelines always have the loss in the last stage.
-      by.setdefault(r['variant'] + (
-          '' if r['variant'].startswith('torch') else _LossLabel(r)), r)
-    floor = by.get(FLOOR)
-    default = by.get('unrolled')
-    ext = [(n, r) for n, r in by.items() if n != FLOOR and n != 'lingvo'
-           and not n.startswith('torch')]
-    best_name, best = min(ext, key=lambda x: x[1]['step_ms'],
-                          default=(None, None))
-    eager = by.get('torch/plain')
-    f32 = [r for r in groups.get((sizes, l, k, m, 'float32'), [])
-           if r['variant'] == 'unrolled' and r.get('loss') == 'after']
-    pipes = [by.get('torch/gpipe'), by.get('torch/1f1b')]
-    rows.append('| %s | %d, %d, %d | %s | %s | %s | %s | %s | %s | %s | %s | '
-                '%s |' % (
-                    ', '.join(str(x) for x in sizes), l, k, m, dtype,
-                    '%.1f (%.3g, %.1f)' % (floor['step_ms'],
-                                           floor['matmul_gflop'],
-                                           floor['peak_gflops'])
-                    if floor else '-',
-                    _Cell(default, floor),
-                    '-' if best is None else '%s: %s' % (best_name,
-                                                         _Cell(best, floor)),
-                    _Cell(eager, floor),
-                    '%.2fx' % (default['step_ms'] / eager['step_ms'])
-                    if default and eager else '-',
-                    ' / '.join(_Cell(p, floor) for p in pipes)
-                    if any(pipes) else '-',
-                    _Cell(by.get('lingvo'), floor),
-                    '%.2fx' % (default['step_ms'] / f32[0]['step_ms'])
-                    if default and f32 and dtype != 'float32' else '-'))
-  return '\n'.join(rows)
-
-
-def Markdown(records) -> str:
-  """One row per configuration and variant, with ratios to Lingvo's and to
-  the default schedule's ('unrolled', same dtype and loss placement)."""
-  rows = ['| L, K, M | variant | graph ops | first step (s) | step (ms) | '
-          'CPU ms a step | peak RSS (MB) | ops run | step / Lingvo | '
-          'step / unrolled |',
-          '|---|---|---|---|---|---|---|---|---|---|']
-
-  def _Key(r):
-    return (r['L'], r['K'], r['M'], _Sizes(r), r.get('dtype', 'float32'),
-            r.get('loss', 'after'))
-
-  ok = [r for r in records if 'error' not in r]
-  base = {_Key(r)[:5]: r for r in ok if r.get('variant') == 'lingvo'}
-  default = {_Key(r): r for r in ok if r.get('variant') == 'unrolled'}
-  for r in records:
-    if r.get('variant') == FLOOR:
-      continue  # MarkdownLadder's.
-    key = (r['L'], r['K'], r['M'])
-    dtype = r.get('dtype', 'float32')
-    name = r['variant'] + (' (%s)' % dtype if dtype != 'float32' else '') + (
-        _LossLabel(r)) + ('' if _Sizes(r)[0] == D else ', d_model %d' %
-                          _Sizes(r)[0])
-    if 'error' in r:
-      rows.append('| %d, %d, %d | %s | %s | | | | | | | |' %
-                  (*key, name, r['error']))
-      continue
-    ratios = []
-    for refs, ref_key in ((base, _Key(r)[:5]), (default, _Key(r))):
-      ratios.append('%.2fx' % (r['step_ms'] / refs[ref_key]['step_ms'])
-                    if ref_key in refs else '')
-    cpu = r.get('cpu_ms')
-    rows.append('| %d, %d, %d | %s | %s | %.1f | %.1f | %s | %d | %s | %s | '
-                '%s |' %
-                (*key, name,
-                 '-' if r.get('ops') is None else r['ops'],
-                 r['first_step_s'], r['step_ms'],
-                 '-' if cpu is None else '%.0f' % cpu, r['peak_rss_mb'],
-                 r.get('ops_run', '-'), *ratios))
-  return '\n'.join(rows)
 
 
 def main(argv=None) -> int:
@@ -616,12 +448,12 @@ def main(argv=None) -> int:
                     heads=args.heads)
                for d, h in zip(args.d_model, args.hidden)]
   sys.path.insert(0, _REPO)
-  from bench import torch_baselines  # pylint: disable=g-import-not-at-top
-  if torch_baselines.BadTorchPython(args.torch_python):
-    parser.error(torch_baselines.BadTorchPython(args.torch_python))
+  from bench import torch_common  # pylint: disable=g-import-not-at-top
+  if torch_common.BadTorchPython(args.torch_python):
+    parser.error(torch_common.BadTorchPython(args.torch_python))
   for v in ([args._child] if args._child else args.variants):  # pylint: disable=protected-access
     schedule, *extras = v.split('+')
-    if v == FLOOR:
+    if v == transformer_report.FLOOR:
       continue
     if (schedule not in ('lingvo', 'unrolled', '1f1b', 'recurrent') or
         not set(extras) <= {'functions', 'inline', 'jit', 'auto', 'bmm',
@@ -636,27 +468,27 @@ def main(argv=None) -> int:
                             dims_list[0])))
     return 0
   variants = list(args.variants) + (
-      [FLOOR] if args.floor and FLOOR not in args.variants else [])
+      [transformer_report.FLOOR] if args.floor and transformer_report.FLOOR not in args.variants else [])
   records = Run(variants, args.L, Pairs(args.K, args.M), args.steps,
                 dtypes=args.dtype, intra_op_threads=args.intra_op_threads,
                 losses=args.loss, dims_list=dims_list)
-  torch_python, note = torch_baselines.TorchPython(args.torch_python)
+  torch_python, note = torch_common.TorchPython(args.torch_python)
   print('[bench] ' + note, file=sys.stderr, flush=True)
   autocast = ('bfloat16' in args.dtype if args.bf16_autocast is None
               else args.bf16_autocast)
-  records = torch_baselines.WithTransformerRecords(
+  records = torch_common.WithTransformerRecords(
       records, torch_python, args.L, Pairs(args.K, args.M), args.steps,
       dims_list=[dict(model_dim=d['d_model'], hidden=d['hidden'],
                       time_steps=d['seq'], batch=d['batch'],
                       heads=d['heads']) for d in dims_list],
       bf16_autocast=autocast)
   if args.markdown:
-    print(MarkdownLadder(records))
+    print(transformer_report.MarkdownLadder(records))
     print()
-    print(Markdown(records))
+    print(transformer_report.Markdown(records))
     if len(args.dtype) > 1:
       print()
-      print(MarkdownDtypes(records))
+      print(transformer_report.MarkdownDtypes(records))
   else:
     for r in records:
       print(json.dumps(r))

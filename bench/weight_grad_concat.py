@@ -26,7 +26,7 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO not in sys.path:
   sys.path.insert(0, _REPO)
 
-import lingvo_ext  # pylint: disable=unused-import,g-import-not-at-top,g-bad-import-order
+from lingvo_ext import entry_point  # pylint: disable=unused-import,g-import-not-at-top,g-bad-import-order
 import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
 from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
 import numpy as np  # pylint: disable=g-import-not-at-top

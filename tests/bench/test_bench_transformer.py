@@ -7,6 +7,8 @@ import sys
 import pytest
 
 from bench import transformer
+
+from bench import transformer_report  # pylint: disable=g-import-not-at-top
 from tests.support import zygote
 from tests.support import ROOT as _REPO
 
@@ -16,7 +18,7 @@ def test_pairs_and_markdown():
   assert transformer.Pairs([2], [4, 8]) == [(2, 4), (2, 8)]
   base = dict(L=8, K=2, M=4, ops=100, first_step_s=1., step_ms=80.,
               cpu_ms=150., peak_rss_mb=500)
-  text = transformer.Markdown([
+  text = transformer_report.Markdown([
       dict(base, variant='lingvo'),
       dict(base, variant='unrolled+functions', step_ms=40.),
       dict(variant='1f1b', L=8, K=2, M=4, error='timeout 1800s'),
@@ -203,7 +205,7 @@ def test_ladder_markdown_has_the_floor_columns():
       dict(base, variant='unrolled', dtype='bfloat16', step_ms=75.),
       dict(torch, variant='torch/plain', dtype='bfloat16', step_ms=60.),
   ]
-  lines = transformer.MarkdownLadder(records).splitlines()
+  lines = transformer_report.MarkdownLadder(records).splitlines()
   assert 'GEMM floor ms' in lines[0] and 'x floor' in lines[0]
   assert lines[2] == (
       '| 512, 2048, 64, 16, 8 | 4, 2, 4 | float32 | 100.0 (40.3, 403.0) | '

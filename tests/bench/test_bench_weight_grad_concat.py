@@ -2,7 +2,7 @@
 
 import math
 
-import lingvo_ext  # pylint: disable=unused-import
+
 import pytest
 
 from bench import weight_grad_concat

@@ -13,6 +13,7 @@ from bench import torch_baselines
 
 from bench import torch_common  # pylint: disable=g-import-not-at-top
 from bench import transformer
+from bench import transformer_report  # pylint: disable=g-import-not-at-top
 from tests.support import ROOT as _REPO
 
 _SCRIPT = os.path.join(_REPO, 'bench', 'torch_baselines.py')
@@ -101,7 +102,7 @@ def test_records_render_in_bench_transformer_markdown():
               'torch/gpipe', 8, None, 20.0, 0.46, 610.0, 'transformer')
   lingvo = dict(variant='lingvo', L=8, K=2, M=4, ops=5569, first_step_s=14.,
                 step_ms=40., peak_rss_mb=1093)
-  lines = transformer.Markdown(
+  lines = transformer_report.Markdown(
       torch_common.MergeByConfig([lingvo, dict(lingvo, K=4, M=16)],
                                     [rec])).splitlines()
   # torch's records have no CPU time a step.

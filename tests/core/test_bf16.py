@@ -451,6 +451,7 @@ def test_trainer_and_evaler_in_bf16(tmp_path):
 def test_bench_dtype_tables():
   from bench import pipeline_report  # pylint: disable=g-import-not-at-top
   from bench import transformer as bench_transformer  # pylint: disable=g-import-not-at-top
+  from bench import transformer_report  # pylint: disable=g-import-not-at-top
   assert bench_transformer.ParseDtypes('float32, bfloat16') == [
       'float32', 'bfloat16']
   with pytest.raises(Exception, match='float16'):
@@ -465,7 +466,7 @@ def test_bench_dtype_tables():
   rec = dict(variant='unrolled', L=8, K=2, M=4, bytes_between_cells=8,
              matmul_ms=10.0, cast_ms=0.0, op_ms=40.0, ops_run=1000,
              onednn=False, step_ms=50.0)
-  rows = bench_transformer.MarkdownDtypes([
+  rows = transformer_report.MarkdownDtypes([
       dict(rec, dtype='float32'),
       dict(rec, dtype='bfloat16', step_ms=40.0, bytes_between_cells=4,
            cast_ms=3.0, op_ms=30.0, ops_run=1200)]).splitlines()
@@ -473,7 +474,7 @@ def test_bench_dtype_tables():
                      '10.0 / 10.0 | 3.0 | 40.0 / 30.0 | 25% | 1000 / 1200 | '
                      'off |')
   # A CPU without bfloat16 units says so beside oneDNN's state.
-  rows = bench_transformer.MarkdownDtypes([
+  rows = transformer_report.MarkdownDtypes([
       dict(rec, dtype='float32', cpu_bf16_units=False),
       dict(rec, dtype='bfloat16', cpu_bf16_units=False)]).splitlines()
   assert rows[2].endswith('| off, CPU without bf16 units |'), rows[2]
