@@ -16,14 +16,10 @@ bench/pipeline_report.py's.
   .venv/bin/python bench/pipeline.py --quick         # a reduced sweep
   .venv/bin/python bench/pipeline.py --quick --trace /tmp/trace   # + timelines
   .venv/bin/python bench/pipeline.py --models transformer --markdown
-      # Lingvo's GPipeTransformerStack, see bench/transformer.py
-  .venv/bin/python bench/pipeline.py --dtype float32,bfloat16 --K 2 --M 4 \
-      --models homogeneous --markdown   # float32 and bfloat16 side by side
 
-With a torch venv (`bash scripts/torch_venv.sh`, or `--torch_python PATH`),
-bench/torch_baselines.py adds torch's rows (eager, and
-torch.distributed.pipelining at the same K and M) from the plain model's
-initial weights. See docs/benchmarks.md for what the numbers mean.
+`--dtype float32,bfloat16` runs both side by side; with a torch venv
+(`bash scripts/torch_venv.sh`) torch's rows join (bench/torch_baselines.py).
+See docs/benchmarks.md for what the numbers mean.
 """
 
 import argparse
