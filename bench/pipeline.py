@@ -60,17 +60,6 @@ QUICK = dict(width=256, batch=32, K=[1, 2], M=[1, 4], steps=10, warmup=3,
              rss='fork', schedules=['1f1b'])
 
 
-# --- Models -------------------------------------------------------------------
-
-
-
-
-# --- Timing -------------------------------------------------------------------
-
-
-# --- Peak RSS in a fresh process ----------------------------------------------
-
-
 # --- torch baselines (bench/torch_baselines.py, in the torch venv) ------------
 
 
@@ -134,9 +123,6 @@ def TorchRecords(args, plain: 'pipeline_step.Step', plain_loss: float) -> List[D
         raise AssertionError(msg)
       pipeline_step.Log('WARNING ' + msg)
   return records
-
-
-# --- Timelines ----------------------------------------------------------------
 
 
 # --- The sweep ----------------------------------------------------------------

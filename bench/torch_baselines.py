@@ -96,15 +96,6 @@ TORCH_MISSING = ('torch is not installed for %s; run this file with the '
                  '.venv-torch).')
 
 
-# --- What to run --------------------------------------------------------------
-
-
-# --- Records (no torch needed) ------------------------------------------------
-
-
-# --- For bench/transformer.py (no torch needed here) --------------------------
-
-
 # --- Workers (torch) ----------------------------------------------------------
 
 
