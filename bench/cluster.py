@@ -58,8 +58,8 @@ if _REPO not in sys.path:
   sys.path.insert(0, _REPO)
 
 # Before TensorFlow starts any thread: the namespace needs one thread.
-from lingvo_ext.distributed import network  # pylint: disable=g-import-not-at-top,g-bad-import-order
 from bench import harness  # pylint: disable=g-import-not-at-top,g-bad-import-order
+from lingvo_ext.distributed import network  # pylint: disable=g-import-not-at-top,g-bad-import-order
 
 _WORKER = r'''
 import sys, time
@@ -168,10 +168,12 @@ def main(argv=None):
     network.EnterPrivateNetwork()
   # pylint: disable=g-import-not-at-top
   from lingvo_ext import entry_point  # pylint: disable=unused-import
+  # isort: split
   import lingvo.compat as tf
   from lingvo.core import cluster_factory
   from lingvo.core import py_utils
   import numpy as np
+
   from bench import pipeline_step  # pylint: disable=g-import-not-at-top
   from lingvo_ext.core import gpipe
   from lingvo_ext.core import precision

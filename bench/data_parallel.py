@@ -29,15 +29,17 @@ if _REPO not in sys.path:
   sys.path.insert(0, _REPO)
 
 from lingvo_ext import entry_point  # pylint: disable=unused-import,g-import-not-at-top,g-bad-import-order
+
+# isort: split
 import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
 from lingvo.core import cluster_factory  # pylint: disable=g-import-not-at-top
 from lingvo.core import optimizer  # pylint: disable=g-import-not-at-top
 from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
 import numpy as np  # pylint: disable=g-import-not-at-top
 
+from bench import harness  # pylint: disable=g-import-not-at-top
 from lingvo_ext.distributed import sync  # pylint: disable=g-import-not-at-top
 from params import lm  # pylint: disable=g-import-not-at-top
-from bench import harness  # pylint: disable=g-import-not-at-top
 
 py_utils.SetEagerMode(False)
 

@@ -23,7 +23,10 @@ import json
 import os
 import platform
 import time
-from typing import Callable, Dict, List, Sequence
+from typing import Callable
+from typing import Dict
+from typing import List
+from typing import Sequence
 
 
 def Parser(doc: str, raw: bool = False,

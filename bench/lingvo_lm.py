@@ -43,6 +43,7 @@ if _REPO not in sys.path:
   sys.path.insert(0, _REPO)
 from bench import harness  # pylint: disable=g-import-not-at-top,g-bad-import-order
 from tests.support import lingvo_lm_testlib  # pylint: disable=g-import-not-at-top,g-bad-import-order
+
 ENGINES = ('lingvo_ext', 'lingvo')
 MODEL = lingvo_lm_testlib.UNTRIMMED_MODEL
 _STEP = re.compile(r'^step (\d+)/(\d+)\s+loss (\S+)')

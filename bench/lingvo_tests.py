@@ -55,6 +55,7 @@ def main(argv=None):
   sys.path.insert(0, _REPO)
   # pylint: disable=g-import-not-at-top
   import lingvo.core
+
   from lingvo_ext.core import gpipe
   from lingvo_ext.core import layers_with_gpipe
   from lingvo_ext.pipeline import schedules

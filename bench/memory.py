@@ -36,6 +36,7 @@ def MeasuredPeak(model: str, overrides: str, devices: int, steps: int,
 
 def Predicted(model: str, overrides: str, devices: int):
   from absl import flags  # pylint: disable=g-import-not-at-top
+
   from lingvo_ext.preflight import start_memory  # pylint: disable=g-import-not-at-top
   if not flags.FLAGS.is_parsed():
     # Lingvo's task params (an MT model's) read absl flags when built.

@@ -2,7 +2,8 @@
 timelines (planned against measured)."""
 
 import os
-from typing import Dict, Sequence
+from typing import Dict
+from typing import Sequence
 
 import lingvo.compat as tf
 

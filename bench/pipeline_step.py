@@ -11,7 +11,10 @@ import resource
 import subprocess
 import sys
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Dict
+from typing import List
+from typing import Optional
+from typing import Sequence
 
 import lingvo.compat as tf
 from lingvo.core import base_layer
@@ -22,7 +25,6 @@ from lingvo.core import layers
 from lingvo.core import py_utils
 from lingvo.core import tshape
 import numpy as np
-
 
 from bench import torch_common  # pylint: disable=g-import-not-at-top
 from lingvo_ext.core import gpipe as ext_gpipe

@@ -49,16 +49,18 @@ import os
 import statistics
 import sys
 import time
-from typing import Dict, List, Sequence
+from typing import Dict
+from typing import List
+from typing import Sequence
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO not in sys.path:
   sys.path.insert(0, _REPO)
 
-from lingvo_ext import planner  # pylint: disable=g-import-not-at-top
 from bench import harness  # pylint: disable=g-import-not-at-top,g-bad-import-order
 from bench import plan_models  # pylint: disable=g-import-not-at-top,g-bad-import-order
 from bench import plan_report  # pylint: disable=g-import-not-at-top,g-bad-import-order
+from lingvo_ext import planner  # pylint: disable=g-import-not-at-top
 from lingvo_ext.pipeline import records  # pylint: disable=g-import-not-at-top
 from lingvo_ext.planner import measuring  # pylint: disable=g-import-not-at-top
 
@@ -89,6 +91,7 @@ def _Log(msg: str) -> None:
 def FcLayers(width: int = FC_WIDTH):
   """bench/pipeline.py's FC stack with its per-example loss, and its shape."""
   from lingvo.core import tshape  # pylint: disable=g-import-not-at-top
+
   from bench import pipeline_step  # pylint: disable=g-import-not-at-top
   layers = pipeline_step.LayerParams(FC_MODEL, width)
   layers.append(pipeline_step.PerExampleLoss.Params().Set(name='loss'))
@@ -124,6 +127,7 @@ def BuildFcStep(plan: planner.Plan, width: int = FC_WIDTH):
   from lingvo.core import cluster_factory  # pylint: disable=g-import-not-at-top
   from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
+
   from bench import pipeline_step  # pylint: disable=g-import-not-at-top
   from lingvo_ext.core import gpipe  # pylint: disable=g-import-not-at-top
   py_utils.SetEagerMode(False)

@@ -19,7 +19,9 @@ import os
 import re
 import sys
 import tempfile
-from typing import Dict, List, Optional
+from typing import Dict
+from typing import List
+from typing import Optional
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -8,7 +8,10 @@ planner's own modules only.
 import dataclasses
 import math
 import statistics
-from typing import Callable, Dict, List, Sequence
+from typing import Callable
+from typing import Dict
+from typing import List
+from typing import Sequence
 
 from lingvo_ext import planner
 from lingvo_ext.planner import measuring

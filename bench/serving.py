@@ -125,8 +125,9 @@ def _TrainingForward(model, devices, batches, ckpt_dir, runs, warmup,
   import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
   from lingvo.core import cluster_factory  # pylint: disable=g-import-not-at-top
   from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
-  from lingvo_ext.tasks import experiment_params  # pylint: disable=g-import-not-at-top
+
   from lingvo_ext.serving import saved_model  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.tasks import experiment_params  # pylint: disable=g-import-not-at-top
   cfg = experiment_params.GetParams(model, 'Train', overrides)
   m = cfg.task.num_micro_batches
   rng = np.random.RandomState(0)
@@ -186,6 +187,7 @@ def _RoundRobinCpu(steps, rounds):
 def _Generation(args, cfg, ckpt, work, overrides):
   """The generation rows: cached against re-run (see the docstring)."""
   import tensorflow as tf2  # pylint: disable=g-import-not-at-top
+
   from lingvo_ext.serving import export  # pylint: disable=g-import-not-at-top
   signatures = {}
   for name, cache, jit in _VARIANTS:
@@ -256,7 +258,9 @@ def _GenerationTable(rows):
 def main(argv=None):
   args = ParseArgs(sys.argv[1:] if argv is None else argv)
   from lingvo_ext import entry_point  # pylint: disable=unused-import,g-import-not-at-top
+  # isort: split
   import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
+
   from lingvo_ext.tasks import experiment_params  # pylint: disable=g-import-not-at-top
   tf.flags.FLAGS([sys.argv[0]])
   inp = experiment_params.GetParams(args.model, 'Train').input
@@ -277,6 +281,7 @@ def main(argv=None):
 def _Bench(args, inp, overrides, work):
   """The rows, printed; `overrides` None: no generation rows."""
   import tensorflow as tf2  # pylint: disable=g-import-not-at-top
+
   from lingvo_ext.serving import export  # pylint: disable=g-import-not-at-top
   from lingvo_ext.serving import saved_model  # pylint: disable=g-import-not-at-top
   lm = overrides is not None

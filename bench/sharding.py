@@ -29,21 +29,24 @@ import os
 import statistics
 import sys
 import time
-from typing import Dict, List
+from typing import Dict
+from typing import List
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO not in sys.path:
   sys.path.insert(0, _REPO)
 
 from lingvo_ext import entry_point  # pylint: disable=unused-import,g-import-not-at-top,g-bad-import-order
-import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
+
+# isort: split
 from lingvo import model_registry  # pylint: disable=g-import-not-at-top
+import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
 from lingvo.core import cluster_factory  # pylint: disable=g-import-not-at-top
 from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
 import numpy as np  # pylint: disable=g-import-not-at-top
 
-import params  # pylint: disable=unused-import,g-import-not-at-top
 from bench import harness  # pylint: disable=g-import-not-at-top
+import params  # pylint: disable=unused-import,g-import-not-at-top
 
 py_utils.SetEagerMode(False)
 

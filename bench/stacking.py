@@ -38,20 +38,21 @@ if _REPO not in sys.path:
   sys.path.insert(0, _REPO)
 
 from lingvo_ext import entry_point  # pylint: disable=unused-import,g-import-not-at-top,g-bad-import-order
+
+# isort: split
 import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
-import numpy as np  # pylint: disable=g-import-not-at-top
 from lingvo.core import cluster_factory  # pylint: disable=g-import-not-at-top
 from lingvo.core import optimizer  # pylint: disable=g-import-not-at-top
 from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
 from lingvo.core import saver as lingvo_saver  # pylint: disable=g-import-not-at-top
+import numpy as np  # pylint: disable=g-import-not-at-top
 
+from bench import harness  # pylint: disable=g-import-not-at-top
 from bench import pipeline as pipeline_bench  # pylint: disable=g-import-not-at-top
-
 from bench import pipeline_step  # pylint: disable=g-import-not-at-top
 from lingvo_ext.core import gpipe  # pylint: disable=g-import-not-at-top
 from lingvo_ext.core import stacking  # pylint: disable=g-import-not-at-top
 from params import lm  # pylint: disable=g-import-not-at-top
-from bench import harness  # pylint: disable=g-import-not-at-top
 
 py_utils.SetEagerMode(False)
 

@@ -67,9 +67,11 @@ def _Script(model: str, flags) -> dict:
   t = time.time()
   sys.path.insert(0, _REPO)
   from lingvo_ext import entry_point  # pylint: disable=g-import-not-at-top,unused-import
+  # isort: split
   import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
   from lingvo.core import cluster_factory  # pylint: disable=g-import-not-at-top
   from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
+
   from lingvo_ext.tasks import experiment_params  # pylint: disable=g-import-not-at-top
   py_utils.SetEagerMode(False)
   out = dict(imports_s=time.time() - t)
@@ -104,9 +106,11 @@ def _LingvoTrainer(model, logdir):
   """Runs Lingvo's trainer main on `model` (as `python -m lingvo.trainer`)."""
   sys.path.insert(0, _REPO)
   from lingvo_ext import entry_point  # pylint: disable=g-import-not-at-top,unused-import
-  import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
+  # isort: split
   from lingvo import trainer as lingvo_trainer  # pylint: disable=g-import-not-at-top
+  import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
   from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
+
   # Registers the experiments; Lingvo's model_registry finds them.
   import params  # pylint: disable=g-import-not-at-top,unused-import
   flags = tf.flags.FLAGS

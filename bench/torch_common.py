@@ -12,7 +12,11 @@ import os
 import statistics
 import subprocess
 import sys
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict
+from typing import List
+from typing import Optional
+from typing import Sequence
+from typing import Tuple
 
 import numpy as np
 

@@ -96,6 +96,7 @@ def _Build(variant: str, num_layers: int, k: int, m: int, dtype: str,
   from lingvo.core import layers_with_gpipe as lingvo_stacks  # pylint: disable=g-import-not-at-top
   from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
+
   from lingvo_ext.core import layers_with_gpipe as ext_stacks  # pylint: disable=g-import-not-at-top
   d, seq, batch = dims['d_model'], dims['seq'], dims['batch']
   schedule, *extras = variant.split('+')
@@ -179,7 +180,9 @@ def _FloorChild(num_layers: int, k: int, m: int, dtype: str,
   the variants' thread pools."""
   sys.path.insert(0, _REPO)
   from lingvo_ext import entry_point  # pylint: disable=g-import-not-at-top,unused-import
+  # isort: split
   from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
+
   from bench import gemm_floor  # pylint: disable=g-import-not-at-top
   py_utils.SetEagerMode(False)
   _SetPools(intra_op_threads)
@@ -210,9 +213,11 @@ def _Child(variant: str, num_layers: int, k: int, m: int, steps: int,
   t0 = time.time()
   sys.path.insert(0, _REPO)
   from lingvo_ext import entry_point  # pylint: disable=g-import-not-at-top,unused-import
+  # isort: split
   import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
   from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
+
   from lingvo_ext.core import precision  # pylint: disable=g-import-not-at-top
   py_utils.SetEagerMode(False)
   _SetPools(intra_op_threads)

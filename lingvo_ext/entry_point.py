@@ -35,9 +35,10 @@ def ParseFlags(argv=(), program=None):
   out); `program`: argv[0] (default sys.argv[0]). Returns None, or the
   error (the flag and why).
   """
-  from absl import flags  # pylint: disable=g-import-not-at-top
   import sys  # pylint: disable=g-import-not-at-top
-  from lingvo.core import py_utils_flags  # pylint: disable=g-import-not-at-top,unused-import
+
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  from lingvo.core import py_utils_flags  # noqa: F401  # pylint: disable=g-import-not-at-top,unused-import
   argv = list(argv)
   if flags.FLAGS.is_parsed() and not argv:
     return None

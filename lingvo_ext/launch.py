@@ -35,10 +35,10 @@ import os
 import sys
 
 from lingvo_ext import entry_point  # pylint: disable=unused-import,g-bad-import-order
-from lingvo_ext.runtime import shutdown
 from lingvo_ext.distributed import cluster
 from lingvo_ext.distributed import cluster_tasks
 from lingvo_ext.distributed import launching
+from lingvo_ext.runtime import shutdown
 
 
 def _Parser():

@@ -80,35 +80,37 @@ _PROGRAM = (__name__ == '__main__' or os.path.basename(
 if _PROGRAM:
   gc.disable()
 
-from lingvo_ext import entry_point  # pylint: disable=g-bad-import-order,g-import-not-at-top,wrong-import-position
 from absl import app
+
+from lingvo_ext import entry_point  # pylint: disable=g-bad-import-order,g-import-not-at-top,wrong-import-position
+
+# isort: split
 import lingvo.compat as tf
 from lingvo.core import hyperparams
 from lingvo.core import py_utils
 
 from lingvo_ext import _startup
 from lingvo_ext import devices
-from lingvo_ext.runtime import flag_checks
-from lingvo_ext.runtime import input_guard
-from lingvo_ext.runtime import jit_default
-from lingvo_ext.runtime import jit_resolve
-from lingvo_ext.runtime import logdir as logdir_lib
-from lingvo_ext.preflight import memory_check
-from lingvo_ext.runtime import cluster_plan_check
-from lingvo_ext.runtime import plan_prediction
-from lingvo_ext.preflight import param_checks
-from lingvo_ext.runtime import progress
-from lingvo_ext.tasks import run_params as run_params_lib
-from lingvo_ext.runtime import runners
-from lingvo_ext.runtime import shutdown
-from lingvo_ext.runtime import trainer_flags
-from lingvo_ext.runtime import training_end
 from lingvo_ext._internal import lingvo as internal_lingvo
 from lingvo_ext._internal import process
 from lingvo_ext.distributed import cluster
 from lingvo_ext.distributed import server
 from lingvo_ext.distributed import task_output
+from lingvo_ext.preflight import memory_check
+from lingvo_ext.preflight import param_checks
+from lingvo_ext.runtime import cluster_plan_check
+from lingvo_ext.runtime import flag_checks
+from lingvo_ext.runtime import input_guard
+from lingvo_ext.runtime import jit_resolve
+from lingvo_ext.runtime import logdir as logdir_lib
+from lingvo_ext.runtime import plan_prediction
+from lingvo_ext.runtime import progress
+from lingvo_ext.runtime import runners
+from lingvo_ext.runtime import shutdown
+from lingvo_ext.runtime import trainer_flags
 from lingvo_ext.runtime import trainer_lib
+from lingvo_ext.runtime import training_end
+from lingvo_ext.tasks import run_params as run_params_lib
 
 if _PROGRAM:
   gc.freeze()

@@ -1,6 +1,7 @@
 """The shared shape of lingvo_ext's pipelined experiments (not registered)."""
 
 from lingvo.core import base_model_params
+
 from lingvo_ext.tasks.in_memory_input import InMemoryInput
 
 

@@ -9,9 +9,9 @@ input.data_shape:(28, 28, 1); input.num_classes:10; task.num_classes:10'.
 """
 
 from lingvo import model_registry
+
 from lingvo_ext.tasks.image import input_generator
 from lingvo_ext.tasks.image import model
-
 from params import base
 
 

@@ -7,9 +7,9 @@ then cut from the same file; `task.input.text_file` is accepted too).
 """
 
 from lingvo import model_registry
+
 from lingvo_ext.tasks.lm import input_generator
 from lingvo_ext.tasks.lm import model
-
 from params import base
 
 

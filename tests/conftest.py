@@ -38,6 +38,7 @@ from tests.support import ROOT as _ROOT
 from tests.support import lingvo_lm_testlib
 from tests.support import mt_testlib
 from tests.support import zygote
+
 # pylint: enable=g-import-not-at-top
 
 

@@ -12,7 +12,11 @@ import ast
 import collections
 import os
 import sys
-from typing import Dict, List, Set, Tuple
+from typing import Dict
+from typing import List
+from typing import Set
+from typing import Tuple
+
 from tests.support import ROOT
 
 PACKAGES = ('lingvo_ext', 'params')

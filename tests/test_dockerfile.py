@@ -11,8 +11,8 @@ import os
 import re
 import subprocess
 
-from tests.support import k8s_testlib
 from tests.support import ROOT
+from tests.support import k8s_testlib
 
 
 def _Instructions():

@@ -8,8 +8,8 @@ import subprocess
 import sys
 
 import pytest
-from tests.support import ROOT as _REPO
 
+from tests.support import ROOT as _REPO
 
 _PROBE = ('import os, sys; import lingvo_ext; '
           'loaded = "tensorflow" in sys.modules; '

@@ -10,7 +10,6 @@ import pytest
 from lingvo_ext import _startup
 from tests.support import ROOT
 
-
 _NOISE = [
     'WARNING: All log messages before absl::InitializeLog() is called are '
     'written to STDERR',

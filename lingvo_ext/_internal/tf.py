@@ -12,6 +12,7 @@ import threading
 import weakref
 
 import tensorflow as tf
+
 # pylint: disable=g-direct-tensorflow-import
 from tensorflow.core.protobuf import config_pb2
 from tensorflow.python.eager import context as tf_context
@@ -25,6 +26,7 @@ from tensorflow.python.training.saving import saveable_object
 from tensorflow.python.util import _pywrap_util_port
 
 from lingvo_ext import xla_cache
+
 # pylint: enable=g-direct-tensorflow-import
 
 # A checkpoint that restores through a custom object (stacking.py's views of
@@ -290,7 +292,9 @@ def SlurmClusterResolverModule():
   expand_hostlist / expand_tasks_per_node (Slurm's compact host and task
   lists) are not.
   """
-  from tensorflow.python.distribute.cluster_resolver import slurm_cluster_resolver  # pylint: disable=g-import-not-at-top,g-direct-tensorflow-import
+  from tensorflow.python.distribute.cluster_resolver import (
+    slurm_cluster_resolver,  # pylint: disable=g-import-not-at-top,g-direct-tensorflow-import
+  )
   return slurm_cluster_resolver
 
 

@@ -9,10 +9,18 @@ names are here too: `lingvo_ext.checkpoints.X` is the path users hold.
 """
 
 # pylint: disable=unused-import,g-multiple-import
-from lingvo_ext.checkpoints.checkpointers import (
-    FiniteChecks, NewCheckpointer, NonFiniteVariables, TrainingCheckpointer)
-from lingvo_ext.checkpoints.files import (
-    CheckpointPaths, CheckpointProblem, CheckpointStep, ClearTrainingFinished,
-    LatestCheckpoint, LocalizeStateFile, MarkTrainingFinished,
-    RebuildStateFile, TrainingFinished)
-from lingvo_ext.checkpoints.reader import NewestIntactCheckpoint, ReadProblem
+from lingvo_ext.checkpoints.checkpointers import FiniteChecks
+from lingvo_ext.checkpoints.checkpointers import NewCheckpointer
+from lingvo_ext.checkpoints.checkpointers import NonFiniteVariables
+from lingvo_ext.checkpoints.checkpointers import TrainingCheckpointer
+from lingvo_ext.checkpoints.files import CheckpointPaths
+from lingvo_ext.checkpoints.files import CheckpointProblem
+from lingvo_ext.checkpoints.files import CheckpointStep
+from lingvo_ext.checkpoints.files import ClearTrainingFinished
+from lingvo_ext.checkpoints.files import LatestCheckpoint
+from lingvo_ext.checkpoints.files import LocalizeStateFile
+from lingvo_ext.checkpoints.files import MarkTrainingFinished
+from lingvo_ext.checkpoints.files import RebuildStateFile
+from lingvo_ext.checkpoints.files import TrainingFinished
+from lingvo_ext.checkpoints.reader import NewestIntactCheckpoint
+from lingvo_ext.checkpoints.reader import ReadProblem

@@ -13,7 +13,9 @@ evalers.
 
 import os
 import re
-from typing import List, Optional, Tuple
+from typing import List
+from typing import Optional
+from typing import Tuple
 
 from google.protobuf import text_format
 import lingvo.compat as tf

@@ -16,7 +16,10 @@ logdir and points its state file past the damaged ones.
 import glob
 import os
 import sys
-from typing import Dict, Optional, Set, Tuple
+from typing import Dict
+from typing import Optional
+from typing import Set
+from typing import Tuple
 
 from lingvo_ext.checkpoints import files
 

@@ -30,16 +30,15 @@ from lingvo.core import gpipe as lingvo_gpipe
 from lingvo.core import py_utils
 from lingvo.core import tshape
 
-from lingvo_ext.pipeline import cells
 from lingvo_ext.core import jit_choice
-from lingvo_ext.pipeline import nest_util
-from lingvo_ext.pipeline import schedules
 from lingvo_ext.core import seq_layer
+from lingvo_ext.pipeline import cells
 from lingvo_ext.pipeline import gemm_rewrite
 from lingvo_ext.pipeline import kinds
+from lingvo_ext.pipeline import nest_util
 from lingvo_ext.pipeline import records
 from lingvo_ext.pipeline import recurrent
-
+from lingvo_ext.pipeline import schedules
 
 # lingvo.core.gpipe's public hooks (stateless random ops in a cell seed from
 # the micro-batch index, not the global step), so that code written against

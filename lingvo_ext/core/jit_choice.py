@@ -21,10 +21,10 @@ from typing import Optional
 import lingvo.compat as tf
 import tensorflow as tf2
 
-from lingvo_ext.pipeline import nest_util
-from lingvo_ext.pipeline import records
 from lingvo_ext import cache_files
 from lingvo_ext import xla_cache
+from lingvo_ext.pipeline import nest_util
+from lingvo_ext.pipeline import records
 
 # None: unset, built as False; the trainer's --jit_compile sets it in a local
 # training run (runtime/jit_default.py).

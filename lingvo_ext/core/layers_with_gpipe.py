@@ -23,10 +23,11 @@ cross-entropy is still a sum over tokens.
 """
 
 import lingvo.compat as tf
-from lingvo.core import gpipe as _lingvo_gpipe  # pylint: disable=unused-import
+from lingvo.core import gpipe as _lingvo_gpipe  # noqa: F401  # pylint: disable=unused-import
 from lingvo.core import layers as lingvo_layers
 from lingvo.core import py_utils
 from lingvo.core import tshape
+
 from lingvo_ext._internal import lingvo as internal_lingvo
 from lingvo_ext.core import gpipe as _ext_gpipe
 

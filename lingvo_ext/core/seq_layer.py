@@ -11,10 +11,10 @@ from lingvo.core import base_layer
 from lingvo.core import gpipe as lingvo_gpipe
 from lingvo.core import py_utils
 
-from lingvo_ext.pipeline import cells
-from lingvo_ext.pipeline import nest_util
 from lingvo_ext.core import stacking
+from lingvo_ext.pipeline import cells
 from lingvo_ext.pipeline import kinds
+from lingvo_ext.pipeline import nest_util
 from lingvo_ext.pipeline import records
 
 

@@ -23,7 +23,8 @@ graph.
 
 import collections
 import contextlib
-from typing import List, Optional
+from typing import List
+from typing import Optional
 
 import lingvo.compat as tf
 from lingvo.core import base_layer

@@ -36,7 +36,10 @@ the building client's own server, e.g. input = /job:trainer_client.
 import dataclasses
 import errno
 import socket
-from typing import Dict, List, Optional, Sequence
+from typing import Dict
+from typing import List
+from typing import Optional
+from typing import Sequence
 
 # The job each --mode needs in the cluster spec beside the processes' own.
 _MODE_JOBS = {'sync': ('worker',), 'async': ('trainer', 'ps')}

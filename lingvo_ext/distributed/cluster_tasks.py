@@ -12,7 +12,11 @@ and --cluster_resolver=slurm); ps tasks then hold the variables.
 import dataclasses
 import subprocess
 import sys
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any
+from typing import Dict
+from typing import List
+from typing import Optional
+from typing import Sequence
 
 from lingvo_ext.distributed import cluster
 from lingvo_ext.distributed import network

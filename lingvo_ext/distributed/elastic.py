@@ -14,7 +14,10 @@ plan fits, or the lost task is not a worker, the cluster stops as without
 """
 
 import dataclasses
-from typing import List, Optional, Sequence, Tuple
+from typing import List
+from typing import Optional
+from typing import Sequence
+from typing import Tuple
 
 REPLAN = 'replan'
 STOP = 'stop'

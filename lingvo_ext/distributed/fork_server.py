@@ -49,7 +49,11 @@ import signal
 import subprocess
 import sys
 import threading
-from typing import Dict, Mapping, Optional, Sequence, Tuple
+from typing import Dict
+from typing import Mapping
+from typing import Optional
+from typing import Sequence
+from typing import Tuple
 
 from lingvo_ext.distributed import fork_serving
 

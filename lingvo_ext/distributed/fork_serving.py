@@ -17,7 +17,10 @@ import os
 import select
 import signal
 import sys
-from typing import List, Mapping, Optional, Sequence
+from typing import List
+from typing import Mapping
+from typing import Optional
+from typing import Sequence
 
 from lingvo_ext import entry_point  # pylint: disable=unused-import
 from lingvo_ext._internal import process
@@ -38,8 +41,8 @@ def Preload(modules: Sequence[str]) -> None:
 
   Not the modules themselves: each runs afresh as __main__ in its task.
   """
-  import numpy  # pylint: disable=g-import-not-at-top,unused-import
-  import tensorflow  # pylint: disable=g-import-not-at-top,unused-import
+  import numpy  # noqa: F401  # pylint: disable=g-import-not-at-top,unused-import
+  import tensorflow  # noqa: F401  # pylint: disable=g-import-not-at-top,unused-import
   for module in modules:
     with open(importlib.util.find_spec(module).origin) as f:
       tree = ast.parse(f.read())

@@ -45,7 +45,8 @@ import subprocess
 import sys
 import threading
 import time
-from typing import List, Optional
+from typing import List
+from typing import Optional
 
 from lingvo_ext.distributed import cluster
 from lingvo_ext.distributed import cluster_tasks

@@ -20,7 +20,10 @@ import re
 import signal
 import subprocess
 import sys
-from typing import List, Optional, Sequence, Tuple
+from typing import List
+from typing import Optional
+from typing import Sequence
+from typing import Tuple
 
 from lingvo_ext.distributed import cluster
 from lingvo_ext.distributed import cluster_tasks

@@ -29,7 +29,10 @@ distinct, also when two "nodes" are one machine).
 import dataclasses
 import json
 import os
-from typing import Dict, List, Mapping, Optional
+from typing import Dict
+from typing import List
+from typing import Mapping
+from typing import Optional
 
 from lingvo_ext.distributed import cluster
 

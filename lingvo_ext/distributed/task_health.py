@@ -15,7 +15,8 @@ Light (no TensorFlow): the launcher imports it.
 
 import os
 import socket
-from typing import Optional, Tuple
+from typing import Optional
+from typing import Tuple
 
 _PREFACE = (b'PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n'
             # An empty SETTINGS frame: length 0, type 4, flags 0, stream 0.

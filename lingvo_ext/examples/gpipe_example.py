@@ -11,6 +11,8 @@ import argparse
 import sys
 
 from lingvo_ext import entry_point  # pylint: disable=unused-import,g-bad-import-order
+
+# isort: split
 import lingvo.compat as tf
 from lingvo.core import cluster_factory
 from lingvo.core import layers

@@ -39,17 +39,19 @@ first command (the trainer with this --model).
 import sys
 
 from lingvo_ext import entry_point  # pylint: disable=unused-import,g-bad-import-order
+
+# isort: split
 from lingvo import model_registry
 import lingvo.compat as tf
 from lingvo.core import base_layer
 from lingvo.core import py_utils
 from lingvo.core import tshape
 
-from lingvo_ext.layers import flops
 from lingvo_ext import layers
-from params import base
+from lingvo_ext.layers import flops
 from lingvo_ext.tasks import pipelined_task
 from lingvo_ext.tasks.image import input_generator
+from params import base
 
 MODEL = 'lingvo_ext.examples.own_model.ResidualMlpDigits'
 

@@ -3,7 +3,6 @@
 The conventions of every layer here are in `lingvo_ext.layers`.
 """
 
-import math
 
 import lingvo.compat as tf
 from lingvo.core import base_layer
@@ -12,6 +11,7 @@ from lingvo.core import tshape
 
 from lingvo_ext.layers import flops
 from lingvo_ext.layers import layer_util
+
 
 class FCLayer(base_layer.BaseLayer):
   """Fully connected layer: activation(x * w + b) on [..., input_dim]."""

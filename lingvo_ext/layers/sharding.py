@@ -36,7 +36,10 @@ gather from a shard gives it a `tf.IndexedSlices` gradient.
 """
 
 import re
-from typing import Any, Callable, List, Optional
+from typing import Any
+from typing import Callable
+from typing import List
+from typing import Optional
 
 import lingvo.compat as tf
 from lingvo.core import cluster_factory

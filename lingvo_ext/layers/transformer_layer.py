@@ -13,6 +13,7 @@ from lingvo_ext.layers import dense_layers
 from lingvo_ext.layers import flops
 from lingvo_ext.layers import layer_util
 
+
 class TransformerLayer(base_layer.BaseLayer):
   """Pre-LayerNorm Transformer layer on [B, T, model_dim].
 

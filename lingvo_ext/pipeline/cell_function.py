@@ -43,11 +43,11 @@ from lingvo.core import py_utils_flags
 import tensorflow as tf2
 
 from lingvo_ext._internal import tf as internal_tf
+from lingvo_ext.pipeline import gemm_rewrite
 from lingvo_ext.pipeline import graph_state
 from lingvo_ext.pipeline import jit_random
 from lingvo_ext.pipeline import matmul_grad
 from lingvo_ext.pipeline import nest_util
-from lingvo_ext.pipeline import gemm_rewrite
 
 # Graph state (graph_state): a call's op name -> its exported operands.
 _OPERANDS = 'cell_function_operands'

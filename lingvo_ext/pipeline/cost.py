@@ -12,7 +12,11 @@ one cost per layer, for `flops`, `params` (parameter bytes) or `time`
 import contextlib
 import statistics
 import time
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any
+from typing import Callable
+from typing import List
+from typing import Optional
+from typing import Sequence
 
 import lingvo.compat as tf
 from lingvo.core import py_utils

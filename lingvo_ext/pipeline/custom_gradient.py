@@ -10,7 +10,8 @@ its function reads; here one name serves every pipeline, and the backward
 functions live in graph state, freed with the graph.
 """
 
-from typing import Callable, List
+from typing import Callable
+from typing import List
 
 import lingvo.compat as tf
 

@@ -10,11 +10,17 @@ restored into a model built under another.
 """
 
 import collections
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict
+from typing import Iterable
+from typing import List
+from typing import Optional
+from typing import Sequence
+from typing import Tuple
 
 import lingvo.compat as tf
 
 from lingvo_ext.pipeline import cuts
+
 
 def _AliasTables(leaves: Sequence[cuts.Leaf]) -> Dict[str, Dict[str, cuts.Leaf]]:
   """{pipeline prefix: {alias: leaf}}, aliases shared by leaves left out."""

@@ -18,9 +18,13 @@ but a leaf's global name does not depend on it. This module:
 
 import collections
 import re
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict
+from typing import Iterable
+from typing import List
+from typing import Optional
+from typing import Sequence
+from typing import Tuple
 
-import lingvo.compat as tf
 from lingvo.core import builder_layers
 from lingvo.core import gpipe as lingvo_gpipe
 

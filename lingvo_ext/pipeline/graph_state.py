@@ -6,7 +6,8 @@ reference their graph. Kept on the graph object itself, the state goes when
 the graph does.
 """
 
-from typing import Any, Callable
+from typing import Any
+from typing import Callable
 
 _ATTR = '_lingvo_ext_state'
 

@@ -33,17 +33,19 @@ from typing import Optional
 import lingvo.compat as tf
 
 from lingvo_ext._internal import tf as internal_tf
-from lingvo_ext.pipeline import cell_function
-from lingvo_ext.pipeline import matmul_grad
 from lingvo_ext.layers import sharding
+from lingvo_ext.pipeline import cell_function
 from lingvo_ext.pipeline import gemm_rewrite
 from lingvo_ext.pipeline import loss
+from lingvo_ext.pipeline import matmul_grad
 from lingvo_ext.pipeline import records
 from lingvo_ext.pipeline import runs
 from lingvo_ext.pipeline.custom_gradient import WithBackward
 from lingvo_ext.pipeline.kinds import Action
 from lingvo_ext.pipeline.kinds import Kind
 from lingvo_ext.pipeline.kinds import StageSpec
+from lingvo_ext.pipeline.nest_util import Flat
+from lingvo_ext.pipeline.nest_util import ToTuple
 from lingvo_ext.pipeline.randomness import CellRandomness
 from lingvo_ext.pipeline.simulate import Simulate
 from lingvo_ext.pipeline.tensors import CastHere
@@ -52,8 +54,6 @@ from lingvo_ext.pipeline.tensors import ConcatGrads
 from lingvo_ext.pipeline.tensors import Group
 from lingvo_ext.pipeline.tensors import IsFloat
 from lingvo_ext.pipeline.tensors import SplitGrads
-from lingvo_ext.pipeline.nest_util import Flat
-from lingvo_ext.pipeline.nest_util import ToTuple
 from lingvo_ext.pipeline.weight_gradients import CellWeightGradients
 from lingvo_ext.pipeline.weight_gradients import RunLength
 

@@ -6,7 +6,8 @@ of actions it runs (`ScheduleLists`). Nothing here needs TensorFlow.
 
 import dataclasses
 import enum
-from typing import List, NamedTuple
+from typing import List
+from typing import NamedTuple
 
 
 class Kind(enum.StrEnum):

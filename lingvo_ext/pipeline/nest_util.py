@@ -6,7 +6,9 @@ takes them as positional arguments (`ToTuple`); a cell's inputs and outputs
 are nested structures whose tensors a schedule walks in order (`Flat`).
 """
 
-from typing import Any, List, Tuple
+from typing import Any
+from typing import List
+from typing import Tuple
 
 import lingvo.compat as tf
 

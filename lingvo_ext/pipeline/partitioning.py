@@ -7,7 +7,8 @@ cell 1.33x over the optimum on 24 equal layers cut in 8; this is exact.
 """
 
 import math
-from typing import List, Sequence
+from typing import List
+from typing import Sequence
 
 
 def _CheckArgs(costs: Sequence[float], num_partitions: int) -> List[float]:

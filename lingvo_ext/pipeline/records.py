@@ -10,7 +10,11 @@ Nothing here needs TensorFlow, so the planner can import it.
 """
 
 import dataclasses
-from typing import Callable, Dict, FrozenSet, Optional, Tuple
+from typing import Callable
+from typing import Dict
+from typing import FrozenSet
+from typing import Optional
+from typing import Tuple
 
 from lingvo_ext.pipeline import generators
 from lingvo_ext.pipeline.kinds import KINDS

@@ -10,9 +10,9 @@ from lingvo.core import py_utils
 from lingvo.core import recurrent
 
 from lingvo_ext._internal import lingvo as internal_lingvo
-from lingvo_ext.pipeline.tensors import CastHere
 from lingvo_ext.pipeline.nest_util import Flat as _Flat
 from lingvo_ext.pipeline.nest_util import ToTuple
+from lingvo_ext.pipeline.tensors import CastHere
 
 _MICRO_BATCH_STATE_NAME = 'micro_batch_state'
 

@@ -3,7 +3,10 @@
 The engine and the planner read the lists the same way through these.
 """
 
-from typing import Dict, List, Optional, Sequence
+from typing import Dict
+from typing import List
+from typing import Optional
+from typing import Sequence
 
 from lingvo_ext.pipeline.kinds import Action
 from lingvo_ext.pipeline.kinds import Kind

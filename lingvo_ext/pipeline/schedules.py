@@ -46,21 +46,41 @@ import importlib
 
 # pylint: disable=unused-import,g-multiple-import
 from lingvo_ext.pipeline import records
-from lingvo_ext.pipeline.generators import (
-    GPipe, Interleaved1F1B, OneFOneB, OneFOneBGroupedWeights, ZeroBubble)
-from lingvo_ext.pipeline.kinds import (
-    KINDS, PLACEMENTS, Action, Kind, PlaceStage, ScheduleLists, StageSpec)
-from lingvo_ext.pipeline.records import (
-    ACTION_SCHEDULES, ALWAYS_RECOMPUTE, LINEAR_LOSS_ONLY, ORDERED_KINDS,
-    SIZED_WEIGHT_GRADIENT_RUNS, Build, Placed)
-from lingvo_ext.pipeline.runs import (
-    PreviousOnDevice, Waits, WeightGradientRunLength, WeightGradientRuns)
-from lingvo_ext.pipeline.simulate import (
-    CheckSchedule, CriticalPath, Deps, FormatSchedule, Simulate, Timeline,
-    UnitCost)
-from lingvo_ext.pipeline.text import FormatLists, ParseLists
-from lingvo_ext.pipeline.transforms import (
-    FoldOntoDevices, ForwardsFirst, GroupWeightGradients)
+from lingvo_ext.pipeline.generators import GPipe
+from lingvo_ext.pipeline.generators import Interleaved1F1B
+from lingvo_ext.pipeline.generators import OneFOneB
+from lingvo_ext.pipeline.generators import OneFOneBGroupedWeights
+from lingvo_ext.pipeline.generators import ZeroBubble
+from lingvo_ext.pipeline.kinds import KINDS
+from lingvo_ext.pipeline.kinds import PLACEMENTS
+from lingvo_ext.pipeline.kinds import Action
+from lingvo_ext.pipeline.kinds import Kind
+from lingvo_ext.pipeline.kinds import PlaceStage
+from lingvo_ext.pipeline.kinds import ScheduleLists
+from lingvo_ext.pipeline.kinds import StageSpec
+from lingvo_ext.pipeline.records import ACTION_SCHEDULES
+from lingvo_ext.pipeline.records import ALWAYS_RECOMPUTE
+from lingvo_ext.pipeline.records import LINEAR_LOSS_ONLY
+from lingvo_ext.pipeline.records import ORDERED_KINDS
+from lingvo_ext.pipeline.records import SIZED_WEIGHT_GRADIENT_RUNS
+from lingvo_ext.pipeline.records import Build
+from lingvo_ext.pipeline.records import Placed
+from lingvo_ext.pipeline.runs import PreviousOnDevice
+from lingvo_ext.pipeline.runs import Waits
+from lingvo_ext.pipeline.runs import WeightGradientRunLength
+from lingvo_ext.pipeline.runs import WeightGradientRuns
+from lingvo_ext.pipeline.simulate import CheckSchedule
+from lingvo_ext.pipeline.simulate import CriticalPath
+from lingvo_ext.pipeline.simulate import Deps
+from lingvo_ext.pipeline.simulate import FormatSchedule
+from lingvo_ext.pipeline.simulate import Simulate
+from lingvo_ext.pipeline.simulate import Timeline
+from lingvo_ext.pipeline.simulate import UnitCost
+from lingvo_ext.pipeline.text import FormatLists
+from lingvo_ext.pipeline.text import ParseLists
+from lingvo_ext.pipeline.transforms import FoldOntoDevices
+from lingvo_ext.pipeline.transforms import ForwardsFirst
+from lingvo_ext.pipeline.transforms import GroupWeightGradients
 
 # The TensorFlow half: {name: the module that defines it}.
 _TF_HALF = {

@@ -7,10 +7,13 @@ any graph is built. Nothing here needs TensorFlow.
 
 import collections
 import dataclasses
-from typing import Callable, Dict, List, Optional
+from typing import Callable
+from typing import Dict
+from typing import List
+from typing import Optional
 
-from lingvo_ext.pipeline.kinds import Action
 from lingvo_ext.pipeline.kinds import KINDS
+from lingvo_ext.pipeline.kinds import Action
 from lingvo_ext.pipeline.kinds import Kind
 from lingvo_ext.pipeline.kinds import ScheduleLists
 from lingvo_ext.pipeline.kinds import StageSpec

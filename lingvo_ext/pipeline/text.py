@@ -11,7 +11,9 @@ golden files (tests/pipeline/testdata/).
 
 import re
 
-from lingvo_ext.pipeline.kinds import Action, Kind, ScheduleLists
+from lingvo_ext.pipeline.kinds import Action
+from lingvo_ext.pipeline.kinds import Kind
+from lingvo_ext.pipeline.kinds import ScheduleLists
 
 _ACTION = re.compile(r'^([%s])(\d+)\.(\d+)$' % ''.join(k.value for k in Kind))
 _LINE = re.compile(r'^dev(\d+):(.*)$')

@@ -21,17 +21,17 @@ from lingvo_ext.planner.application import ApplyPlan
 from lingvo_ext.planner.application import Command
 from lingvo_ext.planner.application import Describe
 from lingvo_ext.planner.application import JoinOverrides
-from lingvo_ext.planner.application import OverrideString
 from lingvo_ext.planner.application import Overrides
+from lingvo_ext.planner.application import OverrideString
 from lingvo_ext.planner.application import Table
 from lingvo_ext.planner.application import TrainerFlags
+from lingvo_ext.planner.calibration import DEFAULT_BYTES_PER_OP
 from lingvo_ext.planner.calibration import Calibrate
 from lingvo_ext.planner.calibration import CalibrateXla
-from lingvo_ext.planner.calibration import DEFAULT_BYTES_PER_OP
 from lingvo_ext.planner.calibration import ReferencePlans
 from lingvo_ext.planner.calibration import XlaReferencePlans
-from lingvo_ext.planner.choice import Choose
 from lingvo_ext.planner.choice import MEASURE_ALPHA
+from lingvo_ext.planner.choice import Choose
 from lingvo_ext.planner.choice import MeasuredChoice
 from lingvo_ext.planner.choice import MeasuredNoise
 from lingvo_ext.planner.choice import MinRounds
@@ -50,6 +50,7 @@ from lingvo_ext.planner.plans import Plan
 from lingvo_ext.planner.plans import PlanError
 from lingvo_ext.planner.plans import PlanFromDict
 from lingvo_ext.planner.plans import Prediction
+from lingvo_ext.planner.prediction import SYNC_OPS_PER_VAR
 from lingvo_ext.planner.prediction import Accumulations
 from lingvo_ext.planner.prediction import ActionSchedule
 from lingvo_ext.planner.prediction import GatedKinds
@@ -58,7 +59,6 @@ from lingvo_ext.planner.prediction import HandoffBytes
 from lingvo_ext.planner.prediction import Predict
 from lingvo_ext.planner.prediction import PredictAll
 from lingvo_ext.planner.prediction import Stages
-from lingvo_ext.planner.prediction import SYNC_OPS_PER_VAR
 from lingvo_ext.planner.prediction import WeightGradientRun
 from lingvo_ext.planner.prediction import Xla
 from lingvo_ext.planner.tf_profiling import BuildExperimentStep

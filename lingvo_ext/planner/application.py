@@ -1,13 +1,14 @@
 """A chosen plan applied: experiment params, trainer flags, text (pure Python).
 """
 
-from typing import Dict, List, Sequence
+from typing import Dict
+from typing import List
+from typing import Sequence
 
 from lingvo_ext.pipeline import records
 from lingvo_ext.planner.model_profile import FormatSize
 from lingvo_ext.planner.plans import Candidate
 from lingvo_ext.planner.plans import Plan
-
 
 # --- Applying a plan ----------------------------------------------------------
 

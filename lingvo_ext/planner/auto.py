@@ -7,7 +7,9 @@ PipelinedTask) is planned per pipeline (`tree`).
 """
 
 import dataclasses
-from typing import Dict, List, Optional
+from typing import Dict
+from typing import List
+from typing import Optional
 
 from lingvo_ext import planner
 from lingvo_ext.planner import machine_cache
@@ -81,6 +83,7 @@ def _XlaSteps(model, profile, num_devices, overrides, model_params):
   """[(plan, (session, train op))] of the XLA references, each run once (XLA
   compiles); [] where XLA cannot compile the cells."""
   import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
+
   from lingvo_ext.core import jit_choice  # pylint: disable=g-import-not-at-top
   out = []
   try:
@@ -305,8 +308,8 @@ def PlanParams(model_params, model: str, devices: int,
     ValueError: a one-line message naming the flag (a bad size, or no plan
       fits the budget).
   """
-  from lingvo_ext.planner import memory_probe  # pylint: disable=g-import-not-at-top
   from lingvo_ext.distributed import task_health  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.planner import memory_probe  # pylint: disable=g-import-not-at-top
   budget = _CheckFlags(devices, memory_per_device, gpipe_engine)
   cfg = model_params.Copy()
   refusal = pipeline_tree.PlannerRefusal(cfg, model)

@@ -6,7 +6,9 @@
 """
 
 import dataclasses
-from typing import List, Optional, Sequence
+from typing import List
+from typing import Optional
+from typing import Sequence
 
 from lingvo_ext.pipeline import partitioning
 from lingvo_ext.pipeline import records

@@ -7,7 +7,10 @@ paired rounds; `Choose` enumerates, predicts and ranks.
 
 import dataclasses
 import math
-from typing import List, Optional, Sequence, Tuple
+from typing import List
+from typing import Optional
+from typing import Sequence
+from typing import Tuple
 
 from lingvo_ext.pipeline import records
 from lingvo_ext.planner.model_profile import FormatSize

@@ -13,7 +13,9 @@ the jit choices are (core/jit_choice.py). `lingvo_ext.tools.plan
 import dataclasses
 import hashlib
 import os
-from typing import Callable, Optional, Sequence
+from typing import Callable
+from typing import Optional
+from typing import Sequence
 
 from lingvo_ext import cache_files
 from lingvo_ext import xla_cache

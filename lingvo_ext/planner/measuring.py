@@ -7,7 +7,9 @@
 import multiprocessing
 import sys
 import time
-from typing import Dict, List, Optional
+from typing import Dict
+from typing import List
+from typing import Optional
 
 from lingvo_ext import planner
 

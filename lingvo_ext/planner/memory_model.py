@@ -33,7 +33,8 @@ per machine, TensorFlow version and device count); docs/performance.md,
 """
 
 import dataclasses
-from typing import Dict, Tuple
+from typing import Dict
+from typing import Tuple
 
 from lingvo_ext import devices
 from lingvo_ext.pipeline import records

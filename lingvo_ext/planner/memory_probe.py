@@ -154,7 +154,9 @@ def Measure(num_devices: int, parallel: int = 0):
   not disturb each other's figure; their predictions are made meanwhile.
   """
   import concurrent.futures  # pylint: disable=g-import-not-at-top
+
   import numpy as np  # pylint: disable=g-import-not-at-top
+
   from lingvo_ext.planner import tf_profiling  # pylint: disable=g-import-not-at-top
   from lingvo_ext.tasks import experiment_params  # pylint: disable=g-import-not-at-top
   base = memory_model.Constants(runtime_bytes=0., activation_factor=0.,

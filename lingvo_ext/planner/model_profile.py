@@ -8,7 +8,8 @@ measures them); `Machine`: the costs of compute on the devices planned for
 
 import dataclasses
 import math
-from typing import Optional, Tuple
+from typing import Optional
+from typing import Tuple
 
 # Optimizer slots per parameter, by Lingvo optimizer class name.
 OPTIMIZER_SLOTS = {'Adam': 2, 'AdamW': 2, 'Adagrad': 1, 'Momentum': 1,

@@ -8,12 +8,15 @@ timing it found; a `Candidate` the three together, as the choice ranks them.
 """
 
 import dataclasses
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict
+from typing import List
+from typing import Optional
+from typing import Sequence
+from typing import Tuple
 
 from lingvo_ext.pipeline import partitioning
 from lingvo_ext.pipeline import records
 from lingvo_ext.planner.model_profile import ModelProfile
-
 
 # gradient_sync strategies the planner offers for R > 1 (the ps strategies
 # need a ps job; see distributed/sync/).

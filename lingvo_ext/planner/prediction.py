@@ -47,7 +47,10 @@ actions first (`transforms.ForwardsFirst`), which is what is simulated.
 """
 
 import dataclasses
-from typing import List, Optional, Sequence, Tuple
+from typing import List
+from typing import Optional
+from typing import Sequence
+from typing import Tuple
 
 from lingvo_ext.pipeline import kinds
 from lingvo_ext.pipeline import records

@@ -6,13 +6,17 @@ pure-Python modules of the planner need none.
 
 import math
 import os
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict
+from typing import List
+from typing import Optional
+from typing import Sequence
+from typing import Tuple
 
 from lingvo_ext.planner.application import ApplyPlan
+from lingvo_ext.planner.model_profile import OPTIMIZER_SLOTS
 from lingvo_ext.planner.model_profile import LayerProfile
 from lingvo_ext.planner.model_profile import Machine
 from lingvo_ext.planner.model_profile import ModelProfile
-from lingvo_ext.planner.model_profile import OPTIMIZER_SLOTS
 from lingvo_ext.planner.plans import Plan
 from lingvo_ext.planner.plans import PlanFromDict
 
@@ -46,6 +50,7 @@ def _LayerGraphStats(p, shapes) -> Tuple[int, int, float]:
   activations a pipeline keeps between a cell's 'F' and its 'B'.
   """
   import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
+
   from lingvo_ext.pipeline import cost  # pylint: disable=g-import-not-at-top
   with cost.Sandbox() as g:
     layer = cost.InstantiateLayer(cost.NamedCopy(p, 'layer'))
@@ -91,6 +96,7 @@ def ProfileLayers(layer_params: Sequence, *shapes) -> List[LayerProfile]:
   profiled once. All per-example figures divide by the batch of `shapes`.
   """
   import numpy as np  # pylint: disable=g-import-not-at-top
+
   from lingvo_ext.pipeline import cost  # pylint: disable=g-import-not-at-top
   metas = cost.LayerMetas(layer_params, *shapes)
   batch = int(shapes[0].ToTensorShape().as_list()[0])
@@ -161,6 +167,7 @@ def ProbeMachine(session_config=None, cores: Optional[float] = None,
     overhead_bytes: See Machine.
   """
   import statistics  # pylint: disable=g-import-not-at-top
+
   import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   n_ops, dim, n_mm = 300, 384, 4

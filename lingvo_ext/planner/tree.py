@@ -17,7 +17,11 @@ Only `ProfileTree` imports TensorFlow (when called).
 import contextlib
 import dataclasses
 import io
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict
+from typing import List
+from typing import Optional
+from typing import Sequence
+from typing import Tuple
 
 from lingvo_ext.pipeline import records
 from lingvo_ext.planner import application
@@ -141,6 +145,7 @@ def ReadLengths(input_params, batches: int = READ_BATCHES,
   """
   import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
   from lingvo.core import cluster_factory  # pylint: disable=g-import-not-at-top
+
   from lingvo_ext.pipeline import cost  # pylint: disable=g-import-not-at-top
   p = input_params.Copy()
   # Only lengths are read: a small shuffle buffer fills at once.
@@ -221,6 +226,7 @@ def _ProfileCells(graph, layer, theta, args, batch, cluster):
   profiler, over the ops under the cell's name scope) and its variables.
   """
   import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
+
   from lingvo_ext.pipeline import nest_util  # pylint: disable=g-import-not-at-top
   inputs = nest_util.ToTuple(args)
   for bp in layer.params.before_tpl or []:
@@ -319,8 +325,9 @@ def ProfileTree(model_params, name: str = '',
   """
   from lingvo.core import cluster_factory  # pylint: disable=g-import-not-at-top
   from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
-  from lingvo_ext.pipeline import cost  # pylint: disable=g-import-not-at-top
+
   from lingvo_ext.core import gpipe  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.pipeline import cost  # pylint: disable=g-import-not-at-top
   from lingvo_ext.tasks import pipeline_tree  # pylint: disable=g-import-not-at-top
   pipelines = pipeline_tree.Pipelines(model_params.task)
   for path, p in pipelines:

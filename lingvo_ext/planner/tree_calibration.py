@@ -15,7 +15,9 @@ calibrated with the others at their own plans. The fitted machine is cached
 """
 
 import dataclasses
-from typing import List, Optional, Sequence
+from typing import List
+from typing import Optional
+from typing import Sequence
 
 from lingvo_ext.pipeline import records
 from lingvo_ext.planner import calibration

@@ -17,7 +17,8 @@ a softmax) are counted apart. No profiler runs, unlike the planner's
 
 import dataclasses
 import math
-from typing import Optional, Tuple
+from typing import Optional
+from typing import Tuple
 
 from lingvo_ext.planner import tf_profiling
 from lingvo_ext.planner import tree
@@ -130,8 +131,9 @@ def ProfileTaskMemory(model_params, name: str = '',
   import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
   from lingvo.core import cluster_factory  # pylint: disable=g-import-not-at-top
   from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
-  from lingvo_ext.pipeline import cost  # pylint: disable=g-import-not-at-top
+
   from lingvo_ext.core import gpipe  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.pipeline import cost  # pylint: disable=g-import-not-at-top
   from lingvo_ext.tasks import pipeline_tree  # pylint: disable=g-import-not-at-top
   pipelines = pipeline_tree.Pipelines(model_params.task)
   for path, p in pipelines:

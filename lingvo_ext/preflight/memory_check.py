@@ -13,7 +13,8 @@ variables (parameters, optimizer slots) with it, before a session allocates
 them.
 """
 
-from typing import Optional, Tuple
+from typing import Optional
+from typing import Tuple
 
 from lingvo_ext.distributed import task_health
 

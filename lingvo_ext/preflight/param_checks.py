@@ -28,9 +28,9 @@ def Check(o, params=None):
   Returns:
     (an error or None, the options with what the params decide).
   """
-  from lingvo_ext.tasks import pipeline_tree  # pylint: disable=g-import-not-at-top
   from lingvo_ext.core import precision  # pylint: disable=g-import-not-at-top
   from lingvo_ext.preflight import dataset_checks  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.tasks import pipeline_tree  # pylint: disable=g-import-not-at-top
   try:
     params = params or run_params.RunParams(o)
     cfg = params.Train()

@@ -20,13 +20,15 @@ import contextlib
 import dataclasses
 import logging
 import sys
-from typing import Dict, List, Optional, Tuple
+from typing import Dict
+from typing import List
+from typing import Optional
+from typing import Tuple
 
 from lingvo_ext import devices
 from lingvo_ext.distributed import task_health
 from lingvo_ext.planner import memory_model
 from lingvo_ext.preflight import memory_check
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,7 +140,6 @@ def Overrides(profile, plan, fprop_dtype, available: float, constants,
     micro_batch_size: Whether the pipeline's params set micro_batch_size
       (reset to None when the micro-batches change).
   """
-  from lingvo_ext import planner  # pylint: disable=g-import-not-at-top
   from lingvo_ext.pipeline import records  # pylint: disable=g-import-not-at-top
   rb = plan.replica_batch
   more = [m for m in range(plan.num_micro_batches + 1, rb + 1) if rb % m == 0]
@@ -341,6 +342,7 @@ def WarnAtStart(model_params, num_cpu_devices: int, split: int,
   variables still runs.
   """
   import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
+
   from lingvo_ext.planner import memory_probe  # pylint: disable=g-import-not-at-top
   if memory_probe.InProbe():
     return None

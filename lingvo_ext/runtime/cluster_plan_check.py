@@ -19,7 +19,8 @@ import json
 import os
 import threading
 import time
-from typing import Dict, Optional
+from typing import Dict
+from typing import Optional
 
 from lingvo_ext.runtime import plan_check
 

@@ -11,7 +11,9 @@ A value the experiment or an override sets is the user's and is kept. docs/perfo
 """
 
 import dataclasses
-from typing import List, Optional, Tuple
+from typing import List
+from typing import Optional
+from typing import Tuple
 
 from lingvo_ext.core import jit_choice
 from lingvo_ext.tasks import pipeline_tree

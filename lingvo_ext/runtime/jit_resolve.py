@@ -14,7 +14,10 @@ layer's FProp never measures. docs/performance.md, "XLA".
 """
 
 import pickle
-from typing import Dict, List, Optional, Tuple
+from typing import Dict
+from typing import List
+from typing import Optional
+from typing import Tuple
 
 import lingvo.compat as tf
 
@@ -49,6 +52,7 @@ def _Captured(cfg, children):
   pipelines at `children`, as its forward pass built them (TF)."""
   from lingvo.core import cluster_factory  # pylint: disable=g-import-not-at-top
   from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
+
   from lingvo_ext.pipeline import cost  # pylint: disable=g-import-not-at-top
   from lingvo_ext.planner import tree  # pylint: disable=g-import-not-at-top
   py_utils.SetEagerMode(False)
@@ -126,7 +130,8 @@ def _Job(payload: bytes, conn) -> None:
   """Sends ('ok', _Measured) of the pickled (todo, num_devices, do_eval,
   stable names), or ('error', type, first line) (in a fresh process)."""
   from absl import flags  # pylint: disable=g-import-not-at-top
-  from lingvo.core import py_utils_flags  # pylint: disable=g-import-not-at-top,unused-import
+  from lingvo.core import py_utils_flags  # noqa: F401  # pylint: disable=g-import-not-at-top,unused-import
+
   from lingvo_ext import xla_cache  # pylint: disable=g-import-not-at-top
   from lingvo_ext.runtime import plan_prediction  # pylint: disable=g-import-not-at-top
   plan_prediction.EndWithParent()
@@ -228,6 +233,7 @@ def ResolveLayer(params, run, num_devices: int) -> jit_default.Decision:
   one device, where the capture hook reads the pipeline's inputs."""
   from lingvo.core import cluster_factory  # pylint: disable=g-import-not-at-top
   from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
+
   from lingvo_ext.core import gpipe  # pylint: disable=g-import-not-at-top
   from lingvo_ext.pipeline import cost  # pylint: disable=g-import-not-at-top
   from lingvo_ext.runtime import jit_measure  # pylint: disable=g-import-not-at-top

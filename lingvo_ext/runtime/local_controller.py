@@ -17,11 +17,11 @@ import lingvo.compat as tf
 import numpy as np
 
 from lingvo_ext import checkpoints
-from lingvo_ext.runtime import disk_space
+from lingvo_ext.distributed import step_keeping
 from lingvo_ext.preflight import memory_check
+from lingvo_ext.runtime import disk_space
 from lingvo_ext.runtime import one_build
 from lingvo_ext.runtime import runner_state
-from lingvo_ext.distributed import step_keeping
 
 
 class LocalController(runner_state.RunnerMixin,

@@ -17,12 +17,10 @@ from lingvo.core import py_utils
 
 from lingvo_ext import checkpoints
 from lingvo_ext._internal import lingvo as internal_lingvo
-from lingvo_ext.tasks import one_pass
 from lingvo_ext.runtime import disk_space
 from lingvo_ext.runtime import progress
 from lingvo_ext.runtime import runner_state
 from lingvo_ext.runtime import training_end
-
 
 # Seconds between two looks for a new checkpoint of an evaler or decoder.
 CHECKPOINT_POLL_S = 1.0

@@ -19,13 +19,13 @@ import lingvo.compat as tf
 from lingvo.core import py_utils
 
 from lingvo_ext import checkpoints
-from lingvo_ext.runtime import prepared_step
-from lingvo_ext.runtime import progress
-from lingvo_ext.runtime import runner_state
-from lingvo_ext.pipeline import cuts
 from lingvo_ext.core import jit_choice
 from lingvo_ext.distributed import server
 from lingvo_ext.distributed import step_keeping
+from lingvo_ext.pipeline import cuts
+from lingvo_ext.runtime import prepared_step
+from lingvo_ext.runtime import progress
+from lingvo_ext.runtime import runner_state
 from lingvo_ext.tracing import timeline
 
 

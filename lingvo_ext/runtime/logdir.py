@@ -8,7 +8,6 @@ from lingvo_ext import checkpoints
 from lingvo_ext.runtime import runner_state
 from lingvo_ext.runtime import runners
 
-
 # The lock a training process holds on its logdir for its whole life (the
 # kernel drops it when the process ends, however it ends).
 LOCK_FILE = runner_state.TRAINER_LOCK

@@ -32,6 +32,7 @@ def Seconds(num_devices: int = 1, rounds: int = ROUNDS) -> float:
   """The median seconds of one step's loop work on this host now (TF)."""
   import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
   from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
+
   from lingvo_ext.distributed import server  # pylint: disable=g-import-not-at-top
   graph = tf.Graph()
   with graph.as_default():

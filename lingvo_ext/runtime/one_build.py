@@ -22,12 +22,11 @@ every task) keep Lingvo's two builds. See docs/benchmarks.md ("Start-up").
 import os
 import threading
 
+from google.protobuf import text_format
 from lingvo import runners as lingvo_runners
 import lingvo.compat as tf
 from lingvo.core import py_utils
 from lingvo.core import summary_utils
-
-from google.protobuf import text_format
 
 FLAGS = tf.flags.FLAGS
 

@@ -21,7 +21,12 @@ import logging
 import statistics
 import sys
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable
+from typing import Dict
+from typing import List
+from typing import Optional
+from typing import Sequence
+from typing import Tuple
 
 # When the step rate counts as steady (--plan_check_steps, --plan_check_secs).
 MIN_STEPS = 50

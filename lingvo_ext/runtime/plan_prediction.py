@@ -16,7 +16,9 @@ plan_check.py prints the line.
 
 import dataclasses
 import threading
-from typing import Dict, List, Tuple
+from typing import Dict
+from typing import List
+from typing import Tuple
 
 from lingvo_ext.runtime import plan_check
 
@@ -133,8 +135,8 @@ def PredictJob(job: Dict) -> Dict:
       references are timed (the trainer holds its steps meanwhile), and
       intra_op_threads: the trainer's (Options.IntraOpThreads).
   """
-  from lingvo_ext.runtime import loop_overhead  # pylint: disable=g-import-not-at-top
   from lingvo_ext.preflight import start_memory  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.runtime import loop_overhead  # pylint: disable=g-import-not-at-top
   from lingvo_ext.tasks import experiment_params  # pylint: disable=g-import-not-at-top
   from lingvo_ext.tasks import pipeline_tree  # pylint: disable=g-import-not-at-top
   EndWithParent()
@@ -208,6 +210,7 @@ class Pending:
 
   def _Run(self, job, timeout_s):
     import multiprocessing  # pylint: disable=g-import-not-at-top
+
     import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
     ctx = multiprocessing.get_context('forkserver')
     ctx.set_forkserver_preload(['lingvo_ext.planner'])

@@ -19,12 +19,12 @@ import time
 import lingvo.compat as tf
 
 from lingvo_ext import checkpoints
-from lingvo_ext.runtime import disk_space
-from lingvo_ext.runtime import one_build
-from lingvo_ext.runtime import progress
 from lingvo_ext._internal import process
 from lingvo_ext.distributed import faults
 from lingvo_ext.distributed import server
+from lingvo_ext.runtime import disk_space
+from lingvo_ext.runtime import one_build
+from lingvo_ext.runtime import progress
 
 
 @dataclasses.dataclass

@@ -18,18 +18,18 @@ from lingvo import trainer as lingvo_trainer
 import lingvo.compat as tf
 
 from lingvo_ext import checkpoints
+from lingvo_ext._internal import tf as internal_tf
+from lingvo_ext.distributed import server
 from lingvo_ext.runtime import jit_resolve
 from lingvo_ext.runtime import local_controller
 from lingvo_ext.runtime import local_evaler
 from lingvo_ext.runtime import local_trainer
 from lingvo_ext.runtime import one_build
-from lingvo_ext.tasks import run_params
 from lingvo_ext.runtime import runner_state
 from lingvo_ext.runtime import trainer_flags
-from lingvo_ext._internal import tf as internal_tf
-from lingvo_ext.distributed import server
 from lingvo_ext.runtime import trainer_lib
 from lingvo_ext.tasks import one_pass
+from lingvo_ext.tasks import run_params
 
 # The names the trainer, tests and docs use from here.
 RunState = runner_state.RunState

@@ -26,7 +26,8 @@ gRPC servers and its sessions do the rest. On top of Lingvo this adds:
 
 import os
 import sys
-from typing import Optional, Sequence
+from typing import Optional
+from typing import Sequence
 
 import lingvo.compat as tf
 

@@ -168,6 +168,7 @@ def ApplyOverrides(cfg, text):
     OverrideError: (a ValueError) with a one-line message.
   """
   from lingvo.core import hyperparams  # pylint: disable=g-import-not-at-top
+
   from lingvo_ext._internal import lingvo as internal_lingvo  # pylint: disable=g-import-not-at-top
   text = TaskInputAlias(text, cfg)
   for key, value_text in _OverrideItems(text):

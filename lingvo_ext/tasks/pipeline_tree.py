@@ -19,8 +19,8 @@ from lingvo.core import hyperparams
 
 from lingvo_ext.core import jit_choice
 from lingvo_ext.core import precision
-from lingvo_ext.pipeline import schedules
 from lingvo_ext.pipeline import records
+from lingvo_ext.pipeline import schedules
 from lingvo_ext.tasks import bucketed_input
 from lingvo_ext.tasks import pipelined_task
 
@@ -28,6 +28,7 @@ from lingvo_ext.tasks import pipelined_task
 def _IsPipeline(value):
   # pylint: disable=g-import-not-at-top
   from lingvo.core import gpipe as lingvo_gpipe
+
   from lingvo_ext.core import gpipe
   # pylint: enable=g-import-not-at-top
   return (isinstance(value, hyperparams.InstantiableParams) and
@@ -222,6 +223,7 @@ def TrimsTimeAxis(task):
   if task is None or not isinstance(getattr(task, 'cls', None), type):
     return False
   from lingvo.tasks.lm import model as lm_model  # pylint: disable=g-import-not-at-top
+
   from lingvo_ext._internal import lingvo as internal_lingvo  # pylint: disable=g-import-not-at-top
   return (issubclass(task.cls, lm_model.BatchMajorLanguageModel) and
           not internal_lingvo.OverridesTimeAxisTrim(task.cls) and

@@ -14,8 +14,8 @@ from lingvo_ext.core import gpipe
 from lingvo_ext.core import jit_choice
 from lingvo_ext.core import precision
 from lingvo_ext.core import stacking
-from lingvo_ext.pipeline import records
 from lingvo_ext.distributed import sync
+from lingvo_ext.pipeline import records
 
 # PipeliningLayer params that the task sets itself (from its layer stack and
 # its own params), so they are not task params of their own.

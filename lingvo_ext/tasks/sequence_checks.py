@@ -52,6 +52,7 @@ def SampleLengths(file_pattern, records=SAMPLE_RECORDS,
   """Lengths of up to `records` tf.Example records of a 'tfrecord:' pattern,
   read for at most `seconds`; [] for other patterns or other records."""
   import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
+
   from lingvo_ext.tasks import input_files  # pylint: disable=g-import-not-at-top
   if not (isinstance(file_pattern, str) and
           file_pattern.startswith('tfrecord:')):

@@ -47,18 +47,24 @@ prefix is refused (exit 2).
 import argparse
 import os
 import sys
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict
+from typing import List
+from typing import Optional
+from typing import Sequence
+from typing import Tuple
 
 from lingvo_ext import entry_point  # pylint: disable=g-bad-import-order
+
+# isort: split
 import lingvo.compat as tf
 from lingvo.core import cluster_factory
 from lingvo.core import gpipe as lingvo_gpipe
 
 from lingvo_ext import checkpoints
 from lingvo_ext._internal import lingvo as internal_lingvo
+from lingvo_ext.core import gpipe
 from lingvo_ext.pipeline import cut_checkpoints
 from lingvo_ext.pipeline import cuts
-from lingvo_ext.core import gpipe
 
 _NAMES = {'lingvo': False, 'partition_independent': True}
 _CELL_CLASSES = (gpipe.FeatureExtractionLayer,

@@ -34,17 +34,23 @@ import argparse
 import json
 import statistics
 import sys
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any
+from typing import Dict
+from typing import List
+from typing import Optional
+from typing import Sequence
 
 from lingvo_ext import entry_point  # pylint: disable=g-bad-import-order
+
+# isort: split
 import lingvo.compat as tf
 from lingvo.core import cluster_factory
 from lingvo.core import tshape
 import numpy as np
 import sympy
 
-from lingvo_ext.pipeline import cost as cost_lib
 from lingvo_ext.core import gpipe
+from lingvo_ext.pipeline import cost as cost_lib
 from lingvo_ext.pipeline import partitioning
 
 

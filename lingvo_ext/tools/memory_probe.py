@@ -6,9 +6,9 @@ The probe and its cache: lingvo_ext/planner/memory_probe.py; what the
 constants are: docs/faults.md, "Memory".
 """
 
-from lingvo_ext import entry_point  # pylint: disable=unused-import,g-bad-import-order
 import sys
 
+from lingvo_ext import entry_point  # pylint: disable=unused-import,g-bad-import-order
 from lingvo_ext.planner import memory_probe
 
 if __name__ == '__main__':

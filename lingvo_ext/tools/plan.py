@@ -29,10 +29,11 @@ import argparse
 import difflib
 import json
 import sys
-from typing import Dict, Optional
+from typing import Dict
+from typing import Optional
 
-from lingvo_ext import entry_point  # pylint: disable=g-bad-import-order
 from lingvo_ext import _startup
+from lingvo_ext import entry_point  # pylint: disable=g-bad-import-order
 from lingvo_ext import planner
 from lingvo_ext.planner import auto
 from lingvo_ext.planner import measuring

@@ -21,10 +21,11 @@ import argparse
 import json
 import os
 import sys
-from typing import Dict, Optional
+from typing import Dict
+from typing import Optional
 
-from lingvo_ext import entry_point  # pylint: disable=g-bad-import-order
 from lingvo_ext import _startup
+from lingvo_ext import entry_point  # pylint: disable=g-bad-import-order
 
 EXIT_NO_PLAN = 1
 

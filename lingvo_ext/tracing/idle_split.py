@@ -21,7 +21,10 @@ apart from the overhead.
 
 import collections
 import dataclasses
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict
+from typing import List
+from typing import Sequence
+from typing import Tuple
 
 from lingvo_ext.tracing import step_trace
 

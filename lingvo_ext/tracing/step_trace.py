@@ -28,7 +28,12 @@ Labelling heuristic (`Classify`), on node names and op types:
 import collections
 import json
 import re
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict
+from typing import Iterable
+from typing import List
+from typing import Optional
+from typing import Sequence
+from typing import Tuple
 
 # (start_us, end_us, label); label is 'fwd', 'bwd', 'update', 'other', with
 # ':mb<t>' appended when the micro-batch is known.

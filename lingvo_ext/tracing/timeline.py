@@ -12,7 +12,10 @@ import os
 import socket
 import struct
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Dict
+from typing import List
+from typing import Optional
+from typing import Tuple
 
 from lingvo_ext.pipeline import kinds
 from lingvo_ext.pipeline import records

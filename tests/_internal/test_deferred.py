@@ -6,8 +6,6 @@ import sys
 
 import pytest
 
-
-
 # --- Deferred optional imports (_internal/deferred.py) ---------------------------
 
 _DEFERRED_USE = r'''
@@ -44,6 +42,7 @@ print('keras:', issubclass(keras.wrappers.SKLearnClassifier, base.BaseEstimator)
 def testDeferredModulesLoadWhenUsed(tmp_path):
   """Importing the trainer defers scikit-learn; using it loads the real one."""
   import os  # pylint: disable=g-import-not-at-top
+
   from lingvo_ext._internal import deferred  # pylint: disable=g-import-not-at-top
   env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(
       os.path.abspath(__file__))))

@@ -13,7 +13,6 @@ import pytest
 from lingvo_ext._internal import lingvo as internal_lingvo
 from tests.support.internal_testlib import Check as _Check
 
-
 # --- Lingvo -------------------------------------------------------------------
 
 
@@ -221,6 +220,7 @@ def testWriteRelativeStateFile(tmp_path):
     import glob  # pylint: disable=g-import-not-at-top
     import os  # pylint: disable=g-import-not-at-top
     import types  # pylint: disable=g-import-not-at-top
+
     from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
     from lingvo.core import saver as lingvo_saver  # pylint: disable=g-import-not-at-top
     for kind in ('lingvo', 'tf'):
@@ -261,6 +261,7 @@ def testWriteRelativeStateFile(tmp_path):
 
 def testOverridesTimeAxisTrimSeesASubclassesOwnTrim():
   from lingvo.tasks.lm import model as lm_model  # pylint: disable=g-import-not-at-top
+
   from lingvo_ext._internal import lingvo as internal_lingvo  # pylint: disable=g-import-not-at-top
 
   class Kept(lm_model.BatchMajorLanguageModel):
@@ -285,6 +286,7 @@ def testNameSavesFromSnapshotNamesACheckpointByTheStepItHolds(tmp_path):
     import glob  # pylint: disable=g-import-not-at-top
     import os  # pylint: disable=g-import-not-at-top
     import types  # pylint: disable=g-import-not-at-top
+
     from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
     from lingvo.core import saver as lingvo_saver  # pylint: disable=g-import-not-at-top
     for fixed in (False, True):

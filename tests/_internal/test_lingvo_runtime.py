@@ -4,10 +4,8 @@ each checked against the installed Lingvo: an upgrade fails with a name."""
 
 import pytest
 
-from lingvo_ext import _internal
-from tests.support.internal_testlib import Gone as _Gone
 from tests.support.internal_testlib import Check as _Check
-
+from tests.support.internal_testlib import Gone as _Gone
 
 # The Lingvo internals the runtime depends on (_internal/lingvo_runtime.py).
 
@@ -69,6 +67,7 @@ def testUsedLingvoNamesExist():
 def testCopiedLingvoSourcesAreTheOnesCopied():
   import hashlib  # pylint: disable=g-import-not-at-top
   import inspect  # pylint: disable=g-import-not-at-top
+
   from lingvo_ext._internal import lingvo_runtime  # pylint: disable=g-import-not-at-top
   for symbol, digest in lingvo_runtime.COPIED.items():
     got = hashlib.sha256(
@@ -79,10 +78,14 @@ def testCopiedLingvoSourcesAreTheOnesCopied():
 
 
 def testTheSharingControllerSetsWhatLingvosControllerInitSets():
+  import ast  # pylint: disable=g-import-not-at-top,g-multiple-import
+  import inspect
+  import textwrap
+
   from lingvo import runners as lingvo_runners  # pylint: disable=g-import-not-at-top
+
   from lingvo_ext._internal import lingvo_runtime  # pylint: disable=g-import-not-at-top
   from lingvo_ext.runtime import one_build  # pylint: disable=g-import-not-at-top
-  import ast, inspect, textwrap  # pylint: disable=g-import-not-at-top,g-multiple-import
   tree = ast.parse(textwrap.dedent(
       inspect.getsource(lingvo_runners.Controller.__init__)))
   lingvos = {n.attr for n in ast.walk(tree)
@@ -100,6 +103,7 @@ def testTheSharingControllerSetsWhatLingvosControllerInitSets():
 def testLingvosTrainerFetchesTheStepTheTrainerSessionRecognises():
   import inspect  # pylint: disable=g-import-not-at-top
   import re  # pylint: disable=g-import-not-at-top
+
   from lingvo_ext._internal import lingvo_runtime  # pylint: disable=g-import-not-at-top
   source = re.sub(r'\s+', '', inspect.getsource(
       _LingvoObject(lingvo_runtime.TRAIN_STEP_IN)))
@@ -111,10 +115,14 @@ def testLingvosTrainerFetchesTheStepTheTrainerSessionRecognises():
 
 def testTheRuntimeUsesNoUnlistedLingvoInternal():
   """Every private Lingvo name the runners override or use is listed."""
-  import re  # pylint: disable=g-import-not-at-top
   import inspect  # pylint: disable=g-import-not-at-top
+  import re  # pylint: disable=g-import-not-at-top
+
   from lingvo_ext._internal import lingvo_runtime  # pylint: disable=g-import-not-at-top
-  from lingvo_ext.runtime import local_controller, local_evaler, local_trainer, runners  # pylint: disable=g-import-not-at-top,g-multiple-import
+  from lingvo_ext.runtime import local_controller  # pylint: disable=g-import-not-at-top,g-multiple-import
+  from lingvo_ext.runtime import local_evaler  # pylint: disable=g-import-not-at-top,g-multiple-import
+  from lingvo_ext.runtime import local_trainer  # pylint: disable=g-import-not-at-top,g-multiple-import
+  from lingvo_ext.runtime import runners  # pylint: disable=g-import-not-at-top,g-multiple-import
   overridden = {n for _, n, _ in lingvo_runtime.OVERRIDES}
   listed = overridden | {n for ns in lingvo_runtime.USES.values() for n in ns}
   unlisted = []

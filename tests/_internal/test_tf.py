@@ -3,15 +3,12 @@
 One test per symbol: after an upgrade, a failure names the symbol that moved
 and the file that needs a change."""
 
-import subprocess
-import sys
 
 import lingvo.compat as tf
 import numpy as np
 
 from lingvo_ext._internal import tf as internal_tf
 from tests.support.internal_testlib import Check as _Check
-
 
 # --- TensorFlow ---------------------------------------------------------------
 

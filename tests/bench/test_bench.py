@@ -14,8 +14,8 @@ from tensorflow.core.framework import step_stats_pb2
 from tensorflow.tsl.profiler.protobuf import trace_events_pb2
 
 from lingvo_ext.tracing import step_trace
-from tests.support import zygote
 from tests.support import ROOT as _REPO
+from tests.support import zygote
 
 
 def _Node(dev, name, start, dur, op='MatMul'):

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+
 from tests.support import ROOT
 
 HARNESS = os.path.join(ROOT, 'bench', 'lingvo_tests.py')

@@ -7,8 +7,8 @@ import sys
 import pytest
 
 from lingvo_ext import planner
-from tests.support import planner_testlib as lib
 from tests.support import ROOT
+from tests.support import planner_testlib as lib
 
 
 def test_bench_sweep_takes_every_plan_the_planner_offers():

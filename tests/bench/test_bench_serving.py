@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from tests.support import zygote
 from tests.support import ROOT as _REPO
+from tests.support import zygote
 
 
 def testBadArgsAreArgparseErrors():

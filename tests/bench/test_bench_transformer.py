@@ -7,10 +7,9 @@ import sys
 import pytest
 
 from bench import transformer
-
 from bench import transformer_report  # pylint: disable=g-import-not-at-top
-from tests.support import zygote
 from tests.support import ROOT as _REPO
+from tests.support import zygote
 
 
 def test_pairs_and_markdown():
@@ -161,8 +160,9 @@ def test_bf16_step_matmuls_are_bf16_with_the_same_flops():
 
 
 def test_floor_times_each_shape_and_only_reachable_matmuls():
-  from bench import gemm_floor  # pylint: disable=g-import-not-at-top
   import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
+
+  from bench import gemm_floor  # pylint: disable=g-import-not-at-top
   g = tf.Graph()
   with g.as_default():
     a, b = tf.ones([8, 16]), tf.ones([16, 4])

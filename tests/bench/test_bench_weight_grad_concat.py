@@ -2,7 +2,6 @@
 
 import math
 
-
 import pytest
 
 from bench import weight_grad_concat

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from bench import torch_baselines
-
 from bench import torch_common  # pylint: disable=g-import-not-at-top
 from bench import transformer
 from bench import transformer_report  # pylint: disable=g-import-not-at-top

@@ -11,25 +11,24 @@ and gradients are compared at rtol 3e-2 and atol 3e-2 of the largest value
 import os
 import sys
 
-import lingvo.compat as tf
 from lingvo import model_registry
+import lingvo.compat as tf
 from lingvo.core import cluster_factory
 from lingvo.core import layers as lingvo_layers
 from lingvo.core import py_utils
 import numpy as np
 import pytest
+from tensorflow.core.protobuf import rewriter_config_pb2  # pylint: disable=g-direct-tensorflow-import
 
-from tests.support import zygote
-
-from lingvo_ext.tasks import experiment_params
 from lingvo_ext.core import gpipe
 from lingvo_ext.core import precision
 from lingvo_ext.pipeline import schedules
+from lingvo_ext.tasks import experiment_params
 from lingvo_ext.tasks import pipelined_task
-from tensorflow.core.protobuf import rewriter_config_pb2  # pylint: disable=g-direct-tensorflow-import
 import params  # pylint: disable=unused-import
-from tests.support import gpipe_testlib as lib
 from tests.support import ROOT
+from tests.support import gpipe_testlib as lib
+from tests.support import zygote
 
 D, B = 32, 16
 RTOL = 3e-2
@@ -253,8 +252,8 @@ def test_cpu_bf16_units_from_cpuinfo(tmp_path, text, units):
 
 @pytest.mark.parametrize('onednn', [False, True])
 def test_bf16_warns_or_turns_the_remapper_off(onednn, monkeypatch, capsys):
-  from lingvo_ext.runtime import trainer_flags  # pylint: disable=g-import-not-at-top
   from lingvo_ext.distributed import server  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.runtime import trainer_flags  # pylint: disable=g-import-not-at-top
   monkeypatch.setattr(precision, '_warned', [])
   monkeypatch.setattr(precision, 'OneDnnEnabled', lambda: onednn)
   monkeypatch.setattr(precision, 'CpuHasBf16Units', lambda: True)
@@ -444,8 +443,8 @@ def test_trainer_and_evaler_in_bf16(tmp_path):
     assert 'warning: task.fprop_dtype' not in out.stderr
   else:
     assert out.stderr.count(warning) == 1, out.stderr[-3000:]
-  params = (tmp_path / 'train' / 'trainer_params.txt').read_text()
-  assert "task.fprop_dtype : 'bfloat16'" in params
+  params_text = (tmp_path / 'train' / 'trainer_params.txt').read_text()
+  assert "task.fprop_dtype : 'bfloat16'" in params_text
 
 
 def test_bench_dtype_tables():

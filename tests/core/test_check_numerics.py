@@ -8,13 +8,13 @@ cell is still caught, forward and backward, and no check is left per
 micro-batch. 'cells' keeps the cells' checks; 'recurrent' always does.
 """
 
-import lingvo_ext  # pylint: disable=unused-import
 import lingvo.compat as tf
 from lingvo.core import base_layer
 from lingvo.core import py_utils
 import numpy as np
 import pytest
 
+import lingvo_ext  # noqa: F401  # pylint: disable=unused-import
 from lingvo_ext.core import gpipe
 from tests.support import gpipe_testlib as lib
 

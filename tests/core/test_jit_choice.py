@@ -11,13 +11,13 @@ from lingvo.core import py_utils
 import numpy as np
 import pytest
 
-from lingvo_ext.core import gpipe
 from lingvo_ext import cache_files
+from lingvo_ext.core import gpipe
 from lingvo_ext.core import jit_choice
 from lingvo_ext.runtime import jit_measure
+from tests.core import test_gpipe
 from tests.support import gpipe_testlib as lib
 from tests.support import host_copy
-from tests.core import test_gpipe
 
 B, D = 8, 6
 
@@ -269,6 +269,7 @@ def test_auto_takes_no_xla_where_xla_cannot_compile_a_cell(cache):
 
 def test_plans_carry_jit_compile_into_the_experiment():
   from lingvo_ext import planner  # pylint: disable=g-import-not-at-top
+
   # pylint: disable-next=g-import-not-at-top
   from tests.support import planner_testlib
   profile = planner_testlib.Profile()
@@ -289,6 +290,7 @@ def test_plans_carry_jit_compile_into_the_experiment():
 
 def test_task_default_is_unset_and_an_override_takes_each_value():
   from lingvo.core import hyperparams  # pylint: disable=g-import-not-at-top
+
   from lingvo_ext.tasks import experiment_params  # pylint: disable=g-import-not-at-top
   from lingvo_ext.tasks import pipelined_task  # pylint: disable=g-import-not-at-top
   assert pipelined_task.PipelinedTask.Params().jit_compile is None

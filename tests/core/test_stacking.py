@@ -12,12 +12,11 @@ from lingvo.core import saver as lingvo_saver
 import numpy as np
 import pytest
 
-from tests.support import zygote
-
 from lingvo_ext.core import gpipe
 from lingvo_ext.core import stacking
-from tests.support import gpipe_testlib
 from tests.support import ROOT
+from tests.support import gpipe_testlib
+from tests.support import zygote
 
 sys.path.insert(0, ROOT)
 from params import lm  # pylint: disable=g-import-not-at-top,g-bad-import-order

@@ -16,10 +16,10 @@ import pytest
 
 from lingvo_ext.distributed import cluster
 from lingvo_ext.distributed import resolvers
+from tests.support import ROOT
 from tests.support import k8s_testlib
 from tests.support import proc_testlib
 from tests.support import zygote
-from tests.support import ROOT
 
 MODEL = 'lm.TransformerLmTinyGPipe'
 

@@ -22,11 +22,10 @@ import lingvo.compat as tf
 import numpy as np
 import pytest
 
-from tests.support import proc_testlib
-from tests.support import zygote
-
 from lingvo_ext.distributed import cluster
 from tests.support import ROOT
+from tests.support import proc_testlib
+from tests.support import zygote
 
 MODEL = 'lm.TransformerLmTinyGPipe'
 

@@ -2,9 +2,9 @@
 
 import json
 import os
+import queue
 import signal
 import subprocess
-import queue
 import sys
 import threading
 import time

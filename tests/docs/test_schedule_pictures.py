@@ -8,6 +8,7 @@ import importlib.util
 import os
 import re
 import shutil
+
 from tests.support import ROOT
 
 

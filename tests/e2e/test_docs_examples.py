@@ -264,6 +264,7 @@ def testSlurmAndKubernetesExamplesPassTheTrainersChecks(tmp_path):
   """Each task's trainer command, in the environment it gets there."""
   # pylint: disable=g-import-not-at-top
   import stat
+
   from lingvo_ext.distributed import resolvers
   from tests.support import k8s_testlib
   items = []

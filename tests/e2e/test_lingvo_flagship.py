@@ -5,7 +5,6 @@ The experiment is tests/support/flagship_testlib.py's copy of Lingvo's
 time-major, on its dataset layout rebuilt from Python's own text.
 """
 
-import os
 import re
 import shutil
 import subprocess
@@ -14,11 +13,10 @@ import sys
 import numpy as np
 import pytest
 
-from tests.support import flagship_testlib
-from tests.support import zygote
-
 from lingvo_ext.tasks import experiment_params
 from tests.support import ROOT
+from tests.support import flagship_testlib
+from tests.support import zygote
 
 TIMEOUT = 300
 
@@ -132,6 +130,7 @@ def testTheTrainersScheduleChecksNameTheFix(flagship):
 def testTheBuilderRefusesEmptyCellsAndADynamicTimeAxisInOneLine(flagship):
   del flagship
   import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
+
   from tests.support import gpipe_testlib  # pylint: disable=g-import-not-at-top
   cfg = experiment_params.GetParams(flagship_testlib.MODEL, 'Train',
                                     'task.lm.stack.splits:8')
@@ -156,6 +155,7 @@ def _EvalMetrics(cfg, batches, devices, static=None):
   import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
   from lingvo.core import cluster_factory  # pylint: disable=g-import-not-at-top
   from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
+
   from tests.support import gpipe_testlib  # pylint: disable=g-import-not-at-top
   length = cfg.input.target_max_length
   g = tf.Graph()

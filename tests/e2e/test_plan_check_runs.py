@@ -14,8 +14,8 @@ import sys
 import lingvo.compat as tf
 import pytest
 
-from tests.support import zygote
 from tests.support import ROOT
+from tests.support import zygote
 
 TIMEOUT = 900
 MODEL = 'lm.TransformerLmTiny'

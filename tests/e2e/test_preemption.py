@@ -23,7 +23,6 @@ import pytest
 
 from tests.support import proc_testlib
 from tests.support import zygote
-from tests.support import ROOT
 
 TIMEOUT = 300
 MODEL = '--model=lm.TransformerLmTiny'

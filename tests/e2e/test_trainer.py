@@ -17,10 +17,10 @@ import lingvo.compat as tf
 import numpy as np
 import pytest
 
+from tests.support import ROOT
 from tests.support import events_testlib
 from tests.support import proc_testlib
 from tests.support import zygote
-from tests.support import ROOT
 
 TIMEOUT = 300
 
@@ -230,7 +230,8 @@ def testImportedAsALibraryTheTrainerLeavesTheCollectorOn():
   # Only run as the program does it turn the collector off while it imports
   # (tests/e2e/test_user_experiment.py checks that run).
   import gc  # pylint: disable=g-import-not-at-top
-  from lingvo_ext import trainer  # pylint: disable=g-import-not-at-top,unused-import
+
+  from lingvo_ext import trainer  # noqa: F401  # pylint: disable=g-import-not-at-top,unused-import
   assert gc.isenabled()
 
 

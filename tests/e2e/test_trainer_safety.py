@@ -16,9 +16,9 @@ import lingvo.compat as tf
 import numpy as np
 import pytest
 
+from tests.support import ROOT
 from tests.support import proc_testlib
 from tests.support import zygote
-from tests.support import ROOT
 
 TIMEOUT = 300
 MODEL = '--model=lm.TransformerLmTiny'
@@ -225,6 +225,7 @@ def testEvalerAndDecoderUseTheTrainersSplits():
   # evaler and decoder must too, not two 1-device splits of a full batch
   # each (twice the training batch).
   from lingvo.core import cluster_factory  # pylint: disable=g-import-not-at-top
+
   from lingvo_ext.runtime import runners  # pylint: disable=g-import-not-at-top
   flags = tf.flags.FLAGS
   if not flags.is_parsed():

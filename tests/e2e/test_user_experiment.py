@@ -11,16 +11,15 @@ import shutil
 import subprocess
 import sys
 
-import lingvo.compat as tf
 from lingvo import model_registry
+import lingvo.compat as tf
 import numpy as np
 import pytest
-
-from tests.support import zygote
 
 from lingvo_ext import registry
 from lingvo_ext.tasks import experiment_params
 from tests.support import ROOT
+from tests.support import zygote
 
 TIMEOUT = 300
 

@@ -17,7 +17,6 @@ from lingvo_ext.tasks import experiment_params
 from lingvo_ext.tasks import pipelined_task
 from tests.support import user_path_testlib as lib
 
-
 # --- 1. The pipeline's switches are task params ---------------------------------
 
 

@@ -16,8 +16,8 @@ import socket
 import subprocess
 import sys
 
-import lingvo.compat as tf
 from lingvo import model_registry
+import lingvo.compat as tf
 import pytest
 
 from lingvo_ext import checkpoints
@@ -247,6 +247,7 @@ def testLostWorkerLinesAgree(saved, controller_step, trainer_last):
 
 def testTheControllerSeesTheTrainersReplicas():
   from lingvo.core import cluster_factory  # pylint: disable=g-import-not-at-top
+
   from lingvo_ext.runtime import runners  # pylint: disable=g-import-not-at-top
   flags = lib.Flags()
   names = ('num_cpu_devices', 'worker_split_size', 'run_locally', 'mode')
@@ -272,6 +273,7 @@ def testTheControllerSeesTheTrainersReplicas():
 
 def testCostReportPlacesVariablesWhereTheTrainerDoes(capsys):
   from lingvo.core import cluster_factory  # pylint: disable=g-import-not-at-top
+
   from lingvo_ext.runtime import runners  # pylint: disable=g-import-not-at-top
   from lingvo_ext.tools import cost_report  # pylint: disable=g-import-not-at-top
   flags = lib.Flags()

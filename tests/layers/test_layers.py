@@ -27,14 +27,14 @@ import numpy as np
 import pytest
 import sympy
 
+from lingvo_ext import layers
 from lingvo_ext.layers import conv_layers
-from lingvo_ext.pipeline import cost
 from lingvo_ext.layers import dense_layers
 from lingvo_ext.layers import flops
 from lingvo_ext.layers import layer_util
-from lingvo_ext import layers
 from lingvo_ext.layers import transformer_layer
 from lingvo_ext.layers import vocab_layers
+from lingvo_ext.pipeline import cost
 
 
 def _FC(**kw):

@@ -24,9 +24,9 @@ import pytest
 
 from lingvo_ext import layers
 from lingvo_ext.layers import sharding
+from tests.support import ROOT as _ROOT
 from tests.support import gpipe_testlib
 from tests.support import zygote
-from tests.support import ROOT as _ROOT
 
 VOCAB = 50
 DIM = 4

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from lingvo_ext.core import gpipe
-from tests.support import gpipe_testlib as lib
 from tests.core import test_gpipe
+from tests.support import gpipe_testlib as lib
 
 # Cells built inline, a copy per micro-batch (cell functions are the default).
 _INLINE = (('cell_functions', False),)

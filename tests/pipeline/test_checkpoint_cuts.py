@@ -20,13 +20,12 @@ from lingvo.core import tshape
 import numpy as np
 import pytest
 
-from tests.support import zygote
-
+from lingvo_ext.core import gpipe
 from lingvo_ext.pipeline import cut_checkpoints
 from lingvo_ext.pipeline import cuts
-from lingvo_ext.core import gpipe
 from lingvo_ext.tools import convert_checkpoint as cc
 from tests.support import ROOT
+from tests.support import zygote
 
 BATCH = 4
 

@@ -15,13 +15,11 @@ from lingvo.core import gpipe as lingvo_gpipe
 import numpy as np
 import pytest
 
-from tests.support import zygote
-
 from lingvo_ext.tasks.lm import model as lm_model
 from lingvo_ext.tools import convert_checkpoint as cc
 from tests.support import ROOT
 from tests.support import lm_loss_testlib as lm_loss_lib
-
+from tests.support import zygote
 
 MODEL = 'lm.TransformerLmTinyGPipe'  # 4 leaves: emb, layer_000/001, softmax.
 LINGVO_K = 3

@@ -9,10 +9,10 @@ from lingvo.core import py_utils
 from lingvo.core import tshape
 import pytest
 
-from lingvo_ext.pipeline import cost
-from lingvo_ext.layers import flops
-from lingvo_ext.core import gpipe
 from lingvo_ext import layers
+from lingvo_ext.core import gpipe
+from lingvo_ext.layers import flops
+from lingvo_ext.pipeline import cost
 from lingvo_ext.pipeline import partitioning
 
 

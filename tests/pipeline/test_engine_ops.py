@@ -17,9 +17,9 @@ import pytest
 
 from bench import transformer
 from lingvo_ext.core import gpipe
+from tests.support import ROOT as _REPO
 from tests.support import gpipe_testlib
 from tests.support import zygote
-from tests.support import ROOT as _REPO
 
 _K = 2
 

@@ -8,11 +8,10 @@ from lingvo.core import py_utils
 import pytest
 
 from lingvo_ext.core import gpipe
-from lingvo_ext.pipeline import schedules
 from lingvo_ext.pipeline import loss
-from tests.support import gpipe_testlib as lib
+from lingvo_ext.pipeline import schedules
 from tests.pipeline import test_schedules
-
+from tests.support import gpipe_testlib as lib
 
 # --- Schedules run from their action lists -----------------------------------
 

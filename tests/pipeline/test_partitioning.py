@@ -132,8 +132,8 @@ def test_partition_errors():
 
 
 def _VariableNames(num_partitions, partition_independent=True):
-  from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
   import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
+  from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
   subs, shape = _FcStack([8, 16, 8, 16, 8])
   cells = gpipe.PartitionSequentialLayers(subs, num_partitions, shape)
   with tf.Graph().as_default(), lib.Cluster(num_partitions):

@@ -26,7 +26,6 @@ from lingvo_ext.core import gpipe
 from lingvo_ext.pipeline import schedules
 from tests.support import gpipe_testlib as lib
 
-
 # Cells built inline, a copy per micro-batch (cell functions are the default).
 _INLINE = (('cell_functions', False),)
 INLINE_VARIANTS = (('unrolled', False, _INLINE), ('unrolled', True, _INLINE),

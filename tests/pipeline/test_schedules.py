@@ -19,11 +19,11 @@ from lingvo.core import py_utils
 import pytest
 
 from lingvo_ext.core import gpipe
-from lingvo_ext.pipeline import schedules
 from lingvo_ext.pipeline import records
+from lingvo_ext.pipeline import schedules
+from tests.core import test_gpipe
 from tests.support import ROOT
 from tests.support import gpipe_testlib as lib
-from tests.core import test_gpipe
 
 B, D = 16, 6
 

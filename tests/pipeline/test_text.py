@@ -13,8 +13,8 @@ import re
 
 import pytest
 
-from lingvo_ext.pipeline import schedules
 from lingvo_ext.pipeline import records
+from lingvo_ext.pipeline import schedules
 
 _GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'testdata')
 # (K, devices, M) of each golden file, where the schedule takes them.

@@ -6,13 +6,13 @@ Conv2D + BiasAdd + Relu into _FusedConv2D, which XLA has no kernel for: the
 first step failed (pipeline/cell_function.py builds XLA cells unplaced).
 """
 
-import lingvo.compat as tf
 from lingvo import model_registry
+import lingvo.compat as tf
 from lingvo.core import cluster_factory
 import numpy as np
 
-import params  # pylint: disable=unused-import
 from lingvo_ext.tasks import experiment_params
+import params  # pylint: disable=unused-import
 from tests.support import gpipe_testlib as lib
 
 MODEL = 'image.ConvClassifierTinyGPipe'

@@ -6,9 +6,9 @@ import sys
 import pytest
 
 from lingvo_ext import planner
+from tests.support import ROOT
 from tests.support import planner_testlib as lib
 from tests.support import zygote
-from tests.support import ROOT
 
 
 def test_plan_params_sets_the_plan_its_override_rebuilds():

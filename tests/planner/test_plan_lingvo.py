@@ -14,15 +14,14 @@ import sys
 
 import pytest
 
-from tests.support import flagship_testlib
-from tests.support import zygote
-
-from lingvo_ext.tasks import experiment_params
 from lingvo_ext import planner
 from lingvo_ext.pipeline import records
 from lingvo_ext.planner import tree
+from lingvo_ext.tasks import experiment_params
 from lingvo_ext.tools import plan as plan_tool
 from tests.support import ROOT
+from tests.support import flagship_testlib
+from tests.support import zygote
 
 MODEL = flagship_testlib.MODEL
 STACK = 'task.lm.stack'

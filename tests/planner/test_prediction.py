@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from lingvo_ext.pipeline import schedules
 from lingvo_ext import planner
+from lingvo_ext.pipeline import schedules
 from tests.support import planner_testlib as lib
 
 

@@ -2,7 +2,6 @@
 (preflight/start_memory.py, planner/tree_memory.py)."""
 
 import collections
-import collections
 import dataclasses
 import re
 
@@ -16,7 +15,6 @@ from lingvo_ext.preflight import start_memory
 from lingvo_ext.tasks import experiment_params
 from tests.support import flagship_testlib
 from tests.support import lingvo_lm_testlib
-
 
 # Known constants: the tests hold the model's formula, not this machine's.
 _CONSTANTS = memory_model.Constants(runtime_bytes=700 * 2**20,
@@ -120,11 +118,11 @@ def testStartWarningNamesTheNeedTheLimitAndAnOverrideThatFits():
 
 def testTheTrainersStartWarningBuildsNoModelAndNoLayerGraph(
     monkeypatch, capsys):
-  from lingvo_ext.preflight import param_checks  # pylint: disable=g-import-not-at-top
-  from lingvo_ext.runtime import trainer_flags  # pylint: disable=g-import-not-at-top
   from lingvo_ext.pipeline import cost  # pylint: disable=g-import-not-at-top
   from lingvo_ext.planner import memory_probe  # pylint: disable=g-import-not-at-top
   from lingvo_ext.planner import tf_profiling  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.preflight import param_checks  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.runtime import trainer_flags  # pylint: disable=g-import-not-at-top
   from lingvo_ext.tasks.lm import model as lm_model  # pylint: disable=g-import-not-at-top
   counts = collections.Counter()
 
@@ -256,8 +254,8 @@ def testTreeWarningNamesThePipelinesOwnOverrideThatFits(lingvo_lm):
 
 def testTheTrainerWarnsForLingvosLmBeforeItsBuild(lingvo_lm, monkeypatch,
                                                   capsys):
-  from lingvo_ext.preflight import param_checks  # pylint: disable=g-import-not-at-top
   from lingvo_ext.planner import memory_probe  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.preflight import param_checks  # pylint: disable=g-import-not-at-top
   from lingvo_ext.runtime import trainer_flags  # pylint: disable=g-import-not-at-top
   monkeypatch.setattr(memory_check, 'AvailableBytes',
                       lambda: (64 << 10, "the cgroup's memory limit"))

@@ -10,8 +10,8 @@ import pytest
 from lingvo_ext.core import jit_choice
 from lingvo_ext.runtime import jit_default
 from lingvo_ext.tasks import experiment_params
-from tests.support import lingvo_lm_testlib
 from tests.support import ROOT
+from tests.support import lingvo_lm_testlib
 from tests.support import zygote
 
 

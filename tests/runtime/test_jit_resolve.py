@@ -113,8 +113,8 @@ def test_the_timing_runs_in_a_fresh_process(cache):
   """The trainer's path on a cache miss: the pipeline's params and input
   shapes go to a fresh process, which times them (for real: no stub crosses
   the fork) and writes the cache; this process starts no thread."""
-  from tests.core import test_gpipe  # pylint: disable=g-import-not-at-top
   from lingvo_ext.core import gpipe  # pylint: disable=g-import-not-at-top
+  from tests.core import test_gpipe  # pylint: disable=g-import-not-at-top
   with tf.Graph().as_default(), lib.Cluster(2):
     params = gpipe.PipeliningLayer.Params().Set(
         name='pipe', cell_tpl=test_gpipe._FcCells(2),  # pylint: disable=protected-access
@@ -131,8 +131,8 @@ def test_the_timing_runs_in_a_fresh_process(cache):
 
 
 def test_a_layer_built_directly_is_resolved_on_its_inputs(cache, monkeypatch):
-  from tests.core import test_gpipe  # pylint: disable=g-import-not-at-top
   from lingvo_ext.core import gpipe  # pylint: disable=g-import-not-at-top
+  from tests.core import test_gpipe  # pylint: disable=g-import-not-at-top
   _Stub(monkeypatch, {True: 1.0, False: 2.0})
   p = gpipe.PipeliningLayer.Params().Set(
       name='pipe', cell_tpl=test_gpipe._FcCells(2),  # pylint: disable=protected-access

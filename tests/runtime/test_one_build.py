@@ -18,8 +18,8 @@ import pytest
 
 from lingvo_ext.runtime import local_trainer
 from lingvo_ext.runtime import one_build
-from tests.support import zygote
 from tests.support import ROOT
+from tests.support import zygote
 
 TIMEOUT = 300
 GPIPE = ['--num_cpu_devices=2', '--worker_split_size=2']

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from tensorflow.core.protobuf import rewriter_config_pb2
 
-from lingvo_ext.runtime import trainer_flags
 from lingvo_ext import session_config
 from lingvo_ext.distributed import server
+from lingvo_ext.runtime import trainer_flags
 from tests.pipeline import test_loss_in_last_cell
 
 

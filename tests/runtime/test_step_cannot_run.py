@@ -15,9 +15,9 @@ import pytest
 import tensorflow as tf2
 
 from lingvo_ext.runtime import local_trainer
+from tests.support import ROOT
 from tests.support import host_copy
 from tests.support import zygote
-from tests.support import ROOT
 
 TIMEOUT = 300
 

@@ -8,7 +8,6 @@ the Predictor (tests/support/serving_probe.py lingvo) and the SavedModel without
 Lingvo (serving_probe.py saved_model) score the same dev batch.
 """
 
-import glob
 import json
 import os
 import subprocess
@@ -18,13 +17,12 @@ import lingvo.compat as tf
 import numpy as np
 import pytest
 
-from tests.support import zygote
-
 from lingvo_ext.serving import export
 from lingvo_ext.serving import inference
 from lingvo_ext.serving import saved_model
 from lingvo_ext.tasks.lm import generate
 from tests.support import ROOT
+from tests.support import zygote
 
 PROBE = os.path.join(ROOT, 'tests', 'support', 'serving_probe.py')
 TIMEOUT = 600
@@ -282,6 +280,7 @@ def testSequentialParamsIsOneCellOneMicroBatchWithoutDropout():
   assert sharded.task.partitioner is not None
   assert inference.SequentialParams(sharded).task.partitioner is None
   from lingvo.core import layers_with_attention  # pylint: disable=g-import-not-at-top
+
   from lingvo_ext.core import gpipe  # pylint: disable=g-import-not-at-top
   ffn = layers_with_attention.TransformerFeedForwardLayer.Params().Set(
       name='f', input_dim=2, hidden_dim=2, residual_dropout_prob=0.5,

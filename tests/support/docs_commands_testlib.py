@@ -8,8 +8,8 @@ script's argparse parser (`CheckArgparseArgv`).
 """
 
 import os
-from tests.support import ROOT
 
+from tests.support import ROOT
 
 # What a `checked: commands` block runs instead of the venv's python (and
 # of bash, for the scripts it starts): it records each command (its
@@ -96,6 +96,7 @@ def CheckTrainerArgv(argv):
   """
   # pylint: disable=g-import-not-at-top,protected-access
   import lingvo.compat as tf
+
   from lingvo_ext import trainer
   from lingvo_ext.preflight import param_checks
   from lingvo_ext.runtime import flag_checks

@@ -46,7 +46,8 @@ import glob
 import os
 import re
 import shlex
-from typing import List, Tuple
+from typing import List
+from typing import Tuple
 
 from tests.support import ROOT
 

@@ -11,8 +11,8 @@ from lingvo.core import py_utils
 from lingvo.core import tshape
 import numpy as np
 
-from lingvo_ext.core import gpipe
 from lingvo_ext import session_config
+from lingvo_ext.core import gpipe
 
 
 def Fc(name, input_dim, output_dim, seed):

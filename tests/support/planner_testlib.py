@@ -1,7 +1,7 @@
 """Toy profiles, plans and machines the planner's tests share."""
 
-from lingvo_ext.pipeline import partitioning
 from lingvo_ext import planner
+from lingvo_ext.pipeline import partitioning
 
 TINY = 'lm.TransformerLmTiny'
 

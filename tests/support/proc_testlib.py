@@ -14,8 +14,8 @@ import subprocess
 import threading
 import time
 
-from tests.support import zygote
 from tests.support import ROOT
+from tests.support import zygote
 
 TIMEOUT = 300
 # `python -c PRIVATE_TRAINER FLAGS...` is `python -m lingvo_ext.trainer

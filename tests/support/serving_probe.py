@@ -18,11 +18,13 @@ import sys
 
 
 def _Lingvo(args):
-  import numpy as np  # pylint: disable=g-import-not-at-top
   from lingvo_ext import entry_point  # pylint: disable=unused-import,g-import-not-at-top
+  # isort: split
   import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
   from lingvo.core import cluster_factory  # pylint: disable=g-import-not-at-top
   from lingvo.core import predictor  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+
   from lingvo_ext.tasks import experiment_params  # pylint: disable=g-import-not-at-top
   tf.flags.FLAGS([sys.argv[0]])
   model, ckpt, kind = args['model'], args['checkpoint'], args['kind']

@@ -10,9 +10,8 @@ import time
 import pytest
 
 from lingvo_ext import trainer
-
-from tests.support import zygote
 from tests.support import ROOT
+from tests.support import zygote
 
 TRAINER = [sys.executable, '-m', 'lingvo_ext.trainer']
 

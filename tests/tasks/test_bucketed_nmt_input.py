@@ -2,11 +2,13 @@
 (tasks/bucketed_input.py): each bucket's batch padded to the static batch
 by rows no metric counts, on the GPipe NMT experiment (mt_testlib)."""
 
+from lingvo_ext import entry_point
+
+# isort: split
 import lingvo.compat as tf
 import numpy as np
 import pytest
 
-from lingvo_ext import entry_point
 from lingvo_ext.tasks import bucketed_input
 from lingvo_ext.tasks import experiment_params
 from tests.support import mt_testlib
@@ -54,6 +56,7 @@ def _EvalMetrics(cfg, batches, devices, overrides_task=None):
   """The task's eval metrics on each batch (fed as is), on `devices`."""
   from lingvo.core import cluster_factory  # pylint: disable=g-import-not-at-top
   from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
+
   from tests.support import gpipe_testlib  # pylint: disable=g-import-not-at-top
   assert entry_point.ParseFlags() is None
   g = tf.Graph()

@@ -44,10 +44,10 @@ from lingvo.core import cluster_factory
 import numpy as np
 import pytest
 
-from tests.support import gpipe_testlib as lib
 from lingvo_ext.pipeline import schedules
 from params import image
 from params import lm
+from tests.support import gpipe_testlib as lib
 
 STEPS = 200
 EXPERIMENTS = {'lm': lm.TransformerLmTinyGPipe, 'image':

@@ -20,22 +20,21 @@ from lingvo.core import py_utils
 import numpy as np
 import pytest
 
+from lingvo_ext import trainer
+from lingvo_ext.core import from_lingvo
+from lingvo_ext.core import gpipe
+from lingvo_ext.core import layers_with_gpipe
+from lingvo_ext.core import precision
+from lingvo_ext.pipeline import schedules
+from lingvo_ext.preflight import param_checks
+from lingvo_ext.runtime import trainer_flags
+from lingvo_ext.tasks import experiment_params
+from lingvo_ext.tasks import pipeline_tree
+from tests.support import ROOT
 from tests.support import builder_stack_testlib
 from tests.support import gpipe_testlib
 from tests.support import lingvo_lm_testlib
 from tests.support import zygote
-
-from lingvo_ext.tasks import experiment_params
-from lingvo_ext import trainer
-from lingvo_ext.preflight import param_checks
-from lingvo_ext.runtime import trainer_flags
-from lingvo_ext.core import from_lingvo
-from lingvo_ext.core import gpipe
-from lingvo_ext.core import layers_with_gpipe
-from lingvo_ext.tasks import pipeline_tree
-from lingvo_ext.core import precision
-from lingvo_ext.pipeline import schedules
-from tests.support import ROOT
 
 TIMEOUT = 600
 MODEL = lingvo_lm_testlib.MODEL
@@ -312,6 +311,7 @@ def testMismatchAndEmptyInputAreOneLineAndWriteNothing(experiment, tmp_path):
 def testPlannerPlansTheLingvoLmsPipelineWithItsCells(experiment, capsys):
   del experiment
   import json  # pylint: disable=g-import-not-at-top
+
   from lingvo_ext.planner import tree  # pylint: disable=g-import-not-at-top
   from lingvo_ext.tools import plan as plan_tool  # pylint: disable=g-import-not-at-top
   assert plan_tool.main([f'--model={MODEL}', '--devices=2', '--json']) == 0

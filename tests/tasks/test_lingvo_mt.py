@@ -5,11 +5,13 @@ tfrecords (the reversed-word corpus) as Lingvo builds them; every schedule
 trains as the sequential model does.
 """
 
+from lingvo_ext import entry_point
+
+# isort: split
 import lingvo.compat as tf
 import numpy as np
 import pytest
 
-from lingvo_ext import entry_point
 from lingvo_ext.tasks import experiment_params
 from tests.support import mt_testlib
 
@@ -91,6 +93,7 @@ def _Train(overrides, devices, engine='lingvo_ext', steps=STEPS,
            model=mt_testlib.MODEL):
   """The training loss of each of `steps` steps of the MT task."""
   from lingvo.core import cluster_factory  # pylint: disable=g-import-not-at-top
+
   from tests.support import gpipe_testlib as lib  # pylint: disable=g-import-not-at-top
   assert entry_point.ParseFlags() is None  # The decoder reads Lingvo's flags.
   cfg = experiment_params.GetParams(

@@ -6,9 +6,9 @@ import sys
 
 import pytest
 
-from lingvo_ext.tasks import run_params
 from lingvo_ext.runtime import trainer_flags
 from lingvo_ext.tasks import experiment_params
+from lingvo_ext.tasks import run_params
 from tests.support import ROOT
 from tests.support import zygote
 

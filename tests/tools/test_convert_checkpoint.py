@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from lingvo_ext.tools import convert_checkpoint as cc
-from tests.support import zygote
 from tests.support import ROOT
 from tests.support import lm_loss_testlib as lm_loss_lib
+from tests.support import zygote
 
 MODEL = 'lm.TransformerLmTinyGPipe'  # K=2.
 # Lingvo's names: cell scopes and leaves named cell_NNN.

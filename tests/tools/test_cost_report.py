@@ -11,12 +11,12 @@ from lingvo.core import base_model_params
 from lingvo.core import tshape
 import pytest
 
-from lingvo_ext.pipeline import cost
 from lingvo_ext import layers
+from lingvo_ext.pipeline import cost
 from lingvo_ext.pipeline import partitioning
 from lingvo_ext.tools import cost_report
-from tests.support import zygote
 from tests.support import ROOT as _REPO
+from tests.support import zygote
 
 
 def _Stack():

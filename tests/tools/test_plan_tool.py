@@ -7,10 +7,10 @@ import sys
 import pytest
 
 from lingvo_ext import planner
+from tests.support import ROOT
 from tests.support import host_copy
 from tests.support import planner_testlib as lib
 from tests.support import zygote
-from tests.support import ROOT
 
 
 @pytest.mark.parametrize('flags,names', [

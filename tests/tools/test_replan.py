@@ -31,7 +31,7 @@ def testOntoOneDeviceTheGlobalBatchIsKept(constants):
                       available=64 * 2**30)
   assert (got['workers'], got['worker_split_size'], got['devices']) == (1, 1, 1)
   assert got['global_batch'] == 8 and got['replicas'] == 1
-  assert f"input.batch_size:8" in got['model_params_override']
+  assert "input.batch_size:8" in got['model_params_override']
   assert f"task.num_partitions:{got['cells']}" in got['model_params_override']
   assert got['checkpoint'] is None
 

@@ -12,8 +12,8 @@ import pytest
 from lingvo_ext.pipeline import schedules
 from lingvo_ext.tools import timeline as timeline_tool
 from lingvo_ext.tracing import timeline
-from tests.support import zygote
 from tests.support import ROOT
+from tests.support import zygote
 
 SPECS = [
     ('unrolled', schedules.StageSpec(4, 4, 8)),
@@ -58,7 +58,6 @@ def testPlannedPictureIsTheSimulatedActions(name, spec):
       assert x + width == pytest.approx(sim.end[a])
     starts = [x for x, _, _ in drawn[d]]
     assert starts == sorted(starts)
-  title = fig.axes[0].get_title() if fig.axes else ''
 
 
 def testPlannedChromeTraceHasEveryAction(tmp_path):
@@ -154,6 +153,7 @@ def testTracedTrainerRunGivesTheMeasuredPicture(tmp_path):
 
 def testDevicesOfSeveralTasksKeepTheirTask():
   from tensorflow.core.framework import step_stats_pb2  # pylint: disable=g-direct-tensorflow-import,g-import-not-at-top
+
   from lingvo_ext.tracing import step_trace  # pylint: disable=g-import-not-at-top
   stats = step_stats_pb2.StepStats()
   for task in (0, 1):

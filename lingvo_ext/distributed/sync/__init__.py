@@ -35,16 +35,16 @@ The names below are the interface (`sync.X`).
 """
 
 # pylint: disable=g-importing-member,unused-import
-from lingvo_ext.distributed.sync.base import CommunicationStats
-from lingvo_ext.distributed.sync.base import GradientSync
-from lingvo_ext.distributed.sync.checks import CheckParams
-from lingvo_ext.distributed.sync.checks import CheckReplicas
-from lingvo_ext.distributed.sync.checks import STRATEGIES
-from lingvo_ext.distributed.sync.learners import Applying
-from lingvo_ext.distributed.sync.learners import SyncLearnerMixin
-from lingvo_ext.distributed.sync.learners import WithSyncLearners
 # Each strategy's module registers its class (`strategy=` of GradientSync).
 from lingvo_ext.distributed.sync import all_reduce
 from lingvo_ext.distributed.sync import hybrid
 from lingvo_ext.distributed.sync import parameter_server
 from lingvo_ext.distributed.sync import shared
+from lingvo_ext.distributed.sync.base import CommunicationStats
+from lingvo_ext.distributed.sync.base import GradientSync
+from lingvo_ext.distributed.sync.checks import STRATEGIES
+from lingvo_ext.distributed.sync.checks import CheckParams
+from lingvo_ext.distributed.sync.checks import CheckReplicas
+from lingvo_ext.distributed.sync.learners import Applying
+from lingvo_ext.distributed.sync.learners import SyncLearnerMixin
+from lingvo_ext.distributed.sync.learners import WithSyncLearners

@@ -15,8 +15,9 @@ import functools
 
 import lingvo.compat as tf
 from lingvo.core import py_utils
-from lingvo_ext.tasks import in_memory_input
 import numpy as np
+
+from lingvo_ext.tasks import in_memory_input
 
 SPLITS = ('train', 'dev', 'all')
 

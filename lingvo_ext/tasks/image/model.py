@@ -19,6 +19,7 @@ import lingvo.compat as tf
 from lingvo.core import metrics as metrics_lib
 from lingvo.core import py_utils
 from lingvo.core import tshape
+
 from lingvo_ext import layers
 from lingvo_ext.tasks import decoding
 from lingvo_ext.tasks import pipelined_task

@@ -23,9 +23,10 @@ import os
 
 import lingvo.compat as tf
 from lingvo.core import py_utils
+import numpy as np
+
 from lingvo_ext.tasks import in_memory_input
 from lingvo_ext.tasks.lm import tokenizer
-import numpy as np
 
 VOCAB_FILENAME = 'vocab.json'
 DEFAULT_SOURCE = 'pydoc_data.topics'

@@ -25,11 +25,11 @@ import lingvo.compat as tf
 from lingvo.core import metrics as metrics_lib
 from lingvo.core import py_utils
 from lingvo.core import tshape
+
 from lingvo_ext import layers
 from lingvo_ext.tasks import decoding
 from lingvo_ext.tasks import pipelined_task
 from lingvo_ext.tasks.lm import generate
-
 
 # The token choice the decoder and `generate` share (its home is generate.py).
 NextToken = generate.NextToken

@@ -9,11 +9,11 @@ from lingvo.core import py_utils
 import numpy as np
 import pytest
 
-from tests.support import gpipe_testlib as lib
-from lingvo_ext.distributed import sync
 from lingvo_ext import session_config
+from lingvo_ext.distributed import sync
 from params import image
 from params import lm
+from tests.support import gpipe_testlib as lib
 
 STRATEGIES = sync.STRATEGIES
 B = 4  # Examples per replica.
