@@ -93,13 +93,13 @@ def testOwnExperimentOnPythonpathTrainsAndIsCostReported(tmp_path):
 
 @pytest.mark.e2e
 def testNewFileInExperimentsIsRegisteredWithoutOtherEdits(tmp_path):
-  # A copy of the repository's lingvo_ext/ package, with one new file in
-  # experiments/ and nothing else changed, found before the repository's
-  # (python -m puts the working directory first on sys.path; a fresh
-  # interpreter, not the fork server's).
-  shutil.copytree(os.path.join(ROOT, 'lingvo_ext'),
-                  str(tmp_path / 'lingvo_ext'), ignore=shutil.ignore_patterns('__pycache__'))
-  (tmp_path / 'lingvo_ext' / 'experiments' / 'mine.py').write_text(_EXPERIMENT)
+  # A copy of the repository's params/ package, with one new file in it and
+  # nothing else changed, found before the repository's (python -m puts the
+  # working directory first on sys.path; a fresh interpreter, not the fork
+  # server's).
+  shutil.copytree(os.path.join(ROOT, 'params'), str(tmp_path / 'params'),
+                  ignore=shutil.ignore_patterns('__pycache__'))
+  (tmp_path / 'params' / 'mine.py').write_text(_EXPERIMENT)
   copy = dict(pythonpath=ROOT, cwd=str(tmp_path), fresh=True)
   rc, out = _Run(['lingvo_ext.tools.list_models'], **copy)
   assert rc == 0, out
@@ -120,7 +120,8 @@ def testTrainerAndListModelsSeeOneRegistry():
 
 # --model_params_override values printed in the docs, docstrings and
 # messages: each must set what it names on a registered experiment.
-_DOC_FILES = ['README.md', 'docs/*.md', 'lingvo_ext/**/*.py', 'scripts/*.sh']
+_DOC_FILES = ['README.md', 'docs/*.md', 'lingvo_ext/**/*.py', 'params/*.py',
+              'scripts/*.sh']
 _OVERRIDE_RE = re.compile(r"--model_params_override=\\?'([^'{}\\]*)\\?'")
 
 

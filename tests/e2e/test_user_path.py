@@ -176,8 +176,9 @@ def testPipInstallGivesThePackagesAndEntryPoints(tmp_path):
   src.mkdir()
   for name in ('pyproject.toml', 'README.md'):
     shutil.copy(os.path.join(ROOT, name), str(src / name))
-  shutil.copytree(os.path.join(ROOT, 'lingvo_ext'), str(src / 'lingvo_ext'),
-                  ignore=shutil.ignore_patterns('__pycache__'))
+  for package in ('lingvo_ext', 'params'):
+    shutil.copytree(os.path.join(ROOT, package), str(src / package),
+                    ignore=shutil.ignore_patterns('__pycache__'))
   for editable in ([], ['-e']):
     venv = tmp_path / f'venv{len(editable)}'
     subprocess.run([sys.executable, '-m', 'venv', '--without-pip', str(venv)],
@@ -194,25 +195,18 @@ def testPipInstallGivesThePackagesAndEntryPoints(tmp_path):
                             '--no-build-isolation', *editable, str(src)],
                         cwd=str(tmp_path), module=False)
     assert rc == 0, err[-3000:]
-    # Importable from anywhere, from the install. In the editable one the
-    # experiments are found, not imported again (importing them imports
-    # TensorFlow, seconds of CPU): the same finder resolves both. No
-    # top-level `params` package is installed (the name is not ours; once
-    # lingvo_ext is imported, `params` is its alias).
-    exps = ('importlib.util.find_spec("params").origin'
-            if editable else
-            'importlib.import_module("params").__file__')
+    # Importable from anywhere, from the install: lingvo_ext and the
+    # top-level `params` package of the experiments (found, not imported:
+    # importing them imports TensorFlow, seconds of CPU).
     rc, out, err = lib.Run([py, '-c', 'import importlib.util; '
-                            'top = importlib.util.find_spec("params"); '
-                            'import lingvo_ext; '
-                            f'print(lingvo_ext.__file__, {exps}, top)'],
+                            'import lingvo_ext; print(lingvo_ext.__file__, '
+                            'importlib.util.find_spec("params").origin)'],
                         cwd='/', module=False, pythonpath=os.devnull)
     assert rc == 0, err[-3000:]
     where = str(src) if editable else purelib
     assert out.split() == [
         os.path.join(where, 'lingvo_ext', '__init__.py'),
-        os.path.join(where, 'lingvo_ext', 'experiments', '__init__.py'),
-        'None'], out
+        os.path.join(where, 'params', '__init__.py')], out
     if editable:
       continue  # The same entry points; the first install ran them.
     for script, expected in (('lingvo-ext-train', '--max_steps'),
