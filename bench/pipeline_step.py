@@ -31,9 +31,6 @@ from lingvo_ext.core import gpipe as ext_gpipe
 from lingvo_ext.core import precision
 from lingvo_ext.pipeline import records
 
-# As bench/pipeline.py: Lingvo's graph-mode helpers for the graphs built here.
-py_utils.SetEagerMode(False)
-
 IMPLS = ('lingvo', 'lingvo_ext', 'plain')
 
 

@@ -80,11 +80,10 @@ _PROGRAM = (__name__ == '__main__' or os.path.basename(
 if _PROGRAM:
   gc.disable()
 
-from absl import app
-
 from lingvo_ext import entry_point  # pylint: disable=g-bad-import-order,g-import-not-at-top,wrong-import-position
 
 # isort: split
+from absl import app
 import lingvo.compat as tf
 from lingvo.core import hyperparams
 from lingvo.core import py_utils

@@ -9,6 +9,7 @@ names are here too: `lingvo_ext.checkpoints.X` is the path users hold.
 """
 
 # pylint: disable=unused-import,g-multiple-import
+from lingvo_ext.checkpoints.checkpointers import CrossCutCheckpointer
 from lingvo_ext.checkpoints.checkpointers import FiniteChecks
 from lingvo_ext.checkpoints.checkpointers import NewCheckpointer
 from lingvo_ext.checkpoints.checkpointers import NonFiniteVariables
@@ -17,10 +18,16 @@ from lingvo_ext.checkpoints.files import CheckpointPaths
 from lingvo_ext.checkpoints.files import CheckpointProblem
 from lingvo_ext.checkpoints.files import CheckpointStep
 from lingvo_ext.checkpoints.files import ClearTrainingFinished
+from lingvo_ext.checkpoints.files import DropLatestIfNonFinite
+from lingvo_ext.checkpoints.files import FallBackToIntactCheckpoint
 from lingvo_ext.checkpoints.files import LatestCheckpoint
 from lingvo_ext.checkpoints.files import LocalizeStateFile
 from lingvo_ext.checkpoints.files import MarkTrainingFinished
+from lingvo_ext.checkpoints.files import OwnCopy
+from lingvo_ext.checkpoints.files import PointStatePast
 from lingvo_ext.checkpoints.files import RebuildStateFile
+from lingvo_ext.checkpoints.files import StateFileProblem
 from lingvo_ext.checkpoints.files import TrainingFinished
 from lingvo_ext.checkpoints.reader import NewestIntactCheckpoint
 from lingvo_ext.checkpoints.reader import ReadProblem
+from lingvo_ext.checkpoints.reader import SkippedLine

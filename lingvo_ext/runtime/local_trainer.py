@@ -248,6 +248,9 @@ class LocalTrainer(runner_state.RunnerMixin, lingvo_runners.Trainer):
 
   def _DequeueThreadComplete(self):
     super()._DequeueThreadComplete()
+    check = self._run_state.plan_check
+    if check and not self._run_state.interrupted.is_set():
+      check.Finish()  # A run that outlasted no prediction: checked at its end.
     self._run_state.trainer_done.set()
 
   def _RunLoop(self, job_name, loop_func, loop_args=(), cleanup_func=None):

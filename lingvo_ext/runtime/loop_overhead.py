@@ -33,7 +33,7 @@ def Seconds(num_devices: int = 1, rounds: int = ROUNDS) -> float:
   import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
   from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
 
-  from lingvo_ext.distributed import server  # pylint: disable=g-import-not-at-top
+  from lingvo_ext import session_config  # pylint: disable=g-import-not-at-top
   graph = tf.Graph()
   with graph.as_default():
     step = py_utils.GetOrCreateGlobalStepVar()
@@ -46,7 +46,7 @@ def Seconds(num_devices: int = 1, rounds: int = ROUNDS) -> float:
     with graph.as_default():  # FileWriter's v1 API, not eager.
       writer = tf.summary.FileWriter(tmp)
     sess = tf.Session(graph=graph,
-                      config=server.LocalSessionConfig(num_devices))
+                      config=session_config.LocalSessionConfig(num_devices))
     times = []
     try:
       sess.run(init)

@@ -190,10 +190,14 @@ class PlanCheck:
     self._emit = emit or Emit
     self._clock = clock
     self._rss = rss
+    # Waits for a prediction still running (at the run's end), if given.
+    self._wait = getattr(predicted, 'Wait', None)
     self._ready = None
     self._start = None
     self._last = None
     self._times = []
+    self._previous = None  # The last step seen and its clock.
+    self._all = []
     self.done = False
 
   @property
@@ -205,6 +209,10 @@ class PlanCheck:
     """Records a finished step; returns the lines if it printed them."""
     if self.done:
       return None
+    now = self._clock()
+    if self._previous is not None:
+      self._all.append(now - self._previous[1])
+    self._previous = (step, now)
     if self._ready is None:
       self._ready = self._predicted()
       if self._ready is None:
@@ -212,7 +220,6 @@ class PlanCheck:
       if not isinstance(self._ready, Predicted):
         self.done = True  # It failed (logged where it ran).
         return None
-    now = self._clock()
     if self._last is None:
       self._start = self._last = now
       return None
@@ -222,12 +229,31 @@ class PlanCheck:
     if len(self._times) < max(t.min_steps, 1) or (
         now - self._start < t.min_seconds):
       return None
+    return self._Check(self._times, step)
+
+  def _Check(self, times, step) -> Optional[List[str]]:
     self.done = True
     predicted = self._ready
     rss = self._rss()
     if not rss:
       return None  # No /proc: nothing to check against.
-    step_s = statistics.median(self._times[-max(t.min_steps, 1):])
+    step_s = statistics.median(times[-max(self._thresholds.min_steps, 1):])
     lines = [Line(step_s, rss, predicted)] + OffLines(step_s, rss, predicted)
     self._emit(lines, Scalars(step_s, rss, predicted), step)
     return lines
+
+  def Finish(self) -> Optional[List[str]]:
+    """At the run's end: a run long enough to be steady whose prediction
+    came too late prints the check now (waiting for the prediction), from
+    its last steps; a shorter one prints nothing."""
+    if self.done or self._previous is None:
+      return None
+    t = self._thresholds
+    if len(self._all) < max(t.min_steps, 1) or sum(self._all) < t.min_seconds:
+      return None
+    if self._ready is None and self._wait:
+      self._ready = self._wait()
+    if not isinstance(self._ready, Predicted):
+      self.done = True
+      return None
+    return self._Check(self._all, self._previous[0])

@@ -96,6 +96,15 @@ def _Tree(model, cfg, devices, num_cpu_devices, split, on_calibrate=None):
   return step_s, _StepTerms(pipes[0].profile, plans[0], machine)
 
 
+def QuietWorker() -> None:
+  """A prediction's worker prints nothing on the run's console: its result
+  or error goes back to the trainer, which logs it, and a trainer that ended
+  first (a finished or failed run) leaves it nothing to say."""
+  import os  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  sys.stderr = open(os.devnull, 'w', encoding='utf-8')  # pylint: disable=consider-using-with
+
+
 def EndWithParent(poll_s: float = 0.5) -> None:
   """Ends this process when its parent (the fork server, which ends with
   the trainer) is gone: a prediction never outlives the run."""
@@ -215,7 +224,7 @@ class Pending:
     ctx = multiprocessing.get_context('forkserver')
     ctx.set_forkserver_preload(['lingvo_ext.planner'])
     try:
-      with ctx.Pool(1, maxtasksperchild=1) as pool:
+      with ctx.Pool(1, maxtasksperchild=1, initializer=QuietWorker) as pool:
         got = pool.apply_async(PredictJob, (job,)).get(timeout_s)
       self._result = plan_check.Predicted.FromDict(got)
       tf.logging.info('plan check: predicted %s', got)
@@ -231,6 +240,14 @@ class Pending:
     """Whether the child times the references of a cold cache now."""
     import os  # pylint: disable=g-import-not-at-top
     return self._thread.is_alive() and os.path.exists(self._calibrating)
+
+  def Wait(self):
+    """The prediction, waiting for it (until the run's stop event)."""
+    while self._thread.is_alive():
+      if self._stop is not None and self._stop.is_set():
+        return False
+      self._thread.join(0.2)
+    return self._result
 
   def __call__(self):
     if self._thread.is_alive() and not self.Calibrating():

@@ -32,8 +32,10 @@ import sys
 from typing import Dict
 from typing import Optional
 
-from lingvo_ext import _startup
 from lingvo_ext import entry_point  # pylint: disable=g-bad-import-order
+
+# isort: split
+from lingvo_ext import _startup
 from lingvo_ext import planner
 from lingvo_ext.planner import auto
 from lingvo_ext.planner import measuring

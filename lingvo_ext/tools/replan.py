@@ -24,8 +24,10 @@ import sys
 from typing import Dict
 from typing import Optional
 
-from lingvo_ext import _startup
 from lingvo_ext import entry_point  # pylint: disable=g-bad-import-order
+
+# isort: split
+from lingvo_ext import _startup
 
 EXIT_NO_PLAN = 1
 

