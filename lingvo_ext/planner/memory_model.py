@@ -25,6 +25,10 @@ total):
   the factor;
 - input_pipeline: the batches the input holds (the one in the step and the
   next, INPUT_BATCHES);
+- input_buffer: the records a Lingvo record input's shuffle buffer holds
+  (planner/input_memory.py: min(file_buffer_size, the files' records) of
+  the files' mean record); 0 here, added by the start check from the
+  input params (start_memory.EstimateRun);
 - graph: the step's graph, `GraphOps` times `Constants.bytes_per_op`.
 
 The constants come from `memory_probe` (a short run on this machine, cached
@@ -47,7 +51,8 @@ from lingvo_ext.planner.plans import Plan
 INPUT_BATCHES = 2
 TERM_NAMES = ('runtime', 'variables', 'gradients', 'optimizer_slots',
               'activations', 'transient', 'gradient_buffers',
-              'recompute_outputs', 'input_pipeline', 'graph')
+              'recompute_outputs', 'input_pipeline', 'input_buffer',
+              'graph')
 # The terms the probe's activation factor scales.
 SCALED_TERMS = ('activations', 'transient', 'gradient_buffers',
                 'recompute_outputs')
@@ -150,6 +155,7 @@ def Predict(profile: ModelProfile, plan: Plan,
            ('gradient_buffers', f * m['gradient_buffers']),
            ('recompute_outputs', f * m['recompute_outputs']),
            ('input_pipeline', m['input_pipeline']),
+           ('input_buffer', 0.),
            ('graph', m['ops'] * constants.bytes_per_op))
   return RssEstimate(terms, m['peak_device'])
 

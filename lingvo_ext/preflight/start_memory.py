@@ -216,16 +216,18 @@ def StartWarning(model_params, num_cpu_devices: int, split: int,
                        available, source, constants)
   profile = Profile(model_params)
   plan = PlanOfParams(profile, task, num_cpu_devices, split)
-  got = Estimate(profile, plan, constants)
+  got = _WithInput(Estimate(profile, plan, constants), model_params)
   if got.rss_bytes <= available:
     return None
   line = NeedLine(got, Kept('task', plan), available, source)
-  fit = Overrides(profile, plan, task.fprop_dtype, available, constants)
+  buffered = got.rss_terms.get('input_buffer', 0.)
+  fit = Overrides(profile, plan, task.fprop_dtype, available - buffered,
+                  constants)
   if fit is None:
     return line + ('no override of micro-batches, recompute, schedule or '
                    'bf16 fits; use more memory or more devices.')
   text, fits = fit
-  return line + FitLine(fits.rss_bytes, overrides, text)
+  return line + FitLine(buffered + fits.rss_bytes, overrides, text)
 
 
 Size = task_health.FormatBytes
@@ -295,7 +297,8 @@ def TreeWarning(model_params, num_cpu_devices: int, split: int,
   if not pipeline_tree.Pipelines(model_params.task):
     return None
   mem = tree_memory.ProfileTaskMemory(model_params)
-  got = _TreeEstimate(mem, num_cpu_devices, split, constants)
+  got = _TreeEstimate(mem, num_cpu_devices, split, constants,
+                      _InputBuffer(model_params))
   if got.rss_bytes <= available:
     return None
   kept = ' and '.join(Kept(pipe.path, plan)
@@ -387,19 +390,40 @@ def EstimateRun(model_params, num_cpu_devices: int, split: int,
     constants = memory_probe.Get(max(1, num_cpu_devices))
   if pipeline_tree.IsPipelinedTask(task):
     profile = Profile(model_params)
-    return Estimate(profile, PlanOfParams(profile, task, num_cpu_devices,
-                                          split), constants)
+    got = Estimate(profile, PlanOfParams(profile, task, num_cpu_devices,
+                                         split), constants)
+    return _WithInput(got, model_params)
   from lingvo_ext.planner import tree_memory  # pylint: disable=g-import-not-at-top
   if not pipeline_tree.Pipelines(task):
     return None
   return _TreeEstimate(tree_memory.ProfileTaskMemory(model_params),
-                       num_cpu_devices, split, constants)
+                       num_cpu_devices, split, constants,
+                       _InputBuffer(model_params))
+
+
+def _InputBuffer(model_params) -> float:
+  """The input's record buffer (planner/input_memory.py), 0 without one."""
+  from lingvo_ext.planner import input_memory  # pylint: disable=g-import-not-at-top
+  if 'input' not in model_params or model_params.input is None:
+    return 0.
+  return input_memory.BufferBytes(model_params.input)
+
+
+def _WithInput(got: StartEstimate, model_params) -> StartEstimate:
+  """`got` with the input's record buffer in its peak RSS."""
+  if not got.rss_terms:
+    return got
+  terms = dict(got.rss_terms)
+  terms['input_buffer'] = terms.get('input_buffer', 0.) + _InputBuffer(
+      model_params)
+  return dataclasses.replace(got, rss_bytes=float(sum(terms.values())),
+                             rss_terms=terms)
 
 
 def _TreeEstimate(mem, num_cpu_devices: int, split: int,
-                  constants) -> StartEstimate:
+                  constants, input_buffer: float = 0.) -> StartEstimate:
   """EstimateRun of a tree_memory.TaskMemory; `plan` is the list of each
-  pipeline's plan."""
+  pipeline's plan; `input_buffer`: the input's record buffer's bytes."""
   plans = [PlanOfPipeline(pipe, p, num_cpu_devices, split)
            for pipe, p in zip(mem.pipes, mem.params)]
   got = [Estimate(pipe.profile, plan) for pipe, plan in zip(mem.pipes, plans)]
@@ -413,6 +437,7 @@ def _TreeEstimate(mem, num_cpu_devices: int, split: int,
   rss = memory_model.Extra(rss, 'optimizer_slots',
                            others * mem.optimizer_slots)
   rss = memory_model.Extra(rss, 'graph', mem.other_ops * constants.bytes_per_op)
+  rss = memory_model.Extra(rss, 'input_buffer', input_buffer)
   weights = others * (2 + mem.optimizer_slots)
   return StartEstimate(
       plans, weights + sum(g.process_bytes for g in got),

@@ -40,7 +40,7 @@ def testTermsFollowTheFormulaAndAddUpToTheTotal():
       'transient': 1.5 * 16 * 100,
       # One run of weight gradients, no recompute: nothing more.
       'gradient_buffers': 0., 'recompute_outputs': 0.,
-      'input_pipeline': 2 * 8 * 16, 'graph': 2. * ops}
+      'input_pipeline': 2 * 8 * 16, 'input_buffer': 0., 'graph': 2. * ops}
   assert [n for n, _ in got.terms] == list(memory_model.TERM_NAMES)
   assert got.rss_bytes == sum(got.Terms().values())
   # Four micro-batches under 'unrolled' keep the same whole batch; the

@@ -291,6 +291,13 @@ def testTheFlagshipsEstimateSizesItsBucketedTimeAxis(flagship):
   line = start_memory.StartWarning(cfg, 2, 2, '', got.rss_bytes - 1, 'x',
                                    _CONSTANTS)
   assert 'task.lm.stack.schedule=' in line, line
+  # Its record input's shuffle buffer is a term: all the records of its
+  # small Train files (file_buffer_size 10,000,000), as input_memory says.
+  from lingvo_ext.planner import input_memory  # pylint: disable=g-import-not-at-top
+  buffered = input_memory.BufferBytes(cfg.input)
+  assert buffered > 0
+  assert got.rss_terms['input_buffer'] == buffered
+  assert got.rss_bytes == sum(got.rss_terms.values())
 
 
 def testTheOverrideNamedForABigBatchCountsWhatRecomputeHolds():
