@@ -13,7 +13,8 @@ docs/faults.md, "Memory".
 import glob
 import os
 import re
-from typing import List, Tuple
+from typing import List
+from typing import Tuple
 
 # A buffered record's own bytes beside its value: the string, its slot in
 # the buffer, the allocator's rounding.
