@@ -396,8 +396,10 @@ def testPlanAutoTrainsTheLingvoExperiment(experiment, tmp_path, model, path):
     params = f.read()
   for item in override.split(';'):
     key, value = item.strip().split(':', 1)
-    assert re.search(r'^%s : %s$' % (re.escape(key), re.escape(
-        value.replace('"', "'"))), params, re.M), (item, line)
+    # params.txt writes None as Lingvo's text form does: NoneType.
+    value = 'NoneType' if value == 'None' else value.replace('"', "'")
+    assert re.search(r'^%s : %s$' % (re.escape(key), re.escape(value)),
+                     params, re.M), (item, line)
 
 
 @pytest.mark.e2e
