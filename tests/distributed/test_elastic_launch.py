@@ -21,6 +21,7 @@ from lingvo_ext.distributed import elastic as elastic_lib
 from lingvo_ext.distributed import launch_lib
 from lingvo_ext.distributed import launching
 from lingvo_ext.distributed import network
+from tests.support import launcher_testlib
 from tests.support import proc_testlib
 
 TIMEOUT = 300
@@ -102,33 +103,15 @@ def testAWorkerKilledAtEveryRestartLeavesAJobThatFinishesOnTheOtherOne(
 
 
 def _Launcher(tmp_path, programs, max_restarts, elastic, ready_timeout_s=30):
-  lines = []
-
-  class Out:
-
-    def write(self, text):
-      lines.extend(l for l in text.splitlines() if l)
-
-    def flush(self):
-      pass
-
+  out = launcher_testlib.Lines()
   ports = network.FreePorts(len(programs))
   tasks = [cluster_tasks.Task(job, t, f'127.0.0.1:{port}',
                               [sys.executable, '-c', code])
            for (job, t, code), port in zip(programs, ports)]
   launcher = launch_lib.Launcher(tasks, str(tmp_path), ready_timeout_s,
-                                 max_restarts, Out(), fork_tasks=False,
+                                 max_restarts, out, fork_tasks=False,
                                  task_timeout_s=60, elastic=elastic)
-  return launcher, lines
-
-
-def _Watch(launcher):
-  try:
-    launcher.StartAll()
-    return launcher.Watch(poll_s=0.05)
-  finally:
-    launcher.StopAll(grace_s=5)
-    launcher.Flush()
+  return launcher, out.lines
 
 
 _SLEEPS = 'import time; time.sleep(120)'
@@ -142,7 +125,7 @@ def testAWorkerFailingPastMaxRestartsIsLostForGood(tmp_path, elastic):
                                          ('worker', 1, _FAILS),
                                          ('controller', 0, _SLEEPS)],
                               max_restarts=1, elastic=elastic)
-  rc = _Watch(launcher)
+  rc = launcher_testlib.Run(launcher)
   assert launcher.restarts == 1
   text = '\n'.join(lines)
   if elastic:
@@ -174,7 +157,7 @@ def testARestartedWorkerNotServingWithinTheBoundIsLost(tmp_path):
                               max_restarts=3, elastic=True,
                               ready_timeout_s=3)
   launcher.tasks[1].argv.append(launcher.tasks[1].address.split(':')[1])
-  assert _Watch(launcher) == launch_lib.EXIT_LOST, lines
+  assert launcher_testlib.Run(launcher) == launch_lib.EXIT_LOST, lines
   assert launcher.lost.what == 'worker task 1'
   assert re.match(r'not back \d+ s after its restart, '
                   r'--ready_timeout_secs=3$', launcher.lost.why), launcher.lost

@@ -19,6 +19,7 @@ import pytest
 from lingvo_ext.distributed import cluster_tasks
 from lingvo_ext.distributed import launch_lib
 from lingvo_ext.distributed import network
+from tests.support import launcher_testlib
 from tests.support import proc_testlib
 
 TIMEOUT = 300
@@ -30,32 +31,14 @@ TIMEOUT = 300
 def _Launcher(tmp_path, programs, max_restarts=0):
   """A Launcher of 'controller' tasks running python `programs` (no
   servers); its output lines in a list."""
-  lines = []
-
-  class Out:
-
-    def write(self, text):
-      lines.extend(l for l in text.splitlines() if l)
-
-    def flush(self):
-      pass
-
+  out = launcher_testlib.Lines()
   port = network.FreePorts(1)[0]
   tasks = [cluster_tasks.Task(job, 0, f'127.0.0.1:{port}',
                               [sys.executable, '-c', code])
            for job, code in programs]
   launcher = launch_lib.Launcher(tasks, str(tmp_path), 30, max_restarts,
-                                 Out(), fork_tasks=False, task_timeout_s=60)
-  return launcher, lines
-
-
-def _RunLauncher(launcher):
-  try:
-    launcher.StartAll()
-    return launcher.Watch(poll_s=0.05)
-  finally:
-    launcher.StopAll(grace_s=5)
-    launcher.Flush()
+                                 out, fork_tasks=False, task_timeout_s=60)
+  return launcher, out.lines
 
 
 @pytest.mark.e2e
@@ -65,7 +48,7 @@ def testLauncherStopsTheClusterWhenATaskFindsTheDiskFull(tmp_path):
       ('controller', 'import sys; print("error: controller: disk full on '
        '--logdir=/x (0 B free): ...", file=sys.stderr); sys.exit(74)')],
                               max_restarts=3)
-  assert _RunLauncher(launcher) == 74
+  assert launcher_testlib.Run(launcher) == 74
   text = '\n'.join(lines)
   assert '[controller] error: controller: disk full on --logdir=/x' in text
   assert re.search(r'launch: controller task 0 \(\S+\) stopped: the disk is '
@@ -95,7 +78,7 @@ def testATasksErrorLineReachesTheConsoleOnceWhenItsLogCannotBeWritten(
   launcher, lines = _Launcher(tmp_path, [
       ('worker', 'import time; time.sleep(60)'),
       ('controller', relay + _ERROR + 'sys.exit(74)')])
-  assert _RunLauncher(launcher) == 74
+  assert launcher_testlib.Run(launcher) == 74
   shown = [l for l in lines if 'error: controller: disk full' in l]
   assert shown == ['[controller] error: controller: disk full on '
                    '--logdir=/x (0 B free): ...'], lines
@@ -112,7 +95,7 @@ def testLauncherDoesNotRestartATaskThatWouldFailAgain(tmp_path, rc):
       ('worker', 'import time; time.sleep(60)'),
       ('controller', 'import sys; print("error: controller: it failed", '
        f'file=sys.stderr); sys.exit({rc})')], max_restarts=3)
-  assert _RunLauncher(launcher) == rc
+  assert launcher_testlib.Run(launcher) == rc
   text = '\n'.join(lines)
   assert '[controller] error: controller: it failed' in text
   assert re.search(rf'launch: controller task 0 \(\S+\) failed: .* \(exit '
@@ -132,7 +115,7 @@ def testLauncherSaysOomKilledWithTheLastRssAndDoesNotRestart(tmp_path):
        + _KILLS_ITSELF)], max_restarts=3)
   count = iter(range(100))
   launcher.oom_kills = lambda cgroup: next(count)  # Risen at the death.
-  assert _RunLauncher(launcher) == 137
+  assert launcher_testlib.Run(launcher) == 137
   text = '\n'.join(lines)
   m = re.search(r'launch: controller task 0 \(\S+\), pid \d+, was killed by '
                 r"the kernel's OOM killer \(its last RSS ([\d.]+) MB.*\): not "
@@ -244,7 +227,7 @@ def testARealOomKillUnderTheLauncherIsNamedAndNotRestarted(tmp_path):
 def testATaskThatSigkillsItselfIsNotOom(tmp_path):
   launcher, lines = _Launcher(tmp_path, [('controller', _KILLS_ITSELF)])
   launcher.oom_kills = lambda cgroup: 3  # Not risen.
-  assert _RunLauncher(launcher) == 1
+  assert launcher_testlib.Run(launcher) == 1
   text = '\n'.join(lines)
   assert 'OOM' not in text
   assert 'exited with signal SIGKILL' in text, text
@@ -259,7 +242,7 @@ def testAResumedLauncherShowsOnlyThisRunsTaskLines(tmp_path):
     # The tail thread runs while the tasks start (the fork server takes
     # seconds to import TensorFlow).
     time.sleep(0.6)
-    assert _RunLauncher(launcher) == 0
+    assert launcher_testlib.Run(launcher) == 0
   text = '\n'.join(lines)
   assert '[controller] interrupted: the second run' in text, text
   assert '[controller] step 1/2  loss 1.0 second' in text
