@@ -193,11 +193,9 @@ class PlanCheck:
     # Waits for a prediction still running (at the run's end), if given.
     self._wait = getattr(predicted, 'Wait', None)
     self._ready = None
-    self._start = None
-    self._last = None
-    self._times = []
     self._previous = None  # The last step seen and its clock.
-    self._all = []
+    self._times = []  # Every interval between steps since the first.
+    self._arrived = None  # (len(_times), clock) when the prediction came.
     self.done = False
 
   @property
@@ -211,7 +209,7 @@ class PlanCheck:
       return None
     now = self._clock()
     if self._previous is not None:
-      self._all.append(now - self._previous[1])
+      self._times.append(now - self._previous[1])
     self._previous = (step, now)
     if self._ready is None:
       self._ready = self._predicted()
@@ -220,16 +218,14 @@ class PlanCheck:
       if not isinstance(self._ready, Predicted):
         self.done = True  # It failed (logged where it ran).
         return None
-    if self._last is None:
-      self._start = self._last = now
+      self._arrived = (len(self._times), now)
       return None
-    self._times.append(now - self._last)
-    self._last = now
+    since = self._times[self._arrived[0]:]
     t = self._thresholds
-    if len(self._times) < max(t.min_steps, 1) or (
-        now - self._start < t.min_seconds):
+    if len(since) < max(t.min_steps, 1) or (
+        now - self._arrived[1] < t.min_seconds):
       return None
-    return self._Check(self._times, step)
+    return self._Check(since, step)
 
   def _Check(self, times, step) -> Optional[List[str]]:
     self.done = True
@@ -249,11 +245,12 @@ class PlanCheck:
     if self.done or self._previous is None:
       return None
     t = self._thresholds
-    if len(self._all) < max(t.min_steps, 1) or sum(self._all) < t.min_seconds:
+    if len(self._times) < max(t.min_steps, 1) or (
+        sum(self._times) < t.min_seconds):
       return None
     if self._ready is None and self._wait:
       self._ready = self._wait()
     if not isinstance(self._ready, Predicted):
       self.done = True
       return None
-    return self._Check(self._all, self._previous[0])
+    return self._Check(self._times, self._previous[0])
