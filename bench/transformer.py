@@ -428,12 +428,15 @@ def main(argv=None) -> int:
                       default=None,
                       help='Torch eager also in bf16 autocast (default: '
                       'when --dtype has bfloat16).')
+  parser.add_argument('--rounds', type=int, default=1,
+                      help='Time every configuration this many times in '
+                      'turn; each keeps its fastest round (a shared machine).')
   parser.add_argument('--_child', help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   if args.intra_op_threads < 0:
     parser.error('--intra_op_threads=%d: give 0 (one per core) or more.' %
                  args.intra_op_threads)
-  for name in ('seq', 'batch', 'heads', 'steps'):
+  for name in ('seq', 'batch', 'heads', 'steps', 'rounds'):
     if getattr(args, name) < 1:
       parser.error('--%s=%d: give 1 or more.' % (name, getattr(args, name)))
   if args.hidden is None:
@@ -474,9 +477,11 @@ def main(argv=None) -> int:
     return 0
   variants = list(args.variants) + (
       [transformer_report.FLOOR] if args.floor and transformer_report.FLOOR not in args.variants else [])
-  records = Run(variants, args.L, Pairs(args.K, args.M), args.steps,
-                dtypes=args.dtype, intra_op_threads=args.intra_op_threads,
-                losses=args.loss, dims_list=dims_list)
+  records = transformer_report.Fastest([
+      Run(variants, args.L, Pairs(args.K, args.M), args.steps,
+          dtypes=args.dtype, intra_op_threads=args.intra_op_threads,
+          losses=args.loss, dims_list=dims_list)
+      for _ in range(args.rounds)])
   torch_python, note = torch_common.TorchPython(args.torch_python)
   print('[bench] ' + note, file=sys.stderr, flush=True)
   autocast = ('bfloat16' in args.dtype if args.bf16_autocast is None

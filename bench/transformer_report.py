@@ -64,6 +64,28 @@ def Sizes(r) -> tuple:
           get('seq', 'time_steps', T), r.get('batch', B), r.get('heads', HEADS))
 
 
+def Fastest(rounds) -> list:
+  """Per configuration, the record of its fastest round (Run's record lists
+  of one bench, timed in turn), with every round's `step_ms_rounds`: on a
+  shared machine the least disturbed round of the step and of its floor."""
+  best, order = {}, []
+  for records in rounds:
+    for r in records:
+      key = (r['variant'], r.get('dtype', 'float32'), r['L'], r['K'], r['M'],
+             r.get('loss', 'after'), Sizes(r))
+      if key not in best:
+        order.append(key)
+        best[key] = dict(r, step_ms_rounds=[])
+      if 'error' in r:
+        continue
+      kept = best[key]
+      times = kept['step_ms_rounds'] + [r['step_ms']]
+      if 'error' in kept or r['step_ms'] < kept['step_ms']:
+        best[key] = kept = dict(r)
+      kept['step_ms_rounds'] = times
+  return [best[k] for k in order]
+
+
 def MarkdownLadder(records) -> str:
   """Per sizes, (L, K, M) and dtype: the floor and each column as a
   multiple of it (the issue's size ladder)."""

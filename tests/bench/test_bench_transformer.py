@@ -228,3 +228,21 @@ def test_bad_sizes_are_one_line_exit_2():
                          text=True, timeout=120, check=False)
     assert res.returncode == 2, (args, res.stderr)
     assert text in res.stderr.strip().splitlines()[-1], res.stderr
+
+
+def test_rounds_keep_each_configuration_s_fastest_round():
+  base = dict(L=4, K=2, M=4, loss='after', dtype='float32', d_model=512)
+  rounds = [
+      [dict(base, variant='unrolled', step_ms=150., op_ms=1.),
+       dict(base, variant='floor', step_ms=100.),
+       dict(base, variant='unrolled', dtype='bfloat16', error='timeout')],
+      [dict(base, variant='unrolled', step_ms=120., op_ms=2.),
+       dict(base, variant='floor', step_ms=110.),
+       dict(base, variant='unrolled', dtype='bfloat16', step_ms=90.)]]
+  out = transformer_report.Fastest(rounds)
+  assert [(r['variant'], r['dtype'], r['step_ms'], r['step_ms_rounds'])
+          for r in out] == [('unrolled', 'float32', 120., [150., 120.]),
+                            ('floor', 'float32', 100., [100., 110.]),
+                            ('unrolled', 'bfloat16', 90., [90.])]
+  assert out[0]['op_ms'] == 2. and 'error' not in out[2]
+  assert 'error' in transformer_report.Fastest([rounds[0]])[2]
