@@ -34,7 +34,7 @@ class _TrainerSession(tf.Session):
 
   Lingvo's trainer loop runs [train_op, eval_metrics, per_example] and then
   fetches the global step; `on_step(global_step, eval_metrics)` is called
-  then. The n-th train step (`trace_step`) runs with FULL_TRACE and its
+  then, with the train step's Session.run seconds (`run_s`). The n-th train step (`trace_step`) runs with FULL_TRACE and its
   RunMetadata is written to `trace_path`. A step also fetches the train
   summaries a controller sharing the model asked for (`summaries`, a
   one_build.TrainSummaries), delivered with the global step after it. Each
@@ -54,6 +54,7 @@ class _TrainerSession(tf.Session):
     self._trace_path = trace_path
     self._train_steps = 0
     self._metrics = None
+    self._run_s = None
     self._prepared = None
     self._preparing = None
 
@@ -95,7 +96,7 @@ class _TrainerSession(tf.Session):
       if self._IsGlobalStep(fetches):
         if self._metrics is not None:
           metrics, self._metrics = self._metrics, None
-          self._on_step(int(out), metrics)
+          self._on_step(int(out), metrics, self._run_s)
         if self._summary is not None:
           summary, self._summary = self._summary, None
           self._summaries.Deliver(summary, int(out))
@@ -105,7 +106,9 @@ class _TrainerSession(tf.Session):
       fetches = list(fetches) + [summary_op]
     self._WaitPrepared()  # Not holding the lock: the build takes a while.
     with self._step_lock:
+      start = time.perf_counter()
       out = self._RunTrainStep(fetches, feed_dict, options, run_metadata)
+      self._run_s = time.perf_counter() - start
     if summary_op is not None:
       self._summary, out = out[-1], out[:-1]
     if self._on_step and len(out) > 1:
@@ -230,13 +233,13 @@ class LocalTrainer(runner_state.RunnerMixin, lingvo_runners.Trainer):
         trace_path=os.path.join(o.logdir, 'train',
                                 f'run_metadata_step_{o.trace_train_step}.pb')))
 
-  def _OnStep(self, global_step, metrics):
+  def _OnStep(self, global_step, metrics, run_s=None):
     self._keep_step.Ran(global_step)
     self._progress.Update(int(global_step), float(metrics['loss'][0]),
                           float(metrics['num_samples_in_batch'][0]))
     if self._run_state.plan_check:
       start = time.monotonic()
-      self._run_state.plan_check.Ran(int(global_step))
+      self._run_state.plan_check.Ran(int(global_step), run_s)
       if time.monotonic() - start > 1:  # It waited for its prediction.
         self._progress.Restart()
 

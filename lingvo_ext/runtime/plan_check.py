@@ -55,6 +55,9 @@ class Predicted:
     rss_terms: (what, bytes) that make up rss_bytes.
     recalibrate: The command that calibrates the step's model again.
     recalibrate_memory: The command that calibrates the memory model again.
+    loop_s: The trainer loop's own time in step_s (its probe's), replaced by
+      the loop's time measured in the run where the run measures it
+      (WithMeasuredLoop).
   """
   step_s: float
   rss_bytes: float
@@ -62,6 +65,7 @@ class Predicted:
   rss_terms: Tuple[Tuple[str, float], ...] = ()
   recalibrate: str = ''
   recalibrate_memory: str = ''
+  loop_s: float = 0.
 
   def ToDict(self) -> Dict:
     out = dataclasses.asdict(self)
@@ -75,6 +79,24 @@ class Predicted:
     d['step_terms'] = tuple(tuple(t) for t in d.get('step_terms', ()))
     d['rss_terms'] = tuple(tuple(t) for t in d.get('rss_terms', ()))
     return cls(**d)
+
+
+LOOP_TERM = ("the trainer loop's own time, measured in this run (from one "
+             "step's Session.run to the next: global step reads, summaries, "
+             'log line)')
+
+
+def WithMeasuredLoop(predicted: Predicted, step_s: float,
+                     run_s: float) -> Predicted:
+  """`predicted` with its loop term the run's own: the steady step less the
+  steady Session.run of the training step (the model predicts the latter).
+  """
+  loop = max(step_s - run_s, 0.)
+  terms = tuple(t for t in predicted.step_terms
+                if not t[0].startswith(LOOP_TERM[:27])) + ((LOOP_TERM, loop),)
+  return dataclasses.replace(
+      predicted, step_s=predicted.step_s - predicted.loop_s + loop,
+      step_terms=terms, loop_s=loop)
 
 
 def Error(predicted: float, measured: float) -> float:
@@ -195,6 +217,7 @@ class PlanCheck:
     self._ready = None
     self._previous = None  # The last step seen and its clock.
     self._times = []  # Every interval between steps since the first.
+    self._runs = []  # Each interval's step's Session.run seconds, or None.
     self._arrived = None  # (len(_times), clock) when the prediction came.
     self.done = False
 
@@ -203,13 +226,16 @@ class PlanCheck:
     """The prediction, once it has arrived (else None)."""
     return self._ready if isinstance(self._ready, Predicted) else None
 
-  def Ran(self, step: int) -> Optional[List[str]]:
-    """Records a finished step; returns the lines if it printed them."""
+  def Ran(self, step: int, run_s: Optional[float] = None
+          ) -> Optional[List[str]]:
+    """Records a finished step (`run_s`: its Session.run's seconds, where
+    the trainer times it); returns the lines if it printed them."""
     if self.done:
       return None
     now = self._clock()
     if self._previous is not None:
       self._times.append(now - self._previous[1])
+      self._runs.append(run_s)
     self._previous = (step, now)
     if self._ready is None:
       self._ready = self._predicted()
@@ -225,15 +251,20 @@ class PlanCheck:
     if len(since) < max(t.min_steps, 1) or (
         now - self._arrived[1] < t.min_seconds):
       return None
-    return self._Check(since, step)
+    return self._Check(self._arrived[0], step)
 
-  def _Check(self, times, step) -> Optional[List[str]]:
+  def _Check(self, first: int, step) -> Optional[List[str]]:
+    """The check over the last min_steps intervals from index `first`."""
     self.done = True
     predicted = self._ready
     rss = self._rss()
     if not rss:
       return None  # No /proc: nothing to check against.
-    step_s = statistics.median(times[-max(self._thresholds.min_steps, 1):])
+    start = max(first, len(self._times) - max(self._thresholds.min_steps, 1))
+    step_s = statistics.median(self._times[start:])
+    runs = self._runs[start:]
+    if runs and None not in runs:
+      predicted = WithMeasuredLoop(predicted, step_s, statistics.median(runs))
     lines = [Line(step_s, rss, predicted)] + OffLines(step_s, rss, predicted)
     self._emit(lines, Scalars(step_s, rss, predicted), step)
     return lines
@@ -253,4 +284,4 @@ class PlanCheck:
     if not isinstance(self._ready, Predicted):
       self.done = True
       return None
-    return self._Check(self._times, self._previous[0])
+    return self._Check(0, self._previous[0])

@@ -175,6 +175,7 @@ def PredictJob(job: Dict) -> Dict:
   command = RecalibrateCommand(job['model'], job['devices'], job['overrides'])
   return plan_check.Predicted(
       step_s=step_s, rss_bytes=rss.rss_bytes, step_terms=tuple(step_terms),
+      loop_s=loop,
       rss_terms=tuple((f"the '{name}' term", b)
                       for name, b in rss.rss_terms.items()),
       recalibrate=command,

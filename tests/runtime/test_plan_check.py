@@ -264,3 +264,27 @@ def testTheCalibrationCacheIsKeyedByTheFit(monkeypatch):
   key = machine_cache.Key(profile, 2, refs, 'host')
   monkeypatch.setattr(machine_cache, 'FIT', 'least of rounds')
   assert machine_cache.Key(profile, 2, refs, 'host') != key
+
+
+def testTheLoopTermIsTheRunsOwnWhereItTimesItsSessionRuns():
+  predicted = plan_check.Predicted(
+      step_s=0.007, rss_bytes=1050 * MB, loop_s=0.001,
+      step_terms=(('the time per op (s_per_op)', 0.006),
+                  ("the trainer loop's own time (global step reads)", 0.001)))
+  check, got = _Check(predicted, 10, 0., _Clock(0.010))
+  for s in range(1, 30):  # Steps 10 ms apart, their Session.run 6 ms.
+    check.Ran(s, run_s=0.006)
+  lines, scalars, _ = got[0]
+  # The 6 ms predicted for the Session.run, plus the run's 4 ms between.
+  assert lines == ['plan check: step 10.0 ms, predicted 10.0 ms (0%); peak '
+                   'memory 1104 MB, predicted 1050 MB (-5%)']
+  assert abs(scalars['plan_check/predicted_step_ms'] - 10.) < 1e-9
+  fixed = plan_check.WithMeasuredLoop(predicted, 0.010, 0.006)
+  assert [t[0] for t in fixed.step_terms] == [
+      'the time per op (s_per_op)', plan_check.LOOP_TERM]
+  assert abs(sum(t[1] for t in fixed.step_terms) - fixed.step_s) < 1e-12
+  # Without Session.run times (e.g. a launcher's task) the probe's stays.
+  check, got = _Check(predicted, 10, 0., _Clock(0.010))
+  for s in range(1, 30):
+    check.Ran(s)
+  assert 'predicted 7.0 ms' in got[0][0][0]
