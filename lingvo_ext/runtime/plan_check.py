@@ -7,7 +7,10 @@ prediction's arrival), the trainer prints, once:
   plan check: step 41.2 ms, predicted 39.5 ms (-4%); peak memory 1104 MB,
   predicted 1050 MB (-5%)
 
-(one line): the steady step is the median of the last `min_steps` steps,
+(one line): the steady step is the median, over the last `min_steps` steps,
+of the mean step of each of STEADY_GROUPS runs of steps in a row (a
+bucketed input's batches differ in length: one step is its bucket's, a run
+of steps the mix's; the median leaves out a slow step, e.g. a save),
 the peak memory the process's peak RSS (VmHWM), each percentage
 predicted / measured - 1. Where one is off by more than OFF_BY, a second
 line names the prediction's largest term and the command that recalibrates.
@@ -33,6 +36,8 @@ MIN_STEPS = 50
 MIN_SECONDS = 30.
 # An error beyond this names its largest term and the recalibration.
 OFF_BY = 0.25
+# The runs of steps in a row whose mean steps the steady step is the median of.
+STEADY_GROUPS = 5
 MB = 2.**20
 
 
@@ -97,6 +102,14 @@ def WithMeasuredLoop(predicted: Predicted, step_s: float,
   return dataclasses.replace(
       predicted, step_s=predicted.step_s - predicted.loop_s + loop,
       step_terms=terms, loop_s=loop)
+
+
+def Steady(times: Sequence[float]) -> float:
+  """The median of the means of `times` cut into STEADY_GROUPS runs in a row
+  (from the last; the oldest times beyond whole runs left out)."""
+  n = max(len(times) // STEADY_GROUPS, 1)
+  groups = [times[i - n:i] for i in range(len(times), n - 1, -n)]
+  return statistics.median(statistics.fmean(g) for g in groups)
 
 
 def Error(predicted: float, measured: float) -> float:
@@ -261,10 +274,10 @@ class PlanCheck:
     if not rss:
       return None  # No /proc: nothing to check against.
     start = max(first, len(self._times) - max(self._thresholds.min_steps, 1))
-    step_s = statistics.median(self._times[start:])
+    step_s = Steady(self._times[start:])
     runs = self._runs[start:]
     if runs and None not in runs:
-      predicted = WithMeasuredLoop(predicted, step_s, statistics.median(runs))
+      predicted = WithMeasuredLoop(predicted, step_s, Steady(runs))
     lines = [Line(step_s, rss, predicted)] + OffLines(step_s, rss, predicted)
     self._emit(lines, Scalars(step_s, rss, predicted), step)
     return lines

@@ -288,3 +288,17 @@ def testTheLoopTermIsTheRunsOwnWhereItTimesItsSessionRuns():
   for s in range(1, 30):
     check.Ran(s)
   assert 'predicted 7.0 ms' in got[0][0][0]
+
+
+def testTheSteadyStepIsTheMedianOfFiveRunsMeans():
+  # A bucketed input: short and long batches; one slow step (a save).
+  times = [0.005, 0.015] * 15
+  times[3] = 2.
+  assert abs(plan_check.Steady(times) - 0.010) < 1e-12
+  assert abs(plan_check.Steady([0.004, 0.008]) - 0.006) < 1e-12
+  check, got = _Check(PREDICTED, 30, 0., iter(
+      [0.] + list(__import__('itertools').accumulate(
+          [0.005, 0.015] * 20))).__next__)
+  for s in range(1, 42):
+    check.Ran(s)
+  assert got[0][0][0].startswith('plan check: step 10.0 ms')
