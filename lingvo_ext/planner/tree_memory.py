@@ -13,6 +13,13 @@ forward ops that its gradient graph (built in the same throw-away graph,
 never run) reads. The task's variables outside its pipelines (an embedding,
 a softmax) are counted apart. No profiler runs, unlike the planner's
 `tree.ProfileTree` for --plan=auto.
+
+The memory model's graph term reads the nodes of the task's training graph
+(`TrainingGraphNodes`: its forward and backward passes and its optimizer's
+update, built in another throw-away graph on the run's devices, never run):
+Lingvo's task code makes many more nodes per op computing on floats (small
+functions of its own, per-variable bookkeeping) than the planner's op count
+of its cells predicts.
 """
 
 import dataclasses
@@ -202,3 +209,32 @@ def ProfileTaskMemory(model_params, name: str = '',
   return TaskMemory(pipes=tuple(pipes), params=tuple(params),
                     param_bytes=param_bytes, optimizer_slots=slots,
                     other_ops=other_fwd * (1. + cell_bwd / max(cell_fwd, 1)))
+
+
+def GraphNodes(graph) -> int:
+  """The nodes of `graph`: its ops and the nodes of its functions' bodies
+  (each instantiated, optimized and run by the runtime)."""
+  library = graph.as_graph_def().library.function
+  return len(graph.get_operations()) + sum(len(f.node_def) for f in library)
+
+
+def TrainingGraphNodes(model_params, num_cpu_devices: int = 1,
+                       split: int = 1) -> int:
+  """GraphNodes of the experiment's training step (forward, backward, the
+  optimizer's update) as built on `num_cpu_devices` CPU devices split by
+  `split`: built in a throw-away graph, no session, nothing run (TF)."""
+  from lingvo.core import cluster_factory  # pylint: disable=g-import-not-at-top
+  from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
+
+  from lingvo_ext.pipeline import cost  # pylint: disable=g-import-not-at-top
+  task_p = model_params.task.Copy()
+  task_p.input = model_params.input.Copy()
+  cluster = cluster_factory.ForTestingWorker(
+      mode='sync', job='trainer_client', cpus=num_cpu_devices,
+      split_size=split)
+  with cost.Sandbox() as g, cluster:
+    py_utils.GetOrCreateGlobalStepVar()
+    task = task_p.Instantiate()
+    task.FPropDefaultTheta()
+    task.BProp()
+    return GraphNodes(g)
