@@ -16,7 +16,7 @@ a softmax) are counted apart. No profiler runs, unlike the planner's
 
 The memory model's graph term reads the nodes of the task's training graph
 (`TrainingGraphNodes`: its forward and backward passes and its optimizer's
-update, built in another throw-away graph on the run's devices, never run):
+update, built on the run's devices in a process of its own, never run):
 Lingvo's task code makes many more nodes per op computing on floats (small
 functions of its own, per-variable bookkeeping) than the planner's op count
 of its cells predicts.
@@ -31,6 +31,9 @@ from lingvo_ext.planner import tf_profiling
 from lingvo_ext.planner import tree
 from lingvo_ext.planner.model_profile import LayerProfile
 from lingvo_ext.planner.model_profile import ModelProfile
+
+# The most seconds TrainingGraphNodes' build may take.
+_COUNT_TIMEOUT_S = 600
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,7 +225,56 @@ def TrainingGraphNodes(model_params, num_cpu_devices: int = 1,
                        split: int = 1) -> int:
   """GraphNodes of the experiment's training step (forward, backward, the
   optimizer's update) as built on `num_cpu_devices` CPU devices split by
-  `split`: built in a throw-away graph, no session, nothing run (TF)."""
+  `split`: built in a throw-away graph, no session, nothing run (TF).
+
+  The build runs in a process of its own: what TensorFlow and Lingvo keep
+  of a training graph once built (some 90 MB for the scaled-down flagship
+  LM) would stay in this one and raise its peak RSS.
+
+  Raises:
+    RuntimeError: the build failed or took more than _COUNT_TIMEOUT_S (its
+      last line).
+  """
+  import pickle  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  payload = pickle.dumps((list(sys.path), model_params, num_cpu_devices,
+                          split))
+  code = ('from lingvo_ext import entry_point\n'
+          'from lingvo_ext.planner import tree_memory\n'
+          'tree_memory.CountMain()\n')
+  try:
+    got = subprocess.run([sys.executable, '-c', code], input=payload,
+                         capture_output=True, timeout=_COUNT_TIMEOUT_S,
+                         check=False)
+  except subprocess.TimeoutExpired:
+    raise RuntimeError('the training graph\'s build did not finish in '
+                       f'{_COUNT_TIMEOUT_S} s') from None
+  if got.returncode:
+    tail = (got.stderr.decode(errors='replace').strip().splitlines() or
+            ['no output'])[-1]
+    raise RuntimeError(f'the training graph\'s build failed: {tail}')
+  return int(got.stdout.decode().split()[-1])
+
+
+def CountMain() -> None:
+  """TrainingGraphNodes' process: reads (sys.path, params, devices, split)
+  pickled on stdin, prints the count."""
+  import pickle  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  path, model_params, devices, split = pickle.loads(sys.stdin.buffer.read())
+  sys.path[:] = path
+  if not flags.FLAGS.is_parsed():
+    # Lingvo's task params (an MT model's) read absl flags when built.
+    flags.FLAGS(sys.argv[:1], known_only=True)
+  print(BuildAndCount(model_params, devices, split), flush=True)
+
+
+def BuildAndCount(model_params, num_cpu_devices: int = 1,
+                  split: int = 1) -> int:
+  """TrainingGraphNodes, built in this process (TF)."""
   from lingvo.core import cluster_factory  # pylint: disable=g-import-not-at-top
   from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
 
@@ -238,3 +290,15 @@ def TrainingGraphNodes(model_params, num_cpu_devices: int = 1,
     task.FPropDefaultTheta()
     task.BProp()
     return GraphNodes(g)
+
+
+def TrainingGraphNodesOrNone(model_params, num_cpu_devices: int = 1,
+                             split: int = 1) -> Optional[int]:
+  """TrainingGraphNodes, or None (a note in the log) when its build fails:
+  the estimate then predicts the nodes from the op counts."""
+  from absl import logging  # pylint: disable=g-import-not-at-top
+  try:
+    return TrainingGraphNodes(model_params, num_cpu_devices, split)
+  except RuntimeError as e:
+    logging.info('memory model: %s; predicting its nodes.', e)
+    return None

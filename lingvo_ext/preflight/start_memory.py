@@ -10,8 +10,9 @@ built (`Profile`); an experiment holding pipelines in its Params tree (e.g.
 Lingvo's GPipeTransformerLm) from one forward build of its task in a
 throw-away graph (planner/tree_memory.py), each pipeline with its own
 switches, e.g. task.lm.stack.num_micro_batches, and its graph term from the
-nodes of its training step built in another (TrainingGraphNodes). When the prediction exceeds
-the memory this process may use (memory_check.AvailableBytes), one line warns
+nodes of its training step built in a process of its own
+(TrainingGraphNodes). When the prediction exceeds the memory this process
+may use (memory_check.AvailableBytes), one line warns
 with the least override that fits by the same model (`Overrides`); the
 launcher checks each worker task (`LaunchWarnings`). docs/faults.md,
 "Memory".
@@ -300,8 +301,8 @@ def TreeWarning(model_params, num_cpu_devices: int, split: int,
   mem = tree_memory.ProfileTaskMemory(model_params)
   got = _TreeEstimate(mem, num_cpu_devices, split, constants,
                       _InputBuffer(model_params),
-                      tree_memory.TrainingGraphNodes(model_params,
-                                                     num_cpu_devices, split))
+                      tree_memory.TrainingGraphNodesOrNone(
+                          model_params, num_cpu_devices, split))
   if got.rss_bytes <= available:
     return None
   kept = ' and '.join(Kept(pipe.path, plan)
@@ -402,8 +403,8 @@ def EstimateRun(model_params, num_cpu_devices: int, split: int,
   return _TreeEstimate(tree_memory.ProfileTaskMemory(model_params),
                        num_cpu_devices, split, constants,
                        _InputBuffer(model_params),
-                       tree_memory.TrainingGraphNodes(model_params,
-                                                      num_cpu_devices, split))
+                       tree_memory.TrainingGraphNodesOrNone(
+                           model_params, num_cpu_devices, split))
 
 
 def _InputBuffer(model_params) -> float:
