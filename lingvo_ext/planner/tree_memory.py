@@ -214,7 +214,7 @@ def ProfileTaskMemory(model_params, name: str = '',
                     other_ops=other_fwd * (1. + cell_bwd / max(cell_fwd, 1)))
 
 
-def GraphNodes(graph) -> int:
+def BuiltNodes(graph) -> int:
   """The nodes of `graph`: its ops and the nodes of its functions' bodies
   (each instantiated, optimized and run by the runtime)."""
   library = graph.as_graph_def().library.function
@@ -223,7 +223,7 @@ def GraphNodes(graph) -> int:
 
 def TrainingGraphNodes(model_params, num_cpu_devices: int = 1,
                        split: int = 1) -> int:
-  """GraphNodes of the experiment's training step (forward, backward, the
+  """BuiltNodes of the experiment's training step (forward, backward, the
   optimizer's update) as built on `num_cpu_devices` CPU devices split by
   `split`: built in a throw-away graph, no session, nothing run (TF).
 
@@ -289,7 +289,7 @@ def BuildAndCount(model_params, num_cpu_devices: int = 1,
     task = task_p.Instantiate()
     task.FPropDefaultTheta()
     task.BProp()
-    return GraphNodes(g)
+    return BuiltNodes(g)
 
 
 def TrainingGraphNodesOrNone(model_params, num_cpu_devices: int = 1,

@@ -37,7 +37,7 @@ def _Built(cfg, devices=2):
   """The nodes of the experiment's training graph as its task builds it (as
   the tests of the planner build a task: tests/support/planner_testlib)."""
   task = lib.BuildTask(cfg, devices, devices, train=True)
-  return tree_memory.GraphNodes(task.train_op.graph)
+  return tree_memory.BuiltNodes(task.train_op.graph)
 
 
 @pytest.mark.slow

@@ -264,7 +264,7 @@ def testTheTreePathsGraphTermCountsItsBuiltTrainingGraph(lingvo_lm):
   # The training step as the task builds it on the run's 2 devices:
   # forward, backward, the optimizer's update, its functions' bodies.
   task = planner_testlib.BuildTask(lingvo_lm, 2, 2, train=True)
-  built = tree_memory.GraphNodes(task.train_op.graph)
+  built = tree_memory.BuiltNodes(task.train_op.graph)
   assert got.rss_terms['graph'] == built * _CONSTANTS.bytes_per_op
   # Lingvo's task code makes more nodes than the planner's count of its
   # cells predicts (memory_model.GraphNodes of the pipeline alone, and with
