@@ -221,50 +221,100 @@ def BuiltNodes(graph) -> int:
   return len(graph.get_operations()) + sum(len(f.node_def) for f in library)
 
 
-def TrainingGraphNodes(model_params, num_cpu_devices: int = 1,
-                       split: int = 1) -> int:
+class NodeCount:
   """BuiltNodes of the experiment's training step (forward, backward, the
   optimizer's update) as built on `num_cpu_devices` CPU devices split by
   `split`: built in a throw-away graph, no session, nothing run (TF).
 
-  The build runs in a process of its own: what TensorFlow and Lingvo keep
-  of a training graph once built (some 90 MB for the scaled-down flagship
-  LM) would stay in this one and raise its peak RSS.
-
-  Raises:
-    RuntimeError: the build failed or took more than _COUNT_TIMEOUT_S (its
-      last line).
+  The build runs in a process of its own, started here (`Result` waits for
+  it): what TensorFlow and Lingvo keep of a training graph once built (some
+  90 MB for the scaled-down flagship LM) would stay in this one and raise
+  its peak RSS.
   """
-  import pickle  # pylint: disable=g-import-not-at-top
-  import subprocess  # pylint: disable=g-import-not-at-top
-  import sys  # pylint: disable=g-import-not-at-top
-  payload = pickle.dumps((list(sys.path), model_params, num_cpu_devices,
-                          split))
-  code = ('from lingvo_ext import entry_point\n'
-          'from lingvo_ext.planner import tree_memory\n'
-          'tree_memory.CountMain()\n')
+
+  def __init__(self, model_params, num_cpu_devices: int = 1, split: int = 1):
+    import os  # pylint: disable=g-import-not-at-top
+    import pickle  # pylint: disable=g-import-not-at-top
+    import subprocess  # pylint: disable=g-import-not-at-top
+    import sys  # pylint: disable=g-import-not-at-top
+    import tempfile  # pylint: disable=g-import-not-at-top
+    self._dir = tempfile.TemporaryDirectory(prefix='lingvo_ext_nodes_')
+    payload = os.path.join(self._dir.name, 'params.pickle')
+    with open(payload, 'wb') as f:
+      pickle.dump((list(sys.path), model_params, num_cpu_devices, split), f)
+    self._err = open(os.path.join(self._dir.name, 'stderr.txt'), 'w+b')  # pylint: disable=consider-using-with
+    code = ('from lingvo_ext import entry_point\n'
+            'from lingvo_ext.planner import tree_memory\n'
+            'tree_memory.CountMain()\n')
+    self._proc = subprocess.Popen(  # pylint: disable=consider-using-with
+        [sys.executable, '-c', code, payload], stdout=subprocess.PIPE,
+        stderr=self._err)
+
+  def Result(self) -> int:
+    """The count.
+
+    Raises:
+      RuntimeError: the build failed or took more than _COUNT_TIMEOUT_S (its
+        last line).
+    """
+    import subprocess  # pylint: disable=g-import-not-at-top
+    try:
+      out, _ = self._proc.communicate(timeout=_COUNT_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+      raise RuntimeError('the training graph\'s build did not finish in '
+                         f'{_COUNT_TIMEOUT_S} s') from None
+    finally:
+      self.Stop()
+    if self._proc.returncode:
+      self._err.seek(0)
+      tail = (self._err.read().decode(errors='replace').strip().splitlines()
+              or ['no output'])[-1]
+      raise RuntimeError(f'the training graph\'s build failed: {tail}')
+    return int(out.decode().split()[-1])
+
+  def Stop(self) -> None:
+    """Ends the build if it runs; removes its files."""
+    if self._proc.poll() is None:
+      self._proc.kill()
+      self._proc.wait()
+    self._err.close()
+    self._dir.cleanup()
+
+
+def TrainingGraphNodes(model_params, num_cpu_devices: int = 1,
+                       split: int = 1) -> int:
+  """NodeCount's result, waited for (RuntimeError as its)."""
+  return NodeCount(model_params, num_cpu_devices, split).Result()
+
+
+def ProfileWithNodes(model_params, num_cpu_devices: int = 1, split: int = 1
+                     ) -> Tuple[TaskMemory, Optional[int]]:
+  """(ProfileTaskMemory, the training graph's nodes or None where their
+  build failed: a note in the log, the estimate then predicts them), the
+  nodes counted meanwhile (NodeCount)."""
+  from absl import logging  # pylint: disable=g-import-not-at-top
+  count = NodeCount(model_params, num_cpu_devices, split)
   try:
-    got = subprocess.run([sys.executable, '-c', code], input=payload,
-                         capture_output=True, timeout=_COUNT_TIMEOUT_S,
-                         check=False)
-  except subprocess.TimeoutExpired:
-    raise RuntimeError('the training graph\'s build did not finish in '
-                       f'{_COUNT_TIMEOUT_S} s') from None
-  if got.returncode:
-    tail = (got.stderr.decode(errors='replace').strip().splitlines() or
-            ['no output'])[-1]
-    raise RuntimeError(f'the training graph\'s build failed: {tail}')
-  return int(got.stdout.decode().split()[-1])
+    mem = ProfileTaskMemory(model_params)
+  except BaseException:
+    count.Stop()
+    raise
+  try:
+    return mem, count.Result()
+  except RuntimeError as e:
+    logging.info('memory model: %s; predicting its nodes.', e)
+    return mem, None
 
 
 def CountMain() -> None:
-  """TrainingGraphNodes' process: reads (sys.path, params, devices, split)
-  pickled on stdin, prints the count."""
+  """NodeCount's process: reads (sys.path, params, devices, split) pickled
+  in the file its first argument names, prints the count."""
   import pickle  # pylint: disable=g-import-not-at-top
   import sys  # pylint: disable=g-import-not-at-top
 
   from absl import flags  # pylint: disable=g-import-not-at-top
-  path, model_params, devices, split = pickle.loads(sys.stdin.buffer.read())
+  with open(sys.argv[1], 'rb') as f:
+    path, model_params, devices, split = pickle.load(f)
   sys.path[:] = path
   if not flags.FLAGS.is_parsed():
     # Lingvo's task params (an MT model's) read absl flags when built.
@@ -290,15 +340,3 @@ def BuildAndCount(model_params, num_cpu_devices: int = 1,
     task.FPropDefaultTheta()
     task.BProp()
     return BuiltNodes(g)
-
-
-def TrainingGraphNodesOrNone(model_params, num_cpu_devices: int = 1,
-                             split: int = 1) -> Optional[int]:
-  """TrainingGraphNodes, or None (a note in the log) when its build fails:
-  the estimate then predicts the nodes from the op counts."""
-  from absl import logging  # pylint: disable=g-import-not-at-top
-  try:
-    return TrainingGraphNodes(model_params, num_cpu_devices, split)
-  except RuntimeError as e:
-    logging.info('memory model: %s; predicting its nodes.', e)
-    return None

@@ -10,8 +10,8 @@ built (`Profile`); an experiment holding pipelines in its Params tree (e.g.
 Lingvo's GPipeTransformerLm) from one forward build of its task in a
 throw-away graph (planner/tree_memory.py), each pipeline with its own
 switches, e.g. task.lm.stack.num_micro_batches, and its graph term from the
-nodes of its training step built in a process of its own
-(TrainingGraphNodes). When the prediction exceeds the memory this process
+nodes of its training step built meanwhile in a process of its own
+(NodeCount). When the prediction exceeds the memory this process
 may use (memory_check.AvailableBytes), one line warns
 with the least override that fits by the same model (`Overrides`); the
 launcher checks each worker task (`LaunchWarnings`). docs/faults.md,
@@ -298,11 +298,10 @@ def TreeWarning(model_params, num_cpu_devices: int, split: int,
   from lingvo_ext.tasks import pipeline_tree  # pylint: disable=g-import-not-at-top
   if not pipeline_tree.Pipelines(model_params.task):
     return None
-  mem = tree_memory.ProfileTaskMemory(model_params)
+  mem, nodes = tree_memory.ProfileWithNodes(model_params, num_cpu_devices,
+                                            split)
   got = _TreeEstimate(mem, num_cpu_devices, split, constants,
-                      _InputBuffer(model_params),
-                      tree_memory.TrainingGraphNodesOrNone(
-                          model_params, num_cpu_devices, split))
+                      _InputBuffer(model_params), nodes)
   if got.rss_bytes <= available:
     return None
   kept = ' and '.join(Kept(pipe.path, plan)
@@ -400,11 +399,10 @@ def EstimateRun(model_params, num_cpu_devices: int, split: int,
   from lingvo_ext.planner import tree_memory  # pylint: disable=g-import-not-at-top
   if not pipeline_tree.Pipelines(task):
     return None
-  return _TreeEstimate(tree_memory.ProfileTaskMemory(model_params),
-                       num_cpu_devices, split, constants,
-                       _InputBuffer(model_params),
-                       tree_memory.TrainingGraphNodesOrNone(
-                           model_params, num_cpu_devices, split))
+  mem, nodes = tree_memory.ProfileWithNodes(model_params, num_cpu_devices,
+                                            split)
+  return _TreeEstimate(mem, num_cpu_devices, split, constants,
+                       _InputBuffer(model_params), nodes)
 
 
 def _InputBuffer(model_params) -> float:
