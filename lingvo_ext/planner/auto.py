@@ -162,9 +162,10 @@ def ChooseAndApply(model_params, name: str, devices: int,
                    global_batch: Optional[int] = None,
                    machine: Optional[planner.Machine] = None,
                    overrides: str = '', available: Optional[float] = None,
-                   constants=None, source: str = ''):
+                   constants=None, source: str = '', rest: float = 0.):
   """Picks the best predicted plan and sets it on `model_params`: the best
-  whose predicted peak RSS fits in `available` bytes (with `constants`,
+  whose predicted peak RSS, plus `rest` bytes no plan changes (the input's
+  record buffer), fits in `available` bytes (with `constants`,
   memory_model.Constants), if given.
 
   Returns:
@@ -176,7 +177,7 @@ def ChooseAndApply(model_params, name: str, devices: int,
                                overrides=overrides)
   if available is not None:
     ranked = Fitting(planner.ProfileExperiment(model_params, name), ranked,
-                     constants, available, source)
+                     constants, available, source, rest)
   plan = ranked[0]
   planner.ApplyPlan(model_params, plan)
   return plan, dict(num_cpu_devices=plan.devices,
@@ -224,19 +225,20 @@ def TreeCommand(model: str, chosen, overrides: str = '') -> str:
               overrides, tree.TreeOverrideString(chosen))))
 
 
-def _FittingTree(ranked, constants, available, source):
+def _FittingTree(ranked, constants, available, source, rest: float = 0.):
   """[(pipeline, plan)]: each pipeline's best plan on the first's devices
   whose peak RSS, with the other pipelines' chosen so far (the later ones
-  at their best), fits (memory_model; the runtime counted once)."""
+  at their best) and `rest` bytes no plan changes, fits (memory_model; the
+  runtime counted once)."""
   from lingvo_ext.planner import memory_model  # pylint: disable=g-import-not-at-top
   chosen = [(pipe, plans[0]) for pipe, plans in ranked]
   if available is None:
     return chosen
   for i, (pipe, plans) in enumerate(ranked):
     d = chosen[0][1].devices_per_replica
-    others = sum(memory_model.Predict(p.profile, c.plan, constants).rss_bytes
-                 - constants.runtime_bytes
-                 for j, (p, c) in enumerate(chosen) if j != i)
+    others = rest + sum(
+        memory_model.Predict(p.profile, c.plan, constants).rss_bytes -
+        constants.runtime_bytes for j, (p, c) in enumerate(chosen) if j != i)
     same = [c for c in plans if c.devices_per_replica == d or i == 0]
     chosen[i] = (pipe, Fitting(pipe.profile, same, constants, available,
                                source, others)[0])
@@ -309,6 +311,7 @@ def PlanParams(model_params, model: str, devices: int,
       fits the budget).
   """
   from lingvo_ext.distributed import task_health  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.planner import input_memory  # pylint: disable=g-import-not-at-top
   from lingvo_ext.planner import memory_probe  # pylint: disable=g-import-not-at-top
   budget = _CheckFlags(devices, memory_per_device, gpipe_engine)
   cfg = model_params.Copy()
@@ -320,9 +323,11 @@ def PlanParams(model_params, model: str, devices: int,
     available, source = task_health.AvailableBytes()
   if available is not None and constants is None:
     constants = memory_probe.Get(devices)
+  # As the start check counts it: the same for every plan.
+  buffered = input_memory.RunBufferBytes(cfg)
   if pipeline_tree.IsCut(cfg):
     ranked = ChooseTreeForExperiment(cfg, model, devices, budget, machine)
-    chosen = _FittingTree(ranked, constants, available, source)
+    chosen = _FittingTree(ranked, constants, available, source, buffered)
     tree.ApplyTree(cfg, chosen)
     text = tree.TreeOverrideString(chosen)
     flags = TreeFlags(chosen)
@@ -336,7 +341,8 @@ def PlanParams(model_params, model: str, devices: int,
   else:
     plan, flags = ChooseAndApply(cfg, model, devices, budget, machine=machine,
                                  overrides=overrides, available=available,
-                                 constants=constants, source=source)
+                                 constants=constants, source=source,
+                                 rest=buffered)
     text = planner.OverrideString(plan)
     described = planner.Describe(plan)
     flag_text = ' '.join(planner.TrainerFlags(plan))

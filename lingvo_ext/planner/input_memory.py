@@ -115,3 +115,12 @@ def BufferBytes(input_params) -> float:
                                   _TFRECORD_HEADER + _TFRECORD_FOOTER)
   all_records = records * max(1., total_bytes / max(read, 1))
   return float(min(size, all_records) * (mean + RECORD_OVERHEAD))
+
+
+def RunBufferBytes(model_params) -> float:
+  """BufferBytes of an experiment's input params, 0 without any: the memory
+  model's input_buffer term, the same for every plan (the start check's and
+  --plan=auto's)."""
+  if 'input' not in model_params or model_params.input is None:
+    return 0.
+  return BufferBytes(model_params.input)

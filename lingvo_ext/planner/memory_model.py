@@ -29,7 +29,12 @@ total):
   (planner/input_memory.py: min(file_buffer_size, the files' records) of
   the files' mean record); 0 here, added by the start check from the
   input params (start_memory.EstimateRun);
-- graph: the step's graph, `GraphOps` times `Constants.bytes_per_op`.
+- graph: the training graph's nodes (its ops and its functions' nodes, as
+  the trainer builds them: `GraphNodes`, from the planner's op count; the
+  tree path counts them on the built graph, tree_memory.TrainingGraphNodes)
+  times `Constants.bytes_per_op`: what the runtime holds per node while it
+  prepares the first step (optimized, partitioned and instantiated per
+  device), the step's largest transient beyond its tensors.
 
 The constants come from `memory_probe` (a short run on this machine, cached
 per machine, TensorFlow version and device count); docs/performance.md,
@@ -53,6 +58,15 @@ TERM_NAMES = ('runtime', 'variables', 'gradients', 'optimizer_slots',
               'activations', 'transient', 'gradient_buffers',
               'recompute_outputs', 'input_pipeline', 'input_buffer',
               'graph')
+# The built training graph's nodes (its ops and its functions' nodes) per
+# op the planner counts (prediction.GraphOps: ops computing on floats), per
+# variable (its initializer, reads, gradient sum, optimizer update, slots)
+# and besides (global step, input, summaries): fitted on the bundled LMs'
+# built graphs, with and without cell functions, 1 to 8 micro-batches
+# (tests/planner/test_memory_graph.py holds them).
+NODES_PER_OP = 1.5
+NODES_PER_VARIABLE = 56
+NODES_BASE = 400
 # The terms the probe's activation factor scales.
 SCALED_TERMS = ('activations', 'transient', 'gradient_buffers',
                 'recompute_outputs')
@@ -67,8 +81,8 @@ class Constants:
       Lingvo and ran a step of a tiny model on the run's devices.
     activation_factor: Resident bytes per byte of kept activation (the
       allocator's rounding and pools, the backward pass's copies).
-    bytes_per_op: Resident bytes per op of the step's graph (per counted
-      op: one computing on floats, prediction.GraphOps).
+    bytes_per_op: Resident bytes per node of the training graph (its ops
+      and its functions' nodes: GraphNodes, tree_memory.TrainingGraphNodes).
     source: Where the figures come from (the probe's cache key, or 'given').
   """
   runtime_bytes: float
@@ -109,10 +123,17 @@ class RssEstimate:
                                   other.peak_device_bytes))
 
 
+def GraphNodes(profile: ModelProfile, plan: Plan) -> float:
+  """The nodes of the plan's training graph, predicted from the planner's
+  op count (prediction.GraphOps) and the variables."""
+  return (NODES_PER_OP * prediction.GraphOps(profile, plan) +
+          NODES_PER_VARIABLE * profile.num_vars + NODES_BASE)
+
+
 def ModelTerms(profile: ModelProfile, plan: Plan) -> Dict[str, float]:
   """The plan's bytes before the measured constants: parameters and their
   copies, the kept activations, the transient ones, the input and the
-  graph's op count (key 'ops')."""
+  training graph's nodes (key 'graph_nodes')."""
   bare = prediction.Machine(overhead_bytes=0., bytes_per_op=0.)
   got = prediction.Predict(profile, plan, bare)
   params = float(profile.param_bytes)
@@ -136,7 +157,7 @@ def ModelTerms(profile: ModelProfile, plan: Plan) -> Dict[str, float]:
       'recompute_outputs': outputs * r,
       'input_pipeline': (INPUT_BATCHES * profile.in_bytes *
                          plan.global_batch),
-      'ops': float(prediction.GraphOps(profile, plan)),
+      'graph_nodes': float(GraphNodes(profile, plan)),
       'peak_device': got.peak_bytes,
   }
 
@@ -156,7 +177,7 @@ def Predict(profile: ModelProfile, plan: Plan,
            ('recompute_outputs', f * m['recompute_outputs']),
            ('input_pipeline', m['input_pipeline']),
            ('input_buffer', 0.),
-           ('graph', m['ops'] * constants.bytes_per_op))
+           ('graph', m['graph_nodes'] * constants.bytes_per_op))
   return RssEstimate(terms, m['peak_device'])
 
 

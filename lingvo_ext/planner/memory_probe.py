@@ -16,7 +16,10 @@ steps each, reading each process's peak RSS (VmHWM): lm.TransformerLmTiny
 copied per micro-batch (a graph of thousands of ops), and lm.TransformerLm
 at batch PROBE_BATCH (hundreds of MB of kept activations). The three peaks
 fix `Constants.runtime_bytes`, `bytes_per_op` and `activation_factor`
-(PROBE_RUNS, Measure).
+(PROBE_RUNS, Measure); the graph's figure is per node of each run's
+training graph as built (tree_memory.TrainingGraphNodes), the unit the
+memory model's graph term counts in. An entry of an older model
+(MODEL_VERSION) is not read: it is measured again.
 """
 
 import json
@@ -36,6 +39,9 @@ PROBE_STEPS = 3
 # constants yet).
 _IN_PROBE = 'LINGVO_EXT_IN_MEMORY_PROBE'
 
+# The model the cached constants belong to: entries of another are measured
+# again (the graph's constant was per counted op, now per graph node).
+MODEL_VERSION = 2
 PROBE_BATCH = 64
 # (experiment, override): the runtime's own peak (a few MB of model); a
 # graph of many ops (each cell copied per micro-batch) and few activations;
@@ -58,7 +64,8 @@ def CachePath() -> str:
 
 def Key(num_devices: int) -> str:
   from lingvo_ext.core import jit_choice  # pylint: disable=g-import-not-at-top
-  return '%s, %d device(s)' % (jit_choice.Machine(), num_devices)
+  return '%s, %d device(s), model %d' % (jit_choice.Machine(), num_devices,
+                                         MODEL_VERSION)
 
 
 def _Constants(entry, key) -> memory_model.Constants:
@@ -148,7 +155,8 @@ def Measure(num_devices: int, parallel: int = 0):
 
   Each run's peak RSS is runtime + its predicted fixed bytes (parameters,
   gradients, slots, input) + factor x its predicted activation bytes
-  (memory_model.SCALED_TERMS) + bytes_per_op x its graph's ops: three
+  (memory_model.SCALED_TERMS) + bytes_per_op x its training graph's nodes
+  (built, tree_memory.TrainingGraphNodes): three
   equations in the three constants. The runs go `parallel` at a time (0:
   one per core, at most all): each reads its own process's peak, so they do
   not disturb each other's figure; their predictions are made meanwhile.
@@ -158,11 +166,12 @@ def Measure(num_devices: int, parallel: int = 0):
   import numpy as np  # pylint: disable=g-import-not-at-top
 
   from lingvo_ext.planner import tf_profiling  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.planner import tree_memory  # pylint: disable=g-import-not-at-top
   from lingvo_ext.tasks import experiment_params  # pylint: disable=g-import-not-at-top
   base = memory_model.Constants(runtime_bytes=0., activation_factor=0.,
                                 bytes_per_op=0.)
   workers = parallel or min(len(PROBE_RUNS), os.cpu_count() or 1)
-  rows, fixed = [], []
+  rows, fixed, graph_nodes = [], [], []
   with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
     # The longest run first: the others fit in its time.
     peaks = {i: pool.submit(TrainerPeak, model, over, num_devices,
@@ -176,8 +185,9 @@ def Measure(num_devices: int, parallel: int = 0):
                                        num_devices)
       m = memory_model.ModelTerms(profile, plan)
       fixed.append(memory_model.Predict(profile, plan, base).rss_bytes)
-      rows.append([1., sum(m[n] for n in memory_model.SCALED_TERMS),
-                   m['ops']])
+      nodes = tree_memory.TrainingGraphNodes(cfg, num_devices, num_devices)
+      rows.append([1., sum(m[n] for n in memory_model.SCALED_TERMS), nodes])
+      graph_nodes.append(nodes)
     rhs = [peaks[i].result() - fixed[i] for i in range(len(PROBE_RUNS))]
   runtime, factor, per_op = np.linalg.solve(np.array(rows), np.array(rhs))
   if not (FACTOR_RANGE[0] <= factor <= FACTOR_RANGE[1] and per_op >= 0 and
@@ -187,7 +197,8 @@ def Measure(num_devices: int, parallel: int = 0):
         f'{factor:.2f}, {per_op:.0f} bytes per op: out of bounds (another '
         'process\'s pages?); run it again on a quieter machine.')
   return dict(runtime_bytes=float(runtime), activation_factor=float(factor),
-              bytes_per_op=float(per_op),
+              bytes_per_op=float(per_op), graph_nodes=graph_nodes,
+              peaks=[peaks[i].result() for i in range(len(PROBE_RUNS))],
               probe='; '.join(f'{m} {o}'.strip() for m, o in PROBE_RUNS) +
               f', the trainer on {num_devices} device(s), {PROBE_STEPS} '
               f'steps each, {workers} at a time')

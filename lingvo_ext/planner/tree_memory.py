@@ -13,6 +13,13 @@ forward ops that its gradient graph (built in the same throw-away graph,
 never run) reads. The task's variables outside its pipelines (an embedding,
 a softmax) are counted apart. No profiler runs, unlike the planner's
 `tree.ProfileTree` for --plan=auto.
+
+The memory model's graph term reads the nodes of the task's training graph
+(`TrainingGraphNodes`: its forward and backward passes and its optimizer's
+update, built on the run's devices in a process of its own, never run):
+Lingvo's task code makes many more nodes per op computing on floats (small
+functions of its own, per-variable bookkeeping) than the planner's op count
+of its cells predicts.
 """
 
 import dataclasses
@@ -24,6 +31,9 @@ from lingvo_ext.planner import tf_profiling
 from lingvo_ext.planner import tree
 from lingvo_ext.planner.model_profile import LayerProfile
 from lingvo_ext.planner.model_profile import ModelProfile
+
+# The most seconds TrainingGraphNodes' build may take.
+_COUNT_TIMEOUT_S = 600
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,3 +212,131 @@ def ProfileTaskMemory(model_params, name: str = '',
   return TaskMemory(pipes=tuple(pipes), params=tuple(params),
                     param_bytes=param_bytes, optimizer_slots=slots,
                     other_ops=other_fwd * (1. + cell_bwd / max(cell_fwd, 1)))
+
+
+def BuiltNodes(graph) -> int:
+  """The nodes of `graph`: its ops and the nodes of its functions' bodies
+  (each instantiated, optimized and run by the runtime)."""
+  library = graph.as_graph_def().library.function
+  return len(graph.get_operations()) + sum(len(f.node_def) for f in library)
+
+
+class NodeCount:
+  """BuiltNodes of the experiment's training step (forward, backward, the
+  optimizer's update) as built on `num_cpu_devices` CPU devices split by
+  `split`: built in a throw-away graph, no session, nothing run (TF).
+
+  The build runs in a process of its own, started here (`Result` waits for
+  it): what TensorFlow and Lingvo keep of a training graph once built (some
+  90 MB for the scaled-down flagship LM) would stay in this one and raise
+  its peak RSS.
+  """
+
+  def __init__(self, model_params, num_cpu_devices: int = 1, split: int = 1):
+    import os  # pylint: disable=g-import-not-at-top
+    import pickle  # pylint: disable=g-import-not-at-top
+    import subprocess  # pylint: disable=g-import-not-at-top
+    import sys  # pylint: disable=g-import-not-at-top
+    import tempfile  # pylint: disable=g-import-not-at-top
+    self._dir = tempfile.TemporaryDirectory(prefix='lingvo_ext_nodes_')
+    payload = os.path.join(self._dir.name, 'params.pickle')
+    with open(payload, 'wb') as f:
+      pickle.dump((list(sys.path), model_params, num_cpu_devices, split), f)
+    self._err = open(os.path.join(self._dir.name, 'stderr.txt'), 'w+b')  # pylint: disable=consider-using-with
+    code = ('from lingvo_ext import entry_point\n'
+            'from lingvo_ext.planner import tree_memory\n'
+            'tree_memory.CountMain()\n')
+    self._proc = subprocess.Popen(  # pylint: disable=consider-using-with
+        [sys.executable, '-c', code, payload], stdout=subprocess.PIPE,
+        stderr=self._err)
+
+  def Result(self) -> int:
+    """The count.
+
+    Raises:
+      RuntimeError: the build failed or took more than _COUNT_TIMEOUT_S (its
+        last line).
+    """
+    import subprocess  # pylint: disable=g-import-not-at-top
+    try:
+      out, _ = self._proc.communicate(timeout=_COUNT_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+      raise RuntimeError('the training graph\'s build did not finish in '
+                         f'{_COUNT_TIMEOUT_S} s') from None
+    finally:
+      self.Stop()
+    if self._proc.returncode:
+      self._err.seek(0)
+      tail = (self._err.read().decode(errors='replace').strip().splitlines()
+              or ['no output'])[-1]
+      raise RuntimeError(f'the training graph\'s build failed: {tail}')
+    return int(out.decode().split()[-1])
+
+  def Stop(self) -> None:
+    """Ends the build if it runs; removes its files."""
+    if self._proc.poll() is None:
+      self._proc.kill()
+      self._proc.wait()
+    self._err.close()
+    self._dir.cleanup()
+
+
+def TrainingGraphNodes(model_params, num_cpu_devices: int = 1,
+                       split: int = 1) -> int:
+  """NodeCount's result, waited for (RuntimeError as its)."""
+  return NodeCount(model_params, num_cpu_devices, split).Result()
+
+
+def ProfileWithNodes(model_params, num_cpu_devices: int = 1, split: int = 1
+                     ) -> Tuple[TaskMemory, Optional[int]]:
+  """(ProfileTaskMemory, the training graph's nodes or None where their
+  build failed: a note in the log, the estimate then predicts them), the
+  nodes counted meanwhile (NodeCount)."""
+  from absl import logging  # pylint: disable=g-import-not-at-top
+  count = NodeCount(model_params, num_cpu_devices, split)
+  try:
+    mem = ProfileTaskMemory(model_params)
+  except BaseException:
+    count.Stop()
+    raise
+  try:
+    return mem, count.Result()
+  except RuntimeError as e:
+    logging.info('memory model: %s; predicting its nodes.', e)
+    return mem, None
+
+
+def CountMain() -> None:
+  """NodeCount's process: reads (sys.path, params, devices, split) pickled
+  in the file its first argument names, prints the count."""
+  import pickle  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  with open(sys.argv[1], 'rb') as f:
+    path, model_params, devices, split = pickle.load(f)
+  sys.path[:] = path
+  if not flags.FLAGS.is_parsed():
+    # Lingvo's task params (an MT model's) read absl flags when built.
+    flags.FLAGS(sys.argv[:1], known_only=True)
+  print(BuildAndCount(model_params, devices, split), flush=True)
+
+
+def BuildAndCount(model_params, num_cpu_devices: int = 1,
+                  split: int = 1) -> int:
+  """TrainingGraphNodes, built in this process (TF)."""
+  from lingvo.core import cluster_factory  # pylint: disable=g-import-not-at-top
+  from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
+
+  from lingvo_ext.pipeline import cost  # pylint: disable=g-import-not-at-top
+  task_p = model_params.task.Copy()
+  task_p.input = model_params.input.Copy()
+  cluster = cluster_factory.ForTestingWorker(
+      mode='sync', job='trainer_client', cpus=num_cpu_devices,
+      split_size=split)
+  with cost.Sandbox() as g, cluster:
+    py_utils.GetOrCreateGlobalStepVar()
+    task = task_p.Instantiate()
+    task.FPropDefaultTheta()
+    task.BProp()
+    return BuiltNodes(g)

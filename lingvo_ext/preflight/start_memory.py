@@ -9,8 +9,10 @@ is read from its layers' FPropMeta, variables and gradient graphs, no model
 built (`Profile`); an experiment holding pipelines in its Params tree (e.g.
 Lingvo's GPipeTransformerLm) from one forward build of its task in a
 throw-away graph (planner/tree_memory.py), each pipeline with its own
-switches, e.g. task.lm.stack.num_micro_batches. When the prediction exceeds
-the memory this process may use (memory_check.AvailableBytes), one line warns
+switches, e.g. task.lm.stack.num_micro_batches, and its graph term from the
+nodes of its training step built meanwhile in a process of its own
+(NodeCount). When the prediction exceeds the memory this process
+may use (memory_check.AvailableBytes), one line warns
 with the least override that fits by the same model (`Overrides`); the
 launcher checks each worker task (`LaunchWarnings`). docs/faults.md,
 "Memory".
@@ -296,9 +298,10 @@ def TreeWarning(model_params, num_cpu_devices: int, split: int,
   from lingvo_ext.tasks import pipeline_tree  # pylint: disable=g-import-not-at-top
   if not pipeline_tree.Pipelines(model_params.task):
     return None
-  mem = tree_memory.ProfileTaskMemory(model_params)
+  mem, nodes = tree_memory.ProfileWithNodes(model_params, num_cpu_devices,
+                                            split)
   got = _TreeEstimate(mem, num_cpu_devices, split, constants,
-                      _InputBuffer(model_params))
+                      _InputBuffer(model_params), nodes)
   if got.rss_bytes <= available:
     return None
   kept = ' and '.join(Kept(pipe.path, plan)
@@ -396,17 +399,16 @@ def EstimateRun(model_params, num_cpu_devices: int, split: int,
   from lingvo_ext.planner import tree_memory  # pylint: disable=g-import-not-at-top
   if not pipeline_tree.Pipelines(task):
     return None
-  return _TreeEstimate(tree_memory.ProfileTaskMemory(model_params),
-                       num_cpu_devices, split, constants,
-                       _InputBuffer(model_params))
+  mem, nodes = tree_memory.ProfileWithNodes(model_params, num_cpu_devices,
+                                            split)
+  return _TreeEstimate(mem, num_cpu_devices, split, constants,
+                       _InputBuffer(model_params), nodes)
 
 
 def _InputBuffer(model_params) -> float:
   """The input's record buffer (planner/input_memory.py), 0 without one."""
   from lingvo_ext.planner import input_memory  # pylint: disable=g-import-not-at-top
-  if 'input' not in model_params or model_params.input is None:
-    return 0.
-  return input_memory.BufferBytes(model_params.input)
+  return input_memory.RunBufferBytes(model_params)
 
 
 def _WithInput(got: StartEstimate, model_params) -> StartEstimate:
@@ -421,9 +423,12 @@ def _WithInput(got: StartEstimate, model_params) -> StartEstimate:
 
 
 def _TreeEstimate(mem, num_cpu_devices: int, split: int,
-                  constants, input_buffer: float = 0.) -> StartEstimate:
+                  constants, input_buffer: float = 0.,
+                  graph_nodes: Optional[float] = None) -> StartEstimate:
   """EstimateRun of a tree_memory.TaskMemory; `plan` is the list of each
-  pipeline's plan; `input_buffer`: the input's record buffer's bytes."""
+  pipeline's plan; `input_buffer`: the input's record buffer's bytes;
+  `graph_nodes`: the built training graph's (TrainingGraphNodes), else
+  each pipeline's predicted and the task's other ops'."""
   plans = [PlanOfPipeline(pipe, p, num_cpu_devices, split)
            for pipe, p in zip(mem.pipes, mem.params)]
   got = [Estimate(pipe.profile, plan) for pipe, plan in zip(mem.pipes, plans)]
@@ -436,7 +441,10 @@ def _TreeEstimate(mem, num_cpu_devices: int, split: int,
   rss = memory_model.Extra(rss, 'gradients', others)
   rss = memory_model.Extra(rss, 'optimizer_slots',
                            others * mem.optimizer_slots)
-  rss = memory_model.Extra(rss, 'graph', mem.other_ops * constants.bytes_per_op)
+  per_node, graph = constants.bytes_per_op, rss.Terms()['graph']
+  want = (graph + memory_model.NODES_PER_OP * mem.other_ops * per_node
+          if graph_nodes is None else graph_nodes * per_node)
+  rss = memory_model.Extra(rss, 'graph', want - graph)
   rss = memory_model.Extra(rss, 'input_buffer', input_buffer)
   weights = others * (2 + mem.optimizer_slots)
   return StartEstimate(

@@ -76,6 +76,38 @@ def test_plan_params_never_picks_a_plan_the_memory_does_not_hold():
   assert '\n' not in str(e.value)
 
 
+def test_plan_params_counts_the_input_buffer_in_the_memory(monkeypatch):
+  """The input's record buffer (input_memory, the same for every plan) is
+  in the need --plan=auto compares with the memory, as in the start
+  check's."""
+  from lingvo_ext.planner import auto  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.planner import input_memory  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.planner import memory_model  # pylint: disable=g-import-not-at-top
+  c = memory_model.Constants(runtime_bytes=100 * 2**20, activation_factor=1.,
+                             bytes_per_op=0.)
+  machine = planner.Machine(flops_per_s=1e10, s_per_op=1e-5, cores=2)
+  cfg = planner.ExperimentParams(lib.TINY)
+  profile = planner.ProfileExperiment(cfg, lib.TINY)
+  ranked = auto.ChooseForExperiment(cfg, lib.TINY, 2, machine=machine)
+  needs = [memory_model.Predict(profile, r.plan, c).rss_bytes for r in ranked]
+  buffered = 300 * 2**20
+  monkeypatch.setattr(input_memory, 'RunBufferBytes', lambda p: buffered)
+  # Enough for every plan's model terms, not with the buffer beside the
+  # least of them: refused, the need named with the buffer in it.
+  with pytest.raises(ValueError) as e:
+    auto.PlanParams(cfg, lib.TINY, 2, machine=machine,
+                    available=max(needs) + 1, constants=c)
+  least = planner.FormatSize(min(needs) + buffered)
+  assert f'the least needs about {least} of peak RSS' in str(e.value)
+  # With room for the buffer and half of the plans: the fastest of those.
+  limit = (min(needs) + max(needs)) / 2
+  chosen = auto.PlanParams(cfg, lib.TINY, 2, machine=machine,
+                           available=limit + buffered, constants=c)
+  fitting = [r for r, need in zip(ranked, needs) if need <= limit]
+  assert chosen.plan.plan == fitting[0].plan
+  assert len(fitting) < len(ranked)
+
+
 @pytest.mark.parametrize('devices,memory,flag', [
     (0, None, '--devices'), (2, '2XB', '--memory_per_device')])
 def test_trainer_auto_plan_bad_flags(devices, memory, flag):

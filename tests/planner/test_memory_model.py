@@ -31,8 +31,10 @@ def testTermsFollowTheFormulaAndAddUpToTheTotal():
                       global_batch=16)
   got = memory_model.Predict(_Profile(), plan, c)
   kept = 16 * (100 + 100) + 16 * 8 + 2 * 100 * 16
-  # The layers' ops per micro-batch, the loss's, 12 per variable.
+  # The layers' ops per micro-batch, the loss's, 12 per variable; the
+  # training graph's nodes: 1.5 per op, 56 per variable, 400 besides.
   ops = 1 * (10 + 20) * 2 + _Profile().loss_ops + 2 * 12
+  nodes = 1.5 * ops + 56 * 2 + 400
   assert got.Terms() == {
       'runtime': 1000., 'variables': 20., 'gradients': 20.,
       'optimizer_slots': 40., 'activations': 1.5 * kept,
@@ -40,7 +42,7 @@ def testTermsFollowTheFormulaAndAddUpToTheTotal():
       'transient': 1.5 * 16 * 100,
       # One run of weight gradients, no recompute: nothing more.
       'gradient_buffers': 0., 'recompute_outputs': 0.,
-      'input_pipeline': 2 * 8 * 16, 'input_buffer': 0., 'graph': 2. * ops}
+      'input_pipeline': 2 * 8 * 16, 'input_buffer': 0., 'graph': 2. * nodes}
   assert [n for n, _ in got.terms] == list(memory_model.TERM_NAMES)
   assert got.rss_bytes == sum(got.Terms().values())
   # Four micro-batches under 'unrolled' keep the same whole batch; the
