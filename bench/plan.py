@@ -57,6 +57,9 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO not in sys.path:
   sys.path.insert(0, _REPO)
 
+from lingvo_ext import entry_point  # pylint: disable=g-import-not-at-top,g-bad-import-order
+
+# isort: split
 from bench import harness  # pylint: disable=g-import-not-at-top,g-bad-import-order
 from bench import plan_models  # pylint: disable=g-import-not-at-top,g-bad-import-order
 from bench import plan_report  # pylint: disable=g-import-not-at-top,g-bad-import-order
@@ -177,6 +180,14 @@ def BuildStep(model: str, plan: planner.Plan):
 
 def MeasureJob(job: Dict) -> Dict:
   """Runs in a child: one plan's step times and peak RSS."""
+  # The fork server's children start with absl's flags unparsed, and
+  # Lingvo's layers read them as they build (the encoder-decoder's causal
+  # self-attention).
+  error = entry_point.ParseFlags()
+  if error:
+    raise ValueError(error)
+  if job.get('baseline'):
+    return dict(rss_bytes=BaselineRss(job['model'], job['devices']))
   plan = planner.PlanFromDict(job['plan'])
   sess, train = BuildStep(job['model'], plan)
   times = planner.TimeSteps(lambda: sess.run(train), job['steps'],
@@ -184,6 +195,22 @@ def MeasureJob(job: Dict) -> Dict:
   sess.close()
   return dict(step_s=statistics.median(times), times=times,
               rss_bytes=planner.RssBytes('VmHWM'))
+
+
+def BaselineRss(model: str, devices: int) -> float:
+  """The peak RSS of this process once a session on the model's devices has
+  run a step of nothing: the runtime's own, in the process the sweep
+  measures (a fork server's child), where the memory model's runtime term is
+  a trainer's (memory_probe)."""
+  import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
+  config = (FcSessionConfig(devices) if plan_models.FcWidth(model)
+            else planner.SessionConfig(devices))
+  graph = tf.Graph()
+  with graph.as_default():
+    one = tf.constant(1.) + 1.
+  with tf.Session(graph=graph, config=config) as sess:
+    sess.run(one)
+  return planner.RssBytes('VmHWM')
 
 
 # --- The sweep ----------------------------------------------------------------
@@ -291,6 +318,8 @@ def RunModel(model: str, devices: int, rounds: int, warmup: int,
   constants = memory_probe.Get(devices)
   predicted_rss = {p.Key(): round(plan_models.PredictedRss(
       model, profile, p.plan, constants)) for p in plans}
+  baseline = measurer.Measure(dict(model=model, devices=devices,
+                                   baseline=True)).get('rss_bytes')
   for p in plans:
     _Log('  %-36s predicted %7.1f ms %s, measured %7.1f ms %s' % (
         p.Key(), 1e3 * p.step_s, planner.FormatSize(p.process_bytes),
@@ -324,7 +353,10 @@ def RunModel(model: str, devices: int, rounds: int, warmup: int,
       probe=probe, reference_keys=[p.Key() for p in refs],
       reference_ms=[round(1e3 * t, 3) for t in times[:len(refs)]],
       reference_rss_mb=[round(r / 2**20, 1) for r in ref_rss if r],
-      predicted_rss=predicted_rss, seconds=round(time.time() - t0))
+      predicted_rss=predicted_rss,
+      runtime_mb=round(constants.runtime_bytes / 2**20, 1),
+      bench_runtime_mb=baseline and round(baseline / 2**20, 1),
+      seconds=round(time.time() - t0))
 
 
 # --xla: the plans compared with and without XLA-compiled cells, one
@@ -426,6 +458,9 @@ def main(argv=None) -> int:
   args = parser.parse_args(argv)
   if args.repredict and not args.from_jsonl:
     parser.error('--repredict needs --from_jsonl.')
+  error = entry_point.ParseFlags()  # Lingvo's layers read them as they build.
+  if error:
+    parser.error(error)
   if args.from_jsonl:
     with open(args.from_jsonl) as f:
       records = [json.loads(l) for l in f if l.strip()]

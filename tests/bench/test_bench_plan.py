@@ -176,3 +176,51 @@ def test_bench_summary_reports_step_and_memory_errors():
   assert '| step error mean / max |' in table
   assert '| %.1f%% / %.1f%% |' % (100 * record['step_err_mean'],
                                   100 * record['step_err_max']) in table
+
+
+def test_bench_summary_checks_the_memory_model_on_the_sweeps_own_runtime():
+  # The memory model's runtime term is a trainer's (1000 MB here); the
+  # sweep's process runs on 700 MB: with that runtime in its place the
+  # prediction is 2% high, where as it is it is 32% high.
+  sys.path.insert(0, ROOT)
+  from bench import plan_report  # pylint: disable=g-import-not-at-top
+  profile = lib.Profile(num_layers=4, batch=8)
+  machine = planner.Machine(flops_per_s=1e10, s_per_op=2e-5, cores=2)
+  plans = planner.PredictAll(profile, planner.Enumerate(profile, 2)[:5],
+                             machine)
+  mb = 2.**20
+  plans = [p.Measured(step_s=p.step_s, rss_bytes=1000 * mb) for p in plans]
+  rss = {p.Key(): 1320 * mb for p in plans}
+  record = plan_report.Summary('m', 2, plans, machine, {}, predicted_rss=rss,
+                               runtime_mb=1000., bench_runtime_mb=700.)
+  assert record['mem_err_mean'] == record['mem_err_max'] == pytest.approx(
+      0.32)
+  assert record['mem_err_signed_mean'] == pytest.approx(0.32)
+  assert record['mem_err_own_runtime_mean'] == pytest.approx(0.02)
+  assert record['mem_err_own_runtime_max'] == pytest.approx(0.02)
+  assert {row['predicted_rss_mb'] for row in record['rows']} == {1320.}
+  # Without the sweep's runtime measured, no such column.
+  bare = plan_report.Summary('m', 2, plans, machine, {}, predicted_rss=rss)
+  assert 'mem_err_own_runtime_mean' not in bare
+  table = plan_report.Markdown([record, bare])
+  lines = table.split('\n')
+  assert lines[0].count('|') == lines[1].count('|') == 12
+  assert lines[2].count('|') == lines[3].count('|') == 12
+  assert '| 32.0% / 32.0% (+32.0%) | 2.0% / 2.0% |' in lines[2]
+  assert '| 32.0% / 32.0% (+32.0%) | - |' in lines[3]
+  assert "runtime 1000 MB, the sweep's process's 700 MB" in table
+  rows = [l for l in lines if l.startswith('| ' + plans[0].Key() + ' |')]
+  assert len(rows) == 2 and all(l.count('|') == 9 for l in rows)
+  assert '| 1320 | ' in rows[0]
+
+
+def test_bench_measure_job_parses_flags_and_reads_the_runtimes_rss():
+  # The fork server's children start with absl's flags unparsed, which the
+  # encoder-decoder's layers read as they build: each job parses them.
+  sys.path.insert(0, ROOT)
+  from absl import flags  # pylint: disable=g-import-not-at-top
+
+  from bench import plan as bench_plan  # pylint: disable=g-import-not-at-top
+  got = bench_plan.MeasureJob(dict(model='fc256', devices=2, baseline=True))
+  assert flags.FLAGS.is_parsed()
+  assert set(got) == {'rss_bytes'} and got['rss_bytes'] > 2**20
