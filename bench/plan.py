@@ -51,6 +51,7 @@ import sys
 import time
 from typing import Dict
 from typing import List
+from typing import Optional
 from typing import Sequence
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -248,18 +249,36 @@ def SweepPlans(model: str, profile: planner.ModelProfile, devices: int,
 
 
 def TimePlans(model: str, plans: Sequence[planner.Plan], rounds: int,
-              warmup: int, every_round: bool = False) -> List:
+              warmup: int, every_round: bool = False,
+              built: Optional[Dict] = None) -> List:
   """Step seconds of each plan, all built in this process and timed in
   turn, round robin (measuring.RoundRobin): the median of the rounds
-  (measuring.Steady), as the calibration and the plan check take a step."""
+  (measuring.Steady), as the calibration and the plan check take a step.
+
+  `built`: None, each plan built here and closed after; else the sessions by
+  plan key: one built before (by an earlier call, or earlier in `plans`) is
+  timed again (a Lingvo model's build takes seconds to a minute), the new
+  ones are added, all left open (CloseAll).
+  """
   steps = []
   for p in plans:
-    steps.append(BuildStep(model, p))
+    if built is None:
+      steps.append(BuildStep(model, p))
+      continue
+    if p.Key() not in built:
+      built[p.Key()] = BuildStep(model, p)
+    steps.append(built[p.Key()])
   times = measuring.RoundRobin(
       [lambda s=s: s[0].run(s[1]) for s in steps], rounds, warmup)
-  for sess, _ in steps:
-    sess.close()
+  if built is None:
+    CloseAll(steps)
   return times if every_round else [measuring.Steady(t) for t in times]
+
+
+def CloseAll(steps) -> None:
+  """Closes each (session, train op), once."""
+  for sess, _ in {id(s): s for s in steps}.values():
+    sess.close()
 
 
 def Rss(model: str, plans: Sequence[planner.Plan], measurer) -> List:
@@ -293,9 +312,12 @@ def RunModel(model: str, devices: int, rounds: int, warmup: int,
   plans = SweepPlans(model, profile, devices, micro_batches)
   _Log('%s: %d plans; building and timing them (%d rounds)' %
        (model, len(plans), rounds))
-  # The references are timed beside the sweep's plans (the same load), as
-  # separate sessions: their figures calibrate, the sweep's are compared.
-  times = TimePlans(model, refs + plans, rounds, warmup)
+  # The references are timed beside the sweep's plans (the same load): their
+  # figures calibrate, the sweep's are compared (a reference that is also a
+  # sweep plan is one session, timed in both places). The sessions are kept
+  # for the --measure and side-by-side timings.
+  built = {}
+  times = TimePlans(model, refs + plans, rounds, warmup, built=built)
   ref_rss = Rss(model, refs[:2], measurer)
   machine = planner.Calibrate(profile, machine, times[:len(refs)], ref_rss,
                               refs=refs)
@@ -332,7 +354,8 @@ def RunModel(model: str, devices: int, rounds: int, warmup: int,
   # (planner.MeasuredChoice); its time below is the sweep's, so both
   # choices compare on one run.
   top = measuring.MeasureCandidates(ranked, measure_top, measure_within)
-  again = TimePlans(model, top, rounds, warmup, every_round=True)
+  again = TimePlans(model, top, rounds, warmup, every_round=True,
+                    built=built)
   copies = [p.Measured(times=t) for p, t in zip(top, again)]
   pick, noise = planner.MeasuredChoice(copies)
   chosen_measured = top[[c is pick for c in copies].index(True)]
@@ -340,7 +363,8 @@ def RunModel(model: str, devices: int, rounds: int, warmup: int,
       plans, key=lambda p: p.measured_step_s)[:CONFIRM_FASTEST]
   side = list({p.Key(): p for p in side}.values())
   _Log('%s: side by side: %s' % (model, ', '.join(p.Key() for p in side)))
-  side_times = TimePlans(model, side, rounds, warmup)
+  side_times = TimePlans(model, side, rounds, warmup, built=built)
+  CloseAll(built.values())
   return plan_report.Summary(
       model, devices, plans, machine,
       dict(chosen_measure_key=chosen_measured.Key(),

@@ -224,3 +224,42 @@ def test_bench_measure_job_parses_flags_and_reads_the_runtimes_rss():
   got = bench_plan.MeasureJob(dict(model='fc256', devices=2, baseline=True))
   assert flags.FLAGS.is_parsed()
   assert set(got) == {'rss_bytes'} and got['rss_bytes'] > 2**20
+
+
+def test_bench_time_plans_builds_each_plan_once_across_timings(monkeypatch):
+  # A Lingvo model's build takes up to a minute: the sweep's sessions are
+  # timed again by the --measure and side-by-side timings, not rebuilt.
+  sys.path.insert(0, ROOT)
+  from bench import plan as bench_plan  # pylint: disable=g-import-not-at-top
+  profile = lib.Profile(num_layers=4, batch=8)
+  plans = planner.Enumerate(profile, 2)[:4]
+  builds, closed = [], []
+
+  class Session:
+
+    def __init__(self, key):
+      self.key = key
+
+    def run(self, op):
+      del op
+
+    def close(self):
+      closed.append(self.key)
+
+  def BuildStep(model, plan):
+    del model
+    builds.append(plan.Key())
+    return Session(plan.Key()), None
+
+  monkeypatch.setattr(bench_plan, 'BuildStep', BuildStep)
+  built = {}
+  first = bench_plan.TimePlans('m', plans[:1] + plans, 2, 0, built=built)
+  again = bench_plan.TimePlans('m', plans[2:], 3, 0, every_round=True,
+                               built=built)
+  assert len(first) == 5 and [len(t) for t in again] == [3, 3]
+  assert builds == [p.Key() for p in plans] and not closed
+  bench_plan.CloseAll(built.values())
+  assert sorted(closed) == sorted(builds)
+  # Without `built`: built and closed in the call.
+  bench_plan.TimePlans('m', plans[:2], 1, 0)
+  assert builds[4:] == closed[4:] == [p.Key() for p in plans[:2]]
