@@ -241,7 +241,13 @@ def SweepPlans(model: str, profile: planner.ModelProfile, devices: int,
   """Every plan planner.Enumerate offers on `devices` (the FC benchmark: one
   replica), or only those with M in `micro_batches` if given."""
   if plan_models.IsTree(model):
-    return plan_models.TreeSweep(profile, devices, micro_batches=micro_batches)
+    # A pipeline whose input has a dimension known only at run time (a
+    # sequence length read from its data) offers no 'recurrent' plan, as
+    # tools.plan's (tree._Ranked).
+    pipe = plan_models.Tree(model)[2][0]
+    return plan_models.TreeSweep(profile, devices,
+                                 static_shapes=pipe.length is None,
+                                 micro_batches=micro_batches)
   plans = planner.Enumerate(profile, devices, micro_batches=micro_batches)
   if plan_models.FcWidth(model):
     plans = [p for p in plans if p.replicas == 1]

@@ -263,3 +263,24 @@ def test_bench_time_plans_builds_each_plan_once_across_timings(monkeypatch):
   # Without `built`: built and closed in the call.
   bench_plan.TimePlans('m', plans[:2], 1, 0)
   assert builds[4:] == closed[4:] == [p.Key() for p in plans[:2]]
+
+
+def test_bench_tree_sweep_offers_recurrent_only_with_static_shapes(
+    monkeypatch):
+  # The flagship LM's input has its sequence length known only at run time:
+  # its sweep has no 'recurrent' plan (which would refuse to build), as
+  # tools.plan's has none.
+  sys.path.insert(0, ROOT)
+  from bench import plan as bench_plan  # pylint: disable=g-import-not-at-top
+  from bench import plan_models  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.pipeline import records  # pylint: disable=g-import-not-at-top
+  profile = lib.Profile(num_layers=2, batch=8)
+  for length, recurrent in ((None, True), (16, False)):
+    pipe = dataclasses.make_dataclass('Pipe', ['profile', 'length'])(
+        profile, length)
+    monkeypatch.setattr(plan_models, 'Tree',
+                        lambda model, pipe=pipe: ('m', None, [pipe], 0, 0))
+    swept = bench_plan.SweepPlans(plan_models.LINGVO_LM, profile, 2)
+    assert swept and {(p.num_cells, p.replicas) for p in swept} == {(2, 1)}
+    assert (records.LINGVO_ENGINE in {p.schedule for p in swept}) == (
+        recurrent), length
