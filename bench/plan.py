@@ -202,8 +202,12 @@ def BaselineRss(model: str, devices: int) -> float:
   """The peak RSS of this process once a session on the model's devices has
   run a step of nothing: the runtime's own, in the process the sweep
   measures (a fork server's child), where the memory model's runtime term is
-  a trainer's (memory_probe)."""
+  a trainer's (memory_probe). A tree model's child first writes, registers
+  and profiles the model (plan_models.Tree), as MeasureJob's does before
+  it builds the plan's step: that is counted here too."""
   import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
+  if plan_models.IsTree(model):
+    plan_models.Tree(model)
   config = (FcSessionConfig(devices) if plan_models.FcWidth(model)
             else planner.SessionConfig(devices))
   graph = tf.Graph()
