@@ -306,6 +306,8 @@ def Rss(model: str, plans: Sequence[planner.Plan], measurer) -> List:
 # least disturbed rounds of plans within a few percent); timed again in one
 # round robin with the choices, the ratios compare like with like.
 CONFIRM_FASTEST = 5
+# Its rounds at least: a few plans, cheap beside their builds.
+SIDE_ROUNDS = 20
 
 
 def RunModel(model: str, devices: int, rounds: int, warmup: int,
@@ -369,11 +371,17 @@ def RunModel(model: str, devices: int, rounds: int, warmup: int,
   copies = [p.Measured(times=t) for p, t in zip(top, again)]
   pick, noise = planner.MeasuredChoice(copies)
   chosen_measured = top[[c is pick for c in copies].index(True)]
-  side = [ranked[0], chosen_measured] + sorted(
-      plans, key=lambda p: p.measured_step_s)[:CONFIRM_FASTEST]
+  fastest = sorted(plans, key=lambda p: p.measured_step_s)
+  # And the sweep's fastest plan of one cell and of more: whether cutting
+  # pays (where the sweep has both).
+  side = [ranked[0], chosen_measured] + fastest[:CONFIRM_FASTEST] + [
+      next(p for p in fastest if pred(p.plan.num_cells))
+      for pred in (lambda k: k == 1, lambda k: k > 1)
+      if any(pred(p.plan.num_cells) for p in fastest)]
   side = list({p.Key(): p for p in side}.values())
   _Log('%s: side by side: %s' % (model, ', '.join(p.Key() for p in side)))
-  side_times = TimePlans(model, side, rounds, warmup, built=built)
+  side_times = TimePlans(model, side, max(rounds, SIDE_ROUNDS), warmup,
+                         built=built)
   CloseAll(built.values())
   return plan_report.Summary(
       model, devices, plans, machine,

@@ -122,6 +122,15 @@ def Summary(model: str, devices: int, plans: Sequence[planner.Plan],
                       ('chosen_measure', out.get('chosen_measure_key'))):
       if key in side:
         out[name + '_side_over_best'] = round(side[key] / fastest, 3)
+    # Whether cutting pays: the fastest side-by-side plan of more than one
+    # cell over that of one (where both were timed).
+    cells = {k: by_key[k].num_cells for k in side if k in by_key}
+    one = [k for k in cells if cells[k] == 1]
+    more = [k for k in cells if cells[k] > 1]
+    if one and more:
+      one, more = min(one, key=side.get), min(more, key=side.get)
+      out.update(side_one_cell_key=one, side_more_cells_key=more,
+                 side_more_over_one_cell=round(side[more] / side[one], 3))
   out.update(fields, machine=dataclasses.asdict(machine))
   out['rows'] = [dict(key=p.Key(), sizes=list(p.sizes),
                       predicted_ms=round(1e3 * p.step_s, 2),
@@ -209,8 +218,9 @@ def Markdown(records: Sequence[Dict]) -> str:
       '| the same, the sweep\'s runtime '
       '| chosen (predicted) | x best: sweep / side by side '
       '| chosen (--measure) | x best: sweep / side by side '
-      '| best: sweep / side by side |',
-      '|' + '---|' * 11,
+      '| best: sweep / side by side '
+      '| more cells / 1 cell, side by side |',
+      '|' + '---|' * 12,
   ]
 
   def Side(r, name):
@@ -226,14 +236,19 @@ def Markdown(records: Sequence[Dict]) -> str:
     mem = _Percent(r, 'mem_err')
     if 'mem_err_signed_mean' in r:
       mem += ' (%+.1f%%)' % (100 * r['mem_err_signed_mean'])
+    cells = '-'
+    if 'side_more_over_one_cell' in r:
+      cells = '%.2f (%s / %s)' % (r['side_more_over_one_cell'],
+                                  r['side_more_cells_key'],
+                                  r['side_one_cell_key'])
     lines.append('| %s | %d | %.2f | %s | %s | %s | %s, %.1f ms '
-                 '| %.2f / %s | %s | %s, %.1f ms / %s |' % (
+                 '| %.2f / %s | %s | %s, %.1f ms / %s | %s |' % (
                      r['model'], r['plans'], r['spearman'],
                      _Percent(r, 'step_err'), mem,
                      _Percent(r, 'mem_err_own_runtime'),
                      r['chosen_key'], r['chosen_ms'], r['chosen_over_best'],
                      Side(r, 'chosen'), measured, r['best_key'],
-                     r['best_ms'], r.get('side_best_key', '-')))
+                     r['best_ms'], r.get('side_best_key', '-'), cells))
   for r in records:
     runtime = ''
     if r.get('runtime_mb') and r.get('bench_runtime_mb'):

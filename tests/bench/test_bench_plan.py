@@ -204,8 +204,8 @@ def test_bench_summary_checks_the_memory_model_on_the_sweeps_own_runtime():
   assert 'mem_err_own_runtime_mean' not in bare
   table = plan_report.Markdown([record, bare])
   lines = table.split('\n')
-  assert lines[0].count('|') == lines[1].count('|') == 12
-  assert lines[2].count('|') == lines[3].count('|') == 12
+  assert lines[0].count('|') == lines[1].count('|') == 13
+  assert lines[2].count('|') == lines[3].count('|') == 13
   assert '| 32.0% / 32.0% (+32.0%) | 2.0% / 2.0% |' in lines[2]
   assert '| 32.0% / 32.0% (+32.0%) | - |' in lines[3]
   assert "runtime 1000 MB, the sweep's process's 700 MB" in table
@@ -284,3 +284,26 @@ def test_bench_tree_sweep_offers_recurrent_only_with_static_shapes(
     assert swept and {(p.num_cells, p.replicas) for p in swept} == {(2, 1)}
     assert (records.LINGVO_ENGINE in {p.schedule for p in swept}) == (
         recurrent), length
+
+
+def test_bench_summary_compares_the_fastest_plans_of_one_cell_and_of_more():
+  sys.path.insert(0, ROOT)
+  from bench import plan_report  # pylint: disable=g-import-not-at-top
+  profile = lib.Profile(num_layers=4, batch=8)
+  machine = planner.Machine(flops_per_s=1e10, s_per_op=2e-5, cores=2)
+  plans = planner.PredictAll(profile, planner.Enumerate(profile, 2), machine)
+  plans = [p.Measured(step_s=p.step_s, rss_bytes=1e9) for p in plans]
+  one = [p.Key() for p in plans if p.num_cells == 1][:2]
+  more = [p.Key() for p in plans if p.num_cells == 2][:2]
+  side = {one[0]: 10., one[1]: 12., more[0]: 8., more[1]: 6.}
+  record = plan_report.Summary('m', 2, plans, machine, {},
+                               side_by_side_ms=side)
+  assert record['side_one_cell_key'] == one[0]
+  assert record['side_more_cells_key'] == more[1]
+  assert record['side_more_over_one_cell'] == pytest.approx(0.6)
+  assert '| 0.60 (%s / %s) |' % (more[1], one[0]) in plan_report.Markdown(
+      [record])
+  # Only plans of one cell timed: nothing to compare.
+  alone = plan_report.Summary('m', 2, plans, machine, {},
+                              side_by_side_ms={one[0]: 10.})
+  assert 'side_more_over_one_cell' not in alone
