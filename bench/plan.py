@@ -15,7 +15,8 @@ Per model it reports:
   (mean and worst);
 - peak memory: the predicted peak RSS (planner/memory_model.py, the
   start-up check's and the plan check's model) against the measured peak
-  RSS, likewise;
+  RSS, likewise; and again with the model's runtime term (a trainer's) in
+  place of the sweep's own process's (BaselineRss);
 - chosen vs best: the measured step time of the plan the planner ranks first
   without measuring, over the best measured step time in the sweep, and of
   the plan `--measure` picks after timing its candidates again, round robin
@@ -24,8 +25,9 @@ Per model it reports:
   planner.MeasuredChoice: the fastest of those that beat the predicted best
   in enough of the paired rounds, a sign test);
 - the same two ratios side by side: the sweep's CONFIRM_FASTEST fastest
-  plans and the two choices timed again in one round robin (the sweep's
-  fastest is partly the luck of its least disturbed rounds).
+  plans, its fastest of one cell and of more, and the two choices timed
+  again in one round robin (the sweep's fastest is partly the luck of its
+  least disturbed rounds); and that fastest of more cells over that of one.
 
 Calibration (once per model, not counted in the comparison): the machine
 probe (FLOP rate, per-op time, devices at once, hand-off, gate, add rate),
@@ -65,7 +67,6 @@ from bench import harness  # pylint: disable=g-import-not-at-top,g-bad-import-or
 from bench import plan_models  # pylint: disable=g-import-not-at-top,g-bad-import-order
 from bench import plan_report  # pylint: disable=g-import-not-at-top,g-bad-import-order
 from lingvo_ext import planner  # pylint: disable=g-import-not-at-top
-from lingvo_ext.pipeline import records  # pylint: disable=g-import-not-at-top
 from lingvo_ext.planner import measuring  # pylint: disable=g-import-not-at-top
 
 # Kept where callers found it.
@@ -77,103 +78,15 @@ DEFAULT_MODELS = ('lm.TransformerLmTiny', 'image.ConvClassifierTiny', FC)
 # encoder-decoder (bench/plan_models.py): --models pipelined.
 PIPELINED_MODELS = ('fc256', 'fc512', 'fc1024', plan_models.LINGVO_LM,
                     plan_models.LINGVO_MT)
-# The FC benchmark's size here (`fc`): large enough that FLOPs, not per-op
-# overhead, dominate at M=1, small enough for a sweep of minutes.
-FC_WIDTH = 512
-FC_BATCH = 64
-FC_MODEL = 'homogeneous'
-# What the sweep enumerates (every plan of planner.Enumerate within these).
 
 
 def _Log(msg: str) -> None:
   print('[bench/plan] ' + msg, file=sys.stderr, flush=True)
 
 
-# --- The FC benchmark as a planner model (TF) ---------------------------------
-
-
-def FcLayers(width: int = FC_WIDTH):
-  """bench/pipeline.py's FC stack with its per-example loss, and its shape."""
-  from lingvo.core import tshape  # pylint: disable=g-import-not-at-top
-
-  from bench import pipeline_step  # pylint: disable=g-import-not-at-top
-  layers = pipeline_step.LayerParams(FC_MODEL, width)
-  layers.append(pipeline_step.PerExampleLoss.Params().Set(name='loss'))
-  shape = tshape.Shape([FC_BATCH, pipeline_step.Widths(FC_MODEL, width)[0]])
-  return layers, shape
-
-
-def FcProfile(model: str = FC) -> planner.ModelProfile:
-  """The FC benchmark: linear loss, plain SGD (no slots), its own loss op."""
-  width = plan_models.FcWidth(model)
-  layers, shape = FcLayers(width)
-  return planner.ModelProfile(
-      name=model, layers=tuple(planner.ProfileLayers(layers, shape)),
-      batch=FC_BATCH, in_bytes=4. * width, optimizer_slots=0,
-      linear_loss=True, loss_ops=2)
-
-
-def FcSessionConfig(num_devices: int):
-  import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
-  return tf.config_pb2.ConfigProto(
-      device_count={'CPU': num_devices}, inter_op_parallelism_threads=2,
-      intra_op_parallelism_threads=1)
-
-
-def BuildFcStep(plan: planner.Plan, width: int = FC_WIDTH):
-  """(session, train op) of the FC benchmark under `plan` (one replica).
-
-  As bench/pipeline.py's Step: the cells of the exact FLOPs cut on the plan's
-  devices, the per-example losses summed, tf.gradients, SGD; the step runs
-  the updates and the loss.
-  """
-  import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
-  from lingvo.core import cluster_factory  # pylint: disable=g-import-not-at-top
-  from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
-
-  from bench import pipeline_step  # pylint: disable=g-import-not-at-top
-  from lingvo_ext.core import gpipe  # pylint: disable=g-import-not-at-top
-  py_utils.SetEagerMode(False)
-  if plan.replicas != 1:
-    raise ValueError('the FC benchmark runs one replica.')
-  layers, shape = FcLayers(width)
-  cells = gpipe.PartitionSequentialLayers(layers, plan.num_cells, shape)
-  graph = tf.Graph()
-  d = plan.devices_per_replica
-  with graph.as_default(), cluster_factory.ForTestingWorker(
-      mode='sync', job='trainer_client', cpus=d, split_size=d):
-    tf.random.set_seed(1)
-    py_utils.GetOrCreateGlobalStepVar()
-    x = tf.constant(np.random.RandomState(0).randn(FC_BATCH, width),
-                    dtype=tf.float32)
-    params = dict(schedule=plan.schedule)
-    if plan.jit_compile != 'auto':
-      params['jit_compile'] = plan.jit_compile
-    if plan.schedule not in records.ALWAYS_RECOMPUTE + (
-        records.LINEAR_LOSS_ONLY):
-      params['recompute'] = plan.recompute
-    net = gpipe.PipeliningLayer.Params().Set(
-        name='pipe', cell_tpl=cells, num_micro_batches=plan.num_micro_batches,
-        **params).Instantiate()
-    loss = tf.reduce_sum(net.FPropDefaultTheta(x))
-    variables = net.vars.Flatten()
-    grads = tf.gradients(loss, variables, colocate_gradients_with_ops=True)
-    # The step computes the loss, as a trainer's does: with a loss linear in
-    # the outputs the gradients need no forward output, so a step that
-    # fetched only the updates would prune the forward pass and recompute
-    # would cost nothing.
-    train = tf.group(*[tf.assign_sub(v, pipeline_step.LEARNING_RATE * g)
-                       for v, g in zip(variables, grads)] + [loss])
-    init = tf.global_variables_initializer()
-  sess = tf.Session(graph=graph, config=FcSessionConfig(d))
-  sess.run(init)
-  return sess, train
-
-
 def BuildStep(model: str, plan: planner.Plan):
   if plan_models.FcWidth(model):
-    return BuildFcStep(plan, plan_models.FcWidth(model))
+    return plan_models.BuildFcStep(plan, plan_models.FcWidth(model))
   if plan_models.IsTree(model):
     return plan_models.TreeStep(model, plan)
   return planner.BuildExperimentStep(model, plan)
@@ -208,7 +121,7 @@ def BaselineRss(model: str, devices: int) -> float:
   import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
   if plan_models.IsTree(model):
     plan_models.Tree(model)
-  config = (FcSessionConfig(devices) if plan_models.FcWidth(model)
+  config = (plan_models.FcSessionConfig(devices) if plan_models.FcWidth(model)
             else planner.SessionConfig(devices))
   graph = tf.Graph()
   with graph.as_default():
@@ -223,7 +136,7 @@ def BaselineRss(model: str, devices: int) -> float:
 
 def Profile(model: str) -> planner.ModelProfile:
   if plan_models.FcWidth(model):
-    return FcProfile(model)
+    return plan_models.FcProfile(model)
   if plan_models.IsTree(model):
     return plan_models.Tree(model)[2][0].profile
   return planner.ProfileExperiment(planner.ExperimentParams(model), model)
@@ -316,7 +229,7 @@ def RunModel(model: str, devices: int, rounds: int, warmup: int,
   """Predicts and measures every plan of one model; its summary record."""
   t0 = time.time()
   profile = Profile(model)
-  config = (FcSessionConfig(devices) if plan_models.FcWidth(model)
+  config = (plan_models.FcSessionConfig(devices) if plan_models.FcWidth(model)
             else planner.SessionConfig(devices))
   machine = planner.ProbeMachine(config)
   probe = dataclasses.asdict(machine)
@@ -417,7 +330,7 @@ def RunXla(model: str, devices: int, rounds: int, warmup: int) -> Dict:
   measured faster one.
   """
   profile = Profile(model)
-  config = (FcSessionConfig(devices) if model == FC
+  config = (plan_models.FcSessionConfig(devices) if model == FC
             else planner.SessionConfig(devices))
   machine = planner.ProbeMachine(config)
   refs = planner.ReferencePlans(profile, devices=1)

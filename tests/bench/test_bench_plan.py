@@ -224,6 +224,12 @@ def test_bench_measure_job_parses_flags_and_reads_the_runtimes_rss():
   got = bench_plan.MeasureJob(dict(model='fc256', devices=2, baseline=True))
   assert flags.FLAGS.is_parsed()
   assert set(got) == {'rss_bytes'} and got['rss_bytes'] > 2**20
+  # A plan's job: the FC benchmark built under it, its steps timed.
+  plan = bench_plan.SweepPlans('fc256', bench_plan.Profile('fc256'), 2,
+                               micro_batches=[2])[0]
+  got = bench_plan.MeasureJob(dict(model='fc256', plan=plan.ToDict(),
+                                   steps=2, warmup=0))
+  assert len(got['times']) == 2 and got['rss_bytes'] > 2**20
 
 
 def test_bench_time_plans_builds_each_plan_once_across_timings(monkeypatch):
