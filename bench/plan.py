@@ -44,6 +44,7 @@ sweep in their own sessions, and the peak RSS of two of them
       # a Lingvo task LM and an encoder-decoder (bench/plan_models.py)
 """
 
+import atexit
 import dataclasses
 import importlib
 import json
@@ -100,13 +101,18 @@ def MeasureJob(job: Dict) -> Dict:
   error = entry_point.ParseFlags()
   if error:
     raise ValueError(error)
-  if job.get('baseline'):
-    return dict(rss_bytes=BaselineRss(job['model'], job['devices']))
-  plan = planner.PlanFromDict(job['plan'])
-  sess, train = BuildStep(job['model'], plan)
-  times = planner.TimeSteps(lambda: sess.run(train), job['steps'],
-                            job['warmup'])
-  sess.close()
+  # Each child writes a tree model's data again (plan_models.Tree): removed
+  # when it is done, as the fork server's children skip atexit.
+  try:
+    if job.get('baseline'):
+      return dict(rss_bytes=BaselineRss(job['model'], job['devices']))
+    plan = planner.PlanFromDict(job['plan'])
+    sess, train = BuildStep(job['model'], plan)
+    times = planner.TimeSteps(lambda: sess.run(train), job['steps'],
+                              job['warmup'])
+    sess.close()
+  finally:
+    plan_models.Cleanup()
   return dict(step_s=statistics.median(times), times=times,
               rss_bytes=planner.RssBytes('VmHWM'))
 
@@ -438,6 +444,7 @@ def main(argv=None) -> int:
   # By module path, so the fork server's children find it.
   measurer = measuring.Measurer(
       importlib.import_module('bench.plan').MeasureJob, ['bench.plan'])
+  atexit.register(plan_models.Cleanup)
   records = []
   t = time.time()
   for model in models:

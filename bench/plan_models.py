@@ -40,6 +40,8 @@ TREE_MODELS = {LINGVO_LM: ('flagship_testlib', 'MODEL'),
 
 _FC = re.compile(r'^fc(\d*)$')
 _TREES: Dict[str, tuple] = {}
+# The directories Tree wrote in this process (Cleanup removes them).
+_ROOTS: List[str] = []
 
 
 def FcWidth(model: str) -> Optional[int]:
@@ -152,6 +154,7 @@ def Tree(model: str):
     lib_name, attr = TREE_MODELS[model]
     lib = importlib.import_module('tests.support.' + lib_name)
     root = tempfile.mkdtemp(prefix='bench_plan_%s_' % model)
+    _ROOTS.append(root)
     lib.Write(root)
     lib.Register(root)
     name = getattr(lib, attr)
@@ -161,6 +164,14 @@ def Tree(model: str):
     _TREES[model] = (name, cfg, pipes, mem.other_param_bytes,
                      mem.optimizer_slots)
   return _TREES[model]
+
+
+def Cleanup() -> None:
+  """Removes what Tree wrote in this process (its data and module: the
+  model stays imported)."""
+  import shutil  # pylint: disable=g-import-not-at-top
+  while _ROOTS:
+    shutil.rmtree(_ROOTS.pop(), ignore_errors=True)
 
 
 def TreeSweep(profile, devices: int, static_shapes: bool = True,

@@ -214,15 +214,22 @@ def test_bench_summary_checks_the_memory_model_on_the_sweeps_own_runtime():
   assert '| 1320 | ' in rows[0]
 
 
-def test_bench_measure_job_parses_flags_and_reads_the_runtimes_rss():
+def test_bench_measure_job_parses_flags_and_reads_the_runtimes_rss(
+    tmp_path):
   # The fork server's children start with absl's flags unparsed, which the
-  # encoder-decoder's layers read as they build: each job parses them.
+  # encoder-decoder's layers read as they build: each job parses them, and
+  # removes what a tree model wrote (plan_models.Cleanup).
   sys.path.insert(0, ROOT)
   from absl import flags  # pylint: disable=g-import-not-at-top
 
   from bench import plan as bench_plan  # pylint: disable=g-import-not-at-top
+  from bench import plan_models  # pylint: disable=g-import-not-at-top
+  written = tmp_path / 'tree'
+  written.mkdir()
+  plan_models._ROOTS.append(str(written))  # pylint: disable=protected-access
   got = bench_plan.MeasureJob(dict(model='fc256', devices=2, baseline=True))
   assert flags.FLAGS.is_parsed()
+  assert not written.exists()
   assert set(got) == {'rss_bytes'} and got['rss_bytes'] > 2**20
   # A plan's job: the FC benchmark built under it, its steps timed.
   plan = bench_plan.SweepPlans('fc256', bench_plan.Profile('fc256'), 2,
