@@ -15,7 +15,8 @@ Per model it reports:
   (mean and worst);
 - peak memory: the predicted peak RSS (planner/memory_model.py, the
   start-up check's and the plan check's model) against the measured peak
-  RSS, likewise;
+  RSS, likewise; and again with the model's runtime term (a trainer's) in
+  place of the sweep's own process's (BaselineRss);
 - chosen vs best: the measured step time of the plan the planner ranks first
   without measuring, over the best measured step time in the sweep, and of
   the plan `--measure` picks after timing its candidates again, round robin
@@ -24,8 +25,9 @@ Per model it reports:
   planner.MeasuredChoice: the fastest of those that beat the predicted best
   in enough of the paired rounds, a sign test);
 - the same two ratios side by side: the sweep's CONFIRM_FASTEST fastest
-  plans and the two choices timed again in one round robin (the sweep's
-  fastest is partly the luck of its least disturbed rounds).
+  plans, its fastest of one cell and of more, and the two choices timed
+  again in one round robin (the sweep's fastest is partly the luck of its
+  least disturbed rounds); and that fastest of more cells over that of one.
 
 Calibration (once per model, not counted in the comparison): the machine
 probe (FLOP rate, per-op time, devices at once, hand-off, gate, add rate),
@@ -42,6 +44,7 @@ sweep in their own sessions, and the peak RSS of two of them
       # a Lingvo task LM and an encoder-decoder (bench/plan_models.py)
 """
 
+import atexit
 import dataclasses
 import importlib
 import json
@@ -51,17 +54,20 @@ import sys
 import time
 from typing import Dict
 from typing import List
+from typing import Optional
 from typing import Sequence
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO not in sys.path:
   sys.path.insert(0, _REPO)
 
+from lingvo_ext import entry_point  # pylint: disable=g-import-not-at-top,g-bad-import-order
+
+# isort: split
 from bench import harness  # pylint: disable=g-import-not-at-top,g-bad-import-order
 from bench import plan_models  # pylint: disable=g-import-not-at-top,g-bad-import-order
 from bench import plan_report  # pylint: disable=g-import-not-at-top,g-bad-import-order
 from lingvo_ext import planner  # pylint: disable=g-import-not-at-top
-from lingvo_ext.pipeline import records  # pylint: disable=g-import-not-at-top
 from lingvo_ext.planner import measuring  # pylint: disable=g-import-not-at-top
 
 # Kept where callers found it.
@@ -73,103 +79,15 @@ DEFAULT_MODELS = ('lm.TransformerLmTiny', 'image.ConvClassifierTiny', FC)
 # encoder-decoder (bench/plan_models.py): --models pipelined.
 PIPELINED_MODELS = ('fc256', 'fc512', 'fc1024', plan_models.LINGVO_LM,
                     plan_models.LINGVO_MT)
-# The FC benchmark's size here (`fc`): large enough that FLOPs, not per-op
-# overhead, dominate at M=1, small enough for a sweep of minutes.
-FC_WIDTH = 512
-FC_BATCH = 64
-FC_MODEL = 'homogeneous'
-# What the sweep enumerates (every plan of planner.Enumerate within these).
 
 
 def _Log(msg: str) -> None:
   print('[bench/plan] ' + msg, file=sys.stderr, flush=True)
 
 
-# --- The FC benchmark as a planner model (TF) ---------------------------------
-
-
-def FcLayers(width: int = FC_WIDTH):
-  """bench/pipeline.py's FC stack with its per-example loss, and its shape."""
-  from lingvo.core import tshape  # pylint: disable=g-import-not-at-top
-
-  from bench import pipeline_step  # pylint: disable=g-import-not-at-top
-  layers = pipeline_step.LayerParams(FC_MODEL, width)
-  layers.append(pipeline_step.PerExampleLoss.Params().Set(name='loss'))
-  shape = tshape.Shape([FC_BATCH, pipeline_step.Widths(FC_MODEL, width)[0]])
-  return layers, shape
-
-
-def FcProfile(model: str = FC) -> planner.ModelProfile:
-  """The FC benchmark: linear loss, plain SGD (no slots), its own loss op."""
-  width = plan_models.FcWidth(model)
-  layers, shape = FcLayers(width)
-  return planner.ModelProfile(
-      name=model, layers=tuple(planner.ProfileLayers(layers, shape)),
-      batch=FC_BATCH, in_bytes=4. * width, optimizer_slots=0,
-      linear_loss=True, loss_ops=2)
-
-
-def FcSessionConfig(num_devices: int):
-  import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
-  return tf.config_pb2.ConfigProto(
-      device_count={'CPU': num_devices}, inter_op_parallelism_threads=2,
-      intra_op_parallelism_threads=1)
-
-
-def BuildFcStep(plan: planner.Plan, width: int = FC_WIDTH):
-  """(session, train op) of the FC benchmark under `plan` (one replica).
-
-  As bench/pipeline.py's Step: the cells of the exact FLOPs cut on the plan's
-  devices, the per-example losses summed, tf.gradients, SGD; the step runs
-  the updates and the loss.
-  """
-  import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
-  from lingvo.core import cluster_factory  # pylint: disable=g-import-not-at-top
-  from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
-
-  from bench import pipeline_step  # pylint: disable=g-import-not-at-top
-  from lingvo_ext.core import gpipe  # pylint: disable=g-import-not-at-top
-  py_utils.SetEagerMode(False)
-  if plan.replicas != 1:
-    raise ValueError('the FC benchmark runs one replica.')
-  layers, shape = FcLayers(width)
-  cells = gpipe.PartitionSequentialLayers(layers, plan.num_cells, shape)
-  graph = tf.Graph()
-  d = plan.devices_per_replica
-  with graph.as_default(), cluster_factory.ForTestingWorker(
-      mode='sync', job='trainer_client', cpus=d, split_size=d):
-    tf.random.set_seed(1)
-    py_utils.GetOrCreateGlobalStepVar()
-    x = tf.constant(np.random.RandomState(0).randn(FC_BATCH, width),
-                    dtype=tf.float32)
-    params = dict(schedule=plan.schedule)
-    if plan.jit_compile != 'auto':
-      params['jit_compile'] = plan.jit_compile
-    if plan.schedule not in records.ALWAYS_RECOMPUTE + (
-        records.LINEAR_LOSS_ONLY):
-      params['recompute'] = plan.recompute
-    net = gpipe.PipeliningLayer.Params().Set(
-        name='pipe', cell_tpl=cells, num_micro_batches=plan.num_micro_batches,
-        **params).Instantiate()
-    loss = tf.reduce_sum(net.FPropDefaultTheta(x))
-    variables = net.vars.Flatten()
-    grads = tf.gradients(loss, variables, colocate_gradients_with_ops=True)
-    # The step computes the loss, as a trainer's does: with a loss linear in
-    # the outputs the gradients need no forward output, so a step that
-    # fetched only the updates would prune the forward pass and recompute
-    # would cost nothing.
-    train = tf.group(*[tf.assign_sub(v, pipeline_step.LEARNING_RATE * g)
-                       for v, g in zip(variables, grads)] + [loss])
-    init = tf.global_variables_initializer()
-  sess = tf.Session(graph=graph, config=FcSessionConfig(d))
-  sess.run(init)
-  return sess, train
-
-
 def BuildStep(model: str, plan: planner.Plan):
   if plan_models.FcWidth(model):
-    return BuildFcStep(plan, plan_models.FcWidth(model))
+    return plan_models.BuildFcStep(plan, plan_models.FcWidth(model))
   if plan_models.IsTree(model):
     return plan_models.TreeStep(model, plan)
   return planner.BuildExperimentStep(model, plan)
@@ -177,13 +95,46 @@ def BuildStep(model: str, plan: planner.Plan):
 
 def MeasureJob(job: Dict) -> Dict:
   """Runs in a child: one plan's step times and peak RSS."""
-  plan = planner.PlanFromDict(job['plan'])
-  sess, train = BuildStep(job['model'], plan)
-  times = planner.TimeSteps(lambda: sess.run(train), job['steps'],
-                            job['warmup'])
-  sess.close()
+  # The fork server's children start with absl's flags unparsed, and
+  # Lingvo's layers read them as they build (the encoder-decoder's causal
+  # self-attention).
+  error = entry_point.ParseFlags()
+  if error:
+    raise ValueError(error)
+  # Each child writes a tree model's data again (plan_models.Tree): removed
+  # when it is done, as the fork server's children skip atexit.
+  try:
+    if job.get('baseline'):
+      return dict(rss_bytes=BaselineRss(job['model'], job['devices']))
+    plan = planner.PlanFromDict(job['plan'])
+    sess, train = BuildStep(job['model'], plan)
+    times = planner.TimeSteps(lambda: sess.run(train), job['steps'],
+                              job['warmup'])
+    sess.close()
+  finally:
+    plan_models.Cleanup()
   return dict(step_s=statistics.median(times), times=times,
               rss_bytes=planner.RssBytes('VmHWM'))
+
+
+def BaselineRss(model: str, devices: int) -> float:
+  """The peak RSS of this process once a session on the model's devices has
+  run a step of nothing: the runtime's own, in the process the sweep
+  measures (a fork server's child), where the memory model's runtime term is
+  a trainer's (memory_probe). A tree model's child first writes, registers
+  and profiles the model (plan_models.Tree), as MeasureJob's does before
+  it builds the plan's step: that is counted here too."""
+  import lingvo.compat as tf  # pylint: disable=g-import-not-at-top
+  if plan_models.IsTree(model):
+    plan_models.Tree(model)
+  config = (plan_models.FcSessionConfig(devices) if plan_models.FcWidth(model)
+            else planner.SessionConfig(devices))
+  graph = tf.Graph()
+  with graph.as_default():
+    one = tf.constant(1.) + 1.
+  with tf.Session(graph=graph, config=config) as sess:
+    sess.run(one)
+  return planner.RssBytes('VmHWM')
 
 
 # --- The sweep ----------------------------------------------------------------
@@ -191,7 +142,7 @@ def MeasureJob(job: Dict) -> Dict:
 
 def Profile(model: str) -> planner.ModelProfile:
   if plan_models.FcWidth(model):
-    return FcProfile(model)
+    return plan_models.FcProfile(model)
   if plan_models.IsTree(model):
     return plan_models.Tree(model)[2][0].profile
   return planner.ProfileExperiment(planner.ExperimentParams(model), model)
@@ -213,7 +164,13 @@ def SweepPlans(model: str, profile: planner.ModelProfile, devices: int,
   """Every plan planner.Enumerate offers on `devices` (the FC benchmark: one
   replica), or only those with M in `micro_batches` if given."""
   if plan_models.IsTree(model):
-    return plan_models.TreeSweep(profile, devices, micro_batches=micro_batches)
+    # A pipeline whose input has a dimension known only at run time (a
+    # sequence length read from its data) offers no 'recurrent' plan, as
+    # tools.plan's (tree._Ranked).
+    pipe = plan_models.Tree(model)[2][0]
+    return plan_models.TreeSweep(profile, devices,
+                                 static_shapes=pipe.length is None,
+                                 micro_batches=micro_batches)
   plans = planner.Enumerate(profile, devices, micro_batches=micro_batches)
   if plan_models.FcWidth(model):
     plans = [p for p in plans if p.replicas == 1]
@@ -221,18 +178,36 @@ def SweepPlans(model: str, profile: planner.ModelProfile, devices: int,
 
 
 def TimePlans(model: str, plans: Sequence[planner.Plan], rounds: int,
-              warmup: int, every_round: bool = False) -> List:
+              warmup: int, every_round: bool = False,
+              built: Optional[Dict] = None) -> List:
   """Step seconds of each plan, all built in this process and timed in
   turn, round robin (measuring.RoundRobin): the median of the rounds
-  (measuring.Steady), as the calibration and the plan check take a step."""
+  (measuring.Steady), as the calibration and the plan check take a step.
+
+  `built`: None, each plan built here and closed after; else the sessions by
+  plan key: one built before (by an earlier call, or earlier in `plans`) is
+  timed again (a Lingvo model's build takes seconds to a minute), the new
+  ones are added, all left open (CloseAll).
+  """
   steps = []
   for p in plans:
-    steps.append(BuildStep(model, p))
+    if built is None:
+      steps.append(BuildStep(model, p))
+      continue
+    if p.Key() not in built:
+      built[p.Key()] = BuildStep(model, p)
+    steps.append(built[p.Key()])
   times = measuring.RoundRobin(
       [lambda s=s: s[0].run(s[1]) for s in steps], rounds, warmup)
-  for sess, _ in steps:
-    sess.close()
+  if built is None:
+    CloseAll(steps)
   return times if every_round else [measuring.Steady(t) for t in times]
+
+
+def CloseAll(steps) -> None:
+  """Closes each (session, train op), once."""
+  for sess, _ in {id(s): s for s in steps}.values():
+    sess.close()
 
 
 def Rss(model: str, plans: Sequence[planner.Plan], measurer) -> List:
@@ -250,6 +225,8 @@ def Rss(model: str, plans: Sequence[planner.Plan], measurer) -> List:
 # least disturbed rounds of plans within a few percent); timed again in one
 # round robin with the choices, the ratios compare like with like.
 CONFIRM_FASTEST = 5
+# Its rounds at least: a few plans, cheap beside their builds.
+SIDE_ROUNDS = 20
 
 
 def RunModel(model: str, devices: int, rounds: int, warmup: int,
@@ -258,7 +235,7 @@ def RunModel(model: str, devices: int, rounds: int, warmup: int,
   """Predicts and measures every plan of one model; its summary record."""
   t0 = time.time()
   profile = Profile(model)
-  config = (FcSessionConfig(devices) if plan_models.FcWidth(model)
+  config = (plan_models.FcSessionConfig(devices) if plan_models.FcWidth(model)
             else planner.SessionConfig(devices))
   machine = planner.ProbeMachine(config)
   probe = dataclasses.asdict(machine)
@@ -266,9 +243,12 @@ def RunModel(model: str, devices: int, rounds: int, warmup: int,
   plans = SweepPlans(model, profile, devices, micro_batches)
   _Log('%s: %d plans; building and timing them (%d rounds)' %
        (model, len(plans), rounds))
-  # The references are timed beside the sweep's plans (the same load), as
-  # separate sessions: their figures calibrate, the sweep's are compared.
-  times = TimePlans(model, refs + plans, rounds, warmup)
+  # The references are timed beside the sweep's plans (the same load): their
+  # figures calibrate, the sweep's are compared (a reference that is also a
+  # sweep plan is one session, timed in both places). The sessions are kept
+  # for the --measure and side-by-side timings.
+  built = {}
+  times = TimePlans(model, refs + plans, rounds, warmup, built=built)
   ref_rss = Rss(model, refs[:2], measurer)
   machine = planner.Calibrate(profile, machine, times[:len(refs)], ref_rss,
                               refs=refs)
@@ -291,6 +271,8 @@ def RunModel(model: str, devices: int, rounds: int, warmup: int,
   constants = memory_probe.Get(devices)
   predicted_rss = {p.Key(): round(plan_models.PredictedRss(
       model, profile, p.plan, constants)) for p in plans}
+  baseline = measurer.Measure(dict(model=model, devices=devices,
+                                   baseline=True)).get('rss_bytes')
   for p in plans:
     _Log('  %-36s predicted %7.1f ms %s, measured %7.1f ms %s' % (
         p.Key(), 1e3 * p.step_s, planner.FormatSize(p.process_bytes),
@@ -303,15 +285,23 @@ def RunModel(model: str, devices: int, rounds: int, warmup: int,
   # (planner.MeasuredChoice); its time below is the sweep's, so both
   # choices compare on one run.
   top = measuring.MeasureCandidates(ranked, measure_top, measure_within)
-  again = TimePlans(model, top, rounds, warmup, every_round=True)
+  again = TimePlans(model, top, rounds, warmup, every_round=True,
+                    built=built)
   copies = [p.Measured(times=t) for p, t in zip(top, again)]
   pick, noise = planner.MeasuredChoice(copies)
   chosen_measured = top[[c is pick for c in copies].index(True)]
-  side = [ranked[0], chosen_measured] + sorted(
-      plans, key=lambda p: p.measured_step_s)[:CONFIRM_FASTEST]
+  fastest = sorted(plans, key=lambda p: p.measured_step_s)
+  # And the sweep's fastest plan of one cell and of more: whether cutting
+  # pays (where the sweep has both).
+  side = [ranked[0], chosen_measured] + fastest[:CONFIRM_FASTEST] + [
+      next(p for p in fastest if pred(p.plan.num_cells))
+      for pred in (lambda k: k == 1, lambda k: k > 1)
+      if any(pred(p.plan.num_cells) for p in fastest)]
   side = list({p.Key(): p for p in side}.values())
   _Log('%s: side by side: %s' % (model, ', '.join(p.Key() for p in side)))
-  side_times = TimePlans(model, side, rounds, warmup)
+  side_times = TimePlans(model, side, max(rounds, SIDE_ROUNDS), warmup,
+                         built=built)
+  CloseAll(built.values())
   return plan_report.Summary(
       model, devices, plans, machine,
       dict(chosen_measure_key=chosen_measured.Key(),
@@ -324,7 +314,10 @@ def RunModel(model: str, devices: int, rounds: int, warmup: int,
       probe=probe, reference_keys=[p.Key() for p in refs],
       reference_ms=[round(1e3 * t, 3) for t in times[:len(refs)]],
       reference_rss_mb=[round(r / 2**20, 1) for r in ref_rss if r],
-      predicted_rss=predicted_rss, seconds=round(time.time() - t0))
+      predicted_rss=predicted_rss,
+      runtime_mb=round(constants.runtime_bytes / 2**20, 1),
+      bench_runtime_mb=baseline and round(baseline / 2**20, 1),
+      seconds=round(time.time() - t0))
 
 
 # --xla: the plans compared with and without XLA-compiled cells, one
@@ -343,7 +336,7 @@ def RunXla(model: str, devices: int, rounds: int, warmup: int) -> Dict:
   measured faster one.
   """
   profile = Profile(model)
-  config = (FcSessionConfig(devices) if model == FC
+  config = (plan_models.FcSessionConfig(devices) if model == FC
             else planner.SessionConfig(devices))
   machine = planner.ProbeMachine(config)
   refs = planner.ReferencePlans(profile, devices=1)
@@ -426,6 +419,9 @@ def main(argv=None) -> int:
   args = parser.parse_args(argv)
   if args.repredict and not args.from_jsonl:
     parser.error('--repredict needs --from_jsonl.')
+  error = entry_point.ParseFlags()  # Lingvo's layers read them as they build.
+  if error:
+    parser.error(error)
   if args.from_jsonl:
     with open(args.from_jsonl) as f:
       records = [json.loads(l) for l in f if l.strip()]
@@ -448,6 +444,7 @@ def main(argv=None) -> int:
   # By module path, so the fork server's children find it.
   measurer = measuring.Measurer(
       importlib.import_module('bench.plan').MeasureJob, ['bench.plan'])
+  atexit.register(plan_models.Cleanup)
   records = []
   t = time.time()
   for model in models:

@@ -79,6 +79,14 @@ def Summary(model: str, devices: int, plans: Sequence[planner.Plan],
              p.measured_rss_bytes for p in with_rss]
   step_err = [abs(p.step_s - p.measured_step_s) / p.measured_step_s
               for p in plans]
+  # The memory model's runtime term is a trainer's (memory_probe); the sweep
+  # measures a fork server's child: its own runtime (RunModel's
+  # bench_runtime_mb) in the model's place checks the other terms.
+  shift = 0.
+  if rss and fields.get('runtime_mb') and fields.get('bench_runtime_mb'):
+    shift = 2**20 * (fields['bench_runtime_mb'] - fields['runtime_mb'])
+    own_err = [abs(rss[p.Key()] + shift - p.measured_rss_bytes) /
+               p.measured_rss_bytes for p in with_rss if p.Key() in rss]
   out = dict(
       model=model, devices=devices, plans=len(plans),
       spearman=round(Spearman([p.step_s for p in plans],
@@ -87,11 +95,17 @@ def Summary(model: str, devices: int, plans: Sequence[planner.Plan],
       step_err_max=round(max(step_err), 4),
       mem_err_mean=round(statistics.mean(mem_err), 4),
       mem_err_max=round(max(mem_err), 4),
+      mem_err_signed_mean=round(statistics.mean(
+          (rss.get(p.Key(), p.process_bytes) - p.measured_rss_bytes) /
+          p.measured_rss_bytes for p in with_rss), 4),
       best_key=min(plans, key=lambda p: p.measured_step_s).Key(),
       best_ms=round(1e3 * best, 2),
       chosen_key=chosen.Key(),
       chosen_ms=round(1e3 * chosen.measured_step_s, 2),
       chosen_over_best=round(chosen.measured_step_s / best, 3))
+  if shift and own_err:
+    out.update(mem_err_own_runtime_mean=round(statistics.mean(own_err), 4),
+               mem_err_own_runtime_max=round(max(own_err), 4))
   if measure:
     picked = by_key[measure['chosen_measure_key']]
     out.update(measure,
@@ -108,6 +122,15 @@ def Summary(model: str, devices: int, plans: Sequence[planner.Plan],
                       ('chosen_measure', out.get('chosen_measure_key'))):
       if key in side:
         out[name + '_side_over_best'] = round(side[key] / fastest, 3)
+    # Whether cutting pays: the fastest side-by-side plan of more than one
+    # cell over that of one (where both were timed).
+    cells = {k: by_key[k].num_cells for k in side if k in by_key}
+    one = [k for k in cells if cells[k] == 1]
+    more = [k for k in cells if cells[k] > 1]
+    if one and more:
+      one, more = min(one, key=side.get), min(more, key=side.get)
+      out.update(side_one_cell_key=one, side_more_cells_key=more,
+                 side_more_over_one_cell=round(side[more] / side[one], 3))
   out.update(fields, machine=dataclasses.asdict(machine))
   out['rows'] = [dict(key=p.Key(), sizes=list(p.sizes),
                       predicted_ms=round(1e3 * p.step_s, 2),
@@ -115,6 +138,8 @@ def Summary(model: str, devices: int, plans: Sequence[planner.Plan],
                       bubble=round(p.bubble, 3),
                       predicted_peak_mb=round(p.peak_bytes / 2**20, 2),
                       predicted_process_mb=round(p.process_bytes / 2**20, 1),
+                      predicted_rss_mb=(round(rss[p.Key()] / 2**20, 1)
+                                        if p.Key() in rss else None),
                       measured_rss_mb=(round(p.measured_rss_bytes / 2**20, 1)
                                        if p.measured_rss_bytes else None),
                       comm_kb=round(p.comm_bytes / 1024, 1))
@@ -173,19 +198,29 @@ def Repredict(record: Dict,
                                       'measure_within', 'measure_rounds_ms')
                if k in record}
   keep = ('probe', 'reference_keys', 'reference_ms', 'reference_rss_mb',
-          'seconds', 'side_by_side_ms', 'predicted_rss')
+          'seconds', 'side_by_side_ms', 'predicted_rss', 'runtime_mb',
+          'bench_runtime_mb')
   return Summary(record['model'], record['devices'], plans, machine, measure,
                  **{k: record[k] for k in keep if k in record})
+
+
+def _Percent(r: Dict, name: str) -> str:
+  """'mean / max' of r's name_mean and name_max, or '-'."""
+  if name + '_mean' not in r:
+    return '-'
+  return '%.1f%% / %.1f%%' % (100 * r[name + '_mean'], 100 * r[name + '_max'])
 
 
 def Markdown(records: Sequence[Dict]) -> str:
   lines = [
       '| model | plans | Spearman (step time) | step error mean / max '
-      '| peak RSS error mean / max '
+      '| peak RSS error mean / max (signed mean) '
+      '| the same, the sweep\'s runtime '
       '| chosen (predicted) | x best: sweep / side by side '
       '| chosen (--measure) | x best: sweep / side by side '
-      '| best: sweep / side by side |',
-      '|' + '---|' * 10,
+      '| best: sweep / side by side '
+      '| more cells / 1 cell, side by side |',
+      '|' + '---|' * 12,
   ]
 
   def Side(r, name):
@@ -198,26 +233,40 @@ def Markdown(records: Sequence[Dict]) -> str:
       measured = '%s, %.1f ms | %.2f / %s' % (
           r['chosen_measure_key'], r['chosen_measure_ms'],
           r['chosen_measure_over_best'], Side(r, 'chosen_measure'))
-    step = ('%.1f%% / %.1f%%' % (100 * r['step_err_mean'],
-                                 100 * r['step_err_max'])
-            if 'step_err_mean' in r else '-')
-    lines.append('| %s | %d | %.2f | %s | %.1f%% / %.1f%% | %s, %.1f ms '
-                 '| %.2f / %s | %s | %s, %.1f ms / %s |' % (
-                     r['model'], r['plans'], r['spearman'], step,
-                     100 * r['mem_err_mean'], 100 * r['mem_err_max'],
+    mem = _Percent(r, 'mem_err')
+    if 'mem_err_signed_mean' in r:
+      mem += ' (%+.1f%%)' % (100 * r['mem_err_signed_mean'])
+    cells = '-'
+    if 'side_more_over_one_cell' in r:
+      cells = '%.2f (%s / %s)' % (r['side_more_over_one_cell'],
+                                  r['side_more_cells_key'],
+                                  r['side_one_cell_key'])
+    lines.append('| %s | %d | %.2f | %s | %s | %s | %s, %.1f ms '
+                 '| %.2f / %s | %s | %s, %.1f ms / %s | %s |' % (
+                     r['model'], r['plans'], r['spearman'],
+                     _Percent(r, 'step_err'), mem,
+                     _Percent(r, 'mem_err_own_runtime'),
                      r['chosen_key'], r['chosen_ms'], r['chosen_over_best'],
                      Side(r, 'chosen'), measured, r['best_key'],
-                     r['best_ms'], r.get('side_best_key', '-')))
+                     r['best_ms'], r.get('side_best_key', '-'), cells))
   for r in records:
-    lines += ['', '%s (N=%d): per plan, fastest measured first' %
-              (r['model'], r['devices']), '',
+    runtime = ''
+    if r.get('runtime_mb') and r.get('bench_runtime_mb'):
+      runtime = ('; the memory model\'s runtime %.0f MB, the sweep\'s '
+                 'process\'s %.0f MB' % (r['runtime_mb'],
+                                           r['bench_runtime_mb']))
+    lines += ['', '%s (N=%d): per plan, fastest measured first%s' %
+              (r['model'], r['devices'], runtime), '',
               '| plan | cut | predicted ms | measured ms | bubble '
-              '| predicted process MB | measured RSS MB |',
-              '|' + '---|' * 7]
+              '| predicted RSS MB | planner\'s process MB '
+              '| measured RSS MB |',
+              '|' + '---|' * 8]
     for row in r['rows']:
-      lines.append('| %s | %s | %.1f | %.1f | %.0f%% | %.0f | %s |' % (
+      predicted = row.get('predicted_rss_mb')
+      lines.append('| %s | %s | %.1f | %.1f | %.0f%% | %s | %.0f | %s |' % (
           row['key'], '+'.join(map(str, row['sizes'])), row['predicted_ms'],
           row['measured_ms'], 100 * row['bubble'],
+          '-' if predicted is None else '%.0f' % predicted,
           row['predicted_process_mb'],
           '-' if row['measured_rss_mb'] is None else
           '%.0f' % row['measured_rss_mb']))

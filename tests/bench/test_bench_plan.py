@@ -176,3 +176,147 @@ def test_bench_summary_reports_step_and_memory_errors():
   assert '| step error mean / max |' in table
   assert '| %.1f%% / %.1f%% |' % (100 * record['step_err_mean'],
                                   100 * record['step_err_max']) in table
+
+
+def test_bench_summary_checks_the_memory_model_on_the_sweeps_own_runtime():
+  # The memory model's runtime term is a trainer's (1000 MB here); the
+  # sweep's process runs on 700 MB: with that runtime in its place the
+  # prediction is 2% high, where as it is it is 32% high.
+  sys.path.insert(0, ROOT)
+  from bench import plan_report  # pylint: disable=g-import-not-at-top
+  profile = lib.Profile(num_layers=4, batch=8)
+  machine = planner.Machine(flops_per_s=1e10, s_per_op=2e-5, cores=2)
+  plans = planner.PredictAll(profile, planner.Enumerate(profile, 2)[:5],
+                             machine)
+  mb = 2.**20
+  plans = [p.Measured(step_s=p.step_s, rss_bytes=1000 * mb) for p in plans]
+  rss = {p.Key(): 1320 * mb for p in plans}
+  record = plan_report.Summary('m', 2, plans, machine, {}, predicted_rss=rss,
+                               runtime_mb=1000., bench_runtime_mb=700.)
+  assert record['mem_err_mean'] == record['mem_err_max'] == pytest.approx(
+      0.32)
+  assert record['mem_err_signed_mean'] == pytest.approx(0.32)
+  assert record['mem_err_own_runtime_mean'] == pytest.approx(0.02)
+  assert record['mem_err_own_runtime_max'] == pytest.approx(0.02)
+  assert {row['predicted_rss_mb'] for row in record['rows']} == {1320.}
+  # Without the sweep's runtime measured, no such column.
+  bare = plan_report.Summary('m', 2, plans, machine, {}, predicted_rss=rss)
+  assert 'mem_err_own_runtime_mean' not in bare
+  table = plan_report.Markdown([record, bare])
+  lines = table.split('\n')
+  assert lines[0].count('|') == lines[1].count('|') == 13
+  assert lines[2].count('|') == lines[3].count('|') == 13
+  assert '| 32.0% / 32.0% (+32.0%) | 2.0% / 2.0% |' in lines[2]
+  assert '| 32.0% / 32.0% (+32.0%) | - |' in lines[3]
+  assert "runtime 1000 MB, the sweep's process's 700 MB" in table
+  rows = [l for l in lines if l.startswith('| ' + plans[0].Key() + ' |')]
+  assert len(rows) == 2 and all(l.count('|') == 9 for l in rows)
+  assert '| 1320 | ' in rows[0]
+
+
+def test_bench_measure_job_parses_flags_and_reads_the_runtimes_rss(
+    tmp_path):
+  # The fork server's children start with absl's flags unparsed, which the
+  # encoder-decoder's layers read as they build: each job parses them, and
+  # removes what a tree model wrote (plan_models.Cleanup).
+  sys.path.insert(0, ROOT)
+  from absl import flags  # pylint: disable=g-import-not-at-top
+
+  from bench import plan as bench_plan  # pylint: disable=g-import-not-at-top
+  from bench import plan_models  # pylint: disable=g-import-not-at-top
+  written = tmp_path / 'tree'
+  written.mkdir()
+  plan_models._ROOTS.append(str(written))  # pylint: disable=protected-access
+  got = bench_plan.MeasureJob(dict(model='fc256', devices=2, baseline=True))
+  assert flags.FLAGS.is_parsed()
+  assert not written.exists()
+  assert set(got) == {'rss_bytes'} and got['rss_bytes'] > 2**20
+  # A plan's job: the FC benchmark built under it, its steps timed.
+  plan = bench_plan.SweepPlans('fc256', bench_plan.Profile('fc256'), 2,
+                               micro_batches=[2])[0]
+  got = bench_plan.MeasureJob(dict(model='fc256', plan=plan.ToDict(),
+                                   steps=2, warmup=0))
+  assert len(got['times']) == 2 and got['rss_bytes'] > 2**20
+
+
+def test_bench_time_plans_builds_each_plan_once_across_timings(monkeypatch):
+  # A Lingvo model's build takes up to a minute: the sweep's sessions are
+  # timed again by the --measure and side-by-side timings, not rebuilt.
+  sys.path.insert(0, ROOT)
+  from bench import plan as bench_plan  # pylint: disable=g-import-not-at-top
+  profile = lib.Profile(num_layers=4, batch=8)
+  plans = planner.Enumerate(profile, 2)[:4]
+  builds, closed = [], []
+
+  class Session:
+
+    def __init__(self, key):
+      self.key = key
+
+    def run(self, op):
+      del op
+
+    def close(self):
+      closed.append(self.key)
+
+  def BuildStep(model, plan):
+    del model
+    builds.append(plan.Key())
+    return Session(plan.Key()), None
+
+  monkeypatch.setattr(bench_plan, 'BuildStep', BuildStep)
+  built = {}
+  first = bench_plan.TimePlans('m', plans[:1] + plans, 2, 0, built=built)
+  again = bench_plan.TimePlans('m', plans[2:], 3, 0, every_round=True,
+                               built=built)
+  assert len(first) == 5 and [len(t) for t in again] == [3, 3]
+  assert builds == [p.Key() for p in plans] and not closed
+  bench_plan.CloseAll(built.values())
+  assert sorted(closed) == sorted(builds)
+  # Without `built`: built and closed in the call.
+  bench_plan.TimePlans('m', plans[:2], 1, 0)
+  assert builds[4:] == closed[4:] == [p.Key() for p in plans[:2]]
+
+
+def test_bench_tree_sweep_offers_recurrent_only_with_static_shapes(
+    monkeypatch):
+  # The flagship LM's input has its sequence length known only at run time:
+  # its sweep has no 'recurrent' plan (which would refuse to build), as
+  # tools.plan's has none.
+  sys.path.insert(0, ROOT)
+  from bench import plan as bench_plan  # pylint: disable=g-import-not-at-top
+  from bench import plan_models  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.pipeline import records  # pylint: disable=g-import-not-at-top
+  profile = lib.Profile(num_layers=2, batch=8)
+  for length, recurrent in ((None, True), (16, False)):
+    pipe = dataclasses.make_dataclass('Pipe', ['profile', 'length'])(
+        profile, length)
+    monkeypatch.setattr(plan_models, 'Tree',
+                        lambda model, pipe=pipe: ('m', None, [pipe], 0, 0))
+    swept = bench_plan.SweepPlans(plan_models.LINGVO_LM, profile, 2)
+    assert swept and {(p.num_cells, p.replicas) for p in swept} == {(2, 1)}
+    assert (records.LINGVO_ENGINE in {p.schedule for p in swept}) == (
+        recurrent), length
+
+
+def test_bench_summary_compares_the_fastest_plans_of_one_cell_and_of_more():
+  sys.path.insert(0, ROOT)
+  from bench import plan_report  # pylint: disable=g-import-not-at-top
+  profile = lib.Profile(num_layers=4, batch=8)
+  machine = planner.Machine(flops_per_s=1e10, s_per_op=2e-5, cores=2)
+  plans = planner.PredictAll(profile, planner.Enumerate(profile, 2), machine)
+  plans = [p.Measured(step_s=p.step_s, rss_bytes=1e9) for p in plans]
+  one = [p.Key() for p in plans if p.num_cells == 1][:2]
+  more = [p.Key() for p in plans if p.num_cells == 2][:2]
+  side = {one[0]: 10., one[1]: 12., more[0]: 8., more[1]: 6.}
+  record = plan_report.Summary('m', 2, plans, machine, {},
+                               side_by_side_ms=side)
+  assert record['side_one_cell_key'] == one[0]
+  assert record['side_more_cells_key'] == more[1]
+  assert record['side_more_over_one_cell'] == pytest.approx(0.6)
+  assert '| 0.60 (%s / %s) |' % (more[1], one[0]) in plan_report.Markdown(
+      [record])
+  # Only plans of one cell timed: nothing to compare.
+  alone = plan_report.Summary('m', 2, plans, machine, {},
+                              side_by_side_ms={one[0]: 10.})
+  assert 'side_more_over_one_cell' not in alone
