@@ -247,8 +247,8 @@ class NodeCount:
             'from lingvo_ext.planner import tree_memory\n'
             'tree_memory.CountMain()\n')
     self._proc = subprocess.Popen(  # pylint: disable=consider-using-with
-        [sys.executable, '-c', code, payload], stdout=subprocess.PIPE,
-        stderr=self._err)
+        [sys.executable, '-c', code, payload, str(os.getpid())],
+        stdout=subprocess.PIPE, stderr=self._err)
 
   def Result(self) -> int:
     """The count.
@@ -308,9 +308,13 @@ def ProfileWithNodes(model_params, num_cpu_devices: int = 1, split: int = 1
 
 def CountMain() -> None:
   """NodeCount's process: reads (sys.path, params, devices, split) pickled
-  in the file its first argument names, prints the count."""
+  in the file its first argument names, prints the count; ends with the
+  process whose pid is its second argument (a build never outlives it)."""
   import pickle  # pylint: disable=g-import-not-at-top
   import sys  # pylint: disable=g-import-not-at-top
+
+  from lingvo_ext.distributed import fork_serving  # pylint: disable=g-import-not-at-top
+  fork_serving.DieWithParent(int(sys.argv[2]))()
 
   from absl import flags  # pylint: disable=g-import-not-at-top
   with open(sys.argv[1], 'rb') as f:

@@ -60,3 +60,15 @@ def testThePredictedNodesAreTheBuiltTrainingGraphs(overrides, low, high):
   # What the memory probe and the tree path count: the same graph.
   assert tree_memory.TrainingGraphNodes(cfg, 2, 2) == built
   assert low <= memory_model.GraphNodes(profile, plan) / built <= high, built
+
+
+def test_the_node_count_process_ends_with_the_one_that_started_it(tmp_path):
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  code = ('from lingvo_ext.planner import tree_memory\n'
+          'tree_memory.CountMain()\n')
+  # Pid 1 is not its parent: as if the starting process had died first.
+  res = subprocess.run(
+      [sys.executable, '-c', code, str(tmp_path / 'absent.pickle'), '1'],
+      capture_output=True, text=True, timeout=120, check=False)
+  assert res.returncode == 1 and not res.stdout, res.stderr[-2000:]
