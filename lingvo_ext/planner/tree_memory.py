@@ -260,16 +260,16 @@ class NodeCount:
     import subprocess  # pylint: disable=g-import-not-at-top
     try:
       out, _ = self._proc.communicate(timeout=_COUNT_TIMEOUT_S)
+      if self._proc.returncode:
+        self._err.seek(0)
+        tail = (self._err.read().decode(errors='replace').strip()
+                .splitlines() or ['no output'])[-1]
+        raise RuntimeError(f'the training graph\'s build failed: {tail}')
     except subprocess.TimeoutExpired:
       raise RuntimeError('the training graph\'s build did not finish in '
                          f'{_COUNT_TIMEOUT_S} s') from None
     finally:
       self.Stop()
-    if self._proc.returncode:
-      self._err.seek(0)
-      tail = (self._err.read().decode(errors='replace').strip().splitlines()
-              or ['no output'])[-1]
-      raise RuntimeError(f'the training graph\'s build failed: {tail}')
     return int(out.decode().split()[-1])
 
   def Stop(self) -> None:

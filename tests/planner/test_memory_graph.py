@@ -72,3 +72,18 @@ def test_the_node_count_process_ends_with_the_one_that_started_it(tmp_path):
       [sys.executable, '-c', code, str(tmp_path / 'absent.pickle'), '1'],
       capture_output=True, text=True, timeout=120, check=False)
   assert res.returncode == 1 and not res.stdout, res.stderr[-2000:]
+
+
+def test_a_failed_count_is_one_runtime_error_with_its_last_line(tmp_path):
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  import tempfile  # pylint: disable=g-import-not-at-top
+  # A NodeCount whose process fails at once (no params to build).
+  count = tree_memory.NodeCount.__new__(tree_memory.NodeCount)
+  count._dir = tempfile.TemporaryDirectory(dir=tmp_path)  # pylint: disable=protected-access
+  count._err = open(tmp_path / 'err', 'w+b')  # pylint: disable=protected-access,consider-using-with
+  count._proc = subprocess.Popen(  # pylint: disable=protected-access,consider-using-with
+      [sys.executable, '-c', 'import sys; print("boom", file=sys.stderr); '
+       'sys.exit(3)'], stdout=subprocess.PIPE, stderr=count._err)  # pylint: disable=protected-access
+  with pytest.raises(RuntimeError, match='build failed: boom$'):
+    count.Result()
