@@ -86,6 +86,10 @@ class Predicted:
     return cls(**d)
 
 
+# The loop's term as its probe predicts it (plan_prediction) and as the run
+# measures it (WithMeasuredLoop, which puts the one in the other's place).
+PROBED_LOOP_TERM = ("the trainer loop's own time (global step reads, "
+                    'summaries, log line)')
 LOOP_TERM = ("the trainer loop's own time, measured in this run (from one "
              "step's Session.run to the next: global step reads, summaries, "
              'log line)')
@@ -98,7 +102,7 @@ def WithMeasuredLoop(predicted: Predicted, step_s: float,
   """
   loop = max(step_s - run_s, 0.)
   terms = tuple(t for t in predicted.step_terms
-                if not t[0].startswith(LOOP_TERM[:27])) + ((LOOP_TERM, loop),)
+                if t[0] != PROBED_LOOP_TERM) + ((LOOP_TERM, loop),)
   return dataclasses.replace(
       predicted, step_s=predicted.step_s - predicted.loop_s + loop,
       step_terms=terms, loop_s=loop)

@@ -165,9 +165,7 @@ def PredictJob(job: Dict) -> Dict:
   # The trainer loop's own time per step, probed now (loop_overhead.py).
   loop = loop_overhead.Seconds(job['num_cpu_devices'])
   step_s += loop
-  step_terms = list(step_terms) + [(
-      "the trainer loop's own time (global step reads, summaries, log "
-      'line)', loop)]
+  step_terms = list(step_terms) + [(plan_check.PROBED_LOOP_TERM, loop)]
   # The start-up memory check's model (planner/memory_model.py).
   rss = start_memory.EstimateRun(cfg, job['num_cpu_devices'], job['split'])
   if rss is None:

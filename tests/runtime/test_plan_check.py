@@ -270,7 +270,7 @@ def testTheLoopTermIsTheRunsOwnWhereItTimesItsSessionRuns():
   predicted = plan_check.Predicted(
       step_s=0.007, rss_bytes=1050 * MB, loop_s=0.001,
       step_terms=(('the time per op (s_per_op)', 0.006),
-                  ("the trainer loop's own time (global step reads)", 0.001)))
+                  (plan_check.PROBED_LOOP_TERM, 0.001)))
   check, got = _Check(predicted, 10, 0., _Clock(0.010))
   for s in range(1, 30):  # Steps 10 ms apart, their Session.run 6 ms.
     check.Ran(s, run_s=0.006)
