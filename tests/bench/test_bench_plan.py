@@ -150,15 +150,21 @@ def test_bench_pipelined_models_sweep_their_own_plans():
       lib.TINY, profile, 2)} == {(1, 1), (1, 2), (2, 1)}
 
 
-def test_bench_summary_reports_step_and_memory_errors():
-  # Stand-in timings: each plan measured 0%, 10% or 20% above its
-  # prediction; the memory model's RSS 5% under the measured.
+def _Predicted(n):
+  """bench/plan_report, a machine and the predictions of the first `n`
+  plans of a 4-layer profile on 2 devices."""
   sys.path.insert(0, ROOT)
   from bench import plan_report  # pylint: disable=g-import-not-at-top
   profile = lib.Profile(num_layers=4, batch=8)
   machine = planner.Machine(flops_per_s=1e10, s_per_op=2e-5, cores=2)
-  plans = planner.PredictAll(profile, planner.Enumerate(profile, 2)[:6],
-                             machine)
+  return plan_report, machine, planner.PredictAll(
+      profile, planner.Enumerate(profile, 2)[:n], machine)
+
+
+def test_bench_summary_reports_step_and_memory_errors():
+  # Stand-in timings: each plan measured 0%, 10% or 20% above its
+  # prediction; the memory model's RSS 5% under the measured.
+  plan_report, machine, plans = _Predicted(6)
   plans = [p.Measured(step_s=p.step_s * (1. + 0.1 * (i % 3)),
                       rss_bytes=1e9) for i, p in enumerate(plans)]
   rss = {p.Key(): 0.95e9 for p in plans}
@@ -182,12 +188,7 @@ def test_bench_summary_checks_the_memory_model_on_the_sweeps_own_runtime():
   # The memory model's runtime term is a trainer's (1000 MB here); the
   # sweep's process runs on 700 MB: with that runtime in its place the
   # prediction is 2% high, where as it is it is 32% high.
-  sys.path.insert(0, ROOT)
-  from bench import plan_report  # pylint: disable=g-import-not-at-top
-  profile = lib.Profile(num_layers=4, batch=8)
-  machine = planner.Machine(flops_per_s=1e10, s_per_op=2e-5, cores=2)
-  plans = planner.PredictAll(profile, planner.Enumerate(profile, 2)[:5],
-                             machine)
+  plan_report, machine, plans = _Predicted(5)
   mb = 2.**20
   plans = [p.Measured(step_s=p.step_s, rss_bytes=1000 * mb) for p in plans]
   rss = {p.Key(): 1320 * mb for p in plans}

@@ -46,9 +46,9 @@ def test_choose_and_apply():
                         memory_per_device=1024, machine=machine)
 
 
-def test_plan_params_never_picks_a_plan_the_memory_does_not_hold():
-  """--plan=auto takes the process's memory (the cgroup's limit, else the
-  machine's) as a constraint on the plans' predicted peak RSS."""
+def _TinyRanked():
+  """Memory constants without a graph term, a machine, the tiny experiment's
+  params and profile, and --plan=auto's ranking of its plans."""
   from lingvo_ext.planner import auto  # pylint: disable=g-import-not-at-top
   from lingvo_ext.planner import memory_model  # pylint: disable=g-import-not-at-top
   c = memory_model.Constants(runtime_bytes=100 * 2**20, activation_factor=1.,
@@ -56,7 +56,16 @@ def test_plan_params_never_picks_a_plan_the_memory_does_not_hold():
   machine = planner.Machine(flops_per_s=1e10, s_per_op=1e-5, cores=2)
   cfg = planner.ExperimentParams(lib.TINY)
   profile = planner.ProfileExperiment(cfg, lib.TINY)
-  ranked = auto.ChooseForExperiment(cfg, lib.TINY, 2, machine=machine)
+  return c, machine, cfg, profile, auto.ChooseForExperiment(
+      cfg, lib.TINY, 2, machine=machine)
+
+
+def test_plan_params_never_picks_a_plan_the_memory_does_not_hold():
+  """--plan=auto takes the process's memory (the cgroup's limit, else the
+  machine's) as a constraint on the plans' predicted peak RSS."""
+  from lingvo_ext.planner import auto  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.planner import memory_model  # pylint: disable=g-import-not-at-top
+  c, machine, cfg, profile, ranked = _TinyRanked()
   needs = sorted({memory_model.Predict(profile, r.plan, c).rss_bytes
                   for r in ranked})
   assert len(needs) > 1
@@ -83,12 +92,7 @@ def test_plan_params_counts_the_input_buffer_in_the_memory(monkeypatch):
   from lingvo_ext.planner import auto  # pylint: disable=g-import-not-at-top
   from lingvo_ext.planner import input_memory  # pylint: disable=g-import-not-at-top
   from lingvo_ext.planner import memory_model  # pylint: disable=g-import-not-at-top
-  c = memory_model.Constants(runtime_bytes=100 * 2**20, activation_factor=1.,
-                             bytes_per_op=0.)
-  machine = planner.Machine(flops_per_s=1e10, s_per_op=1e-5, cores=2)
-  cfg = planner.ExperimentParams(lib.TINY)
-  profile = planner.ProfileExperiment(cfg, lib.TINY)
-  ranked = auto.ChooseForExperiment(cfg, lib.TINY, 2, machine=machine)
+  c, machine, cfg, profile, ranked = _TinyRanked()
   needs = [memory_model.Predict(profile, r.plan, c).rss_bytes for r in ranked]
   buffered = 300 * 2**20
   monkeypatch.setattr(input_memory, 'RunBufferBytes', lambda p: buffered)
