@@ -36,6 +36,7 @@ class LocalController(runner_state.RunnerMixin,
     super().__init__(*args, **kwargs)
     self._woken = False
     self._low_space = False
+    self._looks = []  # (time.monotonic(), step) of the last two looks.
     if self._checkpointer is not None:
       self._run_state.controller_here.set()
       self._WarnIfLowOnSpace()
@@ -114,10 +115,14 @@ class LocalController(runner_state.RunnerMixin,
         if self._checkpoint_in_controller:
           self._checkpointer.RestoreIfNeeded(sess)
         global_step = sess.run(self._model.global_step)
+        self._looks = self._looks[-1:] + [(time.monotonic(), int(global_step))]
         if self._ShouldStop(sess, global_step):
           tf.logging.info('Training finished.')
           self.WriteRunFiles()
           if self._checkpoint_in_controller:
+            if (self._options.distributed and
+                self._run_state.interrupted.is_set()):
+              global_step = self._SettledStep(sess, global_step)
             self._checkpointer.Save(sess, global_step)
             if checkpoints.CheckpointStep(tf.train.latest_checkpoint(
                 self._train_dir)) == int(global_step):
@@ -145,6 +150,28 @@ class LocalController(runner_state.RunnerMixin,
           self._SummarizeValue(global_step, 'total_num_params',
                                self._total_num_params)
         self.WaitForNextLook(next_look)
+
+  def _SettledStep(self, sess, step):
+    """A cluster's step once its trainer client stopped stepping.
+
+    On a stop request the client (another process) ends its step in flight
+    after this controller woke: the step is read until it holds still for
+    three steps' time (0.5 s at least, half --shutdown_grace_secs at most).
+    """
+    grace_s = self._options.shutdown_grace_secs
+    quiet = 0.5
+    if len(self._looks) == 2 and self._looks[1][1] > self._looks[0][1]:
+      (t0, s0), (t1, s1) = self._looks
+      quiet = min(max(quiet, 3 * (t1 - t0) / (s1 - s0)), grace_s / 2)
+    now = time.monotonic()
+    deadline, since = now + grace_s, now
+    while now < deadline and now - since < quiet:
+      time.sleep(0.1)
+      seen = int(sess.run(self._model.global_step))
+      now = time.monotonic()
+      if seen != step:
+        step, since = seen, now
+    return step
 
   def _MaybeSave(self, sess, global_step):
     """Lingvo's MaybeSave; the trainer may step while the save is written.

@@ -4,6 +4,7 @@ step first, then one line and exit 65; a signal meanwhile keeps the save."""
 import signal
 import threading
 import time
+import types
 
 from lingvo_ext.runtime import input_guard
 from lingvo_ext.runtime import runners
@@ -86,6 +87,30 @@ def testAClustersControllerLooksAtOnceOnAStopRequest():
   look.start()
   look.join(300)
   assert not look.is_alive()
+
+
+class _SteppingSession:
+  """A cluster's global step: the trainer client ends `more` steps."""
+
+  def __init__(self, step, more):
+    self.step, self.more = step, more
+
+  def run(self, unused_fetch):
+    if self.more:
+      self.step, self.more = self.step + 1, self.more - 1
+    return self.step
+
+
+def testAClustersControllerSavesTheStepTheTrainerClientStoppedAt():
+  # The client's step in flight ends after the controller woke.
+  _, controller = _Controller(distributed=True)
+  # pylint: disable=protected-access
+  controller._model = types.SimpleNamespace(global_step='global_step')
+  controller._looks = [(0.0, 100), (10.0, 300)]  # 50 ms a step.
+  sess = _SteppingSession(583, more=2)
+  assert controller._SettledStep(sess, 583) == 585
+  controller._looks = [(0.0, 300), (10.0, 300)]  # No step between looks.
+  assert controller._SettledStep(_SteppingSession(7, more=0), 7) == 7
 
 
 def testALocalControllerWaitsForItsTrainersStepOnAStopRequest():
