@@ -1,7 +1,7 @@
 """The memory model's predicted peak RSS against the trainer's measured one.
 
 Each row trains the experiment with the trainer for a few steps in a fresh
-process and reads that process's peak RSS (ru_maxrss: its VmHWM at exit);
+process and reads that process's peak RSS (its VmHWM at exit: lingvo_ext/child_peak.py);
 the prediction is start_memory.EstimateRun's with this machine's probed
 constants (planner/memory_probe.py). Prints a Markdown table: model, batch,
 predicted, measured, error (predicted / measured - 1) and the largest terms.
@@ -11,7 +11,6 @@ predicted, measured, error (predicted / measured - 1) and the largest terms.
 """
 
 import argparse
-import os
 import subprocess
 import sys
 import tempfile
@@ -19,19 +18,19 @@ import tempfile
 
 def MeasuredPeak(model: str, overrides: str, devices: int, steps: int,
                  extra=()) -> float:
-  """The trainer process's peak RSS in bytes."""
+  """The trainer process's peak RSS in bytes (its own VmHWM at exit)."""
+  from lingvo_ext import child_peak  # pylint: disable=g-import-not-at-top
   with tempfile.TemporaryDirectory() as logdir:
-    cmd = [sys.executable, '-m', 'lingvo_ext.trainer', f'--model={model}',
-           f'--logdir={logdir}', f'--num_cpu_devices={devices}',
-           f'--worker_split_size={devices}', f'--max_steps={steps}',
-           f'--model_params_override={overrides}', *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    if proc.returncode:
-      raise RuntimeError(f'{" ".join(cmd)}: exit {proc.returncode}')
-  return usage.ru_maxrss * 1024.
+    args = [f'--model={model}', f'--logdir={logdir}',
+            f'--num_cpu_devices={devices}', f'--worker_split_size={devices}',
+            f'--max_steps={steps}', f'--model_params_override={overrides}',
+            *extra]
+    code, peak = child_peak.Run('lingvo_ext.trainer', args,
+                                stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+    if code or peak is None:
+      raise RuntimeError(f'lingvo_ext.trainer {" ".join(args)}: exit {code}')
+  return float(peak)
 
 
 def Predicted(model: str, overrides: str, devices: int):

@@ -30,7 +30,7 @@ FLOORS = (
     ('lingvo_ext/__init__.py', 'lingvo_ext/_startup.py',
      'lingvo_ext/entry_point.py', 'lingvo_ext/xla_cache.py',
      'lingvo_ext/cache_files.py', 'lingvo_ext/session_config.py',
-     'lingvo_ext/devices.py',
+     'lingvo_ext/devices.py', 'lingvo_ext/child_peak.py',
      'lingvo_ext/_internal/'),
     ('lingvo_ext/layers/',),
     ('lingvo_ext/pipeline/',),

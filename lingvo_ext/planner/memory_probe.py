@@ -26,7 +26,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 from lingvo_ext import cache_files
 from lingvo_ext.planner import memory_model
@@ -118,36 +117,32 @@ def InProbe() -> bool:
 
 def TrainerPeak(model: str, overrides: str, num_devices: int,
                 steps: int) -> float:
-  """The peak RSS (ru_maxrss) of the trainer training `model` for `steps`
-  steps on `num_devices` CPU devices, in a fresh process."""
+  """The peak RSS (its own VmHWM: child_peak.py) of the trainer training
+  `model` for `steps` steps on `num_devices` CPU devices, in a fresh
+  process."""
   import tempfile  # pylint: disable=g-import-not-at-top
+
+  from lingvo_ext import child_peak  # pylint: disable=g-import-not-at-top
   with tempfile.TemporaryDirectory(prefix='lingvo_ext_memory_probe_') as d:
-    cmd = [sys.executable, '-m', 'lingvo_ext.trainer', f'--model={model}',
-           f'--logdir={d}', f'--num_cpu_devices={num_devices}',
-           f'--worker_split_size={num_devices}', f'--max_steps={steps}',
-           f'--model_params_override={overrides}']
+    args = [f'--model={model}', f'--logdir={d}',
+            f'--num_cpu_devices={num_devices}',
+            f'--worker_split_size={num_devices}', f'--max_steps={steps}',
+            f'--model_params_override={overrides}']
     env = dict(os.environ, **{_IN_PROBE: '1'})
     with open(os.path.join(d, 'stderr.txt'), 'w+') as err:
-      proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err,
-                              env=env)
-      deadline = time.monotonic() + _PROBE_TIMEOUT_S
-      while True:
-        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-        if pid:
-          break
-        if time.monotonic() > deadline:
-          proc.kill()
-          proc.wait()
-          raise RuntimeError(f'the memory probe ({model}) did not finish in '
-                             f'{_PROBE_TIMEOUT_S} s')
-        time.sleep(0.2)
-      proc.returncode = code = os.waitstatus_to_exitcode(status)
-      if code:
+      try:
+        code, peak = child_peak.Run('lingvo_ext.trainer', args, env=env,
+                                    stdout=subprocess.DEVNULL, stderr=err,
+                                    timeout_s=_PROBE_TIMEOUT_S)
+      except TimeoutError:
+        raise RuntimeError(f'the memory probe ({model}) did not finish in '
+                           f'{_PROBE_TIMEOUT_S} s') from None
+      if code or peak is None:
         err.seek(0)
         tail = (err.read().strip().splitlines() or ['no output'])[-1]
         raise RuntimeError(f'the memory probe ({model}) failed (exit '
                            f'{code}): {tail}')
-  return usage.ru_maxrss * 1024.
+  return float(peak)
 
 
 def Measure(num_devices: int, parallel: int = 0):

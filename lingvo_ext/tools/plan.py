@@ -146,7 +146,11 @@ def _PeakRss(cfg, model: str, best, devices: int) -> str:
   from lingvo_ext.planner import memory_model  # pylint: disable=g-import-not-at-top
   from lingvo_ext.planner import memory_probe  # pylint: disable=g-import-not-at-top
   profile = planner.ProfileExperiment(cfg, model)
-  got = memory_model.Predict(profile, best.plan, memory_probe.Get(devices))
+  try:
+    constants = memory_probe.Get(devices)
+  except RuntimeError as e:  # The probe's one line says why.
+    return f'its peak RSS (predicted): unknown: {e}'
+  got = memory_model.Predict(profile, best.plan, constants)
   size = planner.FormatSize
   terms = ', '.join(f'{n} {size(b)}' for n, b in sorted(
       got.terms, key=lambda t: -t[1]) if b >= 2**20)
