@@ -353,7 +353,7 @@ def RunXla(model: str, devices: int, rounds: int, warmup: int) -> Dict:
            model, len(refs) + len(xla_refs), len(pairs), rounds))
   times = TimePlans(model, refs + xla_refs + pairs, rounds, warmup)
   n, x = len(refs), len(xla_refs)
-  machine = planner.Calibrate(profile, machine, times[:n])
+  machine = planner.Calibrate(profile, machine, times[:n], refs=refs)
   machine = planner.CalibrateXla(profile, machine, times[n:n + x], xla_refs)
   rows = []
   measured = times[n + x:]
@@ -426,7 +426,8 @@ def main(argv=None) -> int:
     with open(args.from_jsonl) as f:
       records = [json.loads(l) for l in f if l.strip()]
     if args.repredict:
-      records = [plan_report.Repredict(r, Profile) for r in records]
+      records = [plan_report.Repredict(r, Profile, ReferencePlans)
+                 for r in records]
     if args.markdown:
       print(plan_report.Markdown(records))
     else:

@@ -148,17 +148,21 @@ def Summary(model: str, devices: int, plans: Sequence[planner.Plan],
 
 
 def Repredict(record: Dict,
-              profile_of: Callable[[str], planner.ModelProfile]) -> Dict:
+              profile_of: Callable[[str], planner.ModelProfile],
+              refs_of=None) -> Dict:
   """A saved summary record predicted again by this checkout's planner.
 
   The model's profile, and the run's own probe and reference measurements
   calibrated again (planner.Calibrate), predict every plan of the run; the
   measured figures are the run's. The --measure pick needs a re-timing: it
   is kept where this planner ranks the same candidates first, else dropped.
-  `profile_of(model)` is the model's profile (bench/plan.py's Profile).
+  `profile_of(model)` is the model's profile (bench/plan.py's Profile),
+  `refs_of(model, profile, devices)` its references (bench/plan.py's
+  ReferencePlans; default planner.ReferencePlans).
   """
   profile = profile_of(record['model'])
-  refs = planner.ReferencePlans(profile, devices=record['devices'])
+  refs = (refs_of(record['model'], profile, record['devices']) if refs_of
+          else planner.ReferencePlans(profile, devices=record['devices']))
   if 'reference_keys' not in record:
     # Runs before reference_keys were recorded timed 'unrolled' at the
     # 'recurrent' reference's M.

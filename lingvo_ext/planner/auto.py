@@ -72,7 +72,7 @@ def _Calibrated(num_devices, model, profile, overhead_bytes, overrides,
   for sess, _ in timed:
     sess.close()
   best = [measuring.Steady(t) for t in times]
-  machine = planner.Calibrate(profile, machine, best[:len(steps)])
+  machine = planner.Calibrate(profile, machine, best[:len(steps)], refs=refs)
   if xla_refs:
     machine = planner.CalibrateXla(profile, machine, best[len(steps):],
                                    [ref for ref, _ in xla_refs])

@@ -26,14 +26,18 @@ def ReferencePlans(profile: ModelProfile,
   """The plans Calibrate measures: one cell, one replica, 'unrolled' at M=1
   and at M=8 (or the largest divisor of the batch below it), 'recurrent' at
   M=4 (likewise) and at M=1; with 2 or more devices and an even batch, a
-  fifth: 'unrolled' at M=1 over 2 replicas with 'all_reduce'.
+  fifth: 'unrolled' at M=1 over 2 replicas with 'all_reduce'; last, for an
+  even batch, 'unrolled' at M=1 on half the batch.
 
   'unrolled''s larger M is 8, not 4: on a host whose devices share its
   cores, two of its micro-batches run at once from M=2 on, so the growth
   from M=1 to 4 mixes that parallelism (predicted only roughly) with the
   cost per micro-batch the fit is after. The longer lever fits the time per
   op where M=4 alone can fit none (on bench/plan.py's FC model the step at
-  M=4 is shorter than at M=1).
+  M=4 is shorter than at M=1). The half batch tells the fixed time of a
+  step from the time that grows with the batch: at one batch size they move
+  together (at batch 512 a fit without it put most of a step on its fixed
+  time, which 2 devices do not share, and predicted 2 cells 48% slow).
   """
   batch = global_batch or profile.batch
   m, m_unrolled = max(Divisors(batch, 4)), max(Divisors(batch, 8))
@@ -49,6 +53,8 @@ def ReferencePlans(profile: ModelProfile,
   if devices >= 2 and batch % 2 == 0:
     out.append(dataclasses.replace(out[0], replicas=2,
                                    gradient_sync='all_reduce'))
+  if batch % 2 == 0:
+    out.append(dataclasses.replace(out[0], global_batch=batch // 2))
   return out
 
 
@@ -86,24 +92,28 @@ def Calibrate(profile: ModelProfile, machine: Machine,
     machine: The probed machine.
     step_s: Measured step seconds of ReferencePlans(profile), in order.
     rss_bytes: Their measured peak RSS (the first two are used), or None.
-    refs: The plans measured, if not ReferencePlans(profile) (a saved run's,
-      for one).
+    refs: The plans measured, if not ReferencePlans(profile, devices=2)
+      (a saved run's, for one).
   """
   refs = list(refs or ReferencePlans(profile, devices=2))
-  out = _CalibrateOneReplica(profile, machine, step_s[:4], rss_bytes,
-                             refs[:4])
-  if len(step_s) > 4:
-    ref = refs[4]
+  timed = list(zip(refs, step_s))
+  full = [x for x in timed if x[0].global_batch == refs[0].global_batch]
+  half = [x for x in timed if x[0].global_batch < refs[0].global_batch]
+  one = [x for x in full if x[0].replicas == 1][:4]
+  out = _CalibrateOneReplica(profile, machine, [t for _, t in one],
+                             rss_bytes, [r for r, _ in one],
+                             half[0] if half else None)
+  for ref, t in full[len(one):len(one) + 1]:
     base = _Fit(profile, ref, out, s_per_reduced_var=0.).step_s
     out = dataclasses.replace(out, s_per_reduced_var=max(
-        step_s[4] - base, 0.) / max(profile.num_vars * ref.replicas, 1))
+        t - base, 0.) / max(profile.num_vars * ref.replicas, 1))
   return out
 
 
 def _CalibrateOneReplica(profile: ModelProfile, machine: Machine,
                          step_s: Sequence[float],
                          rss_bytes: Optional[Sequence[float]],
-                         refs: Sequence[Plan]) -> Machine:
+                         refs: Sequence[Plan], half=None) -> Machine:
   """`machine` fitted to the first four ReferencePlans' measurements.
 
   The probe's per-op time is that of a chain of tiny ops; a model's graph
@@ -116,8 +126,11 @@ def _CalibrateOneReplica(profile: ModelProfile, machine: Machine,
   peak RSS, the two
   'unrolled' ones fix the bytes per graph op (where the larger M's graph is
   larger, cells copied per micro-batch; else DEFAULT_BYTES_PER_OP) and the
-  process overhead. Everything else (FLOP rate from the
-  probe, schedules, cells, recompute, replicas) stays predicted.
+  process overhead. With `half` ((plan, seconds): 'unrolled' at M=1 on half
+  the batch) the three 'unrolled' steps fit the per-op time, the fixed time
+  and the FLOP rate together (_FitWithHalfBatch); without it the FLOP rate
+  is the probe's. Everything else (schedules, cells, recompute, replicas)
+  stays predicted.
 
   Args:
     profile: The model.
@@ -141,7 +154,11 @@ def _CalibrateOneReplica(profile: ModelProfile, machine: Machine,
     s_per_op = max(((tb - fb) - (ta - fa)) / (ob - oa), machine.s_per_op)
   fixed = ta - fa - s_per_op * oa
   out = dataclasses.replace(machine, s_per_op=s_per_op, step_s=max(fixed, 0.))
-  if fixed < 0:
+  fitted = half and _FitWithHalfBatch(profile, machine, (a, ta), (b, tb),
+                                      half, zero)
+  if fitted:
+    out = fitted
+  elif fixed < 0:
     # The reference ran faster than the probe's FLOP rate allows (the probe
     # is a small matmul, taken under whatever load there was): raise the
     # rate until the FLOPs fit in the time the ops leave.
@@ -184,6 +201,48 @@ def _CalibrateOneReplica(profile: ModelProfile, machine: Machine,
         out, bytes_per_op=per_op,
         overhead_bytes=max(rss_bytes[0] - ma.process_bytes - per_op * ga, 0.))
   return out
+
+
+def _FitWithHalfBatch(profile: ModelProfile, machine: Machine, a, b, h,
+                      zero) -> Optional[Machine]:
+  """`machine` with the per-op time, fixed time and FLOP rate solved from
+  three 'unrolled' (plan, seconds): M=1, the larger M, M=1 on half the batch.
+
+  Each step is linear in the three (one device: one chain of actions, or
+  the whole work over the cores): step = c + fixed + s_per_op x ops +
+  FLOPs / rate. None where the solution is out of bounds (a negative time,
+  a per-op time below the probe's: then the probe's, solved again without
+  the larger M; a rate below a fiftieth of the probe's or above 50x it).
+  """
+  rate0 = machine.flops_per_s
+
+  def Time(plan, **fields):
+    return _Fit(profile, plan, machine, **dict(zero, **fields)).step_s
+
+  rows, rhs = [], []
+  for plan, t in (a, b, h):
+    c = Time(plan, flops_per_s=1e30)
+    ops = (Time(plan, s_per_op=1e-6, flops_per_s=1e30) - c) / 1e-6
+    flops = (Time(plan, flops_per_s=rate0) - c) * rate0
+    rows.append([1., ops, flops])
+    rhs.append(t - c)
+
+  def Valid(fixed, s_per_op, inverse):
+    return (fixed >= 0 and s_per_op >= machine.s_per_op and
+            1. / (50 * rate0) <= inverse <= 50. / rate0)
+
+  x = _Solve(rows, rhs)
+  if not (x and Valid(*x)):
+    s = machine.s_per_op
+    two = [rows[0], rows[2]]
+    x = _Solve([[r[0], r[2]] for r in two],
+               [y - s * r[1] for r, y in zip(two, (rhs[0], rhs[2]))])
+    x = x and [x[0], s, x[1]]
+    if not (x and Valid(*x)):
+      return None
+  fixed, s_per_op, inverse = x
+  return dataclasses.replace(machine, s_per_op=s_per_op, step_s=fixed,
+                             flops_per_s=1. / inverse)
 
 
 # Bounds of the fitted XLA FLOP rate over TensorFlow's: beyond them a fit

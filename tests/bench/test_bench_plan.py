@@ -41,7 +41,7 @@ def test_bench_repredict_gives_a_saved_run_the_same_predictions():
   ref_s = [planner.Predict(profile, p, truth).step_s for p in refs]
   ref_rss = [planner.Predict(profile, p, truth).process_bytes
              for p in refs[:2]]
-  machine = planner.Calibrate(profile, probe, ref_s, ref_rss)
+  machine = planner.Calibrate(profile, probe, ref_s, ref_rss, refs)
   plans = planner.PredictAll(
       profile, bench_plan.SweepPlans(bench_plan.FC, profile, 2), machine)
   plans = [p.Measured(step_s=p.step_s * (1. + 0.1 * (i % 3)),
@@ -52,7 +52,8 @@ def test_bench_repredict_gives_a_saved_run_the_same_predictions():
       reference_keys=[p.Key() for p in refs],
       reference_ms=[1e3 * t for t in ref_s],
       reference_rss_mb=[r / 2**20 for r in ref_rss])))
-  again = plan_report.Repredict(record, bench_plan.Profile)
+  again = plan_report.Repredict(record, bench_plan.Profile,
+                                bench_plan.ReferencePlans)
   for key in ('spearman', 'chosen_key', 'best_key', 'rows'):
     assert again[key] == record[key], key
   for key in ('mem_err_mean', 'mem_err_max'):  # Rows keep 0.1 MB.
@@ -70,7 +71,7 @@ def test_bench_repredict_reads_runs_before_the_reference_keys():
   probe = planner.Machine(flops_per_s=1e10, s_per_op=2e-5, cores=2)
   truth = dataclasses.replace(probe, s_per_op=5e-5, step_s=3e-3)
   refs = planner.ReferencePlans(profile)
-  assert [p.num_micro_batches for p in refs] == [1, 8, 4, 1]
+  assert [p.num_micro_batches for p in refs] == [1, 8, 4, 1, 1]
   old = [refs[0], dataclasses.replace(refs[1], num_micro_batches=4)] + refs[2:]
   ref_s = [planner.Predict(profile, p, truth).step_s for p in old]
   plans = planner.PredictAll(
@@ -81,12 +82,13 @@ def test_bench_repredict_reads_runs_before_the_reference_keys():
   record = json.loads(json.dumps(plan_report.Summary(
       bench_plan.FC, 2, plans, truth, {}, probe=dataclasses.asdict(probe),
       reference_ms=[1e3 * t for t in ref_s], reference_rss_mb=[])))
-  again = plan_report.Repredict(record, bench_plan.Profile)
+  again = plan_report.Repredict(record, bench_plan.Profile,
+                                bench_plan.ReferencePlans)
   assert again['rows'] == record['rows']
   with pytest.raises(ValueError, match='references'):
     plan_report.Repredict(
         dict(record, reference_keys=[p.Key() for p in old]),
-        bench_plan.Profile)
+        bench_plan.Profile, bench_plan.ReferencePlans)
 
 
 def test_bench_xla_calibrates_on_its_references_and_compares_each_pair(

@@ -12,19 +12,20 @@ from tests.support import planner_testlib as lib
 def test_calibrate_recovers_the_constants(cell_functions):
   profile = dataclasses.replace(lib.Profile(linear_loss=False),
                                 cell_functions=cell_functions)
-  truth = planner.Machine(flops_per_s=1e9, s_per_op=3e-5, step_s=4e-3,
+  truth = planner.Machine(flops_per_s=6e8, s_per_op=3e-5, step_s=4e-3,
                           recurrent_op_factor=0.4, recurrent_s_per_byte=2e-9,
                           bytes_per_op=2048., overhead_bytes=5e8, cores=2,
                           s_per_reduced_var=9e-5)
   refs = planner.ReferencePlans(profile, devices=2)
-  assert [(p.replicas, p.gradient_sync) for p in refs] == [
-      (1, 'shared')] * 4 + [(2, 'all_reduce')]
-  assert len(planner.ReferencePlans(profile, devices=1)) == 4
+  assert [(p.replicas, p.gradient_sync, p.global_batch) for p in refs] == [
+      (1, 'shared', 32)] * 4 + [(2, 'all_reduce', 32), (1, 'shared', 16)]
+  assert len(planner.ReferencePlans(profile, devices=1)) == 5
   times = [planner.Predict(profile, p, truth).step_s for p in refs]
   rss = [planner.Predict(profile, p, truth).process_bytes for p in refs]
+  # The probe's FLOP rate is not the model's: the half batch fits it.
   probed = planner.Machine(flops_per_s=1e9, s_per_op=1e-6, cores=2)
   fitted = planner.Calibrate(profile, probed, times, rss)
-  fields = ['s_per_op', 'step_s', 'recurrent_op_factor',
+  fields = ['flops_per_s', 's_per_op', 'step_s', 'recurrent_op_factor',
             'recurrent_s_per_byte', 's_per_reduced_var']
   if not cell_functions:  # The graph grows with M: its bytes per op fit.
     fields += ['bytes_per_op', 'overhead_bytes']
@@ -41,6 +42,8 @@ def test_calibrate_recovers_the_constants(cell_functions):
   # Without the fifth reference, all_reduce's time per variable stays
   # SYNC_OPS_PER_VAR ops.
   assert planner.Calibrate(profile, probed, times[:4]).s_per_reduced_var is None
+  # Without the half batch, the probe's rate stays.
+  assert planner.Calibrate(profile, probed, times[:5]).flops_per_s == 1e9
 
 
 def test_calibrate_falls_back_when_more_steps_run_faster():
