@@ -327,6 +327,12 @@ def PlanParams(model_params, model: str, devices: int,
   buffered = input_memory.RunBufferBytes(cfg)
   if pipeline_tree.IsCut(cfg):
     ranked = ChooseTreeForExperiment(cfg, model, devices, budget, machine)
+    if available is not None:
+      # The task outside its pipelines: the same under every plan of theirs.
+      from lingvo_ext.planner import tree_memory  # pylint: disable=g-import-not-at-top
+      buffered += sum(tree_memory.OtherTerms(
+          tree_memory.ProfileTaskMemory(cfg, model),
+          constants.bytes_per_op).values())
     chosen = _FittingTree(ranked, constants, available, source, buffered)
     tree.ApplyTree(cfg, chosen)
     text = tree.TreeOverrideString(chosen)

@@ -63,6 +63,18 @@ class TaskMemory:
     return self.param_bytes - sum(p.profile.param_bytes for p in self.pipes)
 
 
+def OtherTerms(mem: TaskMemory, bytes_per_op: float) -> dict:
+  """{term: bytes} of a task's peak RSS outside its pipelines, which no plan
+  of theirs changes: the other variables, their gradients and optimizer
+  slots, and the graph of the other ops (memory_model.NODES_PER_OP nodes
+  each)."""
+  from lingvo_ext.planner import memory_model  # pylint: disable=g-import-not-at-top
+  others = mem.other_param_bytes
+  return dict(variables=others, gradients=others,
+              optimizer_slots=others * mem.optimizer_slots,
+              graph=memory_model.NODES_PER_OP * mem.other_ops * bytes_per_op)
+
+
 def _Bytes(tensors, length: Optional[int], where: str) -> float:
   """The tensors' bytes, each dim known only at run time taken as `length`
   (Lingvo's LM tasks trim the time axis to the batch's longest sequence)."""

@@ -436,15 +436,14 @@ def _TreeEstimate(mem, num_cpu_devices: int, split: int,
   for pipe, plan in zip(mem.pipes, plans):
     one = memory_model.Predict(pipe.profile, plan, constants)
     rss = one if rss is None else rss.Plus(one)
+  from lingvo_ext.planner import tree_memory  # pylint: disable=g-import-not-at-top
   others = mem.other_param_bytes
-  rss = memory_model.Extra(rss, 'variables', others)
-  rss = memory_model.Extra(rss, 'gradients', others)
-  rss = memory_model.Extra(rss, 'optimizer_slots',
-                           others * mem.optimizer_slots)
-  per_node, graph = constants.bytes_per_op, rss.Terms()['graph']
-  want = (graph + memory_model.NODES_PER_OP * mem.other_ops * per_node
-          if graph_nodes is None else graph_nodes * per_node)
-  rss = memory_model.Extra(rss, 'graph', want - graph)
+  extra = tree_memory.OtherTerms(mem, constants.bytes_per_op)
+  graph = rss.Terms()['graph']
+  if graph_nodes is not None:
+    extra['graph'] = graph_nodes * constants.bytes_per_op - graph
+  for term, value in extra.items():
+    rss = memory_model.Extra(rss, term, value)
   rss = memory_model.Extra(rss, 'input_buffer', input_buffer)
   weights = others * (2 + mem.optimizer_slots)
   return StartEstimate(

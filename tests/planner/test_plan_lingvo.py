@@ -278,3 +278,32 @@ def testTheTreeReferencesBuildAndRun(flagship):
   refs = tree_calibration.ReferencePlans(pipes[0])
   times = tree_calibration.TimeReferences(MODEL, cfg, pipes, refs, rounds=1)
   assert len(times) == len(refs) and all(t > 0 for t in times)
+
+
+def testPlanAutoCountsTheTaskOutsideItsPipelinesInTheMemory(flagship,
+                                                            monkeypatch):
+  # The task's ops outside its stack (the loss, the input's, the global
+  # step's) come with every plan of the stack: --plan=auto counts them.
+  del flagship
+  from lingvo_ext.planner import auto  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.planner import input_memory  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.planner import memory_model  # pylint: disable=g-import-not-at-top
+  from lingvo_ext.planner import tree_memory  # pylint: disable=g-import-not-at-top
+  cfg = planner.ExperimentParams(MODEL)
+  constants = memory_model.Constants(runtime_bytes=5e8,
+                                     activation_factor=1., bytes_per_op=3e4)
+  seen = []
+  real = auto._FittingTree  # pylint: disable=protected-access
+
+  def Fitting(ranked, constants, available, source, rest=0.):
+    seen.append(rest)
+    return real(ranked, constants, available, source, rest)
+
+  monkeypatch.setattr(auto, '_FittingTree', Fitting)
+  auto.PlanParams(cfg, MODEL, 2, machine=MACHINE, available=64 * 2.**30,
+                  constants=constants)
+  terms = tree_memory.OtherTerms(tree_memory.ProfileTaskMemory(cfg, MODEL),
+                                 constants.bytes_per_op)
+  assert terms['graph'] > 0
+  assert seen == [pytest.approx(input_memory.RunBufferBytes(cfg) +
+                                sum(terms.values()))]
