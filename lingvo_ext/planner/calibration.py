@@ -188,7 +188,7 @@ def _CalibrateOneReplica(profile: ModelProfile, machine: Machine,
       # The larger M ran faster than the one step allows (the loop's fixed
       # cost, or noise in the one step): fit the factor on it alone.
       return _CalibrateOneReplica(profile, machine, step_s[:3],
-                                  rss_bytes, refs)
+                                  rss_bytes, refs, half)
   if rss_bytes:
     ma = _Fit(profile, a, out, bytes_per_op=0., overhead_bytes=0.)
     mb = _Fit(profile, b, out, bytes_per_op=0., overhead_bytes=0.)
@@ -210,11 +210,13 @@ def _FitWithHalfBatch(profile: ModelProfile, machine: Machine, a, b, h,
 
   Each step is linear in the three (one device: one chain of actions, or
   the whole work over the cores): step = c + fixed + s_per_op x ops +
-  FLOPs / rate. None where the solution is out of bounds (a negative time,
-  a per-op time below the probe's: then the probe's, solved again without
-  the larger M; a rate below a fiftieth of the probe's or above 50x it).
+  FLOPs / rate. Out of bounds (timing noise: a negative fixed time, a
+  per-op time below the probe's), the constant out of bounds is held at its
+  bound and the others solved again: the probe's per-op time, then a fixed
+  time of 0, then both (the rate fitted to the two M=1 steps). None where
+  even that gives a rate beyond 50x the probe's either way.
   """
-  rate0 = machine.flops_per_s
+  rate0, s0 = machine.flops_per_s, machine.s_per_op
 
   def Time(plan, **fields):
     return _Fit(profile, plan, machine, **dict(zero, **fields)).step_s
@@ -228,21 +230,36 @@ def _FitWithHalfBatch(profile: ModelProfile, machine: Machine, a, b, h,
     rhs.append(t - c)
 
   def Valid(fixed, s_per_op, inverse):
-    return (fixed >= 0 and s_per_op >= machine.s_per_op and
+    return (fixed >= 0 and s_per_op >= s0 and
             1. / (50 * rate0) <= inverse <= 50. / rate0)
 
-  x = _Solve(rows, rhs)
-  if not (x and Valid(*x)):
-    s = machine.s_per_op
-    two = [rows[0], rows[2]]
-    x = _Solve([[r[0], r[2]] for r in two],
-               [y - s * r[1] for r, y in zip(two, (rhs[0], rhs[2]))])
-    x = x and [x[0], s, x[1]]
-    if not (x and Valid(*x)):
+  def Held(fixed=None, s_per_op=None, use=(0, 1, 2)):
+    # Solves the free constants over the references `use` (as many).
+    free = [i for i, v in enumerate((fixed, s_per_op)) if v is None] + [2]
+    held = {0: fixed, 1: s_per_op}
+    eqs = [([rows[r][i] for i in free],
+            rhs[r] - sum(rows[r][i] * v for i, v in held.items()
+                         if v is not None)) for r in use]
+    if len(free) == 1:  # The rate alone: least squares.
+      num = sum(x[0] * y for x, y in eqs)
+      den = sum(x[0] * x[0] for x, _ in eqs)
+      x = [num / den] if den > 0 else None
+    else:
+      x = _Solve([e[0] for e in eqs], [e[1] for e in eqs])
+    if not x:
       return None
-  fixed, s_per_op, inverse = x
-  return dataclasses.replace(machine, s_per_op=s_per_op, step_s=fixed,
-                             flops_per_s=1. / inverse)
+    got = dict(held)
+    got.update(zip(free, x))
+    return [got[0], got[1], got[2]]
+
+  for x in (Held(), Held(s_per_op=s0, use=(0, 2)),
+            Held(fixed=0., use=(0, 1)), Held(fixed=0., s_per_op=s0,
+                                             use=(0, 2))):
+    if x and Valid(*x):
+      fixed, s_per_op, inverse = x
+      return dataclasses.replace(machine, s_per_op=s_per_op, step_s=fixed,
+                                 flops_per_s=1. / inverse)
+  return None
 
 
 # Bounds of the fitted XLA FLOP rate over TensorFlow's: beyond them a fit

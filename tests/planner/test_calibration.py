@@ -61,3 +61,20 @@ def test_calibrate_falls_back_when_more_steps_run_faster():
   assert fitted.recurrent_s_per_byte == 0.
   assert fitted == planner.Calibrate(profile, probed, times[:3])
   assert fitted.recurrent_op_factor == pytest.approx(0.4)
+
+
+@pytest.mark.parametrize('noise', [0.8, 0.9, 1.0])
+def test_a_half_batch_step_off_by_noise_holds_the_fixed_time_at_zero(noise):
+  # A step all FLOPs (a large batch): the half batch's step, a little off
+  # half, would solve to a negative fixed time; held at 0, the rate fits.
+  profile = lib.Profile(linear_loss=False, batch=64)
+  truth = planner.Machine(flops_per_s=5e8, s_per_op=1e-6, step_s=0., cores=1)
+  refs = planner.ReferencePlans(profile, devices=1)
+  times = [planner.Predict(profile, p, truth).step_s for p in refs]
+  times[-1] *= noise
+  probed = planner.Machine(flops_per_s=2e9, s_per_op=1e-6, cores=1)
+  fitted = planner.Calibrate(profile, probed, times, refs=refs)
+  assert fitted.step_s >= 0
+  assert fitted.flops_per_s == pytest.approx(5e8, rel=0.1)
+  assert planner.Predict(profile, refs[0], fitted).step_s == pytest.approx(
+      times[0], rel=0.1)
