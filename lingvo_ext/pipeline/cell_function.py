@@ -15,6 +15,9 @@ the product's gradient dy (`ExportedOperands`). The engine computes the
 weight's gradient x^T dy once over the micro-batches of a group
 (`matmul_grad.WeightGradientBatcher`), as it does for inline cells: one
 weight-sized MatMul instead of one per micro-batch summed at the end. A
+bias added to such a product shares its zero (`_ExportBias`): the engine sums
+dy over the same rows once (a [1, rows] GEMM), where the backward function
+would reduce it per micro-batch. A
 lookup of a weight's rows (an embedding's gather) exports its ids the same
 way, so the weight's gradient stays sparse (IndexedSlices of dy's rows), as
 inline; a function would return it dense, vocabulary-sized per micro-batch.
