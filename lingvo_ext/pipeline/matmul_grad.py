@@ -157,8 +157,8 @@ class WeightGradientBatcher:
 
 def BiasGradient(dy):
   """dy [rows, out] summed over its rows, [out]: as a [1, rows] x [rows,
-  out] GEMM, which oneDNN's CPU kernels run faster than TensorFlow's Sum
-  over the outer axis (bench/weight_grad_concat.py --bias)."""
+  out] GEMM, which TensorFlow's CPU GEMMs (oneDNN's and Eigen's) run faster
+  than its Sum over the outer axis (bench/weight_grad_concat.py --bias)."""
   rows, cols = (n if n is not None else tf.shape(dy)[k]
                 for k, n in enumerate(dy.shape.as_list()))
   return tf.reshape(tf.matmul(tf.ones([1, rows], dy.dtype), dy), [cols])
