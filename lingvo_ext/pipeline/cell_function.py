@@ -15,6 +15,9 @@ the product's gradient dy (`ExportedOperands`). The engine computes the
 weight's gradient x^T dy once over the micro-batches of a group
 (`matmul_grad.WeightGradientBatcher`), as it does for inline cells: one
 weight-sized MatMul instead of one per micro-batch summed at the end. A
+bias added to such a product shares its zero (`_ExportBias`): the engine sums
+dy over the same rows once (a [1, rows] GEMM), where the backward function
+would reduce it per micro-batch. A
 lookup of a weight's rows (an embedding's gather) exports its ids the same
 way, so the weight's gradient stays sparse (IndexedSlices of dy's rows), as
 inline; a function would return it dense, vocabulary-sized per micro-batch.
@@ -60,7 +63,10 @@ _FUNCTIONS = 'cell_functions'
 # (a call output), `zero` is [rows, out] and the gradient is x^T dy. For a
 # lookup gather(weight, ids) (`rows`): `operand` is the ids as a vector,
 # `zero` is [ids, ...] and the gradient is IndexedSlices(dy, ids).
+# A bias added to a weight MatMul's product (`rows` BIAS, `operand` None)
+# shares the MatMul's `zero`: its gradient is dy summed over the rows.
 Exported = collections.namedtuple('Exported', 'weight operand zero rows')
+BIAS = matmul_grad.BIAS
 
 
 def ExportedOperands(op) -> List[Exported]:
@@ -110,6 +116,46 @@ def ForCell(cell, name: str, jit_compile: bool, theta, inputs, step,
     cache[key] = CellFunction(cell, name, jit_compile, flat_weight_matmuls,
                               cell_checks)
   return cache[key]
+
+
+def _ExportBias(y_z, leaf_index):
+  """The theta leaf index of a bias added to an exported product, or None.
+
+  `y_z` is a weight MatMul's product plus its zero. Where its one consumer
+  (through Reshapes, each the one consumer of the last) adds a rank-1 theta
+  leaf along the last axis, that add's output gradient is the zero's
+  gradient reshaped, so the bias's gradient is the zero's summed over its
+  rows: the engine computes it once over a run's micro-batches with the
+  weight's (`matmul_grad.WeightGradientBatcher`), and the add passes the
+  bias on without a gradient, so the backward function sums none per
+  micro-batch.
+  """
+  t = y_z
+  while True:
+    consumers = t.consumers()
+    if len(consumers) != 1 or len(consumers[0].outputs) != 1:
+      return None
+    c = consumers[0]
+    if c.type != 'Reshape':
+      break
+    if c.inputs[0].ref() != t.ref():
+      return None
+    t = c.outputs[0]
+  if c.type not in ('AddV2', 'Add', 'BiasAdd') or (
+      c.type == 'BiasAdd' and c.get_attr('data_format') != b'NHWC'):
+    return None
+  idx = [j for j, u in enumerate(c.inputs) if u.ref() == t.ref()]
+  if len(idx) != 1 or c.type == 'BiasAdd' and idx != [0]:
+    return None
+  j = 1 - idx[0]
+  b = matmul_grad.ThroughIdentities(c.inputs[j], leaf_index)
+  out = c.outputs[0]
+  if (b is None or b.dtype != t.dtype or b.shape.rank != 1 or
+      not t.shape.is_fully_defined() or out.shape != t.shape or
+      b.shape[0] != t.shape[-1]):
+    return None
+  internal_tf.UpdateInput(c, j, tf.stop_gradient(c.inputs[j]))
+  return leaf_index[b.ref()]
 
 
 class CellFunction:
@@ -299,6 +345,9 @@ class CellFunction:
         # No gradient flows back through the export: the backward function
         # then has no zero to add to x's gradient.
         xs.append(tf.stop_gradient(x))
+        bias = _ExportBias(y_z, leaf_index)
+        if bias is not None:
+          self._exported.append((bias, zero, BIAS))
     swap = lambda t: t if t is None else replaced.get(t.ref(), t)
     out = tf.nest.map_structure(swap, out)
     return out, [swap(t) for t in new_accs], xs
@@ -378,12 +427,13 @@ class CellFunction:
       results = self._fn(*args)
     results = list(results) if isinstance(results, (list, tuple)) else [
         results]
-    n_xs = len(self._exported)
+    n_xs = sum(rows != BIAS for _, _, rows in self._exported)
     if n_xs:
       xs = results[len(results) - n_xs:]
       results = results[:len(results) - n_xs]
-      operands = [Exported(args[k], x, zero, rows)
-                  for (k, zero, rows), x in zip(self._exported, xs)]
+      it = iter(xs)
+      operands = [Exported(args[k], None if rows == BIAS else next(it), zero,
+                           rows) for k, zero, rows in self._exported]
       calls = graph_state.Get(tf.get_default_graph(), _OPERANDS, dict)
       for t in results:
         calls[t.op.name] = operands

@@ -36,6 +36,9 @@ def IsCpuDevice(device: str) -> bool:
 # --- Weight gradients batched across micro-batches ----------------------------
 
 PIPELINE_GRADIENT_NAME = 'LingvoExtPipelineMatMul'
+# `rows` of a use that adds a bias to a weight MatMul's product: no operand,
+# the gradient is dy summed over its rows.
+BIAS = 'bias'
 CELL_BATCH_MATMUL_GRADIENT_NAME = 'LingvoExtCellBatchMatMul'
 # The batchers being built into, innermost last: a graph-building hook on a
 # thread-local stack (as stacking.py's), so graphs built on two threads do not
@@ -99,9 +102,11 @@ class WeightGradientBatcher:
     Args:
       weight: The weight.
       operand: A MatMul's left operand x [rows, in] (gradient x^T dy); with
-        `rows`, a lookup's row ids as a vector (gradient: dy's rows).
+        `rows`, a lookup's row ids as a vector (gradient: dy's rows); None
+        for a bias (`rows` BIAS).
       dy: The use's output gradient, [rows, out] or [ids, ...].
-      rows: Whether the use is a lookup of the weight's rows.
+      rows: Whether the use is a lookup of the weight's rows, or BIAS: a
+        bias added to a product (gradient: dy summed over its rows).
     """
     operands, dys = self._groups.setdefault((weight.ref(), rows), ([], []))
     operands.append(operand)
@@ -132,22 +137,39 @@ class WeightGradientBatcher:
     A weight only looked up gets IndexedSlices of the group's rows.
     """
     out = []
+    concats = {}  # A bias's dys are its product's: concatenated once.
     for w in weights:
       parts = []
       group = self._groups.get((w.ref(), False))
       if group is not None:
-        parts.append(tf.matmul(_Concat(group[0]), _Concat(group[1]),
-                               transpose_a=True))
+        parts.append(tf.matmul(_Concat(group[0], concats),
+                               _Concat(group[1], concats), transpose_a=True))
       group = self._groups.get((w.ref(), True))
       if group is not None:  # As inline: sparse, the rows looked up.
-        parts.append(tf.IndexedSlices(_Concat(group[1]), _Concat(group[0]),
-                                      tf.shape(w)))
+        parts.append(tf.IndexedSlices(_Concat(group[1], concats),
+                                      _Concat(group[0], concats), tf.shape(w)))
+      group = self._groups.get((w.ref(), BIAS))
+      if group is not None:
+        parts.append(BiasGradient(_Concat(group[1], concats)))
       out.append(SumGradients(parts))
     return out
 
 
-def _Concat(tensors):
-  return tensors[0] if len(tensors) == 1 else tf.concat(tensors, axis=0)
+def BiasGradient(dy):
+  """dy [rows, out] summed over its rows, [out]: as a [1, rows] x [rows,
+  out] GEMM, which TensorFlow's CPU GEMMs (oneDNN's and Eigen's) run faster
+  than its Sum over the outer axis (bench/weight_grad_concat.py --bias)."""
+  rows, cols = (n if n is not None else tf.shape(dy)[k]
+                for k, n in enumerate(dy.shape.as_list()))
+  return tf.reshape(tf.matmul(tf.ones([1, rows], dy.dtype), dy), [cols])
+
+
+def _Concat(tensors, cache):
+  key = tuple(t.ref() for t in tensors)
+  if key not in cache:
+    cache[key] = (tensors[0] if len(tensors) == 1 else
+                  tf.concat(tensors, axis=0))
+  return cache[key]
 
 
 def SumGradients(parts):

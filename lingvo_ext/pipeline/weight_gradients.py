@@ -213,7 +213,9 @@ def RunLength(first_outputs, num_micro: int) -> int:
   for outs in first_outputs:
     outs = [o for o in outs if o is not None]
     for use in (cell_function.ExportedOperands(outs[0].op) if outs else []):
-      if use.rows:  # A lookup: its gradient is sparse, not weight-sized.
+      # A lookup: its gradient is sparse, not weight-sized; a bias: its dy is
+      # its product's.
+      if use.rows:
         continue
       sizes = [use.weight.shape.num_elements(),
                use.operand.shape.num_elements(),

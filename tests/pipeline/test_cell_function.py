@@ -144,20 +144,25 @@ def _Input3D():
       np.random.RandomState(0).randn(8, 3, 6).astype(np.float32)),)
 
 
+def _ProjectionGraphDef(**kwargs):
+  """The GraphDef of _ProjectionCells' pipeline (M=4) and its gradients."""
+  g = tf.Graph()
+  with g.as_default(), lib.Cluster(2):
+    py_utils.GetOrCreateGlobalStepVar()
+    net = gpipe.PipeliningLayer.Params().Set(
+        name='pipe', cell_tpl=_ProjectionCells(), num_micro_batches=4,
+        **kwargs).Instantiate()
+    out = net.FPropDefaultTheta(*_Input3D())
+    tf.gradients(tf.reduce_sum(out * out), net.vars.Flatten())
+  return g.as_graph_def()
+
+
 def test_cell_functions_batch_broadcast_weight_gradients():
   # A weight broadcast over a BatchMatMul's leading dimensions (run as a
   # 2-D MatMul, gemm_rewrite): its gradient is also computed once, outside
   # the function, from [B*T, D] rows; equal to the sequential model's and
   # inline cells'.
-  g = tf.Graph()
-  with g.as_default(), lib.Cluster(2):
-    py_utils.GetOrCreateGlobalStepVar()
-    net = gpipe.PipeliningLayer.Params().Set(
-        name='pipe', cell_tpl=_ProjectionCells(),
-        num_micro_batches=4).Instantiate()
-    out = net.FPropDefaultTheta(*_Input3D())
-    tf.gradients(tf.reduce_sum(out * out), net.vars.Flatten())
-  graph_def = g.as_graph_def()
+  graph_def = _ProjectionGraphDef()
   body = [n for f in graph_def.library.function for n in f.node_def]
   # Forward and dx as 2-D MatMuls (gemm_rewrite); the BatchMatMuls they
   # replace are left unread (pruned when the function runs).
@@ -176,6 +181,42 @@ def test_cell_functions_batch_broadcast_weight_gradients():
       variants=(('unrolled', False), ('1f1b', None), ('zero_bubble', None),
                 ('unrolled', False, _INLINE)))
   lib.AssertVariantsMatch(results, seq, names)
+
+
+def _Run(fdef):
+  """The nodes of a FunctionDef its outputs depend on (what a call runs:
+  the runtime prunes the rest, e.g. a gradient tf.gradients built and
+  dropped)."""
+  nodes = {n.name: n for n in fdef.node_def}
+  stack = [v.split(':')[0] for v in fdef.ret.values()]
+  stack += list(fdef.control_ret.values())
+  seen = set()
+  while stack:
+    name = stack.pop()
+    if name in seen or name not in nodes:
+      continue
+    seen.add(name)
+    stack += [i.lstrip('^').split(':')[0] for i in nodes[name].input]
+  return [nodes[k] for k in sorted(seen)]
+
+
+@pytest.mark.parametrize('flat', [True, False])
+def test_cell_functions_batch_bias_gradients_across_micro_batches(flat):
+  # A bias added to a weight MatMul's product shares the product's dy: the
+  # backward functions sum none per micro-batch (no Sum in any function;
+  # inline cells' backward sums each bias once per micro-batch), the engine
+  # sums each bias's dy once over all micro-batches' rows, a [1, rows] x
+  # [rows, out] GEMM per bias; the gradients equal the sequential model's
+  # (the test above, and the randomized structures' of
+  # test_pipeline_structures.py).
+  graph_def = _ProjectionGraphDef(flat_weight_matmuls=flat)
+  body = [n for f in graph_def.library.function for n in _Run(f)]
+  assert not [n.name for n in body if n.op == 'Sum']
+  outer = [n for n in graph_def.node if n.op == 'MatMul' and
+           'weight_grad' in n.name and not n.attr['transpose_a'].b]
+  assert len(outer) == 4, [n.name for n in outer]  # One per bias.
+  inline = _ProjectionGraphDef(flat_weight_matmuls=flat, cell_functions=False)
+  assert sum(n.op == 'Sum' for n in inline.node) >= 4 * 4
 
 
 class _EmbedAndScore(base_layer.BaseLayer):
