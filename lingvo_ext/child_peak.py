@@ -20,14 +20,15 @@ from typing import Sequence
 from typing import Tuple
 
 
-def PeakRss() -> Optional[int]:
-  """This process's peak resident set (VmHWM), bytes; None if unknown."""
+def StatusBytes(field: str = 'VmHWM', pid='self') -> Optional[int]:
+  """A /proc/PID/status size in bytes (VmHWM: the peak resident set, VmRSS:
+  the current one); None if the process or the field is gone."""
   try:
-    with open('/proc/self/status') as f:
+    with open(f'/proc/{pid}/status') as f:
       for line in f:
-        if line.startswith('VmHWM:'):
+        if line.startswith(field + ':'):
           return int(line.split()[1]) * 1024
-  except OSError:
+  except (OSError, ValueError, IndexError):
     pass
   return None
 
@@ -69,7 +70,7 @@ def _Main(argv):
 
   def Write():
     with open(path, 'w') as f:
-      f.write(str(PeakRss() or ''))
+      f.write(str(StatusBytes('VmHWM') or ''))
 
   atexit.register(Write)
   sys.argv = [module] + argv[3:]

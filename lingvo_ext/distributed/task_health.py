@@ -18,6 +18,8 @@ import socket
 from typing import Optional
 from typing import Tuple
 
+from lingvo_ext import child_peak
+
 _PREFACE = (b'PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n'
             # An empty SETTINGS frame: length 0, type 4, flags 0, stream 0.
             b'\x00\x00\x00\x04\x00\x00\x00\x00\x00')
@@ -46,14 +48,7 @@ def State(pid: int) -> Optional[str]:
 
 def RssBytes(pid: int) -> Optional[int]:
   """The process's resident set size, or None if it is gone."""
-  try:
-    with open(f'/proc/{pid}/status') as f:
-      for line in f:
-        if line.startswith('VmRSS:'):
-          return int(line.split()[1]) * 1024
-  except (OSError, ValueError, IndexError):
-    pass
-  return None
+  return child_peak.StatusBytes('VmRSS', pid)
 
 
 def CgroupDir(pid: int) -> Optional[str]:

@@ -12,6 +12,7 @@ from typing import Optional
 from typing import Sequence
 from typing import Tuple
 
+from lingvo_ext import child_peak
 from lingvo_ext.planner.application import ApplyPlan
 from lingvo_ext.planner.model_profile import OPTIMIZER_SLOTS
 from lingvo_ext.planner.model_profile import LayerProfile
@@ -286,14 +287,8 @@ def SessionConfig(num_devices: int):
 
 def RssBytes(field: str = 'VmHWM') -> Optional[float]:
   """This process's peak (VmHWM) or current (VmRSS) resident set, bytes."""
-  try:
-    with open('/proc/self/status') as f:
-      for line in f:
-        if line.startswith(field + ':'):
-          return int(line.split()[1]) * 1024.
-  except OSError:
-    pass
-  return None
+  got = child_peak.StatusBytes(field)
+  return None if got is None else float(got)
 
 
 def BuildExperimentStep(model: str, plan: Plan, overrides: str = '',

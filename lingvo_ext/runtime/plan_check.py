@@ -31,6 +31,8 @@ from typing import Optional
 from typing import Sequence
 from typing import Tuple
 
+from lingvo_ext import child_peak
+
 # When the step rate counts as steady (--plan_check_steps, --plan_check_secs).
 MIN_STEPS = 50
 MIN_SECONDS = 30.
@@ -180,14 +182,8 @@ def Scalars(step_s: float, rss_bytes: float,
 
 def PeakRss() -> Optional[float]:
   """This process's peak resident set (VmHWM), bytes; None if unknown."""
-  try:
-    with open('/proc/self/status') as f:
-      for line in f:
-        if line.startswith('VmHWM:'):
-          return int(line.split()[1]) * 1024.
-  except OSError:
-    pass
-  return None
+  peak = child_peak.StatusBytes('VmHWM')
+  return None if peak is None else float(peak)
 
 
 def Emit(lines: Sequence[str], scalars: Dict[str, float], step: int,
