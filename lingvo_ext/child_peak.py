@@ -66,6 +66,9 @@ def Run(module: str, args: Sequence[str], env=None, stdout=None,
 
 
 def _Main(argv):
+  # The program's quiet console and caches, set up as the program itself
+  # would (it imports entry_point first too).
+  from lingvo_ext import entry_point  # noqa: F401  # pylint: disable=g-import-not-at-top,unused-import
   path, module = argv[1], argv[2]
 
   def Write():
