@@ -42,11 +42,19 @@ def InferenceGraph(cfg, export_path=None, subgraphs=None):
     inference_graph_pb2.InferenceGraph, with the saver that restores a
     checkpoint into it.
   """
-  return inference_graph_exporter.InferenceGraphExporter.Export(
-      model_cfg=cfg.Copy(),
-      export_path=export_path,
-      subgraph_filter=list(subgraphs) if subgraphs else None,
-      random_seed=1234)
+  # Lingvo's exporter turns absl's --enable_asserts off for the process
+  # unless the user set it: off for the export's own build here, as it was
+  # afterwards (a later build in the caller's process keeps its asserts).
+  flag = tf.flags.FLAGS['enable_asserts']
+  saved = flag.value, flag.using_default_value, flag.present
+  try:
+    return inference_graph_exporter.InferenceGraphExporter.Export(
+        model_cfg=cfg.Copy(),
+        export_path=export_path,
+        subgraph_filter=list(subgraphs) if subgraphs else None,
+        random_seed=1234)
+  finally:
+    flag.value, flag.using_default_value, flag.present = saved
 
 
 def Freeze(proto, checkpoint):

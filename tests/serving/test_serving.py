@@ -299,7 +299,12 @@ def testInferenceGraphHoldsNoPipelineOpsAndTheTrainingNames():
   from lingvo_ext.tasks import experiment_params  # pylint: disable=g-import-not-at-top
   model = 'lm.TransformerLmTinyGPipe'
   cfg = inference.InferenceParams(model, 'task.schedule:"1f1b"')
+  asserts = tf.flags.FLAGS['enable_asserts']
+  assert asserts.value and asserts.using_default_value
   proto = saved_model.InferenceGraph(cfg)
+  # Lingvo's exporter turns the flag off; the caller's later builds keep
+  # their asserts (it left 4 of the LM's out of a later test's graph).
+  assert asserts.value and asserts.using_default_value
   assert sorted(proto.subgraphs) == ['default', 'generate']
   assert saved_model.CountOps(proto.graph_def,
                               saved_model.PIPELINE_OP_TYPES) == 0
