@@ -205,5 +205,11 @@ def testUnderTheLauncherTheInputDeletedMidRunSavesTheLastStepAndExits65(
   latest = tf.train.latest_checkpoint(os.path.join(logdir, 'train'))
   step = _CheckpointGlobalStep(latest)
   assert step == checkpoints.CheckpointStep(latest) >= 10, latest
-  assert step == _LastLoggedStep(
-      logdir, os.path.join('launch', 'trainer_client.0.log')), out[-3000:]
+  logged = _LastLoggedStep(
+      logdir, os.path.join('launch', 'trainer_client.0.log'))
+  # The client's own reader may abort it first (Lingvo's record_yielder
+  # CHECK on the deleted file, docs/faults.md): the step it had sent runs to
+  # its end on the worker, which holds the variables, with no line logged.
+  aborted = re.search(r'launch: trainer_client task 0 \(\S+\), pid \d+, is '
+                      r'gone \(signal SIGABRT\)', out)
+  assert step == logged or (aborted and step == logged + 1), out[-3000:]
