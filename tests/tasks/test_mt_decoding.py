@@ -81,23 +81,28 @@ _STEPS = 600
 
 
 @pytest.fixture(scope='module')
-def trained(tmp_path_factory):
-  """{exp, logdir, decoded: the decoder job's output}: MODEL trained
-  _STEPS steps, the served experiment's module beside it."""
-  root = tmp_path_factory.mktemp('mt_trained')
-  exp, logdir = str(root / 'exp'), str(root / 'log')
-  mt_testlib.Write(exp)
-  mt_serving_testlib.Write(exp)
-  env = mt_testlib.Env(exp)
-  trainer = [sys.executable, '-m', 'lingvo_ext.trainer',
-             f'--model={mt_testlib.MODEL}', f'--logdir={logdir}', *_FLAGS]
-  rc, out = _Run(trainer + [f'--max_steps={_STEPS}'], env)
-  assert rc == 0, out[-3000:]
-  # Batches of 6: each bucket's last batch partial (padded, not counted).
-  rc, out = _Run(trainer + ['--job=decoder_dev', '--eval_once',
-                            '--eval_one_pass', _BATCHES_OF_6], env)
-  assert rc == 0, out[-3000:]
-  return dict(exp=exp, logdir=logdir, decoded=out, env=env)
+def trained(shared_once):
+  """{exp, logdir, decoded: the decoder job's output, env}: MODEL trained
+  _STEPS steps, the served experiment's module beside it.
+
+  Built once for all test workers (conftest.py); tests only read it.
+  """
+  def Build(root):
+    exp, logdir = os.path.join(root, 'exp'), os.path.join(root, 'log')
+    mt_testlib.Write(exp)
+    mt_serving_testlib.Write(exp)
+    env = mt_testlib.Env(exp)
+    trainer = [sys.executable, '-m', 'lingvo_ext.trainer',
+               f'--model={mt_testlib.MODEL}', f'--logdir={logdir}', *_FLAGS]
+    rc, out = _Run(trainer + [f'--max_steps={_STEPS}'], env)
+    assert rc == 0, out[-3000:]
+    # Batches of 6: each bucket's last batch partial (padded, not counted).
+    rc, out = _Run(trainer + ['--job=decoder_dev', '--eval_once',
+                              '--eval_one_pass', _BATCHES_OF_6], env)
+    assert rc == 0, out[-3000:]
+    return dict(exp=exp, logdir=logdir, decoded=out, env=env)
+
+  return shared_once('mt_decoding_trained', Build)
 
 
 def _DecoderOut(logdir):
