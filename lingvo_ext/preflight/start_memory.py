@@ -294,12 +294,11 @@ def TreeWarning(model_params, num_cpu_devices: int, split: int,
   sets one pipeline's switches. None for an experiment with no pipeline (the
   controller checks its built variables).
   """
-  from lingvo_ext.planner import tree_memory  # pylint: disable=g-import-not-at-top
   from lingvo_ext.tasks import pipeline_tree  # pylint: disable=g-import-not-at-top
   if not pipeline_tree.Pipelines(model_params.task):
     return None
-  mem, nodes = tree_memory.ProfileWithNodes(model_params, num_cpu_devices,
-                                            split)
+  mem, nodes = _ProfileWithNodes(model_params, num_cpu_devices, split,
+                                 constants)
   got = _TreeEstimate(mem, num_cpu_devices, split, constants,
                       _InputBuffer(model_params), nodes)
   if got.rss_bytes <= available:
@@ -396,13 +395,22 @@ def EstimateRun(model_params, num_cpu_devices: int, split: int,
     got = Estimate(profile, PlanOfParams(profile, task, num_cpu_devices,
                                          split), constants)
     return _WithInput(got, model_params)
-  from lingvo_ext.planner import tree_memory  # pylint: disable=g-import-not-at-top
   if not pipeline_tree.Pipelines(task):
     return None
-  mem, nodes = tree_memory.ProfileWithNodes(model_params, num_cpu_devices,
-                                            split)
+  mem, nodes = _ProfileWithNodes(model_params, num_cpu_devices, split,
+                                 constants)
   return _TreeEstimate(mem, num_cpu_devices, split, constants,
                        _InputBuffer(model_params), nodes)
+
+
+def _ProfileWithNodes(model_params, num_cpu_devices: int, split: int,
+                      constants):
+  """tree_memory.ProfileWithNodes; no training graph built to count its
+  nodes where a node weighs nothing (constants.bytes_per_op 0)."""
+  from lingvo_ext.planner import tree_memory  # pylint: disable=g-import-not-at-top
+  if not constants.bytes_per_op:
+    return tree_memory.ProfileTaskMemory(model_params), None
+  return tree_memory.ProfileWithNodes(model_params, num_cpu_devices, split)
 
 
 def _InputBuffer(model_params) -> float:
