@@ -232,10 +232,28 @@ def _Key(nodeid):
   return path.rsplit('/', 1)[-1] + sep + rest
 
 
+# The seconds of a whole run kept in the repository (scripts/
+# save_test_seconds.py writes it from the cache): a fresh clone, CI's, has no
+# cache, and with only the e2e marker to go by its long in-process tests came
+# last and ran alone at the end.
+_SAVED_SECONDS = os.path.join(os.path.dirname(__file__), 'test_seconds.json')
+
+
+def _SavedSeconds():
+  try:
+    with open(_SAVED_SECONDS) as f:
+      return json.load(f)
+  except (OSError, ValueError):
+    return {}
+
+
 def _SecondsBefore(config):
+  """{test key: seconds}: the cache's, else the repository's saved run's."""
   cache = getattr(config, 'cache', None)  # None with -p no:cacheprovider.
   before = cache.get(_TEST_SECONDS, {}) if cache else {}
-  return {_Key(k): v for k, v in before.items()}  # Older caches: node ids.
+  seconds = _SavedSeconds()
+  seconds.update((_Key(k), v) for k, v in before.items())  # Older: node ids.
+  return seconds
 
 
 def pytest_collection_modifyitems(config, items):

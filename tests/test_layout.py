@@ -91,6 +91,23 @@ def testEveryTestPathNamedExists():
   assert StalePaths(ROOT) == [], 'a test moved: update where it is named'
 
 
+def testAFreshCloneSortsItsTestsByTheSavedRunsSeconds():
+  # No cache (a fresh clone): conftest's order is the saved run's
+  # (scripts/save_test_seconds.py), each key a test file's basename.
+  from tests import conftest  # pylint: disable=g-import-not-at-top
+
+  class NoCache:
+    cache = None
+
+  saved = conftest._SavedSeconds()  # pylint: disable=protected-access
+  assert len(saved) > 1000 and max(saved.values()) > 10
+  assert conftest._SecondsBefore(NoCache()) == saved  # pylint: disable=protected-access
+  files = {os.path.basename(p) for p in glob.glob(
+      os.path.join(ROOT, 'tests', '**', 'test_*.py'), recursive=True)}
+  gone = sorted({k.split('::')[0] for k in saved} - files)
+  assert not gone, f'{gone}: run scripts/save_test_seconds.py after a run'
+
+
 def _Tree(root, files):
   for name, text in files.items():
     path = os.path.join(root, name)
