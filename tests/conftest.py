@@ -234,8 +234,7 @@ def _Key(nodeid):
 
 # The seconds of a whole run kept in the repository (scripts/
 # save_test_seconds.py writes it from the cache): a fresh clone, CI's, has no
-# cache, and with only the e2e marker to go by its long in-process tests came
-# last and ran alone at the end.
+# cache, and by the e2e marker alone its long tests not marked e2e sort last.
 _SAVED_SECONDS = os.path.join(os.path.dirname(__file__), 'test_seconds.json')
 
 
